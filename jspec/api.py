@@ -1,0 +1,117 @@
+"""`jspec.decode` and the strategy dataclasses."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import loop
+from jspec import sampling as S
+from jspec.prompts import normalize_prompt, round_up
+
+
+@dataclasses.dataclass(frozen=True)
+class AR:
+    """Plain autoregressive decoding with the target alone (the baseline every strategy must reproduce)."""
+
+    def tokens_per_step(self) -> int:
+        return 1
+
+    def check(self, target) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class DecodeOutput:
+    tokens: np.ndarray  # [B, max_new_tokens] int32, padded after each row's end
+    lengths: np.ndarray  # [B] generated tokens per row (EOS included)
+    stats: dict[str, Any]
+
+
+def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
+    if eos_token_id is None:
+        return tuple(getattr(target.config, "eos_token_ids", ()) or ())
+    if isinstance(eos_token_id, (int, np.integer)):
+        return (int(eos_token_id),)
+    return tuple(int(e) for e in eos_token_id)
+
+
+def _pad_id(target, eos: tuple[int, ...]) -> int:
+    pad = getattr(target.config, "pad_token_id", None)
+    if pad is not None:
+        return int(pad)
+    return eos[0] if eos else 0
+
+
+@functools.partial(jax.jit, static_argnames=("ctx", "max_len"))
+def _prefill_ar(ctx, max_len, target, tokens, lengths, key, sp):
+    cache = loop.new_cache_for(target, tokens.shape[0], max_len)
+    logits, _, cache = loop.prefill(target, tokens, lengths, cache)
+    k_first, k_loop = jax.random.split(key)
+    first = S.sample(k_first, logits, ctx.sampling, sp)
+    return loop.start_state(ctx, first, cache, k_loop, sp)
+
+
+@functools.partial(jax.jit, static_argnames=("ctx",), donate_argnames=("state",))
+def _decode_ar(ctx, target, state):
+    return loop.run_loop(ctx, lambda s: loop.ar_step(ctx, target, s), state)
+
+
+def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
+           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None) -> DecodeOutput:
+    """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
+
+    Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
+    `max_cache_len` caps the KV cache; a prompt that does not fit with the new tokens raises ValueError.
+    """
+    strategy = AR() if strategy is None else strategy
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    strategy.check(target)
+    tokens, lengths, extra = normalize_prompt(prompt, target.config.vocab_size)
+    if extra:
+        raise ValueError(f"model_type {target.config.model_type!r} takes text only; got inputs {sorted(extra)}")
+    sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
+    eos = _eos_ids(target, eos_token_id)
+    per_step = strategy.tokens_per_step()
+    need = int(lengths.max()) + max_new_tokens + per_step
+    if max_cache_len is not None and need > max_cache_len:
+        raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens={max_new_tokens} + {per_step} "
+                         f"scratch slots needs a cache of {need}, longer than max_cache_len={max_cache_len}")
+    max_len = max(round_up(tokens.shape[1] + max_new_tokens + per_step, 64), need)
+    ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
+                           out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg)
+    key = jax.random.key(0) if key is None else key
+    t0 = time.perf_counter()
+    state = _prefill_ar(ctx, max_len, target, jnp.asarray(tokens), jnp.asarray(lengths), key, sp)
+    jax.block_until_ready(state.out)
+    t1 = time.perf_counter()
+    state = _decode_ar(ctx, target, state)
+    out, n_out, steps, accepted, drafted = jax.device_get(
+        (state.out, state.n_out, state.step, state.accepted, state.drafted))
+    t2 = time.perf_counter()
+    return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, _pad_id(target, eos),
+                   {"prefill_s": t1 - t0, "decode_s": t2 - t1})
+
+
+def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings) -> DecodeOutput:
+    B = out.shape[0]
+    tokens = np.full((B, max_new), pad, np.int32)
+    for b in range(B):
+        tokens[b, :n_out[b]] = out[b, :n_out[b]]
+    accepted = np.asarray(accepted[:, :steps], np.int32)
+    row_steps = (accepted > 0).sum(axis=1)
+    acc_sum = accepted.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_acc = np.where(row_steps > 0, acc_sum / np.maximum(row_steps, 1), np.nan)
+        drafted_accepted = np.maximum(acc_sum - row_steps, 0)
+        acc_rate = np.where(drafted > 0, drafted_accepted / np.maximum(drafted, 1), np.nan)
+    stats = {"steps": row_steps, "accepted": accepted, "mean_accepted": mean_acc,
+             "mean_accepted_no_bonus": mean_acc - 1.0, "drafted": np.asarray(drafted),
+             "acceptance_rate": acc_rate, **timings}
+    return DecodeOutput(tokens=tokens, lengths=np.asarray(n_out, np.int32), stats=stats)

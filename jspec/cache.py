@@ -1,0 +1,92 @@
+"""KV cache: a preallocated pytree with a per-row committed length.
+
+Layout per layer: keys and values `[B, kv_heads, S_max, head_dim]`. `length[b]` counts the committed tokens of
+row b; slots at and after it hold scratch (drafted, unverified or padding) entries that attention never sees
+unless the current forward wrote them. Writes are functional (`dynamic_update_slice` per row); rolling back is
+moving `length`; committing a tree path is one gather (`commit_path`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    k: list  # per layer [B, KVH, S, Dh]
+    v: list
+    length: jax.Array  # [B] int32
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+
+def init_cache(num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype) -> KVCache:
+    shape = (batch, kv_heads, max_len, head_dim)
+    return KVCache(
+        k=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
+        v=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
+        length=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def _write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """buf [B, H, S, D] <- new [B, H, T, D] at slot start[b] of each row."""
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (0, s, 0)))(buf, new.astype(buf.dtype), start)
+
+
+def write_layer(k_buf, v_buf, k_new, v_new, start):
+    """Write one layer's new keys/values [B, KVH, T, Dh] at slots start[b] .. start[b]+T-1."""
+    return _write_rows(k_buf, k_new, start), _write_rows(v_buf, v_new, start)
+
+
+def commit(cache: KVCache, n: jax.Array) -> KVCache:
+    """Advance each row's committed length by n[b] (the entries were written in place by the last forward)."""
+    return cache.replace(length=cache.length + n.astype(jnp.int32))
+
+
+def rollback(cache: KVCache, length: jax.Array) -> KVCache:
+    return cache.replace(length=length.astype(jnp.int32))
+
+
+def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
+    """Move scratch entries into the committed prefix and advance it.
+
+    src [B, P] holds, per row, the scratch offsets (relative to `length`) of the entries to keep, in order;
+    entry src[b, i] moves to slot length[b] + i for i < n[b] (later ones are copied too but stay uncommitted).
+    One gather and one write per layer; no per-node loop.
+    """
+    start = cache.length
+
+    def move(buf):
+        idx = (start[:, None] + src).astype(jnp.int32)  # [B, P]
+        picked = jnp.take_along_axis(buf, idx[:, None, :, None], axis=2)  # [B, H, P, D]
+        return _write_rows(buf, picked, start)
+
+    return KVCache(k=[move(b) for b in cache.k], v=[move(b) for b in cache.v], length=start + n.astype(jnp.int32))
+
+
+def visibility(length: jax.Array, max_len: int, num_new: int, new_mask: jax.Array | None = None) -> jax.Array:
+    """Which cache slots each new token attends to: bool [B, T, S].
+
+    Slot j is visible to new token t of row b if it is committed (j < length[b]), or if it holds new token t'
+    (j == length[b] + t') and new_mask[b, t, t'] (default: causal, t' <= t).
+    """
+    j = jnp.arange(max_len)[None, None, :]
+    rel = j - length[:, None, None]  # [B, 1, S]
+    t = jnp.arange(num_new)[None, :, None]
+    committed = rel < 0
+    in_new = (rel >= 0) & (rel < num_new)
+    if new_mask is None:
+        new_vis = rel <= t
+    else:
+        relc = jnp.clip(rel, 0, num_new - 1)
+        relc = jnp.broadcast_to(relc, (length.shape[0], num_new, max_len))
+        new_vis = jnp.take_along_axis(new_mask.astype(bool), relc, axis=2)
+    return committed | (in_new & new_vis)

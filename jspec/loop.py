@@ -1,0 +1,125 @@
+"""The decode engine: prefill, one jitted step per strategy, and the on-device `lax.while_loop` around it.
+
+State is a `DecodeState` pytree. Every strategy's step takes `(ctx, models, state) -> state` and commits its
+tokens through `commit_tokens`, which handles EOS, the `max_new_tokens` budget and finished rows for every method
+alike. The host sees the state once, after the loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jspec import cache as kvc
+from jspec import sampling as S
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """Static facts of one decode call (part of the compilation key)."""
+
+    max_new: int
+    max_steps: int
+    out_len: int  # output buffer length: max_new + the most tokens one step can commit
+    eos: tuple[int, ...]
+    sampling: S.SamplingConfig
+
+
+@struct.dataclass
+class DecodeState:
+    out: jax.Array  # [B, out_len] int32 generated tokens (valid up to n_out)
+    n_out: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool
+    last: jax.Array  # [B] int32: newest committed token, not yet written to the target cache
+    cache: kvc.KVCache  # target cache; length = committed tokens before `last`
+    key: jax.Array
+    step: jax.Array  # int32 scalar: decode steps taken (prefill excluded)
+    accepted: jax.Array  # [B, max_steps] int32: tokens committed at each decode step (bonus included)
+    drafted: jax.Array  # [B] int32: draft tokens proposed to the target, summed over steps
+    sp: S.SamplingParams
+    aux: Any = None  # strategy state: draft caches, controller state, ...
+
+
+def new_cache_for(model, batch: int, max_len: int) -> kvc.KVCache:
+    layers, kvh, hd = model.family.kv_layout(model.config)
+    return kvc.init_cache(layers, batch, kvh, max_len, hd, model.dtype)
+
+
+def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, **fwd_kwargs):
+    """Run right-padded prompts [B, T] (row b valid up to lengths[b]) into an empty cache.
+
+    Returns (logits at each row's last prompt token [B, V], forward output, cache with length = lengths).
+    Right padding needs no pad mask: under the causal mask no real token sees a later pad.
+    """
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    fo = model.forward(tokens, positions, cache, logits_at=(lengths - 1)[:, None], **fwd_kwargs)
+    return fo.logits[:, 0], fo, kvc.rollback(fo.cache, lengths)
+
+
+def commit_tokens(ctx: StepContext, state: DecodeState, toks: jax.Array, n: jax.Array) -> tuple[DecodeState, jax.Array]:
+    """Append toks[b, :n[b]] to each unfinished row, cut at the first EOS and at max_new tokens.
+
+    Returns the new state and n_eff [B], the tokens each row actually committed (0 for finished rows).
+    """
+    B, K = toks.shape
+    idx = jnp.arange(K)[None, :]
+    valid = idx < n[:, None]
+    if ctx.eos:
+        is_eos = jnp.isin(toks, jnp.asarray(ctx.eos, jnp.int32)) & valid
+        has_eos = jnp.any(is_eos, axis=1)
+        n_eff = jnp.where(has_eos, jnp.argmax(is_eos, axis=1) + 1, n)
+    else:
+        has_eos = jnp.zeros((B,), bool)
+        n_eff = n
+    room = ctx.max_new - state.n_out
+    hit_eos = has_eos & (n_eff <= room)
+    n_eff = jnp.where(state.done, 0, jnp.minimum(n_eff, room)).astype(jnp.int32)
+    out = jax.vmap(lambda o, t, s: jax.lax.dynamic_update_slice(o, t, (s,)))(state.out, toks.astype(jnp.int32),
+                                                                            state.n_out)
+    n_out = state.n_out + n_eff
+    done = state.done | hit_eos | (n_out >= ctx.max_new)
+    return state.replace(out=out, n_out=n_out, done=done), n_eff
+
+
+def record_step(state: DecodeState, n_eff: jax.Array, drafted: jax.Array) -> DecodeState:
+    acc = state.accepted.at[:, state.step].set(n_eff)
+    return state.replace(accepted=acc, drafted=state.drafted + drafted, step=state.step + 1)
+
+
+def start_state(ctx: StepContext, first: jax.Array, cache: kvc.KVCache, key: jax.Array, sp: S.SamplingParams,
+                aux=None) -> DecodeState:
+    """State after prefill: `first` [B] is the token sampled from the prompt."""
+    B = first.shape[0]
+    state = DecodeState(
+        out=jnp.zeros((B, ctx.out_len), jnp.int32), n_out=jnp.zeros((B,), jnp.int32),
+        done=jnp.zeros((B,), bool), last=first.astype(jnp.int32), cache=cache, key=key,
+        step=jnp.int32(0), accepted=jnp.zeros((B, max(ctx.max_steps, 1)), jnp.int32),
+        drafted=jnp.zeros((B,), jnp.int32), sp=sp, aux=aux)
+    state, _ = commit_tokens(ctx, state, first[:, None].astype(jnp.int32), jnp.ones((B,), jnp.int32))
+    return state
+
+
+def step_key(state: DecodeState) -> jax.Array:
+    return jax.random.fold_in(state.key, state.step)
+
+
+def run_loop(ctx: StepContext, step_fn: Callable[[DecodeState], DecodeState], state: DecodeState) -> DecodeState:
+    """Iterate `step_fn` on device until every row is done or the step budget is spent."""
+    cond = lambda s: (s.step < ctx.max_steps) & ~jnp.all(s.done)
+    return jax.lax.while_loop(cond, step_fn, state)
+
+
+def ar_step(ctx: StepContext, target, state: DecodeState) -> DecodeState:
+    """Autoregressive: feed `last`, sample one token, commit it."""
+    positions = state.cache.length[:, None]
+    fo = target.forward(state.last[:, None], positions, state.cache)
+    tok = S.sample(step_key(state), fo.logits[:, 0], ctx.sampling, state.sp)
+    active = ~state.done
+    cache = kvc.commit(fo.cache, active.astype(jnp.int32))
+    state = state.replace(cache=cache, last=jnp.where(active, tok, state.last))
+    state, n_eff = commit_tokens(ctx, state, tok[:, None], jnp.ones_like(tok))
+    return record_step(state, n_eff, jnp.zeros_like(n_eff))

@@ -1,0 +1,67 @@
+"""Turning user prompts into right-padded token arrays with per-row lengths, with clear errors."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+MODALITY_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def normalize_prompt(prompt: Any, vocab_size: int, pad_to: int = 16) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Return (tokens [B, T_pad] int32 right-padded with 0, lengths [B] int32, modality inputs).
+
+    Accepts an int array [T] or [B, T]; a list of token lists (ragged rows); or a mapping with `input_ids` and an
+    optional `attention_mask` (left or right padding, as HF tokenizers/processors return), plus modality arrays.
+    T_pad is rounded up to a multiple of `pad_to` so nearby prompt lengths share one compilation.
+    """
+    extra = {}
+    if isinstance(prompt, Mapping):
+        if "input_ids" not in prompt:
+            raise ValueError(f"prompt mapping has no 'input_ids' (keys: {sorted(prompt)})")
+        ids = np.asarray(prompt["input_ids"])
+        if ids.ndim == 1:
+            ids = ids[None]
+        mask = prompt.get("attention_mask")
+        mask = np.ones_like(ids) if mask is None else np.asarray(mask).reshape(ids.shape)
+        rows = []
+        for b in range(ids.shape[0]):
+            where = np.flatnonzero(mask[b])
+            if where.size and where[-1] - where[0] + 1 != where.size:
+                raise ValueError(f"attention_mask row {b} has holes; only left or right padding is supported")
+            rows.append(ids[b, where])
+        extra = {k: np.asarray(v) for k, v in prompt.items() if k not in ("input_ids", "attention_mask")}
+        unknown = [k for k in extra if k not in MODALITY_KEYS]
+        if unknown:
+            raise ValueError(f"prompt mapping has unsupported keys {unknown}")
+    elif isinstance(prompt, (list, tuple)) and prompt and not np.isscalar(prompt[0]):
+        rows = [np.asarray(r) for r in prompt]
+    else:
+        arr = np.asarray(prompt)
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2:
+            raise ValueError(f"prompt must be [T] or [B, T] token ids, got shape {arr.shape}")
+        rows = list(arr)
+    if not rows:
+        raise ValueError("prompt is empty (no rows)")
+    for b, r in enumerate(rows):
+        if r.ndim != 1:
+            raise ValueError(f"prompt row {b} must be 1-D token ids, got shape {r.shape}")
+        if r.size == 0:
+            raise ValueError(f"prompt row {b} is empty")
+        if not np.issubdtype(r.dtype, np.integer):
+            raise ValueError(f"prompt row {b} must hold integer token ids, got dtype {r.dtype}")
+        if r.min() < 0 or r.max() >= vocab_size:
+            raise ValueError(f"prompt row {b} has token ids outside the model vocabulary [0, {vocab_size}): "
+                             f"min {r.min()}, max {r.max()}")
+    lengths = np.array([r.size for r in rows], np.int32)
+    T = round_up(int(lengths.max()), pad_to)
+    tokens = np.zeros((len(rows), T), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, :r.size] = r
+    return tokens, lengths, extra

@@ -1,0 +1,85 @@
+"""Building blocks shared by every port: RMSNorm, rotary embeddings, masked attention over a KV cache, SwiGLU."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import cache as kvc
+from ports.config import TextConfig, rope_inv_freq
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_tables(cfg: TextConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, rot_dim] in HF's half-rotation layout for integer positions [B, T]."""
+    inv, scale = rope_inv_freq(cfg)
+    inv = jnp.asarray(inv)
+    r = cfg.rope
+    if r.rope_type == "dynamic":
+        # HF grows the NTK base with the longest sequence seen (max position + 1 over the batch).
+        dim = inv.shape[0] * 2
+        orig = cfg.max_position_embeddings
+        seq_len = jnp.maximum(jnp.max(positions) + 1, orig).astype(jnp.float32)
+        base = r.theta * ((r.factor * seq_len / orig) - (r.factor - 1)) ** (dim / (dim - 2))
+        exps = jnp.asarray(np.arange(0, dim, 2, dtype=np.float32) / dim)
+        inv = 1.0 / (base ** exps)
+    freqs = positions.astype(jnp.float32)[..., None] * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, H, Dh]; rotates the first rot_dim features (partial rotary leaves the rest)."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    out = xr * c + rotated * s
+    return jnp.concatenate([out, xp], axis=-1) if xp.shape[-1] else out
+
+
+def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Array) -> jax.Array:
+    """Grouped-query attention of new queries over the whole cache.
+
+    q [B, T, H, Dh]; k_buf, v_buf [B, KVH, S, Dh]; visible bool [B, T, S]. Returns [B, T, H, Dh].
+    Scores and softmax run in float32 whatever the parameter dtype.
+    """
+    B, T, H, Dh = q.shape
+    kvh = k_buf.shape[1]
+    qg = q.reshape(B, T, kvh, H // kvh, Dh)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_buf, preferred_element_type=jnp.float32)
+    scores = scores * (Dh ** -0.5)
+    scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v_buf, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, Dh).astype(q.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    y = x @ w
+    return y + b if b is not None else y
+
+
+def swiglu(x: jax.Array, p: dict) -> jax.Array:
+    g = linear(x, p["w_gate"], p.get("b_gate"))
+    u = linear(x, p["w_up"], p.get("b_up"))
+    return linear(jax.nn.silu(g) * u, p["w_down"], p.get("b_down"))
+
+
+def self_attention_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf, v_buf, start, visible):
+    """One attention block: project, rotate, write the new K/V at slots start[b].., attend. Returns (out, k, v)."""
+    B, T, _ = x.shape
+    q = linear(x, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = linear(x, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, p["wv"], p.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_buf, v_buf = kvc.write_layer(k_buf, v_buf, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)
+    o = attention(q, k_buf, v_buf, visible)
+    return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf

@@ -1,0 +1,145 @@
+"""LLaMA-family decoder port (LLaMA 1/2/3, Vicuna, CodeLLaMA, Qwen2): params, forward, HF key map.
+
+Params are a plain pytree:
+    {"embed": [V, D], "layers": [per-layer dict, ...], "final_norm": [D], "lm_head": [D, V] (absent if tied)}
+with per-layer keys attn_norm, wq, wk, wv, wo (+ bq, bk, bv, bo), mlp_norm, w_gate, w_up, w_down (+ b_*).
+Matrices are stored [in, out]. Layers are a Python list (unrolled in the jitted forward): on CPU a scanned,
+stacked layout copies each layer's weights per step and runs ~2.5x slower at batch 1.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import cache as kvc
+from ports import layers as L
+from ports.config import TextConfig
+
+
+class ForwardOut(NamedTuple):
+    logits: jax.Array | None  # [B, T or K, V] float32
+    hidden: tuple  # requested hidden states, each [B, T, D]
+    cache: kvc.KVCache
+
+
+def param_shapes(cfg: TextConfig) -> dict:
+    """Shapes of every parameter (the same structure `init_params` and the converters produce)."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
+             "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    if cfg.qkv_bias:
+        layer.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.o_bias:
+        layer.update(bo=(d,))
+    if cfg.mlp_bias:
+        layer.update(b_gate=(f,), b_up=(f,), b_down=(d,))
+    shapes = {"embed": (v, d), "layers": [dict(layer) for _ in range(cfg.num_layers)], "final_norm": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, v)
+    return shapes
+
+
+def init_params(cfg: TextConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
+    """Random params (normal(0, std) matrices, unit norms, zero-mean small biases)."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, shape, path in zip(keys, leaves, paths):
+        if path.endswith("norm']"):
+            out.append(jnp.ones(shape, dtype))
+        else:
+            out.append((jax.random.normal(k, shape, jnp.float32) * std).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def embed(params: dict, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def unembed(cfg: TextConfig, params: dict, h: jax.Array) -> jax.Array:
+    """Final norm + LM head (tied or not), logits in float32."""
+    h = L.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+
+
+def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,
+            new_mask: jax.Array | None = None, *, embeds: jax.Array | None = None,
+            hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
+            compute_logits: bool = True) -> ForwardOut:
+    """Run T new tokens per row against the cache.
+
+    tokens [B, T] (or embeds [B, T, D]); positions [B, T] RoPE positions; the new K/V are written at slots
+    cache.length[b] .. +T-1 (length itself is not advanced: the caller commits). new_mask [B, T, T] says which new
+    tokens see which (default causal; a tree passes its ancestor mask). hidden_layers: indices i in [0, num_layers],
+    the residual stream after the first i layers (0 = embeddings). logits_at [B, K]: compute logits only at these
+    new-token indices (default all T).
+    """
+    x = embed(params, tokens) if embeds is None else embeds
+    B, T, _ = x.shape
+    S = cache.max_len
+    visible = kvc.visibility(cache.length, S, T, new_mask)
+    cos, sin = L.rope_tables(cfg, positions)
+    want = set(hidden_layers)
+    hidden = {0: x} if 0 in want else {}
+    ks, vs = [], []
+    for i, p in enumerate(params["layers"]):
+        h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        a, kb, vb = L.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], cache.length, visible)
+        x = x + a
+        x = x + L.swiglu(L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
+        ks.append(kb)
+        vs.append(vb)
+        if i + 1 in want:
+            hidden[i + 1] = x
+    new_cache = kvc.KVCache(k=ks, v=vs, length=cache.length)
+    logits = None
+    if compute_logits:
+        xs = x if logits_at is None else jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
+        logits = unembed(cfg, params, xs)
+    return ForwardOut(logits, tuple(hidden[i] for i in hidden_layers), new_cache)
+
+
+def hf_key_map(cfg: TextConfig, prefix: str = "model.", head_key: str = "lm_head.weight"):
+    """(hf_name, param path, transform) triples; transform "T" means the HF tensor is [out, in]."""
+    rows = [(f"{prefix}embed_tokens.weight", ("embed",), None), (f"{prefix}norm.weight", ("final_norm",), None)]
+    if not cfg.tie_word_embeddings:
+        rows.append((head_key, ("lm_head",), "T"))
+    names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+             "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+    for i in range(cfg.num_layers):
+        lp = f"{prefix}layers.{i}."
+        rows.append((lp + "input_layernorm.weight", ("layers", i, "attn_norm"), None))
+        rows.append((lp + "post_attention_layernorm.weight", ("layers", i, "mlp_norm"), None))
+        for ours, theirs in names.items():
+            rows.append((lp + theirs + ".weight", ("layers", i, ours), "T"))
+        bias = []
+        if cfg.qkv_bias:
+            bias += [("bq", "wq"), ("bk", "wk"), ("bv", "wv")]
+        if cfg.o_bias:
+            bias += [("bo", "wo")]
+        if cfg.mlp_bias:
+            bias += [("b_gate", "w_gate"), ("b_up", "w_up"), ("b_down", "w_down")]
+        for b, w in bias:
+            rows.append((lp + names[w] + ".bias", ("layers", i, b), None))
+    return rows
+
+
+# Tensors that HF checkpoints may carry but the model does not use (named, never silently dropped).
+IGNORED_HF_KEYS = ("rotary_emb.inv_freq",)
+
+
+def kv_layout(cfg: TextConfig) -> tuple[int, int, int]:
+    """(num_layers, kv_heads, head_dim) of the KV cache this model needs."""
+    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+
+
+def count_params(params) -> int:
+    return int(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))

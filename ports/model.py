@@ -1,0 +1,263 @@
+"""`Model(config, params)`, the family registry, and HF / orbax checkpoint I/O.
+
+`load_hf` streams safetensors tensor by tensor into a params pytree and checks that every checkpoint tensor was
+consumed and every parameter filled with the right shape. `save_hf` writes the reverse (HF layout). `save` / `load`
+use orbax (params) + config.json, and `load` can restore straight onto shardings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ports import config as C
+from ports import llama
+from ports.safetensors_io import checkpoint_files, iter_tensors, write_safetensors
+
+
+class Family(NamedTuple):
+    """What jspec needs to know about one HF `model_type`."""
+
+    config_from_hf: Callable[[dict], Any]
+    config_to_hf: Callable[[Any], dict]
+    param_shapes: Callable[[Any], Any]
+    init_params: Callable
+    forward: Callable
+    hf_key_map: Callable[[Any], list]
+    ignored_keys: tuple[str, ...]  # regexes of checkpoint tensors the model does not use
+    kv_layout: Callable[[Any], tuple[int, int, int]]
+    embed: Callable
+    unembed: Callable
+
+
+_TEXT = Family(C.text_config_from_hf, C.text_config_to_hf, llama.param_shapes, llama.init_params, llama.forward,
+               llama.hf_key_map, llama.IGNORED_HF_KEYS, llama.kv_layout,
+               lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed)
+FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT}
+
+
+def family(model_type: str) -> Family:
+    if model_type not in FAMILIES:
+        raise ValueError(f"unknown architecture: model_type {model_type!r}; jspec supports {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model: static `config` (hashable), `params` (a pytree of arrays), and the HF config dict it came from."""
+
+    config: Any
+    params: Any
+    hf_config: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def tree_flatten(self):
+        return (self.params,), (self.config, json.dumps(self.hf_config, sort_keys=True))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(aux[0], children[0], json.loads(aux[1]))
+
+    @property
+    def family(self) -> Family:
+        return family(self.config.model_type)
+
+    @property
+    def dtype(self):
+        return jax.tree.leaves(self.params)[0].dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def forward(self, *args, **kwargs):
+        """Family forward: see `ports.llama.forward` for the contract."""
+        return self.family.forward(self.config, self.params, *args, **kwargs)
+
+
+def random_model(config, key: jax.Array | int = 0, dtype=jnp.float32, std: float = 0.02) -> Model:
+    """A model with random params (tests, demos, benchmarks)."""
+    if isinstance(key, int):
+        key = jax.random.key(key)
+    fam = family(config.model_type)
+    return Model(config, fam.init_params(config, key, dtype, std), fam.config_to_hf(config))
+
+
+def _resolve_dtype(dtype):
+    if dtype is None:
+        return jnp.float32
+    return jnp.dtype(dtype)
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_hf_config(directory: str) -> dict:
+    """config.json merged with generation_config.json's token ids (the EOS transformers' generate uses)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{directory}: no config.json (is this an HF checkpoint directory?)")
+    cfg = _read_json(path)
+    gen_path = os.path.join(directory, "generation_config.json")
+    if os.path.exists(gen_path):
+        gen = _read_json(gen_path)
+        for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            if gen.get(k) is not None:
+                cfg[k] = gen[k]
+    return cfg
+
+
+def _set_path(tree, path, value):
+    node = tree
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+
+
+def _get_path(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _empty_like_shapes(shapes):
+    if isinstance(shapes, dict):
+        return {k: _empty_like_shapes(v) for k, v in shapes.items()}
+    if isinstance(shapes, list):
+        return [_empty_like_shapes(v) for v in shapes]
+    return None
+
+
+def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarray], jax.Array] | None = None) -> Model:
+    """Load an HF checkpoint directory (config.json + safetensors, single or sharded) as a `Model`.
+
+    Streams tensor by tensor: each tensor is read from a memory map, transformed to our layout, cast and moved to
+    the device before the next one is read. `device_put(path, array)` can place each param (e.g. onto a sharding).
+    Raises ValueError listing missing / unexpected / mis-shaped tensors.
+    """
+    hf = read_hf_config(directory)
+    fam = family(hf.get("model_type"))
+    cfg = fam.config_from_hf(hf)
+    dt = _resolve_dtype(dtype)
+    shapes = fam.param_shapes(cfg)
+    kmap = {name: (path, tr) for name, path, tr in fam.hf_key_map(cfg)}
+    ignored = [re.compile(p) for p in fam.ignored_keys]
+    if getattr(cfg, "tie_word_embeddings", False):
+        ignored.append(re.compile(r"^lm_head\.weight$"))
+    params = _empty_like_shapes(shapes)
+    put = device_put or (lambda path, arr: jnp.asarray(arr))
+    unexpected, bad_shape, seen, bad_names = [], [], set(), set()
+    for name, f in iter_tensors(checkpoint_files(directory)):
+        if name not in kmap:
+            if not any(p.search(name) for p in ignored):
+                unexpected.append(name)
+            continue
+        path, tr = kmap[name]
+        want = tuple(_get_path(shapes, path))
+        got = f.shape(name)
+        got_ours = got[::-1] if tr == "T" else got
+        if tuple(got_ours) != want:
+            bad_shape.append(f"{name}: checkpoint {tuple(got)}, expected {want[::-1] if tr == 'T' else want}")
+            bad_names.add(name)
+            continue
+        arr = f.get(name)
+        if tr == "T":
+            arr = arr.T
+        _set_path(params, path, put(path, arr.astype(dt)))
+        seen.add(name)
+    missing = [n for n in kmap if n not in seen and n not in bad_names]
+    if missing or unexpected or bad_shape:
+        lines = [f"checkpoint {directory} does not match {hf.get('model_type')} params:"]
+        if missing:
+            lines.append(f"  missing keys ({len(missing)}): {missing[:20]}{' ...' if len(missing) > 20 else ''}")
+        if unexpected:
+            lines.append(f"  unexpected keys ({len(unexpected)}): {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
+        if bad_shape:
+            lines.append(f"  wrong shapes ({len(bad_shape)}): {bad_shape[:20]}")
+        raise ValueError("\n".join(lines))
+    return Model(cfg, params, hf)
+
+
+def save_hf(model: Model, directory: str, dtype=None) -> None:
+    """Write `model` as an HF checkpoint (config.json + model.safetensors) that transformers loads."""
+    os.makedirs(directory, exist_ok=True)
+    fam = model.family
+    rows = fam.hf_key_map(model.config)
+    out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
+    shapes, src = {}, {}
+    for name, path, tr in rows:
+        shape = tuple(_get_path(model.params, path).shape)
+        shapes[name] = (shape[::-1] if tr == "T" else shape, out_dtype)
+        src[name] = (path, tr)
+
+    def fetch(name):
+        path, tr = src[name]
+        arr = np.asarray(jax.device_get(_get_path(model.params, path)))
+        return arr.T if tr == "T" else arr
+
+    write_safetensors(os.path.join(directory, "model.safetensors"), shapes, fetch)
+    hf = dict(model.hf_config) or fam.config_to_hf(model.config)
+    hf["torch_dtype"] = hf["dtype"] = str(out_dtype) if out_dtype != np.dtype("bfloat16") else "bfloat16"
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+
+
+def save(model: Model, directory: str) -> None:
+    """Orbax checkpoint of the params + config.json (what `jspec convert` writes)."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(model.hf_config or model.family.config_to_hf(model.config), f, indent=2)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.join(directory, "params"), model.params, force=True)
+    ckpt.wait_until_finished()
+
+
+def load(directory: str, dtype=None, shardings=None) -> Model:
+    """Restore a `save`d / `jspec convert`ed model; `shardings` (a pytree like params) restores onto devices."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    hf = read_hf_config(directory)
+    fam = family(hf.get("model_type"))
+    cfg = fam.config_from_hf(hf)
+    shapes = fam.param_shapes(cfg)
+    dt = _resolve_dtype(dtype)
+    is_shape = lambda x: isinstance(x, tuple)
+    if shardings is None:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dt, sharding=dev), shapes, is_leaf=is_shape)
+    else:
+        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dt, sharding=sh), shapes, shardings,
+                                is_leaf=is_shape)
+    params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract)
+    return Model(cfg, params, hf)
+
+
+def logits(model: Model, prompt) -> np.ndarray:
+    """Full-sequence forward without a persistent cache: float32 logits [B, T, V] (B=1 for a 1-D prompt)."""
+    tokens = np.asarray(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    return np.asarray(_logits_jit(model, jnp.asarray(tokens, jnp.int32)))
+
+
+@jax.jit
+def _logits_jit(model: Model, tokens: jax.Array) -> jax.Array:
+    from jspec import cache as kvc
+
+    B, T = tokens.shape
+    layers, kvh, hd = model.family.kv_layout(model.config)
+    cache = kvc.init_cache(layers, B, kvh, T, hd, model.dtype)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return model.forward(tokens, positions, cache).logits

@@ -1,0 +1,103 @@
+"""Streaming safetensors reader/writer over numpy memmaps (handles bfloat16 via ml_dtypes).
+
+The reader maps a file and returns one tensor at a time, so a checkpoint is never held twice in host memory.
+The writer lays out the header first and then streams tensors one by one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Callable, Iterator
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+class SafetensorsFile:
+    """Lazy view of one .safetensors file: `keys()`, `shape(k)`, `get(k)` (a fresh numpy array)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.header = header
+        self._base = 8 + n
+        self._mm = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) > self._base else None
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.header[key]["shape"])
+
+    def get(self, key: str) -> np.ndarray:
+        info = self.header[key]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{self.path}: tensor {key!r} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        dt = np.dtype(_DTYPES[info["dtype"]])
+        if end == start:
+            return np.zeros(info["shape"], dt)
+        raw = self._mm[self._base + start:self._base + end]
+        return np.array(raw.view(dt).reshape(info["shape"]))
+
+
+def write_safetensors(path: str, shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
+                      fetch: Callable[[str], np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write tensors named in `shapes` (name -> (shape, dtype)), pulling each from `fetch(name)` only when written."""
+    header, offset = {}, 0
+    for name, (shape, dtype) in shapes.items():
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = metadata or {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, (shape, dtype) in shapes.items():
+            arr = np.ascontiguousarray(fetch(name), dtype=dtype)
+            if arr.shape != tuple(shape):
+                raise ValueError(f"tensor {name}: expected shape {shape}, got {arr.shape}")
+            f.write(arr.tobytes())
+    os.replace(tmp, path)
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """The safetensors files of an HF checkpoint dir: the index's shards, or the single model.safetensors."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [s for s in files if not os.path.exists(os.path.join(directory, s))]
+        if missing:
+            raise FileNotFoundError(f"{directory}: index.json names shard files that are missing: {missing}")
+        return [os.path.join(directory, s) for s in files]
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    found = sorted(p for p in os.listdir(directory) if p.endswith(".safetensors"))
+    if found:
+        return [os.path.join(directory, p) for p in found]
+    bins = [p for p in os.listdir(directory) if p.endswith(".bin")]
+    hint = f" (found PyTorch pickles {bins}; re-save with safe_serialization=True)" if bins else ""
+    raise FileNotFoundError(f"{directory}: no safetensors weights{hint}")
+
+
+def iter_tensors(files: list[str]) -> Iterator[tuple[str, SafetensorsFile]]:
+    for path in files:
+        f = SafetensorsFile(path)
+        for k in f.keys():
+            yield k, f
