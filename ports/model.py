@@ -136,11 +136,13 @@ def _empty_like_shapes(shapes):
     return None
 
 
-def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarray], jax.Array] | None = None) -> Model:
+def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarray], jax.Array] | None = None,
+            progress: bool = False) -> Model:
     """Load an HF checkpoint directory (config.json + safetensors, single or sharded) as a `Model`.
 
     Streams tensor by tensor: each tensor is read from a memory map, transformed to our layout, cast and moved to
     the device before the next one is read. `device_put(path, array)` can place each param (e.g. onto a sharding).
+    `progress` shows a progress bar over the checkpoint's tensors.
     Raises ValueError listing missing / unexpected / mis-shaped tensors.
     """
     hf = read_hf_config(directory)
@@ -155,7 +157,12 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
     params = _empty_like_shapes(shapes)
     put = device_put or (lambda path, arr: jnp.asarray(arr))
     unexpected, bad_shape, seen, bad_names = [], [], set(), set()
-    for name, f in iter_tensors(checkpoint_files(directory)):
+    tensors = iter_tensors(checkpoint_files(directory))
+    if progress:
+        from tqdm import tqdm
+
+        tensors = tqdm(tensors, desc=f"loading {os.path.basename(os.path.normpath(directory))}", unit="tensor")
+    for name, f in tensors:
         if name not in kmap:
             if not any(p.search(name) for p in ignored):
                 unexpected.append(name)

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random HF models saved to disk, loaded through ports.load_hf."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import ports
+
+torch.set_num_threads(2)
+
+
+def tiny_hf(kind: str = "llama", seed: int = 0, **overrides):
+    """A tiny random transformers model (eval mode, f32). initializer_range is large so logits are not flat."""
+    torch.manual_seed(seed)
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=101, initializer_range=0.25, max_position_embeddings=256,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    base.update(overrides)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**base))
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+def save_and_load(hf_model, directory, **save_kwargs):
+    hf_model.save_pretrained(str(directory), **save_kwargs)
+    return ports.load_hf(str(directory))
+
+
+def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def hf_greedy(hf_model, prompt: np.ndarray, max_new: int, eos=None) -> np.ndarray:
+    """transformers' greedy generate for one 1-D prompt; returns the new tokens (EOS included, no padding)."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor(prompt[None]), max_new_tokens=max_new, do_sample=False,
+                                eos_token_id=eos, pad_token_id=0 if eos is None else eos)
+    return out[0, len(prompt):].numpy()
+
+
+@pytest.fixture(scope="session")
+def llama_pair(tmp_path_factory):
+    """(hf_model, jspec model) for a tiny GQA LLaMA."""
+    hf = tiny_hf("llama", seed=1)
+    return hf, save_and_load(hf, tmp_path_factory.mktemp("llama"))
