@@ -9,6 +9,16 @@ from jspec import cache as kvc
 from ports.config import TextConfig, rope_inv_freq
 
 
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum with a float32 result. Accelerators accumulate low-precision inputs in f32 directly; XLA:CPU has no
+    bf16 x bf16 -> f32 dot, so there the inputs are upcast first."""
+    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        return jnp.einsum(spec, a, b)
+    if jax.default_backend() == "cpu":
+        return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
     xf = x.astype(jnp.float32)
@@ -54,11 +64,11 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     B, T, H, Dh = q.shape
     kvh = k_buf.shape[1]
     qg = q.reshape(B, T, kvh, H // kvh, Dh)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_buf, preferred_element_type=jnp.float32)
+    scores = einsum_f32("btkgd,bksd->bkgts", qg, k_buf)
     scores = scores * (Dh ** -0.5)
     scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v_buf, preferred_element_type=jnp.float32)
+    out = einsum_f32("bkgts,bksd->btkgd", probs, v_buf)
     return out.reshape(B, T, H, Dh).astype(q.dtype)
 
 

@@ -67,7 +67,7 @@ def unembed(cfg: TextConfig, params: dict, h: jax.Array) -> jax.Array:
     """Final norm + LM head (tied or not), logits in float32."""
     h = L.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+    return L.einsum_f32("btd,dv->btv", h, w)
 
 
 def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,
