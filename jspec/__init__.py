@@ -1,5 +1,5 @@
 """jspec: speculative decoding for LLMs, LVLMs and visual AR generators in JAX."""
-from jspec.api import AR, DecodeOutput, decode
+from jspec.api import AR, Chain, DecodeOutput, Tree, decode
 
-__all__ = ["AR", "DecodeOutput", "decode"]
+__all__ = ["AR", "Chain", "DecodeOutput", "Tree", "decode"]
 __version__ = "0.1.0"

@@ -12,7 +12,9 @@ import numpy as np
 
 from jspec import loop
 from jspec import sampling as S
+from jspec import speculative as SD
 from jspec.prompts import normalize_prompt, round_up
+from jspec.trees import StaticTree, build_tree, chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +26,60 @@ class AR:
 
     def check(self, target) -> None:
         pass
+
+
+def _check_draft(target, draft) -> None:
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise ValueError(f"draft and target vocabularies differ: target vocab_size={tv}, draft vocab_size={dv}; "
+                         "speculative decoding needs one shared tokenizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """Static-tree speculative decoding with a separate draft model.
+
+    tree: a named tree ("mc_sim_7b_63" = EAGLE-1/SpecVLM/SAGE initial tree, "naive_extend_57" = LANTERN++'s,
+    "chain5") or a list of child-rank paths. rule: "residual" (lossless) or "q1" (EAGLE-2's shortcut, biased
+    under sampling; see `verify.stochastic`).
+    """
+
+    draft: Any
+    tree: Any = "mc_sim_7b_63"
+    rule: str = "residual"
+
+    def static_tree(self) -> StaticTree:
+        paths = self.tree if isinstance(self.tree, str) else tuple(tuple(p) for p in self.tree)
+        return _cached_tree(paths)
+
+    def tokens_per_step(self) -> int:
+        return self.static_tree().num_nodes
+
+    def check(self, target) -> None:
+        _check_draft(target, self.draft)
+        if self.rule not in ("residual", "q1"):
+            raise ValueError(f"unknown verification rule {self.rule!r}; use 'residual' or 'q1'")
+        self.static_tree()
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain(Tree):
+    """Chain speculative decoding: the draft proposes `gamma` tokens per step, the target verifies them at once."""
+
+    gamma: int = 5
+
+    def __init__(self, draft, gamma: int = 5, rule: str = "residual"):
+        if not isinstance(gamma, (int, np.integer)) or not 1 <= gamma <= 64:
+            raise ValueError(f"gamma must be an integer in [1, 64], got {gamma!r}")
+        object.__setattr__(self, "draft", draft)
+        object.__setattr__(self, "gamma", int(gamma))
+        object.__setattr__(self, "tree", tuple(tuple(p) for p in chain(int(gamma))))
+        object.__setattr__(self, "rule", rule)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_tree(paths) -> StaticTree:
+    return build_tree(paths if isinstance(paths, str) else [list(p) for p in paths])
 
 
 @dataclasses.dataclass
@@ -62,6 +118,17 @@ def _decode_ar(ctx, target, state):
     return loop.run_loop(ctx, lambda s: loop.ar_step(ctx, target, s), state)
 
 
+@functools.partial(jax.jit, static_argnames=("ctx", "max_len", "width"))
+def _prefill_sd(ctx, max_len, width, target, draft, tokens, lengths, key, sp):
+    state = _prefill_ar.__wrapped__(ctx, max_len, target, tokens, lengths, key, sp)
+    return state.replace(aux=SD.init_draft(draft, tokens, lengths, max_len, state.last, width))
+
+
+@functools.partial(jax.jit, static_argnames=("ctx", "tree", "rule"), donate_argnames=("state",))
+def _decode_sd(ctx, tree, rule, target, draft, state):
+    return loop.run_loop(ctx, lambda s: SD.sd_step(ctx, target, draft, tree, rule, s), state)
+
+
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
            top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None) -> DecodeOutput:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
@@ -79,6 +146,9 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
     eos = _eos_ids(target, eos_token_id)
     per_step = strategy.tokens_per_step()
+    tree = strategy.static_tree() if isinstance(strategy, Tree) else None
+    if tree is not None:
+        per_step += tree.max_depth + 1  # the draft's catch-up feed
     need = int(lengths.max()) + max_new_tokens + per_step
     if max_cache_len is not None and need > max_cache_len:
         raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens={max_new_tokens} + {per_step} "
@@ -88,10 +158,17 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
                            out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg)
     key = jax.random.key(0) if key is None else key
     t0 = time.perf_counter()
-    state = _prefill_ar(ctx, max_len, target, jnp.asarray(tokens), jnp.asarray(lengths), key, sp)
+    if tree is None:
+        state = _prefill_ar(ctx, max_len, target, jnp.asarray(tokens), jnp.asarray(lengths), key, sp)
+    else:
+        state = _prefill_sd(ctx, max_len, tree.max_depth + 1, target, strategy.draft, jnp.asarray(tokens),
+                            jnp.asarray(lengths), key, sp)
     jax.block_until_ready(state.out)
     t1 = time.perf_counter()
-    state = _decode_ar(ctx, target, state)
+    if tree is None:
+        state = _decode_ar(ctx, target, state)
+    else:
+        state = _decode_sd(ctx, tree, strategy.rule, target, strategy.draft, state)
     out, n_out, steps, accepted, drafted = jax.device_get(
         (state.out, state.n_out, state.step, state.accepted, state.drafted))
     t2 = time.perf_counter()

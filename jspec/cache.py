@@ -72,21 +72,23 @@ def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
     return KVCache(k=[move(b) for b in cache.k], v=[move(b) for b in cache.v], length=start + n.astype(jnp.int32))
 
 
-def visibility(length: jax.Array, max_len: int, num_new: int, new_mask: jax.Array | None = None) -> jax.Array:
+def visibility(length: jax.Array, max_len: int, num_new: int, new_mask: jax.Array | None = None,
+               offset: int = 0) -> jax.Array:
     """Which cache slots each new token attends to: bool [B, T, S].
 
-    Slot j is visible to new token t of row b if it is committed (j < length[b]), or if it holds new token t'
-    (j == length[b] + t') and new_mask[b, t, t'] (default: causal, t' <= t).
+    The T new tokens sit at slots length[b] + offset + t. Slot j is visible to new token t of row b if it is
+    committed (j < length[b]), or if it is a scratch slot j = length[b] + s with s < offset + T and
+    new_mask[b, t, s] (default: causal over the new tokens, no earlier scratch). new_mask is [B, T, offset + T].
     """
+    W = offset + num_new
     j = jnp.arange(max_len)[None, None, :]
     rel = j - length[:, None, None]  # [B, 1, S]
-    t = jnp.arange(num_new)[None, :, None]
     committed = rel < 0
-    in_new = (rel >= 0) & (rel < num_new)
+    in_scratch = (rel >= 0) & (rel < W)
     if new_mask is None:
-        new_vis = rel <= t
+        t = jnp.arange(num_new)[None, :, None]
+        vis = (rel >= offset) & (rel <= offset + t)
     else:
-        relc = jnp.clip(rel, 0, num_new - 1)
-        relc = jnp.broadcast_to(relc, (length.shape[0], num_new, max_len))
-        new_vis = jnp.take_along_axis(new_mask.astype(bool), relc, axis=2)
-    return committed | (in_new & new_vis)
+        relc = jnp.broadcast_to(jnp.clip(rel, 0, W - 1), (length.shape[0], num_new, max_len))
+        vis = jnp.take_along_axis(jnp.broadcast_to(new_mask.astype(bool), (length.shape[0], num_new, W)), relc, axis=2)
+    return committed | (in_scratch & vis)

@@ -73,26 +73,28 @@ def unembed(cfg: TextConfig, params: dict, h: jax.Array) -> jax.Array:
 def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,
             new_mask: jax.Array | None = None, *, embeds: jax.Array | None = None,
             hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
-            compute_logits: bool = True) -> ForwardOut:
+            compute_logits: bool = True, write_offset: int = 0) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
     tokens [B, T] (or embeds [B, T, D]); positions [B, T] RoPE positions; the new K/V are written at slots
-    cache.length[b] .. +T-1 (length itself is not advanced: the caller commits). new_mask [B, T, T] says which new
-    tokens see which (default causal; a tree passes its ancestor mask). hidden_layers: indices i in [0, num_layers],
+    cache.length[b] + write_offset .. +T-1 (length itself is not advanced: the caller commits). new_mask
+    [B, T, write_offset + T] says which scratch slots (earlier scratch, then the new tokens) each new token sees
+    (default causal over the new tokens; a tree passes its ancestor mask). hidden_layers: indices i in [0, num_layers],
     the residual stream after the first i layers (0 = embeddings). logits_at [B, K]: compute logits only at these
     new-token indices (default all T).
     """
     x = embed(params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
     S = cache.max_len
-    visible = kvc.visibility(cache.length, S, T, new_mask)
+    visible = kvc.visibility(cache.length, S, T, new_mask, write_offset)
+    start = cache.length + write_offset
     cos, sin = L.rope_tables(cfg, positions)
     want = set(hidden_layers)
     hidden = {0: x} if 0 in want else {}
     ks, vs = [], []
     for i, p in enumerate(params["layers"]):
         h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        a, kb, vb = L.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], cache.length, visible)
+        a, kb, vb = L.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], start, visible)
         x = x + a
         x = x + L.swiglu(L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
         ks.append(kb)
