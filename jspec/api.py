@@ -40,8 +40,8 @@ class Tree:
     """Static-tree speculative decoding with a separate draft model.
 
     tree: a named tree ("mc_sim_7b_63" = EAGLE-1/SpecVLM/SAGE initial tree, "naive_extend_57" = LANTERN++'s,
-    "chain5") or a list of child-rank paths. rule: "residual" (lossless) or "q1" (EAGLE-2's shortcut, biased
-    under sampling; see `verify.stochastic`).
+    "chain5") or a list of child-rank paths. rule: "residual" (default, min(1, p/q) acceptance) or "q1"
+    (EAGLE-2's q = 1 rule: also exact, but accepts with probability p only; see `verify.stochastic`).
     """
 
     draft: Any

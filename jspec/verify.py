@@ -74,9 +74,10 @@ def stochastic(key: jax.Array, tokens: jax.Array, p: jax.Array, q: jax.Array, no
     walk stops. With rule="residual" (default) the output follows p exactly (recursive rejection sampling for
     draws without replacement).
 
-    rule="q1" is EAGLE-2's shortcut, which treats each draft as certain (q'(x) = 1): accept with probability
-    r(x), on rejection zero r(x) and renormalise. It is not lossless when drafts are sampled; it exists to
-    reproduce that baseline and to measure its bias.
+    rule="q1" is EAGLE-2's rule, which treats each draft as certain (q'(x) = 1): accept with probability r(x),
+    on rejection zero r(x) and renormalise. For any proposal distribution this still yields p exactly (the
+    proposal only decides which token is offered first), but it accepts with probability r(x) <= min(1, r/q'),
+    so it commits fewer tokens per step; tests/test_sd_sampling.py measures both facts.
     """
     B, N, V = p.shape
     M = t.children.shape[1]
