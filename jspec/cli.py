@@ -53,13 +53,12 @@ def cmd_convert(args) -> int:
     model = ports.load_hf(args.hf_dir, dtype=args.dtype, progress=True)
     ports.save(model, args.out_dir)
     print(f"converted {args.hf_dir} -> {args.out_dir} ({model.config.model_type}, "
-          f"{sum(a.size for a in __import__('jax').tree.leaves(model.params)) / 1e6:.1f}M params) "
+          f"{model.num_params / 1e6:.1f}M params) "
           f"in {time.perf_counter() - t:.1f}s")
     return 0
 
 
 def cmd_demo(args) -> int:
-    import jax
     import jspec
     import ports
 
@@ -68,7 +67,7 @@ def cmd_demo(args) -> int:
     with tempfile.TemporaryDirectory() as d:
         ports.save_hf(ports.random_model(cfg, key=args.seed, std=0.1), d)
         model = ports.load_hf(d)
-        print(f"random LLaMA ({sum(a.size for a in jax.tree.leaves(model.params)) / 1e6:.1f}M params) "
+        print(f"random LLaMA ({model.num_params / 1e6:.1f}M params) "
               f"saved to HF layout and loaded back through load_hf")
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (12, 20)]

@@ -12,7 +12,6 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jspec import cache as kvc
 from ports import layers as L
@@ -141,7 +140,3 @@ IGNORED_HF_KEYS = ("rotary_emb.inv_freq",)
 def kv_layout(cfg: TextConfig) -> tuple[int, int, int]:
     """(num_layers, kv_heads, head_dim) of the KV cache this model needs."""
     return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-
-
-def count_params(params) -> int:
-    return int(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))

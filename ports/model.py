@@ -73,6 +73,10 @@ class Model:
         return jax.tree.leaves(self.params)[0].dtype
 
     @property
+    def num_params(self) -> int:
+        return int(sum(np.prod(a.shape) for a in jax.tree.leaves(self.params)))
+
+    @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
 

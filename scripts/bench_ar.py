@@ -43,7 +43,7 @@ def main():
     cfg = ports.TextConfig(model_type="llama", vocab_size=32000, hidden_size=768, intermediate_size=2048,
                            num_layers=args.layers, num_heads=12, num_kv_heads=12, head_dim=64, eos_token_ids=())
     model = ports.random_model(cfg, key=0, std=0.05)
-    n_params = sum(a.size for a in jax.tree.leaves(model.params))
+    n_params = model.num_params
     floor_ms = n_params * 4 / (args.bandwidth_gbs * 1e9) * 1e3
     print(f"model: {n_params / 1e6:.1f}M params, f32; bandwidth floor {floor_ms:.1f} ms/step at {args.bandwidth_gbs} GB/s")
     with tempfile.TemporaryDirectory() as d:
