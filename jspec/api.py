@@ -21,9 +21,6 @@ from jspec.trees import StaticTree, build_tree, chain
 class AR:
     """Plain autoregressive decoding with the target alone (the baseline every strategy must reproduce)."""
 
-    def tokens_per_step(self) -> int:
-        return 1
-
     def check(self, target) -> None:
         pass
 
@@ -40,20 +37,23 @@ class Tree:
     """Static-tree speculative decoding with a separate draft model.
 
     tree: a named tree ("mc_sim_7b_63" = EAGLE-1/SpecVLM/SAGE initial tree, "naive_extend_57" = LANTERN++'s,
-    "chain5") or a list of child-rank paths. rule: "residual" (default, min(1, p/q) acceptance) or "q1"
-    (EAGLE-2's q = 1 rule: also exact, but accepts with probability p only; see `verify.stochastic`).
+    "chain5") or a list of child-rank paths. rule: "residual" (default, min(1, p/q) acceptance over children
+    drawn without replacement) or "q1" (EAGLE-2's q = 1 rule over the draft's top-ranked children: also exact,
+    see `verify.stochastic`). controller: an optional `speculative.Controller` that limits the draft depth per
+    row and step.
     """
 
     draft: Any
     tree: Any = "mc_sim_7b_63"
     rule: str = "residual"
+    controller: Any = None
 
     def static_tree(self) -> StaticTree:
         paths = self.tree if isinstance(self.tree, str) else tuple(tuple(p) for p in self.tree)
         return _cached_tree(paths)
 
-    def tokens_per_step(self) -> int:
-        return self.static_tree().num_nodes
+    def policy(self):
+        return SD.StaticPolicy(self.static_tree(), draw=self.rule == "residual")
 
     def check(self, target) -> None:
         _check_draft(target, self.draft)
@@ -68,13 +68,51 @@ class Chain(Tree):
 
     gamma: int = 5
 
-    def __init__(self, draft, gamma: int = 5, rule: str = "residual"):
+    def __init__(self, draft, gamma: int = 5, rule: str = "residual", controller=None):
         if not isinstance(gamma, (int, np.integer)) or not 1 <= gamma <= 64:
             raise ValueError(f"gamma must be an integer in [1, 64], got {gamma!r}")
         object.__setattr__(self, "draft", draft)
         object.__setattr__(self, "gamma", int(gamma))
         object.__setattr__(self, "tree", tuple(tuple(p) for p in chain(int(gamma))))
         object.__setattr__(self, "rule", rule)
+        object.__setattr__(self, "controller", controller)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2 dynamic-tree speculative decoding with a separate draft model (see `speculative.DynamicPolicy`).
+
+    depth: deepest draft level; top_k: children per expanded node and nodes expanded per level; total: draft
+    nodes kept per step after reranking. Sampling uses the q = 1 rule, the lossless one for trees whose shape
+    depends on the drafted tokens ("residual" would not be: a candidate is kept or dropped according to its own
+    draft probability, so the kept siblings are not a plain without-replacement draw).
+    """
+
+    draft: Any
+    depth: int = 6
+    top_k: int = 10
+    total: int = 60
+    rule: str = "q1"
+    controller: Any = None
+
+    def policy(self):
+        return SD.DynamicPolicy(int(self.depth), int(self.top_k), int(self.total))
+
+    def check(self, target) -> None:
+        _check_draft(target, self.draft)
+        for name in ("depth", "top_k", "total"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"DynamicTree {name} must be a positive integer, got {v!r}")
+        if self.depth > 64 or self.top_k > 64:
+            raise ValueError(f"DynamicTree depth and top_k must be <= 64, got depth={self.depth}, top_k={self.top_k}")
+        pool = self.policy().pool_size
+        if self.total > pool:
+            raise ValueError(f"DynamicTree total={self.total} exceeds the {pool} candidates that depth={self.depth}, "
+                             f"top_k={self.top_k} produce (top_k + (depth - 1) * top_k**2)")
+        if self.rule != "q1":
+            raise ValueError(f"DynamicTree supports rule='q1' only (got {self.rule!r}): the residual rule is not "
+                             "lossless when the kept candidates depend on their own draft probabilities")
 
 
 @functools.lru_cache(maxsize=64)
@@ -118,62 +156,106 @@ def _decode_ar(ctx, target, state):
     return loop.run_loop(ctx, lambda s: loop.ar_step(ctx, target, s), state)
 
 
-@functools.partial(jax.jit, static_argnames=("ctx", "max_len", "width"))
-def _prefill_sd(ctx, max_len, width, target, draft, tokens, lengths, key, sp):
+@functools.partial(jax.jit, static_argnames=("ctx", "max_len", "width", "controller"))
+def _prefill_sd(ctx, max_len, width, controller, target, draft, tokens, lengths, d_tokens, d_lengths, key, sp):
     state = _prefill_ar.__wrapped__(ctx, max_len, target, tokens, lengths, key, sp)
-    return state.replace(aux=SD.init_draft(draft, tokens, lengths, max_len, state.last, width))
+    ds = SD.init_draft(draft, d_tokens, d_lengths, max_len, state.last, width)
+    return state.replace(aux=SD.init_sd_state(ds, controller, width - 1))
 
 
-@functools.partial(jax.jit, static_argnames=("ctx", "tree", "rule"), donate_argnames=("state",))
-def _decode_sd(ctx, tree, rule, target, draft, state):
-    return loop.run_loop(ctx, lambda s: SD.sd_step(ctx, target, draft, tree, rule, s), state)
+@functools.partial(jax.jit, static_argnames=("ctx", "policy", "rule", "controller"), donate_argnames=("state",))
+def _decode_sd(ctx, policy, rule, controller, target, draft, state):
+    return loop.run_loop(ctx, lambda s: SD.sd_step(ctx, policy, rule, controller, target, draft, s), state)
+
+
+# Profiling mode: the same three phases as `SD.sd_step`, jitted apart and timed from the host.
+_phase_draft = jax.jit(SD.sd_draft, static_argnames=("ctx", "policy", "controller"), donate_argnames=("state",))
+_phase_verify = jax.jit(SD.sd_verify, donate_argnames=("state",))
+_phase_accept = jax.jit(SD.sd_accept, static_argnames=("ctx", "policy", "rule"), donate_argnames=("state",))
+
+
+def _profile_sd(ctx, policy, rule, controller, target, draft, state):
+    """Run the SD loop phase by phase, blocking after each; returns (state, summed seconds per phase)."""
+    times = {"draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
+    while int(state.step) < ctx.max_steps and not bool(jnp.all(state.done)):
+        t0 = time.perf_counter()
+        state, prop = jax.block_until_ready(_phase_draft(ctx, policy, controller, draft, state))
+        t1 = time.perf_counter()
+        state, logits = jax.block_until_ready(_phase_verify(target, state, prop))
+        t2 = time.perf_counter()
+        state = jax.block_until_ready(_phase_accept(ctx, policy, rule, state, prop, logits))
+        t3 = time.perf_counter()
+        times["draft_s"] += t1 - t0
+        times["verify_s"] += t2 - t1
+        times["other_s"] += t3 - t2
+    return state, times
 
 
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
-           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None) -> DecodeOutput:
+           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
+           profile: bool = False) -> DecodeOutput:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
 
     Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
     `max_cache_len` caps the KV cache; a prompt that does not fit with the new tokens raises ValueError.
+    `draft_prompt` (speculative strategies): the draft's own view of each row's prompt (same batch size, e.g. a
+    pruned or text-only version); the draft continues it with the committed tokens. Default: the target's prompt.
+    `profile=True` runs the speculative loop phase by phase with a host sync after each and adds the summed
+    "draft_s", "verify_s", "other_s" to the stats (same tokens, slower: use it to measure, not to serve).
     """
     strategy = AR() if strategy is None else strategy
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     strategy.check(target)
+    speculative = not isinstance(strategy, AR)
     tokens, lengths, extra = normalize_prompt(prompt, target.config.vocab_size)
     if extra:
         raise ValueError(f"model_type {target.config.model_type!r} takes text only; got inputs {sorted(extra)}")
+    if draft_prompt is not None and not speculative:
+        raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree)")
+    d_tokens, d_lengths = tokens, lengths
+    if draft_prompt is not None:
+        d_tokens, d_lengths, d_extra = normalize_prompt(draft_prompt, strategy.draft.config.vocab_size)
+        if d_extra:
+            raise ValueError(f"draft model_type {strategy.draft.config.model_type!r} takes text only; got "
+                             f"{sorted(d_extra)} in draft_prompt")
+        if d_tokens.shape[0] != tokens.shape[0]:
+            raise ValueError(f"draft_prompt has {d_tokens.shape[0]} rows, the prompt has {tokens.shape[0]}")
     sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
     eos = _eos_ids(target, eos_token_id)
-    per_step = strategy.tokens_per_step()
-    tree = strategy.static_tree() if isinstance(strategy, Tree) else None
-    if tree is not None:
-        per_step += tree.max_depth + 1  # the draft's catch-up feed
-    need = int(lengths.max()) + max_new_tokens + per_step
+    policy = strategy.policy() if speculative else None
+    # scratch slots beyond the committed tokens: the tree's nodes (target), the catch-up feed + tree (draft)
+    per_step = 1 if policy is None else policy.num_nodes + policy.max_depth + 1
+    longest = int(max(lengths.max(), d_lengths.max()))
+    need = longest + max_new_tokens + per_step
     if max_cache_len is not None and need > max_cache_len:
-        raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens={max_new_tokens} + {per_step} "
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} + {per_step} "
                          f"scratch slots needs a cache of {need}, longer than max_cache_len={max_cache_len}")
-    max_len = max(round_up(tokens.shape[1] + max_new_tokens + per_step, 64), need)
+    max_len = max(round_up(max(tokens.shape[1], d_tokens.shape[1]) + max_new_tokens + per_step, 64), need)
     ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
                            out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg)
     key = jax.random.key(0) if key is None else key
     t0 = time.perf_counter()
-    if tree is None:
+    if policy is None:
         state = _prefill_ar(ctx, max_len, target, jnp.asarray(tokens), jnp.asarray(lengths), key, sp)
     else:
-        state = _prefill_sd(ctx, max_len, tree.max_depth + 1, target, strategy.draft, jnp.asarray(tokens),
-                            jnp.asarray(lengths), key, sp)
+        state = _prefill_sd(ctx, max_len, policy.max_depth + 1, strategy.controller, target, strategy.draft,
+                            jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(d_tokens),
+                            jnp.asarray(d_lengths), key, sp)
     jax.block_until_ready(state.out)
     t1 = time.perf_counter()
-    if tree is None:
+    phases = {}
+    if policy is None:
         state = _decode_ar(ctx, target, state)
+    elif profile:
+        state, phases = _profile_sd(ctx, policy, strategy.rule, strategy.controller, target, strategy.draft, state)
     else:
-        state = _decode_sd(ctx, tree, strategy.rule, target, strategy.draft, state)
+        state = _decode_sd(ctx, policy, strategy.rule, strategy.controller, target, strategy.draft, state)
     out, n_out, steps, accepted, drafted = jax.device_get(
         (state.out, state.n_out, state.step, state.accepted, state.drafted))
     t2 = time.perf_counter()
     return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, _pad_id(target, eos),
-                   {"prefill_s": t1 - t0, "decode_s": t2 - t1})
+                   {"prefill_s": t1 - t0, "decode_s": t2 - t1, **phases})
 
 
 def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings) -> DecodeOutput:

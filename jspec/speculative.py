@@ -1,15 +1,21 @@
 """Speculative decoding with a separate draft model: tree drafting, tree-attention verification, commit.
 
-One step, for every static tree (a chain is a one-child-per-node tree):
-  1. draft: one forward over the tokens the draft has not seen yet ([accepted drafts..., bonus] of the last
-     step; padded to D+1), which also gives the root's distribution; then one forward per tree level with the
-     tree's ancestor mask, writing each level's K/V into the draft cache's scratch slots;
-  2. verify: one target forward over all N nodes (positions = committed length + depth, ancestor mask);
-  3. a verification rule picks the accepted path and the bonus token;
-  4. the accepted nodes' K/V move into the target's committed prefix with one gather; the draft cache keeps
-     only committed tokens and re-reads the accepted ones at the next step.
+One step has three phases, each a pure function of the decode state (`sd_step` composes them; the profiling
+mode of `jspec.decode` times them one by one):
+  1. `sd_draft`: the draft reads the tokens it has not seen yet ([accepted drafts..., bonus] of the last step,
+     padded to D+1), which also gives the root's distribution; a tree policy then expands the tree level by
+     level, writing each level's K/V into the draft cache's scratch slots (static trees: the tree's own levels;
+     dynamic trees: EAGLE-2's beam, reranked to a node budget). An optional controller sets each row's depth
+     limit first.
+  2. `sd_verify`: one target forward over all N nodes (positions = committed length + depth, ancestor mask).
+  3. `sd_accept`: a verification rule picks the accepted path and the bonus token; the accepted nodes' K/V move
+     into the target's committed prefix with one gather; the draft keeps only committed tokens and re-reads the
+     accepted ones at the next step.
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +25,16 @@ from jspec import cache as kvc
 from jspec import loop
 from jspec import sampling as S
 from jspec import verify as V
-from jspec.trees import StaticTree
+from jspec.trees import StaticTree, TreeArrays, device_tree, tree_from_pool
+
+
+class Proposal(NamedTuple):
+    """A drafted tree for every row. Node 0 is the root (`last`)."""
+
+    tokens: jax.Array  # [B, N]
+    valid: jax.Array  # [B, N] nodes the verifier may accept
+    tree: TreeArrays  # [B, ...]
+    q: jax.Array | None  # [B, N, V] distribution each node's children were drawn from (residual sampling only)
 
 
 @struct.dataclass
@@ -29,93 +44,264 @@ class DraftState:
     n_pending: jax.Array  # [B] int32
 
 
+class Feedback(NamedTuple):
+    """What a controller learns from the previous step of each row."""
+
+    accepted: jax.Array  # [B] drafts accepted (bonus excluded)
+    limit: jax.Array  # [B] the depth limit that step ran with
+    active: jax.Array  # [B] the row was still decoding
+
+
+class Controller(Protocol):
+    """Per-step policy over the draft depth (EESD's Thompson sampling, SAGE-style planners, ...).
+
+    A controller is a hashable object (it is part of the compilation key) whose state is a pytree.
+    `step(state, feedback, key) -> (state, limit [B] int32)` runs on device before each draft phase; drafts
+    deeper than `limit[b]` are not proposed for row b, and draft levels no row needs are skipped. Shapes never
+    change, so a new limit does not recompile.
+    """
+
+    def init(self, batch: int, max_depth: int) -> Any: ...
+
+    def step(self, state: Any, feedback: Feedback, key: jax.Array) -> tuple[Any, jax.Array]: ...
+
+
+@struct.dataclass
+class SDState:
+    """`DecodeState.aux` of draft-model strategies."""
+
+    draft: DraftState
+    ctrl: Any  # controller state (None without a controller)
+    feedback: Feedback
+
+
 def init_draft(draft, tokens, lengths, max_len: int, first: jax.Array, width: int) -> DraftState:
-    """Prefill the draft on its prompt; the first target token waits in `pending`."""
+    """Prefill the draft on its prompt (its own view, which may differ from the target's); the first target
+    token waits in `pending`."""
     cache = loop.new_cache_for(draft, tokens.shape[0], max_len)
     _, _, cache = loop.prefill(draft, tokens, lengths, cache)
     pending = jnp.zeros((tokens.shape[0], width), jnp.int32).at[:, 0].set(first)
     return DraftState(cache, pending, jnp.ones((tokens.shape[0],), jnp.int32))
 
 
-def _choose_children(key, q: jax.Array, m: int, greedy: bool) -> jax.Array:
-    """m child tokens per parent from q [B, n, V]: top-m when greedy, else m draws without replacement, in draw
-    order (Gumbel top-k)."""
-    if greedy:
-        return jax.lax.top_k(q, m)[1].astype(jnp.int32)
-    g = jax.random.gumbel(key, q.shape)
-    return jax.lax.top_k(jnp.log(q) + g, m)[1].astype(jnp.int32)
+def init_sd_state(draft_state: DraftState, controller, max_depth: int) -> SDState:
+    B = draft_state.n_pending.shape[0]
+    ctrl = None if controller is None else controller.init(B, max_depth)
+    zeros = jnp.zeros((B,), jnp.int32)
+    return SDState(draft_state, ctrl, Feedback(zeros, zeros + max_depth, jnp.ones((B,), bool)))
 
 
-def draft_tree(ctx: loop.StepContext, draft, tree: StaticTree, ds: DraftState, last: jax.Array, key, sp):
-    """Expand the static tree with the draft model. Returns (node tokens [B, N], draft probs per node [B, N, V],
-    node_valid [B, N], draft cache with the root committed)."""
-    B = last.shape[0]
-    N, D = tree.num_nodes, tree.max_depth
+def _read_pending(draft, ds: DraftState):
+    """Feed the pending tokens; returns (logits after `last` [B, 1, V], draft cache with `last` committed,
+    position of `last`)."""
     P = ds.pending.shape[1]
     dc = ds.cache
     pos = dc.length[:, None] + jnp.arange(P, dtype=jnp.int32)[None]
     fo = draft.forward(ds.pending, pos, dc, logits_at=(ds.n_pending - 1)[:, None])
-    dc = kvc.commit(fo.cache, ds.n_pending)  # the root (`last`) is now committed in the draft
-    root_pos = dc.length - 1
-    logits = fo.logits  # [B, 1, V]: distribution over the root's children
-    vocab = logits.shape[-1]
-    tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(last)
-    q_all = jnp.zeros((B, N, vocab), jnp.float32)
-    valid = jnp.ones((B, N), bool)
-    depth = jnp.asarray(tree.depth)
-    anc = jnp.asarray(tree.ancestor)
-    keys = jax.random.split(key, D)
-    for d in range(D):
-        s, e = tree.levels[d]
-        q = S.probs(logits, ctx.sampling, sp)  # [B, e - s, V]
-        q_all = q_all.at[:, s:e].set(q)
-        cs, ce = tree.levels[d + 1]
-        m = int(max(tree.rank[cs:ce]) + 1)
-        choice = _choose_children(keys[d], q, m, ctx.sampling.greedy)  # [B, e - s, m]
-        par = tree.parent[cs:ce] - s
-        rk = tree.rank[cs:ce]
-        kids = choice[:, par, rk]  # [B, ce - cs]
-        tokens = tokens.at[:, cs:ce].set(kids)
-        qk = jnp.take_along_axis(q[:, par], kids[..., None], axis=-1)[..., 0]
-        valid = valid.at[:, cs:ce].set(qk > 0)
-        if d + 1 < D:
-            # level d+1 nodes: node i sits in scratch slot i - 1 (the root is committed)
-            mask = jnp.broadcast_to(anc[cs:ce, 1:ce], (B, ce - cs, ce - 1))
-            pos = root_pos[:, None] + depth[None, cs:ce]
-            fo = draft.forward(kids, pos, dc, mask, write_offset=cs - 1)
-            dc = fo.cache
-            logits = fo.logits
-    return tokens, q_all, valid, dc
+    dc = kvc.commit(fo.cache, ds.n_pending)
+    return fo.logits, dc, dc.length - 1
 
 
-def sd_step(ctx: loop.StepContext, target, draft, tree: StaticTree, rule: str, state: loop.DecodeState):
-    """One draft-verify-commit round for every row."""
-    ds: DraftState = state.aux
-    B = state.last.shape[0]
-    D = tree.max_depth
-    k_draft, k_verify = jax.random.split(loop.step_key(state))
-    tokens, q, node_valid, dcache = draft_tree(ctx, draft, tree, ds, state.last, k_draft, state.sp)
-    t = V.tree_arrays(tree)
+def _log_probs(logits: jax.Array, ctx: loop.StepContext, sp) -> jax.Array:
+    """Draft log-probabilities used to rank and draw children: the sampler's distribution when sampling (-inf
+    where top-k/top-p filter), the plain softmax when greedy (so lower ranks are the draft's next guesses)."""
+    return jax.nn.log_softmax(S.process_logits(logits, ctx.sampling, sp), axis=-1)
+
+
+def _level_forward(draft, tokens, positions, dc, mask, offset: int, run):
+    """Draft forward of one tree level into scratch slots; skipped (zero logits) when `run` is False."""
+    def go(dc):
+        fo = draft.forward(tokens, positions, dc, mask, write_offset=offset)
+        return fo.logits, fo.cache
+
+    if run is None:
+        return go(dc)
+    B, T = tokens.shape
+    skip = lambda dc: (jnp.zeros((B, T, draft.vocab_size), jnp.float32), dc)
+    return jax.lax.cond(run, go, skip, dc)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticPolicy:
+    """Expand a fixed tree. Children are the top-ranked draft tokens, or, with `draw` and sampling, draws
+    without replacement in draw order (what the residual rule needs to stay lossless)."""
+
+    tree: StaticTree
+    draw: bool = True
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.tree.max_depth
+
+    def propose(self, ctx, draft, ds: DraftState, last, key, sp, limit) -> tuple[Proposal, kvc.KVCache]:
+        tree = self.tree
+        B = last.shape[0]
+        N, D = tree.num_nodes, tree.max_depth
+        sample = self.draw and not ctx.sampling.greedy
+        logits, dc, root_pos = _read_pending(draft, ds)
+        tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(last)
+        q_all = jnp.zeros((B, N, draft.vocab_size), jnp.float32) if sample else None
+        valid = jnp.ones((B, N), bool)
+        depth = jnp.asarray(tree.depth)
+        anc = jnp.asarray(tree.ancestor)
+        keys = jax.random.split(key, D)
+        for d in range(D):
+            s, e = tree.levels[d]
+            logp = _log_probs(logits, ctx, sp)  # [B, e - s, V]
+            cs, ce = tree.levels[d + 1]
+            m = int(max(tree.rank[cs:ce]) + 1)
+            if sample:
+                q_all = q_all.at[:, s:e].set(jnp.exp(logp))
+                logp_choice = logp + jax.random.gumbel(keys[d], logp.shape)
+            else:
+                logp_choice = logp
+            choice = jax.lax.top_k(logp_choice, m)[1].astype(jnp.int32)  # [B, e - s, m]
+            par = tree.parent[cs:ce] - s
+            kids = choice[:, par, tree.rank[cs:ce]]  # [B, ce - cs]
+            tokens = tokens.at[:, cs:ce].set(kids)
+            lk = jnp.take_along_axis(logp[:, par], kids[..., None], axis=-1)[..., 0]
+            ok = jnp.isfinite(lk) if limit is None else jnp.isfinite(lk) & (d + 1 <= limit[:, None])
+            valid = valid.at[:, cs:ce].set(ok)
+            if d + 1 < D:
+                # level d+1 nodes: node i sits in scratch slot i - 1 (the root is committed)
+                mask = jnp.broadcast_to(anc[cs:ce, 1:ce], (B, ce - cs, ce - 1))
+                pos = root_pos[:, None] + depth[None, cs:ce]
+                run = None if limit is None else jnp.any(limit >= d + 2)
+                logits, dc = _level_forward(draft, kids, pos, dc, mask, cs - 1, run)
+        # a node is usable only if its whole path is
+        t = device_tree(tree, B)
+        valid = jnp.all(valid[:, None, :] | ~t.ancestor, axis=-1)
+        return Proposal(tokens, valid, t, q_all), dc
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicPolicy:
+    """EAGLE-2's dynamic tree, per row inside `jit`.
+
+    Level 1 = the root's top_k draft tokens. Each later level expands the `top_k` best nodes of the level above
+    (the beam, by cumulative draft log-prob) into top_k children each, one draft forward per level. All
+    candidates are then reranked by cumulative log-prob and the best `total` become the tree (parents before
+    children). `depth` is the deepest draft level (depth - 1 draft forwards after the root's).
+    """
+
+    depth: int
+    top_k: int
+    total: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self.total + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def pool_size(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+    def propose(self, ctx, draft, ds: DraftState, last, key, sp, limit) -> tuple[Proposal, kvc.KVCache]:
+        B = last.shape[0]
+        K, D = self.top_k, self.depth
+        logits, dc, root_pos = _read_pending(draft, ds)
+        score, tok = jax.lax.top_k(_log_probs(logits, ctx, sp)[:, 0], K)  # [B, K]
+        pool_tok, pool_score = [tok], [score]
+        pool_parent = [jnp.full((B, K), -1, jnp.int32)]
+        pool_depth = [jnp.ones((B, K), jnp.int32)]
+        beam_tok, beam_score, beam_pool = tok, score, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))
+        slots = (D - 1) * K  # beam nodes of level l sit in scratch slots (l-1)K .. lK-1
+        beam_anc = jnp.zeros((B, max(slots, 1), max(slots, 1)), bool)
+        beam_anc = beam_anc.at[:, jnp.arange(min(K, slots)), jnp.arange(min(K, slots))].set(True)
+        for lvl in range(1, D):
+            a, b = (lvl - 1) * K, lvl * K
+            run = None if limit is None else jnp.any(limit >= lvl + 1)
+            pos = jnp.broadcast_to(root_pos[:, None] + lvl, (B, K))
+            logits, dc = _level_forward(draft, beam_tok, pos, dc, beam_anc[:, a:b, :b], a, run)
+            cs, ct = jax.lax.top_k(_log_probs(logits, ctx, sp), K)  # [B, K, K]
+            cand_score = (beam_score[:, :, None] + cs).reshape(B, K * K)
+            cand_tok = ct.reshape(B, K * K).astype(jnp.int32)
+            start = K + (lvl - 1) * K * K
+            pool_tok.append(cand_tok)
+            pool_score.append(cand_score)
+            pool_parent.append(jnp.repeat(beam_pool, K, axis=1))
+            pool_depth.append(jnp.full((B, K * K), lvl + 1, jnp.int32))
+            if lvl + 1 < D:
+                beam_score, pick = jax.lax.top_k(cand_score, K)
+                beam_tok = jnp.take_along_axis(cand_tok, pick, axis=1)
+                beam_pool = (start + pick).astype(jnp.int32)
+                parent_slot = a + pick // K
+                new_rows = jnp.take_along_axis(beam_anc, parent_slot[:, :, None], axis=1)  # [B, K, slots]
+                new_rows = new_rows | jax.nn.one_hot(b + jnp.arange(K), slots, dtype=bool)[None]
+                beam_anc = beam_anc.at[:, b:b + K].set(new_rows)
+        pool_score = jnp.concatenate(pool_score, axis=1)
+        pool_depth = jnp.concatenate(pool_depth, axis=1)
+        if limit is not None:
+            pool_score = jnp.where(pool_depth > limit[:, None], -jnp.inf, pool_score)
+        sel, valid, tree = tree_from_pool(jnp.concatenate(pool_parent, axis=1), pool_depth, pool_score,
+                                          self.total, D, K)
+        kids = jnp.take_along_axis(jnp.concatenate(pool_tok, axis=1), sel, axis=1)
+        tokens = jnp.concatenate([last[:, None].astype(jnp.int32), kids], axis=1)
+        return Proposal(tokens, valid, tree, None), dc
+
+
+def sd_draft(ctx: loop.StepContext, policy, controller, draft, state: loop.DecodeState):
+    """Phase 1: the controller's depth limits, then the drafted tree. Returns (state, proposal)."""
+    aux: SDState = state.aux
+    k_draft, k_ctrl = jax.random.split(jax.random.fold_in(loop.step_key(state), 1))
+    limit, ctrl = None, aux.ctrl
+    if controller is not None:
+        ctrl, limit = controller.step(aux.ctrl, aux.feedback, k_ctrl)
+        limit = jnp.clip(limit.astype(jnp.int32), 1, policy.max_depth)
+    prop, dcache = policy.propose(ctx, draft, aux.draft, state.last, k_draft, state.sp, limit)
+    if limit is None:
+        limit = jnp.full(state.last.shape, policy.max_depth, jnp.int32)
+    aux = aux.replace(draft=aux.draft.replace(cache=dcache), ctrl=ctrl, feedback=aux.feedback._replace(limit=limit))
+    return state.replace(aux=aux), prop
+
+
+def sd_verify(target, state: loop.DecodeState, prop: Proposal):
+    """Phase 2: one target forward over every node. Returns (state with the nodes' K/V in scratch, logits)."""
     tc = state.cache
-    pos = tc.length[:, None] + t.depth[None]
-    fo = target.forward(tokens, pos, tc, jnp.broadcast_to(t.ancestor, (B,) + t.ancestor.shape))
+    pos = tc.length[:, None] + prop.tree.depth
+    fo = target.forward(prop.tokens, pos, tc, prop.tree.ancestor)
+    return state.replace(cache=fo.cache), fo.logits
+
+
+def sd_accept(ctx: loop.StepContext, policy, rule: str, state: loop.DecodeState, prop: Proposal, logits):
+    """Phase 3: verify, commit the accepted path (target cache, output, draft's pending tokens)."""
+    aux: SDState = state.aux
+    B = state.last.shape[0]
+    D = policy.max_depth
+    k_verify = jax.random.fold_in(loop.step_key(state), 2)
     if ctx.sampling.greedy:
-        verdict = V.greedy(tokens, fo.logits, node_valid, t, D)
+        verdict = V.greedy(prop.tokens, logits, prop.valid, prop.tree, D)
     else:
-        p = S.probs(fo.logits, ctx.sampling, state.sp)
-        verdict = V.stochastic(k_verify, tokens, p, q, node_valid, t, D, rule)
+        p = S.probs(logits, ctx.sampling, state.sp)
+        verdict = V.stochastic(k_verify, prop.tokens, p, prop.q, prop.valid, prop.tree, D, rule)
     a = verdict.accepted
-    path_tokens = jnp.take_along_axis(tokens, verdict.path, axis=1)  # [B, D+1], root first
+    path_tokens = jnp.take_along_axis(prop.tokens, verdict.path, axis=1)  # [B, D+1], root first
     new = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     new = new.at[jnp.arange(B), a].set(verdict.bonus)  # [accepted drafts..., bonus]
     active = ~state.done
-    tc = kvc.commit_path(fo.cache, verdict.path, jnp.where(active, a + 1, 0))
+    tc = kvc.commit_path(state.cache, verdict.path, jnp.where(active, a + 1, 0))
     state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
-    ds = DraftState(dcache, new, jnp.where(active, a + 1, 1))
+    dc = aux.draft.cache
     # finished rows must not move the draft: feed nothing new (re-feed `last` at the same slot)
-    ds = ds.replace(cache=ds.cache.replace(length=jnp.where(active, ds.cache.length, ds.cache.length - 1)),
-                    pending=jnp.where(active[:, None], ds.pending, state.last[:, None]))
-    state = state.replace(aux=ds)
-    drafted = jnp.where(active, jnp.sum(node_valid[:, 1:], axis=1), 0).astype(jnp.int32)
+    ds = DraftState(dc.replace(length=jnp.where(active, dc.length, dc.length - 1)),
+                    jnp.where(active[:, None], new, state.last[:, None]), jnp.where(active, a + 1, 1))
+    feedback = Feedback(jnp.where(active, a, 0), aux.feedback.limit, active)
+    state = state.replace(aux=aux.replace(draft=ds, feedback=feedback))
+    drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
     return loop.record_step(state, n_eff, drafted)
+
+
+def sd_step(ctx: loop.StepContext, policy, rule: str, controller, target, draft, state: loop.DecodeState):
+    """One draft-verify-commit round for every row."""
+    state, prop = sd_draft(ctx, policy, controller, draft, state)
+    state, logits = sd_verify(target, state, prop)
+    return sd_accept(ctx, policy, rule, state, prop, logits)

@@ -1,14 +1,18 @@
 """Draft trees as fixed-shape arrays.
 
-Node 0 is the root (the newest committed token); draft nodes follow in breadth-first order (parents before
-children, each level contiguous, siblings by rank). A static tree comes from a list of child-rank paths
-(EAGLE-1 / Medusa style) and is built once on the host; its arrays are padded to a node budget so that trees of
-one budget share a compilation.
+Node 0 is the root (the newest committed token); draft nodes follow with parents before children. A static tree
+comes from a list of child-rank paths (EAGLE-1 / Medusa style) and is built once on the host, in breadth-first
+order (each level contiguous, siblings by rank); its arrays are padded to a node budget so that trees of one
+budget share a compilation. A dynamic tree (EAGLE-2) is selected per step and per row inside `jit` from a pool of
+scored candidates (`tree_from_pool`). Both reach the verifier as a batched `TreeArrays`.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 # EAGLE-1's `mc_sim_7b_63` as used by EAGLE-1, SpecVLM and SAGE (their initial tree): 25 drafts, depth 5.
@@ -130,3 +134,59 @@ def build_tree(paths, n_max: int | None = None) -> StaticTree:
     levels = tuple((int(np.flatnonzero(depth[:n] == d)[0]), int(np.flatnonzero(depth[:n] == d)[-1]) + 1)
                    for d in range(D + 1))
     return StaticTree(tuple(paths), parent, depth, rank, valid, ancestor, children, retrieve, levels)
+
+
+class TreeArrays(NamedTuple):
+    """Device-side tree, one per row: parent [B, N] (-1 for the root), depth [B, N], ancestor [B, N, N]
+    (ancestor[b, i, j]: j is i or an ancestor of i), children [B, N, M] (node ids in the order the verifier tries
+    them, -1 padded)."""
+
+    parent: jax.Array
+    depth: jax.Array
+    ancestor: jax.Array
+    children: jax.Array
+
+
+def device_tree(tree: StaticTree, batch: int) -> TreeArrays:
+    """A static tree's arrays broadcast to `batch` rows."""
+    b = lambda a: jnp.broadcast_to(jnp.asarray(a), (batch,) + a.shape)
+    return TreeArrays(b(tree.parent), b(tree.depth), b(tree.ancestor), b(tree.children))
+
+
+def tree_from_pool(pool_parent: jax.Array, pool_depth: jax.Array, pool_score: jax.Array, total: int,
+                   max_depth: int, max_children: int) -> tuple[jax.Array, jax.Array, TreeArrays]:
+    """EAGLE-2 reranking: keep the `total` best-scored candidates of each row as the tree's draft nodes.
+
+    pool_* [B, P]: candidates in creation order (every candidate after its parent), pool_parent = pool index of
+    the parent or -1 for a child of the root, pool_score = cumulative draft log-probability (-inf = unusable).
+    Returns (sel [B, total] pool index of node i+1, valid [B, total+1], tree). Nodes keep creation order, so
+    parents precede children. A child never outscores its parent (log-probs are <= 0), so the kept set is closed
+    under ancestors; a node whose ancestor was not kept anyway (a tie) or whose score is -inf is marked invalid.
+    """
+    B, P = pool_score.shape
+    N = total + 1
+    rows = jnp.arange(B)[:, None]
+    _, top = jax.lax.top_k(pool_score, total)
+    sel = jnp.sort(top, axis=-1).astype(jnp.int32)  # [B, total]
+    node_of = jnp.full((B, P), -1, jnp.int32).at[rows, sel].set(jnp.arange(1, N, dtype=jnp.int32))
+    par_pool = jnp.take_along_axis(pool_parent, sel, axis=1)
+    par = jnp.where(par_pool < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(par_pool, 0), axis=1))
+    ok = jnp.isfinite(jnp.take_along_axis(pool_score, sel, axis=1)) & (par >= 0)
+    parent = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), jnp.where(ok, par, 0)], axis=1)
+    depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.take_along_axis(pool_depth, sel, axis=1)], axis=1)
+    valid = jnp.concatenate([jnp.ones((B, 1), bool), ok], axis=1)
+    up = jnp.maximum(parent, 0)  # the root is its own parent for pointer jumping
+    cur = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+    ancestor = jax.nn.one_hot(cur, N, dtype=bool)
+    for _ in range(max_depth):
+        valid = valid & jnp.take_along_axis(valid, up, axis=1)
+        cur = jnp.take_along_axis(up, cur, axis=1)
+        ancestor = ancestor | jax.nn.one_hot(cur, N, dtype=bool)
+    # sibling rank = earlier valid nodes with the same parent; children listed in node order
+    i = jnp.arange(N)
+    same = (parent[:, :, None] == parent[:, None, :]) & (i[None, None, :] < i[None, :, None]) & valid[:, None, :]
+    rank = jnp.sum(same, axis=-1)
+    slot_parent = jnp.where(valid & (i[None] > 0), parent, N)  # out of range: dropped
+    children = jnp.full((B, N, max_children), -1, jnp.int32).at[rows, slot_parent, rank].set(
+        jnp.broadcast_to(i, (B, N)).astype(jnp.int32), mode="drop")
+    return sel, valid, TreeArrays(parent, depth, ancestor, children)
