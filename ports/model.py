@@ -119,6 +119,29 @@ def read_hf_config(directory: str) -> dict:
     return cfg
 
 
+# Key-map transforms, each an axis permutation taking the HF tensor to our param (None = as is):
+# "T" a Linear weight [out, in] -> [in, out]; "conv" a Conv2d kernel [out, in, kh, kw] -> [in, kh, kw, out].
+TRANSFORMS: dict[str, tuple[int, ...]] = {"T": (1, 0), "conv": (1, 2, 3, 0)}
+
+
+def hf_to_ours(arr, transform: str | None):
+    """An HF tensor (numpy / jax array) in our layout."""
+    return arr if transform is None else arr.transpose(TRANSFORMS[transform])
+
+
+def ours_to_hf(arr, transform: str | None):
+    """Inverse of `hf_to_ours`."""
+    return arr if transform is None else arr.transpose(tuple(np.argsort(TRANSFORMS[transform])))
+
+
+def hf_shape_to_ours(shape: tuple, transform: str | None) -> tuple:
+    return tuple(shape) if transform is None else tuple(shape[i] for i in TRANSFORMS[transform])
+
+
+def ours_shape_to_hf(shape: tuple, transform: str | None) -> tuple:
+    return tuple(shape) if transform is None else tuple(shape[i] for i in np.argsort(TRANSFORMS[transform]))
+
+
 def _set_path(tree, path, value):
     node = tree
     for p in path[:-1]:
@@ -174,14 +197,11 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
         path, tr = kmap[name]
         want = tuple(_get_path(shapes, path))
         got = f.shape(name)
-        got_ours = got[::-1] if tr == "T" else got
-        if tuple(got_ours) != want:
-            bad_shape.append(f"{name}: checkpoint {tuple(got)}, expected {want[::-1] if tr == 'T' else want}")
+        if len(got) != len(want) or hf_shape_to_ours(got, tr) != want:
+            bad_shape.append(f"{name}: checkpoint {tuple(got)}, expected {ours_shape_to_hf(want, tr)}")
             bad_names.add(name)
             continue
-        arr = f.get(name)
-        if tr == "T":
-            arr = arr.T
+        arr = hf_to_ours(f.get(name), tr)
         _set_path(params, path, put(path, arr.astype(dt)))
         seen.add(name)
     missing = [n for n in kmap if n not in seen and n not in bad_names]
@@ -206,13 +226,13 @@ def save_hf(model: Model, directory: str, dtype=None) -> None:
     shapes, src = {}, {}
     for name, path, tr in rows:
         shape = tuple(_get_path(model.params, path).shape)
-        shapes[name] = (shape[::-1] if tr == "T" else shape, out_dtype)
+        shapes[name] = (ours_shape_to_hf(shape, tr), out_dtype)
         src[name] = (path, tr)
 
     def fetch(name):
         path, tr = src[name]
         arr = np.asarray(jax.device_get(_get_path(model.params, path)))
-        return arr.T if tr == "T" else arr
+        return ours_to_hf(arr, tr)
 
     write_safetensors(os.path.join(directory, "model.safetensors"), shapes, fetch)
     hf = dict(model.hf_config) or fam.config_to_hf(model.config)
