@@ -1,12 +1,16 @@
-"""Speculative decoding: greedy SD == greedy AR, draft = target accepts everything, tree buffers, compile once."""
+"""Speculative decoding: greedy SD == greedy AR, draft = target accepts everything, tree buffers, hooks
+(controllers, draft views, profiling), compile once."""
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jspec
 import ports
 from jspec import api
-from jspec.trees import MC_SIM_7B_63, NAIVE_EXTEND_57, build_tree, chain
+from jspec.trees import MC_SIM_7B_63, NAIVE_EXTEND_57, build_tree, chain, tree_from_pool
 
 CFG = ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
                        num_heads=4, num_kv_heads=2, head_dim=16)
@@ -34,8 +38,9 @@ PROMPTS = [np.arange(5) % 97, (np.arange(14) * 7) % 97, (np.arange(9) * 3 + 1) %
 @pytest.mark.parametrize("make", [
     lambda d: jspec.Chain(d, gamma=1), lambda d: jspec.Chain(d, gamma=3), lambda d: jspec.Chain(d, gamma=6),
     lambda d: jspec.Tree(d, tree="mc_sim_7b_63"), lambda d: jspec.Tree(d, tree="naive_extend_57"),
-    lambda d: jspec.Tree(d, tree=[[0], [1], [0, 0], [0, 1], [1, 0]])],
-    ids=["chain1", "chain3", "chain6", "mc_sim", "extend57", "custom"])
+    lambda d: jspec.Tree(d, tree=[[0], [1], [0, 0], [0, 1], [1, 0]]),
+    lambda d: jspec.DynamicTree(d, depth=4, top_k=3, total=10), lambda d: jspec.DynamicTree(d, depth=6, top_k=8, total=40)],
+    ids=["chain1", "chain3", "chain6", "mc_sim", "extend57", "custom", "dyn4x3", "dyn6x8"])
 def test_greedy_sd_equals_greedy_ar(pair, make):
     target, draft = pair
     strat = make(draft)
@@ -132,3 +137,142 @@ def test_no_recompilation_across_calls(pair):
     jspec.decode(target, [rng.integers(0, 97, len(p)) for p in PROMPTS], strategy=strat, max_new_tokens=12)
     jspec.decode(target, PROMPTS, strategy=jspec.Chain(draft, gamma=3), max_new_tokens=12, key=jax.random.key(1))
     assert (api._decode_sd._cache_size(), api._prefill_sd._cache_size()) == n
+
+
+def test_dynamic_tree_from_pool_matches_slow_reference():
+    rng = np.random.default_rng(0)
+    B, P, total, D = 3, 30, 12, 8
+    parent = np.full((B, P), -1, np.int32)
+    depth = np.ones((B, P), np.int32)
+    score = np.zeros((B, P), np.float32)
+    for b in range(B):
+        for i in range(P):
+            j = rng.integers(-1, i) if i else -1
+            parent[b, i] = j
+            depth[b, i] = 1 if j < 0 else depth[b, j] + 1
+            score[b, i] = (0 if j < 0 else score[b, j]) + np.log(rng.uniform(0.05, 1.0))
+    score[1, 3] = -np.inf  # unusable candidate: it and its descendants must come out invalid
+    score[2, :] = np.where(np.arange(P) < 8, score[2, :], -np.inf)  # fewer usable candidates than `total`
+    for b in range(B):  # descendants of -inf candidates are -inf too
+        for i in range(P):
+            if parent[b, i] >= 0 and not np.isfinite(score[b, parent[b, i]]):
+                score[b, i] = -np.inf
+    D = int(depth.max())
+    sel, valid, t = jax.jit(tree_from_pool, static_argnums=(3, 4, 5))(
+        jnp.asarray(parent), jnp.asarray(depth), jnp.asarray(score), total, D, P)
+    sel, valid = np.asarray(sel), np.asarray(valid)
+    for b in range(B):
+        order = np.argsort(-score[b], kind="stable")[:total]
+        want = sorted(order.tolist())
+        assert sel[b].tolist() == want
+        node = {p: i + 1 for i, p in enumerate(want)}
+        for i, p in enumerate(want, start=1):
+            assert valid[b, i] == np.isfinite(score[b, p])
+            if not valid[b, i]:
+                continue
+            par = 0 if parent[b, p] < 0 else node[parent[b, p]]
+            assert t.parent[b, i] == par and par < i  # parents before children
+            assert t.depth[b, i] == depth[b, p]
+            chain_, j = {i, 0}, p
+            while parent[b, j] >= 0:
+                j = parent[b, j]
+                chain_.add(node[j])
+            assert set(np.flatnonzero(np.asarray(t.ancestor[b, i]))) == chain_
+        for i in range(total + 1):
+            kids = [k for k in range(1, total + 1) if valid[b, k] and t.parent[b, k] == i]
+            got = [int(c) for c in np.asarray(t.children[b, i]) if c >= 0]
+            assert got == kids
+
+
+@dataclasses.dataclass(frozen=True)
+class CycleDepth:
+    """Test controller: step s of a row drafts 1 + s % period levels."""
+
+    period: int
+
+    def init(self, batch, max_depth):
+        return jnp.zeros((batch,), jnp.int32)
+
+    def step(self, state, feedback, key):
+        return state + 1, 1 + state % self.period
+
+
+@pytest.mark.parametrize("make", [lambda d, c: jspec.Chain(d, gamma=4, controller=c),
+                                  lambda d, c: jspec.Tree(d, tree="mc_sim_7b_63", controller=c),
+                                  lambda d, c: jspec.DynamicTree(d, depth=4, top_k=3, total=10, controller=c)],
+                         ids=["chain", "tree", "dynamic"])
+def test_controller_limits_depth_without_recompiling(pair, make):
+    target, draft = pair
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=20, eos_token_id=())
+    sd = jspec.decode(target, PROMPTS, strategy=make(draft, CycleDepth(4)), max_new_tokens=20, eos_token_id=())
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    n = api._decode_sd._cache_size()
+    jspec.decode(target, PROMPTS[::-1], strategy=make(draft, CycleDepth(4)), max_new_tokens=20, eos_token_id=())
+    assert api._decode_sd._cache_size() == n  # new limits every step, one compilation
+    sd2 = jspec.decode(target, PROMPTS, strategy=make(target, CycleDepth(4)), max_new_tokens=20, eos_token_id=())
+    np.testing.assert_array_equal(sd2.tokens, ar.tokens)
+    acc = sd2.stats["accepted"]
+    dynamic = isinstance(make(draft, None), jspec.DynamicTree)
+    for b in range(len(PROMPTS)):  # draft = target: each step accepts its depth limit, plus the bonus
+        steps = sd2.stats["steps"][b]
+        limits = 1 + np.arange(steps) % 4
+        if dynamic:  # (the reranked tree may keep the argmax chain less deep than the limit)
+            assert np.all(acc[b, :steps] <= limits + 1) and np.all(acc[b, :steps][limits == 1] == 2)
+            assert np.any(acc[b, :steps] >= 4)
+        else:  # the last step may hit the token budget
+            np.testing.assert_array_equal(acc[b, :steps - 1], limits[:-1] + 1)
+    if isinstance(make(draft, None), jspec.Chain):
+        for b in range(len(PROMPTS)):
+            assert sd.stats["drafted"][b] == sum(1 + np.arange(sd.stats["steps"][b]) % 4)
+
+
+def test_dynamic_tree_with_draft_equal_target(pair):
+    target, _ = pair
+    sd = jspec.decode(target, PROMPTS, strategy=jspec.DynamicTree(target, depth=5, top_k=2, total=9),
+                      max_new_tokens=30, eos_token_id=())
+    # the draft's argmax chain is the target's and is accepted as deep as the reranked tree keeps it; its first
+    # node is the best-scored candidate, always kept (each row's last step may be cut by the token budget)
+    for b, steps in enumerate(sd.stats["steps"]):
+        assert np.all(sd.stats["accepted"][b, :steps - 1] >= 2)
+    assert np.all(sd.stats["mean_accepted"] > 3.0)
+    assert sd.stats["drafted"].tolist() == [9 * s for s in sd.stats["steps"]]
+
+
+def test_draft_prompt_view(pair):
+    target, draft = pair
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=16)
+    short = [p[-3:] for p in PROMPTS]  # the draft sees only the last three prompt tokens
+    sd = jspec.decode(target, PROMPTS, strategy=jspec.Chain(draft, gamma=3), max_new_tokens=16, draft_prompt=short)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    same = jspec.decode(target, PROMPTS, strategy=jspec.Chain(target, gamma=3), max_new_tokens=17,
+                        draft_prompt=PROMPTS)
+    assert np.all(same.stats["acceptance_rate"] == 1.0)
+    other = jspec.decode(target, PROMPTS, strategy=jspec.Chain(target, gamma=3), max_new_tokens=16,
+                         draft_prompt=[np.array([5, 6]), np.array([7]), np.array([8, 9, 10])])
+    np.testing.assert_array_equal(other.tokens, ar.tokens)
+    assert other.stats["acceptance_rate"].mean() < 1.0  # the draft really continued its own view
+    with pytest.raises(ValueError, match="draft_prompt has 1 rows, the prompt has 3"):
+        jspec.decode(target, PROMPTS, strategy=jspec.Chain(draft, gamma=3), draft_prompt=PROMPTS[0])
+    with pytest.raises(ValueError, match="draft_prompt needs a speculative strategy"):
+        jspec.decode(target, PROMPTS, draft_prompt=PROMPTS)
+
+
+def test_profile_mode_times_phases_and_keeps_tokens(pair):
+    target, draft = pair
+    for strat in (jspec.Chain(draft, gamma=3), jspec.DynamicTree(draft, depth=3, top_k=2, total=6)):
+        fast = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=12)
+        prof = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=12, profile=True)
+        np.testing.assert_array_equal(prof.tokens, fast.tokens)
+        np.testing.assert_array_equal(prof.stats["accepted"], fast.stats["accepted"])
+        assert all(prof.stats[k] > 0 for k in ("draft_s", "verify_s", "other_s"))
+        assert "draft_s" not in fast.stats
+
+
+def test_bad_dynamic_tree(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="exceeds the 12 candidates"):
+        jspec.decode(target, PROMPTS[0], strategy=jspec.DynamicTree(draft, depth=2, top_k=3, total=13))
+    with pytest.raises(ValueError, match="rule='q1' only"):
+        jspec.decode(target, PROMPTS[0], strategy=jspec.DynamicTree(draft, rule="residual"))
+    with pytest.raises(ValueError, match="depth must be a positive integer"):
+        jspec.decode(target, PROMPTS[0], strategy=jspec.DynamicTree(draft, depth=0))
