@@ -143,9 +143,9 @@ def _pad_id(target, eos: tuple[int, ...]) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("ctx", "max_len"))
-def _prefill_ar(ctx, max_len, target, tokens, lengths, key, sp):
+def _prefill_ar(ctx, max_len, target, tokens, lengths, inputs, key, sp):
     cache = loop.new_cache_for(target, tokens.shape[0], max_len)
-    logits, _, cache = loop.prefill(target, tokens, lengths, cache)
+    logits, _, cache = loop.prefill(target, tokens, lengths, cache, inputs)
     k_first, k_loop = jax.random.split(key)
     first = S.sample(k_first, logits, ctx.sampling, sp)
     return loop.start_state(ctx, first, cache, k_loop, sp)
@@ -157,9 +157,10 @@ def _decode_ar(ctx, target, state):
 
 
 @functools.partial(jax.jit, static_argnames=("ctx", "max_len", "width", "controller"))
-def _prefill_sd(ctx, max_len, width, controller, target, draft, tokens, lengths, d_tokens, d_lengths, key, sp):
-    state = _prefill_ar.__wrapped__(ctx, max_len, target, tokens, lengths, key, sp)
-    ds = SD.init_draft(draft, d_tokens, d_lengths, max_len, state.last, width)
+def _prefill_sd(ctx, max_len, width, controller, target, draft, tokens, lengths, inputs, d_tokens, d_lengths,
+                d_inputs, key, sp):
+    state = _prefill_ar.__wrapped__(ctx, max_len, target, tokens, lengths, inputs, key, sp)
+    ds = SD.init_draft(draft, d_tokens, d_lengths, max_len, state.last, width, d_inputs)
     return state.replace(aux=SD.init_sd_state(ds, controller, width - 1))
 
 
@@ -208,19 +209,17 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     strategy.check(target)
     speculative = not isinstance(strategy, AR)
-    tokens, lengths, extra = normalize_prompt(prompt, target.config.vocab_size)
-    if extra:
-        raise ValueError(f"model_type {target.config.model_type!r} takes text only; got inputs {sorted(extra)}")
+    tokens, lengths, inputs = _model_prompt(target, prompt, "")
     if draft_prompt is not None and not speculative:
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree)")
-    d_tokens, d_lengths = tokens, lengths
     if draft_prompt is not None:
-        d_tokens, d_lengths, d_extra = normalize_prompt(draft_prompt, strategy.draft.config.vocab_size)
-        if d_extra:
-            raise ValueError(f"draft model_type {strategy.draft.config.model_type!r} takes text only; got "
-                             f"{sorted(d_extra)} in draft_prompt")
+        d_tokens, d_lengths, d_inputs = _model_prompt(strategy.draft, draft_prompt, "draft ")
         if d_tokens.shape[0] != tokens.shape[0]:
             raise ValueError(f"draft_prompt has {d_tokens.shape[0]} rows, the prompt has {tokens.shape[0]}")
+    elif speculative:
+        d_tokens, d_lengths, d_inputs = _draft_view(target, strategy.draft, tokens, lengths, inputs)
+    else:
+        d_tokens, d_lengths, d_inputs = tokens, lengths, {}
     sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
     eos = _eos_ids(target, eos_token_id)
     policy = strategy.policy() if speculative else None
@@ -237,11 +236,11 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     key = jax.random.key(0) if key is None else key
     t0 = time.perf_counter()
     if policy is None:
-        state = _prefill_ar(ctx, max_len, target, jnp.asarray(tokens), jnp.asarray(lengths), key, sp)
+        state = _prefill_ar(ctx, max_len, target, jnp.asarray(tokens), jnp.asarray(lengths), inputs, key, sp)
     else:
         state = _prefill_sd(ctx, max_len, policy.max_depth + 1, strategy.controller, target, strategy.draft,
-                            jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(d_tokens),
-                            jnp.asarray(d_lengths), key, sp)
+                            jnp.asarray(tokens), jnp.asarray(lengths), inputs, jnp.asarray(d_tokens),
+                            jnp.asarray(d_lengths), d_inputs, key, sp)
     jax.block_until_ready(state.out)
     t1 = time.perf_counter()
     phases = {}
@@ -256,6 +255,30 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     t2 = time.perf_counter()
     return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, _pad_id(target, eos),
                    {"prefill_s": t1 - t0, "decode_s": t2 - t1, **phases})
+
+
+def _model_prompt(model, prompt, who: str):
+    """(tokens, lengths, modality inputs as device arrays) of a prompt for `model`, checked on the host."""
+    tokens, lengths, extra = normalize_prompt(prompt, model.config.vocab_size)
+    fam = model.family
+    if extra:
+        if fam.prompt_embeds is None:
+            raise ValueError(f"{who}model_type {model.config.model_type!r} takes text only; got inputs {sorted(extra)}")
+        fam.check_modality(model.config, tokens, lengths, extra)
+    elif fam.check_modality is not None:
+        fam.check_modality(model.config, tokens, lengths, {})
+    return tokens, lengths, {k: jnp.asarray(v) for k, v in extra.items()}
+
+
+def _draft_view(target, draft, tokens, lengths, inputs):
+    """The draft's default prompt: the target's, images included when the draft reads images too; a text-only
+    draft gets the prompt without the image placeholder tokens."""
+    if not inputs or draft.family.prompt_embeds is not None:
+        return tokens, lengths, inputs
+    placeholder = getattr(target.config, "image_token_id", None)
+    rows = [tokens[b, :lengths[b]] for b in range(tokens.shape[0])]
+    d_tokens, d_lengths, _ = normalize_prompt([r[r != placeholder] for r in rows], draft.config.vocab_size)
+    return d_tokens, d_lengths, {}
 
 
 def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings) -> DecodeOutput:

@@ -48,12 +48,15 @@ def new_cache_for(model, batch: int, max_len: int) -> kvc.KVCache:
     return kvc.init_cache(layers, batch, kvh, max_len, hd, model.dtype)
 
 
-def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, **fwd_kwargs):
+def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, inputs=None, **fwd_kwargs):
     """Run right-padded prompts [B, T] (row b valid up to lengths[b]) into an empty cache.
 
+    `inputs`: the model's modality inputs (e.g. pixel_values), spliced into the prompt embeddings by its family.
     Returns (logits at each row's last prompt token [B, V], forward output, cache with length = lengths).
     Right padding needs no pad mask: under the causal mask no real token sees a later pad.
     """
+    if inputs:
+        fwd_kwargs["embeds"] = model.family.prompt_embeds(model.config, model.params, tokens, inputs).embeds
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     fo = model.forward(tokens, positions, cache, logits_at=(lengths - 1)[:, None], **fwd_kwargs)

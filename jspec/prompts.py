@@ -15,25 +15,30 @@ def round_up(n: int, m: int) -> int:
 def normalize_prompt(prompt: Any, vocab_size: int, pad_to: int = 16) -> tuple[np.ndarray, np.ndarray, dict]:
     """Return (tokens [B, T_pad] int32 right-padded with 0, lengths [B] int32, modality inputs).
 
-    Accepts an int array [T] or [B, T]; a list of token lists (ragged rows); or a mapping with `input_ids` and an
-    optional `attention_mask` (left or right padding, as HF tokenizers/processors return), plus modality arrays.
+    Accepts an int array [T] or [B, T]; a list of token lists (ragged rows); or a mapping with `input_ids` (an
+    array, or a list of ragged rows) and an optional `attention_mask` (left or right padding, as HF tokenizers and
+    processors return), plus modality arrays.
     T_pad is rounded up to a multiple of `pad_to` so nearby prompt lengths share one compilation.
     """
     extra = {}
     if isinstance(prompt, Mapping):
         if "input_ids" not in prompt:
             raise ValueError(f"prompt mapping has no 'input_ids' (keys: {sorted(prompt)})")
-        ids = np.asarray(prompt["input_ids"])
-        if ids.ndim == 1:
-            ids = ids[None]
+        raw = prompt["input_ids"]
         mask = prompt.get("attention_mask")
-        mask = np.ones_like(ids) if mask is None else np.asarray(mask).reshape(ids.shape)
-        rows = []
-        for b in range(ids.shape[0]):
-            where = np.flatnonzero(mask[b])
-            if where.size and where[-1] - where[0] + 1 != where.size:
-                raise ValueError(f"attention_mask row {b} has holes; only left or right padding is supported")
-            rows.append(ids[b, where])
+        if isinstance(raw, (list, tuple)) and raw and not np.isscalar(raw[0]) and mask is None:
+            rows = [np.asarray(r) for r in raw]  # ragged rows, unpadded
+        else:
+            ids = np.asarray(raw)
+            if ids.ndim == 1:
+                ids = ids[None]
+            mask = np.ones_like(ids) if mask is None else np.asarray(mask).reshape(ids.shape)
+            rows = []
+            for b in range(ids.shape[0]):
+                where = np.flatnonzero(mask[b])
+                if where.size and where[-1] - where[0] + 1 != where.size:
+                    raise ValueError(f"attention_mask row {b} has holes; only left or right padding is supported")
+                rows.append(ids[b, where])
         extra = {k: np.asarray(v) for k, v in prompt.items() if k not in ("input_ids", "attention_mask")}
         unknown = [k for k in extra if k not in MODALITY_KEYS]
         if unknown:

@@ -75,11 +75,11 @@ class SDState:
     feedback: Feedback
 
 
-def init_draft(draft, tokens, lengths, max_len: int, first: jax.Array, width: int) -> DraftState:
-    """Prefill the draft on its prompt (its own view, which may differ from the target's); the first target
-    token waits in `pending`."""
+def init_draft(draft, tokens, lengths, max_len: int, first: jax.Array, width: int, inputs=None) -> DraftState:
+    """Prefill the draft on its prompt (its own view, which may differ from the target's; `inputs` its modality
+    inputs); the first target token waits in `pending`."""
     cache = loop.new_cache_for(draft, tokens.shape[0], max_len)
-    _, _, cache = loop.prefill(draft, tokens, lengths, cache)
+    _, _, cache = loop.prefill(draft, tokens, lengths, cache, inputs)
     pending = jnp.zeros((tokens.shape[0], width), jnp.int32).at[:, 0].set(first)
     return DraftState(cache, pending, jnp.ones((tokens.shape[0],), jnp.int32))
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from ports import config as C
 from ports import llama
+from ports import llava
 from ports.safetensors_io import checkpoint_files, iter_tensors, write_safetensors
 
 
@@ -34,12 +35,20 @@ class Family(NamedTuple):
     kv_layout: Callable[[Any], tuple[int, int, int]]
     embed: Callable
     unembed: Callable
+    rename_hf_key: Callable[[str], str] = lambda name: name  # other accepted checkpoint layouts -> hf_key_map names
+    # models with non-text inputs: check_modality(cfg, tokens, lengths, inputs) on the host, then
+    # prompt_embeds(cfg, params, tokens, inputs) -> .embeds [B, T, D] for the prefill (None: text only)
+    check_modality: Callable | None = None
+    prompt_embeds: Callable | None = None
 
 
 _TEXT = Family(C.text_config_from_hf, C.text_config_to_hf, llama.param_shapes, llama.init_params, llama.forward,
                llama.hf_key_map, llama.IGNORED_HF_KEYS, llama.kv_layout,
                lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed)
-FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT}
+_LLAVA = Family(llava.config_from_hf, llava.config_to_hf, llava.param_shapes, llava.init_params, llava.forward,
+                llava.hf_key_map, llava.IGNORED_HF_KEYS, llava.kv_layout, llava.embed, llava.unembed,
+                llava.rename_hf_key, llava.check_modality, llava.prompt_embeds)
+FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "llava": _LLAVA}
 
 
 def family(model_type: str) -> Family:
@@ -180,7 +189,7 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
     kmap = {name: (path, tr) for name, path, tr in fam.hf_key_map(cfg)}
     ignored = [re.compile(p) for p in fam.ignored_keys]
     if getattr(cfg, "tie_word_embeddings", False):
-        ignored.append(re.compile(r"^lm_head\.weight$"))
+        ignored.append(re.compile(r"(^|\.)lm_head\.weight$"))
     params = _empty_like_shapes(shapes)
     put = device_put or (lambda path, arr: jnp.asarray(arr))
     unexpected, bad_shape, seen, bad_names = [], [], set(), set()
@@ -189,19 +198,20 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
         from tqdm import tqdm
 
         tensors = tqdm(tensors, desc=f"loading {os.path.basename(os.path.normpath(directory))}", unit="tensor")
-    for name, f in tensors:
+    for file_name, f in tensors:
+        name = fam.rename_hf_key(file_name)
         if name not in kmap:
             if not any(p.search(name) for p in ignored):
-                unexpected.append(name)
+                unexpected.append(file_name)
             continue
         path, tr = kmap[name]
         want = tuple(_get_path(shapes, path))
-        got = f.shape(name)
+        got = f.shape(file_name)
         if len(got) != len(want) or hf_shape_to_ours(got, tr) != want:
             bad_shape.append(f"{name}: checkpoint {tuple(got)}, expected {ours_shape_to_hf(want, tr)}")
             bad_names.add(name)
             continue
-        arr = hf_to_ours(f.get(name), tr)
+        arr = hf_to_ours(f.get(file_name), tr)
         _set_path(params, path, put(path, arr.astype(dt)))
         seen.add(name)
     missing = [n for n in kmap if n not in seen and n not in bad_names]
@@ -276,19 +286,32 @@ def load(directory: str, dtype=None, shardings=None) -> Model:
 
 
 def logits(model: Model, prompt) -> np.ndarray:
-    """Full-sequence forward without a persistent cache: float32 logits [B, T, V] (B=1 for a 1-D prompt)."""
-    tokens = np.asarray(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    """Full-sequence forward without a persistent cache: float32 logits [B, T, V] (B=1 for a 1-D prompt).
+
+    `prompt` is a token array or a mapping with `input_ids` (no padding) and the model's modality inputs
+    (e.g. `pixel_values` for LLaVA)."""
+    inputs = {}
+    if isinstance(prompt, dict):
+        inputs = {k: np.asarray(v) for k, v in prompt.items() if k not in ("input_ids", "attention_mask")}
+        prompt = prompt["input_ids"]
+    tokens = np.asarray(prompt)
     if tokens.ndim == 1:
         tokens = tokens[None]
-    return np.asarray(_logits_jit(model, jnp.asarray(tokens, jnp.int32)))
+    fam = model.family
+    if inputs:
+        if fam.prompt_embeds is None:
+            raise ValueError(f"model_type {model.config.model_type!r} takes text only; got inputs {sorted(inputs)}")
+        fam.check_modality(model.config, tokens, np.full((tokens.shape[0],), tokens.shape[1]), inputs)
+    return np.asarray(_logits_jit(model, jnp.asarray(tokens, jnp.int32), {k: jnp.asarray(v) for k, v in inputs.items()}))
 
 
 @jax.jit
-def _logits_jit(model: Model, tokens: jax.Array) -> jax.Array:
+def _logits_jit(model: Model, tokens: jax.Array, inputs: dict) -> jax.Array:
     from jspec import cache as kvc
 
     B, T = tokens.shape
     layers, kvh, hd = model.family.kv_layout(model.config)
     cache = kvc.init_cache(layers, B, kvh, T, hd, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return model.forward(tokens, positions, cache).logits
+    embeds = model.family.prompt_embeds(model.config, model.params, tokens, inputs).embeds if inputs else None
+    return model.forward(tokens, positions, cache, embeds=embeds).logits

@@ -1,0 +1,200 @@
+"""LLaVA (1.5): a CLIP/SigLIP tower + multimodal projector in front of a LLaMA/Qwen2 language model.
+
+Params: {"vision": tower params (ports.vision), "projector": projector params, "lm": language-model params
+(ports.llama)}. Decoding runs the language model alone; images enter once, at prefill, through `prompt_embeds`,
+which replaces the embedding of every image placeholder token (`image_token_id`) by the projected image features,
+in order (row-major over the batch, as HF's masked_scatter does).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ports import config as C
+from ports import llama
+from ports import vision as VZ
+
+# HF's LlavaConfig builds this tower when config.json has no vision_config (CLIP ViT-L/14 at 336 px).
+_DEFAULT_VISION = {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                   "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
+                   "projection_dim": 768, "vocab_size": 32000}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlavaConfig:
+    """Static, hashable config of a LLaVA model; exposes the text fields the engine reads."""
+
+    model_type: str
+    text: C.TextConfig
+    vision: VZ.VisionConfig
+    projector: VZ.ProjectorConfig
+    image_token_id: int
+    feature_layer: int | tuple[int, ...] = -2
+    feature_strategy: str = "default"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.text.eos_token_ids
+
+    @property
+    def bos_token_id(self):
+        return self.text.bos_token_id
+
+    @property
+    def pad_token_id(self):
+        return self.text.pad_token_id
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.text.tie_word_embeddings
+
+    @property
+    def tokens_per_image(self) -> int:
+        return VZ.num_feature_tokens(self.vision, self.feature_strategy)
+
+
+def config_from_hf(d: dict) -> LlavaConfig:
+    """Parse an HF `LlavaConfig` dict (config.json, with generation_config's token ids merged at the top)."""
+    text_d = dict(d.get("text_config") or {})
+    text_d.setdefault("model_type", "llama")
+    for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if d.get(k) is not None:
+            text_d[k] = d[k]
+    if "tie_word_embeddings" in d and "tie_word_embeddings" not in text_d:
+        text_d["tie_word_embeddings"] = d["tie_word_embeddings"]
+    text = C.text_config_from_hf(text_d)
+    vision = VZ.vision_config_from_hf(d.get("vision_config") or _DEFAULT_VISION)
+    layer = d.get("vision_feature_layer", -2)
+    layer = int(layer) if isinstance(layer, int) else tuple(int(x) for x in layer)
+    strategy = d.get("vision_feature_select_strategy", "default")
+    if strategy not in VZ.FEATURE_STRATEGIES:
+        raise ValueError(f"unknown vision_feature_select_strategy {strategy!r}; expected {VZ.FEATURE_STRATEGIES}")
+    image_token = d.get("image_token_id", d.get("image_token_index", 32000))
+    return LlavaConfig(model_type=d.get("model_type", "llava"), text=text, vision=vision,
+                       projector=VZ.projector_config_from_hf(d, vision, text.hidden_size),
+                       image_token_id=int(image_token), feature_layer=layer, feature_strategy=strategy)
+
+
+def config_to_hf(cfg: LlavaConfig) -> dict:
+    text = C.text_config_to_hf(cfg.text)
+    return {"model_type": cfg.model_type, "architectures": ["LlavaForConditionalGeneration"],
+            "text_config": text, "vision_config": VZ.vision_config_to_hf(cfg.vision),
+            "image_token_index": cfg.image_token_id, "image_seq_length": cfg.tokens_per_image,
+            "vision_feature_layer": cfg.feature_layer if isinstance(cfg.feature_layer, int) else list(cfg.feature_layer),
+            "vision_feature_select_strategy": cfg.feature_strategy, "projector_hidden_act": cfg.projector.act,
+            "multimodal_projector_bias": cfg.projector.bias, "tie_word_embeddings": cfg.text.tie_word_embeddings,
+            "eos_token_id": text.get("eos_token_id"), "bos_token_id": text.get("bos_token_id"),
+            "pad_token_id": text.get("pad_token_id")}
+
+
+def param_shapes(cfg: LlavaConfig) -> dict:
+    return {"vision": VZ.param_shapes(cfg.vision), "projector": VZ.projector_param_shapes(cfg.projector),
+            "lm": llama.param_shapes(cfg.text)}
+
+
+def init_params(cfg: LlavaConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
+    kv, kp, kl = jax.random.split(key, 3)
+    return {"vision": VZ.init_params(cfg.vision, kv, dtype, std), "projector": VZ.init_projector(cfg.projector, kp, dtype, std),
+            "lm": llama.init_params(cfg.text, kl, dtype, std)}
+
+
+def forward(cfg: LlavaConfig, params: dict, *args, **kwargs) -> llama.ForwardOut:
+    """The language model's forward (see `ports.llama.forward`); images come in through `embeds`."""
+    return llama.forward(cfg.text, params["lm"], *args, **kwargs)
+
+
+def embed(cfg: LlavaConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    return llama.embed(params["lm"], tokens)
+
+
+def unembed(cfg: LlavaConfig, params: dict, h: jax.Array) -> jax.Array:
+    return llama.unembed(cfg.text, params["lm"], h)
+
+
+def kv_layout(cfg: LlavaConfig) -> tuple[int, int, int]:
+    return llama.kv_layout(cfg.text)
+
+
+# ------------------------------------------------------------------------------------------------ images
+
+
+class PromptEmbeds(NamedTuple):
+    embeds: jax.Array  # [B, T, D] text embeddings with image features spliced in
+    image_mask: jax.Array  # [B, T] bool: which prompt positions hold image features
+    vision_features: jax.Array  # [N, P, Dv] tower features before the projector (TABED's pooled view reads them)
+
+
+def image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(tower features before the projector [N, P, Dv], projected features [N, P, D]) for images [N, C, H, W]."""
+    feats = VZ.image_features(cfg.vision, params["vision"], pixel_values, cfg.feature_layer, cfg.feature_strategy)
+    return feats, VZ.projector_forward(params["projector"], feats, cfg.projector.act)
+
+
+def check_modality(cfg: LlavaConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: Mapping[str, Any]) -> None:
+    """Host-side checks before any compute: known inputs, pixel_values shape, one image per placeholder run."""
+    unknown = sorted(set(inputs) - {"pixel_values"})
+    if unknown:
+        raise ValueError(f"{cfg.model_type} takes pixel_values only; got {unknown}")
+    n_tok = int(sum(np.sum(tokens[b, :lengths[b]] == cfg.image_token_id) for b in range(tokens.shape[0])))
+    pv = inputs.get("pixel_values")
+    if pv is None:
+        if n_tok:
+            raise ValueError(f"prompt has {n_tok} image tokens (id {cfg.image_token_id}) but no pixel_values")
+        return
+    pv = np.asarray(pv)
+    VZ.check_pixel_values(cfg.vision, pv)
+    want = pv.shape[0] * cfg.tokens_per_image
+    if n_tok != want:
+        raise ValueError(f"prompt has {n_tok} image tokens (id {cfg.image_token_id}) but {pv.shape[0]} image(s) "
+                         f"x {cfg.tokens_per_image} features = {want}; build the prompt with the model's processor")
+
+
+def prompt_embeds(cfg: LlavaConfig, params: dict, tokens: jax.Array, inputs: Mapping[str, jax.Array]) -> PromptEmbeds:
+    """Embeddings of right-padded prompts [B, T] with the i-th image placeholder (row-major) replaced by the i-th
+    image feature vector. Counts are checked on the host by `check_modality`."""
+    x = llama.embed(params["lm"], tokens)
+    is_img = tokens == cfg.image_token_id
+    pv = inputs.get("pixel_values")
+    if pv is None:
+        return PromptEmbeds(x, is_img, jnp.zeros((0, cfg.tokens_per_image, cfg.projector.in_dim), x.dtype))
+    feats, proj = image_features(cfg, params, pv.astype(x.dtype))
+    flat = proj.reshape(-1, proj.shape[-1]).astype(x.dtype)
+    idx = jnp.cumsum(is_img.reshape(-1)) - 1
+    spliced = jnp.take(flat, jnp.clip(idx, 0, flat.shape[0] - 1), axis=0).reshape(x.shape)
+    return PromptEmbeds(jnp.where(is_img[..., None], spliced, x), is_img, feats)
+
+
+def hf_key_map(cfg: LlavaConfig):
+    """Rows in the layout transformers 5 writes to disk; `rename_hf_key` maps the other layouts onto it."""
+    rows = [(n, ("vision",) + p, t) for n, p, t in VZ.hf_key_map(cfg.vision, "vision_tower.")]
+    rows += [(n, ("projector",) + p, t) for n, p, t in VZ.projector_key_map(cfg.projector, "multi_modal_projector.")]
+    rows += [(n, ("lm",) + p, t) for n, p, t in llama.hf_key_map(cfg.text, "language_model.model.",
+                                                                  "language_model.lm_head.weight")]
+    return rows
+
+
+_RENAMES = (("model.vision_tower.", "vision_tower."),  # transformers-5 in-memory names
+            ("model.multi_modal_projector.", "multi_modal_projector."),
+            ("model.language_model.", "language_model.model."),
+            ("lm_head.", "language_model.lm_head."),
+            ("vision_tower.vision_model.", "vision_tower."))  # older hub checkpoints
+
+
+def rename_hf_key(name: str) -> str:
+    """Any accepted LLaVA checkpoint name -> the name `hf_key_map` uses."""
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+IGNORED_HF_KEYS = tuple(VZ.ignored_hf_keys("vision_tower.")) + tuple(
+    r"^language_model\.model\." + p for p in llama.IGNORED_HF_KEYS)
