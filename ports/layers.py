@@ -55,11 +55,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([out, xp], axis=-1) if xp.shape[-1] else out
 
 
-def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Array,
+              score_weights: jax.Array | None = None):
     """Grouped-query attention of new queries over the whole cache.
 
     q [B, T, H, Dh]; k_buf, v_buf [B, KVH, S, Dh]; visible bool [B, T, S]. Returns [B, T, H, Dh].
-    Scores and softmax run in float32 whatever the parameter dtype.
+    Scores and softmax run in float32 whatever the parameter dtype. With `score_weights` [B, T] it returns
+    (out, scores [B, S]): the attention probabilities averaged over heads and summed over queries with those
+    weights (full softmax denominators; SpecVLM's language-to-vision scores).
     """
     B, T, H, Dh = q.shape
     kvh = k_buf.shape[1]
@@ -67,9 +70,12 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     scores = einsum_f32("btkgd,bksd->bkgts", qg, k_buf)
     scores = scores * (Dh ** -0.5)
     scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
-    out = einsum_f32("bkgts,bksd->btkgd", probs, v_buf)
-    return out.reshape(B, T, H, Dh).astype(q.dtype)
+    probs32 = jax.nn.softmax(scores, axis=-1)
+    probs = probs32.astype(v_buf.dtype)
+    out = einsum_f32("bkgts,bksd->btkgd", probs, v_buf).reshape(B, T, H, Dh).astype(q.dtype)
+    if score_weights is None:
+        return out
+    return out, jnp.einsum("bkgts,bt->bs", probs32, score_weights.astype(jnp.float32)) / H
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
@@ -83,13 +89,18 @@ def swiglu(x: jax.Array, p: dict) -> jax.Array:
     return linear(jax.nn.silu(g) * u, p["w_down"], p.get("b_down"))
 
 
-def self_attention_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf, v_buf, start, visible):
-    """One attention block: project, rotate, write the new K/V at slots start[b].., attend. Returns (out, k, v)."""
+def self_attention_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf, v_buf, start, visible,
+                         score_weights: jax.Array | None = None):
+    """One attention block: project, rotate, write the new K/V at slots start[b].., attend. Returns (out, k, v),
+    and the attention scores of `attention` as a 4th item when `score_weights` is given."""
     B, T, _ = x.shape
     q = linear(x, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
     k = linear(x, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     v = linear(x, p["wv"], p.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_buf, v_buf = kvc.write_layer(k_buf, v_buf, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)
-    o = attention(q, k_buf, v_buf, visible)
+    o = attention(q, k_buf, v_buf, visible, score_weights)
+    if score_weights is not None:
+        o, scores = o
+        return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf, scores
     return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf

@@ -22,6 +22,7 @@ class ForwardOut(NamedTuple):
     logits: jax.Array | None  # [B, T or K, V] float32
     hidden: tuple  # requested hidden states, each [B, T, D]
     cache: kvc.KVCache
+    attn: jax.Array | None = None  # [B, S] attention scores when asked (`attn_query_weights`)
 
 
 def param_shapes(cfg: TextConfig) -> dict:
@@ -72,7 +73,8 @@ def unembed(cfg: TextConfig, params: dict, h: jax.Array) -> jax.Array:
 def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,
             new_mask: jax.Array | None = None, *, embeds: jax.Array | None = None,
             hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
-            compute_logits: bool = True, write_offset: int = 0) -> ForwardOut:
+            compute_logits: bool = True, write_offset: int = 0,
+            attn_query_weights: jax.Array | None = None) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
     tokens [B, T] (or embeds [B, T, D]); positions [B, T] RoPE positions; the new K/V are written at slots
@@ -80,7 +82,9 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     [B, T, write_offset + T] says which scratch slots (earlier scratch, then the new tokens) each new token sees
     (default causal over the new tokens; a tree passes its ancestor mask). hidden_layers: indices i in [0, num_layers],
     the residual stream after the first i layers (0 = embeddings). logits_at [B, K]: compute logits only at these
-    new-token indices (default all T).
+    new-token indices (default all T). attn_query_weights [B, T]: also return `attn` [B, S], the attention
+    probabilities over cache slots averaged over layers and heads and summed over the new tokens with these
+    weights (e.g. 1/|L| on the queries L of SpecVLM's language-to-vision scores).
     """
     x = embed(params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
@@ -91,9 +95,14 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     want = set(hidden_layers)
     hidden = {0: x} if 0 in want else {}
     ks, vs = [], []
+    attn = None
     for i, p in enumerate(params["layers"]):
         h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        a, kb, vb = L.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], start, visible)
+        out = L.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], start, visible,
+                                     attn_query_weights)
+        a, kb, vb = out[:3]
+        if attn_query_weights is not None:
+            attn = out[3] if attn is None else attn + out[3]
         x = x + a
         x = x + L.swiglu(L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
         ks.append(kb)
@@ -105,7 +114,9 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     if compute_logits:
         xs = x if logits_at is None else jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
         logits = unembed(cfg, params, xs)
-    return ForwardOut(logits, tuple(hidden[i] for i in hidden_layers), new_cache)
+    if attn is not None:
+        attn = attn / len(params["layers"])
+    return ForwardOut(logits, tuple(hidden[i] for i in hidden_layers), new_cache, attn)
 
 
 def hf_key_map(cfg: TextConfig, prefix: str = "model.", head_key: str = "lm_head.weight"):

@@ -198,3 +198,34 @@ def test_bad_image_inputs(models):
     text_only = ports.Model(target.config.text, target.params["lm"])
     with pytest.raises(ValueError, match="takes text only"):
         jspec.decode(text_only, {"input_ids": ids[None], "pixel_values": pix})
+
+
+def test_attention_score_hook_matches_hf_eager(models):
+    """SpecVLM's language-to-vision scores: attention probabilities of the text after the image over every key,
+    averaged over layers and heads and over those queries, equal HF's eager attentions."""
+    from jspec import loop
+    from ports import llava
+
+    hf, target, _ = models
+    ids, pix = image_prompt(1, seed=60, post=5)
+    T = len(ids)
+    last_img = int(np.flatnonzero(ids == IMG)[-1])
+    queries = (np.arange(T) > last_img).astype(np.float32)
+    weights = queries / queries.sum()
+    cfg = target.config
+    pe = llava.prompt_embeds(cfg, target.params, np.asarray(ids[None], np.int32), {"pixel_values": pix})
+    cache = loop.new_cache_for(target, 1, 64)
+    fo = target.forward(ids[None], np.arange(T)[None], cache, embeds=pe.embeds, attn_query_weights=weights[None])
+    assert fo.attn.shape == (1, 64)
+    np.testing.assert_array_equal(np.asarray(pe.image_mask[0]), ids == IMG)  # the image-position hook
+    hf.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            att = hf(input_ids=torch.tensor(ids[None]), pixel_values=torch.tensor(pix), output_attentions=True).attentions
+    finally:
+        hf.set_attn_implementation("sdpa")
+    want = np.mean([a[0].numpy().mean(0) for a in att], axis=0)  # [T, T], layers and heads averaged
+    want = weights @ want
+    np.testing.assert_allclose(np.asarray(fo.attn[0, :T]), want, atol=1e-5)
+    assert np.all(np.asarray(fo.attn[0, T:]) == 0)  # unused cache slots get nothing
+    np.testing.assert_allclose(float(fo.attn.sum()), 1.0, rtol=1e-5)  # probabilities: each query's row sums to 1
