@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ports import config as C
+from ports import chameleon
 from ports import llama
 from ports import llava
 from ports.safetensors_io import checkpoint_files, iter_tensors, write_safetensors
@@ -49,6 +50,10 @@ _LLAVA = Family(llava.config_from_hf, llava.config_to_hf, llava.param_shapes, ll
                 llava.hf_key_map, llava.IGNORED_HF_KEYS, llava.kv_layout, llava.embed, llava.unembed,
                 llava.rename_hf_key, llava.check_modality, llava.prompt_embeds)
 FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "llava": _LLAVA}
+FAMILIES["chameleon"] = Family(chameleon.config_from_hf, chameleon.config_to_hf, chameleon.param_shapes,
+                               chameleon.init_params, chameleon.forward, chameleon.hf_key_map,
+                               chameleon.IGNORED_HF_KEYS, chameleon.kv_layout, chameleon.embed, chameleon.unembed,
+                               check_modality=chameleon.check_modality, prompt_embeds=chameleon.prompt_embeds)
 
 
 def family(model_type: str) -> Family:

@@ -1,0 +1,404 @@
+"""Chameleon decoder port (Chameleon, Anole, Lumina-mGPT): config, params, forward, image-token vocabulary, HF map.
+
+Chameleon is LLaMA with three changes, all matched to HF `ChameleonForConditionalGeneration` (transformers 5):
+  * per-head QK LayerNorm: after the q/k projections and before RoPE, every head's [head_dim] vector is
+    layer-normalised (no affine, eps 1e-5 fixed) and then scaled and shifted by that head's own weight and bias
+    (q_norm / k_norm of shape [heads, head_dim] and [kv_heads, head_dim]);
+  * `swin_norm`: the two RMSNorms move from the block inputs to the block outputs (x + norm(attn(x)),
+    then x + norm(mlp(x))), as Chameleon-34B does;
+  * images are VQ codes written as ordinary BPE tokens (`IMGIMG...Z` in `vocabulary_map`), so an image prompt is a
+    token prompt: `image_tokens` encodes pixels with the VQGAN encoder (ports.vqgan) and maps codes to BPE ids,
+    `merge_image_tokens` puts them where the processor wrote `<image>` placeholders.
+HF sets the logits of every image token to float32 min (text-only generation); `suppress_image_logits` (HF's
+behaviour, Lumina-mGPT's `mask_image_logits` key) switches that, and must be off to generate images.
+
+Loading Lumina-mGPT / Anole: an HF-format checkpoint directory (config.json with model_type "chameleon", whatever
+its config class, e.g. Lumina-mGPT's ChameleonXLLMXConfig; safetensors with model.*, lm_head.weight and
+model.vqmodel.*) loads with `ports.load_hf(dir)`; the VQGAN decoder comes from the tokenizer checkpoint these
+projects ship (`vqgan.ckpt`), see `ports.vqgan.load_vqgan_decoder`. To generate images, turn the suppression off:
+`dataclasses.replace(model.config, suppress_image_logits=False)` (Lumina-mGPT's config may already say so).
+Anole's original release uses Meta's consolidated format; it needs an HF-format conversion first.
+
+Params: the LLaMA pytree of ports.llama (embed, layers[...], final_norm, lm_head) with per-layer q_norm, q_norm_b
+[H, Dh] and k_norm, k_norm_b [KVH, Dh] added, plus "vqmodel": the VQ encoder, quantizer and post_quant_conv
+(ports.vqgan, HF_PARTS). The VQGAN decoder is not in HF checkpoints: see `ports.vqgan.load_vqgan_decoder`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import cache as kvc
+from ports import layers as L
+from ports import llama
+from ports import vqgan as VQ
+from ports.config import TextConfig, _as_tuple, rope_from_hf
+from ports.llama import ForwardOut
+from ports.vision import layer_norm
+
+QK_NORM_EPS = 1e-5  # HF ChameleonLayerNorm calls F.layer_norm with eps=1e-5 whatever the config says
+
+# Names in Chameleon's vocabulary (vocabulary_map) of the tokens an image prompt / generation uses.
+IMAGE_PLACEHOLDER = "<image>"  # what ChameleonProcessor repeats image_seq_length times
+IMAGE_START = "<racm3:break>"  # begin of image (processor's image_start_token, Lumina-mGPT's image_start_token)
+IMAGE_END = "<eoss>"  # end of image
+IMAGE_NEWLINE = "<reserved08799>"  # Lumina-mGPT's end-of-row token
+SIZE_TOKEN_BASE = "<reserved08800>"  # Lumina-mGPT: the size token for n grid units is <reserved{8800 + n:05d}>
+IMAGE_NAME_PREFIX = "IMGIMG"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChameleonConfig(TextConfig):
+    """A Chameleon decoder: the TextConfig fields plus the Chameleon-specific ones (hashable)."""
+
+    swin_norm: bool = False
+    suppress_image_logits: bool = True  # HF: logits of image tokens = float32 min (turn off to generate images)
+    image_token_ids: tuple[int, ...] = ()  # BPE id of VQ code i (HF vocabulary_mapping.img2bpe)
+    image_token_id: int | None = None  # the "<image>" placeholder
+    image_start_token_id: int | None = None
+    image_end_token_id: int | None = None
+    image_newline_token_id: int | None = None
+    size_token_base: int | None = None
+    vq: VQ.VQConfig = VQ.VQConfig()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError(f"chameleon: hidden_size={self.hidden_size} must equal num_attention_heads="
+                             f"{self.num_heads} x head_dim={self.head_dim}")
+        if len(self.image_token_ids) != self.vq.num_embeddings:
+            raise ValueError(f"chameleon: {len(self.image_token_ids)} image tokens in the vocabulary but the VQ "
+                             f"codebook has num_embeddings={self.vq.num_embeddings}")
+        bad = [t for t in self.image_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"chameleon: image token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def num_params(self) -> int:
+        return int(sum(np.prod(s) for s in jax.tree.leaves(param_shapes(self), is_leaf=lambda x: isinstance(x, tuple))))
+
+
+# --------------------------------------------------------------------------------------------------- vocabulary
+
+
+def code_name(code: int) -> str:
+    """The vocabulary name of VQ code `code`: IMGIMG + its decimal digits written A..J + Z."""
+    return IMAGE_NAME_PREFIX + "".join(chr(ord("A") + int(d)) for d in str(int(code))) + "Z"
+
+
+def image_vocabulary(vocabulary_map: Mapping[str, int] | None, num_embeddings: int) -> tuple[int, ...]:
+    """BPE ids of VQ codes 0..num_embeddings-1, read from the `IMGIMG...` names as HF's
+    ChameleonImageVocabularyMapping does (letters A..J are digits 0..9, the last character is dropped).
+    ValueError if the map is missing or does not name every code exactly once."""
+    if not vocabulary_map:
+        raise ValueError("chameleon config has no vocabulary_map: it is needed to map VQ image codes to BPE token ids "
+                         "(the IMGIMG... entries); copy it from the checkpoint's config.json")
+    digits = {chr(ord("A") + i): str(i) for i in range(10)}
+    ids: dict[int, int] = {}
+    for name, bpe in vocabulary_map.items():
+        if not name.startswith(IMAGE_NAME_PREFIX):
+            continue
+        text = "".join(digits.get(c, c) for c in name[len(IMAGE_NAME_PREFIX):-1])
+        try:
+            code = int(text)
+        except ValueError:
+            raise ValueError(f"vocabulary_map entry {name!r} is not an image-code name "
+                             "(IMGIMG<A..J digits>Z)") from None
+        if code in ids:
+            raise ValueError(f"vocabulary_map names VQ code {code} twice")
+        ids[code] = int(bpe)
+    if not ids:
+        raise ValueError(f"vocabulary_map has no image tokens (names starting with {IMAGE_NAME_PREFIX!r})")
+    missing = sorted(set(range(num_embeddings)) - set(ids))
+    extra = sorted(set(ids) - set(range(num_embeddings)))
+    if missing or extra:
+        raise ValueError(f"vocabulary_map image tokens do not cover the codebook of {num_embeddings} codes: "
+                         f"missing codes {missing[:10]}, codes out of range {extra[:10]}")
+    return tuple(ids[c] for c in range(num_embeddings))
+
+
+@functools.lru_cache(maxsize=16)
+def _bpe_to_code_table(cfg: ChameleonConfig) -> np.ndarray:
+    table = np.full((cfg.vocab_size,), -1, np.int32)
+    table[np.asarray(cfg.image_token_ids, np.int64)] = np.arange(len(cfg.image_token_ids), dtype=np.int32)
+    return table
+
+
+def codes_to_bpe(cfg: ChameleonConfig, codes: jax.Array) -> jax.Array:
+    """VQ codes (any shape) -> their BPE token ids (int32)."""
+    return jnp.take(jnp.asarray(np.asarray(cfg.image_token_ids, np.int32)), jnp.asarray(codes).astype(jnp.int32))
+
+
+def bpe_to_codes(cfg: ChameleonConfig, ids: jax.Array) -> jax.Array:
+    """BPE token ids (any shape) -> VQ codes, -1 where the token is not an image token (int32)."""
+    return jnp.take(jnp.asarray(_bpe_to_code_table(cfg)), jnp.asarray(ids).astype(jnp.int32))
+
+
+def image_logit_mask(cfg: ChameleonConfig) -> np.ndarray:
+    """bool [V]: the image-code tokens (what HF suppresses; begin/end-of-image tokens are not among them)."""
+    return _bpe_to_code_table(cfg) >= 0
+
+
+# --------------------------------------------------------------------------------------------------- config
+
+
+def config_from_hf(d: Mapping[str, Any]) -> ChameleonConfig:
+    """Parse an HF chameleon config.json dict (transformers 5 or older spellings; Lumina-mGPT's ChameleonXLLMXConfig
+    too: its `mask_image_logits` sets `suppress_image_logits`)."""
+    if d.get("model_type") != "chameleon":
+        raise ValueError(f"config_from_hf: model_type {d.get('model_type')!r} is not chameleon")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (Chameleon uses silu)")
+    vq = VQ.vq_config_from_hf(d.get("vq_config"))
+    vm = d.get("vocabulary_map")
+    image_ids = image_vocabulary(vm, vq.num_embeddings)
+    heads = d.get("num_attention_heads", 32)
+    hidden = d.get("hidden_size", 4096)
+    bias = bool(d.get("attention_bias", False))
+    return ChameleonConfig(
+        model_type="chameleon",
+        vocab_size=d.get("vocab_size", 65536),
+        hidden_size=hidden,
+        intermediate_size=d.get("intermediate_size", 11008),
+        num_layers=d.get("num_hidden_layers", 32),
+        num_heads=heads,
+        num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=hidden // heads,  # HF Chameleon ignores any head_dim key
+        rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+        rope=rope_from_hf(d),
+        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_as_tuple(d.get("eos_token_id")),
+        pad_token_id=d.get("pad_token_id"),
+        swin_norm=bool(d.get("swin_norm", False)),
+        suppress_image_logits=bool(d.get("mask_image_logits", True)),
+        image_token_ids=image_ids,
+        image_token_id=vm.get(IMAGE_PLACEHOLDER, d.get("image_token_id")),
+        image_start_token_id=vm.get(IMAGE_START),
+        image_end_token_id=vm.get(IMAGE_END),
+        image_newline_token_id=vm.get(IMAGE_NEWLINE),
+        size_token_base=vm.get(SIZE_TOKEN_BASE),
+        vq=vq,
+    )
+
+
+def vocabulary_map(cfg: ChameleonConfig) -> dict[str, int]:
+    """The part of a vocabulary_map the model needs: image codes, the placeholder and the image grammar tokens."""
+    vm = {code_name(c): int(t) for c, t in enumerate(cfg.image_token_ids)}
+    for name, tid in ((IMAGE_PLACEHOLDER, cfg.image_token_id), (IMAGE_START, cfg.image_start_token_id),
+                      (IMAGE_END, cfg.image_end_token_id), (IMAGE_NEWLINE, cfg.image_newline_token_id),
+                      (SIZE_TOKEN_BASE, cfg.size_token_base)):
+        if tid is not None:
+            vm[name] = int(tid)
+    return vm
+
+
+def config_to_hf(cfg: ChameleonConfig) -> dict[str, Any]:
+    """An HF config.json dict (transformers-5 spelling) that builds this model. Its vocabulary_map holds only the
+    entries the model uses (see `vocabulary_map`); a loaded checkpoint keeps its full map in Model.hf_config."""
+    from ports.config import text_config_to_hf
+
+    out = text_config_to_hf(cfg)
+    for k in ("head_dim", "attention_bias"):
+        out.pop(k, None)
+    out.update(model_type="chameleon", architectures=["ChameleonForConditionalGeneration"],
+               attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, swin_norm=cfg.swin_norm, model_parallel_size=1,
+               vq_config=VQ.vq_config_to_hf(cfg.vq), vocabulary_map=vocabulary_map(cfg),
+               image_token_id=cfg.image_token_id)
+    if not cfg.suppress_image_logits:
+        out["mask_image_logits"] = False
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- params
+
+
+def param_shapes(cfg: ChameleonConfig) -> dict:
+    """Shapes of every parameter (the same structure `init_params` and the converters produce)."""
+    shapes = llama.param_shapes(cfg)
+    H, KVH, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    for layer in shapes["layers"]:
+        layer.update(q_norm=(H, Dh), q_norm_b=(H, Dh), k_norm=(KVH, Dh), k_norm_b=(KVH, Dh))
+    shapes["vqmodel"] = VQ.param_shapes(cfg.vq, VQ.HF_PARTS)
+    return shapes
+
+
+def init_params(cfg: ChameleonConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
+    """Random params: normal(0, std) matrices and biases, unit norm scales (RMSNorm and QK-norm weights), and a
+    random VQ encoder (ports.vqgan.init_params). One random draw, split on the host."""
+    k_lm, k_vq = jax.random.split(key)
+    shapes = param_shapes(cfg)
+    del shapes["vqmodel"]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    sizes = [int(np.prod(shape)) for _, shape in flat]
+    noise = np.asarray(jax.random.normal(k_lm, (sum(sizes),), jnp.float32)) * std
+    out, offset = [], 0
+    for (path, shape), n in zip(flat, sizes):
+        arr = np.ones(shape, np.float32) if jax.tree_util.keystr(path).endswith("norm']") else \
+            noise[offset:offset + n].reshape(shape)
+        offset += n
+        out.append(jnp.asarray(arr, dtype))
+    params = jax.tree.unflatten(treedef, out)
+    params["vqmodel"] = VQ.init_params(cfg.vq, k_vq, VQ.HF_PARTS, dtype)
+    return params
+
+
+# --------------------------------------------------------------------------------------------------- forward
+
+
+def embed(cfg: ChameleonConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    return llama.embed(params, tokens)
+
+
+def unembed(cfg: ChameleonConfig, params: dict, h: jax.Array) -> jax.Array:
+    """Final norm + LM head, float32 logits; image-code tokens set to float32 min if cfg.suppress_image_logits."""
+    logits = llama.unembed(cfg, params, h)
+    if cfg.suppress_image_logits:
+        logits = jnp.where(jnp.asarray(image_logit_mask(cfg)), jnp.finfo(jnp.float32).min, logits)
+    return logits
+
+
+def attention_block(cfg: ChameleonConfig, p: dict, x: jax.Array, cos, sin, k_buf, v_buf, start, visible):
+    """Project, per-head QK LayerNorm, rotate, write the new K/V at slots start[b].., attend. Returns (out, k, v)."""
+    B, T, _ = x.shape
+    q = L.linear(x, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = L.linear(x, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = L.linear(x, p["wv"], p.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q = layer_norm(q, p["q_norm"], p["q_norm_b"], QK_NORM_EPS)
+    k = layer_norm(k, p["k_norm"], p["k_norm_b"], QK_NORM_EPS)
+    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    k_buf, v_buf = kvc.write_layer(k_buf, v_buf, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)
+    o = L.attention(q, k_buf, v_buf, visible)
+    return L.linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf
+
+
+def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,
+            new_mask: jax.Array | None = None, *, embeds: jax.Array | None = None,
+            hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
+            compute_logits: bool = True, write_offset: int = 0) -> ForwardOut:
+    """Run T new tokens per row against the cache: the contract of `ports.llama.forward` (cache slots, new_mask,
+    hidden_layers, logits_at, write_offset all mean the same)."""
+    x = embed(cfg, params, tokens) if embeds is None else embeds
+    B, T, _ = x.shape
+    visible = kvc.visibility(cache.length, cache.max_len, T, new_mask, write_offset)
+    start = cache.length + write_offset
+    cos, sin = L.rope_tables(cfg, positions)
+    want = set(hidden_layers)
+    hidden = {0: x} if 0 in want else {}
+    ks, vs = [], []
+    eps = cfg.rms_norm_eps
+    for i, p in enumerate(params["layers"]):
+        if cfg.swin_norm:
+            a, kb, vb = attention_block(cfg, p, x, cos, sin, cache.k[i], cache.v[i], start, visible)
+            x = x + L.rms_norm(a, p["attn_norm"], eps)
+            x = x + L.rms_norm(L.swiglu(x, p), p["mlp_norm"], eps)
+        else:
+            a, kb, vb = attention_block(cfg, p, L.rms_norm(x, p["attn_norm"], eps), cos, sin, cache.k[i],
+                                        cache.v[i], start, visible)
+            x = x + a
+            x = x + L.swiglu(L.rms_norm(x, p["mlp_norm"], eps), p)
+        ks.append(kb)
+        vs.append(vb)
+        if i + 1 in want:
+            hidden[i + 1] = x
+    new_cache = kvc.KVCache(k=ks, v=vs, length=cache.length)
+    logits = None
+    if compute_logits:
+        xs = x if logits_at is None else jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
+        logits = unembed(cfg, params, xs)
+    return ForwardOut(logits, tuple(hidden[i] for i in hidden_layers), new_cache)
+
+
+def kv_layout(cfg: ChameleonConfig) -> tuple[int, int, int]:
+    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+
+
+# --------------------------------------------------------------------------------------------------- images
+
+
+def image_tokens(cfg: ChameleonConfig, params: dict, pixel_values: jax.Array) -> jax.Array:
+    """Images [N, C, H, W] (NCHW in [-1, 1], as ChameleonProcessor gives them) -> BPE ids [N, h * w], row-major
+    (HF get_image_tokens)."""
+    codes = VQ.encode(cfg.vq, params["vqmodel"], pixel_values)
+    return codes_to_bpe(cfg, codes.reshape(codes.shape[0], -1))
+
+
+def tokens_per_image(cfg: ChameleonConfig, height: int, width: int) -> int:
+    h, w = cfg.vq.grid(height, width)
+    return h * w
+
+
+def merge_image_tokens(cfg: ChameleonConfig, tokens: jax.Array, image_bpe: jax.Array) -> jax.Array:
+    """tokens [B, T] with the k-th `<image>` placeholder (row-major over the batch, as HF's masked_scatter) replaced
+    by the k-th image token of image_bpe [N, P]. Counts are checked by `check_modality`."""
+    if cfg.image_token_id is None:
+        raise ValueError("this chameleon config has no '<image>' placeholder id (vocabulary_map has no '<image>')")
+    flat = image_bpe.reshape(-1).astype(jnp.int32)
+    is_img = tokens == cfg.image_token_id
+    idx = jnp.clip(jnp.cumsum(is_img.reshape(-1)) - 1, 0, flat.shape[0] - 1).reshape(tokens.shape)
+    return jnp.where(is_img, jnp.take(flat, idx), tokens).astype(jnp.int32)
+
+
+class PromptEmbeds(NamedTuple):
+    embeds: jax.Array  # [B, T, D]: embeddings of the prompt with image tokens in place of the placeholders
+    image_mask: jax.Array  # [B, T] bool: which prompt positions held placeholders
+    tokens: jax.Array  # [B, T] int32: the prompt as token ids (placeholders replaced by image tokens)
+
+
+def check_modality(cfg: ChameleonConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: Mapping[str, Any]) -> None:
+    """Host-side checks before any compute: only pixel_values, NCHW with a size the tokenizer divides, and
+    exactly one `<image>` placeholder per image token."""
+    unknown = sorted(set(inputs) - {"pixel_values"})
+    if unknown:
+        raise ValueError(f"chameleon takes pixel_values only; got {unknown}")
+    n_tok = 0
+    if cfg.image_token_id is not None:
+        n_tok = int(sum(np.sum(np.asarray(tokens)[b, :lengths[b]] == cfg.image_token_id)
+                        for b in range(np.asarray(tokens).shape[0])))
+    pv = inputs.get("pixel_values")
+    if pv is None:
+        if n_tok:
+            raise ValueError(f"prompt has {n_tok} '<image>' placeholders (id {cfg.image_token_id}) but no pixel_values")
+        return
+    h, w = VQ.check_images(cfg.vq, pv)
+    want = pv.shape[0] * h * w
+    if n_tok != want:
+        raise ValueError(f"prompt has {n_tok} '<image>' placeholders (id {cfg.image_token_id}) but {pv.shape[0]} "
+                         f"image(s) x {h * w} tokens = {want}; build the prompt with the model's processor")
+
+
+def prompt_embeds(cfg: ChameleonConfig, params: dict, tokens: jax.Array,
+                  inputs: Mapping[str, jax.Array]) -> PromptEmbeds:
+    """Embeddings of prompts [B, T] whose `<image>` placeholders are replaced, in order, by the images' tokens."""
+    pv = inputs.get("pixel_values")
+    is_img = (tokens == cfg.image_token_id) if cfg.image_token_id is not None else jnp.zeros(tokens.shape, bool)
+    if pv is not None:
+        tokens = merge_image_tokens(cfg, tokens, image_tokens(cfg, params, pv))
+    return PromptEmbeds(embed(cfg, params, tokens), is_img, tokens.astype(jnp.int32))
+
+
+# --------------------------------------------------------------------------------------------------- HF key map
+
+
+def hf_key_map(cfg: ChameleonConfig):
+    """(hf_name, param path, transform) rows of ChameleonForConditionalGeneration; transformers 5 writes the same
+    names to disk as its state_dict (model.*, lm_head.weight, model.vqmodel.*), as older hub checkpoints do."""
+    rows = llama.hf_key_map(cfg, "model.", "lm_head.weight")
+    for i in range(cfg.num_layers):
+        a = f"model.layers.{i}.self_attn."
+        for n in ("q_norm", "k_norm"):
+            rows += [(f"{a}{n}.weight", ("layers", i, n), None), (f"{a}{n}.bias", ("layers", i, n + "_b"), None)]
+    rows += VQ.key_map(cfg.vq, "model.vqmodel.", VQ.HF_PARTS, ("vqmodel",))
+    return rows
+
+
+IGNORED_HF_KEYS = llama.IGNORED_HF_KEYS
