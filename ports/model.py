@@ -62,6 +62,23 @@ def family(model_type: str) -> Family:
     return FAMILIES[model_type]
 
 
+class _HFConfigKey:
+    """The HF config dict as hashable pytree aux data, serialised once per model (a real Chameleon config holds a
+    65k-entry vocabulary map: re-serialising it at every jitted call would cost ~25 ms)."""
+
+    __slots__ = ("value", "_key")
+
+    def __init__(self, value: dict):
+        self.value = value
+        self._key = json.dumps(value, sort_keys=True)
+
+    def __eq__(self, other):
+        return isinstance(other, _HFConfigKey) and (self is other or self._key == other._key)
+
+    def __hash__(self):
+        return hash(self._key)
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -70,13 +87,18 @@ class Model:
     config: Any
     params: Any
     hf_config: dict = dataclasses.field(default_factory=dict, compare=False)
+    _hf_aux: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self._hf_aux is None:
+            object.__setattr__(self, "_hf_aux", _HFConfigKey(self.hf_config))
 
     def tree_flatten(self):
-        return (self.params,), (self.config, json.dumps(self.hf_config, sort_keys=True))
+        return (self.params,), (self.config, self._hf_aux)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(aux[0], children[0], json.loads(aux[1]))
+        return cls(aux[0], children[0], aux[1].value, aux[1])
 
     @property
     def family(self) -> Family:
