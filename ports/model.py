@@ -49,11 +49,11 @@ _TEXT = Family(C.text_config_from_hf, C.text_config_to_hf, llama.param_shapes, l
 _LLAVA = Family(llava.config_from_hf, llava.config_to_hf, llava.param_shapes, llava.init_params, llava.forward,
                 llava.hf_key_map, llava.IGNORED_HF_KEYS, llava.kv_layout, llava.embed, llava.unembed,
                 llava.rename_hf_key, llava.check_modality, llava.prompt_embeds)
-FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "llava": _LLAVA}
-FAMILIES["chameleon"] = Family(chameleon.config_from_hf, chameleon.config_to_hf, chameleon.param_shapes,
-                               chameleon.init_params, chameleon.forward, chameleon.hf_key_map,
-                               chameleon.IGNORED_HF_KEYS, chameleon.kv_layout, chameleon.embed, chameleon.unembed,
-                               check_modality=chameleon.check_modality, prompt_embeds=chameleon.prompt_embeds)
+_CHAMELEON = Family(chameleon.config_from_hf, chameleon.config_to_hf, chameleon.param_shapes, chameleon.init_params,
+                    chameleon.forward, chameleon.hf_key_map, chameleon.IGNORED_HF_KEYS, chameleon.kv_layout,
+                    chameleon.embed, chameleon.unembed, check_modality=chameleon.check_modality,
+                    prompt_embeds=chameleon.prompt_embeds)
+FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "llava": _LLAVA, "chameleon": _CHAMELEON}
 
 
 def family(model_type: str) -> Family:
