@@ -224,7 +224,7 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     eos = _eos_ids(target, eos_token_id)
     policy = strategy.policy() if speculative else None
     # scratch slots beyond the committed tokens: the tree's nodes (target), the catch-up feed + tree (draft)
-    per_step = 1 if policy is None else policy.num_nodes + policy.max_depth + 1
+    per_step = 1 if policy is None else policy.scratch + policy.max_depth + 1
     longest = int(max(lengths.max(), d_lengths.max()))
     need = longest + max_new_tokens + per_step
     if max_cache_len is not None and need > max_cache_len:

@@ -137,6 +137,12 @@ class StaticPolicy:
     def max_depth(self) -> int:
         return self.tree.max_depth
 
+    @property
+    def scratch(self) -> int:
+        """Cache slots a step uses past the committed tokens, in the target and (after the catch-up feed) in the
+        draft."""
+        return self.tree.num_nodes
+
     def propose(self, ctx, draft, ds: DraftState, last, key, sp, limit) -> tuple[Proposal, kvc.KVCache]:
         tree = self.tree
         B = last.shape[0]
@@ -199,6 +205,10 @@ class DynamicPolicy:
     @property
     def max_depth(self) -> int:
         return self.depth
+
+    @property
+    def scratch(self) -> int:
+        return max(self.total + 1, (self.depth - 1) * self.top_k)  # target: the tree; draft: the beam levels
 
     @property
     def pool_size(self) -> int:
