@@ -310,12 +310,8 @@ def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positi
         vs.append(vb)
         if i + 1 in want:
             hidden[i + 1] = x
-    new_cache = kvc.KVCache(k=ks, v=vs, length=cache.length)
-    logits = None
-    if compute_logits:
-        xs = x if logits_at is None else jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
-        logits = unembed(cfg, params, xs)
-    return ForwardOut(logits, tuple(hidden[i] for i in hidden_layers), new_cache)
+    head = (lambda xs: unembed(cfg, params, xs)) if compute_logits else None
+    return llama.finish_forward(x, ks, vs, cache, hidden, hidden_layers, logits_at, head)
 
 
 def kv_layout(cfg: ChameleonConfig) -> tuple[int, int, int]:

@@ -109,14 +109,22 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
         vs.append(vb)
         if i + 1 in want:
             hidden[i + 1] = x
-    new_cache = kvc.KVCache(k=ks, v=vs, length=cache.length)
-    logits = None
-    if compute_logits:
-        xs = x if logits_at is None else jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
-        logits = unembed(cfg, params, xs)
     if attn is not None:
         attn = attn / len(params["layers"])
-    return ForwardOut(logits, tuple(hidden[i] for i in hidden_layers), new_cache, attn)
+    head = (lambda xs: unembed(cfg, params, xs)) if compute_logits else None
+    return finish_forward(x, ks, vs, cache, hidden, hidden_layers, logits_at, head, attn)
+
+
+def finish_forward(x, ks, vs, cache: kvc.KVCache, hidden: dict, hidden_layers: Sequence[int], logits_at, head,
+                   attn=None) -> ForwardOut:
+    """The end of every decoder forward: the new cache (length not advanced), the requested hidden states, and
+    `head(x)` logits at `logits_at` (all positions when None; no logits when head is None)."""
+    logits = None
+    if head is not None:
+        xs = x if logits_at is None else jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
+        logits = head(xs)
+    return ForwardOut(logits, tuple(hidden[i] for i in hidden_layers), kvc.KVCache(k=ks, v=vs, length=cache.length),
+                      attn)
 
 
 def hf_key_map(cfg: TextConfig, prefix: str = "model.", head_key: str = "lm_head.weight"):

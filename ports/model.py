@@ -185,6 +185,15 @@ def _set_path(tree, path, value):
     node[path[-1]] = value
 
 
+def key_mismatch_error(header: str, missing: list, unexpected: list, bad_shape: list) -> ValueError:
+    """One error listing every missing, unexpected and mis-shaped tensor (the first 20 of each)."""
+    lines = [header]
+    for what, names in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", bad_shape)):
+        if names:
+            lines.append(f"  {what} ({len(names)}): {names[:20]}{' ...' if len(names) > 20 else ''}")
+    return ValueError("\n".join(lines))
+
+
 def _get_path(tree, path):
     for p in path:
         tree = tree[p]
@@ -243,14 +252,8 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
         seen.add(name)
     missing = [n for n in kmap if n not in seen and n not in bad_names]
     if missing or unexpected or bad_shape:
-        lines = [f"checkpoint {directory} does not match {hf.get('model_type')} params:"]
-        if missing:
-            lines.append(f"  missing keys ({len(missing)}): {missing[:20]}{' ...' if len(missing) > 20 else ''}")
-        if unexpected:
-            lines.append(f"  unexpected keys ({len(unexpected)}): {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
-        if bad_shape:
-            lines.append(f"  wrong shapes ({len(bad_shape)}): {bad_shape[:20]}")
-        raise ValueError("\n".join(lines))
+        raise key_mismatch_error(f"checkpoint {directory} does not match {hf.get('model_type')} params:", missing,
+                                 unexpected, bad_shape)
     return Model(cfg, params, hf)
 
 

@@ -437,7 +437,8 @@ def params_from_rows(rows, shapes, state_dict: dict, *, prefix: str = "", ignore
     """Params from an HF-layout mapping {name: tensor (torch / numpy)} through key-map rows. Every row must be
     present with its shape; every key under `prefix` must be mapped or match `ignored` (re.search). Keys outside
     the prefix are left alone. Raises ValueError listing missing / unexpected / mis-shaped tensors."""
-    from ports.model import hf_shape_to_ours, hf_to_ours, ours_shape_to_hf  # lazy: ports.model imports the ports
+    # lazy: ports.model imports the ports
+    from ports.model import hf_shape_to_ours, hf_to_ours, key_mismatch_error, ours_shape_to_hf
 
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     mapped = {name for name, _, _ in rows}
@@ -461,14 +462,7 @@ def params_from_rows(rows, shapes, state_dict: dict, *, prefix: str = "", ignore
     unexpected = [k for k in state_dict if k.startswith(prefix) and k not in mapped
                   and not any(p.search(k) for p in pats)]
     if missing or unexpected or bad:
-        lines = [f"state dict does not match the {what} (prefix {prefix!r}):"]
-        if missing:
-            lines.append(f"  missing keys ({len(missing)}): {missing[:20]}")
-        if unexpected:
-            lines.append(f"  unexpected keys ({len(unexpected)}): {unexpected[:20]}")
-        if bad:
-            lines.append(f"  wrong shapes ({len(bad)}): {bad[:20]}")
-        raise ValueError("\n".join(lines))
+        raise key_mismatch_error(f"state dict does not match the {what} (prefix {prefix!r}):", missing, unexpected, bad)
     return params
 
 

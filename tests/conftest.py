@@ -32,6 +32,16 @@ def tiny_hf(kind: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+def perturb(module, seed: int, scale: float = 0.2):
+    """Add seeded noise to every parameter of a torch module, so that biases, norm scales and offsets all matter
+    in a parity comparison (HF initialises many of them to 0 or 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return module
+
+
 def save_and_load(hf_model, directory, **save_kwargs):
     hf_model.save_pretrained(str(directory), **save_kwargs)
     return ports.load_hf(str(directory))

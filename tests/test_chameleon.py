@@ -17,6 +17,7 @@ import ports
 from jspec import cache as kvc
 from ports import chameleon as CH
 from ports import vqgan as VQ
+from conftest import perturb
 
 V, K = 96, 32  # vocabulary, codebook
 IMG0 = 40  # BPE id of VQ code 0 (codes occupy 40..71, like Chameleon's 4..8195)
@@ -43,15 +44,6 @@ def hf_config(**over) -> transformers.ChameleonConfig:
                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
     base.update(over)
     return transformers.ChameleonConfig(**base)
-
-
-def perturb(module, seed: int, scale: float = 0.2):
-    """Noise on every parameter, so QK-norm scales and biases, GroupNorm affines and biases all matter."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return module
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,18 +11,11 @@ import transformers
 
 import jspec
 import ports
+from conftest import perturb
 
 V = 96
 IMG = V - 1  # image placeholder id
 PATCHES = 16  # 28 px / patch 7 = 4 x 4 patches; "default" drops CLIP's class token
-
-
-def perturb(module, seed: int, scale: float = 0.1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return module
 
 
 def tiny_llava(seed: int, layers: int = 2, hidden: int = 48, tower: str = "clip", vision_layers: int = 3):
@@ -36,7 +29,7 @@ def tiny_llava(seed: int, layers: int = 2, hidden: int = 48, tower: str = "clip"
     cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMG,
                                    vision_feature_layer=-2, vision_feature_select_strategy="default")
     torch.manual_seed(seed)
-    return perturb(transformers.LlavaForConditionalGeneration(cfg).eval(), seed + 1)
+    return perturb(transformers.LlavaForConditionalGeneration(cfg).eval(), seed + 1, scale=0.1)
 
 
 @functools.lru_cache(maxsize=None)

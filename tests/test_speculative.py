@@ -40,7 +40,7 @@ PROMPTS = [np.arange(5) % 97, (np.arange(14) * 7) % 97, (np.arange(9) * 3 + 1) %
     lambda d: jspec.Tree(d, tree="mc_sim_7b_63"), lambda d: jspec.Tree(d, tree="naive_extend_57"),
     lambda d: jspec.Tree(d, tree=[[0], [1], [0, 0], [0, 1], [1, 0]]),
     lambda d: jspec.DynamicTree(d, depth=4, top_k=3, total=10), lambda d: jspec.DynamicTree(d, depth=6, top_k=8, total=40),
-    lambda d: jspec.DynamicTree(d, depth=5, top_k=6, total=8)],  # the draft's beam needs more slots than the tree
+    lambda d: jspec.DynamicTree(d, depth=5, top_k=6, total=8)],  # its draft beam has more slots than the tree nodes
     ids=["chain1", "chain3", "chain6", "mc_sim", "extend57", "custom", "dyn4x3", "dyn6x8", "dyn_narrow"])
 def test_greedy_sd_equals_greedy_ar(pair, make):
     target, draft = pair

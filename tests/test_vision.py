@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from ports import model as M
 from ports import vision as V
+from conftest import perturb
 
 # CLIP: 4 layers so feature layers [-2, -5] both exist. SigLIP: image 30 with patch 7, so the stride-7 conv drops the
 # last 2 pixel rows / columns (as siglip-so400m-patch14-384 does: 384 = 27 * 14 + 6).
@@ -23,15 +24,6 @@ TOWERS = {
                dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, image_size=30,
                     patch_size=7)),
 }
-
-
-def perturb(module, seed: int, scale: float = 0.2):
-    """Add noise to every parameter, so that biases, norm scales and offsets all matter in the comparison."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return module
 
 
 def pixels(cfg: V.VisionConfig, n: int = 2, seed: int = 0) -> np.ndarray:

@@ -14,6 +14,7 @@ import transformers
 from safetensors.numpy import save_file
 
 from ports import vqgan as VQ
+from conftest import perturb
 
 # (a) attention inside the down level at resolution 8 and two blocks per level; (b) no attention at all.
 HF_CASES = {
@@ -24,21 +25,13 @@ HF_CASES = {
 }
 
 
-def perturb(module, seed: int, scale: float = 0.1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return module
-
-
 @functools.lru_cache(maxsize=None)
 def hf_vq(name: str):
     """(HF ChameleonVQVAE with every parameter perturbed, our config, our params from its state dict)."""
     torch.manual_seed(0)
     hf = transformers.models.chameleon.modeling_chameleon.ChameleonVQVAE(
         transformers.ChameleonVQVAEConfig(**HF_CASES[name])).eval()
-    perturb(hf, seed=1)
+    perturb(hf, seed=1, scale=0.1)
     cfg = VQ.vq_config_from_hf(hf.config.to_dict())
     return hf, cfg, VQ.params_from_state_dict(cfg, hf.state_dict(), parts=VQ.HF_PARTS)
 
@@ -129,12 +122,14 @@ def test_decoder_has_the_taming_layout():
 def test_decoder_matches_taming_reference():
     """Parity with taming-transformers' Decoder when it is importable (it is not a dependency: the
     taming-transformers-rom1504 wheel pulls pytorch-lightning and another torch; it is pure torch otherwise)."""
-    ref = pytest.importorskip("taming.modules.diffusionmodules.model")
+    ref = pytest.importorskip("taming.modules.diffusionmodules.model",
+                              reason="optional reference: the taming-transformers source is not installed (its "
+                                     "package would replace the pinned torch)")
     cfg = VQ.VQConfig(embed_dim=8, num_embeddings=32, latent_channels=32, resolution=16, base_channels=32,
                       channel_multiplier=(1, 1, 2), num_res_blocks=2, attn_resolutions=(8,))
     torch.manual_seed(3)
     dec = perturb(ref.Decoder(ch=32, out_ch=3, ch_mult=(1, 1, 2), num_res_blocks=2, attn_resolutions=[8],
-                              in_channels=3, resolution=16, z_channels=32).eval(), seed=4)
+                              in_channels=3, resolution=16, z_channels=32).eval(), seed=4, scale=0.1)
     params = VQ.params_from_state_dict(cfg, {"decoder." + k: v for k, v in dec.state_dict().items()},
                                        parts=("decoder",))
     z = np.random.default_rng(5).normal(size=(2, 32, 4, 6)).astype(np.float32)
