@@ -261,12 +261,10 @@ def _model_prompt(model, prompt, who: str):
     """(tokens, lengths, modality inputs as device arrays) of a prompt for `model`, checked on the host."""
     tokens, lengths, extra = normalize_prompt(prompt, model.config.vocab_size)
     fam = model.family
-    if extra:
-        if fam.prompt_embeds is None:
-            raise ValueError(f"{who}model_type {model.config.model_type!r} takes text only; got inputs {sorted(extra)}")
-        fam.check_modality(model.config, tokens, lengths, extra)
-    elif fam.check_modality is not None:
-        fam.check_modality(model.config, tokens, lengths, {})
+    if extra and fam.prompt_embeds is None:
+        raise ValueError(f"{who}model_type {model.config.model_type!r} takes text only; got inputs {sorted(extra)}")
+    if fam.prepare_inputs is not None:
+        extra = fam.prepare_inputs(model.config, tokens, lengths, extra)
     return tokens, lengths, {k: jnp.asarray(v) for k, v in extra.items()}
 
 

@@ -335,7 +335,7 @@ def tokens_per_image(cfg: ChameleonConfig, height: int, width: int) -> int:
 
 def merge_image_tokens(cfg: ChameleonConfig, tokens: jax.Array, image_bpe: jax.Array) -> jax.Array:
     """tokens [B, T] with the k-th `<image>` placeholder (row-major over the batch, as HF's masked_scatter) replaced
-    by the k-th image token of image_bpe [N, P]. Counts are checked by `check_modality`."""
+    by the k-th image token of image_bpe [N, P]. Counts are checked by `prepare_inputs`."""
     if cfg.image_token_id is None:
         raise ValueError("this chameleon config has no '<image>' placeholder id (vocabulary_map has no '<image>')")
     flat = image_bpe.reshape(-1).astype(jnp.int32)
@@ -350,9 +350,9 @@ class PromptEmbeds(NamedTuple):
     tokens: jax.Array  # [B, T] int32: the prompt as token ids (placeholders replaced by image tokens)
 
 
-def check_modality(cfg: ChameleonConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: Mapping[str, Any]) -> None:
+def prepare_inputs(cfg: ChameleonConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: Mapping[str, Any]) -> dict:
     """Host-side checks before any compute: only pixel_values, NCHW with a size the tokenizer divides, and
-    exactly one `<image>` placeholder per image token."""
+    exactly one `<image>` placeholder per image token. Returns the inputs for the device (unchanged)."""
     unknown = sorted(set(inputs) - {"pixel_values"})
     if unknown:
         raise ValueError(f"chameleon takes pixel_values only; got {unknown}")
@@ -364,12 +364,13 @@ def check_modality(cfg: ChameleonConfig, tokens: np.ndarray, lengths: np.ndarray
     if pv is None:
         if n_tok:
             raise ValueError(f"prompt has {n_tok} '<image>' placeholders (id {cfg.image_token_id}) but no pixel_values")
-        return
+        return dict(inputs)
     h, w = VQ.check_images(cfg.vq, pv)
     want = pv.shape[0] * h * w
     if n_tok != want:
         raise ValueError(f"prompt has {n_tok} '<image>' placeholders (id {cfg.image_token_id}) but {pv.shape[0]} "
                          f"image(s) x {h * w} tokens = {want}; build the prompt with the model's processor")
+    return dict(inputs)
 
 
 def prompt_embeds(cfg: ChameleonConfig, params: dict, tokens: jax.Array,

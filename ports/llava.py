@@ -138,8 +138,9 @@ def image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array) -> t
     return feats, VZ.projector_forward(params["projector"], feats, cfg.projector.act)
 
 
-def check_modality(cfg: LlavaConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: Mapping[str, Any]) -> None:
-    """Host-side checks before any compute: known inputs, pixel_values shape, one image per placeholder run."""
+def prepare_inputs(cfg: LlavaConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: Mapping[str, Any]) -> dict:
+    """Host-side checks before any compute: known inputs, pixel_values shape, one image per placeholder run.
+    Returns the inputs for the device (unchanged)."""
     unknown = sorted(set(inputs) - {"pixel_values"})
     if unknown:
         raise ValueError(f"{cfg.model_type} takes pixel_values only; got {unknown}")
@@ -148,18 +149,19 @@ def check_modality(cfg: LlavaConfig, tokens: np.ndarray, lengths: np.ndarray, in
     if pv is None:
         if n_tok:
             raise ValueError(f"prompt has {n_tok} image tokens (id {cfg.image_token_id}) but no pixel_values")
-        return
+        return dict(inputs)
     pv = np.asarray(pv)
     VZ.check_pixel_values(cfg.vision, pv)
     want = pv.shape[0] * cfg.tokens_per_image
     if n_tok != want:
         raise ValueError(f"prompt has {n_tok} image tokens (id {cfg.image_token_id}) but {pv.shape[0]} image(s) "
                          f"x {cfg.tokens_per_image} features = {want}; build the prompt with the model's processor")
+    return dict(inputs)
 
 
 def prompt_embeds(cfg: LlavaConfig, params: dict, tokens: jax.Array, inputs: Mapping[str, jax.Array]) -> PromptEmbeds:
     """Embeddings of right-padded prompts [B, T] with the i-th image placeholder (row-major) replaced by the i-th
-    image feature vector. Counts are checked on the host by `check_modality`."""
+    image feature vector. Counts are checked on the host by `prepare_inputs`."""
     x = llama.embed(params["lm"], tokens)
     is_img = tokens == cfg.image_token_id
     pv = inputs.get("pixel_values")

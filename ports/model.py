@@ -37,9 +37,10 @@ class Family(NamedTuple):
     embed: Callable
     unembed: Callable
     rename_hf_key: Callable[[str], str] = lambda name: name  # other accepted checkpoint layouts -> hf_key_map names
-    # models with non-text inputs: check_modality(cfg, tokens, lengths, inputs) on the host, then
+    # models with non-text inputs: prepare_inputs(cfg, tokens, lengths, inputs) -> inputs checks the host arrays
+    # before any compute and may add host-computed tables (e.g. gather indices); then
     # prompt_embeds(cfg, params, tokens, inputs) -> .embeds [B, T, D] for the prefill (None: text only)
-    check_modality: Callable | None = None
+    prepare_inputs: Callable | None = None
     prompt_embeds: Callable | None = None
 
 
@@ -48,10 +49,10 @@ _TEXT = Family(C.text_config_from_hf, C.text_config_to_hf, llama.param_shapes, l
                lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed)
 _LLAVA = Family(llava.config_from_hf, llava.config_to_hf, llava.param_shapes, llava.init_params, llava.forward,
                 llava.hf_key_map, llava.IGNORED_HF_KEYS, llava.kv_layout, llava.embed, llava.unembed,
-                llava.rename_hf_key, llava.check_modality, llava.prompt_embeds)
+                llava.rename_hf_key, llava.prepare_inputs, llava.prompt_embeds)
 _CHAMELEON = Family(chameleon.config_from_hf, chameleon.config_to_hf, chameleon.param_shapes, chameleon.init_params,
                     chameleon.forward, chameleon.hf_key_map, chameleon.IGNORED_HF_KEYS, chameleon.kv_layout,
-                    chameleon.embed, chameleon.unembed, check_modality=chameleon.check_modality,
+                    chameleon.embed, chameleon.unembed, prepare_inputs=chameleon.prepare_inputs,
                     prompt_embeds=chameleon.prompt_embeds)
 FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "llava": _LLAVA, "chameleon": _CHAMELEON}
 
@@ -331,7 +332,7 @@ def logits(model: Model, prompt) -> np.ndarray:
     if inputs:
         if fam.prompt_embeds is None:
             raise ValueError(f"model_type {model.config.model_type!r} takes text only; got inputs {sorted(inputs)}")
-        fam.check_modality(model.config, tokens, np.full((tokens.shape[0],), tokens.shape[1]), inputs)
+        inputs = fam.prepare_inputs(model.config, tokens, np.full((tokens.shape[0],), tokens.shape[1]), inputs)
     return np.asarray(_logits_jit(model, jnp.asarray(tokens, jnp.int32), {k: jnp.asarray(v) for k, v in inputs.items()}))
 
 

@@ -249,9 +249,9 @@ def test_bad_inputs_fail_clearly(models, tmp_path):
     with pytest.raises(ValueError, match=r"32 '<image>' placeholders .* 1 image\(s\) x 16 tokens = 16"):
         ports.logits(model, {"input_ids": ids, "pixel_values": px[:1]})
     with pytest.raises(ValueError, match="placeholders .* but no pixel_values"):
-        CH.check_modality(model.config, ids, np.array([ids.shape[1]] * 2), {})
+        CH.prepare_inputs(model.config, ids, np.array([ids.shape[1]] * 2), {})
     with pytest.raises(ValueError, match=r"pixel_values only; got \['image_sizes'\]"):
-        CH.check_modality(model.config, ids, np.array([ids.shape[1]] * 2), {"pixel_values": px, "image_sizes": 1})
+        CH.prepare_inputs(model.config, ids, np.array([ids.shape[1]] * 2), {"pixel_values": px, "image_sizes": 1})
 
 
 def test_greedy_decode_matches_transformers_generate(models):
