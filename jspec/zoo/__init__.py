@@ -1,0 +1,1 @@
+"""The synthetic multimodal world (`world`), its tokenizer (`tokenizer`) and training / evaluation data (`data`)."""
