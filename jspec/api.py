@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import guidance as G
 from jspec import loop
 from jspec import sampling as S
 from jspec import speculative as SD
@@ -194,7 +195,7 @@ def _profile_sd(ctx, policy, rule, controller, target, draft, state):
 
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
            top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
-           profile: bool = False) -> DecodeOutput:
+           profile: bool = False, guidance: G.CFG | None = None, constraint=None) -> DecodeOutput:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
 
     Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
@@ -203,6 +204,9 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     pruned or text-only version); the draft continues it with the committed tokens. Default: the target's prompt.
     `profile=True` runs the speculative loop phase by phase with a host sync after each and adds the summed
     "draft_s", "verify_s", "other_s" to the stats (same tokens, slower: use it to measure, not to serve).
+    `guidance=jspec.CFG(scale, uncond_prompt)`: classifier-free guidance; `constraint` (e.g. `jspec.ImageGrammar`):
+    a mask on the logits of each generated position. Both apply to the target and the draft alike, in every
+    strategy (see `jspec.guidance`).
     """
     strategy = AR() if strategy is None else strategy
     if max_new_tokens < 1:
@@ -223,33 +227,43 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
     eos = _eos_ids(target, eos_token_id)
     policy = strategy.policy() if speculative else None
+    run_target, run_draft = target, strategy.draft if speculative else None
+    longest, width = int(max(lengths.max(), d_lengths.max())), max(tokens.shape[1], d_tokens.shape[1])
+    if guidance is not None or constraint is not None:
+        if inputs or d_inputs:
+            raise ValueError("guidance / constraint take token prompts only (no image inputs)")
+        run_target = G.guide(target, lengths, guidance, constraint)
+        if speculative:
+            run_draft = G.guide(strategy.draft, d_lengths, guidance, constraint)
+        ends = [run_target] + ([run_draft] if speculative else [])
+        longest = int(max(int(np.max(np.asarray(m.prompt_end))) for m in ends))
+        width = max(width, run_target.uncond.shape[1])
     # scratch slots beyond the committed tokens: the tree's nodes (target), the catch-up feed + tree (draft)
     per_step = 1 if policy is None else policy.scratch + policy.max_depth + 1
-    longest = int(max(lengths.max(), d_lengths.max()))
     need = longest + max_new_tokens + per_step
     if max_cache_len is not None and need > max_cache_len:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} + {per_step} "
                          f"scratch slots needs a cache of {need}, longer than max_cache_len={max_cache_len}")
-    max_len = max(round_up(max(tokens.shape[1], d_tokens.shape[1]) + max_new_tokens + per_step, 64), need)
+    max_len = max(round_up(width + max_new_tokens + per_step, 64), need)
     ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
                            out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg)
     key = jax.random.key(0) if key is None else key
     t0 = time.perf_counter()
     if policy is None:
-        state = _prefill_ar(ctx, max_len, target, jnp.asarray(tokens), jnp.asarray(lengths), inputs, key, sp)
+        state = _prefill_ar(ctx, max_len, run_target, jnp.asarray(tokens), jnp.asarray(lengths), inputs, key, sp)
     else:
-        state = _prefill_sd(ctx, max_len, policy.max_depth + 1, strategy.controller, target, strategy.draft,
+        state = _prefill_sd(ctx, max_len, policy.max_depth + 1, strategy.controller, run_target, run_draft,
                             jnp.asarray(tokens), jnp.asarray(lengths), inputs, jnp.asarray(d_tokens),
                             jnp.asarray(d_lengths), d_inputs, key, sp)
     jax.block_until_ready(state.out)
     t1 = time.perf_counter()
     phases = {}
     if policy is None:
-        state = _decode_ar(ctx, target, state)
+        state = _decode_ar(ctx, run_target, state)
     elif profile:
-        state, phases = _profile_sd(ctx, policy, strategy.rule, strategy.controller, target, strategy.draft, state)
+        state, phases = _profile_sd(ctx, policy, strategy.rule, strategy.controller, run_target, run_draft, state)
     else:
-        state = _decode_sd(ctx, policy, strategy.rule, strategy.controller, target, strategy.draft, state)
+        state = _decode_sd(ctx, policy, strategy.rule, strategy.controller, run_target, run_draft, state)
     out, n_out, steps, accepted, drafted = jax.device_get(
         (state.out, state.n_out, state.step, state.accepted, state.drafted))
     t2 = time.perf_counter()

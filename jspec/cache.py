@@ -2,7 +2,8 @@
 
 Layout per layer: keys and values `[B, kv_heads, S_max, head_dim]`. `length[b]` counts the committed tokens of
 row b; slots at and after it hold scratch (drafted, unverified or padding) entries that attention never sees
-unless the current forward wrote them. Writes are functional (`dynamic_update_slice` per row); rolling back is
+unless the current forward wrote them. Slots before `start[b]` are never visible (0 for an ordinary cache; a row
+whose prompt was placed right-aligned, as the guided streams of `jspec.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
 moving `length`; committing a tree path is one gather (`commit_path`).
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ class KVCache:
     k: list  # per layer [B, KVH, S, Dh]
     v: list
     length: jax.Array  # [B] int32
+    start: jax.Array  # [B] int32: first visible slot
 
     @property
     def max_len(self) -> int:
@@ -33,6 +35,7 @@ def init_cache(num_layers: int, batch: int, kv_heads: int, max_len: int, head_di
         k=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
         v=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
         length=jnp.zeros((batch,), jnp.int32),
+        start=jnp.zeros((batch,), jnp.int32),
     )
 
 
@@ -69,16 +72,18 @@ def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
         picked = jnp.take_along_axis(buf, idx[:, None, :, None], axis=2)  # [B, H, P, D]
         return _write_rows(buf, picked, start)
 
-    return KVCache(k=[move(b) for b in cache.k], v=[move(b) for b in cache.v], length=start + n.astype(jnp.int32))
+    return cache.replace(k=[move(b) for b in cache.k], v=[move(b) for b in cache.v],
+                         length=start + n.astype(jnp.int32))
 
 
 def visibility(length: jax.Array, max_len: int, num_new: int, new_mask: jax.Array | None = None,
-               offset: int = 0) -> jax.Array:
+               offset: int = 0, start: jax.Array | None = None) -> jax.Array:
     """Which cache slots each new token attends to: bool [B, T, S].
 
     The T new tokens sit at slots length[b] + offset + t. Slot j is visible to new token t of row b if it is
-    committed (j < length[b]), or if it is a scratch slot j = length[b] + s with s < offset + T and
-    new_mask[b, t, s] (default: causal over the new tokens, no earlier scratch). new_mask is [B, T, offset + T].
+    committed (start[b] <= j < length[b]), or if it is a scratch slot j = length[b] + s with s < offset + T and
+    new_mask[b, t, s] (default: causal over the new tokens, no earlier scratch), and j >= start[b].
+    new_mask is [B, T, offset + T].
     """
     W = offset + num_new
     j = jnp.arange(max_len)[None, None, :]
@@ -91,4 +96,10 @@ def visibility(length: jax.Array, max_len: int, num_new: int, new_mask: jax.Arra
     else:
         relc = jnp.broadcast_to(jnp.clip(rel, 0, W - 1), (length.shape[0], num_new, max_len))
         vis = jnp.take_along_axis(jnp.broadcast_to(new_mask.astype(bool), (length.shape[0], num_new, W)), relc, axis=2)
-    return committed | (in_scratch & vis)
+    out = committed | (in_scratch & vis)
+    return out if start is None else out & (j >= start[:, None, None])
+
+
+def cache_visibility(cache: KVCache, num_new: int, new_mask: jax.Array | None = None, offset: int = 0) -> jax.Array:
+    """`visibility` of T new tokens written at cache.length + offset.. against this cache (its start included)."""
+    return visibility(cache.length, cache.max_len, num_new, new_mask, offset, cache.start)

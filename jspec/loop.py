@@ -44,7 +44,7 @@ class DecodeState:
 
 
 def new_cache_for(model, batch: int, max_len: int) -> kvc.KVCache:
-    layers, kvh, hd = model.family.kv_layout(model.config)
+    layers, kvh, hd = model.kv_layout
     return kvc.init_cache(layers, batch, kvh, max_len, hd, model.dtype)
 
 
@@ -54,7 +54,10 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, in
     `inputs`: the model's modality inputs (e.g. pixel_values), spliced into the prompt embeddings by its family.
     Returns (logits at each row's last prompt token [B, V], forward output, cache with length = lengths).
     Right padding needs no pad mask: under the causal mask no real token sees a later pad.
+    A model with its own `prefill` (e.g. `jspec.guidance.Guided`) does it its way.
     """
+    if hasattr(model, "prefill"):
+        return model.prefill(tokens, lengths, cache, inputs, **fwd_kwargs)
     if inputs:
         fwd_kwargs["embeds"] = model.family.prompt_embeds(model.config, model.params, tokens, inputs).embeds
     B, T = tokens.shape

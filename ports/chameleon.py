@@ -289,7 +289,7 @@ def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positi
     hidden_layers, logits_at, write_offset all mean the same)."""
     x = embed(cfg, params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
-    visible = kvc.visibility(cache.length, cache.max_len, T, new_mask, write_offset)
+    visible = kvc.cache_visibility(cache, T, new_mask, write_offset)
     start = cache.length + write_offset
     cos, sin = L.rope_tables(cfg, positions)
     want = set(hidden_layers)

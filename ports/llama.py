@@ -88,8 +88,7 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     """
     x = embed(params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
-    S = cache.max_len
-    visible = kvc.visibility(cache.length, S, T, new_mask, write_offset)
+    visible = kvc.cache_visibility(cache, T, new_mask, write_offset)
     start = cache.length + write_offset
     cos, sin = L.rope_tables(cfg, positions)
     want = set(hidden_layers)
@@ -123,7 +122,7 @@ def finish_forward(x, ks, vs, cache: kvc.KVCache, hidden: dict, hidden_layers: S
     if head is not None:
         xs = x if logits_at is None else jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
         logits = head(xs)
-    return ForwardOut(logits, tuple(hidden[i] for i in hidden_layers), kvc.KVCache(k=ks, v=vs, length=cache.length),
+    return ForwardOut(logits, tuple(hidden[i] for i in hidden_layers), cache.replace(k=ks, v=vs),
                       attn)
 
 

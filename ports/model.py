@@ -117,6 +117,11 @@ class Model:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(num_layers, kv_heads, head_dim) of the KV cache this model decodes with."""
+        return self.family.kv_layout(self.config)
+
     def forward(self, *args, **kwargs):
         """Family forward: see `ports.llama.forward` for the contract."""
         return self.family.forward(self.config, self.params, *args, **kwargs)
@@ -341,7 +346,7 @@ def _logits_jit(model: Model, tokens: jax.Array, inputs: dict) -> jax.Array:
     from jspec import cache as kvc
 
     B, T = tokens.shape
-    layers, kvh, hd = model.family.kv_layout(model.config)
+    layers, kvh, hd = model.kv_layout
     cache = kvc.init_cache(layers, B, kvh, T, hd, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     embeds = model.family.prompt_embeds(model.config, model.params, tokens, inputs).embeds if inputs else None
