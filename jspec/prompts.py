@@ -5,7 +5,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-MODALITY_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+MODALITY_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                 "batch_num_images")
 
 
 def round_up(n: int, m: int) -> int:

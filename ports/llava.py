@@ -61,26 +61,39 @@ class LlavaConfig:
         return VZ.num_feature_tokens(self.vision, self.feature_strategy)
 
 
-def config_from_hf(d: dict) -> LlavaConfig:
-    """Parse an HF `LlavaConfig` dict (config.json, with generation_config's token ids merged at the top)."""
+def config_fields_from_hf(d: dict, *, vision_default: dict = _DEFAULT_VISION, text_type: str = "llama",
+                          feature_layer: int = -2, strategy: str = "default", image_token: int = 32000,
+                          tie_from_text: bool = True) -> dict:
+    """The `LlavaConfig` fields of an HF llava / llava_next / llava_onevision config dict (config.json, with
+    generation_config's token ids merged at the top); the keyword arguments are that HF config class's defaults.
+    tie_from_text: the text config's tie_word_embeddings wins when present (else the top-level one decides)."""
     text_d = dict(d.get("text_config") or {})
-    text_d.setdefault("model_type", "llama")
+    text_d.setdefault("model_type", text_type)
     for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if d.get(k) is not None:
             text_d[k] = d[k]
-    if "tie_word_embeddings" in d and "tie_word_embeddings" not in text_d:
+    if not tie_from_text:
+        text_d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+    elif "tie_word_embeddings" in d and "tie_word_embeddings" not in text_d:
         text_d["tie_word_embeddings"] = d["tie_word_embeddings"]
     text = C.text_config_from_hf(text_d)
-    vision = VZ.vision_config_from_hf(d.get("vision_config") or _DEFAULT_VISION)
-    layer = d.get("vision_feature_layer", -2)
+    vision_d = dict(d.get("vision_config") or vision_default)
+    vision_d.setdefault("model_type", vision_default["model_type"])
+    vision = VZ.vision_config_from_hf(vision_d)
+    layer = d.get("vision_feature_layer", feature_layer)
     layer = int(layer) if isinstance(layer, int) else tuple(int(x) for x in layer)
-    strategy = d.get("vision_feature_select_strategy", "default")
+    strategy = d.get("vision_feature_select_strategy", strategy)
     if strategy not in VZ.FEATURE_STRATEGIES:
         raise ValueError(f"unknown vision_feature_select_strategy {strategy!r}; expected {VZ.FEATURE_STRATEGIES}")
-    image_token = d.get("image_token_id", d.get("image_token_index", 32000))
-    return LlavaConfig(model_type=d.get("model_type", "llava"), text=text, vision=vision,
-                       projector=VZ.projector_config_from_hf(d, vision, text.hidden_size),
-                       image_token_id=int(image_token), feature_layer=layer, feature_strategy=strategy)
+    image_token = d.get("image_token_id", d.get("image_token_index", image_token))
+    return dict(model_type=d.get("model_type", "llava"), text=text, vision=vision,
+                projector=VZ.projector_config_from_hf(d, vision, text.hidden_size),
+                image_token_id=int(image_token), feature_layer=layer, feature_strategy=strategy)
+
+
+def config_from_hf(d: dict) -> LlavaConfig:
+    """Parse an HF `LlavaConfig` dict (config.json, with generation_config's token ids merged at the top)."""
+    return LlavaConfig(**config_fields_from_hf(d))
 
 
 def config_to_hf(cfg: LlavaConfig) -> dict:

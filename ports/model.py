@@ -20,6 +20,7 @@ from ports import config as C
 from ports import chameleon
 from ports import llama
 from ports import llava
+from ports import llava_next
 from ports.safetensors_io import checkpoint_files, iter_tensors, write_safetensors
 
 
@@ -54,7 +55,12 @@ _CHAMELEON = Family(chameleon.config_from_hf, chameleon.config_to_hf, chameleon.
                     chameleon.forward, chameleon.hf_key_map, chameleon.IGNORED_HF_KEYS, chameleon.kv_layout,
                     chameleon.embed, chameleon.unembed, prepare_inputs=chameleon.prepare_inputs,
                     prompt_embeds=chameleon.prompt_embeds)
-FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "llava": _LLAVA, "chameleon": _CHAMELEON}
+_LLAVA_NEXT = Family(llava_next.config_from_hf, llava_next.config_to_hf, llava_next.param_shapes,
+                     llava_next.init_params, llava.forward, llava_next.hf_key_map, llava_next.IGNORED_HF_KEYS,
+                     llava.kv_layout, llava.embed, llava.unembed, llava_next.rename_hf_key, llava_next.prepare_inputs,
+                     llava_next.prompt_embeds)
+FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "llava": _LLAVA, "llava_next": _LLAVA_NEXT,
+                               "llava_onevision": _LLAVA_NEXT, "chameleon": _CHAMELEON}
 
 
 def family(model_type: str) -> Family:

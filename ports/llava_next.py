@@ -1,0 +1,316 @@
+"""LLaVA-NeXT and LLaVA-OneVision: LLaVA (`ports.llava`) with anyres image tiling, `image_newline`, and (OneVision)
+"anyres_max_N" shrinking and video frames.
+
+Params: LLaVA's {"vision", "projector", "lm"} plus "image_newline" [D]. Decoding runs the language model alone;
+images and videos enter once, at prefill, in two steps:
+
+1. `prepare_inputs` (host, before any compute) checks the processor output (`pixel_values` [N_img, max_tiles, C,
+   H, W] or the concatenated tiles [N_tiles, C, H, W], `image_sizes` [N_img, 2], OneVision's `batch_num_images`
+   and `pixel_values_videos` [N_vid, frames, C, H, W]) against the prompt and lays out, from the image sizes and
+   the config alone, what HF's `pack_image_features` / `get_video_features` build (see `ports.anyres`). It returns
+   the device inputs:
+     vision_tiles   [N_t, C, H, W]  the tiles the tower must see: for each image its used tiles (base first, then
+                                    the grid row-major), then every video frame in order; zero tiles pad N_t up to
+                                    `anyres.bucket` (so nearby counts share one compilation)
+     vision_taps    [B, T, 4] int32 per prompt position, rows of the flat table [N_t * P projected tile features
+                                    (tile-major), image_newline] ...
+     vision_weights [B, T, 4] f32   ... and their weights (bilinear shrinking mixes up to 4 vectors)
+     vision_mask    [B, T] bool     positions of image and video placeholder tokens
+     vision_tile_source [N_t] int32 which input each tile came from: image i -> i, video v -> N_img + v, pad -> -1
+     vision_layout  [0, k]          k identifies the layout (tower geometry, pinpoints, token ids): inputs prepared
+                                    for another model's config are refused at trace time, not silently misread
+2. `prompt_embeds` (inside jit) runs the tower on the tiles, selects features, projects, and writes
+   sum_k w_k * table[taps_k] over the placeholder positions: one fixed-shape gather, no data-dependent shapes.
+   Its `vision_features` are the tower features before the projector per tile, [N_t, P, Dv], in vision_tiles' order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ports import anyres as A
+from ports import llava
+from ports import vision as VZ
+
+# HF's LlavaOnevisionConfig builds this tower when config.json has no vision_config (SigLIP so400m at 384 px).
+_OV_VISION = {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304, "patch_size": 14,
+              "image_size": 384, "num_hidden_layers": 26, "num_attention_heads": 16, "vision_use_head": False}
+_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+_OV_PINPOINTS = tuple((h, w) for h in range(384, 2305, 384) for w in range(384, 2305, 384))
+ARCHITECTURES = {"llava_next": "LlavaNextForConditionalGeneration",
+                 "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlavaNextConfig(llava.LlavaConfig):
+    """A LLaVA-NeXT (model_type "llava_next") or LLaVA-OneVision ("llava_onevision") config."""
+
+    grid_pinpoints: tuple[tuple[int, int], ...] = _NEXT_PINPOINTS  # (height, width) resolutions tiles can cover
+    vision_aspect_ratio: str | None = None  # OneVision's "anyres_max_N"; None for LLaVA-NeXT (no shrinking)
+    video_token_id: int | None = None  # OneVision
+
+    def __post_init__(self):
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"LlavaNextConfig: model_type {self.model_type!r} is not one of {sorted(ARCHITECTURES)}")
+        if self.vision_aspect_ratio is not None:
+            A.max_tiles_of(self.vision_aspect_ratio)  # validates the spelling
+
+    @property
+    def onevision(self) -> bool:
+        return self.model_type == "llava_onevision"
+
+    @property
+    def max_tiles(self) -> int | None:
+        return None if self.vision_aspect_ratio is None else A.max_tiles_of(self.vision_aspect_ratio)
+
+    def image_taps(self, size_hw, tiled: bool = True):
+        """(taps, weights) of one image's placeholder vectors (see `ports.anyres.image_taps`)."""
+        return A.image_taps(size_hw, self.grid_pinpoints, self.vision.image_size, self.vision.grid, tiled,
+                            self.max_tiles)
+
+    def num_image_tokens(self, size_hw, tiled: bool = True) -> int:
+        """Placeholder tokens one image of size (h, w) takes in the prompt (what HF's processor inserts)."""
+        return len(self.image_taps(size_hw, tiled)[0])
+
+    def num_video_tokens(self, frames: int) -> int:
+        return frames * (-(-self.vision.grid // 2)) ** 2 + 1
+
+
+def config_from_hf(d: dict) -> LlavaNextConfig:
+    """Parse an HF `LlavaNextConfig` / `LlavaOnevisionConfig` dict (defaults as those classes have them)."""
+    mt = d.get("model_type")
+    if mt not in ARCHITECTURES:
+        raise ValueError(f"llava_next.config_from_hf: model_type {mt!r} is not one of {sorted(ARCHITECTURES)}")
+    ov = mt == "llava_onevision"
+    if ov:
+        fields = llava.config_fields_from_hf(d, vision_default=_OV_VISION, text_type="qwen2", feature_layer=-1,
+                                             strategy="full", image_token=151646, tie_from_text=False)
+        text_tie = (d.get("text_config") or {}).get("tie_word_embeddings", False)
+        if not d.get("tie_word_embeddings", False) and text_tie:  # HF's workaround: the text config may tie
+            fields["text"] = dataclasses.replace(fields["text"], tie_word_embeddings=True)
+    else:
+        fields = llava.config_fields_from_hf(d, tie_from_text=False)
+    pins = d.get("image_grid_pinpoints") or (_OV_PINPOINTS if ov else _NEXT_PINPOINTS)
+    return LlavaNextConfig(**fields, grid_pinpoints=tuple((int(h), int(w)) for h, w in pins),
+                           vision_aspect_ratio=d.get("vision_aspect_ratio", "anyres_max_9") if ov else None,
+                           video_token_id=int(d.get("video_token_id", d.get("video_token_index", 151647)))
+                           if ov else None)
+
+
+def config_to_hf(cfg: LlavaNextConfig) -> dict:
+    out = llava.config_to_hf(cfg)
+    out["architectures"] = [ARCHITECTURES[cfg.model_type]]
+    out["image_grid_pinpoints"] = [list(p) for p in cfg.grid_pinpoints]
+    if cfg.onevision:
+        out.pop("image_seq_length")
+        out.update(vision_aspect_ratio=cfg.vision_aspect_ratio, video_token_index=cfg.video_token_id)
+    return out
+
+
+def param_shapes(cfg: LlavaNextConfig) -> dict:
+    return {**llava.param_shapes(cfg), "image_newline": (cfg.text.hidden_size,)}
+
+
+def init_params(cfg: LlavaNextConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
+    """Random params; image_newline ~ normal(0, 1/sqrt(D)) as HF initialises it."""
+    k1, k2 = jax.random.split(key)
+    d = cfg.text.hidden_size
+    newline = (jax.random.normal(k2, (d,), jnp.float32) / math.sqrt(d)).astype(dtype)
+    return {**llava.init_params(cfg, k1, dtype, std), "image_newline": newline}
+
+
+def hf_key_map(cfg: LlavaNextConfig):
+    """LLaVA's rows (the transformers-5 on-disk layout) plus `image_newline`."""
+    return llava.hf_key_map(cfg) + [("image_newline", ("image_newline",), None)]
+
+
+def rename_hf_key(name: str) -> str:
+    """Any accepted checkpoint name (transformers-5 on disk / in memory, older hub) -> the `hf_key_map` name."""
+    return "image_newline" if name == "model.image_newline" else llava.rename_hf_key(name)
+
+
+IGNORED_HF_KEYS = llava.IGNORED_HF_KEYS
+
+# ------------------------------------------------------------------------------------------- host-side layout
+
+RAW_KEYS = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos")
+PREPARED_KEYS = ("vision_tiles", "vision_taps", "vision_weights", "vision_mask", "vision_tile_source",
+                 "vision_layout")
+
+
+def layout_key(cfg: LlavaNextConfig) -> int:
+    """A small int naming everything the prepared layout depends on (see `vision_layout`)."""
+    sig = (cfg.model_type, cfg.vision.image_size, cfg.vision.patch_size, cfg.tokens_per_image, cfg.grid_pinpoints,
+           cfg.vision_aspect_ratio, cfg.image_token_id, cfg.video_token_id)
+    return zlib.crc32(repr(sig).encode()) % 65521 + 1
+
+
+def _pixels(cfg, arr, name: str, what: str) -> np.ndarray:
+    arr = np.asarray(arr)
+    c, s = cfg.vision.num_channels, cfg.vision.image_size
+    if arr.ndim < 3 or arr.shape[-3:] != (c, s, s):
+        raise ValueError(f"{name} has shape {arr.shape}; the {cfg.vision.model_type} tower expects {what} with "
+                         f"tiles of ({c}, {s}, {s}) (num_channels={c}, image_size={s})")
+    return arr
+
+
+def _check_square_tiles(cfg):
+    g, P = cfg.vision.grid, cfg.tokens_per_image
+    if P != g * g:
+        raise ValueError(f"{cfg.model_type}: anyres needs {g} x {g} = {g * g} features per tile, but the "
+                         f"{cfg.vision.model_type} tower with vision_feature_select_strategy="
+                         f"{cfg.feature_strategy!r} gives {P}")
+
+
+def _images(cfg: LlavaNextConfig, inputs: Mapping[str, Any], n_tok: int):
+    """(tiles [n, C, H, W], taps [m, 4] into the tiles' features or NEWLINE, weights [m, 4], tiles per image)."""
+    pv, sizes, per_row = inputs.get("pixel_values"), inputs.get("image_sizes"), inputs.get("batch_num_images")
+    if pv is None:
+        if sizes is not None or per_row is not None:
+            raise ValueError("image_sizes / batch_num_images given without pixel_values")
+        if n_tok:
+            raise ValueError(f"prompt has {n_tok} image tokens (id {cfg.image_token_id}) but no pixel_values")
+        return [], [], [], []
+    pv = _pixels(cfg, pv, "pixel_values", "(num_images, num_tiles, C, H, W) or (total_tiles, C, H, W)")
+    if pv.ndim not in (4, 5):
+        raise ValueError(f"pixel_values has shape {pv.shape}: expected 5 dims (num_images, num_tiles, C, H, W) "
+                         "or 4 (total_tiles, C, H, W)")
+    if sizes is None:
+        raise ValueError(f"{cfg.model_type} needs image_sizes [num_images, 2] (the processor returns it) "
+                         "with pixel_values")
+    sizes = np.asarray(sizes)
+    if sizes.ndim != 2 or sizes.shape[1] != 2 or (pv.ndim == 5 and sizes.shape[0] != pv.shape[0]):
+        raise ValueError(f"image_sizes has shape {sizes.shape}, expected ({pv.shape[0] if pv.ndim == 5 else 'N'}, "
+                         f"2): one (height, width) per image of pixel_values {pv.shape}")
+    if np.any(sizes < 1):
+        raise ValueError(f"image_sizes must be positive (height, width) pairs, got {sizes.tolist()}")
+    n_img = sizes.shape[0]
+    tiled = [True] * n_img
+    if per_row is not None:
+        per_row = np.asarray(per_row).reshape(-1)
+        if per_row.sum() != n_img or np.any(per_row < 0):
+            raise ValueError(f"batch_num_images {per_row.tolist()} does not add up to the {n_img} images")
+        tiled = [int(n) == 1 for n in per_row for _ in range(int(n))]  # HF tiles only a row's single image
+    _check_square_tiles(cfg)
+    tiles, taps, weights, counts = [], [], [], []
+    start = 0
+    for i, (hw, t) in enumerate(zip(sizes.tolist(), tiled)):
+        n = A.num_tiles(hw, cfg.grid_pinpoints, cfg.vision.image_size) if t else 1
+        if t:
+            rows, cols = A.tile_grid(hw, cfg.grid_pinpoints, cfg.vision.image_size)
+            if rows * cols != n - 1:
+                raise ValueError(f"image_grid_pinpoints {list(cfg.grid_pinpoints)} must be multiples of the tower's "
+                                 f"image_size {cfg.vision.image_size}")
+        if pv.ndim == 5:
+            if n > pv.shape[1]:
+                raise ValueError(f"image {i} of size {tuple(hw)} needs {n} tiles (base + grid for "
+                                 f"image_grid_pinpoints), but pixel_values {pv.shape} holds {pv.shape[1]} per image")
+            tiles.append(pv[i, :n])
+        else:
+            if start + n > pv.shape[0]:
+                raise ValueError(f"image_sizes {sizes.tolist()} need more tiles than pixel_values {pv.shape} holds")
+            tiles.append(pv[start:start + n])
+            start += n
+        tp, w = cfg.image_taps(hw, t)
+        taps.append(tp)
+        weights.append(w)
+        counts.append(len(tp))
+    if pv.ndim == 4 and start != pv.shape[0]:
+        raise ValueError(f"pixel_values holds {pv.shape[0]} tiles but image_sizes {sizes.tolist()} use {start}")
+    if n_tok != sum(counts):
+        raise ValueError(f"prompt has {n_tok} image tokens (id {cfg.image_token_id}) but the {n_img} image(s) of "
+                         f"sizes {sizes.tolist()} take {' + '.join(map(str, counts))}"
+                         f"{f' = {sum(counts)}' if len(counts) > 1 else ''}; build the prompt with the model's "
+                         f"processor")
+    return tiles, taps, weights, [len(t) for t in tiles]
+
+
+def _videos(cfg: LlavaNextConfig, inputs: Mapping[str, Any], n_tok: int):
+    pvv = inputs.get("pixel_values_videos")
+    if pvv is None:
+        if n_tok:
+            raise ValueError(f"prompt has {n_tok} video tokens (id {cfg.video_token_id}) but no pixel_values_videos")
+        return [], [], [], []
+    pvv = _pixels(cfg, pvv, "pixel_values_videos", "(num_videos, frames, C, H, W)")
+    if pvv.ndim != 5:
+        raise ValueError(f"pixel_values_videos has shape {pvv.shape}: expected (num_videos, frames, C, H, W)")
+    _check_square_tiles(cfg)
+    frames = pvv.shape[1]
+    taps, weights = zip(*[A.video_taps(frames, cfg.vision.grid) for _ in range(pvv.shape[0])])
+    want = pvv.shape[0] * cfg.num_video_tokens(frames)
+    if n_tok != want:
+        raise ValueError(f"prompt has {n_tok} video tokens (id {cfg.video_token_id}) but {pvv.shape[0]} video(s) "
+                         f"of {frames} frames take {want}; build the prompt with the model's processor")
+    return list(pvv), list(taps), list(weights), [frames] * pvv.shape[0]
+
+
+def prepare_inputs(cfg: LlavaNextConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: Mapping[str, Any]) -> dict:
+    """Host-side checks and layout (see the module docstring): processor output -> device inputs."""
+    allowed = RAW_KEYS if cfg.onevision else ("pixel_values", "image_sizes")
+    unknown = sorted(set(inputs) - set(allowed))
+    if unknown:
+        raise ValueError(f"{cfg.model_type} takes {list(allowed)}; got unsupported {unknown}")
+    tokens = np.asarray(tokens)
+    B, T = tokens.shape
+    valid = np.arange(T)[None, :] < np.asarray(lengths).reshape(B, 1)
+    img_pos = valid & (tokens == cfg.image_token_id)
+    vid_pos = valid & (tokens == cfg.video_token_id) if cfg.onevision else np.zeros_like(valid)
+    i_tiles, i_taps, i_w, i_n = _images(cfg, inputs, int(img_pos.sum()))
+    v_tiles, v_taps, v_w, v_n = _videos(cfg, inputs, int(vid_pos.sum()))
+    if not i_tiles and not v_tiles:
+        return {}
+    P = cfg.tokens_per_image
+    n_tiles = sum(i_n) + sum(v_n)
+    n_pad = A.bucket(n_tiles)
+    newline_row = n_pad * P
+    taps = np.zeros((B, T, A.TAPS), np.int32)
+    weights = np.zeros((B, T, A.TAPS), np.float32)
+    source = np.full(n_pad, -1, np.int32)
+    offset = 0
+    for pos, tp_list, w_list, ns, first in ((img_pos, i_taps, i_w, i_n, 0), (vid_pos, v_taps, v_w, v_n, len(i_n))):
+        if not tp_list:
+            continue
+        glob = []
+        for j, (tp, n) in enumerate(zip(tp_list, ns)):
+            glob.append(np.where(tp == A.NEWLINE, newline_row, tp + offset * P))
+            source[offset:offset + n] = first + j
+            offset += n
+        taps[pos] = np.concatenate(glob)
+        weights[pos] = np.concatenate(w_list)
+    c, s = cfg.vision.num_channels, cfg.vision.image_size
+    tiles = np.zeros((n_pad, c, s, s), np.float32)
+    tiles[:n_tiles] = np.concatenate([np.asarray(t, np.float32).reshape(-1, c, s, s) for t in i_tiles + v_tiles])
+    return {"vision_tiles": tiles, "vision_taps": taps, "vision_weights": weights, "vision_mask": img_pos | vid_pos,
+            "vision_tile_source": source, "vision_layout": np.zeros((0, layout_key(cfg)), np.int8)}
+
+
+def prompt_embeds(cfg: LlavaNextConfig, params: dict, tokens: jax.Array,
+                  inputs: Mapping[str, jax.Array]) -> llava.PromptEmbeds:
+    """Prompt embeddings [B, T, D] with every image / video placeholder replaced by its packed feature vector.
+    `inputs` is `prepare_inputs`' output (empty: text only)."""
+    x = llava.embed(cfg, params, tokens)
+    if "vision_tiles" not in inputs:
+        raw = sorted(set(inputs) & set(RAW_KEYS))
+        if raw:
+            raise ValueError(f"{cfg.model_type}: prompt_embeds takes the output of prepare_inputs, got raw {raw}")
+        return llava.PromptEmbeds(x, jnp.zeros(tokens.shape, bool),
+                                  jnp.zeros((0, cfg.tokens_per_image, cfg.projector.in_dim), x.dtype))
+    if inputs["vision_layout"].shape != (0, layout_key(cfg)):
+        raise ValueError(f"these vision inputs were prepared for another model's layout (tower geometry, "
+                         f"image_grid_pinpoints or token ids differ from this {cfg.model_type}); run this model's "
+                         f"prepare_inputs on the processor output (for a draft: pass draft_prompt=)")
+    if inputs["vision_taps"].shape[:2] != tokens.shape:
+        raise ValueError(f"vision_taps {inputs['vision_taps'].shape} were prepared for prompts of shape "
+                         f"{inputs['vision_taps'].shape[:2]}, not {tokens.shape}")
+    feats, proj = llava.image_features(cfg, params, inputs["vision_tiles"].astype(x.dtype))
+    table = jnp.concatenate([proj.reshape(-1, proj.shape[-1]), params["image_newline"][None].astype(proj.dtype)])
+    taps, w = inputs["vision_taps"], inputs["vision_weights"].astype(jnp.float32)
+    packed = sum(w[..., k, None] * jnp.take(table, taps[..., k], axis=0).astype(jnp.float32) for k in range(A.TAPS))
+    mask = inputs["vision_mask"]
+    return llava.PromptEmbeds(jnp.where(mask[..., None], packed.astype(x.dtype), x), mask, feats)
