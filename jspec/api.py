@@ -13,6 +13,7 @@ import numpy as np
 from jspec import guidance as G
 from jspec import loop
 from jspec import sampling as S
+from jspec import sharding as SH
 from jspec import speculative as SD
 from jspec.prompts import normalize_prompt, round_up
 from jspec.trees import StaticTree, build_tree, chain
@@ -145,8 +146,9 @@ def _pad_id(target, eos: tuple[int, ...]) -> int:
 
 @functools.partial(jax.jit, static_argnames=("ctx", "max_len"))
 def _prefill_ar(ctx, max_len, target, tokens, lengths, inputs, key, sp):
-    cache = loop.new_cache_for(target, tokens.shape[0], max_len)
+    cache = SH.constrain(ctx.placement, loop.new_cache_for(target, tokens.shape[0], max_len))
     logits, _, cache = loop.prefill(target, tokens, lengths, cache, inputs)
+    cache = SH.constrain(ctx.placement, cache)
     k_first, k_loop = jax.random.split(key)
     first = S.sample(k_first, logits, ctx.sampling, sp)
     return loop.start_state(ctx, first, cache, k_loop, sp)
@@ -162,6 +164,7 @@ def _prefill_sd(ctx, max_len, width, controller, target, draft, tokens, lengths,
                 d_inputs, key, sp):
     state = _prefill_ar.__wrapped__(ctx, max_len, target, tokens, lengths, inputs, key, sp)
     ds = SD.init_draft(draft, d_tokens, d_lengths, max_len, state.last, width, d_inputs)
+    ds = ds.replace(cache=SH.constrain(ctx.placement, ds.cache, replicated=True))
     return state.replace(aux=SD.init_sd_state(ds, controller, width - 1))
 
 
@@ -195,7 +198,8 @@ def _profile_sd(ctx, policy, rule, controller, target, draft, state):
 
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
            top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
-           profile: bool = False, guidance: G.CFG | None = None, constraint=None) -> DecodeOutput:
+           profile: bool = False, guidance: G.CFG | None = None, constraint=None, mesh=None,
+           rules=None) -> DecodeOutput:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
 
     Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
@@ -207,6 +211,8 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     `guidance=jspec.CFG(scale, uncond_prompt)`: classifier-free guidance; `constraint` (e.g. `jspec.ImageGrammar`):
     a mask on the logits of each generated position. Both apply to the target and the draft alike, in every
     strategy (see `jspec.guidance`).
+    `mesh` (e.g. `jspec.make_mesh(tensor=8)`): shard the target over it by the logical axis `rules` (default
+    `jspec.sharding.DEFAULT_RULES`; a dict overrides entries), replicate the draft; same tokens as one device.
     """
     strategy = AR() if strategy is None else strategy
     if max_new_tokens < 1:
@@ -228,13 +234,18 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     eos = _eos_ids(target, eos_token_id)
     policy = strategy.policy() if speculative else None
     run_target, run_draft = target, strategy.draft if speculative else None
+    placement = None
+    if mesh is not None:
+        placement = SH.Placement(mesh, tuple(SH.rules_table(rules).items()))
+        run_target = SH.shard(target, mesh, rules)
+        run_draft = SH.replicate(run_draft, mesh) if speculative else None
     longest, width = int(max(lengths.max(), d_lengths.max())), max(tokens.shape[1], d_tokens.shape[1])
     if guidance is not None or constraint is not None:
         if inputs or d_inputs:
             raise ValueError("guidance / constraint take token prompts only (no image inputs)")
-        run_target = G.guide(target, lengths, guidance, constraint)
+        run_target = G.guide(run_target, lengths, guidance, constraint)
         if speculative:
-            run_draft = G.guide(strategy.draft, d_lengths, guidance, constraint)
+            run_draft = G.guide(run_draft, d_lengths, guidance, constraint)
         ends = [run_target] + ([run_draft] if speculative else [])
         longest = int(max(int(np.max(np.asarray(m.prompt_end))) for m in ends))
         width = max(width, run_target.uncond.shape[1])
@@ -246,7 +257,7 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
                          f"scratch slots needs a cache of {need}, longer than max_cache_len={max_cache_len}")
     max_len = max(round_up(width + max_new_tokens + per_step, 64), need)
     ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
-                           out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg)
+                           out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg, placement=placement)
     key = jax.random.key(0) if key is None else key
     t0 = time.perf_counter()
     if policy is None:

@@ -15,6 +15,7 @@ from flax import struct
 
 from jspec import cache as kvc
 from jspec import sampling as S
+from jspec import sharding as SH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,7 @@ class StepContext:
     out_len: int  # output buffer length: max_new + the most tokens one step can commit
     eos: tuple[int, ...]
     sampling: S.SamplingConfig
+    placement: SH.Placement | None = None  # mesh + rules: the target cache's sharding (None: one device)
 
 
 @struct.dataclass
@@ -114,9 +116,15 @@ def step_key(state: DecodeState) -> jax.Array:
 
 
 def run_loop(ctx: StepContext, step_fn: Callable[[DecodeState], DecodeState], state: DecodeState) -> DecodeState:
-    """Iterate `step_fn` on device until every row is done or the step budget is spent."""
+    """Iterate `step_fn` on device until every row is done or the step budget is spent (the target cache keeps
+    the placement's sharding through the loop)."""
     cond = lambda s: (s.step < ctx.max_steps) & ~jnp.all(s.done)
-    return jax.lax.while_loop(cond, step_fn, state)
+
+    def body(s):
+        s = step_fn(s)
+        return s.replace(cache=SH.constrain(ctx.placement, s.cache))
+
+    return jax.lax.while_loop(cond, body, state)
 
 
 def ar_step(ctx: StepContext, target, state: DecodeState) -> DecodeState:

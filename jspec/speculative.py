@@ -24,6 +24,7 @@ from flax import struct
 from jspec import cache as kvc
 from jspec import loop
 from jspec import sampling as S
+from jspec import sharding as SH
 from jspec import verify as V
 from jspec.trees import StaticTree, TreeArrays, device_tree, tree_from_pool
 
@@ -302,6 +303,7 @@ def sd_accept(ctx: loop.StepContext, policy, rule: str, state: loop.DecodeState,
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
     dc = aux.draft.cache
     # finished rows must not move the draft: feed nothing new (re-feed `last` at the same slot)
+    dc = SH.constrain(ctx.placement, dc, replicated=True)
     ds = DraftState(dc.replace(length=jnp.where(active, dc.length, dc.length - 1)),
                     jnp.where(active[:, None], new, state.last[:, None]), jnp.where(active, a + 1, 1))
     feedback = Feedback(jnp.where(active, a, 0), aux.feedback.limit, active)

@@ -1,0 +1,157 @@
+"""Sharding over a device mesh with logical axis rules (the maxtext scheme, written for jspec's pytrees).
+
+Every parameter and KV-cache dimension carries a logical axis name (`batch`, `seq`, `heads`, `kv_heads`,
+`head_dim`, `embed`, `mlp`, `vocab`, `layers`); one rules table maps each name to mesh axes (`data`, `fsdp`,
+`tensor`). A dimension is split over its mesh axes only when its logical size (heads, not heads x head_dim) is
+divisible by their product; otherwise it is replicated, which is the correct fallback when, e.g., kv_heads <
+tensor size. Anything without a rule (norms, vision towers, projectors, the VQ tokenizer) is replicated; so is a
+small draft (`replicate`). Decoding then runs the same jitted program: XLA partitions it from the params'
+shardings and the cache constraints the engine declares (`Placement`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axes it is split over (in order)
+DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch", ("data",)),
+    ("embed", ("fsdp",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("mlp", ("tensor",)),
+    ("vocab", ("tensor",)),
+    ("seq", ()),
+    ("head_dim", ()),
+    ("layers", ()),
+)
+
+# decoder leaf name -> logical axes of its dimensions (ports' [in, out] matrices)
+DECODER_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"), "wo": ("heads", "embed"),
+    "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
+    "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+    "b_gate": ("mlp",), "b_up": ("mlp",),
+}
+
+CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh over the first data*fsdp*tensor devices (all processes' devices under
+    `jax.distributed`: every host runs the same program)."""
+    n = data * fsdp * tensor
+    devices = list(jax.devices() if devices is None else devices)
+    if n < 1 or n > len(devices):
+        raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} needs {n} devices; "
+                         f"{len(devices)} available")
+    return Mesh(np.array(devices[:n]).reshape(data, fsdp, tensor), MESH_AXES)
+
+
+def rules_table(rules=None) -> dict[str, tuple[str, ...]]:
+    """DEFAULT_RULES with the entries of `rules` (a mapping or pairs; a str value means one mesh axis) replaced."""
+    table = dict(DEFAULT_RULES)
+    if rules is not None:
+        table.update({k: tuple(v) if isinstance(v, (tuple, list)) else (v,) for k, v in dict(rules).items()})
+    return table
+
+
+def logical_units(cfg) -> dict[str, int]:
+    """How many indivisible units each logical axis of a language model has (heads, not heads x head_dim)."""
+    text = getattr(cfg, "text", cfg)
+    return {"heads": text.num_heads, "kv_heads": text.num_kv_heads, "mlp": text.intermediate_size,
+            "vocab": text.vocab_size, "embed": text.hidden_size}
+
+
+def spec_for(axes: Sequence[str | None], units: Mapping[str, int], mesh: Mesh, rules=None) -> P:
+    """PartitionSpec of one array: each logical axis gets its mesh axes when its units divide their size and no
+    earlier dimension already took them; otherwise that dimension is replicated."""
+    table = rules_table(rules)
+    used: set[str] = set()
+    out = []
+    for ax in axes:
+        mesh_axes = tuple(m for m in table.get(ax, ()) if m in mesh.shape and mesh.shape[m] > 1) if ax else ()
+        size = math.prod(mesh.shape[m] for m in mesh_axes)
+        n = units.get(ax) if ax else None
+        if not mesh_axes or n is None or n % size or used & set(mesh_axes):
+            out.append(None)
+            continue
+        used |= set(mesh_axes)
+        out.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return P(*out)
+
+
+def _lm_subtree(model) -> tuple:
+    """Where the language model's params sit: under "lm" for VLMs (LLaVA), at the top for decoders."""
+    return ("lm",) if isinstance(model.params, dict) and "lm" in model.params else ()
+
+
+def param_axes(model) -> Any:
+    """A pytree like `model.params` of per-leaf logical axes (None: replicated)."""
+    sub = _lm_subtree(model)
+
+    def axes(path, leaf):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        if keys[:len(sub)] != sub:
+            return None
+        name = keys[-1]
+        ax = DECODER_AXES.get(name) if isinstance(name, str) else None
+        return ax if ax is not None and len(ax) == np.ndim(leaf) else None
+
+    return jax.tree_util.tree_map_with_path(axes, model.params)
+
+
+def param_shardings(model, mesh: Mesh, rules=None) -> Any:
+    """NamedShardings (a pytree like params) from the logical axis rules."""
+    units = logical_units(model.config)
+    ax_tree = param_axes(model)
+    return jax.tree.map(lambda leaf, ax: NamedSharding(mesh, P() if ax is None else spec_for(ax, units, mesh, rules)),
+                        model.params, ax_tree, is_leaf=lambda x: x is None or isinstance(x, tuple))
+
+
+def shard(model, mesh: Mesh, rules=None):
+    """The model with its params placed on `mesh` by the rules (each device holds only its shards)."""
+    shardings = param_shardings(model, mesh, rules)
+    return dataclasses.replace(model, params=jax.device_put(model.params, shardings), _hf_aux=model._hf_aux)
+
+
+def replicate(model, mesh: Mesh):
+    """The model with every param replicated on `mesh` (a small draft)."""
+    sh = NamedSharding(mesh, P())
+    return dataclasses.replace(model, params=jax.device_put(model.params, sh), _hf_aux=model._hf_aux)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Static (hashable) sharding plan of one decode call: the engine constrains the target's KV cache to it at
+    prefill and after every step, and keeps the draft's cache replicated."""
+
+    mesh: Mesh
+    rules: tuple = DEFAULT_RULES
+
+    def cache_spec(self, cache, batch_units: int | None = None) -> P:
+        kvh = cache.k[0].shape[1]
+        units = {"batch": cache.k[0].shape[0] if batch_units is None else batch_units, "kv_heads": kvh}
+        return spec_for(CACHE_AXES, units, self.mesh, self.rules)
+
+    def constrain_cache(self, cache, replicated: bool = False):
+        spec = P() if replicated else self.cache_spec(cache)
+        kv = NamedSharding(self.mesh, spec)
+        row = NamedSharding(self.mesh, P(spec[0]) if len(spec) else P())
+        wsc = jax.lax.with_sharding_constraint
+        return cache.replace(k=[wsc(b, kv) for b in cache.k], v=[wsc(b, kv) for b in cache.v],
+                             length=wsc(cache.length, row), start=wsc(cache.start, row))
+
+
+def constrain(placement: Placement | None, cache, replicated: bool = False):
+    """`placement.constrain_cache(cache)`, or the cache unchanged without a placement."""
+    return cache if placement is None else placement.constrain_cache(cache, replicated)

@@ -1,0 +1,104 @@
+"""Sharded decoding checks, run by tests/test_sharding.py in a subprocess with 8 forced CPU devices (the device
+count must be set before jax is imported). Prints one JSON line of results; any failed check raises."""
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jspec  # noqa: E402
+import ports  # noqa: E402
+from jspec import api, loop  # noqa: E402
+from jspec import sampling as S  # noqa: E402
+from jspec import sharding as SH  # noqa: E402
+
+MESHES = ((1, 8), (2, 4), (8, 1))  # (data, tensor)
+
+
+def tiny(layers, hidden, heads, kv_heads, seed):
+    cfg = ports.text_config_from_hf({"model_type": "llama", "vocab_size": 256, "hidden_size": hidden,
+                                     "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+                                     "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                                     "eos_token_id": None})
+    return ports.random_model(cfg, seed, std=0.5)
+
+
+def prompts(n=8):
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, 256, int(rng.integers(3, 12))) for _ in range(n)]
+
+
+def strategies(draft):
+    return {"ar": jspec.AR(), "chain": jspec.Chain(draft, gamma=3), "tree": jspec.Tree(draft, tree="mc_sim_7b_63")}
+
+
+def check_decode(target, draft):
+    ref = {k: jspec.decode(target, prompts(), s, max_new_tokens=12, eos_token_id=()).tokens
+           for k, s in strategies(draft).items()}
+    assert all(np.array_equal(ref["ar"], v) for v in ref.values())
+    for data, tensor in MESHES:
+        mesh = SH.make_mesh(data=data, tensor=tensor)
+        for k, s in strategies(draft).items():
+            out = jspec.decode(target, prompts(), s, max_new_tokens=12, eos_token_id=(), mesh=mesh)
+            assert np.array_equal(out.tokens, ref[k]), (data, tensor, k)
+    return len(MESHES) * 3
+
+
+def check_placement(target):
+    mesh = SH.make_mesh(data=2, tensor=4)
+    sharded = SH.shard(target, mesh)
+    layer = sharded.params["layers"][0]
+    hd = target.config.head_dim
+    assert layer["wq"].sharding.spec == P(None, "tensor"), layer["wq"].sharding
+    assert layer["wq"].addressable_shards[0].data.shape == (target.config.hidden_size, 8 * hd // 4)
+    assert layer["wk"].addressable_shards[0].data.shape == (target.config.hidden_size, 4 * hd // 4)
+    assert layer["wo"].sharding.spec == P("tensor", None)
+    assert layer["w_down"].addressable_shards[0].data.shape[0] == target.config.intermediate_size // 4
+    assert sharded.params["embed"].addressable_shards[0].data.shape[0] == 256 // 4
+    assert layer["attn_norm"].sharding.spec == P()
+    # kv_heads=4 over tensor=8 does not divide: replicated, not split inside a head
+    wide = SH.shard(target, SH.make_mesh(tensor=8))
+    assert wide.params["layers"][0]["wk"].sharding.spec == P(None, None)
+    assert wide.params["layers"][0]["wq"].sharding.spec == P(None, "tensor")
+
+    # the decode state's target cache: batch over data, kv heads over tensor
+    ctx = loop.StepContext(max_new=4, max_steps=3, out_len=5, eos=(), sampling=S.SamplingConfig(),
+                           placement=SH.Placement(mesh, tuple(SH.rules_table().items())))
+    toks = np.ones((8, 16), np.int32)
+    lens = np.full((8,), 5, np.int32)
+    _, sp = S.make_sampling(0.0, None, None)
+    state = api._prefill_ar(ctx, 64, sharded, toks, lens, {}, jax.random.key(0), sp)
+    state = api._decode_ar(ctx, sharded, state)
+    k0 = state.cache.k[0]
+    assert k0.sharding.spec[:2] == ("data", "tensor"), k0.sharding.spec
+    assert k0.addressable_shards[0].data.shape == (4, 1, 64, hd), k0.addressable_shards[0].data.shape
+    return 1
+
+
+def check_orbax(target, tmp):
+    a = SH.shard(target, SH.make_mesh(data=2, tensor=4))
+    ports.save(a, tmp)
+    mesh_b = SH.make_mesh(tensor=8)
+    restored = ports.load(tmp, shardings=SH.param_shardings(target, mesh_b))
+    wq = restored.params["layers"][0]["wq"]
+    assert wq.sharding.mesh.shape["tensor"] == 8 and wq.sharding.spec == P(None, "tensor")
+    ids = np.array([[3, 5, 7, 9, 11]])
+    np.testing.assert_allclose(ports.logits(restored, ids), ports.logits(target, ids), rtol=1e-5, atol=1e-5)
+    return 1
+
+
+def main(tmp):
+    assert jax.device_count() == 8, jax.devices()
+    target = tiny(2, 64, 8, 4, 0)
+    draft = tiny(1, 32, 4, 2, 1)
+    results = {"decode_cases": check_decode(target, draft), "placement": check_placement(target),
+               "orbax": check_orbax(target, os.path.join(tmp, "ckpt"))}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
