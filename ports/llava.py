@@ -66,16 +66,15 @@ def config_fields_from_hf(d: dict, *, vision_default: dict = _DEFAULT_VISION, te
                           tie_from_text: bool = True) -> dict:
     """The `LlavaConfig` fields of an HF llava / llava_next / llava_onevision config dict (config.json, with
     generation_config's token ids merged at the top); the keyword arguments are that HF config class's defaults.
-    tie_from_text: the text config's tie_word_embeddings wins when present (else the top-level one decides)."""
+    Tied embeddings as transformers 5 decides: the top-level tie_word_embeddings, or (tie_from_text: LlavaConfig,
+    LlavaOnevisionConfig) the text config's when that one is true."""
     text_d = dict(d.get("text_config") or {})
     text_d.setdefault("model_type", text_type)
     for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if d.get(k) is not None:
             text_d[k] = d[k]
-    if not tie_from_text:
-        text_d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
-    elif "tie_word_embeddings" in d and "tie_word_embeddings" not in text_d:
-        text_d["tie_word_embeddings"] = d["tie_word_embeddings"]
+    tie = bool(d.get("tie_word_embeddings", False))
+    text_d["tie_word_embeddings"] = tie or (tie_from_text and bool(text_d.get("tie_word_embeddings", False)))
     text = C.text_config_from_hf(text_d)
     vision_d = dict(d.get("vision_config") or vision_default)
     vision_d.setdefault("model_type", vision_default["model_type"])
@@ -177,6 +176,10 @@ def prompt_embeds(cfg: LlavaConfig, params: dict, tokens: jax.Array, inputs: Map
     image feature vector. Counts are checked on the host by `prepare_inputs`."""
     x = llama.embed(params["lm"], tokens)
     is_img = tokens == cfg.image_token_id
+    other = sorted(set(inputs) - {"pixel_values"})
+    if other:
+        raise ValueError(f"{cfg.model_type} takes pixel_values; got {other}, inputs prepared for another model "
+                         f"(for a draft: pass draft_prompt= with its own processor output)")
     pv = inputs.get("pixel_values")
     if pv is None:
         return PromptEmbeds(x, is_img, jnp.zeros((0, cfg.tokens_per_image, cfg.projector.in_dim), x.dtype))

@@ -90,10 +90,7 @@ def config_from_hf(d: dict) -> LlavaNextConfig:
     ov = mt == "llava_onevision"
     if ov:
         fields = llava.config_fields_from_hf(d, vision_default=_OV_VISION, text_type="qwen2", feature_layer=-1,
-                                             strategy="full", image_token=151646, tie_from_text=False)
-        text_tie = (d.get("text_config") or {}).get("tie_word_embeddings", False)
-        if not d.get("tie_word_embeddings", False) and text_tie:  # HF's workaround: the text config may tie
-            fields["text"] = dataclasses.replace(fields["text"], tie_word_embeddings=True)
+                                             strategy="full", image_token=151646)
     else:
         fields = llava.config_fields_from_hf(d, tie_from_text=False)
     pins = d.get("image_grid_pinpoints") or (_OV_PINPOINTS if ov else _NEXT_PINPOINTS)
@@ -298,7 +295,8 @@ def prompt_embeds(cfg: LlavaNextConfig, params: dict, tokens: jax.Array,
     if "vision_tiles" not in inputs:
         raw = sorted(set(inputs) & set(RAW_KEYS))
         if raw:
-            raise ValueError(f"{cfg.model_type}: prompt_embeds takes the output of prepare_inputs, got raw {raw}")
+            raise ValueError(f"{cfg.model_type}: prompt_embeds takes the output of its prepare_inputs, got raw "
+                             f"{raw} (inputs prepared for another model? for a draft: pass draft_prompt=)")
         return llava.PromptEmbeds(x, jnp.zeros(tokens.shape, bool),
                                   jnp.zeros((0, cfg.tokens_per_image, cfg.projector.in_dim), x.dtype))
     if inputs["vision_layout"].shape != (0, layout_key(cfg)):

@@ -203,6 +203,19 @@ def test_config_defaults_are_hfs(model_type):
         assert full.grid_pinpoints[0] == (336, 672) and full.vision_aspect_ratio is None
 
 
+@pytest.mark.parametrize("cls", [transformers.LlavaConfig, transformers.LlavaNextConfig,
+                                 transformers.LlavaOnevisionConfig], ids=lambda c: c.model_type)
+def test_tied_embeddings_decided_as_transformers_does(cls):
+    """transformers 5 ties lm_head by the top-level flag; LLaVA and OneVision also when the text config ties."""
+    for top in (False, True):
+        for text_tie in (False, True):
+            text = text_config("llama", 48, 1).to_dict() | {"tie_word_embeddings": text_tie}
+            d = {"text_config": text, "tie_word_embeddings": top}
+            hf_tie = cls(**d).tie_word_embeddings
+            ours = ports.model.family(cls.model_type).config_from_hf({"model_type": cls.model_type, **d})
+            assert ours.tie_word_embeddings == hf_tie, (top, text_tie)
+
+
 # ------------------------------------------------------------------------------------------ logits parity
 
 NEXT_CASES = {
@@ -426,3 +439,8 @@ def test_bad_inputs_fail_early_with_clear_errors(jx_models):
     prep = NX.prepare_inputs(nxt.config, ids, np.array([ids.shape[1]]), {"pixel_values": pv, "image_sizes": sizes})
     with pytest.raises(ValueError, match="another model's layout"):
         NX.prompt_embeds(other, nxt.params, ids, prep)
+    # a LLaVA-1.5 draft cannot read a NeXT prompt's prepared inputs (nor a NeXT draft raw 1.5 inputs): say so
+    with pytest.raises(ValueError, match="prepared for another model.*draft_prompt"):
+        jspec.decode(nxt, batch, strategy=jspec.Chain(jx_models["llava_draft"], gamma=2), max_new_tokens=2)
+    with pytest.raises(ValueError, match="prepared for another model.*draft_prompt"):
+        NX.prompt_embeds(nxt.config, nxt.params, ids, {"pixel_values": pv[:, 0]})
