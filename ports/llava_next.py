@@ -36,7 +36,6 @@ import numpy as np
 
 from ports import anyres as A
 from ports import llava
-from ports import vision as VZ
 
 # HF's LlavaOnevisionConfig builds this tower when config.json has no vision_config (SigLIP so400m at 384 px).
 _OV_VISION = {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304, "patch_size": 14,
