@@ -1,0 +1,524 @@
+"""The synthetic world (jspec.zoo.world), its tokenizer and the data pipeline: determinism, answers re-derived from
+the scenes by an independent solver, renders checked pixel by pixel, split disjointness, tokenizer / processor
+compatibility with transformers, loss masks and packed batches."""
+from __future__ import annotations
+
+import os
+import re
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np
+import pytest
+
+from jspec.zoo import data as D
+from jspec.zoo import tokenizer as TK
+from jspec.zoo import world as W
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return TK.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def train_exs():
+    return list(W.examples("train", 3000, seed=0))
+
+
+@pytest.fixture(scope="module")
+def heldout_exs():
+    return list(W.examples("heldout", 1500, seed=0))
+
+
+# ------------------------------------------------------------------------------------------ an independent solver
+
+POS = {v: k for k, v in W.POSITIONS.items()}
+
+
+def _words(q: str, vocab) -> list[str]:
+    return [w for w in vocab if re.search(rf"\b{w}\b", q)]
+
+
+def _pos_in(q: str) -> list[str]:
+    return [p for p in W.POSITIONS.values() if re.search(rf"\bthe {p}\b", q)]
+
+
+def _obj(s: W.Scene, colour=None, shape=None, pos=None) -> W.Obj:
+    hits = [o for o in s.objects if (colour is None or o.colour == colour) and (shape is None or o.shape == shape)
+            and (pos is None or o.position == pos)]
+    assert len(hits) == 1, (colour, shape, pos, s)
+    return hits[0]
+
+
+def solve_image_question(s: W.Scene, q: str, a: str) -> str | None:
+    """The answer to a single-image question, derived from the scene and the question words alone; None for
+    captions (checked separately)."""
+    cols, shapes, plural, pos = _words(q, W.COLOURS), _words(q, W.SHAPES), _words(q, W.PLURAL.values()), _pos_in(q)
+    if re.search(r"Describe|caption|description", q) or "What is in this image" in q:
+        return None
+    if s.kind == "text":
+        return s.text_colour if "colo" in q else s.text
+    if s.kind == "chart":
+        if re.search(r"tallest|highest", q):
+            return max(s.bars, key=lambda b: b.value).colour
+        if re.search(r"shortest|lowest", q):
+            return min(s.bars, key=lambda b: b.value).colour
+        if re.search(r"How many bars|Count the bars", q):
+            return str(len(s.bars))
+        (c,) = cols
+        return str(next(b.value for b in s.bars if b.colour == c))
+    if re.search(r"How many|Count", q):
+        if cols:
+            return str(sum(o.colour == cols[0] for o in s.objects))
+        if plural:
+            sh = next(k for k, v in W.PLURAL.items() if v == plural[0])
+            return str(sum(o.shape == sh for o in s.objects))
+        return str(len(s.objects))
+    if re.search(r"Is there|Do you see|contain", q):
+        return "yes" if any(o.colour == cols[0] and o.shape == shapes[0] for o in s.objects) else "no"
+    if re.search(r"big or small|small or big|How big|What size", q):
+        return _obj(s, cols[0], shapes[0]).size
+    if re.search(r"Where|position|which part", q):
+        return _obj(s, cols[0], shapes[0]).position
+    if "colo" in q:
+        return _obj(s, shape=shapes[0] if shapes and not pos else None, pos=pos[0] if pos else None).colour
+    if "shape" in q:
+        return _obj(s, colour=cols[0] if cols and not pos else None, pos=pos[0] if pos else None).shape
+    raise AssertionError(f"unrecognised question {q!r}")
+
+
+def check_caption(s: W.Scene, a: str) -> None:
+    if s.kind == "shapes":
+        mentioned = re.findall(r"\b(big|small) (\w+) (\w+)", a)
+        assert sorted(mentioned) == sorted((o.size, o.colour, o.shape) for o in s.objects), (a, s)
+        for m in re.finditer(r"(big|small) (\w+) (\w+) is in the ([a-z ]+)\.", a):
+            assert _obj(s, m.group(2), m.group(3)).position == m.group(4)
+    elif s.kind == "text":
+        assert s.text in a and s.text_colour in a
+    else:
+        assert f"with {W.NUMBER_WORDS[len(s.bars)]} bars" in a
+        for c, v in re.findall(r"the (\w+) bar is (\d)", a):
+            assert next(b.value for b in s.bars if b.colour == c) == int(v)
+
+
+def solve_text_question(q: str, prev: str | None) -> str:
+    """Text-only questions: arithmetic, knowledge base, word games, follow-ups on the previous answer."""
+    m = re.search(r"(\d+) (plus|minus|times) (\d+)", q)
+    if m:
+        x, y = int(m.group(1)), int(m.group(3))
+        return str({"plus": x + y, "minus": x - y, "times": x * y}[m.group(2)])
+    for country, capital in W.KB_COUNTRIES.items():
+        if country in q:
+            return capital
+    for name, (colour, legs, food) in W.KB_CREATURES.items():
+        if re.search(rf"\b{name}s?\b", q):
+            return str(legs) if "legs" in q else colour if "colo" in q else food
+    m = re.search(r"(?:word|spell|of|Write) ([a-z]+)\b", q)
+    if m and m.group(1) in set(W.COLOURS) | set(W.SHAPES):
+        w = m.group(1)
+        return "-".join(w) if re.search(r"[Ss]pell", q) else str(len(w)) if "letters" in q and "capital" not in q \
+            else w.upper()
+    assert prev is not None, q
+    if re.search(r"plus|Add|add", q):
+        return str(int(prev) + int(re.search(r"\d+", q).group()))
+    if re.search(r"minus|Subtract|take away", q):
+        return str(int(prev) - int(re.search(r"\d+", q).group()))
+    if re.search(r"double|twice|by two", q):
+        return str(2 * int(prev))
+    if re.search(r"even|odd", q):
+        return "even" if int(prev) % 2 == 0 else "odd"
+    if "creature" in q:
+        return W.CREATURE_OF_COLOUR[prev]
+    if re.search(r"[Ss]pell", q):
+        return "-".join(prev)
+    if re.search(r"capital|uppercase", q):
+        return prev.upper()
+    if re.search(r"backwards|reversed|right to left", q):
+        return prev[::-1]
+    if re.search(r"letters|characters", q):
+        return str(len(prev))
+    m = re.search(r"(left side|right side|top row|bottom row)", q)
+    if m:
+        r, c = POS[prev]
+        return "yes" if {"left side": c == 0, "right side": c == 2, "top row": r == 0,
+                         "bottom row": r == 2}[m.group(1)] else "no"
+    raise AssertionError(f"unrecognised text question {q!r}")
+
+
+def _objset(s: W.Scene):
+    return {(o.shape, o.colour, o.size, o.row, o.col) for o in s.objects}
+
+
+def check_difference(a: W.Scene, b: W.Scene, change: str) -> None:
+    """Apply the described change to scene a and compare with scene b."""
+    objs = _objset(a)
+    if m := re.fullmatch(r"A (big|small) (\w+) (\w+) was added in the ([a-z ]+)\.", change):
+        objs.add((m.group(3), m.group(2), m.group(1), *POS[m.group(4)]))
+    elif m := re.fullmatch(r"The (\w+) (\w+) was removed\.", change):
+        objs = {o for o in objs if (o[1], o[0]) != (m.group(1), m.group(2))}
+    elif m := re.fullmatch(r"The (\w+) (\w+) moved from the ([a-z ]+) to the ([a-z ]+)\.", change):
+        (o,) = [o for o in objs if (o[1], o[0]) == (m.group(1), m.group(2))]
+        assert o[3:] == POS[m.group(3)]
+        objs = (objs - {o}) | {o[:3] + POS[m.group(4)]}
+    elif m := re.fullmatch(r"The (\w+) (\w+) (?:shrank|grew) from (big|small) to (big|small)\.", change):
+        (o,) = [o for o in objs if (o[1], o[0]) == (m.group(1), m.group(2))]
+        assert o[2] == m.group(3)
+        objs = (objs - {o}) | {(o[0], o[1], m.group(4), o[3], o[4])}
+    elif m := re.fullmatch(r"The (\w+) (\w+) turned (\w+)\.", change):
+        (o,) = [o for o in objs if (o[1], o[0]) == (m.group(1), m.group(2))]
+        objs = (objs - {o}) | {(o[0], m.group(3), *o[2:])}
+    elif m := re.fullmatch(r"The (\w+) (\w+) became a (\w+)\.", change):
+        (o,) = [o for o in objs if (o[1], o[0]) == (m.group(1), m.group(2))]
+        objs = (objs - {o}) | {(m.group(3), *o[1:])}
+    else:
+        raise AssertionError(f"unrecognised change {change!r}")
+    assert objs == _objset(b), (change, a, b)
+
+
+def check_example(ex: W.Example) -> None:
+    """Every assistant answer of the example is what the scenes and the questions determine."""
+    user = [t for t in ex.turns if t.role == "user"]
+    answers = [t.text for t in ex.turns if t.role == "assistant"]
+    assert [t.role for t in ex.turns] == ["user", "assistant"] * len(user)
+    assert sum(t.n_images for t in user) == len(ex.images)
+    if ex.scenario == "two_image":
+        a, b = ex.images
+        if ex.task == "two_image_diff":
+            check_difference(a, b, answers[0])
+        else:
+            na, nb = len(a.objects), len(b.objects)
+            assert answers[0] == ("the first image" if na > nb else "the second image" if nb > na else "neither")
+        return
+    if ex.task == "ood_count":
+        assert answers[0] == str(sum(len(s.objects) for s in ex.images))
+        return
+    if ex.task == "ood_story":
+        told = re.findall(r"a (big|small) (\w+) (\w+) appears in the ([a-z ]+)\.", answers[0])
+        assert told == [(o.size, o.colour, o.shape, o.position) for s in ex.images for o in s.objects]
+        return
+    if ex.task == "text_story":
+        listed = re.findall(r"a (big|small) (\w+) (\w+)", user[0].text)
+        assert re.findall(r"a (big|small) (\w+) (\w+) appears", answers[0]) == listed and len(listed) >= 2
+        return
+    prev = None
+    for i, (u, a) in enumerate(zip(user, answers)):
+        if u.n_images:
+            (s,) = ex.images
+            want = solve_image_question(s, u.text, a)
+            if want is None:
+                check_caption(s, a)
+            else:
+                assert a == want, (u.text, a, want, s)
+        else:
+            assert a == solve_text_question(u.text, prev), (u.text, prev, a)
+        prev = a
+
+
+def test_answers_follow_from_scenes(train_exs, heldout_exs):
+    seen = set()
+    for ex in train_exs[:2000] + heldout_exs:
+        check_example(ex)
+        seen.add(ex.task)
+    assert seen == set(W.TASKS), set(W.TASKS) - seen
+    # VQA answers are short and exact-matchable
+    vqa = [ex.answer for ex in train_exs if ex.scenario == "vqa"]
+    assert max(len(a.split()) for a in vqa) <= 3 and all(a == a.strip() for a in vqa)
+
+
+def test_solver_rejects_wrong_answers(train_exs):
+    """The checks above have teeth: corrupting an answer or a scene makes them fail."""
+    failures = 0
+    tried = 0
+    for ex in train_exs[:400]:
+        if ex.scenario not in ("vqa", "second_turn", "two_image"):
+            continue
+        tried += 1
+        last = ex.turns[-1]
+        wrong = "9" if last.text != "9" else "8"
+        bad = W.Example(ex.task, ex.scenario, ex.split, ex.index, ex.turns[:-1] + (W.Turn("assistant", wrong),),
+                        ex.images)
+        try:
+            check_example(bad)
+        except (AssertionError, ValueError, KeyError, StopIteration):
+            failures += 1
+    assert tried > 100 and failures == tried
+
+
+# ------------------------------------------------------------------------------------------------ rendering
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_renders_show_the_scene(train_exs, size):
+    scenes = [s for ex in train_exs[:600] for s in ex.images]
+    kinds = {s.kind for s in scenes}
+    assert kinds == {"shapes", "text", "chart"}
+    area = {(sh, sz): [] for sh in W.SHAPES for sz in W.SIZES}
+    for s in scenes:
+        a = np.asarray(W.render(s, size))
+        assert a.shape == (size, size, 3) and a.dtype == np.uint8
+        if s.kind == "shapes":
+            cell = size / W.GRID
+            occupied = set()
+            for o in s.objects:
+                x, y = W.object_centre(o, size)
+                assert tuple(a[int(y), int(x)]) == W.COLOURS[o.colour], (o, size)
+                occupied.add((o.row, o.col))
+                r0, c0 = int(o.row * cell), int(o.col * cell)
+                block = a[r0:int((o.row + 1) * cell), c0:int((o.col + 1) * cell)]
+                n = int(np.all(block == W.COLOURS[o.colour], axis=-1).sum())
+                area[(o.shape, o.size)].append(n)
+            for (r, c) in set(W.POSITIONS) - occupied:
+                assert tuple(a[int((r + .5) * cell), int((c + .5) * cell)]) == W.BACKGROUND
+        elif s.kind == "text":
+            x0, y0, k = W.text_layout(s.text, size)
+            ink = np.all(a == W.COLOURS[s.text_colour], axis=-1)
+            read = ""
+            for i in range(len(s.text)):
+                gx = x0 + (W.GLYPH_W + 1) * k * i
+                glyph = tuple("".join("#" if ink[y0 + r * k + k // 2, gx + c * k + k // 2] else "."
+                                      for c in range(W.GLYPH_W)) for r in range(W.GLYPH_H))
+                read += next(ch for ch, g in W.FONT.items() if g == glyph)
+            assert read == s.text
+            assert ink.sum() == sum(g.count("#") for ch in s.text for g in W.FONT[ch]) * k * k
+        else:
+            xs, base, unit = W.chart_layout(len(s.bars), size)
+            for (x_a, x_b), bar in zip(xs, s.bars):
+                col = np.all(a[:, (x_a + x_b) // 2] == W.COLOURS[bar.colour], axis=-1)
+                assert round(col.sum() / unit) == bar.value and col[base - 1] and not col[base]
+    for sh in W.SHAPES:     # big shapes cover ~2.7x the area of small ones (fewer whole pixels at 32 px)
+        assert min(area[(sh, "big")]) > 1.6 * max(area[(sh, "small")]), sh
+
+
+def test_font_glyphs_distinct_and_well_formed():
+    glyphs = list(W.FONT.values())
+    assert len(set(glyphs)) == len(glyphs) == len(W.TEXT_CHARS)
+    assert all(len(g) == W.GLYPH_H and all(len(r) == W.GLYPH_W and set(r) <= {"#", "."} for r in g) for g in glyphs)
+    assert all(set(w) <= set(W.TEXT_CHARS) for w in W.SIGN_WORDS)
+
+
+def test_velocity_moves_objects():
+    o = W.Obj("square", "blue", "big", 0, 0, velocity=(1.0, 2.0))
+    s = W.Scene("shapes", objects=(o,))
+    a0, a1 = np.asarray(W.render(s, 48)), np.asarray(W.render(s, 48, t=1.0))
+    assert tuple(a0[8, 8]) == W.COLOURS["blue"] and tuple(a0[24, 40]) == W.BACKGROUND
+    assert tuple(a1[24, 40]) == W.COLOURS["blue"] and tuple(a1[8, 8]) == W.BACKGROUND
+
+
+# ---------------------------------------------------------------------------------------- determinism, splits
+
+
+def test_deterministic_from_seed(train_exs):
+    again = list(W.examples("train", 300, seed=0))
+    assert again == train_exs[:300]
+    other = list(W.examples("train", 300, seed=1))
+    assert sum(a != b for a, b in zip(other, again)) > 250
+    s = next(sc for ex in train_exs for sc in ex.images)
+    assert W.render(s, 64).tobytes() == W.render(s, 64).tobytes()
+    assert W.example("train", 1234, seed=5) == W.example("train", 1234, seed=5)   # random access, no state
+
+
+def test_splits_disjoint_and_ood_held_out(train_exs, heldout_exs):
+    train_keys = {s.key() for ex in train_exs for s in ex.images}
+    held_keys = {s.key() for ex in heldout_exs for s in ex.images}
+    assert train_keys and held_keys and not (train_keys & held_keys)
+    assert all(s.split() == "train" for ex in train_exs for s in ex.images)
+    assert all(s.split() == "heldout" for ex in heldout_exs for s in ex.images)
+    # a free draw would collide: single-object scenes are few, so disjointness is the hash partition's doing
+    assert any(len(s.objects) == 1 for ex in heldout_exs for s in ex.images)
+    assert {ex.scenario for ex in train_exs} == set(W.SCENARIOS) - {"ood"}
+    assert {ex.scenario for ex in heldout_exs} == set(W.SCENARIOS)
+    assert not any(W.TASKS[ex.task].ood for ex in train_exs)
+    with pytest.raises(ValueError, match="held out"):
+        W.example("train", 0, tasks=["ood_story"])
+    with pytest.raises(ValueError, match="held out"):
+        next(D.batches("train", 2, 64, tasks=["ood_count"], view="T"))
+    with pytest.raises(ValueError, match="unknown task"):
+        W.example("train", 0, tasks=["no_such_task"])
+    ood = [ex for ex in heldout_exs if ex.scenario == "ood"]
+    assert ood and all(len(ex.images) >= 3 for ex in ood)
+    assert set(D.DRAFT_TASKS) <= set(D.TARGET_TASKS) and all(W.TASKS[t].max_images <= 1 for t in D.DRAFT_TASKS)
+    assert not set(D.TARGET_TASKS) & set(W.tasks_of("ood"))
+
+
+def test_eval_sets_cover_every_scenario():
+    sets = D.eval_sets(n=24)
+    assert set(sets) == set(W.SCENARIOS)
+    for sc, exs in sets.items():
+        assert len(exs) == 24 and {e.scenario for e in exs} == {sc} and {e.split for e in exs} == {"heldout"}
+        assert {e.task for e in exs} == set(W.tasks_of(sc))           # balanced over the scenario's tasks
+    assert D.eval_set("vqa", 24) == sets["vqa"]
+    second = sets["second_turn"]
+    assert all(len(e.images) == 1 and e.turns[0].n_images == 1 and e.turns[2].n_images == 0 for e in second)
+
+
+# --------------------------------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trip_and_specials(tok, heldout_exs):
+    assert len(tok) == TK.VOCAB_SIZE
+    assert [tok.convert_tokens_to_ids(s) for s in TK.SPECIAL_TOKENS] == list(range(6))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (TK.BOS_ID, TK.EOS_ID, TK.PAD_ID)
+    for s in TK.SPECIAL_TOKENS:
+        assert tok.encode(s, add_special_tokens=False) == [TK.SPECIAL_TOKENS.index(s)]
+    texts = [TK.chat_text(ex) for ex in heldout_exs[:400]] + ["Flintholm QZ9 7UP  two\n\nspaces", "é ✓ ünïcode"]
+    for t in texts:
+        ids = tok.encode(t, add_special_tokens=False)
+        assert tok.decode(ids, skip_special_tokens=False) == t
+    # the chat text holds exactly one id per special token occurrence, and BPE compresses the world's text
+    ex = heldout_exs[0]
+    ids = tok.encode(TK.chat_text(ex), add_special_tokens=False)
+    assert ids.count(TK.IMAGE_ID) == len(ex.images) and ids[0] == TK.BOS_ID and ids[-1] == TK.EOS_ID
+    n_chars = sum(len(t) for t in texts[:400])
+    n_ids = sum(len(tok.encode(t, add_special_tokens=False)) for t in texts[:400])
+    assert n_chars / n_ids > 3.0
+
+
+def test_tokenizer_training_is_deterministic(tmp_path):
+    a = TK.train_tokenizer(vocab_size=400, n_examples=1500)
+    b = TK.train_tokenizer(vocab_size=400, n_examples=1500)
+    assert a.to_str() == b.to_str() and a.get_vocab_size() == 400
+    TK.save_tokenizer(a, tmp_path)
+    loaded = TK.load_tokenizer(tmp_path)
+    assert loaded.convert_tokens_to_ids("<|assistant|>") == TK.ASSISTANT_ID and len(loaded) == 400
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        TK.load_tokenizer(tmp_path / "missing")
+
+
+def test_chat_template_renders_our_format(tok, heldout_exs):
+    for ex in [e for e in heldout_exs if e.scenario in ("second_turn", "two_image", "text")][:30]:
+        assert tok.apply_chat_template(ex.messages(), tokenize=False) == TK.chat_text(ex)
+        prompt = tok.apply_chat_template(ex.messages(upto_last_answer=True), tokenize=False,
+                                         add_generation_prompt=True)
+        assert prompt == TK.chat_text(ex, upto_last_answer=True) and prompt.endswith("<|assistant|>")
+
+
+@pytest.mark.parametrize("patch,strategy,expect", [(16, "default", 16), (8, "default", 64), (16, "full", 17)])
+def test_llava_processor_expands_images(tok, heldout_exs, tmp_path, patch, strategy, expect):
+    import transformers
+
+    assert TK.image_tokens(64, patch, strategy) == expect
+    proc = TK.make_processor(tok, image_size=64, patch_size=patch, vision_feature_select_strategy=strategy)
+    enc = D.Encoder(tok, image_tokens=expect, image_size=64)
+    ex = next(e for e in heldout_exs if e.scenario == "two_image")
+    prompt = proc.apply_chat_template(ex.messages(upto_last_answer=True), add_generation_prompt=True)
+    out = proc(text=[prompt], images=[W.render(s, 64) for s in ex.images], return_tensors="np")
+    mine = enc.prompt(ex)
+    assert (out["input_ids"] == TK.IMAGE_ID).sum() == 2 * expect
+    np.testing.assert_array_equal(out["input_ids"], mine["input_ids"])
+    np.testing.assert_allclose(out["pixel_values"], mine["pixel_values"], atol=1e-5)
+    if patch == 16 and strategy == "default":
+        proc.save_pretrained(tmp_path)
+        again = transformers.AutoProcessor.from_pretrained(tmp_path)
+        out2 = again(text=[prompt], images=[W.render(s, 64) for s in ex.images], return_tensors="np")
+        np.testing.assert_array_equal(out2["input_ids"], mine["input_ids"])
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        TK.image_tokens(64, 12)
+
+
+# ------------------------------------------------------------------------------------------------ data pipeline
+
+
+@pytest.mark.parametrize("view", ["M", "T"])
+def test_loss_mask_covers_exactly_the_answers(tok, heldout_exs, view):
+    enc = D.Encoder(tok, image_tokens=16, view=view)
+    for ex in heldout_exs[:300]:
+        e = enc.encode(ex)
+        answers = [t.text for t in ex.turns if t.role == "assistant"]
+        assert tok.decode(e.ids[e.loss_mask == 1], skip_special_tokens=False) == "".join(a + "</s>" for a in answers)
+        # every masked run starts right after <|assistant|> and ends with </s>; nothing else is masked
+        starts = np.flatnonzero(np.diff(np.r_[0, e.loss_mask]) == 1)
+        ends = np.flatnonzero(np.diff(np.r_[e.loss_mask, 0]) == -1)
+        assert len(starts) == len(answers) and all(e.ids[s - 1] == TK.ASSISTANT_ID for s in starts)
+        assert all(e.ids[x] == TK.EOS_ID for x in ends)
+        # the ids are the tokenizer's own encoding of the chat text (image placeholders expanded in the M view)
+        text = TK.chat_text(ex)
+        if view == "M":
+            text = text.replace("<image>", "<image>" * 16)
+            assert (e.ids == TK.IMAGE_ID).sum() == 16 * len(ex.images) and len(e.images) == len(ex.images)
+        else:
+            text = text.replace("<image>", "\n")
+            assert TK.IMAGE_ID not in e.ids and e.images == ()
+        assert e.ids.tolist() == tok.encode(text, add_special_tokens=False)
+        p = enc.encode(ex, upto_last_answer=True)
+        assert p.ids[-1] == TK.ASSISTANT_ID and e.ids[:len(p.ids)].tolist() == p.ids.tolist()
+
+
+def test_pixels_match_clip_normalisation():
+    import random
+
+    s = W.random_shapes(random.Random(0), 3)
+    x = D.pixels(s, 32)
+    raw = np.asarray(W.render(s, 32)).astype(np.float64).transpose(2, 0, 1) / 255.0
+    want = (raw - D.CLIP_MEAN[:, None, None]) / D.CLIP_STD[:, None, None]
+    assert x.shape == (3, 32, 32) and x.dtype == np.float32
+    np.testing.assert_allclose(x, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_batches_pack_the_example_stream(tok, pack):
+    enc = D.Encoder(tok, image_tokens=16, image_size=32)
+    B, T = 4, 96
+    it = D.batches("train", B, T, seed=3, tasks=D.DRAFT_TASKS, pack=pack, encoder=enc, images_per_row=3)
+    b1, b2 = next(it), next(it)
+    shapes = {"input_ids": (B, T), "targets": (B, T), "target_mask": (B, T), "loss_mask": (B, T),
+              "segment_ids": (B, T), "positions": (B, T), "attention_mask": (B, T),
+              "pixel_values": (B, 3, 3, 32, 32), "image_mask": (B, 3)}
+    assert {k: b1[k].shape for k in shapes} == shapes
+    assert b1["input_ids"].dtype == np.int32 and b1["target_mask"].dtype == np.float32
+    # rows hold the stream's examples in order, each as one segment; long ones are skipped
+    i = 0
+    for b in (b1, b2):
+        for r in range(B):
+            segs = [s for s in np.unique(b["segment_ids"][r]) if s > 0]
+            assert pack or len(segs) == 1
+            k_img = 0
+            for sg in segs:
+                while True:
+                    e = enc.encode(W.example("train", i, 3, D.DRAFT_TASKS))
+                    i += 1
+                    if len(e.ids) <= T and len(e.images) <= 3:
+                        break
+                sel = b["segment_ids"][r] == sg
+                np.testing.assert_array_equal(b["input_ids"][r][sel], e.ids)
+                np.testing.assert_array_equal(b["loss_mask"][r][sel], e.loss_mask)
+                np.testing.assert_array_equal(b["positions"][r][sel], np.arange(len(e.ids)))
+                for s in e.images:
+                    np.testing.assert_allclose(b["pixel_values"][r, k_img], D.pixels(s, 32))
+                    k_img += 1
+            assert b["image_mask"][r].sum() == k_img and not b["pixel_values"][r, k_img:].any()
+            assert (b["input_ids"][r] == TK.IMAGE_ID).sum() == 16 * k_img
+    assert int(b2["next_index"]) == i
+    # targets: next token of the same segment; target_mask is loss_mask shifted within segments
+    for b in (b1, b2):
+        m = b["target_mask"] > 0
+        assert m.sum() == b["loss_mask"].sum()         # every answer token is predicted from inside its segment
+        rr, tt = np.nonzero(m)
+        np.testing.assert_array_equal(b["targets"][rr, tt], b["input_ids"][rr, tt + 1])
+        assert (b["segment_ids"][rr, tt] == b["segment_ids"][rr, tt + 1]).all()
+        np.testing.assert_array_equal(b["attention_mask"], (b["segment_ids"] > 0).astype(np.int32))
+    # resume from next_index reproduces the stream
+    resumed = next(D.batches("train", B, T, seed=3, tasks=D.DRAFT_TASKS, pack=pack, encoder=enc, images_per_row=3,
+                             start=int(b1["next_index"])))
+    for k in shapes:
+        np.testing.assert_array_equal(resumed[k], b2[k])
+
+
+def test_t_view_batches_and_view_mixing(tok):
+    st = D.Stats()
+    b = next(D.batches("train", 4, 128, tasks=D.DRAFT_TASKS, view="T", tokenizer=tok, stats=st))
+    assert b["pixel_values"].shape[1] == 0 and TK.IMAGE_ID not in b["input_ids"]
+    assert st.examples > 4 and 0 < st.fill <= 1
+    enc = D.Encoder(tok, image_tokens=8, image_size=32)
+    mixed = next(D.batches("train", 8, 128, seed=1, tasks=D.DRAFT_TASKS, t_view_prob=0.5, encoder=enc, pack=False))
+    views = [D._view_of(1, "train", i, 0.5, "M") for i in range(8)]
+    assert set(views) == {"M", "T"}
+    for row, v, i in zip(mixed["input_ids"], views, range(8)):     # pack=False: row i is example i
+        ex = W.example("train", i, 1, D.DRAFT_TASKS)
+        assert (row == TK.IMAGE_ID).sum() == (8 * len(ex.images) if v == "M" else 0)
+        assert row.tolist()[:int((row > 0).sum())] == enc.encode(ex, view=v).ids.tolist()
+    again = next(D.batches("train", 8, 128, seed=1, tasks=D.DRAFT_TASKS, t_view_prob=0.5, encoder=enc, pack=False))
+    np.testing.assert_array_equal(mixed["input_ids"], again["input_ids"])
+    with pytest.raises(ValueError, match="unknown view"):
+        next(D.batches("train", 2, 64, view="X"))
