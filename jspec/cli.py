@@ -50,10 +50,8 @@ def cmd_convert(args) -> int:
     import ports
 
     t = time.perf_counter()
-    model = ports.load_hf(args.hf_dir, dtype=args.dtype, progress=True)
-    ports.save(model, args.out_dir)
-    print(f"converted {args.hf_dir} -> {args.out_dir} ({model.config.model_type}, "
-          f"{model.num_params / 1e6:.1f}M params) "
+    cfg, n = ports.convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype, progress=True)
+    print(f"converted {args.hf_dir} -> {args.out_dir} ({cfg.model_type}, {n / 1e6:.1f}M params) "
           f"in {time.perf_counter() - t:.1f}s")
     return 0
 

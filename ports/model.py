@@ -220,53 +220,127 @@ def _empty_like_shapes(shapes):
     return None
 
 
-def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarray], jax.Array] | None = None,
-            progress: bool = False) -> Model:
-    """Load an HF checkpoint directory (config.json + safetensors, single or sharded) as a `Model`.
+def _stream_hf(directory: str, dtype, progress: bool):
+    """(hf config dict, config, family, iterator of (param path, our-layout numpy array)) of an HF checkpoint.
 
-    Streams tensor by tensor: each tensor is read from a memory map, transformed to our layout, cast and moved to
-    the device before the next one is read. `device_put(path, array)` can place each param (e.g. onto a sharding).
-    `progress` shows a progress bar over the checkpoint's tensors.
-    Raises ValueError listing missing / unexpected / mis-shaped tensors.
+    The iterator reads one tensor at a time, converts it to our layout and dtype, and, once exhausted, raises
+    ValueError listing missing / unexpected / mis-shaped tensors.
     """
     hf = read_hf_config(directory)
     fam = family(hf.get("model_type"))
     cfg = fam.config_from_hf(hf)
-    dt = _resolve_dtype(dtype)
+    dt = np.dtype(_resolve_dtype(dtype))
     shapes = fam.param_shapes(cfg)
     kmap = {name: (path, tr) for name, path, tr in fam.hf_key_map(cfg)}
     ignored = [re.compile(p) for p in fam.ignored_keys]
     if getattr(cfg, "tie_word_embeddings", False):
         ignored.append(re.compile(r"(^|\.)lm_head\.weight$"))
-    params = _empty_like_shapes(shapes)
-    put = device_put or (lambda path, arr: jnp.asarray(arr))
-    unexpected, bad_shape, seen, bad_names = [], [], set(), set()
-    tensors = iter_tensors(checkpoint_files(directory))
-    if progress:
-        from tqdm import tqdm
 
-        tensors = tqdm(tensors, desc=f"loading {os.path.basename(os.path.normpath(directory))}", unit="tensor")
-    for file_name, f in tensors:
-        name = fam.rename_hf_key(file_name)
-        if name not in kmap:
-            if not any(p.search(name) for p in ignored):
-                unexpected.append(file_name)
-            continue
-        path, tr = kmap[name]
-        want = tuple(_get_path(shapes, path))
-        got = f.shape(file_name)
-        if len(got) != len(want) or hf_shape_to_ours(got, tr) != want:
-            bad_shape.append(f"{name}: checkpoint {tuple(got)}, expected {ours_shape_to_hf(want, tr)}")
-            bad_names.add(name)
-            continue
-        arr = hf_to_ours(f.get(file_name), tr)
-        _set_path(params, path, put(path, arr.astype(dt)))
-        seen.add(name)
-    missing = [n for n in kmap if n not in seen and n not in bad_names]
-    if missing or unexpected or bad_shape:
-        raise key_mismatch_error(f"checkpoint {directory} does not match {hf.get('model_type')} params:", missing,
-                                 unexpected, bad_shape)
+    def tensors():
+        unexpected, bad_shape, seen, bad_names = [], [], set(), set()
+        items = iter_tensors(checkpoint_files(directory))
+        if progress:
+            from tqdm import tqdm
+
+            items = tqdm(items, desc=f"reading {os.path.basename(os.path.normpath(directory))}", unit="tensor")
+        for file_name, f in items:
+            name = fam.rename_hf_key(file_name)
+            if name not in kmap:
+                if not any(p.search(name) for p in ignored):
+                    unexpected.append(file_name)
+                continue
+            path, tr = kmap[name]
+            want = tuple(_get_path(shapes, path))
+            got = f.shape(file_name)
+            if len(got) != len(want) or hf_shape_to_ours(got, tr) != want:
+                bad_shape.append(f"{name}: checkpoint {tuple(got)}, expected {ours_shape_to_hf(want, tr)}")
+                bad_names.add(name)
+                continue
+            yield path, np.ascontiguousarray(hf_to_ours(f.get(file_name), tr), dtype=dt)
+            seen.add(name)
+        missing = [n for n in kmap if n not in seen and n not in bad_names]
+        if missing or unexpected or bad_shape:
+            raise key_mismatch_error(f"checkpoint {directory} does not match {hf.get('model_type')} params:",
+                                     missing, unexpected, bad_shape)
+
+    return hf, cfg, fam, tensors()
+
+
+def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarray], jax.Array] | None = None,
+            progress: bool = False) -> Model:
+    """Load an HF checkpoint directory (config.json + safetensors, single or sharded) as a `Model`.
+
+    Streams tensor by tensor: each tensor is read, transformed to our layout, cast and moved to the device before
+    the next one is read. `device_put(path, array)` can place each param (e.g. onto a sharding).
+    `progress` shows a progress bar over the checkpoint's tensors.
+    Raises ValueError listing missing / unexpected / mis-shaped tensors.
+    """
+    hf, cfg, fam, tensors = _stream_hf(directory, dtype, progress)
+    params = _empty_like_shapes(fam.param_shapes(cfg))
+    put = device_put or (lambda path, arr: jnp.asarray(arr))
+    for path, arr in tensors:
+        _set_path(params, path, put(path, arr))
     return Model(cfg, params, hf)
+
+
+def _layers_path(shapes) -> tuple:
+    """Path of the decoder's layer list in a params tree (under "lm" for VLMs)."""
+    return ("lm", "layers") if "lm" in shapes else ("layers",)
+
+
+def _without_layers(tree, lp: tuple):
+    """A shallow copy of the params tree with the decoder layer list emptied."""
+    out = dict(tree)
+    if len(lp) == 2:
+        out[lp[0]] = dict(out[lp[0]])
+        out[lp[0]][lp[1]] = []
+    else:
+        out[lp[0]] = []
+    return out
+
+
+def _write_config(model_or_hf, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(model_or_hf, f, indent=2)
+
+
+def _orbax_save(path: str, tree) -> None:
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(path, tree, force=True)
+    ckpt.wait_until_finished()
+
+
+def convert_hf(hf_dir: str, out_dir: str, dtype=None, progress: bool = False) -> tuple[Any, int]:
+    """HF checkpoint -> jspec checkpoint (what `save` writes), streaming: each decoder layer is written as soon as
+    its tensors are read, so host memory holds one layer plus the non-layer params (embeddings, head), never the
+    model. Returns (config, number of parameters)."""
+    hf, cfg, fam, tensors = _stream_hf(hf_dir, dtype, progress)
+    shapes = fam.param_shapes(cfg)
+    lp = _layers_path(shapes)
+    layer_shapes = _get_path(shapes, lp)
+    want = [len(jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, tuple))) for s in layer_shapes]
+    out_dir = os.path.abspath(out_dir)
+    _write_config(hf, out_dir)
+    rest = _without_layers(_empty_like_shapes(shapes), lp)
+    open_layers: dict[int, Any] = {}
+    filled = [0] * len(layer_shapes)
+    n_params = 0
+    for path, arr in tensors:
+        n_params += arr.size
+        if path[:len(lp)] == lp:
+            i = path[len(lp)]
+            layer = open_layers.setdefault(i, _empty_like_shapes(layer_shapes[i]))
+            _set_path(layer, path[len(lp) + 1:], arr)
+            filled[i] += 1
+            if filled[i] == want[i]:
+                _orbax_save(os.path.join(out_dir, "layers", f"{i:05d}"), open_layers.pop(i))
+        else:
+            _set_path(rest, path, arr)
+    _orbax_save(os.path.join(out_dir, "params"), rest)
+    return cfg, n_params
 
 
 def save_hf(model: Model, directory: str, dtype=None) -> None:
@@ -294,20 +368,19 @@ def save_hf(model: Model, directory: str, dtype=None) -> None:
 
 
 def save(model: Model, directory: str) -> None:
-    """Orbax checkpoint of the params + config.json (what `jspec convert` writes)."""
-    import orbax.checkpoint as ocp
-
+    """A jspec checkpoint (what `jspec convert` writes): config.json, an orbax checkpoint `params/` of everything
+    but the decoder layers, and one orbax checkpoint per layer under `layers/`, so conversion can stream."""
     directory = os.path.abspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(model.hf_config or model.family.config_to_hf(model.config), f, indent=2)
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(os.path.join(directory, "params"), model.params, force=True)
-    ckpt.wait_until_finished()
+    _write_config(model.hf_config or model.family.config_to_hf(model.config), directory)
+    lp = _layers_path(model.params)
+    for i, layer in enumerate(_get_path(model.params, lp)):
+        _orbax_save(os.path.join(directory, "layers", f"{i:05d}"), layer)
+    _orbax_save(os.path.join(directory, "params"), _without_layers(model.params, lp))
 
 
 def load(directory: str, dtype=None, shardings=None) -> Model:
-    """Restore a `save`d / `jspec convert`ed model; `shardings` (a pytree like params) restores onto devices."""
+    """Restore a `save`d / `jspec convert`ed model; `shardings` (a pytree like params, e.g.
+    `jspec.sharding.param_shardings`) restores straight onto devices, each reading only its shards."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -319,11 +392,20 @@ def load(directory: str, dtype=None, shardings=None) -> Model:
     is_shape = lambda x: isinstance(x, tuple)
     if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dt, sharding=dev), shapes, is_leaf=is_shape)
+        shardings = jax.tree.map(lambda s: dev, shapes, is_leaf=is_shape)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dt, sharding=sh), shapes, shardings,
+                            is_leaf=is_shape)
+    lp = _layers_path(shapes)
+    layers_dir = os.path.join(directory, "layers")
+    ckpt = ocp.StandardCheckpointer()
+    if not os.path.isdir(layers_dir):
+        raise FileNotFoundError(f"{directory} is not a jspec checkpoint (no layers/); write one with `jspec convert`")
+    params = ckpt.restore(os.path.join(directory, "params"), _without_layers(abstract, lp))
+    layers = [ckpt.restore(os.path.join(layers_dir, f"{i:05d}"), a) for i, a in enumerate(_get_path(abstract, lp))]
+    if len(lp) == 2:
+        params[lp[0]][lp[1]] = layers
     else:
-        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dt, sharding=sh), shapes, shardings,
-                                is_leaf=is_shape)
-    params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract)
+        params[lp[0]] = layers
     return Model(cfg, params, hf)
 
 

@@ -1,7 +1,8 @@
-"""Streaming safetensors reader/writer over numpy memmaps (handles bfloat16 via ml_dtypes).
+"""Streaming safetensors reader/writer (handles bfloat16 via ml_dtypes).
 
-The reader maps a file and returns one tensor at a time, so a checkpoint is never held twice in host memory.
-The writer lays out the header first and then streams tensors one by one.
+The reader reads one tensor at a time straight from the file into a fresh array (no memory map, whose touched
+pages would stay resident), so host memory holds one tensor, not the checkpoint. The writer lays out the header
+first and then streams tensors one by one.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ class SafetensorsFile:
         self.metadata = header.pop("__metadata__", None) or {}
         self.header = header
         self._base = 8 + n
-        self._mm = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) > self._base else None
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -47,8 +47,12 @@ class SafetensorsFile:
         dt = np.dtype(_DTYPES[info["dtype"]])
         if end == start:
             return np.zeros(info["shape"], dt)
-        raw = self._mm[self._base + start:self._base + end]
-        return np.array(raw.view(dt).reshape(info["shape"]))
+        count = (end - start) // dt.itemsize
+        with open(self.path, "rb") as f:
+            arr = np.fromfile(f, dtype=dt, count=count, offset=self._base + start)
+        if arr.size != count:
+            raise ValueError(f"{self.path}: tensor {key!r} is truncated ({arr.size} of {count} elements)")
+        return arr.reshape(info["shape"])
 
 
 def write_safetensors(path: str, shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
