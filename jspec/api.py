@@ -227,7 +227,7 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
         if d_tokens.shape[0] != tokens.shape[0]:
             raise ValueError(f"draft_prompt has {d_tokens.shape[0]} rows, the prompt has {tokens.shape[0]}")
     elif speculative:
-        d_tokens, d_lengths, d_inputs = _draft_view(target, strategy.draft, tokens, lengths, inputs)
+        d_tokens, d_lengths, d_inputs = _draft_view(target, strategy.draft, prompt, tokens, lengths, inputs)
     else:
         d_tokens, d_lengths, d_inputs = tokens, lengths, {}
     sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
@@ -293,14 +293,21 @@ def _model_prompt(model, prompt, who: str):
     return tokens, lengths, {k: jnp.asarray(v) for k, v in extra.items()}
 
 
-def _draft_view(target, draft, tokens, lengths, inputs):
-    """The draft's default prompt: the target's, images included when the draft reads images too; a text-only
-    draft gets the prompt without the image placeholder tokens."""
-    if not inputs or draft.family.prompt_embeds is not None:
+def _draft_view(target, draft, prompt, tokens, lengths, inputs):
+    """The draft's default prompt: a draft that reads images prepares the raw prompt itself (its own tower and
+    layout); a text-only draft gets the prompt without the image / video placeholder tokens."""
+    if not inputs:
         return tokens, lengths, inputs
-    placeholder = getattr(target.config, "image_token_id", None)
+    if draft.family.prompt_embeds is not None:
+        try:
+            return _model_prompt(draft, prompt, "draft ")
+        except ValueError as e:
+            raise ValueError(f"the draft cannot read the target's prompt: it was prepared for another model ({e}); "
+                             "pass draft_prompt= built with the draft's own processor") from e
+    placeholders = [t for t in (getattr(target.config, "image_token_id", None),
+                                getattr(target.config, "video_token_id", None)) if t is not None]
     rows = [tokens[b, :lengths[b]] for b in range(tokens.shape[0])]
-    d_tokens, d_lengths, _ = normalize_prompt([r[r != placeholder] for r in rows], draft.config.vocab_size)
+    d_tokens, d_lengths, _ = normalize_prompt([r[~np.isin(r, placeholders)] for r in rows], draft.config.vocab_size)
     return d_tokens, d_lengths, {}
 
 

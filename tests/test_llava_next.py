@@ -366,6 +366,22 @@ def test_greedy_chain_sd_equals_ar(jx_models):
     np.testing.assert_array_equal(sd15.tokens, ar.tokens)
 
 
+def test_text_only_draft_reads_video_prompt_without_placeholders(jx_models):
+    """A OneVision target with image + video and a text-only Qwen2 draft: the draft's default view drops both the
+    image and the video placeholders, and greedy Chain SD gives greedy AR's tokens."""
+    target = jx_models["ov"]
+    draft = ports.random_model(ports.text_config_from_hf(text_config("qwen2", 32, 1).to_dict()), 5, std=0.2)
+    batch = ov_video_batch(with_image=True, seed=3)
+    ar = jspec.decode(target, batch, max_new_tokens=10)
+    sd = jspec.decode(target, batch, strategy=jspec.Chain(draft, gamma=3), max_new_tokens=10)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    from jspec.api import _draft_view, _model_prompt
+    tokens, lengths, inputs = _model_prompt(target, batch, "")
+    d_tokens, d_lengths, d_inputs = _draft_view(target, draft, batch, tokens, lengths, inputs)
+    assert not d_inputs and not np.isin(d_tokens, [IMG, VID]).any()
+    assert int(d_lengths.sum()) == int(lengths.sum()) - int(np.isin(tokens, [IMG, VID]).sum())
+
+
 # ------------------------------------------------------------------------------------------ hooks
 
 
