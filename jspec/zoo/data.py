@@ -183,7 +183,7 @@ def batches(split: str, batch_size: int, seq_len: int, seed: int = 0, *, tasks: 
         raise ValueError(f"batch_size must be >= 1 and seq_len >= 8, got {batch_size}, {seq_len}")
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
-    names = W._allowed(split, tasks)
+    names = W.allowed_tasks(split, tasks)
     enc = encoder or Encoder(tokenizer, image_tokens, image_size, view, t_view_text)
     any_m = view == "M" and t_view_prob < 1.0
     if images_per_row is None:

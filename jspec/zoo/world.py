@@ -21,7 +21,9 @@ scenes its `<image>` placeholders refer to, in order. Every example has a scenar
                    are generated only for the "heldout" split, never for "train"
     "text"         text-only chats (arithmetic, facts, word games, short stories): training data for text models
 User prompts are stochastic (several phrasings, optional clauses); answers are a function of the scene(s) and the
-chosen prompt (VQA answers are short: "red", "3", "top left", "KP7", "yes").
+chosen prompt, so exact match is a valid metric: short ("red", "3", "top left", "KP7", "yes") unless the prompt asks
+for a full sentence (P_SENTENCE of questions: "Which shape is green? Answer in a full sentence." -> "The green object
+is a diamond."), which gives speculative decoding answers long enough to measure acceptance on.
 
 Splits: the example stream of a split is seeded by (seed, split, index), and every scene is assigned to a split by a
 hash of its content (`Scene.split`, 1/8 held out), so no held-out scene ever appears in a training example, even
@@ -36,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 from PIL import Image, ImageDraw
 
@@ -383,86 +385,110 @@ def tasks_of(*scenarios: str, include_ood: bool = True) -> tuple[str, ...]:
                  if (not scenarios or t.scenario in scenarios) and (include_ood or not t.ood))
 
 
-def _q(rng: random.Random, templates: Sequence[str], prefix: float = 0.3, suffix: Sequence[str] = (),
-       p_suffix: float = 0.3, **fields) -> str:
-    """A question from one of `templates`, with optional politeness prefix and an optional suffix clause."""
+def _q(rng: random.Random, templates: Sequence[str], prefix: float = 0.3, **fields) -> str:
+    """A question from one of `templates`, with an optional politeness prefix."""
     q = rng.choice(templates).format(**fields)
     if rng.random() < prefix:
         q = rng.choice(("Look at the image. ", "Here is a picture. ", "Please look carefully. ",
                         "Quick question: ", "Hey! ")) + q
-    if suffix and rng.random() < p_suffix:
-        q = q + " " + rng.choice(suffix)
     return q
+
+
+class QA(NamedTuple):
+    """A question, its answer, the kind of its short answer, and the short answer itself (follow-ups use it)."""
+    question: str
+    answer: str
+    kind: str
+    short: str
 
 
 _ONE_WORD = ("Answer with one word.", "Use a single word.", "Be brief.", "Short answer please.")
 _NUMBER = ("Answer with a number.", "Reply with a digit.", "Just the number.", "Be brief.")
 _PHRASE = ("Be brief.", "Short answer please.", "Keep it short.")
+_YESNO = ("Answer yes or no.", "Yes or no?")
+_SENTENCE = ("Answer in a full sentence.", "Reply with a complete sentence.", "Use a whole sentence.")
 _COLOR = ("colour", "color")
+P_SENTENCE = 0.45        # share of questions that ask for a sentence answer (when the question has a sentence form)
+P_SHORT_CLAUSE = 0.25    # share that add a "be brief" clause (the answer is short then, as with no clause)
 
 
-# Each single-image question generator: (rng, scene) -> (question, answer, answer_kind)
+def _styled(rng: random.Random, q: str, kind: str, short: str, sentence: str | None,
+            short_clauses: Sequence[str] = ()) -> QA:
+    """The answer style is fixed by the prompt: a sentence clause asks for `sentence`; otherwise the answer is `short`
+    (with an optional brevity clause)."""
+    r = rng.random()
+    if sentence is not None and r < P_SENTENCE:
+        return QA(q + " " + rng.choice(_SENTENCE), sentence, kind, short)
+    if short_clauses and r > 1.0 - P_SHORT_CLAUSE:
+        return QA(q + " " + rng.choice(short_clauses), short, kind, short)
+    return QA(q, short, kind, short)
 
-def _qa_colour(rng: random.Random, s: Scene):
+
+def _there(n: int, singular: str, plural: str) -> str:
+    return f"There is 1 {singular}." if n == 1 else f"There are {n} {plural}."
+
+
+# Each single-image question generator: (rng, scene) -> QA
+
+def _qa_colour(rng: random.Random, s: Scene) -> QA:
     o = rng.choice(s.objects)
     shapes = [x.shape for x in s.objects]
     if shapes.count(o.shape) == 1 and rng.random() < 0.6:
         q = _q(rng, ("What {c} is the {shape}?", "Which {c} is the {shape}?", "What is the {c} of the {shape}?",
-                     "Tell me the {c} of the {shape}."), suffix=_ONE_WORD, c=rng.choice(_COLOR), shape=o.shape)
-    else:
-        q = _q(rng, ("What {c} is the shape in the {pos}?", "Which {c} is the object in the {pos}?",
-                     "What is the {c} of the shape in the {pos}?"), suffix=_ONE_WORD, c=rng.choice(_COLOR),
-               pos=o.position)
-    return q, o.colour, "colour"
+                     "Tell me the {c} of the {shape}."), c=rng.choice(_COLOR), shape=o.shape)
+        return _styled(rng, q, "colour", o.colour, f"The {o.shape} is {o.colour}.", _ONE_WORD)
+    q = _q(rng, ("What {c} is the shape in the {pos}?", "Which {c} is the object in the {pos}?",
+                 "What is the {c} of the shape in the {pos}?"), c=rng.choice(_COLOR), pos=o.position)
+    return _styled(rng, q, "colour", o.colour, f"The shape in the {o.position} is {o.colour}.", _ONE_WORD)
 
 
-def _qa_shape(rng: random.Random, s: Scene):
+def _qa_shape(rng: random.Random, s: Scene) -> QA:
     o = rng.choice(s.objects)
     colours = [x.colour for x in s.objects]
     if colours.count(o.colour) == 1 and rng.random() < 0.5:
         q = _q(rng, ("What shape is the {col} object?", "What is the shape of the {col} object?",
-                     "Which shape is {col}?"), suffix=_ONE_WORD, col=o.colour)
-    else:
-        q = _q(rng, ("What shape is in the {pos}?", "Which shape is in the {pos}?",
-                     "What kind of shape is in the {pos}?"), suffix=_ONE_WORD, pos=o.position)
-    return q, o.shape, "shape"
+                     "Which shape is {col}?"), col=o.colour)
+        return _styled(rng, q, "shape", o.shape, f"The {o.colour} object is a {o.shape}.", _ONE_WORD)
+    q = _q(rng, ("What shape is in the {pos}?", "Which shape is in the {pos}?",
+                 "What kind of shape is in the {pos}?"), pos=o.position)
+    return _styled(rng, q, "shape", o.shape, f"The shape in the {o.position} is a {o.shape}.", _ONE_WORD)
 
 
-def _qa_count(rng: random.Random, s: Scene):
+def _qa_count(rng: random.Random, s: Scene) -> QA:
     mode = rng.choice(("all", "colour", "shape"))
     if mode == "all":
+        n = len(s.objects)
         q = _q(rng, ("How many shapes are there?", "How many objects are in the image?", "Count the shapes.",
-                     "How many shapes can you see?"), suffix=_NUMBER)
-        return q, str(len(s.objects)), "number"
+                     "How many shapes can you see?"))
+        return _styled(rng, q, "number", str(n), _there(n, "shape", "shapes"), _NUMBER)
     if mode == "colour":
         c = rng.choice([o.colour for o in s.objects] + [rng.choice(tuple(COLOURS))])
         n = sum(o.colour == c for o in s.objects)
         q = _q(rng, ("How many {c} shapes are there?", "How many {c} objects are in the image?",
-                     "Count the {c} shapes."), suffix=_NUMBER, c=c)
-        return q, str(n), "number"
+                     "Count the {c} shapes."), c=c)
+        return _styled(rng, q, "number", str(n), _there(n, f"{c} shape", f"{c} shapes"), _NUMBER)
     sh = rng.choice([o.shape for o in s.objects] + [rng.choice(SHAPES)])
     n = sum(o.shape == sh for o in s.objects)
-    q = _q(rng, ("How many {p} are there?", "How many {p} are in the image?", "Count the {p}."),
-           suffix=_NUMBER, p=PLURAL[sh])
-    return q, str(n), "number"
+    q = _q(rng, ("How many {p} are there?", "How many {p} are in the image?", "Count the {p}."), p=PLURAL[sh])
+    return _styled(rng, q, "number", str(n), _there(n, sh, PLURAL[sh]), _NUMBER)
 
 
-def _qa_position(rng: random.Random, s: Scene):
+def _qa_position(rng: random.Random, s: Scene) -> QA:
     o = rng.choice(s.objects)
     q = _q(rng, ("Where is the {c} {sh}?", "In which part of the image is the {c} {sh}?",
                  "Where can you find the {c} {sh}?", "What is the position of the {c} {sh}?"),
-           suffix=_PHRASE, c=o.colour, sh=o.shape)
-    return q, o.position, "position"
+           c=o.colour, sh=o.shape)
+    return _styled(rng, q, "position", o.position, f"The {o.colour} {o.shape} is in the {o.position}.", _PHRASE)
 
 
-def _qa_size(rng: random.Random, s: Scene):
+def _qa_size(rng: random.Random, s: Scene) -> QA:
     o = rng.choice(s.objects)
     q = _q(rng, ("Is the {c} {sh} big or small?", "Is the {c} {sh} small or big?", "How big is the {c} {sh}?",
-                 "What size is the {c} {sh}?"), suffix=_ONE_WORD, c=o.colour, sh=o.shape)
-    return q, o.size, "size"
+                 "What size is the {c} {sh}?"), c=o.colour, sh=o.shape)
+    return _styled(rng, q, "size", o.size, f"The {o.colour} {o.shape} is {o.size}.", _ONE_WORD)
 
 
-def _qa_exists(rng: random.Random, s: Scene):
+def _qa_exists(rng: random.Random, s: Scene) -> QA:
     if rng.random() < 0.5:
         o = rng.choice(s.objects)
         c, sh = o.colour, o.shape
@@ -473,42 +499,42 @@ def _qa_exists(rng: random.Random, s: Scene):
             c, sh = (o.colour, rng.choice(SHAPES)) if rng.random() < 0.5 else (rng.choice(tuple(COLOURS)), o.shape)
             if (c, sh) not in present:
                 break
-    ans = "yes" if any(o.colour == c and o.shape == sh for o in s.objects) else "no"
+    yes = any(o.colour == c and o.shape == sh for o in s.objects)
     q = _q(rng, ("Is there a {c} {sh} in the image?", "Do you see a {c} {sh}?", "Does the picture contain a {c} {sh}?",
-                 "Is there any {c} {sh}?"), suffix=("Answer yes or no.", "Yes or no?"), c=c, sh=sh)
-    return q, ans, "yesno"
+                 "Is there any {c} {sh}?"), c=c, sh=sh)
+    sentence = f"Yes, there is a {c} {sh}." if yes else f"No, there is no {c} {sh}."
+    return _styled(rng, q, "yesno", "yes" if yes else "no", sentence, _YESNO)
 
 
-def _qa_text(rng: random.Random, s: Scene):
+def _qa_text(rng: random.Random, s: Scene) -> QA:
     if rng.random() < 0.75:
         q = _q(rng, ("What does the text say?", "Read the text in the image.", "What is written in the picture?",
-                     "What word is shown?", "Which letters are written here?"), suffix=("Be brief.",))
-        return q, s.text, "text"
+                     "What word is shown?", "Which letters are written here?"))
+        return _styled(rng, q, "text", s.text, f"The text says {s.text}.", ("Be brief.",))
     q = _q(rng, ("What {c} is the text?", "Which {c} are the letters?", "What is the {c} of the writing?"),
-           suffix=_ONE_WORD, c=rng.choice(_COLOR))
-    return q, s.text_colour, "colour"
+           c=rng.choice(_COLOR))
+    return _styled(rng, q, "colour", s.text_colour, f"The text is {s.text_colour}.", _ONE_WORD)
 
 
-def _qa_chart(rng: random.Random, s: Scene):
+def _qa_chart(rng: random.Random, s: Scene) -> QA:
     mode = rng.choice(("value", "value", "tallest", "shortest", "bars"))
     if mode == "value":
         b = rng.choice(s.bars)
         q = _q(rng, ("What is the value of the {c} bar?", "How high is the {c} bar?", "What number does the {c} bar show?",
-                     "Read the value of the {c} bar."), suffix=_NUMBER, c=b.colour)
-        return q, str(b.value), "number"
+                     "Read the value of the {c} bar."), c=b.colour)
+        return _styled(rng, q, "number", str(b.value), f"The {b.colour} bar is {b.value}.", _NUMBER)
     if mode in ("tallest", "shortest"):
-        pick = max if mode == "tallest" else min
-        b = pick(s.bars, key=lambda x: x.value)
-        word = "tallest" if mode == "tallest" else "shortest"
+        b = (max if mode == "tallest" else min)(s.bars, key=lambda x: x.value)
         hi = "highest" if mode == "tallest" else "lowest"
-        q = _q(rng, (f"Which bar is the {word}?", f"What {{c}} is the {word} bar?", f"Which {{c}} has the {hi} value?"),
-               suffix=_ONE_WORD, c=rng.choice(_COLOR))
-        return q, b.colour, "colour"
-    q = _q(rng, ("How many bars are in the chart?", "How many bars are there?", "Count the bars."), suffix=_NUMBER)
-    return q, str(len(s.bars)), "number"
+        q = _q(rng, (f"Which bar is the {mode}?", f"What {{c}} is the {mode} bar?", f"Which {{c}} has the {hi} value?"),
+               c=rng.choice(_COLOR))
+        return _styled(rng, q, "colour", b.colour, f"The {b.colour} bar is the {mode}.", _ONE_WORD)
+    n = len(s.bars)
+    q = _q(rng, ("How many bars are in the chart?", "How many bars are there?", "Count the bars."))
+    return _styled(rng, q, "number", str(n), f"There are {n} bars.", _NUMBER)
 
 
-def _caption(rng: random.Random, s: Scene):
+def _caption(rng: random.Random, s: Scene) -> QA:
     detailed = rng.random() < 0.5
     if detailed:
         q = _q(rng, ("Describe the image in detail.", "Describe everything you see.", "Give a detailed description of the picture.",
@@ -516,7 +542,8 @@ def _caption(rng: random.Random, s: Scene):
     else:
         q = _q(rng, ("Describe the image briefly.", "Give a short caption.", "Write a caption for this picture.",
                      "What is in this image? Keep it short."), prefix=0.2)
-    return q, caption_text(rng, s, detailed), "caption"
+    a = caption_text(rng, s, detailed)
+    return QA(q, a, "caption", a)
 
 
 def caption_text(rng: random.Random, s: Scene, detailed: bool) -> str:
@@ -557,8 +584,8 @@ SINGLE_IMAGE_QA: dict[str, tuple[str, Callable]] = {   # vqa task name -> (scene
 def _single_qa_task(kind: str, gen: Callable):
     def make(rng: random.Random, split: str):
         s = scene_in(rng, split, SCENE_MAKERS[kind])
-        q, a, _ = gen(rng, s)
-        return [Turn("user", q, 1), Turn("assistant", a)], [s]
+        qa = gen(rng, s)
+        return [Turn("user", qa.question, 1), Turn("assistant", qa.answer)], [s]
     return make
 
 
@@ -570,26 +597,26 @@ for _name, (_kind, _gen) in SINGLE_IMAGE_QA.items():
 def _caption_task(rng: random.Random, split: str):
     kind = rng.choice(("shapes", "shapes", "shapes", "text", "chart"))
     s = scene_in(rng, split, SCENE_MAKERS[kind])
-    q, a, _ = _caption(rng, s)
-    return [Turn("user", q, 1), Turn("assistant", a)], [s]
+    qa = _caption(rng, s)
+    return [Turn("user", qa.question, 1), Turn("assistant", qa.answer)], [s]
 
 
-def _first_turn(rng: random.Random, split: str):
-    """A random image-grounded first turn: (turns, scenes, answer, answer_kind)."""
+def _first_turn(rng: random.Random, split: str) -> tuple[list[Turn], list[Scene], QA]:
+    """A random image-grounded first turn (a caption or a single-image question)."""
     if rng.random() < 0.2:
         kind = rng.choice(("shapes", "shapes", "text", "chart"))
         s = scene_in(rng, split, SCENE_MAKERS[kind])
-        q, a, k = _caption(rng, s)
+        qa = _caption(rng, s)
     else:
         kind, gen = SINGLE_IMAGE_QA[rng.choice(tuple(SINGLE_IMAGE_QA))]
         s = scene_in(rng, split, SCENE_MAKERS[kind])
-        q, a, k = gen(rng, s)
-    return [Turn("user", q, 1), Turn("assistant", a)], [s], a, k
+        qa = gen(rng, s)
+    return [Turn("user", qa.question, 1), Turn("assistant", qa.answer)], [s], qa
 
 
-# --- text-only questions (second turns and text chats): rng -> (question, answer, kind)
+# --- text-only questions (second turns and text chats): rng -> QA
 
-def arithmetic(rng: random.Random):
+def arithmetic(rng: random.Random) -> QA:
     op = rng.choice(("plus", "minus", "times"))
     if op == "plus":
         a, b = rng.randint(0, 9), rng.randint(0, 9)
@@ -602,34 +629,39 @@ def arithmetic(rng: random.Random):
         a, b = rng.randint(0, 5), rng.randint(0, 5)
         r = a * b
     q = _q(rng, ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "How much is {a} {op} {b}?",
-                 "Can you tell me what {a} {op} {b} is?"), prefix=0.0, suffix=_NUMBER, p_suffix=0.2, a=a, b=b, op=op)
-    return q, str(r), "number"
+                 "Can you tell me what {a} {op} {b} is?"), prefix=0.0, a=a, b=b, op=op)
+    return _styled(rng, q, "number", str(r), f"{a} {op} {b} is {r}.", _NUMBER)
 
 
-def kb_fact(rng: random.Random):
+def kb_fact(rng: random.Random) -> QA:
     kind = rng.choice(("capital", "capital", "legs", "colour", "food"))
     if kind == "capital":
         country = rng.choice(tuple(KB_COUNTRIES))
+        city = KB_COUNTRIES[country]
         q = _q(rng, ("What is the capital of {x}?", "Which city is the capital of {x}?", "Name the capital of {x}."),
                prefix=0.0, x=country)
-        return q, KB_COUNTRIES[country], "word"
+        return _styled(rng, q, "word", city, f"The capital of {country} is {city}.", _PHRASE)
     name = rng.choice(tuple(KB_CREATURES))
     colour, legs, food = KB_CREATURES[name]
     if kind == "legs":
         q = _q(rng, ("How many legs does a {x} have?", "How many legs has a {x}?", "Count the legs of a {x}."),
-               prefix=0.0, suffix=_NUMBER, p_suffix=0.2, x=name)
-        return q, str(legs), "number"
+               prefix=0.0, x=name)
+        return _styled(rng, q, "number", str(legs), f"A {name} has {legs} legs.", _NUMBER)
     if kind == "colour":
         q = _q(rng, ("What {c} is a {x}?", "Which {c} does a {x} have?", "What is the {c} of a {x}?"),
-               prefix=0.0, suffix=_ONE_WORD, p_suffix=0.2, c=rng.choice(_COLOR), x=name)
-        return q, colour, "colour"
+               prefix=0.0, c=rng.choice(_COLOR), x=name)
+        return _styled(rng, q, "colour", colour, f"A {name} is {colour}.", _ONE_WORD)
     q = _q(rng, ("What does a {x} eat?", "What is the favourite food of a {x}?", "What do {x}s eat?"),
            prefix=0.0, x=name)
-    return q, food, "word"
+    return _styled(rng, q, "word", food, f"A {name} eats {food}.", _PHRASE)
 
 
-def follow_up(rng: random.Random, answer: str, kind: str):
-    """A text-only question about the previous answer: (question, answer, kind), or None when `kind` has none."""
+_NOUN = {"colour": "colour", "shape": "shape", "size": "word", "text": "text", "word": "word"}
+
+
+def follow_up(rng: random.Random, prev: QA) -> QA | None:
+    """A text-only question about the previous answer (its short form), or None when its kind has none."""
+    answer, kind = prev.short, prev.kind
     if kind == "number":
         n = int(answer)
         mode = rng.choice(("plus", "double", "parity", "minus"))
@@ -637,39 +669,45 @@ def follow_up(rng: random.Random, answer: str, kind: str):
             k = rng.randint(1, 9)
             q = _q(rng, ("What is that number plus {k}?", "Add {k} to that number.", "And if you add {k}?"),
                    prefix=0.0, k=k)
-            return q, str(n + k), "number"
+            return _styled(rng, q, "number", str(n + k), f"{n} plus {k} is {n + k}.")
         if mode == "minus" and n > 0:
             k = rng.randint(1, n)
             q = _q(rng, ("What is that number minus {k}?", "Subtract {k} from that number.",
                          "And if you take away {k}?"), prefix=0.0, k=k)
-            return q, str(n - k), "number"
+            return _styled(rng, q, "number", str(n - k), f"{n} minus {k} is {n - k}.")
         if mode == "double":
             q = _q(rng, ("What is double that number?", "What is twice that?", "Multiply that by two."), prefix=0.0)
-            return q, str(2 * n), "number"
+            return _styled(rng, q, "number", str(2 * n), f"Double {n} is {2 * n}.")
         q = _q(rng, ("Is that number even or odd?", "Is that odd or even?", "Is that an even or an odd number?"),
                prefix=0.0)
-        return q, ("even" if n % 2 == 0 else "odd"), "word"
-    if kind in ("colour", "shape", "size", "text", "word"):
+        parity = "even" if n % 2 == 0 else "odd"
+        return _styled(rng, q, "word", parity, f"{n} is an {parity} number.")
+    if kind in _NOUN:
+        noun = _NOUN[kind]
         modes = ["spell", "letters"] + (["creature"] * 2 if kind == "colour" else []) + \
             (["backwards"] if kind == "text" else ["caps"])
         mode = rng.choice(modes)
         if mode == "creature":
             q = _q(rng, ("Which creature from the fable book has that {c}?", "Name the creature that is that {c}.",
                          "Which fable creature is that {c}?"), prefix=0.0, c=rng.choice(_COLOR))
-            return q, CREATURE_OF_COLOUR[answer], "word"
+            name = CREATURE_OF_COLOUR[answer]
+            return _styled(rng, q, "word", name, f"The {answer} creature is the {name}.")
         if mode == "spell":
-            q = _q(rng, ("Spell that word.", "Can you spell it?", "Spell your answer letter by letter."), prefix=0.0)
-            return q, "-".join(answer), "spelled"
+            q = _q(rng, ("Spell that {n}.", "Can you spell the {n}?", "Spell the {n} letter by letter."),
+                   prefix=0.0, n=noun)
+            return QA(q, "-".join(answer), "spelled", "-".join(answer))
         if mode == "caps":
-            q = _q(rng, ("Write that in capital letters.", "Say it again in uppercase.", "Repeat it in capitals."),
-                   prefix=0.0)
-            return q, answer.upper(), "text"
+            q = _q(rng, ("Write that {n} in capital letters.", "Say the {n} again in uppercase.",
+                         "Repeat the {n} in capitals."), prefix=0.0, n=noun)
+            return QA(q, answer.upper(), "text", answer.upper())
         if mode == "backwards":
-            q = _q(rng, ("Write it backwards.", "What is that reversed?", "Read it from right to left."), prefix=0.0)
-            return q, answer[::-1], "text"
-        q = _q(rng, ("How many letters does that word have?", "How many characters is that?",
-                     "Count the letters in your answer."), prefix=0.0)
-        return q, str(len(answer)), "number"
+            q = _q(rng, ("Write the text backwards.", "What is the text reversed?", "Read the text from right to left."),
+                   prefix=0.0)
+            return QA(q, answer[::-1], "text", answer[::-1])
+        unit = "characters" if kind == "text" else "letters"
+        q = _q(rng, ("How many {u} does that {n} have?", "How many {u} are in that {n}?", "Count the {u} of the {n}."),
+               prefix=0.0, u=unit, n=noun)
+        return _styled(rng, q, "number", str(len(answer)), f"{answer} has {len(answer)} {unit}.")
     if kind == "position":
         r, c = next(k for k, v in POSITIONS.items() if v == answer)
         mode = rng.choice(("left", "top", "bottom", "right"))
@@ -677,7 +715,8 @@ def follow_up(rng: random.Random, answer: str, kind: str):
         where = {"left": "on the left side", "right": "on the right side", "top": "in the top row",
                  "bottom": "in the bottom row"}[mode]
         q = _q(rng, (f"Is that {where}?", f"So is it {where}?", f"Would you say that is {where}?"), prefix=0.0)
-        return q, ("yes" if side else "no"), "yesno"
+        return _styled(rng, q, "yesno", "yes" if side else "no",
+                       f"Yes, it is {where}." if side else f"No, it is not {where}.")
     return None
 
 
@@ -696,26 +735,25 @@ def story_text(objs: Sequence[Obj], with_positions: bool) -> str:
 
 @register("turn2_arith", "second_turn", weight=1.0)
 def _turn2_arith(rng: random.Random, split: str):
-    turns, scenes, _, _ = _first_turn(rng, split)
-    q, a, _ = arithmetic(rng)
-    return turns + [Turn("user", q), Turn("assistant", a)], scenes
+    turns, scenes, _ = _first_turn(rng, split)
+    qa = arithmetic(rng)
+    return turns + [Turn("user", qa.question), Turn("assistant", qa.answer)], scenes
 
 
 @register("turn2_fact", "second_turn", weight=1.0)
 def _turn2_fact(rng: random.Random, split: str):
-    turns, scenes, _, _ = _first_turn(rng, split)
-    q, a, _ = kb_fact(rng)
-    return turns + [Turn("user", q), Turn("assistant", a)], scenes
+    turns, scenes, _ = _first_turn(rng, split)
+    qa = kb_fact(rng)
+    return turns + [Turn("user", qa.question), Turn("assistant", qa.answer)], scenes
 
 
 @register("turn2_followup", "second_turn", weight=1.5)
 def _turn2_followup(rng: random.Random, split: str):
     while True:
-        turns, scenes, a1, k1 = _first_turn(rng, split)
-        fu = follow_up(rng, a1, k1)
-        if fu is not None:
-            q, a, _ = fu
-            return turns + [Turn("user", q), Turn("assistant", a)], scenes
+        turns, scenes, first = _first_turn(rng, split)
+        qa = follow_up(rng, first)
+        if qa is not None:
+            return turns + [Turn("user", qa.question), Turn("assistant", qa.answer)], scenes
 
 
 # --- two images
@@ -779,10 +817,14 @@ def _two_image_more(rng: random.Random, split: str):
     a = scene_in(rng, split, random_shapes)
     b = scene_in(rng, split, random_shapes)
     na, nb = len(a.objects), len(b.objects)
-    ans = "the first image" if na > nb else "the second image" if nb > na else "neither"
+    short = "the first image" if na > nb else "the second image" if nb > na else "neither"
+    sentence = (f"The first image has more shapes, {na} against {nb}." if na > nb else
+                f"The second image has more shapes, {nb} against {na}." if nb > na else
+                f"Neither, both images have {na} {'shape' if na == 1 else 'shapes'}.")
     q = _q(rng, ("Which image has more shapes?", "Which of the two pictures contains more objects?",
-                 "Which image shows more shapes, the first or the second?"), suffix=_PHRASE)
-    return [Turn("user", q, 2), Turn("assistant", ans)], [a, b]
+                 "Which image shows more shapes, the first or the second?"))
+    qa = _styled(rng, q, "phrase", short, sentence, _PHRASE)
+    return [Turn("user", qa.question, 2), Turn("assistant", qa.answer)], [a, b]
 
 
 # --- out of distribution (heldout only): many images per prompt
@@ -799,15 +841,17 @@ def _ood_story(rng: random.Random, split: str):
 def _ood_count(rng: random.Random, split: str):
     n = rng.randint(3, 5)
     scenes = [scene_in(rng, split, random_shapes) for _ in range(n)]
+    total = sum(len(s.objects) for s in scenes)
     q = _q(rng, ("How many shapes are there in these {n} pictures altogether?",
                  "Count all the shapes across the {n} images.", "In total, how many objects do these {n} images show?"),
-           suffix=_NUMBER, n=NUMBER_WORDS[n])
-    return [Turn("user", q, n), Turn("assistant", str(sum(len(s.objects) for s in scenes)))], scenes
+           n=NUMBER_WORDS[n])
+    qa = _styled(rng, q, "number", str(total), f"There are {total} shapes in total.", _NUMBER)
+    return [Turn("user", qa.question, n), Turn("assistant", qa.answer)], scenes
 
 
 # --- text-only chats (text models; also teach the draft the T view's world)
 
-def _text_question(rng: random.Random):
+def _text_question(rng: random.Random) -> QA:
     r = rng.random()
     if r < 0.35:
         return arithmetic(rng)
@@ -816,22 +860,23 @@ def _text_question(rng: random.Random):
     word = rng.choice(tuple(COLOURS) + SHAPES)
     mode = rng.choice(("spell", "letters", "caps"))
     if mode == "spell":
-        return _q(rng, ("Spell the word {w}.", "How do you spell {w}?"), prefix=0.0, w=word), "-".join(word), "spelled"
+        q = _q(rng, ("Spell the word {w}.", "How do you spell {w}?"), prefix=0.0, w=word)
+        return QA(q, "-".join(word), "spelled", "-".join(word))
     if mode == "letters":
-        return _q(rng, ("How many letters are in the word {w}?", "Count the letters of {w}."), prefix=0.0, w=word), \
-            str(len(word)), "number"
-    return _q(rng, ("Write {w} in capital letters.", "Uppercase the word {w}."), prefix=0.0, w=word), word.upper(), "text"
+        q = _q(rng, ("How many letters are in the word {w}?", "Count the letters of {w}."), prefix=0.0, w=word)
+        return _styled(rng, q, "number", str(len(word)), f"{word} has {len(word)} letters.")
+    q = _q(rng, ("Write {w} in capital letters.", "Uppercase the word {w}."), prefix=0.0, w=word)
+    return QA(q, word.upper(), "text", word.upper())
 
 
 @register("text_chat", "text", weight=1.5, max_images=0)
 def _text_chat(rng: random.Random, split: str):
-    turns: list[Turn] = []
-    q, a, k = _text_question(rng)
-    turns += [Turn("user", q), Turn("assistant", a)]
+    qa = _text_question(rng)
+    turns = [Turn("user", qa.question), Turn("assistant", qa.answer)]
     for _ in range(rng.choice((0, 1, 1, 2))):
-        fu = follow_up(rng, a, k) if rng.random() < 0.6 else None
-        q, a, k = fu if fu is not None else _text_question(rng)
-        turns += [Turn("user", q), Turn("assistant", a)]
+        fu = follow_up(rng, qa) if rng.random() < 0.6 else None
+        qa = fu if fu is not None else _text_question(rng)
+        turns += [Turn("user", qa.question), Turn("assistant", qa.answer)]
     return turns, []
 
 
@@ -857,7 +902,7 @@ def example(split: str, index: int, seed: int = 0, tasks: Sequence[str] | None =
     the split; OOD tasks are never allowed in "train")."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    names = _allowed(split, tasks)
+    names = allowed_tasks(split, tasks)
     rng = _rng(seed, split, index)
     name = rng.choices(names, weights=[TASKS[n].weight for n in names])[0] if len(names) > 1 else names[0]
     spec = TASKS[name]
@@ -865,7 +910,7 @@ def example(split: str, index: int, seed: int = 0, tasks: Sequence[str] | None =
     return Example(name, spec.scenario, split, index, tuple(turns), tuple(scenes))
 
 
-def _allowed(split: str, tasks: Sequence[str] | None) -> list[str]:
+def allowed_tasks(split: str, tasks: Sequence[str] | None) -> list[str]:
     names = list(tasks) if tasks is not None else [n for n, t in TASKS.items() if split != "train" or not t.ood]
     unknown = [n for n in names if n not in TASKS]
     if unknown:
@@ -882,6 +927,6 @@ def _allowed(split: str, tasks: Sequence[str] | None) -> list[str]:
 def examples(split: str, n: int, seed: int = 0, tasks: Sequence[str] | None = None,
              start: int = 0) -> Iterator[Example]:
     """Examples start .. start + n - 1 of the stream (see `example`)."""
-    names = _allowed(split, tasks)
+    names = allowed_tasks(split, tasks)
     for i in range(start, start + n):
         yield example(split, i, seed, names)
