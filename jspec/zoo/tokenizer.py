@@ -145,12 +145,11 @@ def image_tokens(image_size: int, patch_size: int, vision_feature_select_strateg
 def make_image_processor(image_size: int = 64):
     """A CLIP image processor for size x size images (CLIP mean/std; our renders pass through resize/crop as is).
     The PIL backend when torchvision is missing (the same class transformers would fall back to)."""
+    import importlib.util
+
     import transformers
-    try:
-        import torchvision  # noqa: F401
-        cls = transformers.CLIPImageProcessor
-    except ImportError:
-        cls = transformers.CLIPImageProcessorPil
+    has_torchvision = importlib.util.find_spec("torchvision") is not None
+    cls = transformers.CLIPImageProcessor if has_torchvision else transformers.CLIPImageProcessorPil
     return cls(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
 
 

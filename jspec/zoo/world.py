@@ -520,8 +520,8 @@ def _qa_chart(rng: random.Random, s: Scene) -> QA:
     mode = rng.choice(("value", "value", "tallest", "shortest", "bars"))
     if mode == "value":
         b = rng.choice(s.bars)
-        q = _q(rng, ("What is the value of the {c} bar?", "How high is the {c} bar?", "What number does the {c} bar show?",
-                     "Read the value of the {c} bar."), c=b.colour)
+        q = _q(rng, ("What is the value of the {c} bar?", "How high is the {c} bar?",
+                     "What number does the {c} bar show?", "Read the value of the {c} bar."), c=b.colour)
         return _styled(rng, q, "number", str(b.value), f"The {b.colour} bar is {b.value}.", _NUMBER)
     if mode in ("tallest", "shortest"):
         b = (max if mode == "tallest" else min)(s.bars, key=lambda x: x.value)
@@ -537,8 +537,9 @@ def _qa_chart(rng: random.Random, s: Scene) -> QA:
 def _caption(rng: random.Random, s: Scene) -> QA:
     detailed = rng.random() < 0.5
     if detailed:
-        q = _q(rng, ("Describe the image in detail.", "Describe everything you see.", "Give a detailed description of the picture.",
-                     "What is in this image? Describe it fully."), prefix=0.2)
+        q = _q(rng, ("Describe the image in detail.", "Describe everything you see.",
+                     "Give a detailed description of the picture.", "What is in this image? Describe it fully."),
+               prefix=0.2)
     else:
         q = _q(rng, ("Describe the image briefly.", "Give a short caption.", "Write a caption for this picture.",
                      "What is in this image? Keep it short."), prefix=0.2)
@@ -701,8 +702,8 @@ def follow_up(rng: random.Random, prev: QA) -> QA | None:
                          "Repeat the {n} in capitals."), prefix=0.0, n=noun)
             return QA(q, answer.upper(), "text", answer.upper())
         if mode == "backwards":
-            q = _q(rng, ("Write the text backwards.", "What is the text reversed?", "Read the text from right to left."),
-                   prefix=0.0)
+            q = _q(rng, ("Write the text backwards.", "What is the text reversed?",
+                         "Read the text from right to left."), prefix=0.0)
             return QA(q, answer[::-1], "text", answer[::-1])
         unit = "characters" if kind == "text" else "letters"
         q = _q(rng, ("How many {u} does that {n} have?", "How many {u} are in that {n}?", "Count the {u} of the {n}."),
@@ -763,7 +764,8 @@ def _mutate(rng: random.Random, s: Scene) -> tuple[Scene, str, str]:
     objs = list(s.by_position())
     taken = {(o.colour, o.shape) for o in objs}
     free = [p for p in sorted(POSITIONS) if p not in {(o.row, o.col) for o in objs}]
-    modes = ["recolour", "reshape", "resize"] + (["move", "add"] if free else []) + (["remove"] if len(objs) > 1 else [])
+    modes = ["recolour", "reshape", "resize"] + (["move", "add"] if free else []) + \
+        (["remove"] if len(objs) > 1 else [])
     mode = rng.choice(modes)
     if mode == "add":
         r, c = rng.choice(free)
