@@ -2,7 +2,8 @@
 
 Layout per layer: keys and values `[B, kv_heads, S_max, head_dim]`. `length[b]` counts the committed tokens of
 row b; slots at and after it hold scratch (drafted, unverified or padding) entries that attention never sees
-unless the current forward wrote them. Slots before `start[b]` are never visible (0 for an ordinary cache; a row
+unless the current forward wrote them. A token's RoPE position is its slot + `pos_offset[b]` (0 unless the
+prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots before `start[b]` are never visible (0 for an ordinary cache; a row
 whose prompt was placed right-aligned, as the guided streams of `jspec.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
 moving `length`; committing a tree path is one gather (`commit_path`).
 """
@@ -19,6 +20,7 @@ class KVCache:
     v: list
     length: jax.Array  # [B] int32
     start: jax.Array  # [B] int32: first visible slot
+    pos_offset: jax.Array  # [B] int32: the RoPE position of the token at slot j is j + pos_offset[b]
 
     @property
     def max_len(self) -> int:
@@ -36,6 +38,7 @@ def init_cache(num_layers: int, batch: int, kv_heads: int, max_len: int, head_di
         v=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
         length=jnp.zeros((batch,), jnp.int32),
         start=jnp.zeros((batch,), jnp.int32),
+        pos_offset=jnp.zeros((batch,), jnp.int32),
     )
 
 
@@ -47,6 +50,12 @@ def _write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
 def write_layer(k_buf, v_buf, k_new, v_new, start):
     """Write one layer's new keys/values [B, KVH, T, Dh] at slots start[b] .. start[b]+T-1."""
     return _write_rows(k_buf, k_new, start), _write_rows(v_buf, v_new, start)
+
+
+def positions(cache: KVCache, offsets: jax.Array) -> jax.Array:
+    """RoPE positions of new tokens at `offsets` [B, T] past each row's committed length (a tree node's offset is
+    its depth). Models whose prompts compress positions (M-RoPE) set `pos_offset` at prefill."""
+    return (cache.length + cache.pos_offset)[:, None] + offsets.astype(jnp.int32)
 
 
 def commit(cache: KVCache, n: jax.Array) -> KVCache:

@@ -110,7 +110,8 @@ class Guided:
         n = self.streams
         split = lambda buf: buf.reshape(buf.shape[0] * n, buf.shape[1] // n, *buf.shape[2:])
         return cache.replace(k=[split(b) for b in cache.k], v=[split(b) for b in cache.v],
-                             length=jnp.repeat(cache.length, n), start=self.starts)
+                             length=jnp.repeat(cache.length, n), start=self.starts,
+                             pos_offset=jnp.repeat(cache.pos_offset, n))
 
     def _outer(self, inner, cache):
         n = self.streams

@@ -53,19 +53,28 @@ def new_cache_for(model, batch: int, max_len: int) -> kvc.KVCache:
 def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, inputs=None, **fwd_kwargs):
     """Run right-padded prompts [B, T] (row b valid up to lengths[b]) into an empty cache.
 
-    `inputs`: the model's modality inputs (e.g. pixel_values), spliced into the prompt embeddings by its family.
+    `inputs`: the model's modality inputs (e.g. pixel_values), spliced into the prompt embeddings by its family;
+    a family whose `prompt_embeds` also returns `positions` (M-RoPE ids) and `position_offset` [B] gets those
+    positions for the prompt, and the offset becomes the cache's `pos_offset` for every later token.
     Returns (logits at each row's last prompt token [B, V], forward output, cache with length = lengths).
     Right padding needs no pad mask: under the causal mask no real token sees a later pad.
     A model with its own `prefill` (e.g. `jspec.guidance.Guided`) does it its way.
     """
     if hasattr(model, "prefill"):
         return model.prefill(tokens, lengths, cache, inputs, **fwd_kwargs)
-    if inputs:
-        fwd_kwargs["embeds"] = model.family.prompt_embeds(model.config, model.params, tokens, inputs).embeds
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    offset = None
+    if inputs:
+        pe = model.family.prompt_embeds(model.config, model.params, tokens, inputs)
+        fwd_kwargs["embeds"] = pe.embeds
+        if getattr(pe, "positions", None) is not None:  # e.g. M-RoPE [3, B, T] ids and their rope deltas
+            positions, offset = pe.positions, pe.position_offset
     fo = model.forward(tokens, positions, cache, logits_at=(lengths - 1)[:, None], **fwd_kwargs)
-    return fo.logits[:, 0], fo, kvc.rollback(fo.cache, lengths)
+    cache = kvc.rollback(fo.cache, lengths)
+    if offset is not None:
+        cache = cache.replace(pos_offset=offset.astype(jnp.int32))
+    return fo.logits[:, 0], fo, cache
 
 
 def commit_tokens(ctx: StepContext, state: DecodeState, toks: jax.Array, n: jax.Array) -> tuple[DecodeState, jax.Array]:
@@ -129,7 +138,7 @@ def run_loop(ctx: StepContext, step_fn: Callable[[DecodeState], DecodeState], st
 
 def ar_step(ctx: StepContext, target, state: DecodeState) -> DecodeState:
     """Autoregressive: feed `last`, sample one token, commit it."""
-    positions = state.cache.length[:, None]
+    positions = kvc.positions(state.cache, jnp.zeros((state.last.shape[0], 1), jnp.int32))
     fo = target.forward(state.last[:, None], positions, state.cache)
     tok = S.sample(step_key(state), fo.logits[:, 0], ctx.sampling, state.sp)
     active = ~state.done

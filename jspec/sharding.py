@@ -149,7 +149,8 @@ class Placement:
         row = NamedSharding(self.mesh, P(spec[0]) if len(spec) else P())
         wsc = jax.lax.with_sharding_constraint
         return cache.replace(k=[wsc(b, kv) for b in cache.k], v=[wsc(b, kv) for b in cache.v],
-                             length=wsc(cache.length, row), start=wsc(cache.start, row))
+                             length=wsc(cache.length, row), start=wsc(cache.start, row),
+                             pos_offset=wsc(cache.pos_offset, row))
 
 
 def constrain(placement: Placement | None, cache, replicated: bool = False):

@@ -94,13 +94,13 @@ def init_sd_state(draft_state: DraftState, controller, max_depth: int) -> SDStat
 
 def _read_pending(draft, ds: DraftState):
     """Feed the pending tokens; returns (logits after `last` [B, 1, V], draft cache with `last` committed,
-    position of `last`)."""
+    RoPE position of `last`)."""
     P = ds.pending.shape[1]
     dc = ds.cache
-    pos = dc.length[:, None] + jnp.arange(P, dtype=jnp.int32)[None]
+    pos = kvc.positions(dc, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), ds.pending.shape))
     fo = draft.forward(ds.pending, pos, dc, logits_at=(ds.n_pending - 1)[:, None])
     dc = kvc.commit(fo.cache, ds.n_pending)
-    return fo.logits, dc, dc.length - 1
+    return fo.logits, dc, dc.length + dc.pos_offset - 1
 
 
 def _log_probs(logits: jax.Array, ctx: loop.StepContext, sp) -> jax.Array:
@@ -277,7 +277,7 @@ def sd_draft(ctx: loop.StepContext, policy, controller, draft, state: loop.Decod
 def sd_verify(target, state: loop.DecodeState, prop: Proposal):
     """Phase 2: one target forward over every node. Returns (state with the nodes' K/V in scratch, logits)."""
     tc = state.cache
-    pos = tc.length[:, None] + prop.tree.depth
+    pos = kvc.positions(tc, prop.tree.depth)
     fo = target.forward(prop.tokens, pos, tc, prop.tree.ancestor)
     return state.replace(cache=fo.cache), fo.logits
 
