@@ -1,4 +1,4 @@
-"""The `jspec` command line: decode, convert, demo."""
+"""The `jspec` command line: decode, convert, demo, plan."""
 from __future__ import annotations
 
 import argparse
@@ -81,6 +81,28 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from jspec import plan as PL
+
+    try:
+        mesh = PL.parse_mesh(args.mesh)
+        device = PL.parse_bytes(args.device_memory) if args.device_memory else None
+        target = PL.load_config(args.config)
+        draft = PL.load_config(args.draft) if args.draft else None
+        p = PL.plan(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
+                    tree_nodes=args.tree_nodes, prompt_len=args.prompt_len, images=args.images)
+    except ValueError as e:
+        raise SystemExit(f"jspec plan: {e}")
+    if args.json:
+        out = dict(p)
+        if device is not None:
+            out["fit"] = p.fits(device, args.headroom)
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print(PL.format_plan(p, device, args.headroom))
+    return 0 if device is None or p.fits(device, args.headroom)["fits"] else 3
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -104,6 +126,24 @@ def main(argv=None) -> int:
     m.add_argument("--max-new-tokens", type=int, default=64)
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=cmd_demo)
+    pl = sub.add_parser("plan", help="bytes per device of params, KV cache, draft and activations on a mesh "
+                                     "(from shapes alone: no weights, no devices needed)")
+    pl.add_argument("--config", required=True,
+                    help="config.json, an HF checkpoint dir, or a shipped name (llama-2-70b, qwen2.5-vl-72b, ...)")
+    pl.add_argument("--mesh", default="tensor=1", help="axis=size over data, fsdp, tensor, e.g. tensor=8 or "
+                                                       "data=2,tensor=4")
+    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--max-len", type=int, required=True, help="KV cache slots per row")
+    pl.add_argument("--dtype", default="bf16", help="bf16, f16 or f32")
+    pl.add_argument("--draft", help="draft config (same forms as --config); replicated on every device")
+    pl.add_argument("--tree-nodes", type=int, default=64, help="nodes verified per step (gamma + 1 for a chain)")
+    pl.add_argument("--prompt-len", type=int, help="tokens prefilled at once (default: max-len, the worst case)")
+    pl.add_argument("--images", type=int, help="images in the prefill batch of a VLM (default: one per row)")
+    pl.add_argument("--device-memory", help="memory of one device, e.g. 80GB, 16GiB: prints whether it fits "
+                                            "(exit status 3 when it does not)")
+    pl.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(fn=cmd_plan)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -58,7 +58,7 @@ class ChameleonConfig(TextConfig):
 
     swin_norm: bool = False
     suppress_image_logits: bool = True  # HF: logits of image tokens = float32 min (turn off to generate images)
-    image_token_ids: tuple[int, ...] = ()  # BPE id of VQ code i (HF vocabulary_mapping.img2bpe)
+    image_token_ids: tuple[int, ...] = ()  # BPE id of VQ code i (HF vocabulary_mapping.img2bpe); () = unknown
     image_token_id: int | None = None  # the "<image>" placeholder
     image_start_token_id: int | None = None
     image_end_token_id: int | None = None
@@ -71,7 +71,7 @@ class ChameleonConfig(TextConfig):
         if self.num_heads * self.head_dim != self.hidden_size:
             raise ValueError(f"chameleon: hidden_size={self.hidden_size} must equal num_attention_heads="
                              f"{self.num_heads} x head_dim={self.head_dim}")
-        if len(self.image_token_ids) != self.vq.num_embeddings:
+        if self.image_token_ids and len(self.image_token_ids) != self.vq.num_embeddings:
             raise ValueError(f"chameleon: {len(self.image_token_ids)} image tokens in the vocabulary but the VQ "
                              f"codebook has num_embeddings={self.vq.num_embeddings}")
         bad = [t for t in self.image_token_ids if not 0 <= t < self.vocab_size]
@@ -147,16 +147,22 @@ def image_logit_mask(cfg: ChameleonConfig) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------- config
 
 
-def config_from_hf(d: Mapping[str, Any]) -> ChameleonConfig:
+def config_from_hf(d: Mapping[str, Any], require_vocabulary: bool = True) -> ChameleonConfig:
     """Parse an HF chameleon config.json dict (transformers 5 or older spellings; Lumina-mGPT's ChameleonXLLMXConfig
-    too: its `mask_image_logits` sets `suppress_image_logits`)."""
+    too: its `mask_image_logits` sets `suppress_image_logits`).
+
+    A config without `vocabulary_map` is refused (images need it) unless `require_vocabulary=False` (shapes only,
+    e.g. memory planning): the image vocabulary is then empty and no token id is an image token."""
     if d.get("model_type") != "chameleon":
         raise ValueError(f"config_from_hf: model_type {d.get('model_type')!r} is not chameleon")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (Chameleon uses silu)")
     vq = VQ.vq_config_from_hf(d.get("vq_config"))
     vm = d.get("vocabulary_map")
-    image_ids = image_vocabulary(vm, vq.num_embeddings)
+    if not vm and not require_vocabulary:
+        vm, image_ids = {}, ()
+    else:
+        image_ids = image_vocabulary(vm, vq.num_embeddings)
     heads = d.get("num_attention_heads", 32)
     hidden = d.get("hidden_size", 4096)
     bias = bool(d.get("attention_bias", False))

@@ -1,0 +1,108 @@
+"""Memory-plan exactness, run by tests/test_plan.py in a subprocess with 8 forced CPU devices (the device count is
+fixed at jax import): for tiny models and several meshes, the bytes `jspec.plan.plan` predicts per device for
+params, KV cache, draft params and draft cache equal the bytes of the arrays really allocated on device 0.
+Prints one JSON line: the compared cases; any mismatch raises."""
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import ports  # noqa: E402
+from jspec import loop  # noqa: E402
+from jspec import plan as PL  # noqa: E402
+from jspec import sharding as SH  # noqa: E402
+from ports import llava  # noqa: E402
+
+# (data, fsdp, tensor)
+MESHES = ((1, 1, 8), (2, 1, 4), (1, 2, 4), (8, 1, 1))
+
+
+def zeros_model(cfg, dtype):
+    """A model with zero params of the family's param_shapes (host-built: no per-shape compilation; only the
+    bytes matter here). The plan itself goes through eval_shape of init_params, so equal bytes also check that
+    the two agree."""
+    fam = ports.model.family(cfg.model_type)
+    params = jax.tree.map(lambda s: jnp.asarray(np.zeros(s, dtype)), fam.param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    return ports.Model(cfg, params, fam.config_to_hf(cfg))
+
+
+def tiny_llama(layers, hidden, heads, kv_heads, vocab=256, dtype=jnp.bfloat16):
+    cfg = ports.text_config_from_hf({"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+                                     "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+                                     "num_attention_heads": heads, "num_key_value_heads": kv_heads})
+    return zeros_model(cfg, dtype)
+
+
+def tiny_llava(dtype=jnp.bfloat16):
+    d = {"model_type": "llava", "image_token_index": 250,
+         "text_config": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+                         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+         "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                           "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 28, "patch_size": 14}}
+    return zeros_model(llava.config_from_hf(d), dtype)
+
+
+def on_device0(tree) -> int:
+    """Bytes of the shards of every array in `tree` that live on device 0."""
+    dev0 = jax.devices()[0]
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shards = [s for s in x.addressable_shards if s.device == dev0]
+        assert len(shards) == 1, (x.shape, x.sharding)
+        total += shards[0].data.nbytes
+    return total
+
+
+def nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def check(target, draft, mesh_shape, batch, max_len, dtype):
+    data, fsdp, tensor = mesh_shape
+    mesh = SH.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+    placement = SH.Placement(mesh, tuple(SH.rules_table().items()))
+    p = PL.plan(target.hf_config, dict(data=data, fsdp=fsdp, tensor=tensor), batch, max_len, dtype=dtype,
+                draft_config=None if draft is None else draft.hf_config)
+    c = p["components"]
+    sharded = SH.shard(target, mesh)
+    real = {"params": (nbytes(sharded.params), on_device0(sharded.params))}
+    cache = jax.jit(lambda: placement.constrain_cache(loop.new_cache_for(target, batch, max_len)))()
+    real["kv_cache"] = (nbytes(cache), on_device0(cache))
+    if draft is not None:
+        rep = SH.replicate(draft, mesh)
+        real["draft_params"] = (nbytes(rep.params), on_device0(rep.params))
+        dcache = jax.jit(lambda: placement.constrain_cache(loop.new_cache_for(draft, batch, max_len), True))()
+        real["draft_cache"] = (nbytes(dcache), on_device0(dcache))
+    for name, (total, dev0) in real.items():
+        got = (c[name]["total"], c[name]["per_device"])
+        assert got == (total, dev0), (name, mesh_shape, batch, "plan", got, "allocated", (total, dev0))
+    # the split really happened where the rules allow it (not everything replicated)
+    if tensor > 1:
+        assert c["params"]["per_device"] < c["params"]["total"], (mesh_shape, c["params"])
+    return {"mesh": list(mesh_shape), "batch": batch, **{k: v[1] for k, v in real.items()}}
+
+
+def main():
+    assert jax.device_count() == 8, jax.devices()
+    target = tiny_llama(2, 64, 8, 4)  # kv_heads 4: split over tensor=4, replicated over tensor=8
+    draft = tiny_llama(1, 32, 4, 2)
+    cases = []
+    for mesh_shape in MESHES:
+        for batch in (8, 3):  # 3 rows do not divide data=2 / 8: replicated batch
+            cases.append(check(target, draft, mesh_shape, batch, 48, "bfloat16"))
+    f32 = tiny_llama(2, 64, 8, 8, vocab=264, dtype=jnp.float32)  # f32 params, MHA cache split 8 ways
+    cases.append(check(f32, None, (1, 1, 8), 4, 40, "float32"))
+    vlm = tiny_llava()
+    for mesh_shape in ((1, 1, 8), (2, 1, 4)):
+        cases.append(check(vlm, draft, mesh_shape, 4, 32, "bfloat16"))
+    print(json.dumps({"cases": len(cases), "detail": cases}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Memory planning (`jspec.plan`, `jspec plan`): exact per-device bytes against really allocated arrays on 8 forced
+CPU devices (subprocess), every shipped config plans with public parameter counts, the 70B numbers, the fit
+verdict, Qwen-VL towers counted like transformers builds them, and bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jspec import cli
+from jspec import plan as PL
+
+GB = 1e9
+
+# Public parameter counts of the shipped checkpoints (their model cards / safetensors metadata), +-1.5%.
+PUBLIC_PARAMS = {"llama-2-7b": 6.74e9, "llama-2-13b": 13.0e9, "llama-2-70b": 69.0e9, "llama-68m": 68e6,
+                 "llava-1.5-7b": 7.06e9, "llava-onevision-qwen2-72b": 73.2e9, "llava-onevision-qwen2-7b": 8.03e9,
+                 "qwen2.5-vl-72b": 73.4e9, "qwen2.5-vl-7b": 8.29e9, "lumina-mgpt-7b-768": 7.0e9}
+
+
+def test_plan_equals_allocated_bytes():
+    """Per-device params / KV cache / draft params / draft cache of the plan == bytes really on device 0, for
+    meshes (1,8), (2,4), fsdp 2 x tensor 4, (8,1), batches that do and do not divide `data`, a VLM target."""
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(here, "plan_checks.py")], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=os.path.dirname(here))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results["cases"] == 11
+
+
+def test_shipped_configs_are_listed():
+    assert set(PUBLIC_PARAMS) <= set(PL.available_configs())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_PARAMS))
+def test_every_shipped_config_plans(name):
+    p = PL.plan(PL.load_config(name), {"tensor": 8}, batch=2, max_len=1024, dtype="bf16")
+    assert p["target"]["params"] == pytest.approx(PUBLIC_PARAMS[name], rel=0.015)
+    c = p["components"]
+    assert c["params"]["total"] + c.get("vision_params", {}).get("total", 0) == 2 * p["target"]["params"]  # bf16
+    for comp in c.values():
+        assert 0 < comp["per_device"] <= comp["total"]
+    assert p["per_device"] == sum(v["per_device"] for v in c.values())
+    assert c["activations"]["estimate"] is True
+    json.dumps(p)  # serialisable as is
+
+
+def test_llama_2_70b_numbers():
+    cfg = PL.load_config("llama-2-70b")
+    p = PL.plan(cfg, {"tensor": 8}, batch=1, max_len=4096, dtype="bf16")
+    c = p["components"]
+    assert 137 * GB < c["params"]["total"] < 139 * GB
+    # vocab 32000, 64 heads, 8 kv heads and mlp 28672 all divide 8: only the norms (a few MB) stay replicated
+    assert c["params"]["per_device"] == pytest.approx(c["params"]["total"] / 8, rel=1e-3)
+    assert c["params"]["per_device"] > c["params"]["total"] / 8
+    kv = 80 * 2 * 1 * 8 * 4096 * 128 * 2  # layers x (k, v) x batch x kv heads x slots x head_dim x bf16
+    assert kv <= c["kv_cache"]["total"] < kv + 1024  # + the per-row length vectors
+    assert kv // 8 <= c["kv_cache"]["per_device"] < kv // 8 + 1024
+    # 16-way tensor: 8 kv heads cannot split 16 ways -> the cache and wk/wv are replicated (the engine's fallback)
+    p16 = PL.plan(cfg, {"tensor": 16}, batch=1, max_len=4096)
+    assert p16["components"]["kv_cache"]["per_device"] == p16["components"]["kv_cache"]["total"]
+    wkv = 80 * 2 * 8192 * 1024 * 2
+    assert p16["components"]["params"]["per_device"] == pytest.approx((c["params"]["total"] - wkv) / 16 + wkv,
+                                                                          rel=1e-3)
+    # fsdp x tensor splits everything 16 ways again, the cache only over tensor
+    pf = PL.plan(cfg, {"fsdp": 2, "tensor": 8}, batch=1, max_len=4096)
+    assert pf["components"]["params"]["per_device"] == pytest.approx(c["params"]["total"] / 16, rel=1e-3)
+    assert pf["components"]["kv_cache"]["per_device"] == c["kv_cache"]["per_device"]
+    assert pf["components"]["activations"]["detail"]["fsdp_gather"] > 0
+    # batch over data: 8 rows on data=2 x tensor=4 -> 4 rows x 2 kv heads per device = the 1-row, 8-head bytes
+    pd = PL.plan(cfg, {"data": 2, "tensor": 4}, batch=8, max_len=4096)
+    assert kv <= pd["components"]["kv_cache"]["per_device"] < kv + 1024
+    # activations: f32 scores of a 4096-token prefill [1, 8 heads, 4096, 4096] dominate
+    act = c["activations"]
+    assert act["phase"] == "prefill" and act["detail"]["heads_per_device"] == 8
+    assert act["detail"]["prefill_attention_scores"] == 8 * 4096 * 4096 * (4 + 4 + 2)
+    assert p.fits("80GB")["fits"] and not p.fits("16GB")["fits"]
+
+
+def test_draft_is_replicated_and_scales_with_batch():
+    cfg, dcfg = PL.load_config("llama-2-70b"), PL.load_config("llama-2-7b")
+    p1 = PL.plan(cfg, {"tensor": 8}, 1, 4096, draft_config=dcfg, prompt_len=512)
+    p8 = PL.plan(cfg, {"tensor": 8}, 8, 4096, draft_config=dcfg, prompt_len=512)
+    d = p1["components"]["draft_params"]
+    assert d["per_device"] == d["total"] == pytest.approx(13.48 * GB, rel=0.01)
+    dc1, dc8 = p1["components"]["draft_cache"], p8["components"]["draft_cache"]
+    assert dc1["per_device"] == dc1["total"] and dc8["per_device"] == pytest.approx(8 * dc1["per_device"], rel=1e-6)
+    assert p8["components"]["activations"]["detail"]["draft_prefill"] > 0
+    # a longer prompt costs more activation memory
+    long = PL.plan(cfg, {"tensor": 8}, 8, 4096, draft_config=dcfg)
+    assert long["components"]["activations"]["per_device"] > p8["components"]["activations"]["per_device"]
+
+
+def test_fits_verdict_and_sizes():
+    p = PL.plan(PL.load_config("llama-2-7b"), {"tensor": 1}, 1, 2048)
+    need = p["per_device"]
+    assert p.fits(int(need / 0.9) + 10)["fits"]
+    assert not p.fits(int(need / 0.9) - 10)["fits"]
+    assert p.fits(need, headroom=0.0)["fits"] and not p.fits(need - 1, headroom=0.0)["fits"]
+    assert PL.parse_bytes("80GB") == 80 * 10 ** 9 and PL.parse_bytes("16GiB") == 16 * 2 ** 30
+    assert PL.parse_bytes("1.5e3") == 1500 and PL.parse_bytes(1234) == 1234
+    with pytest.raises(ValueError, match="memory size"):
+        PL.parse_bytes("lots")
+
+
+def test_vision_towers_counted():
+    ov = PL.plan(PL.load_config("llava-onevision-qwen2-72b"), {"tensor": 8}, 1, 4096)
+    lm_only = PL.plan(dict(PL.load_config("llava-onevision-qwen2-72b")["text_config"]), {"tensor": 8}, 1, 4096)
+    extra = ov["components"]["params"]["per_device"] - lm_only["components"]["params"]["per_device"]
+    # SigLIP so400m tower (~0.4B) + projector + newline, replicated on every device (bf16)
+    assert 0.7 * GB < extra < 1.0 * GB
+    act = ov["components"]["activations"]["detail"]
+    assert "40 tile(s) of 729 tokens" in act["vision_what"] and act["vision"] > 0
+    qvl = PL.plan(PL.load_config("qwen2.5-vl-72b"), {"tensor": 8}, 1, 4096)
+    assert qvl["components"]["vision_params"]["count"] == pytest.approx(0.705e9, rel=0.01)
+    assert any("no jspec port yet" in n for n in qvl["notes"])
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen2_vl"])
+def test_qwen_vl_counts_match_transformers(kind):
+    """The analytic Qwen-VL tower and the qwen2-family text model count exactly the parameters transformers
+    builds (config saved by transformers 5: text fields under text_config)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    if kind == "qwen2_5_vl":
+        cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64, fullatt_block_indexes=[1]))
+        hf = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    else:
+        cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=dict(
+            depth=2, embed_dim=32, mlp_ratio=3, num_heads=4, hidden_size=64))
+        hf = transformers.Qwen2VLForConditionalGeneration(cfg)
+    p = PL.plan(cfg.to_dict(), {"tensor": 2}, 1, 64, dtype="float32")
+    assert p["components"]["vision_params"]["count"] == sum(x.numel() for x in hf.model.visual.parameters())
+    assert p["target"]["params"] == sum(x.numel() for x in hf.parameters())
+    # the older layout (text fields at the top level) plans the same
+    flat = {**cfg.to_dict(), **cfg.to_dict()["text_config"], "model_type": kind}
+    flat.pop("text_config")
+    assert PL.plan(flat, {"tensor": 2}, 1, 64, dtype="float32")["per_device"] == p["per_device"]
+
+
+def test_chameleon_without_vocabulary_map():
+    from ports import chameleon as CH
+
+    d = PL.load_config("lumina-mgpt-7b-768")
+    assert "vocabulary_map" not in d
+    with pytest.raises(ValueError, match="no vocabulary_map"):
+        CH.config_from_hf(d)
+    cfg = CH.config_from_hf(d, require_vocabulary=False)
+    assert cfg.image_token_ids == () and not cfg.suppress_image_logits
+    p = PL.plan(d, {"tensor": 8}, 1, 4096)
+    assert any("vocabulary_map" in n for n in p["notes"])
+
+
+def test_cli_table_json_and_exit_status(capsys):
+    args = ["plan", "--config", "llama-2-70b", "--mesh", "tensor=8", "--batch", "1", "--max-len", "4096",
+            "--dtype", "bf16", "--draft", "llama-68m"]
+    assert cli.main(args + ["--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "per device" in out and "draft params (replicated)" in out and "FITS" in out
+    assert "137.95 GB" in out and "17.25 GB" in out
+    assert cli.main(args + ["--device-memory", "16GB"]) == 3
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert cli.main(args + ["--json", "--device-memory", "80GB"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["fit"]["fits"] and js["mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert js["components"]["params"]["per_device"] < js["components"]["params"]["total"] / 7
+
+
+def test_config_from_a_file_or_directory(tmp_path):
+    cfg = PL.load_config("llama-2-7b")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert PL.load_config(str(tmp_path)) == cfg == PL.load_config(str(tmp_path / "config.json"))
+
+
+def test_unknown_config_lists_the_shipped_ones(capsys):
+    with pytest.raises(ValueError, match=r"unknown config 'llama-3-405b'.*llama-2-70b.*qwen2.5-vl-72b"):
+        PL.load_config("llama-3-405b")
+    with pytest.raises(SystemExit, match="shipped configs: .*lumina-mgpt-7b-768"):
+        cli.main(["plan", "--config", "nope", "--max-len", "64"])
+
+
+@pytest.mark.parametrize("mesh", ["tensor8", "tensor=x", "gpu=8", "tensor=0", "tensor=2,tensor=4", "", "tensor=2,",
+                                  "data=2;tensor=4"])
+def test_malformed_mesh(mesh):
+    with pytest.raises(ValueError, match="malformed mesh"):
+        PL.parse_mesh(mesh)
+    with pytest.raises(SystemExit, match="malformed mesh"):
+        cli.main(["plan", "--config", "llama-68m", "--mesh", mesh, "--max-len", "64"])
+
+
+def test_mesh_parsing():
+    assert PL.parse_mesh("tensor=8") == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert PL.parse_mesh("data=2, fsdp=2,tensor=4") == {"data": 2, "fsdp": 2, "tensor": 4}
+
+
+def test_other_bad_input():
+    cfg = PL.load_config("llama-68m")
+    with pytest.raises(ValueError, match="unknown architecture: model_type 'mamba'"):
+        PL.plan({**cfg, "model_type": "mamba"}, {"tensor": 1}, 1, 64)
+    with pytest.raises(ValueError, match="prompt_len=100 must be in"):
+        PL.plan(cfg, {"tensor": 1}, 1, 64, prompt_len=100)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        PL.plan(cfg, {"tensor": 1}, 1, 64, dtype="int3")
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        PL.plan(cfg, {"tensor": 1}, 0, 64)
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        PL.plan(cfg, {"pipeline": 2}, 1, 64)
