@@ -61,6 +61,23 @@ class LlavaConfig:
         return VZ.num_feature_tokens(self.vision, self.feature_strategy)
 
 
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "max_position_embeddings", "rms_norm_eps", "image_size", "patch_size", "layer_norm_eps",
+               "hidden_act")
+
+
+def with_hf_defaults(sub: dict) -> dict:
+    """A sub-config (text_config / vision_config) with the shape fields it leaves out filled from its transformers
+    config class's defaults, as HF does (llava-hf's llava-1.5 config.json omits LLaMA's default fields)."""
+    import transformers
+
+    if sub.get("model_type") not in transformers.CONFIG_MAPPING:
+        return dict(sub)
+    cls = transformers.CONFIG_MAPPING[sub["model_type"]]
+    defaults = cls().to_dict()
+    return {**{k: defaults[k] for k in _SHAPE_KEYS if k in defaults and k not in sub}, **sub}
+
+
 def config_fields_from_hf(d: dict, *, vision_default: dict = _DEFAULT_VISION, text_type: str = "llama",
                           feature_layer: int = -2, strategy: str = "default", image_token: int = 32000,
                           tie_from_text: bool = True) -> dict:
@@ -75,10 +92,10 @@ def config_fields_from_hf(d: dict, *, vision_default: dict = _DEFAULT_VISION, te
             text_d[k] = d[k]
     tie = bool(d.get("tie_word_embeddings", False))
     text_d["tie_word_embeddings"] = tie or (tie_from_text and bool(text_d.get("tie_word_embeddings", False)))
-    text = C.text_config_from_hf(text_d)
+    text = C.text_config_from_hf(with_hf_defaults(text_d))
     vision_d = dict(d.get("vision_config") or vision_default)
     vision_d.setdefault("model_type", vision_default["model_type"])
-    vision = VZ.vision_config_from_hf(vision_d)
+    vision = VZ.vision_config_from_hf(with_hf_defaults(vision_d))
     layer = d.get("vision_feature_layer", feature_layer)
     layer = int(layer) if isinstance(layer, int) else tuple(int(x) for x in layer)
     strategy = d.get("vision_feature_select_strategy", strategy)

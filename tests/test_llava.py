@@ -222,3 +222,20 @@ def test_attention_score_hook_matches_hf_eager(models):
     np.testing.assert_allclose(np.asarray(fo.attn[0, :T]), want, atol=1e-5)
     assert np.all(np.asarray(fo.attn[0, T:]) == 0)  # unused cache slots get nothing
     np.testing.assert_allclose(float(fo.attn.sum()), 1.0, rtol=1e-5)  # probabilities: each query's row sums to 1
+
+
+def test_sparse_hub_config_gets_transformers_defaults():
+    """llava-hf's llava-1.5-7b config.json omits LLaMA's default fields in text_config: they come from
+    transformers' defaults, as LlavaConfig fills them."""
+    d = {"model_type": "llava", "text_config": {"model_type": "llama", "vocab_size": 32064},
+         "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "image_size": 336,
+                           "intermediate_size": 4096, "num_attention_heads": 16, "num_hidden_layers": 24,
+                           "patch_size": 14, "projection_dim": 768},
+         "image_token_index": 32000, "projector_hidden_act": "gelu"}
+    cfg = ports.family("llava").config_from_hf(d)
+    ref = transformers.LlavaConfig(**d)
+    t = ref.text_config
+    assert (cfg.text.hidden_size, cfg.text.num_layers, cfg.text.num_heads, cfg.text.intermediate_size,
+            cfg.text.vocab_size, cfg.text.rms_norm_eps) == (t.hidden_size, t.num_hidden_layers, t.num_attention_heads,
+                                                            t.intermediate_size, t.vocab_size, t.rms_norm_eps)
+    assert cfg.vision.hidden_size == ref.vision_config.hidden_size == 1024
