@@ -1,4 +1,4 @@
-"""The `jspec` command line: decode, convert, demo, plan."""
+"""The `jspec` command line: decode, convert, demo, plan, bench."""
 from __future__ import annotations
 
 import argparse
@@ -103,6 +103,19 @@ def cmd_plan(args) -> int:
     return 0 if device is None or p.fits(device, args.headroom)["fits"] else 3
 
 
+def cmd_bench(args) -> int:
+    from jspec import bench
+
+    try:
+        result = bench.run(args.suite, runs=args.runs, quick=args.quick, out_dir=args.out,
+                           with_transformers=not args.no_transformers, allow_cpu=args.allow_cpu)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"jspec bench: {e}")
+    print(bench.markdown(result))
+    print("wrote " + ", ".join(result["files"]))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -144,6 +157,14 @@ def main(argv=None) -> int:
     pl.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(fn=cmd_plan)
+    b = sub.add_parser("bench", help="benchmark suites (ar, sd, gpu): JSON, markdown table and PNG per run")
+    b.add_argument("suite", help="ar | sd | gpu")
+    b.add_argument("--runs", type=int, default=3, help="timed runs per case (median), after a warm-up")
+    b.add_argument("--quick", action="store_true", help="tiny sizes, finishes in well under 3 minutes")
+    b.add_argument("--out", default="scripts/results", help="output directory")
+    b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
+    b.add_argument("--allow-cpu", action="store_true", help="let the gpu suite run on CPU (a dry run)")
+    b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     return args.fn(args)
 

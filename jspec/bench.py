@@ -1,0 +1,442 @@
+"""The benchmark harness behind `jspec bench` and `scripts/bench.py`: named suites, medians, ratios, tables, plots.
+
+Suites:
+  ar   greedy AR tokens/s, jspec vs transformers `generate`, same weights, fixed output length (EOS ignored), on
+       the zoo text target (when shipped) and a ~106M-parameter random LLaMA, batch 1 and 8.
+  sd   per strategy (AR, Chain at several gammas, Tree with each shipped static tree, DynamicTree) on a
+       target/draft pair, per scenario: mean accepted length (incl. bonus), block efficiency (tokens per target
+       step), tokens/s, wall and decode-loop speedup over jspec AR, the speedup predicted from the measured tau
+       and per-phase times, and transformers' assisted generation (same pair, constant gamma) for chain rows.
+       Pairs: the zoo text pair (when shipped) on held-out prompts, and a random pair (the target's layers after
+       the first damped, the draft = its first layer) with random prompts.
+  gpu  `ar` and `sd` in bfloat16 on a lent GPU with 7B-shaped random weights for throughput, against the HBM
+       floor (parameter bytes / measured copy bandwidth); zoo pairs for acceptance.
+Every figure is a median over `runs` interleaved runs after a warm-up (compile time reported apart); every speed
+is also a ratio to a baseline measured in the same run. `quick=True` shrinks everything to finish in well under
+3 minutes on a 2-core CPU (the smoke test's setting; its numbers mean nothing).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUITES = ("ar", "sd", "gpu")
+med = statistics.median
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def random_llama(layers: int = 8, vocab: int = 32000, hidden: int = 768, mlp: int = 2048, heads: int = 12,
+                 kv_heads: int | None = None, dtype=jnp.float32, seed: int = 0):
+    import ports
+
+    cfg = ports.TextConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
+                           num_layers=layers, num_heads=heads, num_kv_heads=kv_heads or heads,
+                           head_dim=hidden // heads, eos_token_ids=())
+    return ports.random_model(cfg, key=seed, std=0.05, dtype=dtype)
+
+
+def damped_pair(layers: int = 8, damp: float = 0.05, **shape):
+    """A random target whose layers after the first are damped, and the draft = its first layer (same embeddings
+    and head): they agree often but not always."""
+    import ports
+
+    target = random_llama(layers, **shape)
+    params = dict(target.params)
+    params["layers"] = [dict(p) for p in params["layers"]]
+    for p in params["layers"][1:]:
+        p["wo"] = p["wo"] * damp
+        p["w_down"] = p["w_down"] * damp
+    target = ports.Model(target.config, params)
+    draft = ports.Model(dataclasses.replace(target.config, num_layers=1), dict(params, layers=params["layers"][:1]))
+    return target, draft
+
+
+def zoo_text_pair():
+    """(target, draft) of the shipped zoo text pair, or None when it is not shipped."""
+    try:
+        from jspec import zoo
+
+        return zoo.load("text-target"), zoo.load("text-draft")
+    except (ImportError, AttributeError, ValueError, FileNotFoundError, OSError):
+        return None
+
+
+def zoo_prompts(scenario: str, n: int) -> list[np.ndarray]:
+    """n held-out zoo prompts of a scenario, text view (what a text pair reads), as token-id rows."""
+    from jspec.zoo import data
+
+    enc = data.Encoder(view="T")
+    return [enc.prompt(ex)["input_ids"][0] for ex in data.eval_set(scenario, n)]
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    run: Callable[[], Any]  # one full measured call; returns what `check` compares across runs
+    meta: dict = dataclasses.field(default_factory=dict)
+
+
+def interleaved(cases: list[Case], runs: int, progress: bool = True) -> dict[str, dict]:
+    """Warm up every case (compile time = its first call), then time `runs` rounds, every case once per round,
+    so a noisy machine's drifts hit all cases alike. Returns per case: first result, compile_s, wall list."""
+    from tqdm import tqdm
+
+    out = {}
+    bar = tqdm(total=len(cases) * (runs + 1), desc="bench", unit="run", disable=not progress, leave=False)
+    for c in cases:
+        t = time.perf_counter()
+        first = c.run()
+        out[c.name] = {"first": first, "compile_s": time.perf_counter() - t, "wall": [], "results": []}
+        bar.update()
+    for _ in range(runs):
+        for c in cases:
+            t = time.perf_counter()
+            res = c.run()
+            out[c.name]["wall"].append(time.perf_counter() - t)
+            out[c.name]["results"].append(res)
+            bar.update()
+    bar.close()
+    return out
+
+
+def _ratio(a, b) -> float:
+    return float(a / b) if b else float("nan")
+
+
+def _r(x, n=3):
+    return None if x is None else (round(float(x), n) if math.isfinite(float(x)) else float("nan"))
+
+
+# ------------------------------------------------------------------------------------------------ transformers
+
+
+def _hf_from(model, tmp: str, name: str):
+    import torch
+    import transformers
+
+    import ports
+
+    path = os.path.join(tmp, name)
+    ports.save_hf(model, path, dtype=np.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_generate(hf, rows: list[np.ndarray], new_tokens: int | None, assistant=None, gamma: int = 0,
+                 eos=None) -> list[np.ndarray]:
+    """Greedy generate row by row (batch 1, the setting assisted generation supports)."""
+    import torch
+
+    outs = []
+    for r in rows:
+        kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=new_tokens)
+        if eos is None:
+            kw["min_new_tokens"] = new_tokens
+        else:
+            kw["eos_token_id"] = list(eos)
+        if assistant is not None:
+            assistant.generation_config.num_assistant_tokens = gamma
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            assistant.generation_config.assistant_confidence_threshold = 0.0
+            kw["assistant_model"] = assistant
+        with torch.no_grad():
+            o = hf.generate(torch.tensor(np.asarray(r)[None]), **kw)
+        outs.append(o[0, len(r):].numpy())
+    return outs
+
+
+# ------------------------------------------------------------------------------------------------ suites
+
+
+def suite_ar(runs: int, quick: bool, progress: bool, with_transformers: bool = True, dtype=jnp.float32,
+             big: dict | None = None) -> dict:
+    """Greedy AR throughput, jspec vs transformers, fixed output length."""
+    import jspec
+
+    N, P = (8, 16) if quick else (128, 128)
+    models = {"random LLaMA": random_llama(**(big or ({"layers": 1, "vocab": 512, "hidden": 64, "mlp": 128,
+                                                       "heads": 4} if quick else {})), dtype=dtype)}
+    zoo = None if quick else zoo_text_pair()
+    if zoo is not None:
+        models = {"zoo text-target": zoo[0], **models}
+    rows = []
+    for mname, model in models.items():
+        for B in ((1, 2) if quick else (1, 8)):
+            prompt = np.random.default_rng(0).integers(4, model.vocab_size, (B, P))
+            cases = [Case("jspec", lambda: jspec.decode(model, prompt, max_new_tokens=N, eos_token_id=()).tokens)]
+            hf = None
+            if with_transformers and dtype == jnp.float32:
+                tmp = tempfile.mkdtemp()
+                hf = _hf_from(model, tmp, "t")
+                import torch
+
+                torch.set_num_threads(os.cpu_count() or 1)
+
+                def hf_run(hf=hf):
+                    with torch.no_grad():
+                        o = hf.generate(torch.tensor(prompt), do_sample=False, pad_token_id=0, max_new_tokens=N,
+                                        min_new_tokens=N)
+                    return o[:, P:].numpy()
+
+                cases.append(Case("transformers", hf_run))
+            res = interleaved(cases, runs, progress)
+            j = res["jspec"]
+            row = dict(model=mname, params_m=_r(model.num_params / 1e6, 1), batch=B, new_tokens=N,
+                       jspec_tok_s=_r(B * N / med(j["wall"]), 1), jspec_compile_s=_r(j["compile_s"], 2))
+            if hf is not None:
+                h = res["transformers"]
+                row.update(transformers_tok_s=_r(B * N / med(h["wall"]), 1),
+                           jspec_over_transformers=_r(med(h["wall"]) / med(j["wall"])),
+                           same_tokens=bool(np.array_equal(j["first"], h["first"])))
+            rows.append(row)
+    return {"rows": rows}
+
+
+def sd_strategies(draft, quick: bool) -> list[tuple[str, Any, int]]:
+    import jspec
+
+    if quick:
+        return [("AR", jspec.AR(), 0), ("Chain g=3", jspec.Chain(draft, gamma=3), 3),
+                ("Tree [[0],[1],[0,0]]", jspec.Tree(draft, tree=[[0], [1], [0, 0]]), 0),
+                ("DynamicTree 3x3/6", jspec.DynamicTree(draft, depth=3, top_k=3, total=6), 0)]
+    return [("AR", jspec.AR(), 0), ("Chain g=3", jspec.Chain(draft, gamma=3), 3),
+            ("Chain g=5", jspec.Chain(draft, gamma=5), 5), ("Chain g=7", jspec.Chain(draft, gamma=7), 7),
+            ("Tree mc_sim_7b_63", jspec.Tree(draft, tree="mc_sim_7b_63"), 0),
+            ("Tree naive_extend_57", jspec.Tree(draft, tree="naive_extend_57"), 0),
+            ("DynamicTree 6x10/60", jspec.DynamicTree(draft, depth=6, top_k=10, total=60), 0)]
+
+
+def _decode_rows(target, rows, strategy, N, eos, profile=False):
+    """Decode each prompt alone (batch 1); returns the summed stats a speedup needs."""
+    import jspec
+
+    toks, tot = [], {"tokens": 0, "steps": 0, "decode_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
+    for r in rows:
+        o = jspec.decode(target, [r], strategy=strategy, max_new_tokens=N, eos_token_id=eos, profile=profile)
+        toks.append(o.tokens[0, :o.lengths[0]])
+        tot["tokens"] += int(o.lengths[0])
+        tot["steps"] += int(o.stats["steps"][0]) + 1  # + the token sampled at prefill
+        for k in ("decode_s", "draft_s", "verify_s", "other_s"):
+            tot[k] += float(o.stats.get(k, 0.0))
+    return toks, tot
+
+
+def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = True, pairs: dict | None = None,
+             n_prompts: int = 8) -> dict:
+    """Speculative strategies per pair and scenario; see the module docstring."""
+    if pairs is None:
+        pairs = {}
+        zoo = None if quick else zoo_text_pair()
+        if zoo is not None:
+            pairs["zoo text"] = (zoo[0], zoo[1], {"text": zoo_prompts("text", n_prompts)}, None, 96)
+        shape = dict(layers=2, vocab=512, hidden=64, mlp=128, heads=4) if quick else {}
+        t, d = damped_pair(**shape)
+        rng = np.random.default_rng(1)
+        P, n = (12, 2) if quick else (128, 2)
+        pairs["random damped"] = (t, d, {"random": [rng.integers(0, t.vocab_size, P) for _ in range(n)]}, (),
+                                  8 if quick else 64)
+    rows, hf_rows = [], []
+    for pname, (target, draft, scenarios, eos, N) in pairs.items():
+        for scen, prompts in scenarios.items():
+            strategies = sd_strategies(draft, quick)
+            cases = [Case(name, (lambda s=s: _decode_rows(target, prompts, s, N, eos))) for name, s, _ in strategies]
+            res = interleaved(cases, runs, progress)
+            prof = {}  # per-phase times: a warm-up (the phases compile apart), then the median of `runs`
+            for name, s, _ in strategies:
+                if name != "AR":
+                    _decode_rows(target, prompts, s, N, eos, profile=True)
+                    timed = [_decode_rows(target, prompts, s, N, eos, profile=True)[1] for _ in range(runs)]
+                    prof[name] = {k: med(t[k] for t in timed) for k in ("draft_s", "verify_s", "other_s")}
+            ar = res["AR"]
+            ar_toks = ar["first"][0]
+            ar_decode = med(r[1]["decode_s"] for r in ar["results"])
+            ar_step = ar_decode / max(ar["first"][1]["steps"] - len(prompts), 1)
+            for name, s, gamma in strategies:
+                c = res[name]
+                toks, tot = c["first"]
+                same = all(np.array_equal(a, b) for a, b in zip(toks, ar_toks))
+                decode = med(r[1]["decode_s"] for r in c["results"])
+                steps_loop = max(tot["steps"] - len(prompts), 1)
+                tau = (tot["tokens"] - len(prompts)) / steps_loop  # tokens per decode-loop step (bonus incl.)
+                row = dict(pair=pname, scenario=scen, strategy=name, gamma=gamma, prompts=len(prompts),
+                           mean_accepted=_r(tau), block_efficiency=_r(tot["tokens"] / tot["steps"]),
+                           tok_s=_r(tot["tokens"] / med(c["wall"]), 1), wall_speedup=_r(_ratio(med(ar["wall"]),
+                                                                                             med(c["wall"]))),
+                           decode_speedup=_r(_ratio(ar_decode, decode)), compile_s=_r(c["compile_s"], 2),
+                           same_tokens_as_ar=bool(same))
+                if name in prof:
+                    p = prof[name]
+                    per = {k: p[k] / steps_loop for k in ("draft_s", "verify_s", "other_s")}
+                    predicted = tau * ar_step / (per["draft_s"] + per["verify_s"])
+                    row.update(draft_ms=_r(per["draft_s"] * 1e3, 2), verify_ms=_r(per["verify_s"] * 1e3, 2),
+                               other_ms=_r(per["other_s"] * 1e3, 2), predicted_speedup=_r(predicted),
+                               measured_over_predicted=_r(_ratio(row["decode_speedup"], predicted)))
+                rows.append(row)
+            if with_transformers:
+                hf_rows += _assisted(target, draft, prompts, strategies, res, runs, N, eos, pname, scen)
+    return {"rows": rows, "transformers": hf_rows}
+
+
+def _assisted(target, draft, prompts, strategies, res, runs, N, eos, pname, scen) -> list[dict]:
+    """transformers greedy generate and assisted generation (constant gamma) on the same pair and prompts."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    tmp = tempfile.mkdtemp()
+    hf_t, hf_d = _hf_from(target, tmp, "t"), _hf_from(draft, tmp, "d")
+    hf_eos = None if eos == () else (eos if eos is not None else tuple(target.config.eos_token_ids))
+    chains = [(n, g) for n, _, g in strategies if g]
+    cases = [Case("transformers AR", lambda: _hf_generate(hf_t, prompts, N, eos=hf_eos))]
+    cases += [Case(f"transformers assisted g={g}", (lambda g=g: _hf_generate(hf_t, prompts, N, hf_d, g, hf_eos)))
+              for _, g in chains]
+    hres = interleaved(cases, runs, progress=False)
+    ar_jspec = res["AR"]["first"][0]
+    base = med(hres["transformers AR"]["wall"])
+    out = []
+    for c in cases:
+        h = hres[c.name]
+        same = all(np.array_equal(a, b[:len(a)]) and len(a) == len(b) for a, b in zip(h["first"], ar_jspec))
+        row = dict(pair=pname, scenario=scen, strategy=c.name, wall_s=_r(med(h["wall"])),
+                   speedup_over_transformers_ar=_r(base / med(h["wall"])), same_tokens_as_jspec=bool(same))
+        jname = "AR" if c.name == "transformers AR" else next(n for n, g in chains if c.name.endswith(f"g={g}"))
+        row["jspec_over_transformers"] = _r(med(h["wall"]) / med(res[jname]["wall"]))
+        out.append(row)
+    return out
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Measured device memory bandwidth (read + write of a buffer), median of 5."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / med(times) / 1e9
+
+
+def suite_gpu(runs: int, quick: bool, progress: bool, allow_cpu: bool = False) -> dict:
+    """`ar` with 7B-shaped random weights in bf16 against the HBM floor, and `sd` acceptance on the zoo pair."""
+    if jax.default_backend() == "cpu" and not allow_cpu:
+        raise RuntimeError("the gpu suite needs a GPU/TPU backend (jax.default_backend() is 'cpu')")
+    shape = (dict(layers=2, vocab=512, hidden=64, mlp=128, heads=4) if quick else
+             dict(layers=32, vocab=32000, hidden=4096, mlp=11008, heads=32))
+    ar = suite_ar(runs, quick, progress, with_transformers=False, dtype=jnp.bfloat16, big=shape)
+    bw = copy_bandwidth_gbs(1 << 24 if quick else 1 << 30)
+    for row in ar["rows"]:
+        floor_ms = row["params_m"] * 1e6 * 2 / (bw * 1e9) * 1e3
+        row.update(floor_ms_per_token=_r(floor_ms), ms_per_token=_r(1e3 * row["batch"] / row["jspec_tok_s"]),
+                   x_floor=_r(1e3 * row["batch"] / row["jspec_tok_s"] / floor_ms))
+    sd = [] if quick else suite_sd(runs, quick, progress, with_transformers=False)["rows"]  # quick: AR path only
+    return {"rows": ar["rows"], "sd": sd, "bandwidth_gbs": _r(bw, 1)}
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def meta(suite: str, runs: int, quick: bool) -> dict:
+    m = dict(suite=suite, date=time.strftime("%Y-%m-%d"), runs=runs, quick=quick, jax=jax.__version__,
+             backend=jax.default_backend(), device=str(jax.devices()[0]), cpus=os.cpu_count())
+    try:
+        import torch
+        import transformers
+
+        m.update(torch=torch.__version__, transformers=transformers.__version__)
+    except ImportError:
+        pass
+    return m
+
+
+def markdown(result: dict) -> str:
+    """Markdown tables of a suite result (one per list of rows)."""
+    out = [f"`{result['meta']['suite']}` suite, {result['meta']['date']}, {result['meta']['device']}, "
+           f"jax {result['meta']['jax']}, median of {result['meta']['runs']} runs"]
+    for key in ("rows", "sd", "transformers"):
+        rows = result.get(key) or []
+        if not rows:
+            continue
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        out += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        out += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def plot(result: dict, path: str) -> str | None:
+    """A bar chart of the suite's speed ratios; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    suite = result["meta"]["suite"]
+    rows = result["rows"] if suite != "gpu" else result["rows"]
+    if suite == "sd":
+        sd = [r for r in rows if r["strategy"] != "AR"]
+        labels = [f"{r['pair']}\n{r['strategy']}\ntau={r['mean_accepted']}" for r in sd]
+        series = {"measured decode speedup": [r["decode_speedup"] for r in sd],
+                  "predicted from phase times": [r.get("predicted_speedup") or 0 for r in sd]}
+        ylabel = "speedup over jspec AR"
+    else:
+        labels = [f"{r['model']}\nbatch {r['batch']}" for r in rows]
+        series = {"jspec tok/s": [r["jspec_tok_s"] for r in rows]}
+        if any("transformers_tok_s" in r for r in rows):
+            series["transformers tok/s"] = [r.get("transformers_tok_s", 0) for r in rows]
+        ylabel = "tokens / s"
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 3.6))
+    x = np.arange(len(labels))
+    w = 0.8 / len(series)
+    for i, (name, vals) in enumerate(series.items()):
+        ax.bar(x + (i - (len(series) - 1) / 2) * w, vals, w, label=name)
+    if suite == "sd":
+        ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(x, labels, fontsize=6)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"jspec bench {suite}, {result['meta']['device']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(suite: str, runs: int = 3, quick: bool = False, out_dir: str = "scripts/results", progress: bool = True,
+        with_transformers: bool = True, allow_cpu: bool = False) -> dict:
+    """Run one suite and write `<out_dir>/<suite>[-quick]-<date>.{json,md,png}`; returns the result dict."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown bench suite {suite!r}; available: {', '.join(SUITES)}")
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    if suite == "ar":
+        result = suite_ar(runs, quick, progress, with_transformers)
+    elif suite == "sd":
+        result = suite_sd(runs, quick, progress, with_transformers)
+    else:
+        result = suite_gpu(runs, quick, progress, allow_cpu)
+    result = {"meta": meta(suite, runs, quick), **result}
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{suite}{'-quick' if quick else ''}-{result['meta']['date']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    md = markdown(result)
+    with open(stem + ".md", "w") as f:
+        f.write(md + "\n")
+    result["files"] = [stem + ".json", stem + ".md"] + ([stem + ".png"] if plot(result, stem + ".png") else [])
+    return result

@@ -1,0 +1,55 @@
+"""The benchmark harness in --quick mode: every suite writes JSON + markdown (+ PNG with matplotlib) whose schema
+holds and whose speed ratios are finite and positive. Speeds themselves are never asserted."""
+import json
+import math
+
+import pytest
+
+from jspec import bench, cli
+
+
+def finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_quick_sd_suite_schema_and_ratios(tmp_path, capsys):
+    assert cli.main(["bench", "sd", "--quick", "--runs", "1", "--out", str(tmp_path)]) == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    stem = [f for f in files if f.endswith(".json")][0][:-5]
+    assert stem.startswith("sd-quick-") and f"{stem}.md" in files
+    res = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert res["meta"]["suite"] == "sd" and res["meta"]["quick"] is True and res["meta"]["runs"] == 1
+    names = [r["strategy"] for r in res["rows"]]
+    assert names[0] == "AR" and any(n.startswith("Chain") for n in names) and any(n.startswith("Tree") for n in names)
+    assert any(n.startswith("DynamicTree") for n in names)
+    for r in res["rows"]:
+        assert r["same_tokens_as_ar"] is True
+        for k in ("mean_accepted", "block_efficiency", "tok_s", "wall_speedup", "decode_speedup"):
+            assert finite_positive(r[k]), (r["strategy"], k, r[k])
+        if r["strategy"] != "AR":
+            for k in ("predicted_speedup", "measured_over_predicted", "draft_ms", "verify_ms"):
+                assert finite_positive(r[k]), (r["strategy"], k, r[k])
+    assert res["rows"][0]["wall_speedup"] == 1.0
+    chains = [r for r in res["transformers"] if "assisted" in r["strategy"]]
+    assert chains and all(finite_positive(r["jspec_over_transformers"]) and r["same_tokens_as_jspec"]
+                          for r in res["transformers"])
+    assert "| strategy |" in (tmp_path / f"{stem}.md").read_text() or "strategy" in capsys.readouterr().out
+
+
+def test_quick_ar_suite_schema_and_ratios(tmp_path):
+    res = bench.run("ar", runs=1, quick=True, out_dir=str(tmp_path), progress=False)
+    assert {r["batch"] for r in res["rows"]} == {1, 2}
+    for r in res["rows"]:
+        assert r["same_tokens"] is True
+        assert finite_positive(r["jspec_over_transformers"]) and finite_positive(r["jspec_tok_s"])
+
+
+def test_gpu_suite_refuses_cpu_then_dry_runs_and_bad_input(tmp_path):
+    with pytest.raises(RuntimeError, match="GPU"):
+        bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path))
+    res = bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path), progress=False, allow_cpu=True)
+    assert finite_positive(res["bandwidth_gbs"]) and res["meta"]["suite"] == "gpu"
+    for r in res["rows"]:
+        assert finite_positive(r["x_floor"]) and finite_positive(r["floor_ms_per_token"])
+    with pytest.raises(ValueError, match="ar, sd, gpu"):
+        bench.run("nope", out_dir=str(tmp_path))
