@@ -387,7 +387,7 @@ def plot(result: dict, path: str) -> str | None:
     except ImportError:
         return None
     suite = result["meta"]["suite"]
-    rows = result["rows"] if suite != "gpu" else result["rows"]
+    rows = result["rows"]
     if suite == "sd":
         sd = [r for r in rows if r["strategy"] != "AR"]
         labels = [f"{r['pair']}\n{r['strategy']}\ntau={r['mean_accepted']}" for r in sd]

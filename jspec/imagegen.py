@@ -12,6 +12,7 @@ import dataclasses
 import os
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jspec import api
@@ -67,8 +68,6 @@ def grammar(cfg: CH.ChameleonConfig, rows: int, cols: int) -> ImageGrammar:
     if missing or not cfg.image_token_ids:
         raise ValueError(f"the model's vocabulary_map lacks {', '.join(missing) or 'the image tokens (IMGIMG*)'}: "
                          "it cannot generate images")
-    import jax.numpy as jnp
-
     return ImageGrammar(jnp.asarray(CH.image_logit_mask(cfg)), rows, cols, int(cfg.image_newline_token_id),
                         int(cfg.image_end_token_id))
 

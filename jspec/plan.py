@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, NamedSharding
 
 from jspec import loop
 from jspec import sharding as SH
