@@ -6,7 +6,8 @@ from typing import Any, Mapping
 import numpy as np
 
 MODALITY_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                 "batch_num_images")
+                 "batch_num_images", "second_per_grid_ts", "mm_token_type_ids",
+                 "vision_keep", "position_ids", "rope_deltas")  # the last three: Qwen2-VL pruned draft prompts
 
 
 def round_up(n: int, m: int) -> int:

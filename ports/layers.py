@@ -44,6 +44,23 @@ def rope_tables(cfg: TextConfig, positions: jax.Array) -> tuple[jax.Array, jax.A
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
+def mrope_tables(cfg: TextConfig, positions: jax.Array, section) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, rot_dim] of multimodal RoPE (Qwen2-VL's M-RoPE) for positions [3, B, T] (t, h, w ids).
+
+    Frequency j of the half dimension rotates by component c(j) of the position: the half dimension is cut into
+    `section` runs (e.g. (16, 24, 24)) and run i reads component i % 3, as HF's mrope_section does. When the three
+    components are equal this is exactly `rope_tables` of that position."""
+    inv, scale = rope_inv_freq(cfg)
+    comp = np.repeat(np.arange(len(section)) % 3, section)
+    if comp.size != inv.shape[0]:
+        raise ValueError(f"mrope_section {tuple(section)} sums to {comp.size}, but the rotary half dimension is "
+                         f"{inv.shape[0]}")
+    pos = jnp.take(positions, jnp.asarray(comp), axis=0)  # [rot/2, B, T]
+    freqs = jnp.moveaxis(pos, 0, -1).astype(jnp.float32) * jnp.asarray(inv)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [B, T, H, Dh]; rotates the first rot_dim features (partial rotary leaves the rest)."""
     rot = cos.shape[-1]

@@ -74,7 +74,7 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
             new_mask: jax.Array | None = None, *, embeds: jax.Array | None = None,
             hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
             compute_logits: bool = True, write_offset: int = 0,
-            attn_query_weights: jax.Array | None = None) -> ForwardOut:
+            attn_query_weights: jax.Array | None = None, rope: tuple | None = None) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
     tokens [B, T] (or embeds [B, T, D]); positions [B, T] RoPE positions; the new K/V are written at slots
@@ -84,13 +84,14 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     the residual stream after the first i layers (0 = embeddings). logits_at [B, K]: compute logits only at these
     new-token indices (default all T). attn_query_weights [B, T]: also return `attn` [B, S], the attention
     probabilities over cache slots averaged over layers and heads and summed over the new tokens with these
-    weights (e.g. 1/|L| on the queries L of SpecVLM's language-to-vision scores).
+    weights (e.g. 1/|L| on the queries L of SpecVLM's language-to-vision scores). rope: precomputed (cos, sin)
+    [B, T, rot_dim] tables that replace the ones of `positions` (e.g. Qwen2-VL's M-RoPE, `layers.mrope_tables`).
     """
     x = embed(params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
     visible = kvc.cache_visibility(cache, T, new_mask, write_offset)
     start = cache.length + write_offset
-    cos, sin = L.rope_tables(cfg, positions)
+    cos, sin = L.rope_tables(cfg, positions) if rope is None else rope
     want = set(hidden_layers)
     hidden = {0: x} if 0 in want else {}
     ks, vs = [], []

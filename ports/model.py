@@ -21,6 +21,7 @@ from ports import chameleon
 from ports import llama
 from ports import llava
 from ports import llava_next
+from ports import qwen2_vl
 from ports.safetensors_io import checkpoint_files, iter_tensors, write_safetensors
 
 
@@ -59,8 +60,13 @@ _LLAVA_NEXT = Family(llava_next.config_from_hf, llava_next.config_to_hf, llava_n
                      llava_next.init_params, llava.forward, llava_next.hf_key_map, llava_next.IGNORED_HF_KEYS,
                      llava.kv_layout, llava.embed, llava.unembed, llava_next.rename_hf_key, llava_next.prepare_inputs,
                      llava_next.prompt_embeds)
+_QWEN_VL = Family(qwen2_vl.config_from_hf, qwen2_vl.config_to_hf, qwen2_vl.param_shapes, qwen2_vl.init_params,
+                  qwen2_vl.forward, qwen2_vl.hf_key_map, qwen2_vl.IGNORED_HF_KEYS, qwen2_vl.kv_layout,
+                  qwen2_vl.embed, qwen2_vl.unembed, qwen2_vl.rename_hf_key, qwen2_vl.prepare_inputs,
+                  qwen2_vl.prompt_embeds)
 FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "llava": _LLAVA, "llava_next": _LLAVA_NEXT,
-                               "llava_onevision": _LLAVA_NEXT, "chameleon": _CHAMELEON}
+                               "llava_onevision": _LLAVA_NEXT, "chameleon": _CHAMELEON, "qwen2_vl": _QWEN_VL,
+                               "qwen2_5_vl": _QWEN_VL}
 
 
 def family(model_type: str) -> Family:
@@ -437,5 +443,10 @@ def _logits_jit(model: Model, tokens: jax.Array, inputs: dict) -> jax.Array:
     layers, kvh, hd = model.kv_layout
     cache = kvc.init_cache(layers, B, kvh, T, hd, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    embeds = model.family.prompt_embeds(model.config, model.params, tokens, inputs).embeds if inputs else None
+    embeds = None
+    if inputs:
+        pe = model.family.prompt_embeds(model.config, model.params, tokens, inputs)
+        embeds = pe.embeds
+        if getattr(pe, "positions", None) is not None:  # e.g. Qwen2-VL's M-RoPE ids [3, B, T]
+            positions = pe.positions
     return model.forward(tokens, positions, cache, embeds=embeds).logits
