@@ -216,7 +216,8 @@ def test_rope_index_matches_transformers(hf_models, jx_models, model_type):
             ref, ref_delta = hf.model.get_rope_index(
                 torch.tensor(left["input_ids"]), torch.tensor(left["mm_token_type_ids"]),
                 image_grid_thw=torch.tensor(batch["image_grid_thw"]),
-                video_grid_thw=torch.tensor(batch["video_grid_thw"]), attention_mask=torch.tensor(left["attention_mask"]),
+                video_grid_thw=torch.tensor(batch["video_grid_thw"]),
+                attention_mask=torch.tensor(left["attention_mask"]),
                 **kw)
         inputs = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
         if kw:
@@ -515,8 +516,8 @@ def test_save_hf_round_trip(hf_models, jx_models, tmp_path, name):
     batch = CASES["batch_of_two"]()
     if name == "q2":
         batch.pop("second_per_grid_ts")
-    np.testing.assert_allclose(hf_forward(back, batch).logits.numpy(), hf_forward(hf_models[name], batch).logits.numpy(),
-                               atol=1e-5)
+    np.testing.assert_allclose(hf_forward(back, batch).logits.numpy(),
+                               hf_forward(hf_models[name], batch).logits.numpy(), atol=1e-5)
     assert ports.load_hf(str(tmp_path)).config == m.config
 
 
