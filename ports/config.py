@@ -231,3 +231,27 @@ def text_config_to_hf(cfg: TextConfig) -> dict[str, Any]:
     if cfg.model_type == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
     return out
+
+
+class TextFields:
+    """Mixin of multimodal configs holding a `text: TextConfig`: the text fields the engine reads."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.text.eos_token_ids
+
+    @property
+    def bos_token_id(self):
+        return self.text.bos_token_id
+
+    @property
+    def pad_token_id(self):
+        return self.text.pad_token_id
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.text.tie_word_embeddings

@@ -25,7 +25,7 @@ _DEFAULT_VISION = {"model_type": "clip_vision_model", "hidden_size": 1024, "inte
 
 
 @dataclasses.dataclass(frozen=True)
-class LlavaConfig:
+class LlavaConfig(C.TextFields):
     """Static, hashable config of a LLaVA model; exposes the text fields the engine reads."""
 
     model_type: str
@@ -35,26 +35,6 @@ class LlavaConfig:
     image_token_id: int
     feature_layer: int | tuple[int, ...] = -2
     feature_strategy: str = "default"
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.text.eos_token_ids
-
-    @property
-    def bos_token_id(self):
-        return self.text.bos_token_id
-
-    @property
-    def pad_token_id(self):
-        return self.text.pad_token_id
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return self.text.tie_word_embeddings
 
     @property
     def tokens_per_image(self) -> int:

@@ -55,7 +55,7 @@ _TOKEN_DEFAULTS = dict(image_token_id=151655, video_token_id=151656, vision_star
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenVLConfig:
+class QwenVLConfig(C.TextFields):
     """Static, hashable config of a Qwen2-VL / Qwen2.5-VL model; exposes the text fields the engine reads."""
 
     model_type: str
@@ -77,26 +77,6 @@ class QwenVLConfig:
             raise ValueError("dynamic RoPE scaling with M-RoPE is not supported by jspec")
         # (HF's default configs pair a 3584-wide merger with an 8192-wide language model; like HF, only inputs
         # with images or videos fail on that, in `prepare_inputs`)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.text.eos_token_ids
-
-    @property
-    def bos_token_id(self):
-        return self.text.bos_token_id
-
-    @property
-    def pad_token_id(self):
-        return self.text.pad_token_id
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return self.text.tie_word_embeddings
 
     def tokens_per_item(self, grid_thw) -> int:
         """Placeholder tokens one image / video of patch grid (t, h, w) takes (what the processor inserts)."""
