@@ -1,0 +1,711 @@
+"""Train the zoo's model pairs on the synthetic world, export them in HF layout, and measure them.
+
+Models (presets in `PRESETS`; our ports are the models, trained from scratch):
+    text-target   LLaMA, hidden 256, 6 layers, 4 heads, tied embeddings (5.1M params)
+    text-draft    LLaMA, hidden 128, 3 layers, 2 heads, tied embeddings (0.73M params)
+    image-target  LLaVA-1.5: CLIP-style tower (64 px, patch 16 -> 16 tokens, hidden 128, 4 layers) + GELU
+                  projector + the text-target-sized LLaMA; every in-distribution task (data.TARGET_TASKS)
+    image-draft   LLaVA-1.5: tower hidden 64, 2 layers + LLaMA hidden 128, 2 layers; single-image and text tasks
+                  only (data.DRAFT_TASKS: multi-image prompts stay out of its distribution), 20% of examples in
+                  TABED's text-only view (t_view_prob=0.2)
+The text pair reads the world's text chats (data.TEXT_TASKS) plus `described_*` tasks registered here: the
+single-image tasks (VQA, captions, image-grounded second turns) with each image replaced by its detailed
+description ("Picture: There are two shapes. A big red circle is in the top left. ..."), so VQA-style questions
+about scenes exist in text form and every training answer follows from the prompt.
+
+Training: AdamW (optax, inject_hyperparams: the learning rate, linear warmup then cosine decay to 10%, is set each
+step), global-norm clipping 1.0, weight decay on matrices; packed sequences (`jspec.zoo.data.batches`, pack=True)
+under a segment mask (a token attends causally within its own example only) through `ports.llama.forward`; the
+loss is the mean cross-entropy over answer tokens (`target_mask`: the tokens of assistant answers and their EOS).
+Fixed seeds (init and data from --seed). Orbax checkpoints every --ckpt-minutes (and on Ctrl-C / SIGTERM) in
+--workdir; `--resume` continues from the latest one with the same data stream and learning-rate schedule, so an
+interrupted run ends where an uninterrupted one would. The schedule length is --steps, or, without it, estimated
+after the first steps to fill --minutes; --minutes also stops the run (checkpointed; resume it later). At the end:
+a loss-curve PNG (scripts/results/zoo-<name>-loss.png), and the model exported with `ports.save_hf` (bf16
+storage) into jspec/zoo/<name>/ with the tokenizer files (image models: also the LlavaProcessor files) and
+training.json, so `transformers.AutoModelForCausalLM` / `AutoTokenizer` (image models:
+`LlavaForConditionalGeneration` / `AutoProcessor`) and `jspec.zoo.load(name)` read the directory.
+
+Reproduce the shipped models (2-core CPU; the text pair takes ~1 hour, one after the other):
+    python scripts/train_zoo.py train text-target --steps 1300 --minutes 60
+    python scripts/train_zoo.py train text-draft  --steps 1700 --minutes 30
+Image pair (not shipped yet; the same script):
+    python scripts/train_zoo.py train image-target --minutes 40
+    python scripts/train_zoo.py train image-draft  --minutes 20
+Measure (per-task exact match of target and draft, acceptance of greedy Chain SD per scenario, speedup over AR):
+    python scripts/train_zoo.py eval text [--n 40] [--runs 3]
+Other commands: `export NAME` (re-export from the latest checkpoint), `plot NAME`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import ports  # noqa: E402
+from jspec import cache as kvc  # noqa: E402
+from jspec.zoo import data as D  # noqa: E402
+from jspec.zoo import tokenizer as TK  # noqa: E402
+from jspec.zoo import world as W  # noqa: E402
+from ports import llama, llava  # noqa: E402
+
+ZOO_DIR = ROOT / "jspec" / "zoo"
+RESULTS_DIR = ROOT / "scripts" / "results"
+
+# ------------------------------------------------------------------------------------- described-scene tasks
+
+DESCRIBED = {  # task name -> (inner tasks, weight)
+    "described_vqa": (tuple(W.tasks_of("vqa")), 1.0),
+    "described_caption": (("caption",), 0.5),
+    "described_turn2": (tuple(W.tasks_of("second_turn")), 0.5),
+}
+
+
+def described(turns, scenes, rng) -> list:
+    """The turns with each image replaced by 'Picture: <its detailed description>\\n' in front of the text."""
+    out, k = [], 0
+    for t in turns:
+        if t.n_images:
+            pics = "".join(f"Picture: {W.caption_text(rng, s, detailed=True)}\n" for s in scenes[k:k + t.n_images])
+            k += t.n_images
+            out.append(W.Turn(t.role, pics + t.text, 0))
+        else:
+            out.append(t)
+    return out
+
+
+def _described_task(inner: tuple[str, ...]):
+    def make(rng, split):
+        name = rng.choices(inner, weights=[W.TASKS[n].weight for n in inner])[0] if len(inner) > 1 else inner[0]
+        turns, scenes = W.TASKS[name].make(rng, split)
+        return described(turns, scenes, rng), []
+    return make
+
+
+def register_described_tasks() -> None:
+    """Add the `described_*` tasks to the world's registry (scenario "text", no images); idempotent."""
+    for name, (inner, weight) in DESCRIBED.items():
+        if name not in W.TASKS:
+            W.register(name, "text", weight=weight, max_images=0)(_described_task(inner))
+
+
+register_described_tasks()
+TEXT_PAIR_TASKS = tuple(D.TEXT_TASKS) + tuple(DESCRIBED)
+
+# --------------------------------------------------------------------------------------------------- presets
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    kind: str                    # "text" (llama) | "image" (llava)
+    lm: dict                     # LLaMA shape: hidden, layers, heads, ffn
+    vision: dict | None = None   # CLIP tower shape: hidden, layers, heads, ffn
+    tasks: tuple = TEXT_PAIR_TASKS
+    view: str = "T"
+    t_view_prob: float = 0.0
+    batch: int = 32
+    seq_len: int = 128
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.1
+    minutes: float = 40.0
+
+
+PRESETS = {
+    "text-target": Preset("text", dict(hidden=256, layers=6, heads=4, ffn=704), batch=16, lr=2e-3, minutes=38.0),
+    "text-draft": Preset("text", dict(hidden=128, layers=3, heads=2, ffn=352), lr=3e-3, minutes=18.0),
+    "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
+                           dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
+                           lr=2e-3),
+    "image-draft": Preset("image", dict(hidden=128, layers=2, heads=2, ffn=352),
+                          dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(D.DRAFT_TASKS), view="M",
+                          t_view_prob=0.2, lr=3e-3, minutes=20.0),
+}
+IMAGE_SIZE, PATCH_SIZE = 64, 16
+IMAGE_TOKENS = TK.image_tokens(IMAGE_SIZE, PATCH_SIZE)      # 16 per image ("default" strategy drops CLS)
+
+
+def text_hf_config(lm: dict) -> dict:
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": TK.VOCAB_SIZE,
+            "hidden_size": lm["hidden"], "intermediate_size": lm["ffn"], "num_hidden_layers": lm["layers"],
+            "num_attention_heads": lm["heads"], "num_key_value_heads": lm["heads"],
+            "head_dim": lm["hidden"] // lm["heads"], "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
+            "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+            "bos_token_id": TK.BOS_ID, "eos_token_id": TK.EOS_ID, "pad_token_id": TK.PAD_ID}
+
+
+def hf_config(p: Preset) -> dict:
+    """The model's HF config.json dict (parsed by the port's family, so the round trip is the port's own)."""
+    text = text_hf_config(p.lm)
+    if p.kind == "text":
+        return ports.model.family("llama").config_to_hf(ports.model.family("llama").config_from_hf(text))
+    v = p.vision
+    d = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "text_config": text,
+         "vision_config": {"model_type": "clip_vision_model", "hidden_size": v["hidden"],
+                           "intermediate_size": v["ffn"], "num_hidden_layers": v["layers"],
+                           "num_attention_heads": v["heads"], "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE,
+                           "num_channels": 3, "layer_norm_eps": 1e-5, "hidden_act": "quick_gelu"},
+         "image_token_index": TK.IMAGE_ID, "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
+         "projector_hidden_act": "gelu", "multimodal_projector_bias": True, "tie_word_embeddings": True,
+         "bos_token_id": TK.BOS_ID, "eos_token_id": TK.EOS_ID, "pad_token_id": TK.PAD_ID}
+    fam = ports.model.family("llava")
+    return fam.config_to_hf(fam.config_from_hf(d))
+
+
+def new_model(p: Preset, seed: int) -> ports.Model:
+    hf = hf_config(p)
+    fam = ports.model.family(hf["model_type"])
+    cfg = fam.config_from_hf(hf)
+    return ports.Model(cfg, fam.init_params(cfg, jax.random.key(seed)), hf)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T, T] bool: query t sees key s <= t of the same packed example (segment > 0)."""
+    T = segment_ids.shape[1]
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
+    return same & jnp.tril(jnp.ones((T, T), bool))[None]
+
+
+def image_embeds(cfg: llava.LlavaConfig, params: dict, tokens: jax.Array, pixel_values: jax.Array) -> jax.Array:
+    """Token embeddings [B, T, D] with the image features spliced over the image-token runs: run j of row b gets
+    image slot j of that row (pixel_values [B, K, C, S, S]; slots past the row's images are never read)."""
+    B, K = pixel_values.shape[:2]
+    x = llama.embed(params["lm"], tokens)
+    _, proj = llava.image_features(cfg, params, pixel_values.reshape((B * K,) + pixel_values.shape[2:]))
+    feats = proj.reshape(B, K * proj.shape[1], proj.shape[2]).astype(x.dtype)  # row b: its K images' tokens
+    is_img = tokens == cfg.image_token_id
+    idx = jnp.clip(jnp.cumsum(is_img, axis=1) - 1, 0, feats.shape[1] - 1)
+    spliced = jnp.take_along_axis(feats, idx[..., None], axis=1)
+    return jnp.where(is_img[..., None], spliced, x)
+
+
+def logits_fn(model_cfg, params: dict, batch: dict) -> jax.Array:
+    """Training forward: logits [B, T, V] of packed rows through the port's forward (an empty cache of T slots,
+    the segment mask as the new tokens' visibility)."""
+    tokens = batch["input_ids"]
+    B, T = tokens.shape
+    if isinstance(model_cfg, llava.LlavaConfig):
+        text_cfg, lm = model_cfg.text, params["lm"]
+        embeds = image_embeds(model_cfg, params, tokens, batch["pixel_values"]) if "pixel_values" in batch else None
+    else:
+        text_cfg, lm, embeds = model_cfg, params, None
+    cache = kvc.init_cache(text_cfg.num_layers, B, text_cfg.num_kv_heads, T, text_cfg.head_dim,
+                           jax.tree.leaves(lm)[0].dtype)
+    return llama.forward(text_cfg, lm, tokens, batch["positions"], cache, segment_mask(batch["segment_ids"]),
+                         embeds=embeds).logits
+
+
+def loss_fn(model_cfg, params, batch):
+    """Mean cross-entropy over answer tokens; aux: (answer-token accuracy, number of answer tokens)."""
+    logits = logits_fn(model_cfg, params, batch)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    m = batch["target_mask"]
+    n = jnp.maximum(m.sum(), 1.0)
+    acc = ((jnp.argmax(logits, -1) == batch["targets"]) * m).sum() / n
+    return (nll * m).sum() / n, (acc, m.sum())
+
+
+def make_optimizer(p: Preset) -> optax.GradientTransformation:
+    decay = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=0.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=p.weight_decay, mask=decay)
+    return optax.chain(optax.clip_by_global_norm(1.0), adamw)
+
+
+def lr_at(p: Preset, step: int, total: int | None) -> float:
+    """Linear warmup to p.lr, then cosine decay to 10% of it at `total` (constant p.lr while total is unknown)."""
+    if step < p.warmup:
+        return p.lr * (step + 1) / p.warmup
+    if total is None:
+        return p.lr
+    frac = min(1.0, (step - p.warmup) / max(1, total - p.warmup))
+    return float(optax.cosine_decay_schedule(p.lr, 1, alpha=0.1)(frac))
+
+
+def make_steps(model_cfg, tx):
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch, lr):
+        (loss, (acc, n)), grads = jax.value_and_grad(functools.partial(loss_fn, model_cfg), has_aux=True)(
+            params, batch)
+        clip_state, inj = opt_state
+        inj = inj._replace(hyperparams={**inj.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
+        updates, opt_state = tx.update(grads, (clip_state, inj), params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "acc": acc,
+                                                                 "grad_norm": optax.global_norm(grads)}
+
+    @jax.jit
+    def eval_step(params, batch):
+        loss, (acc, n) = loss_fn(model_cfg, params, batch)
+        return loss * n, acc * n, n
+
+    return train_step, eval_step
+
+
+# ------------------------------------------------------------------------------------------------------ data
+
+
+DEVICE_KEYS = ("input_ids", "targets", "target_mask", "segment_ids", "positions")
+
+
+def stream(p: Preset, split: str, seed: int, start: int):
+    kw = dict(tasks=p.tasks, view=p.view, t_view_prob=p.t_view_prob, image_tokens=IMAGE_TOKENS,
+              image_size=IMAGE_SIZE, pack=True, start=start)
+    for b in D.batches(split, p.batch, p.seq_len, seed, **kw):
+        keep = {k: b[k] for k in DEVICE_KEYS}
+        if p.kind == "image" and b["pixel_values"].shape[1]:
+            keep["pixel_values"] = b["pixel_values"]
+        yield keep, int(b["next_index"]), int(b["attention_mask"].sum())
+
+
+class Prefetch:
+    """Batches made in a background thread (the data pipeline overlaps the jitted step)."""
+
+    def __init__(self, it, size: int = 4):
+        self.q: queue.Queue = queue.Queue(size)
+        self.stop = threading.Event()
+        self.t = threading.Thread(target=self._run, args=(it,), daemon=True)
+        self.t.start()
+
+    def _run(self, it):
+        try:
+            for item in it:
+                while not self.stop.is_set():
+                    try:
+                        self.q.put(item, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+        except BaseException as e:  # surfaced in the consumer
+            self.q.put(e)
+
+    def __next__(self):
+        item = self.q.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self.stop.set()
+
+
+# ------------------------------------------------------------------------------------------------- training
+
+
+def _checkpointer(workdir: Path):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(workdir / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+
+def save_ckpt(mgr, step: int, params, opt_state, meta: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+                                           meta=ocp.args.JsonSave(meta)), force=True)
+    mgr.wait_until_finished()
+
+
+def restore_ckpt(mgr, params, opt_state):
+    import orbax.checkpoint as ocp
+
+    step = mgr.latest_step()
+    if step is None:
+        return None
+    template = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+    out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template),
+                                                    meta=ocp.args.JsonRestore()))
+    return out["state"]["params"], out["state"]["opt_state"], dict(out["meta"])
+
+
+def read_log(path: Path, upto: int | None = None) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if upto is None or r["step"] <= upto]
+
+
+def heldout_batches(p: Preset, seed: int, n: int = 4) -> list[dict]:
+    it = stream(p, "heldout", seed, 0)
+    return [next(it)[0] for _ in range(n)]
+
+
+def evaluate_loss(eval_step, params, batches) -> tuple[float, float]:
+    tot = [0.0, 0.0, 0.0]
+    for b in batches:
+        out = jax.device_get(eval_step(params, b))
+        tot = [t + float(o) for t, o in zip(tot, out)]
+    return tot[0] / max(tot[2], 1.0), tot[1] / max(tot[2], 1.0)
+
+
+def train(args) -> None:
+    from tqdm import tqdm
+
+    name, p = args.name, PRESETS[args.name]
+    if args.batch:
+        p = dataclasses.replace(p, batch=args.batch)
+    if args.lr:
+        p = dataclasses.replace(p, lr=args.lr)
+    workdir = Path(args.workdir or ROOT / "build" / "zoo" / name)
+    if workdir.exists() and not args.resume:
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / "log.jsonl"
+    model = new_model(p, args.seed)
+    tx = make_optimizer(p)
+    params, opt_state = model.params, tx.init(model.params)
+    train_step, eval_step = make_steps(model.config, tx)
+    mgr = _checkpointer(workdir)
+    meta = {"name": name, "seed": args.seed, "step": 0, "next_index": 0, "total_steps": args.steps,
+            "elapsed_s": 0.0, "tokens": 0, "preset": dataclasses.asdict(p), "runs": []}
+    if args.resume:
+        restored = restore_ckpt(mgr, params, opt_state)
+        if restored is not None:
+            params, opt_state, old = restored
+            if old["name"] != name or old["seed"] != args.seed:
+                raise SystemExit(f"{workdir} holds a checkpoint of {old['name']} seed {old['seed']}, not {name} "
+                                 f"seed {args.seed}")
+            if args.steps and old["total_steps"] and args.steps != old["total_steps"]:
+                raise SystemExit(f"--steps {args.steps} differs from the checkpoint's schedule "
+                                 f"({old['total_steps']} steps): resume with the same --steps or none")
+            meta = old
+            print(f"resumed {name} at step {meta['step']} (example {meta['next_index']}) from {workdir}")
+    log_rows = read_log(log_path, meta["step"])
+    log_path.write_text("".join(json.dumps(r) + "\n" for r in log_rows))
+    meta["runs"].append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
+                         "from_step": meta["step"], "argv": sys.argv[1:]})
+    n_params = model.num_params
+    print(f"{name}: {n_params / 1e6:.2f}M params, batch {p.batch} x {p.seq_len}, tasks {list(p.tasks)}, "
+          f"view {p.view} (T with p={p.t_view_prob}), lr {p.lr}, workdir {workdir}")
+    held = heldout_batches(p, args.seed)
+    data = Prefetch(stream(p, "train", args.seed, meta["next_index"]))
+    budget = 60.0 * (args.minutes if args.minutes is not None else p.minutes)
+    total = meta["total_steps"]
+    bar = tqdm(total=total, initial=meta["step"], desc=name, unit="step", mininterval=2.0, dynamic_ncols=True)
+    stopping = {"signal": False}
+
+    def on_term(signum, frame):
+        stopping["signal"] = True
+    signal.signal(signal.SIGTERM, on_term)
+
+    def checkpoint(final=False):
+        ev_loss, ev_acc = evaluate_loss(eval_step, params, held)
+        save_ckpt(mgr, meta["step"], params, opt_state, meta)
+        with log_path.open("a") as f:
+            f.write(json.dumps({"step": meta["step"], "heldout_loss": ev_loss, "heldout_acc": ev_acc,
+                                "tokens": meta["tokens"], "elapsed_s": meta["elapsed_s"]}) + "\n")
+        bar.write(f"step {meta['step']}: heldout loss {ev_loss:.4f}, answer-token acc {ev_acc:.4f}; "
+                  f"checkpoint saved{' (final)' if final else ''}")
+
+    run_start, last_ckpt = time.perf_counter(), time.perf_counter()
+    elapsed0 = meta["elapsed_s"]
+    window, timing = [], None
+    try:
+        while total is None or meta["step"] < total:
+            t0 = time.perf_counter()
+            batch, next_index, n_tok = next(data)
+            lr = lr_at(p, meta["step"], total)
+            params, opt_state, m = train_step(params, opt_state, batch, np.float32(lr))
+            m = jax.device_get(m)
+            dt = time.perf_counter() - t0
+            meta["step"] += 1
+            meta["next_index"] = next_index
+            meta["tokens"] += n_tok
+            meta["elapsed_s"] = elapsed0 + time.perf_counter() - run_start
+            window.append((float(m["loss"]), float(m["acc"]), n_tok, dt))
+            if timing is None:
+                timing = []                      # the first step compiles: not timed
+            else:
+                timing.append(dt)
+            if total is None and len(timing) >= 20:
+                per_step = float(np.median(timing))
+                left = budget - (time.perf_counter() - run_start)
+                total = meta["step"] + max(p.warmup - meta["step"], int(0.92 * left / per_step))
+                meta["total_steps"] = total
+                bar.total = total
+                bar.write(f"{per_step:.2f} s/step: schedule of {total} steps to fill {budget / 60:.0f} minutes")
+            if meta["step"] % args.log_every == 0:
+                lo, ac, nt, ts = (np.array(c) for c in zip(*window))
+                row = {"step": meta["step"], "loss": float(lo.mean()), "acc": float(ac.mean()), "lr": lr,
+                       "tok_s": float(nt.sum() / ts.sum()), "grad_norm": float(m["grad_norm"]),
+                       "tokens": meta["tokens"], "elapsed_s": meta["elapsed_s"]}
+                with log_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                window = []
+                bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tok_s']:.0f}",
+                                lr=f"{lr:.2e}", refresh=False)
+            bar.update()
+            if time.perf_counter() - last_ckpt > 60.0 * args.ckpt_minutes:
+                checkpoint()
+                last_ckpt = time.perf_counter()
+            if time.perf_counter() - run_start > budget or stopping["signal"]:
+                bar.write(f"stopping at step {meta['step']}: "
+                          f"{'SIGTERM' if stopping['signal'] else f'time budget of {budget / 60:.1f} min'} reached")
+                break
+    except KeyboardInterrupt:
+        bar.write(f"interrupted at step {meta['step']}")
+    finally:
+        data.close()
+        bar.close()
+    checkpoint(final=True)
+    done = total is not None and meta["step"] >= total
+    print(f"{name}: step {meta['step']}/{total}, {meta['tokens'] / 1e6:.2f}M tokens, "
+          f"{meta['elapsed_s'] / 60:.1f} min{'' if done else ' (not finished: rerun with --resume)'}")
+    plot(name, workdir)
+    if done or args.export_partial:
+        export(name, ports.Model(model.config, params, model.hf_config), meta, workdir, args.out)
+
+
+# --------------------------------------------------------------------------------------------------- export
+
+
+def _smooth(y: np.ndarray, k: int) -> np.ndarray:
+    if len(y) < k:
+        return y
+    return np.convolve(y, np.ones(k) / k, mode="valid")
+
+
+def plot(name: str, workdir: Path | None = None) -> Path | None:
+    """Loss curve (training loss per logged window, smoothed, and held-out loss at checkpoints) as a PNG."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install -e '.[bench]'): no loss plot")
+        return None
+    workdir = Path(workdir or ROOT / "build" / "zoo" / name)
+    rows = read_log(workdir / "log.jsonl")
+    tr = [r for r in rows if "loss" in r]
+    ev = [r for r in rows if "heldout_loss" in r]
+    if not tr:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps, loss = np.array([r["step"] for r in tr]), np.array([r["loss"] for r in tr])
+    ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8)
+    k = 5
+    if len(loss) >= k:
+        ax.plot(steps[k - 1:], _smooth(loss, k), color="tab:blue", label="train (answer tokens)")
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["heldout_loss"] for r in ev], "o-", color="tab:red", ms=4,
+                label="held-out")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / answer token)")
+    toks = tr[-1]["tokens"] / 1e6
+    ax.set_title(f"{name}: {tr[-1]['step']} steps, {toks:.2f}M tokens, {tr[-1]['elapsed_s'] / 60:.0f} min")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = RESULTS_DIR / f"zoo-{name}-loss.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out}")
+    return out
+
+
+def export(name: str, model: ports.Model, meta: dict, workdir: Path, out: Path | None = None) -> Path:
+    """jspec/zoo/<name>/ (or `out`): model.safetensors (bf16) + config.json + generation_config.json + tokenizer files
+    (+ processor files for image models) + training.json."""
+    out = Path(out or ZOO_DIR / name)
+    if out.exists():
+        shutil.rmtree(out)
+    ports.save_hf(model, str(out), dtype=jnp.bfloat16)
+    gen = {"bos_token_id": TK.BOS_ID, "eos_token_id": TK.EOS_ID, "pad_token_id": TK.PAD_ID}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    tok = TK.load_tokenizer()
+    if model.config.model_type == "llava":
+        TK.make_processor(tok, IMAGE_SIZE, PATCH_SIZE).save_pretrained(str(out))
+    else:
+        for f in sorted(TK.ASSET_DIR.iterdir()):
+            shutil.copy(f, out / f.name)
+    rows = read_log(workdir / "log.jsonl")
+    tr = [r for r in rows if "loss" in r]
+    ev = [r for r in rows if "heldout_loss" in r]
+    info = {"name": name, "params": model.num_params, "steps": meta["step"], "total_steps": meta["total_steps"],
+            "tokens": meta["tokens"], "train_minutes": round(meta["elapsed_s"] / 60, 1), "seed": meta["seed"],
+            "final_train_loss": tr[-1]["loss"] if tr else None,
+            "final_heldout_loss": ev[-1]["heldout_loss"] if ev else None,
+            "final_heldout_answer_token_acc": ev[-1]["heldout_acc"] if ev else None,
+            "preset": meta["preset"], "command": f"python scripts/train_zoo.py train {name} --steps "
+                                                 f"{meta['total_steps']}",
+            "runs": meta["runs"], "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "jax": jax.__version__, "date": datetime.date.today().isoformat()}
+    (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
+    print(f"exported {name} to {out} ({size:.1f} MB)")
+    return out
+
+
+def export_cmd(args) -> None:
+    p = PRESETS[args.name]
+    workdir = Path(args.workdir or ROOT / "build" / "zoo" / args.name)
+    model = new_model(p, 0)
+    tx = make_optimizer(p)
+    restored = restore_ckpt(_checkpointer(workdir), model.params, tx.init(model.params))
+    if restored is None:
+        raise SystemExit(f"no checkpoint in {workdir}")
+    params, _, meta = restored
+    export(args.name, ports.Model(model.config, params, model.hf_config), meta, workdir, args.out)
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+
+
+def answer_text(tok, ids) -> str:
+    ids = [int(i) for i in ids]
+    if TK.EOS_ID in ids:
+        ids = ids[:ids.index(TK.EOS_ID)]
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def heldout_examples(task: str, n: int, seed: int = 0) -> list:
+    return [W.example("heldout", i, seed, [task]) for i in range(n)]
+
+
+def exact_match(model, tok, enc, exs, max_new: int = 64, batch: int = 32) -> list[bool]:
+    import jspec
+
+    hits = []
+    for i in range(0, len(exs), batch):
+        chunk = exs[i:i + batch]
+        prompts = [enc.prompt(ex)["input_ids"][0] for ex in chunk]
+        out = jspec.decode(model, prompts, max_new_tokens=max_new)
+        hits += [answer_text(tok, out.tokens[b][:out.lengths[b]]) == ex.answer for b, ex in enumerate(chunk)]
+    return hits
+
+
+def sd_scenario(target, draft, prompts, runs: int, gamma: int = 5, max_new: int = 64) -> dict:
+    """Greedy AR vs Chain(gamma) at batch 1 over the prompts: tokens equal, mean accepted length (bonus
+    included, pooled over all steps), and per run the summed decode_s of each; speedup = median over runs."""
+    import jspec
+
+    strat = jspec.Chain(draft, gamma=gamma)
+    for pr in prompts:                                        # compile every prompt-length bucket first
+        jspec.decode(target, pr, max_new_tokens=max_new)
+        jspec.decode(target, pr, strategy=strat, max_new_tokens=max_new)
+    same, acc, steps, ar_t, sd_t = True, 0, 0, [], []
+    for _ in range(runs):
+        a_sum = s_sum = 0.0
+        for pr in prompts:
+            a = jspec.decode(target, pr, max_new_tokens=max_new, profile=False)
+            s = jspec.decode(target, pr, strategy=strat, max_new_tokens=max_new, profile=False)
+            same &= bool(np.array_equal(a.tokens, s.tokens))
+            a_sum += a.stats["decode_s"]
+            s_sum += s.stats["decode_s"]
+            acc += int(s.stats["accepted"].sum())
+            steps += int(s.stats["steps"].sum())
+        ar_t.append(a_sum)
+        sd_t.append(s_sum)
+    med = float(np.median(np.array(ar_t) / np.array(sd_t)))
+    return {"prompts": len(prompts), "mean_accepted": acc / max(steps, 1), "same_tokens": same,
+            "ar_decode_s": ar_t, "sd_decode_s": sd_t, "speedup": med}
+
+
+def eval_text(args) -> dict:
+    from jspec import zoo
+
+    tok = zoo.tokenizer("text-target")
+    target, draft = zoo.load("text-target"), zoo.load("text-draft")
+    enc = D.Encoder(tok, view="T")
+    res = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+           "jax": jax.__version__, "n": args.n, "exact_match": {}, "sd": {}}
+    print(f"exact match on {args.n} held-out examples per task (T view):")
+    tasks = list(TEXT_PAIR_TASKS) + list(W.tasks_of("second_turn"))
+    for task in tasks:
+        exs = heldout_examples(task, args.n)
+        t_hits, d_hits = exact_match(target, tok, enc, exs), exact_match(draft, tok, enc, exs)
+        res["exact_match"][task] = {"target": float(np.mean(t_hits)), "draft": float(np.mean(d_hits))}
+        print(f"  {task:20s} target {np.mean(t_hits):.3f}  draft {np.mean(d_hits):.3f}")
+    scenarios = {"text": D.eval_set("text", args.n_sd, tasks=list(D.TEXT_TASKS)),
+                 "described_vqa": heldout_examples("described_vqa", args.n_sd),
+                 "described_caption": heldout_examples("described_caption", args.n_sd),
+                 "described_turn2": heldout_examples("described_turn2", args.n_sd),
+                 "second_turn (T view)": D.eval_set("second_turn", args.n_sd)}
+    print(f"greedy Chain SD, gamma=5, batch 1, {args.n_sd} prompts per scenario, {args.runs} runs:")
+    for sc, exs in scenarios.items():
+        r = sd_scenario(target, draft, [enc.prompt(ex)["input_ids"][0] for ex in exs], args.runs)
+        res["sd"][sc] = r
+        print(f"  {sc:22s} mean accepted {r['mean_accepted']:.2f}  speedup {r['speedup']:.2f}x  "
+              f"same tokens {r['same_tokens']}")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = RESULTS_DIR / f"zoo-text-eval-{res['date']}.json"
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {out}")
+    return res
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train one zoo model (then plot and export it)")
+    t.add_argument("name", choices=sorted(PRESETS))
+    t.add_argument("--steps", type=int, default=None, help="schedule length (default: fill --minutes)")
+    t.add_argument("--minutes", type=float, default=None,
+                   help="wall-clock budget of this run (default: the preset's); without --steps the schedule is "
+                        "sized to fill it")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
+    t.add_argument("--workdir", default=None, help="checkpoints and logs (default build/zoo/NAME)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--batch", type=int, default=None)
+    t.add_argument("--lr", type=float, default=None)
+    t.add_argument("--ckpt-minutes", type=float, default=3.0)
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--export-partial", action="store_true", help="export even if the schedule did not finish")
+    t.add_argument("--out", default=None, help="export directory (default jspec/zoo/NAME)")
+    e = sub.add_parser("export", help="export NAME from its latest checkpoint")
+    e.add_argument("name", choices=sorted(PRESETS))
+    e.add_argument("--workdir", default=None)
+    e.add_argument("--out", default=None, help="export directory (default jspec/zoo/NAME)")
+    pl = sub.add_parser("plot", help="loss curve PNG of NAME's log")
+    pl.add_argument("name", choices=sorted(PRESETS))
+    pl.add_argument("--workdir", default=None)
+    ev = sub.add_parser("eval", help="measure a shipped pair")
+    ev.add_argument("pair", choices=["text"])
+    ev.add_argument("--n", type=int, default=40, help="held-out examples per task (exact match)")
+    ev.add_argument("--n-sd", type=int, default=20, help="prompts per scenario (speculative decoding)")
+    ev.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.cmd == "train":
+        train(args)
+    elif args.cmd == "export":
+        export_cmd(args)
+    elif args.cmd == "plot":
+        plot(args.name, args.workdir)
+    else:
+        eval_text(args)
+
+
+if __name__ == "__main__":
+    main()
