@@ -131,7 +131,8 @@ def test_qwen_vl_counts_match_transformers(kind):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
     text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2)
+                num_key_value_heads=2,  # head_dim 16: M-RoPE sections must sum to 8
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     if kind == "qwen2_5_vl":
         cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(
             depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64, fullatt_block_indexes=[1]))
