@@ -65,3 +65,16 @@ def llama_pair(tmp_path_factory):
     """(hf_model, jspec model) for a tiny GQA LLaMA."""
     hf = tiny_hf("llama", seed=1)
     return hf, save_and_load(hf, tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop jax's compiled programs after each test module: one process runs the whole suite, and keeping every
+    module's executables grew it past 5 GB (and XLA:CPU once crashed compiling late in such a process)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
