@@ -26,9 +26,12 @@ storage) into jspec/zoo/<name>/ with the tokenizer files (image models: also the
 training.json, so `transformers.AutoModelForCausalLM` / `AutoTokenizer` (image models:
 `LlavaForConditionalGeneration` / `AutoProcessor`) and `jspec.zoo.load(name)` read the directory.
 
-Reproduce the shipped models (2-core CPU; the text pair takes ~1 hour, one after the other):
-    python scripts/train_zoo.py train text-target --steps 1300 --minutes 60
-    python scripts/train_zoo.py train text-draft  --steps 1700 --minutes 30
+Reproduce the shipped models (commands also in jspec/zoo/<name>/training.json; a 2-core CPU took ~65 minutes):
+    python scripts/train_zoo.py train text-target --steps 1291            # first cosine cycle (sized by --minutes 38)
+    python scripts/train_zoo.py train text-target --resume --steps 2600   # warm restart at lr 1e-3, second cycle
+    python scripts/train_zoo.py train text-draft --steps 1371             # (sized by --minutes 17)
+A run stopped by --minutes (or Ctrl-C / SIGTERM) continues with the same command plus --resume; an interrupted and
+resumed run exports bit-identical weights.
 Image pair (not shipped yet; the same script):
     python scripts/train_zoo.py train image-target --minutes 40
     python scripts/train_zoo.py train image-draft  --minutes 20
@@ -43,7 +46,6 @@ import dataclasses
 import datetime
 import functools
 import json
-import math
 import os
 import platform
 import queue
@@ -238,14 +240,21 @@ def make_optimizer(p: Preset) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), adamw)
 
 
-def lr_at(p: Preset, step: int, total: int | None) -> float:
-    """Linear warmup to p.lr, then cosine decay to 10% of it at `total` (constant p.lr while total is unknown)."""
-    if step < p.warmup:
-        return p.lr * (step + 1) / p.warmup
+RESTART_WARMUP = 50      # warmup steps of a continuation segment
+
+
+def lr_at(schedule: list[dict], step: int) -> float:
+    """The learning rate at `step` of a schedule: segments {start, total, peak, warmup}, each a linear warmup from
+    its start to `peak`, then a cosine decay to 10% of it at `total` (constant `peak` while total is unknown). The
+    first segment starts at 0; `--resume --steps N` past a finished schedule appends a warm restart."""
+    seg = [g for g in schedule if g["start"] <= step][-1]
+    s, peak, warm, total = step - seg["start"], seg["peak"], seg["warmup"], seg["total"]
+    if s < warm:
+        return peak * (s + 1) / warm
     if total is None:
-        return p.lr
-    frac = min(1.0, (step - p.warmup) / max(1, total - p.warmup))
-    return float(optax.cosine_decay_schedule(p.lr, 1, alpha=0.1)(frac))
+        return peak
+    frac = min(1.0, (s - warm) / max(1, total - seg["start"] - warm))
+    return float(optax.cosine_decay_schedule(peak, 1, alpha=0.1)(frac))
 
 
 def make_steps(model_cfg, tx):
@@ -384,7 +393,8 @@ def train(args) -> None:
     train_step, eval_step = make_steps(model.config, tx)
     mgr = _checkpointer(workdir)
     meta = {"name": name, "seed": args.seed, "step": 0, "next_index": 0, "total_steps": args.steps,
-            "elapsed_s": 0.0, "tokens": 0, "preset": dataclasses.asdict(p), "runs": []}
+            "elapsed_s": 0.0, "tokens": 0, "preset": dataclasses.asdict(p), "runs": [],
+            "schedule": [{"start": 0, "total": args.steps, "peak": p.lr, "warmup": p.warmup}]}
     if args.resume:
         restored = restore_ckpt(mgr, params, opt_state)
         if restored is not None:
@@ -392,11 +402,20 @@ def train(args) -> None:
             if old["name"] != name or old["seed"] != args.seed:
                 raise SystemExit(f"{workdir} holds a checkpoint of {old['name']} seed {old['seed']}, not {name} "
                                  f"seed {args.seed}")
-            if args.steps and old["total_steps"] and args.steps != old["total_steps"]:
-                raise SystemExit(f"--steps {args.steps} differs from the checkpoint's schedule "
+            finished = old["total_steps"] is not None and old["step"] >= old["total_steps"]
+            if args.steps and old["total_steps"] and args.steps != old["total_steps"] and not (
+                    finished and args.steps > old["step"]):
+                raise SystemExit(f"--steps {args.steps} differs from the checkpoint's unfinished schedule "
                                  f"({old['total_steps']} steps): resume with the same --steps or none")
             meta = old
+            meta.setdefault("schedule", [{"start": 0, "total": old["total_steps"], "peak": p.lr, "warmup": p.warmup}])
             print(f"resumed {name} at step {meta['step']} (example {meta['next_index']}) from {workdir}")
+            if finished and args.steps and args.steps > meta["step"]:
+                peak = p.lr * args.restart_lr
+                meta["schedule"].append({"start": meta["step"], "total": args.steps, "peak": peak,
+                                         "warmup": RESTART_WARMUP})
+                meta["total_steps"] = args.steps
+                print(f"continuing to step {args.steps}: warm restart to lr {peak:.2e}, cosine to 10% of it")
     log_rows = read_log(log_path, meta["step"])
     log_path.write_text("".join(json.dumps(r) + "\n" for r in log_rows))
     meta["runs"].append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -431,7 +450,7 @@ def train(args) -> None:
         while total is None or meta["step"] < total:
             t0 = time.perf_counter()
             batch, next_index, n_tok = next(data)
-            lr = lr_at(p, meta["step"], total)
+            lr = lr_at(meta["schedule"], meta["step"])
             params, opt_state, m = train_step(params, opt_state, batch, np.float32(lr))
             m = jax.device_get(m)
             dt = time.perf_counter() - t0
@@ -448,7 +467,7 @@ def train(args) -> None:
                 per_step = float(np.median(timing))
                 left = budget - (time.perf_counter() - run_start)
                 total = meta["step"] + max(p.warmup - meta["step"], int(0.92 * left / per_step))
-                meta["total_steps"] = total
+                meta["total_steps"] = meta["schedule"][-1]["total"] = total
                 bar.total = total
                 bar.write(f"{per_step:.2f} s/step: schedule of {total} steps to fill {budget / 60:.0f} minutes")
             if meta["step"] % args.log_every == 0:
@@ -474,7 +493,8 @@ def train(args) -> None:
     finally:
         data.close()
         bar.close()
-    checkpoint(final=True)
+    if mgr.latest_step() != meta["step"]:
+        checkpoint(final=True)
     done = total is not None and meta["step"] >= total
     print(f"{name}: step {meta['step']}/{total}, {meta['tokens'] / 1e6:.2f}M tokens, "
           f"{meta['elapsed_s'] / 60:.1f} min{'' if done else ' (not finished: rerun with --resume)'}")
@@ -532,6 +552,18 @@ def plot(name: str, workdir: Path | None = None) -> Path | None:
     return out
 
 
+def reproduce_commands(name: str, meta: dict) -> list[str]:
+    """The train commands that rebuild this checkpoint: the first schedule, then one --resume per restart."""
+    segs = meta["schedule"]
+    seed = f" --seed {meta['seed']}" if meta["seed"] else ""
+    out = [f"python scripts/train_zoo.py train {name} --steps {segs[0]['total']}{seed}"]
+    for g in segs[1:]:
+        scale = g["peak"] / meta["preset"]["lr"]
+        out.append(f"python scripts/train_zoo.py train {name} --resume --steps {g['total']}{seed}"
+                   + (f" --restart-lr {scale:g}" if abs(scale - 0.5) > 1e-9 else ""))
+    return out
+
+
 def export(name: str, model: ports.Model, meta: dict, workdir: Path, out: Path | None = None) -> Path:
     """jspec/zoo/<name>/ (or `out`): model.safetensors (bf16) + config.json + generation_config.json + tokenizer files
     (+ processor files for image models) + training.json."""
@@ -555,8 +587,8 @@ def export(name: str, model: ports.Model, meta: dict, workdir: Path, out: Path |
             "final_train_loss": tr[-1]["loss"] if tr else None,
             "final_heldout_loss": ev[-1]["heldout_loss"] if ev else None,
             "final_heldout_answer_token_acc": ev[-1]["heldout_acc"] if ev else None,
-            "preset": meta["preset"], "command": f"python scripts/train_zoo.py train {name} --steps "
-                                                 f"{meta['total_steps']}",
+            "preset": meta["preset"], "commands": reproduce_commands(name, meta),
+            "schedule": meta["schedule"],
             "runs": meta["runs"], "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "jax": jax.__version__, "date": datetime.date.today().isoformat()}
     (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -574,6 +606,7 @@ def export_cmd(args) -> None:
     if restored is None:
         raise SystemExit(f"no checkpoint in {workdir}")
     params, _, meta = restored
+    meta.setdefault("schedule", [{"start": 0, "total": meta["total_steps"], "peak": p.lr, "warmup": p.warmup}])
     export(args.name, ports.Model(model.config, params, model.hf_config), meta, workdir, args.out)
 
 
@@ -680,6 +713,8 @@ def main(argv=None) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--batch", type=int, default=None)
     t.add_argument("--lr", type=float, default=None)
+    t.add_argument("--restart-lr", type=float, default=0.5,
+                   help="peak lr of a continuation (--resume --steps N past a finished schedule), x the preset's")
     t.add_argument("--ckpt-minutes", type=float, default=3.0)
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--export-partial", action="store_true", help="export even if the schedule did not finish")
