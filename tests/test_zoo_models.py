@@ -1,0 +1,111 @@
+"""The shipped zoo models (jspec/zoo/<name>/, trained by scripts/train_zoo.py): transformers loads each one and its
+greedy `generate` equals jspec's greedy decode; the text target answers held-out text chats; greedy Chain SD with
+the text draft equals AR and accepts well above one token per step; unknown names list the available ones."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import jspec
+from jspec import zoo
+from jspec.zoo import data as D
+from jspec.zoo import tokenizer as TK
+from jspec.zoo import world as W
+
+# Measured on the shipped text pair (README, "Zoo models"), 20 held-out text-chat / story prompts: target exact
+# match 1.00 (20/20; 0.95 over 40 + 40 held-out chats and stories), greedy Chain SD gamma=5 mean accepted length
+# 4.94 (pooled over the batch's steps).
+MIN_EXACT_MATCH = 0.85
+MIN_MEAN_ACCEPTED = 4.0
+N_PROMPTS = 20
+MAX_NEW = 64
+
+
+def _answer(tok, ids) -> str:
+    ids = [int(i) for i in ids]
+    return tok.decode(ids[:ids.index(TK.EOS_ID)] if TK.EOS_ID in ids else ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def text_pair():
+    return zoo.load("text-target"), zoo.load("text-draft")
+
+
+@pytest.fixture(scope="module")
+def text_prompts():
+    tok = zoo.tokenizer("text-target")
+    exs = D.eval_set("text", N_PROMPTS)
+    enc = D.Encoder(tok, view="T")
+    return tok, exs, [enc.prompt(ex)["input_ids"][0] for ex in exs]
+
+
+@pytest.fixture(scope="module")
+def text_ar(text_pair, text_prompts):
+    return jspec.decode(text_pair[0], text_prompts[2], max_new_tokens=MAX_NEW)
+
+
+def test_text_pair_shipped():
+    assert {"text-target", "text-draft"} <= set(zoo.available())
+    for name in ("text-target", "text-draft"):
+        d = zoo.model_dir(name)
+        assert (d / "tokenizer.json").exists() and (d / "config.json").exists()
+
+
+def test_unknown_name_lists_available():
+    with pytest.raises(ValueError, match=r"'nope' is not a zoo model; available: .*text-target.*text-draft"):
+        zoo.load("nope")
+    with pytest.raises(ValueError, match=r"available: .*text-target"):
+        zoo.tokenizer("nope")
+    # the tokenizer module stays a module
+    assert zoo.tokenizer.EOS_ID == TK.EOS_ID and zoo.tokenizer("text-target").eos_token_id == TK.EOS_ID
+
+
+def _hf_prompt(name: str, proc_or_tok):
+    """A held-out prompt for the model: a text chat (T view) for LLaMA, a VQA question with its image for LLaVA."""
+    if name.startswith("text"):
+        ex = D.eval_set("text", 4)[3]
+        return dict(D.Encoder(proc_or_tok, view="T").prompt(ex))
+    ex = D.eval_set("vqa", 4)[3]
+    text = proc_or_tok.apply_chat_template(ex.messages(upto_last_answer=True), add_generation_prompt=True)
+    return dict(proc_or_tok(text=[text], images=[W.render(ex.images[0], 64)], return_tensors="np"))
+
+
+@pytest.mark.parametrize("name", zoo.available())
+def test_transformers_loads_and_matches_greedy(name):
+    d = str(zoo.model_dir(name))
+    if name.startswith("text"):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        proc = transformers.AutoTokenizer.from_pretrained(d)
+    else:
+        hf = transformers.LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+        proc = transformers.AutoProcessor.from_pretrained(d)
+    prompt = _hf_prompt(name, proc)
+    with torch.no_grad():
+        out = hf.generate(**{k: torch.tensor(v) for k, v in prompt.items()}, max_new_tokens=32, do_sample=False)
+    want = out[0, prompt["input_ids"].shape[1]:].numpy()
+    got = jspec.decode(zoo.load(name), prompt, max_new_tokens=32)
+    np.testing.assert_array_equal(got.tokens[0, :got.lengths[0]], want)
+    assert want[-1] == TK.EOS_ID                         # a trained model ends its answer
+
+
+def test_text_target_exact_match(text_ar, text_prompts):
+    tok, exs, _ = text_prompts
+    hits = [_answer(tok, text_ar.tokens[b, :text_ar.lengths[b]]) == ex.answer for b, ex in enumerate(exs)]
+    assert np.mean(hits) >= MIN_EXACT_MATCH, [(ex.answer, _answer(tok, text_ar.tokens[b]))
+                                              for b, ex in enumerate(exs) if not hits[b]]
+
+
+def test_text_pair_chain_sd(text_pair, text_prompts, text_ar):
+    target, draft = text_pair
+    sd = jspec.decode(target, text_prompts[2], strategy=jspec.Chain(draft, gamma=5), max_new_tokens=MAX_NEW)
+    np.testing.assert_array_equal(sd.tokens, text_ar.tokens)
+    np.testing.assert_array_equal(sd.lengths, text_ar.lengths)
+    pooled = sd.stats["accepted"].sum() / sd.stats["steps"].sum()
+    assert pooled >= MIN_MEAN_ACCEPTED, pooled
