@@ -125,13 +125,17 @@ def _r(x, n=3):
 # ------------------------------------------------------------------------------------------------ transformers
 
 
-def _hf_from(model, tmp: str, name: str):
+_WORKDIR: list[str] = []  # the running suite's scratch directory (removed when `run` returns)
+
+
+def _hf_from(model, name: str):
+    """The model as a transformers model, through an HF checkpoint in the suite's scratch directory."""
     import torch
     import transformers
 
     import ports
 
-    path = os.path.join(tmp, name)
+    path = tempfile.mkdtemp(prefix=name + "-", dir=_WORKDIR[-1] if _WORKDIR else None)
     ports.save_hf(model, path, dtype=np.float32)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -180,8 +184,7 @@ def suite_ar(runs: int, quick: bool, progress: bool, with_transformers: bool = T
             cases = [Case("jspec", lambda: jspec.decode(model, prompt, max_new_tokens=N, eos_token_id=()).tokens)]
             hf = None
             if with_transformers and dtype == jnp.float32:
-                tmp = tempfile.mkdtemp()
-                hf = _hf_from(model, tmp, "t")
+                hf = _hf_from(model, "t")
                 import torch
 
                 torch.set_num_threads(os.cpu_count() or 1)
@@ -296,8 +299,7 @@ def _assisted(target, draft, prompts, strategies, res, runs, N, eos, pname, scen
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    tmp = tempfile.mkdtemp()
-    hf_t, hf_d = _hf_from(target, tmp, "t"), _hf_from(draft, tmp, "d")
+    hf_t, hf_d = _hf_from(target, "t"), _hf_from(draft, "d")
     hf_eos = None if eos == () else (eos if eos is not None else tuple(target.config.eos_token_ids))
     chains = [(n, g) for n, _, g in strategies if g]
     cases = [Case("transformers AR", lambda: _hf_generate(hf_t, prompts, N, eos=hf_eos))]
@@ -424,12 +426,17 @@ def run(suite: str, runs: int = 3, quick: bool = False, out_dir: str = "scripts/
         raise ValueError(f"unknown bench suite {suite!r}; available: {', '.join(SUITES)}")
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
-    if suite == "ar":
-        result = suite_ar(runs, quick, progress, with_transformers)
-    elif suite == "sd":
-        result = suite_sd(runs, quick, progress, with_transformers)
-    else:
-        result = suite_gpu(runs, quick, progress, allow_cpu)
+    with tempfile.TemporaryDirectory() as work:
+        _WORKDIR.append(work)
+        try:
+            if suite == "ar":
+                result = suite_ar(runs, quick, progress, with_transformers)
+            elif suite == "sd":
+                result = suite_sd(runs, quick, progress, with_transformers)
+            else:
+                result = suite_gpu(runs, quick, progress, allow_cpu)
+        finally:
+            _WORKDIR.pop()
     result = {"meta": meta(suite, runs, quick), **result}
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"{suite}{'-quick' if quick else ''}-{result['meta']['date']}")

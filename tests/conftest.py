@@ -60,6 +60,22 @@ def hf_greedy(hf_model, prompt: np.ndarray, max_new: int, eos=None) -> np.ndarra
     return out[0, len(prompt):].numpy()
 
 
+def saved_and_loaded(hf_models: dict, root) -> tuple[dict, dict]:
+    """({name: HF model}, {name: jspec model}): each HF model saved under root/name and read back by load_hf."""
+    for name, model in hf_models.items():
+        model.save_pretrained(str(root / name))
+    return hf_models, {name: ports.load_hf(str(root / name)) for name in hf_models}
+
+
+def assert_masked_parity(hf_model, model, batch: dict, atol: float, rtol: float):
+    """ports.logits equals the HF forward on a processor batch, at the positions its attention_mask keeps."""
+    ours = ports.logits(model, batch)
+    with torch.no_grad():
+        ref = hf_model(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
+    mask = batch["attention_mask"].astype(bool)
+    np.testing.assert_allclose(ours[mask], ref[mask], atol=atol, rtol=rtol)
+
+
 @pytest.fixture(scope="session")
 def llama_pair(tmp_path_factory):
     """(hf_model, jspec model) for a tiny GQA LLaMA."""

@@ -21,7 +21,7 @@ import jspec
 import ports
 from ports import anyres as A
 from ports import llava_next as NX
-from conftest import perturb
+from conftest import assert_masked_parity, perturb, saved_and_loaded
 
 V, IMG, VID = 96, 92, 93
 # NeXT: CLIP 28 px / patch 7 -> 4 x 4 features per tile ("default" drops the class token).
@@ -116,11 +116,8 @@ def video_tokens(frames: int) -> int:
 def built(tmp_path_factory):
     """({name: HF model}, {name: jspec model loaded from its checkpoint})."""
     root = tmp_path_factory.mktemp("llava_next")
-    hf = {"next": tiny_next(0), "ov": tiny_ov(10), "next_draft": tiny_next(20, layers=1, hidden=32),
-          "llava_draft": tiny_llava15(30)}
-    for name, model in hf.items():
-        model.save_pretrained(str(root / name))
-    return hf, {name: ports.load_hf(str(root / name)) for name in hf}
+    return saved_and_loaded({"next": tiny_next(0), "ov": tiny_ov(10), "next_draft": tiny_next(20, layers=1, hidden=32),
+                             "llava_draft": tiny_llava15(30)}, root)
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +136,7 @@ def hf_forward(hf, batch: dict) -> np.ndarray:
 
 
 def assert_parity(hf, model, batch: dict):
-    ours = ports.logits(model, batch)
-    ref = hf_forward(hf, batch)
-    mask = batch["attention_mask"].astype(bool)  # the processor right-pads the shorter rows
-    np.testing.assert_allclose(ours[mask], ref[mask], atol=1e-4, rtol=1e-4)
+    assert_masked_parity(hf, model, batch, atol=1e-4, rtol=1e-4)  # the processor right-pads the shorter rows
 
 
 # ------------------------------------------------------------------------------------------ geometry (no models)

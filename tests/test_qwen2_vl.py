@@ -28,7 +28,7 @@ import ports
 from jspec import loop
 from ports import qwen2_vl as QW
 from ports import qwen2_vl_vision as QV
-from conftest import perturb
+from conftest import assert_masked_parity, perturb, saved_and_loaded
 
 V = 100
 VS, VE, IMG, VID = 93, 94, 95, 96
@@ -148,11 +148,8 @@ def frames(n: int, h: int = 28, w: int = 42, seed: int = 0) -> np.ndarray:
 def built(tmp_path_factory):
     """({name: HF model}, {name: jspec model loaded from its checkpoint})."""
     root = tmp_path_factory.mktemp("qwen2_vl")
-    hf = {"q2": tiny_q2(0), "q25": tiny_q25(10),
-          "q25_draft": tiny_q25(20, hidden=32, layers=1, section=(2, 1, 1), depth=1, width=16, full=(0,))}
-    for name, model in hf.items():
-        model.save_pretrained(str(root / name))
-    return hf, {name: ports.load_hf(str(root / name)) for name in hf}
+    return saved_and_loaded({"q2": tiny_q2(0), "q25": tiny_q25(10), "q25_draft": tiny_q25(
+        20, hidden=32, layers=1, section=(2, 1, 1), depth=1, width=16, full=(0,))}, root)
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +172,7 @@ def hf_forward(hf, batch: dict, **kw):
 
 
 def assert_parity(hf, model, batch: dict):
-    ours = ports.logits(model, batch)
-    ref = hf_forward(hf, batch).logits.numpy()
-    mask = batch["attention_mask"].astype(bool)  # right padding
-    np.testing.assert_allclose(ours[mask], ref[mask], atol=5e-5, rtol=1e-5)
+    assert_masked_parity(hf, model, batch, atol=5e-5, rtol=1e-5)  # right padding
 
 
 # ------------------------------------------------------------------------------------------ inputs (no models)
