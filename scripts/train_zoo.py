@@ -35,8 +35,7 @@ resumed run exports bit-identical weights.
 Image pair (not shipped yet; the same script):
     python scripts/train_zoo.py train image-target --minutes 40
     python scripts/train_zoo.py train image-draft  --minutes 20
-Measure (per-task exact match of target and draft, acceptance of greedy Chain SD per scenario, speedup over AR):
-    python scripts/train_zoo.py eval text [--n 40] [--runs 3]
+Measure the shipped pairs (exact match per task, acceptance per scenario and view): scripts/eval_zoo.py.
 Other commands: `export NAME` (re-export from the latest checkpoint), `plot NAME`.
 """
 from __future__ import annotations
@@ -70,51 +69,13 @@ import ports  # noqa: E402
 from jspec import cache as kvc  # noqa: E402
 from jspec.zoo import data as D  # noqa: E402
 from jspec.zoo import tokenizer as TK  # noqa: E402
-from jspec.zoo import world as W  # noqa: E402
 from ports import llama, llava  # noqa: E402
 
 ZOO_DIR = ROOT / "jspec" / "zoo"
 RESULTS_DIR = ROOT / "scripts" / "results"
 
-# ------------------------------------------------------------------------------------- described-scene tasks
-
-DESCRIBED = {  # task name -> (inner tasks, weight)
-    "described_vqa": (tuple(W.tasks_of("vqa")), 1.0),
-    "described_caption": (("caption",), 0.5),
-    "described_turn2": (tuple(W.tasks_of("second_turn")), 0.5),
-}
-
-
-def described(turns, scenes, rng) -> list:
-    """The turns with each image replaced by 'Picture: <its detailed description>\\n' in front of the text."""
-    out, k = [], 0
-    for t in turns:
-        if t.n_images:
-            pics = "".join(f"Picture: {W.caption_text(rng, s, detailed=True)}\n" for s in scenes[k:k + t.n_images])
-            k += t.n_images
-            out.append(W.Turn(t.role, pics + t.text, 0))
-        else:
-            out.append(t)
-    return out
-
-
-def _described_task(inner: tuple[str, ...]):
-    def make(rng, split):
-        name = rng.choices(inner, weights=[W.TASKS[n].weight for n in inner])[0] if len(inner) > 1 else inner[0]
-        turns, scenes = W.TASKS[name].make(rng, split)
-        return described(turns, scenes, rng), []
-    return make
-
-
-def register_described_tasks() -> None:
-    """Add the `described_*` tasks to the world's registry (scenario "text", no images); idempotent."""
-    for name, (inner, weight) in DESCRIBED.items():
-        if name not in W.TASKS:
-            W.register(name, "text", weight=weight, max_images=0)(_described_task(inner))
-
-
-register_described_tasks()
-TEXT_PAIR_TASKS = tuple(D.TEXT_TASKS) + tuple(DESCRIBED)
+D.register_described_tasks()
+TEXT_PAIR_TASKS = D.TEXT_PAIR_TASKS
 
 # --------------------------------------------------------------------------------------------------- presets
 
@@ -610,92 +571,6 @@ def export_cmd(args) -> None:
     export(args.name, ports.Model(model.config, params, model.hf_config), meta, workdir, args.out)
 
 
-# ------------------------------------------------------------------------------------------------ evaluation
-
-
-def answer_text(tok, ids) -> str:
-    ids = [int(i) for i in ids]
-    if TK.EOS_ID in ids:
-        ids = ids[:ids.index(TK.EOS_ID)]
-    return tok.decode(ids, skip_special_tokens=True)
-
-
-def heldout_examples(task: str, n: int, seed: int = 0) -> list:
-    return [W.example("heldout", i, seed, [task]) for i in range(n)]
-
-
-def exact_match(model, tok, enc, exs, max_new: int = 64, batch: int = 32) -> list[bool]:
-    import jspec
-
-    hits = []
-    for i in range(0, len(exs), batch):
-        chunk = exs[i:i + batch]
-        prompts = [enc.prompt(ex)["input_ids"][0] for ex in chunk]
-        out = jspec.decode(model, prompts, max_new_tokens=max_new)
-        hits += [answer_text(tok, out.tokens[b][:out.lengths[b]]) == ex.answer for b, ex in enumerate(chunk)]
-    return hits
-
-
-def sd_scenario(target, draft, prompts, runs: int, gamma: int = 5, max_new: int = 64) -> dict:
-    """Greedy AR vs Chain(gamma) at batch 1 over the prompts: tokens equal, mean accepted length (bonus
-    included, pooled over all steps), and per run the summed decode_s of each; speedup = median over runs."""
-    import jspec
-
-    strat = jspec.Chain(draft, gamma=gamma)
-    for pr in prompts:                                        # compile every prompt-length bucket first
-        jspec.decode(target, pr, max_new_tokens=max_new)
-        jspec.decode(target, pr, strategy=strat, max_new_tokens=max_new)
-    same, acc, steps, ar_t, sd_t = True, 0, 0, [], []
-    for _ in range(runs):
-        a_sum = s_sum = 0.0
-        for pr in prompts:
-            a = jspec.decode(target, pr, max_new_tokens=max_new, profile=False)
-            s = jspec.decode(target, pr, strategy=strat, max_new_tokens=max_new, profile=False)
-            same &= bool(np.array_equal(a.tokens, s.tokens))
-            a_sum += a.stats["decode_s"]
-            s_sum += s.stats["decode_s"]
-            acc += int(s.stats["accepted"].sum())
-            steps += int(s.stats["steps"].sum())
-        ar_t.append(a_sum)
-        sd_t.append(s_sum)
-    med = float(np.median(np.array(ar_t) / np.array(sd_t)))
-    return {"prompts": len(prompts), "mean_accepted": acc / max(steps, 1), "same_tokens": same,
-            "ar_decode_s": ar_t, "sd_decode_s": sd_t, "speedup": med}
-
-
-def eval_text(args) -> dict:
-    from jspec import zoo
-
-    tok = zoo.tokenizer("text-target")
-    target, draft = zoo.load("text-target"), zoo.load("text-draft")
-    enc = D.Encoder(tok, view="T")
-    res = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-           "jax": jax.__version__, "n": args.n, "exact_match": {}, "sd": {}}
-    print(f"exact match on {args.n} held-out examples per task (T view):")
-    tasks = list(TEXT_PAIR_TASKS) + list(W.tasks_of("second_turn"))
-    for task in tasks:
-        exs = heldout_examples(task, args.n)
-        t_hits, d_hits = exact_match(target, tok, enc, exs), exact_match(draft, tok, enc, exs)
-        res["exact_match"][task] = {"target": float(np.mean(t_hits)), "draft": float(np.mean(d_hits))}
-        print(f"  {task:20s} target {np.mean(t_hits):.3f}  draft {np.mean(d_hits):.3f}")
-    scenarios = {"text": D.eval_set("text", args.n_sd, tasks=list(D.TEXT_TASKS)),
-                 "described_vqa": heldout_examples("described_vqa", args.n_sd),
-                 "described_caption": heldout_examples("described_caption", args.n_sd),
-                 "described_turn2": heldout_examples("described_turn2", args.n_sd),
-                 "second_turn (T view)": D.eval_set("second_turn", args.n_sd)}
-    print(f"greedy Chain SD, gamma=5, batch 1, {args.n_sd} prompts per scenario, {args.runs} runs:")
-    for sc, exs in scenarios.items():
-        r = sd_scenario(target, draft, [enc.prompt(ex)["input_ids"][0] for ex in exs], args.runs)
-        res["sd"][sc] = r
-        print(f"  {sc:22s} mean accepted {r['mean_accepted']:.2f}  speedup {r['speedup']:.2f}x  "
-              f"same tokens {r['same_tokens']}")
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    out = RESULTS_DIR / f"zoo-text-eval-{res['date']}.json"
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {out}")
-    return res
-
-
 # ------------------------------------------------------------------------------------------------------ CLI
 
 
@@ -726,20 +601,13 @@ def main(argv=None) -> None:
     pl = sub.add_parser("plot", help="loss curve PNG of NAME's log")
     pl.add_argument("name", choices=sorted(PRESETS))
     pl.add_argument("--workdir", default=None)
-    ev = sub.add_parser("eval", help="measure a shipped pair")
-    ev.add_argument("pair", choices=["text"])
-    ev.add_argument("--n", type=int, default=40, help="held-out examples per task (exact match)")
-    ev.add_argument("--n-sd", type=int, default=20, help="prompts per scenario (speculative decoding)")
-    ev.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
     if args.cmd == "train":
         train(args)
     elif args.cmd == "export":
         export_cmd(args)
-    elif args.cmd == "plot":
-        plot(args.name, args.workdir)
     else:
-        eval_text(args)
+        plot(args.name, args.workdir)
 
 
 if __name__ == "__main__":

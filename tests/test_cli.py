@@ -2,15 +2,29 @@
 import json
 
 import numpy as np
+import pytest
 
 import jspec
 from jspec import cli
 
 
-def test_demo_runs(capsys):
-    assert cli.main(["demo", "--max-new-tokens", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "loaded back through load_hf" in out and "tokens/s" in out
+def test_demo_runs(tmp_path, capsys):
+    """`jspec demo` answers with the shipped pair: every strategy gives AR's tokens, the drafts are accepted, and the
+    image and the plot are written."""
+    from jspec import demo
+
+    lines = []
+    res = demo.run(seed=3, out_dir=str(tmp_path), max_new_tokens=16, print_fn=lines.append)
+    out = "\n".join(lines)
+    assert out.count("Q: ") == 2 and "reference: " in out and "Chain gamma=5" in out and "Tree (9 drafts)" in out
+    assert {p.name for p in tmp_path.iterdir()} == {"scenes-3.png", "accepted-3.png"}
+    r = res["results"]
+    for name in ("Chain gamma=5", "Tree (9 drafts)"):
+        assert r[name]["same_as_ar"] and r[name]["mean_accepted"] > 1.5, (name, r[name])
+    assert r["AR"]["answers"] == r["Chain gamma=5"]["answers"] and all(r["AR"]["answers"])
+    with pytest.raises(SystemExit) as e:  # the command is wired
+        cli.main(["demo", "--help"])
+    assert e.value.code == 0 and "--seed" in capsys.readouterr().out
 
 
 def test_convert_then_decode(llama_pair, tmp_path, capsys):

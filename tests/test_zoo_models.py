@@ -16,6 +16,7 @@ import transformers
 import jspec
 from jspec import zoo
 from jspec.zoo import data as D
+from jspec.zoo.evaluate import answer_text as _answer
 from jspec.zoo import tokenizer as TK
 from jspec.zoo import world as W
 
@@ -28,10 +29,6 @@ N_PROMPTS = 20
 MAX_NEW = 64
 
 
-def _answer(tok, ids) -> str:
-    ids = [int(i) for i in ids]
-    return tok.decode(ids[:ids.index(TK.EOS_ID)] if TK.EOS_ID in ids else ids, skip_special_tokens=True)
-
 
 @pytest.fixture(scope="module")
 def text_pair():
@@ -40,7 +37,7 @@ def text_pair():
 
 @pytest.fixture(scope="module")
 def text_prompts():
-    tok = zoo.tokenizer("text-target")
+    tok = zoo.load_tokenizer("text-target")
     exs = D.eval_set("text", N_PROMPTS)
     enc = D.Encoder(tok, view="T")
     return tok, exs, [enc.prompt(ex)["input_ids"][0] for ex in exs]
@@ -62,9 +59,10 @@ def test_unknown_name_lists_available():
     with pytest.raises(ValueError, match=r"'nope' is not a zoo model; available: .*text-target.*text-draft"):
         zoo.load("nope")
     with pytest.raises(ValueError, match=r"available: .*text-target"):
-        zoo.tokenizer("nope")
-    # the tokenizer module stays a module
-    assert zoo.tokenizer.EOS_ID == TK.EOS_ID and zoo.tokenizer("text-target").eos_token_id == TK.EOS_ID
+        zoo.load_tokenizer("nope")
+    assert zoo.load_tokenizer("text-target").eos_token_id == TK.EOS_ID
+    with pytest.raises(ValueError, match="text model"):
+        zoo.load_processor("text-target")
 
 
 def _hf_prompt(name: str, proc_or_tok):

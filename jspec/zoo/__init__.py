@@ -3,15 +3,14 @@ model pairs, trained on the world by scripts/train_zoo.py and stored in HF layou
 
     from jspec import zoo
     target, draft = zoo.load("text-target"), zoo.load("text-draft")     # ports.Model, float32
-    tok = zoo.tokenizer("text-target")                                   # transformers tokenizer of that model
+    tok = zoo.load_tokenizer("text-target")                              # transformers tokenizer of that model
+    proc = zoo.load_processor("image-target")                            # LlavaProcessor (image models)
     zoo.available()                                                      # the names shipped in this install
 
-`zoo.tokenizer` is also the tokenizer module (`zoo.tokenizer.load_tokenizer`, `zoo.tokenizer.make_processor`,
-...); calling it with a model name loads that model's tokenizer.
+`jspec.zoo.evaluate` measures the pairs (exact match, acceptance per scenario and view).
 """
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 from jspec.zoo import tokenizer as _tokenizer_module
@@ -45,15 +44,19 @@ def load(name: str, dtype=None):
     return ports.load_hf(str(model_dir(name)), dtype=jnp.float32 if dtype is None else dtype)
 
 
-class _TokenizerModule(types.ModuleType):
-    """`jspec.zoo.tokenizer`: the tokenizer module, callable with a zoo model name."""
-
-    def __call__(self, name: str):
-        """The transformers tokenizer shipped with zoo model `name` (AutoTokenizer of its directory)."""
-        return self.load_tokenizer(model_dir(name))
+def load_tokenizer(name: str):
+    """The transformers tokenizer shipped with zoo model `name` (AutoTokenizer of its directory)."""
+    return _tokenizer_module.load_tokenizer(model_dir(name))
 
 
-_tokenizer_module.__class__ = _TokenizerModule
-tokenizer = _tokenizer_module
+def load_processor(name: str):
+    """The transformers processor shipped with an image zoo model (AutoProcessor of its directory: LlavaProcessor)."""
+    from transformers import AutoProcessor
 
-__all__ = ["MODEL_NAMES", "available", "load", "model_dir", "tokenizer"]
+    d = model_dir(name)
+    if not (d / "processor_config.json").exists() and not (d / "preprocessor_config.json").exists():
+        raise ValueError(f"zoo model {name!r} is a text model: it has no processor; use load_tokenizer")
+    return AutoProcessor.from_pretrained(str(d))
+
+
+__all__ = ["MODEL_NAMES", "available", "load", "load_processor", "load_tokenizer", "model_dir"]

@@ -62,6 +62,45 @@ DRAFT_TASKS = tuple(n for n in TARGET_TASKS if W.TASKS[n].max_images <= 1)
 TEXT_TASKS = W.tasks_of("text")
 VIEWS = ("M", "T")
 
+# Text versions of the image tasks, for the text pair: each image is replaced by its detailed description, so
+# VQA-style questions about scenes exist in text form and every answer follows from the prompt. Registered in the
+# world's task registry (scenario "text", no images) by `register_described_tasks()`; the task sets above are
+# fixed before that, so they never include them.
+DESCRIBED = {  # task name -> (inner tasks, weight)
+    "described_vqa": (tuple(W.tasks_of("vqa")), 1.0),
+    "described_caption": (("caption",), 0.5),
+    "described_turn2": (tuple(W.tasks_of("second_turn")), 0.5),
+}
+TEXT_PAIR_TASKS = TEXT_TASKS + tuple(DESCRIBED)  # what the text pair is trained on
+
+
+def described(turns, scenes, rng) -> list:
+    """The turns with each image replaced by 'Picture: <its detailed description>\\n' in front of the text."""
+    out, k = [], 0
+    for t in turns:
+        if t.n_images:
+            pics = "".join(f"Picture: {W.caption_text(rng, s, detailed=True)}\n" for s in scenes[k:k + t.n_images])
+            k += t.n_images
+            out.append(W.Turn(t.role, pics + t.text, 0))
+        else:
+            out.append(t)
+    return out
+
+
+def _described_task(inner: tuple[str, ...]):
+    def make(rng, split):
+        name = rng.choices(inner, weights=[W.TASKS[n].weight for n in inner])[0] if len(inner) > 1 else inner[0]
+        turns, scenes = W.TASKS[name].make(rng, split)
+        return described(turns, scenes, rng), []
+    return make
+
+
+def register_described_tasks() -> None:
+    """Add the `described_*` tasks to the world's registry (scenario "text", no images); idempotent."""
+    for name, (inner, weight) in DESCRIBED.items():
+        if name not in W.TASKS:
+            W.register(name, "text", weight=weight, max_images=0)(_described_task(inner))
+
 
 def pixels(scene: W.Scene, size: int = 64) -> np.ndarray:
     """The rendered scene as CLIP-normalised float32 [3, size, size]."""
