@@ -73,12 +73,24 @@ def zoo_text_pair():
         return None
 
 
-def zoo_prompts(scenario: str, n: int) -> list[np.ndarray]:
-    """n held-out zoo prompts of a scenario, text view (what a text pair reads), as token-id rows."""
-    from jspec.zoo import data
+def zoo_pairs(n: int) -> dict:
+    """The shipped zoo pairs with n held-out prompts per evaluation scenario (`jspec.zoo.evaluate`): name ->
+    (target, draft, {scenario: prompts}, eos, max_new). Text-pair prompts are token rows; image-pair prompts are
+    processor-style mappings (the draft reads the image: TABED's M view)."""
+    from jspec import zoo
+    from jspec.zoo import evaluate as E
 
-    enc = data.Encoder(view="T")
-    return [enc.prompt(ex)["input_ids"][0] for ex in data.eval_set(scenario, n)]
+    out = {}
+    for name, models in E.PAIRS.items():
+        if not set(models) <= set(zoo.available()):
+            continue
+        pair = E.load_pair(name)
+        scen = {}
+        for sc, exs in E.scenario_examples(name, n).items():
+            ps = [pair.encoder.prompt(ex) for ex in exs]
+            scen[sc] = [p["input_ids"][0] for p in ps] if name == "text" else ps
+        out[f"zoo {name}"] = (pair.target, pair.draft, scen, None, 96)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -229,7 +241,8 @@ def _decode_rows(target, rows, strategy, N, eos, profile=False):
 
     toks, tot = [], {"tokens": 0, "steps": 0, "decode_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
     for r in rows:
-        o = jspec.decode(target, [r], strategy=strategy, max_new_tokens=N, eos_token_id=eos, profile=profile)
+        o = jspec.decode(target, r if isinstance(r, dict) else [r], strategy=strategy, max_new_tokens=N,
+                         eos_token_id=eos, profile=profile)
         toks.append(o.tokens[0, :o.lengths[0]])
         tot["tokens"] += int(o.lengths[0])
         tot["steps"] += int(o.stats["steps"][0]) + 1  # + the token sampled at prefill
@@ -242,10 +255,7 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
              n_prompts: int = 8) -> dict:
     """Speculative strategies per pair and scenario; see the module docstring."""
     if pairs is None:
-        pairs = {}
-        zoo = None if quick else zoo_text_pair()
-        if zoo is not None:
-            pairs["zoo text"] = (zoo[0], zoo[1], {"text": zoo_prompts("text", n_prompts)}, None, 96)
+        pairs = {} if quick else zoo_pairs(n_prompts)
         shape = dict(layers=2, vocab=512, hidden=64, mlp=128, heads=4) if quick else {}
         t, d = damped_pair(**shape)
         rng = np.random.default_rng(1)
@@ -289,7 +299,7 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                                other_ms=_r(per["other_s"] * 1e3, 2), predicted_speedup=_r(predicted),
                                measured_over_predicted=_r(_ratio(row["decode_speedup"], predicted)))
                 rows.append(row)
-            if with_transformers:
+            if with_transformers and not isinstance(prompts[0], dict):  # transformers: text pairs only
                 hf_rows += _assisted(target, draft, prompts, strategies, res, runs, N, eos, pname, scen)
     return {"rows": rows, "transformers": hf_rows}
 
@@ -391,24 +401,17 @@ def plot(result: dict, path: str) -> str | None:
     suite = result["meta"]["suite"]
     rows = result["rows"]
     if suite == "sd":
-        sd = [r for r in rows if r["strategy"] != "AR"]
-        labels = [f"{r['pair']}\n{r['strategy']}\ntau={r['mean_accepted']}" for r in sd]
-        series = {"measured decode speedup": [r["decode_speedup"] for r in sd],
-                  "predicted from phase times": [r.get("predicted_speedup") or 0 for r in sd]}
-        ylabel = "speedup over jspec AR"
-    else:
-        labels = [f"{r['model']}\nbatch {r['batch']}" for r in rows]
-        series = {"jspec tok/s": [r["jspec_tok_s"] for r in rows]}
-        if any("transformers_tok_s" in r for r in rows):
-            series["transformers tok/s"] = [r.get("transformers_tok_s", 0) for r in rows]
-        ylabel = "tokens / s"
+        return _plot_sd(plt, result, path)
+    labels = [f"{r['model']}\nbatch {r['batch']}" for r in rows]
+    series = {"jspec tok/s": [r["jspec_tok_s"] for r in rows]}
+    if any("transformers_tok_s" in r for r in rows):
+        series["transformers tok/s"] = [r.get("transformers_tok_s", 0) for r in rows]
+    ylabel = "tokens / s"
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 3.6))
     x = np.arange(len(labels))
     w = 0.8 / len(series)
     for i, (name, vals) in enumerate(series.items()):
         ax.bar(x + (i - (len(series) - 1) / 2) * w, vals, w, label=name)
-    if suite == "sd":
-        ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(x, labels, fontsize=6)
     ax.set_ylabel(ylabel)
     ax.set_title(f"jspec bench {suite}, {result['meta']['device']}", fontsize=9)
@@ -447,3 +450,30 @@ def run(suite: str, runs: int = 3, quick: bool = False, out_dir: str = "scripts/
         f.write(md + "\n")
     result["files"] = [stem + ".json", stem + ".md"] + ([stem + ".png"] if plot(result, stem + ".png") else [])
     return result
+
+
+def _plot_sd(plt, result: dict, path: str) -> str:
+    """One panel per pair: decode speedup over jspec AR per scenario (bars: strategies; dots: predicted)."""
+    rows = [r for r in result["rows"] if r["strategy"] != "AR"]
+    pairs = list(dict.fromkeys(r["pair"] for r in rows))
+    fig, axes = plt.subplots(len(pairs), 1, figsize=(9, 2.8 * len(pairs)), squeeze=False)
+    for ax, pair in zip(axes[:, 0], pairs):
+        pr = [r for r in rows if r["pair"] == pair]
+        scen = list(dict.fromkeys(r["scenario"] for r in pr))
+        strats = list(dict.fromkeys(r["strategy"] for r in pr))
+        w = 0.8 / len(strats)
+        for i, st in enumerate(strats):
+            xs = np.arange(len(scen)) + (i - (len(strats) - 1) / 2) * w
+            by = {r["scenario"]: r for r in pr if r["strategy"] == st}
+            ax.bar(xs, [by[s]["decode_speedup"] if s in by else np.nan for s in scen], w, label=st)
+            ax.plot(xs, [by[s].get("predicted_speedup") or np.nan if s in by else np.nan for s in scen], "k.", ms=3)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(np.arange(len(scen)), scen, fontsize=7)
+        ax.set_ylabel("speedup over AR")
+        ax.set_title(f"{pair} (dots: predicted from phase times)", fontsize=8)
+        ax.legend(fontsize=6, ncol=4)
+    fig.suptitle(f"jspec bench sd, {result['meta']['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
