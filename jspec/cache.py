@@ -1,6 +1,9 @@
 """KV cache: a preallocated pytree with a per-row committed length.
 
-Layout per layer: keys and values `[B, kv_heads, S_max, head_dim]`. `length[b]` counts the committed tokens of
+Layout per layer: keys and values `[B * kv_heads, S_max, head_dim]`, row b * kv_heads + h holding kv head h of batch
+row b. The rows are flat so that attention's batched matmuls read the buffer in its stored shape: with a
+[B, kv_heads, ...] buffer XLA reshapes it for each dot, and on CPU that made it copy every layer's cache several
+times per decode step (the in-place update and the reshaped read cannot share a buffer). `length[b]` counts the committed tokens of
 row b; slots at and after it hold scratch (drafted, unverified or padding) entries that attention never sees
 unless the current forward wrote them. A token's RoPE position is its slot + `pos_offset[b]` (0 unless the
 prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots before `start[b]` are never visible (0 for an ordinary cache; a row
@@ -16,7 +19,7 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: list  # per layer [B, KVH, S, Dh]
+    k: list  # per layer [B * KVH, S, Dh]
     v: list
     length: jax.Array  # [B] int32
     start: jax.Array  # [B] int32: first visible slot
@@ -24,15 +27,19 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.k[0].shape[1]
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
+        return self.length.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k[0].shape[0] // self.length.shape[0]
 
 
 def init_cache(num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype) -> KVCache:
-    shape = (batch, kv_heads, max_len, head_dim)
+    shape = (batch * kv_heads, max_len, head_dim)
     return KVCache(
         k=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
         v=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
@@ -43,13 +50,16 @@ def init_cache(num_layers: int, batch: int, kv_heads: int, max_len: int, head_di
 
 
 def _write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """buf [B, H, S, D] <- new [B, H, T, D] at slot start[b] of each row."""
-    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (0, s, 0)))(buf, new.astype(buf.dtype), start)
+    """buf [N, S, D] <- new [N, T, D] at slot start[n] of each flat row."""
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, 0)))(buf, new.astype(buf.dtype), start)
 
 
 def write_layer(k_buf, v_buf, k_new, v_new, start):
     """Write one layer's new keys/values [B, KVH, T, Dh] at slots start[b] .. start[b]+T-1."""
-    return _write_rows(k_buf, k_new, start), _write_rows(v_buf, v_new, start)
+    B, H, T, D = k_new.shape
+    rows = jnp.repeat(start, H)
+    return (_write_rows(k_buf, k_new.reshape(B * H, T, D), rows),
+            _write_rows(v_buf, v_new.reshape(B * H, T, D), rows))
 
 
 def positions(cache: KVCache, offsets: jax.Array) -> jax.Array:
@@ -75,11 +85,12 @@ def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
     One gather and one write per layer; no per-node loop.
     """
     start = cache.length
+    H = cache.kv_heads
+    idx = jnp.repeat((start[:, None] + src).astype(jnp.int32), H, axis=0)  # [B * H, P]
+    rows = jnp.repeat(start, H)
 
     def move(buf):
-        idx = (start[:, None] + src).astype(jnp.int32)  # [B, P]
-        picked = jnp.take_along_axis(buf, idx[:, None, :, None], axis=2)  # [B, H, P, D]
-        return _write_rows(buf, picked, start)
+        return _write_rows(buf, jnp.take_along_axis(buf, idx[:, :, None], axis=1), rows)
 
     return cache.replace(k=[move(b) for b in cache.k], v=[move(b) for b in cache.v],
                          length=start + n.astype(jnp.int32))

@@ -107,16 +107,15 @@ class Guided:
         return layers, kvh * self.streams, hd
 
     def _inner(self, cache):
+        """The streams' view: B * streams rows of the inner model's kv heads. The flat cache rows are the same
+        buffer either way (row b of `streams * KVH` heads = rows b * streams + s of KVH heads), so only the per-row
+        fields repeat."""
         n = self.streams
-        split = lambda buf: buf.reshape(buf.shape[0] * n, buf.shape[1] // n, *buf.shape[2:])
-        return cache.replace(k=[split(b) for b in cache.k], v=[split(b) for b in cache.v],
-                             length=jnp.repeat(cache.length, n), start=self.starts,
+        return cache.replace(length=jnp.repeat(cache.length, n), start=self.starts,
                              pos_offset=jnp.repeat(cache.pos_offset, n))
 
     def _outer(self, inner, cache):
-        n = self.streams
-        merge = lambda buf: buf.reshape(buf.shape[0] // n, buf.shape[1] * n, *buf.shape[2:])
-        return cache.replace(k=[merge(b) for b in inner.k], v=[merge(b) for b in inner.v])
+        return cache.replace(k=inner.k, v=inner.v)
 
     def _process(self, logits: jax.Array, g: jax.Array) -> jax.Array:
         """Inner logits [B * streams, K, V] -> guided, constrained logits [B, K, V] (next tokens at positions g)."""

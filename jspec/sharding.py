@@ -138,15 +138,22 @@ class Placement:
     mesh: Mesh
     rules: tuple = DEFAULT_RULES
 
-    def cache_spec(self, cache, batch_units: int | None = None) -> P:
-        kvh = cache.k[0].shape[1]
-        units = {"batch": cache.k[0].shape[0] if batch_units is None else batch_units, "kv_heads": kvh}
+    def logical_cache_spec(self, cache) -> P:
+        """The cache's spec over its logical axes (CACHE_AXES: batch, kv_heads, seq, head_dim)."""
+        units = {"batch": cache.batch, "kv_heads": cache.kv_heads}
         return spec_for(CACHE_AXES, units, self.mesh, self.rules)
+
+    def cache_spec(self, cache) -> P:
+        """The spec of the stored [B * KVH, S, Dh] buffers: the flat rows split over the batch's mesh axes, then the
+        kv heads' (b-major rows, so each device holds its batch rows' kv heads, as the logical spec says)."""
+        b, h, seq, hd = self.logical_cache_spec(cache)
+        rows = tuple(a for ax in (b, h) for a in ((ax,) if isinstance(ax, str) else (ax or ())))
+        return P(rows[0] if len(rows) == 1 else (rows or None), seq, hd)
 
     def constrain_cache(self, cache, replicated: bool = False):
         spec = P() if replicated else self.cache_spec(cache)
         kv = NamedSharding(self.mesh, spec)
-        row = NamedSharding(self.mesh, P(spec[0]) if len(spec) else P())
+        row = NamedSharding(self.mesh, P() if replicated else P(self.logical_cache_spec(cache)[0]))
         wsc = jax.lax.with_sharding_constraint
         return cache.replace(k=[wsc(b, kv) for b in cache.k], v=[wsc(b, kv) for b in cache.v],
                              length=wsc(cache.length, row), start=wsc(cache.start, row),

@@ -76,20 +76,22 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
               score_weights: jax.Array | None = None):
     """Grouped-query attention of new queries over the whole cache.
 
-    q [B, T, H, Dh]; k_buf, v_buf [B, KVH, S, Dh]; visible bool [B, T, S]. Returns [B, T, H, Dh].
-    Scores and softmax run in float32 whatever the parameter dtype. With `score_weights` [B, T] it returns
-    (out, scores [B, S]): the attention probabilities averaged over heads and summed over queries with those
-    weights (full softmax denominators; SpecVLM's language-to-vision scores).
+    q [B, T, H, Dh]; k_buf, v_buf [B * KVH, S, Dh] (the flat cache rows of `jspec.cache`); visible bool [B, T, S].
+    Returns [B, T, H, Dh]. Scores and softmax run in float32 whatever the parameter dtype. With `score_weights`
+    [B, T] it returns (out, scores [B, S]): the attention probabilities averaged over heads and summed over queries
+    with those weights (full softmax denominators; SpecVLM's language-to-vision scores).
     """
     B, T, H, Dh = q.shape
-    kvh = k_buf.shape[1]
-    qg = q.reshape(B, T, kvh, H // kvh, Dh)
-    scores = einsum_f32("btkgd,bksd->bkgts", qg, k_buf)
-    scores = scores * (Dh ** -0.5)
+    N, S, _ = k_buf.shape
+    kvh = N // B
+    G = H // kvh
+    qg = q.reshape(B, T, kvh, G, Dh).transpose(0, 2, 3, 1, 4).reshape(N, G * T, Dh)
+    scores = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * (Dh ** -0.5)
     scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs32 = jax.nn.softmax(scores, axis=-1)
-    probs = probs32.astype(v_buf.dtype)
-    out = einsum_f32("bkgts,bksd->btkgd", probs, v_buf).reshape(B, T, H, Dh).astype(q.dtype)
+    probs = probs32.astype(v_buf.dtype).reshape(N, G * T, S)
+    out = einsum_f32("nqs,nsd->nqd", probs, v_buf).reshape(B, kvh, G, T, Dh)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype)
     if score_weights is None:
         return out
     return out, jnp.einsum("bkgts,bt->bs", probs32, score_weights.astype(jnp.float32)) / H
