@@ -97,6 +97,12 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     return out, jnp.einsum("bkgts,bt->bs", probs32, score_weights.astype(jnp.float32)) / H
 
 
+def kv_rows(x: jax.Array) -> jax.Array:
+    """Keys or values [B, T, KVH, Dh] as the flat rows `attention` reads: [B * KVH, T, Dh]."""
+    B, T, H, D = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B * H, T, D)
+
+
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     y = x @ w
     return y + b if b is not None else y

@@ -322,7 +322,7 @@ def block(cfg: QwenVisionConfig, p: dict, x: jax.Array, cos, sin, visible: jax.A
     dt = q.dtype
     q = L.apply_rope(q.astype(jnp.float32), cos, sin).astype(dt)
     k = L.apply_rope(k.astype(jnp.float32), cos, sin).astype(dt)
-    o = L.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), visible)
+    o = L.attention(q, L.kv_rows(k), L.kv_rows(v), visible)
     x = x + L.linear(o.reshape(F, Lp, D), p["wo"], p["bo"])
     h = _norm(cfg, x, p["norm2"], p.get("norm2_b"))
     if cfg.windowed:

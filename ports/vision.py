@@ -257,8 +257,8 @@ def encoder_layer(cfg: VisionConfig, p: dict, x: jax.Array) -> jax.Array:
     H, Dh = cfg.num_heads, cfg.head_dim
     h = layer_norm(x, p["attn_norm"], p["attn_norm_b"], cfg.layer_norm_eps)
     q = L.linear(h, p["wq"], p["bq"]).reshape(B, T, H, Dh)
-    k = L.linear(h, p["wk"], p["bk"]).reshape(B, T, H, Dh).transpose(0, 2, 1, 3)
-    v = L.linear(h, p["wv"], p["bv"]).reshape(B, T, H, Dh).transpose(0, 2, 1, 3)
+    k = L.kv_rows(L.linear(h, p["wk"], p["bk"]).reshape(B, T, H, Dh))
+    v = L.kv_rows(L.linear(h, p["wv"], p["bv"]).reshape(B, T, H, Dh))
     o = L.attention(q, k, v, jnp.ones((B, T, T), bool))
     x = x + L.linear(o.reshape(B, T, D), p["wo"], p["bo"])
     h = layer_norm(x, p["mlp_norm"], p["mlp_norm_b"], cfg.layer_norm_eps)
