@@ -252,8 +252,9 @@ def _decode_rows(target, rows, strategy, N, eos, profile=False):
 
 
 def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = True, pairs: dict | None = None,
-             n_prompts: int = 8) -> dict:
-    """Speculative strategies per pair and scenario; see the module docstring."""
+             n_prompts: int = 8, only: tuple[str, ...] = ()) -> dict:
+    """Speculative strategies per pair and scenario; see the module docstring. `only`: the pair names to run
+    (e.g. ("zoo text",); default all)."""
     if pairs is None:
         pairs = {} if quick else zoo_pairs(n_prompts)
         shape = dict(layers=2, vocab=512, hidden=64, mlp=128, heads=4) if quick else {}
@@ -262,8 +263,13 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
         P, n = (12, 2) if quick else (128, 2)
         pairs["random damped"] = (t, d, {"random": [rng.integers(0, t.vocab_size, P) for _ in range(n)]}, (),
                                   8 if quick else 64)
+    unknown = [p for p in only if p not in pairs]
+    if unknown:
+        raise ValueError(f"unknown pair(s) {unknown}; this install has {sorted(pairs)}")
     rows, hf_rows = [], []
     for pname, (target, draft, scenarios, eos, N) in pairs.items():
+        if only and pname not in only:
+            continue
         for scen, prompts in scenarios.items():
             strategies = sd_strategies(draft, quick)
             cases = [Case(name, (lambda s=s: _decode_rows(target, prompts, s, N, eos))) for name, s, _ in strategies]
@@ -423,26 +429,29 @@ def plot(result: dict, path: str) -> str | None:
 
 
 def run(suite: str, runs: int = 3, quick: bool = False, out_dir: str = "scripts/results", progress: bool = True,
-        with_transformers: bool = True, allow_cpu: bool = False) -> dict:
+        with_transformers: bool = True, allow_cpu: bool = False, pairs: tuple[str, ...] = ()) -> dict:
     """Run one suite and write `<out_dir>/<suite>[-quick]-<date>.{json,md,png}`; returns the result dict."""
     if suite not in SUITES:
         raise ValueError(f"unknown bench suite {suite!r}; available: {', '.join(SUITES)}")
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
+    if pairs and suite != "sd":
+        raise ValueError(f"--pair selects pairs of the sd suite, not of {suite!r}")
     with tempfile.TemporaryDirectory() as work:
         _WORKDIR.append(work)
         try:
             if suite == "ar":
                 result = suite_ar(runs, quick, progress, with_transformers)
             elif suite == "sd":
-                result = suite_sd(runs, quick, progress, with_transformers)
+                result = suite_sd(runs, quick, progress, with_transformers, only=tuple(pairs))
             else:
                 result = suite_gpu(runs, quick, progress, allow_cpu)
         finally:
             _WORKDIR.pop()
     result = {"meta": meta(suite, runs, quick), **result}
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{suite}{'-quick' if quick else ''}-{result['meta']['date']}")
+    tag = "".join("-" + p.replace(" ", "-") for p in pairs)
+    stem = os.path.join(out_dir, f"{suite}{tag}{'-quick' if quick else ''}-{result['meta']['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
     md = markdown(result)

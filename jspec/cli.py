@@ -92,7 +92,8 @@ def cmd_bench(args) -> int:
 
     try:
         result = bench.run(args.suite, runs=args.runs, quick=args.quick, out_dir=args.out,
-                           with_transformers=not args.no_transformers, allow_cpu=args.allow_cpu)
+                           with_transformers=not args.no_transformers, allow_cpu=args.allow_cpu,
+                           pairs=tuple(args.pair))
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"jspec bench: {e}")
     print(bench.markdown(result))
@@ -151,6 +152,8 @@ def main(argv=None) -> int:
     b.add_argument("--out", default="scripts/results", help="output directory")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     b.add_argument("--allow-cpu", action="store_true", help="let the gpu suite run on CPU (a dry run)")
+    b.add_argument("--pair", action="append", default=[], help="sd suite: run only this pair (repeatable), e.g. "
+                                                               "'zoo text', 'zoo image', 'random damped'")
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     return args.fn(args)

@@ -54,3 +54,7 @@ def test_gpu_suite_refuses_cpu_then_dry_runs_and_bad_input(tmp_path):
         assert finite_positive(r["x_floor"]) and finite_positive(r["floor_ms_per_token"])
     with pytest.raises(ValueError, match="ar, sd, gpu"):
         bench.run("nope", out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="pairs of the sd suite"):
+        bench.run("ar", out_dir=str(tmp_path), pairs=("zoo text",))
+    with pytest.raises(ValueError, match="unknown pair"):
+        bench.run("sd", runs=1, quick=True, out_dir=str(tmp_path), pairs=("nope",))

@@ -25,6 +25,7 @@ from jspec.zoo import world as W
 # 4.94 (pooled over the batch's steps).
 MIN_EXACT_MATCH = 0.85
 MIN_MEAN_ACCEPTED = 4.0
+MIN_IMAGE_MEAN_ACCEPTED = 2.0
 N_PROMPTS = 20
 MAX_NEW = 64
 
@@ -107,3 +108,38 @@ def test_text_pair_chain_sd(text_pair, text_prompts, text_ar):
     np.testing.assert_array_equal(sd.lengths, text_ar.lengths)
     pooled = sd.stats["accepted"].sum() / sd.stats["steps"].sum()
     assert pooled >= MIN_MEAN_ACCEPTED, pooled
+
+
+needs_image_pair = pytest.mark.skipif(not {"image-target", "image-draft"} <= set(zoo.available()),
+                                      reason="the zoo image pair is not shipped in this install")
+
+
+@needs_image_pair
+def test_image_pair_chain_sd_both_views():
+    """Greedy Chain SD with the image draft equals AR whether the draft reads the images (M view, the default) or a
+    text stand-in (T view, `draft_prompt=`), on a ragged batch of VQA, caption and two-image prompts; the drafts
+    are accepted well above one token per step in the M view."""
+    from jspec.zoo import evaluate as E
+
+    pair = E.load_pair("image")
+    exs = D.eval_set("vqa", 4) + D.eval_set("caption", 2) + D.eval_set("two_image", 2)
+    prompt = E.batch_prompt(pair.encoder, exs)
+    ar = jspec.decode(pair.target, prompt, max_new_tokens=32)
+    strat = jspec.Chain(pair.draft, gamma=5)
+    m = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=32)
+    t = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=32,
+                     draft_prompt=E.batch_prompt(pair.encoder, exs, view="T"))
+    for sd in (m, t):
+        np.testing.assert_array_equal(sd.tokens, ar.tokens)
+        np.testing.assert_array_equal(sd.lengths, ar.lengths)
+    pooled = m.stats["accepted"].sum() / m.stats["steps"].sum()
+    assert pooled >= MIN_IMAGE_MEAN_ACCEPTED, pooled
+
+
+@needs_image_pair
+def test_image_processor_shipped():
+    proc = zoo.load_processor("image-target")
+    ex = D.eval_set("vqa", 1)[0]
+    text = proc.apply_chat_template(ex.messages(upto_last_answer=True), add_generation_prompt=True)
+    out = proc(text=[text], images=[W.render(ex.images[0], 64)], return_tensors="np")
+    assert int((out["input_ids"] == TK.IMAGE_ID).sum()) == zoo.load("image-target").config.tokens_per_image
