@@ -3,8 +3,8 @@
 Layout per layer: keys and values `[B * kv_heads, S_max, head_dim]`, row b * kv_heads + h holding kv head h of batch
 row b. The rows are flat so that attention's batched matmuls read the buffer in its stored shape: with a
 [B, kv_heads, ...] buffer XLA reshapes it for each dot, and on CPU that made it copy every layer's cache several
-times per decode step (the in-place update and the reshaped read cannot share a buffer). `length[b]` counts the committed tokens of
-row b; slots at and after it hold scratch (drafted, unverified or padding) entries that attention never sees
+times per decode step (the in-place update and the reshaped read cannot share a buffer).
+`length[b]` counts the committed tokens of row b; slots at and after it hold scratch (drafted, unverified or padding) entries that attention never sees
 unless the current forward wrote them. A token's RoPE position is its slot + `pos_offset[b]` (0 unless the
 prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots before `start[b]` are never visible (0 for an ordinary cache; a row
 whose prompt was placed right-aligned, as the guided streams of `jspec.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is

@@ -145,7 +145,8 @@ class Placement:
 
     def cache_spec(self, cache) -> P:
         """The spec of the stored [B * KVH, S, Dh] buffers: the flat rows split over the batch's mesh axes, then the
-        kv heads' (b-major rows, so each device holds its batch rows' kv heads, as the logical spec says)."""
+        kv heads'. Rows are b-major, so when the batch is split (or B = 1) each device holds exactly its batch rows'
+        kv heads, as the logical spec says; otherwise the split is by row blocks (same values, other placement)."""
         b, h, seq, hd = self.logical_cache_spec(cache)
         rows = tuple(a for ax in (b, h) for a in ((ax,) if isinstance(ax, str) else (ax or ())))
         return P(rows[0] if len(rows) == 1 else (rows or None), seq, hd)
