@@ -94,6 +94,9 @@ class Preset:
     warmup: int = 100
     weight_decay: float = 0.1
     minutes: float = 40.0
+    init_lm: str | None = None   # zoo text model whose weights start the LLaVA LM (same shape, same tokenizer)
+    align_steps: int = 0         # LLaVA's alignment stage: the LM is frozen for the first steps (tower+projector)
+    lm_lr_scale: float = 1.0     # the LM's updates are scaled by this after the alignment stage
 
 
 PRESETS = {
@@ -101,10 +104,11 @@ PRESETS = {
     "text-draft": Preset("text", dict(hidden=128, layers=3, heads=2, ffn=352), lr=3e-3, minutes=18.0),
     "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                            dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
-                           lr=2e-3),
-    "image-draft": Preset("image", dict(hidden=128, layers=2, heads=2, ffn=352),
+                           lr=2e-3, init_lm="text-target", align_steps=300, lm_lr_scale=0.5),
+    "image-draft": Preset("image", dict(hidden=128, layers=3, heads=2, ffn=352),
                           dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(D.DRAFT_TASKS), view="M",
-                          t_view_prob=0.2, lr=3e-3, minutes=20.0),
+                          t_view_prob=0.2, lr=3e-3, minutes=20.0, init_lm="text-draft", align_steps=300,
+                          lm_lr_scale=0.5),
 }
 IMAGE_SIZE, PATCH_SIZE = 64, 16
 IMAGE_TOKENS = TK.image_tokens(IMAGE_SIZE, PATCH_SIZE)      # 16 per image ("default" strategy drops CLS)
@@ -145,6 +149,20 @@ def new_model(p: Preset, seed: int) -> ports.Model:
 
 
 # ------------------------------------------------------------------------------------------------ the model
+
+
+def init_lm(p: Preset, model: ports.Model) -> dict:
+    """The LM params of `p.init_lm` (a shipped zoo text model), checked against the image model's LM shapes."""
+    src = ZOO_DIR / p.init_lm
+    if not (src / "config.json").exists():
+        raise SystemExit(f"{src} is missing: train and export {p.init_lm} first (the image model's LM starts there)")
+    lm = ports.load_hf(str(src), jnp.float32).params
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), model.params["lm"])
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), lm)
+    if want != got:
+        raise SystemExit(f"{p.init_lm}'s weights do not fit the LM of this preset: {got} vs {want}")
+    print(f"LM initialised from {src} ({sum(x.size for x in jax.tree.leaves(lm)) / 1e6:.2f}M params)")
+    return lm
 
 
 def segment_mask(segment_ids: jax.Array) -> jax.Array:
@@ -220,12 +238,14 @@ def lr_at(schedule: list[dict], step: int) -> float:
 
 def make_steps(model_cfg, tx):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch, lr):
+    def train_step(params, opt_state, batch, lr, lm_scale):
         (loss, (acc, n)), grads = jax.value_and_grad(functools.partial(loss_fn, model_cfg), has_aux=True)(
             params, batch)
         clip_state, inj = opt_state
         inj = inj._replace(hyperparams={**inj.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
         updates, opt_state = tx.update(grads, (clip_state, inj), params)
+        if "lm" in updates:   # LLaVA: the LM's step (weight decay included) is scaled, 0 while aligning
+            updates = {**updates, "lm": jax.tree.map(lambda u: u * lm_scale, updates["lm"])}
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, "acc": acc,
                                                                  "grad_norm": optax.global_norm(grads)}
 
@@ -343,12 +363,14 @@ def train(args) -> None:
         p = dataclasses.replace(p, batch=args.batch)
     if args.lr:
         p = dataclasses.replace(p, lr=args.lr)
-    workdir = Path(args.workdir or ROOT / "build" / "zoo" / name)
+    workdir = Path(args.workdir or ROOT / "build" / "zoo" / name).resolve()
     if workdir.exists() and not args.resume:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "log.jsonl"
     model = new_model(p, args.seed)
+    if p.init_lm and not args.resume:
+        model = dataclasses.replace(model, params={**model.params, "lm": init_lm(p, model)})
     tx = make_optimizer(p)
     params, opt_state = model.params, tx.init(model.params)
     train_step, eval_step = make_steps(model.config, tx)
@@ -412,7 +434,8 @@ def train(args) -> None:
             t0 = time.perf_counter()
             batch, next_index, n_tok = next(data)
             lr = lr_at(meta["schedule"], meta["step"])
-            params, opt_state, m = train_step(params, opt_state, batch, np.float32(lr))
+            lm_scale = 0.0 if meta["step"] < p.align_steps else p.lm_lr_scale
+            params, opt_state, m = train_step(params, opt_state, batch, np.float32(lr), np.float32(lm_scale))
             m = jax.device_get(m)
             dt = time.perf_counter() - t0
             meta["step"] += 1
@@ -560,7 +583,7 @@ def export(name: str, model: ports.Model, meta: dict, workdir: Path, out: Path |
 
 def export_cmd(args) -> None:
     p = PRESETS[args.name]
-    workdir = Path(args.workdir or ROOT / "build" / "zoo" / args.name)
+    workdir = Path(args.workdir or ROOT / "build" / "zoo" / args.name).resolve()
     model = new_model(p, 0)
     tx = make_optimizer(p)
     restored = restore_ckpt(_checkpointer(workdir), model.params, tx.init(model.params))
