@@ -1,13 +1,19 @@
 """Train the zoo's model pairs on the synthetic world, export them in HF layout, and measure them.
 
-Models (presets in `PRESETS`; our ports are the models, trained from scratch):
+Models (presets in `PRESETS`; our ports are the models; the text pair is trained from scratch):
     text-target   LLaMA, hidden 256, 6 layers, 4 heads, tied embeddings (5.1M params)
     text-draft    LLaMA, hidden 128, 3 layers, 2 heads, tied embeddings (0.73M params)
     image-target  LLaVA-1.5: CLIP-style tower (64 px, patch 16 -> 16 tokens, hidden 128, 4 layers) + GELU
-                  projector + the text-target-sized LLaMA; every in-distribution task (data.TARGET_TASKS)
-    image-draft   LLaVA-1.5: tower hidden 64, 2 layers + LLaMA hidden 128, 2 layers; single-image and text tasks
+                  projector + the text-target's LLaMA; every in-distribution task (data.TARGET_TASKS)
+    image-draft   LLaVA-1.5: tower hidden 64, 2 layers + the text-draft's LLaMA; single-image and text tasks
                   only (data.DRAFT_TASKS: multi-image prompts stay out of its distribution), 20% of examples in
                   TABED's text-only view (t_view_prob=0.2)
+The image models follow LLaVA's recipe in three stages, all in one `train` run: (1) the tower is pretrained alone
+(`tower_steps`, supervised on each scene's attributes: kind, per grid cell colour/shape/size, the sign's characters,
+per bar colour/value; our stand-in for a pretrained CLIP); (2) alignment: the LM starts from the shipped text model
+(`init_lm`) and stays frozen while the tower and projector learn to feed it (`align_steps`); (3) everything trains,
+the LM at `lm_lr_scale` of the learning rate. Trained from scratch end to end instead (the first attempt), the LM
+learned the answers' text and ignored the image: its logits moved by <= 0.0015 when the pixels were zeroed.
 The text pair reads the world's text chats (data.TEXT_TASKS) plus `described_*` tasks registered here: the
 single-image tasks (VQA, captions, image-grounded second turns) with each image replaced by its detailed
 description ("Picture: There are two shapes. A big red circle is in the top left. ..."), so VQA-style questions
@@ -32,8 +38,8 @@ Reproduce the shipped models (commands also in jspec/zoo/<name>/training.json; a
     python scripts/train_zoo.py train text-draft --steps 1371             # (sized by --minutes 17)
 A run stopped by --minutes (or Ctrl-C / SIGTERM) continues with the same command plus --resume; an interrupted and
 resumed run exports bit-identical weights.
-Image pair (not shipped yet; the same script):
-    python scripts/train_zoo.py train image-target --minutes 40
+Image pair (needs the text pair in jspec/zoo/, whose LMs it starts from):
+    python scripts/train_zoo.py train image-target --minutes 35
     python scripts/train_zoo.py train image-draft  --minutes 20
 Measure the shipped pairs (exact match per task, acceptance per scenario and view): scripts/eval_zoo.py.
 Other commands: `export NAME` (re-export from the latest checkpoint), `plot NAME`.
@@ -69,7 +75,9 @@ import ports  # noqa: E402
 from jspec import cache as kvc  # noqa: E402
 from jspec.zoo import data as D  # noqa: E402
 from jspec.zoo import tokenizer as TK  # noqa: E402
+from jspec.zoo import world as W  # noqa: E402
 from ports import llama, llava  # noqa: E402
+from ports import vision as VZ  # noqa: E402
 
 ZOO_DIR = ROOT / "jspec" / "zoo"
 RESULTS_DIR = ROOT / "scripts" / "results"
@@ -97,6 +105,7 @@ class Preset:
     init_lm: str | None = None   # zoo text model whose weights start the LLaVA LM (same shape, same tokenizer)
     align_steps: int = 0         # LLaVA's alignment stage: the LM is frozen for the first steps (tower+projector)
     lm_lr_scale: float = 1.0     # the LM's updates are scaled by this after the alignment stage
+    tower_steps: int = 0         # supervised pretraining of the tower on scene attributes first (our CLIP stand-in)
 
 
 PRESETS = {
@@ -104,11 +113,11 @@ PRESETS = {
     "text-draft": Preset("text", dict(hidden=128, layers=3, heads=2, ffn=352), lr=3e-3, minutes=18.0),
     "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                            dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
-                           lr=2e-3, init_lm="text-target", align_steps=300, lm_lr_scale=0.5),
+                           lr=2e-3, init_lm="text-target", align_steps=200, lm_lr_scale=0.5, tower_steps=2000),
     "image-draft": Preset("image", dict(hidden=128, layers=3, heads=2, ffn=352),
                           dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(D.DRAFT_TASKS), view="M",
-                          t_view_prob=0.2, lr=3e-3, minutes=20.0, init_lm="text-draft", align_steps=300,
-                          lm_lr_scale=0.5),
+                          t_view_prob=0.2, lr=3e-3, minutes=20.0, init_lm="text-draft", align_steps=200,
+                          lm_lr_scale=0.5, tower_steps=2000),
 }
 IMAGE_SIZE, PATCH_SIZE = 64, 16
 IMAGE_TOKENS = TK.image_tokens(IMAGE_SIZE, PATCH_SIZE)      # 16 per image ("default" strategy drops CLS)
@@ -163,6 +172,115 @@ def init_lm(p: Preset, model: ports.Model) -> dict:
         raise SystemExit(f"{p.init_lm}'s weights do not fit the LM of this preset: {got} vs {want}")
     print(f"LM initialised from {src} ({sum(x.size for x in jax.tree.leaves(lm)) / 1e6:.2f}M params)")
     return lm
+
+
+# ------------------------------------------------------------------------------------- tower pretraining
+# LLaVA starts from a pretrained CLIP tower; ours is pretrained here, supervised, to predict what each single-image
+# scene holds: its kind; per grid cell the colour, shape and size of the object there; the sign's characters and
+# colour; per bar slot the bar's colour and value. Class 0 of every slot is "none / not this kind of scene". The head
+# (a linear map of the tower's patch features, the ones the projector reads) is dropped afterwards.
+
+TEXT_SLOTS = max(4, max(len(w) for w in W.SIGN_WORDS))
+BAR_SLOTS = 4
+COLOUR_IDS = {c: i + 1 for i, c in enumerate(W.COLOURS)}
+SHAPE_IDS = {c: i + 1 for i, c in enumerate(W.SHAPES)}
+SIZE_IDS = {c: i + 1 for i, c in enumerate(W.SIZES)}
+CHAR_IDS = {c: i + 1 for i, c in enumerate(W.TEXT_CHARS)}
+KIND_IDS = {"shapes": 0, "text": 1, "chart": 2}
+LABEL_CLASSES = ([3] + [len(COLOUR_IDS) + 1, len(SHAPE_IDS) + 1, len(SIZE_IDS) + 1] * W.GRID ** 2
+                 + [len(CHAR_IDS) + 1] * TEXT_SLOTS + [len(COLOUR_IDS) + 1]
+                 + [len(COLOUR_IDS) + 1, 10] * BAR_SLOTS)
+
+
+def scene_labels(s: W.Scene) -> np.ndarray:
+    """int32 [len(LABEL_CLASSES)]: the scene's attributes, slot by slot (0 where a slot does not apply)."""
+    y = np.zeros(len(LABEL_CLASSES), np.int32)
+    y[0] = KIND_IDS[s.kind]
+    if s.kind == "shapes":
+        for o in s.objects:
+            i = 1 + 3 * (o.row * W.GRID + o.col)
+            y[i:i + 3] = COLOUR_IDS[o.colour], SHAPE_IDS[o.shape], SIZE_IDS[o.size]
+    base = 1 + 3 * W.GRID ** 2
+    if s.kind == "text":
+        y[base:base + len(s.text)] = [CHAR_IDS[c] for c in s.text]
+        y[base + TEXT_SLOTS] = COLOUR_IDS[s.text_colour]
+    base += TEXT_SLOTS + 1
+    if s.kind == "chart":
+        for j, b in enumerate(s.bars):
+            y[base + 2 * j:base + 2 * j + 2] = COLOUR_IDS[b.colour], b.value
+    return y
+
+
+def scene_batch(split: str, n: int, seed: int, start: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pixels [n, 3, S, S] and labels [n, slots] of scenes start .. start + n - 1 of a split (deterministic)."""
+    import random
+
+    px, ys = [], []
+    for i in range(start, start + n):
+        rng = random.Random(f"tower/{seed}/{split}/{i}")
+        kind = rng.choice(("shapes", "shapes", "shapes", "text", "chart"))
+        sc = W.scene_in(rng, split, W.SCENE_MAKERS[kind])
+        px.append(D.pixels(sc, IMAGE_SIZE))
+        ys.append(scene_labels(sc))
+    return np.stack(px), np.stack(ys)
+
+
+def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) -> dict:
+    """The tower's params after `p.tower_steps` AdamW steps on scene attributes (progress bar; held-out accuracy per
+    attribute group printed at the end)."""
+    from tqdm import tqdm
+
+    cfg = model.config
+    n_cls = np.array(LABEL_CLASSES)
+    offsets = np.concatenate([[0], np.cumsum(n_cls)[:-1]])
+    P, Dv = cfg.tokens_per_image, cfg.vision.hidden_size
+    head = {"w": jax.random.normal(jax.random.key(seed + 1), (P * Dv, int(n_cls.sum()))) * 0.02,
+            "b": jnp.zeros((int(n_cls.sum()),))}
+    valid = jnp.asarray(np.arange(n_cls.max())[None, :] < n_cls[:, None])  # [slots, max classes]
+    gather = jnp.asarray(np.where(np.asarray(valid), offsets[:, None] + np.arange(n_cls.max())[None, :], 0))
+
+    def logits(tp, x):
+        feats = VZ.image_features(cfg.vision, tp["vision"], x, cfg.feature_layer, cfg.feature_strategy)
+        flat = feats.reshape(feats.shape[0], -1) @ tp["head"]["w"] + tp["head"]["b"]
+        return jnp.where(valid[None], flat[:, gather], -1e9)                # [N, slots, max classes]
+
+    def loss(tp, x, y):
+        lg = logits(tp, x)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(lg, -1), y[..., None], -1)[..., 0]
+        return nll.sum(-1).mean()
+
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 2e-3, 50, p.tower_steps, 2e-4), weight_decay=0.05))
+    tp = {"vision": model.params["vision"], "head": head}
+    opt = tx.init(tp)
+
+    @jax.jit
+    def step(tp, opt, x, y):
+        lo, g = jax.value_and_grad(loss)(tp, x, y)
+        up, opt = tx.update(g, opt, tp)
+        return optax.apply_updates(tp, up), opt, lo
+
+    data = Prefetch((scene_batch("train", batch, seed, i * batch) for i in range(p.tower_steps)), size=4)
+    bar = tqdm(range(p.tower_steps), desc="tower pretraining", unit="step", mininterval=2.0, dynamic_ncols=True)
+    try:
+        for _ in bar:
+            x, y = next(data)
+            tp, opt, lo = step(tp, opt, x, y)
+            bar.set_postfix(loss=f"{float(lo):.3f}", refresh=False)
+    finally:
+        data.close()
+        bar.close()
+    x, y = scene_batch("heldout", 256, seed, 0)
+    pred = np.asarray(jnp.argmax(logits(tp, x), -1))
+    ok = pred == y
+    cells = 1 + 3 * W.GRID ** 2
+    groups = {"kind": (None, [0]), "shapes": (0, list(range(1, cells))),
+              "text": (1, list(range(cells, cells + TEXT_SLOTS + 1))), "chart": (2, list(range(cells + TEXT_SLOTS + 1,
+                                                                                              len(n_cls))))}
+    print("tower pretraining, held-out scenes with every attribute right: " + ", ".join(
+        f"{g} {ok[(y[:, 0] == k) if k is not None else slice(None)][:, idx].all(1).mean():.2f}"
+        for g, (k, idx) in groups.items()))
+    return tp["vision"]
 
 
 def segment_mask(segment_ids: jax.Array) -> jax.Array:
@@ -371,6 +489,8 @@ def train(args) -> None:
     model = new_model(p, args.seed)
     if p.init_lm and not args.resume:
         model = dataclasses.replace(model, params={**model.params, "lm": init_lm(p, model)})
+    if p.tower_steps and not args.resume:
+        model = dataclasses.replace(model, params={**model.params, "vision": pretrain_tower(p, model, args.seed)})
     tx = make_optimizer(p)
     params, opt_state = model.params, tx.init(model.params)
     train_step, eval_step = make_steps(model.config, tx)

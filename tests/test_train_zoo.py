@@ -70,3 +70,19 @@ def test_init_lm_loads_the_shipped_text_lm(tz):
 
     ref = zoo.load("text-draft").params
     assert not _moved(jax.device_get(lm), jax.device_get(ref))
+
+
+def test_scene_labels_describe_the_scene(tz):
+    """The tower's pretraining targets are in range and determine the scene: different scenes, different labels."""
+    import random
+
+    from jspec.zoo import world as W
+
+    rng = random.Random(0)
+    seen: dict[bytes, str] = {}
+    for i in range(600):
+        s = W.SCENE_MAKERS[("shapes", "text", "chart")[i % 3]](rng)
+        y = tz.scene_labels(s)
+        assert y.shape == (len(tz.LABEL_CLASSES),) and (y >= 0).all() and (y < np.array(tz.LABEL_CLASSES)).all()
+        assert seen.setdefault(y.tobytes(), s.key()) == s.key()
+    assert len(set(seen.values())) > 400
