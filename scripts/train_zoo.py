@@ -3,14 +3,15 @@
 Models (presets in `PRESETS`; our ports are the models; the text pair is trained from scratch):
     text-target   LLaMA, hidden 256, 6 layers, 4 heads, tied embeddings (5.1M params)
     text-draft    LLaMA, hidden 128, 3 layers, 2 heads, tied embeddings (0.73M params)
-    image-target  LLaVA-1.5: CLIP-style tower (64 px, patch 16 -> 16 tokens, hidden 128, 4 layers) + GELU
+    image-target  LLaVA-1.5: CLIP-style tower (60 px, patch 20 -> 9 tokens, one per grid cell; hidden 128,
+                  4 layers) + GELU
                   projector + the text-target's LLaMA; every in-distribution task (data.TARGET_TASKS)
     image-draft   LLaVA-1.5: tower hidden 64, 2 layers + the text-draft's LLaMA; single-image and text tasks
                   only (data.DRAFT_TASKS: multi-image prompts stay out of its distribution), 20% of examples in
                   TABED's text-only view (t_view_prob=0.2)
 The image models follow LLaVA's recipe in three stages, all in one `train` run: (1) the tower is pretrained alone
-(`tower_steps`, supervised on each scene's attributes: kind, per grid cell colour/shape/size, the sign's characters,
-per bar colour/value; our stand-in for a pretrained CLIP); (2) alignment: the LM starts from the shipped text model
+(`tower_steps`, supervised on each scene's attributes: kind, the sign's characters, per bar colour/value from all
+tokens, and each grid cell's colour/shape/size from that cell's own token; our stand-in for a pretrained CLIP); (2) alignment: the LM starts from the shipped text model
 (`init_lm`) and stays frozen while the tower and projector learn to feed it (`align_steps`); (3) everything trains,
 the LM at `lm_lr_scale` of the learning rate. Trained from scratch end to end instead (the first attempt), the LM
 learned the answers' text and ignored the image: its logits moved by <= 0.0015 when the pixels were zeroed.
@@ -119,8 +120,10 @@ PRESETS = {
                           t_view_prob=0.2, lr=3e-3, minutes=20.0, init_lm="text-draft", align_steps=200,
                           lm_lr_scale=0.5, tower_steps=2000),
 }
-IMAGE_SIZE, PATCH_SIZE = 64, 16
-IMAGE_TOKENS = TK.image_tokens(IMAGE_SIZE, PATCH_SIZE)      # 16 per image ("default" strategy drops CLS)
+# One patch per grid cell: image token (r, c) sees exactly cell (r, c), so the tower can give each token the
+# attributes of its own cell's object (bound together), which the LM then finds by content.
+IMAGE_SIZE, PATCH_SIZE = 20 * W.GRID, 20
+IMAGE_TOKENS = TK.image_tokens(IMAGE_SIZE, PATCH_SIZE)      # 9 per image ("default" strategy drops CLS)
 
 
 def text_hf_config(lm: dict) -> dict:
@@ -177,8 +180,10 @@ def init_lm(p: Preset, model: ports.Model) -> dict:
 # ------------------------------------------------------------------------------------- tower pretraining
 # LLaVA starts from a pretrained CLIP tower; ours is pretrained here, supervised, to predict what each single-image
 # scene holds: its kind; per grid cell the colour, shape and size of the object there; the sign's characters and
-# colour; per bar slot the bar's colour and value. Class 0 of every slot is "none / not this kind of scene". The head
-# (a linear map of the tower's patch features, the ones the projector reads) is dropped afterwards.
+# colour; per bar slot the bar's colour and value. Class 0 of every slot is "none / not this kind of scene". Two
+# linear heads read the tower's patch features (the ones the projector reads): the cell slots from the cell's own
+# token (one head shared by all tokens, so each token states its own object), the other slots from all tokens
+# concatenated. The heads are dropped afterwards.
 
 TEXT_SLOTS = max(4, max(len(w) for w in W.SIGN_WORDS))
 BAR_SLOTS = 4
@@ -225,24 +230,55 @@ def scene_batch(split: str, n: int, seed: int, start: int) -> tuple[np.ndarray, 
     return np.stack(px), np.stack(ys)
 
 
+CELL_SLOTS = np.arange(1, 1 + 3 * W.GRID ** 2).reshape(W.GRID ** 2, 3)   # label slots of grid cell j: row j
+REST_SLOTS = np.setdiff1d(np.arange(len(LABEL_CLASSES)), CELL_SLOTS.ravel())  # kind (slot 0), sign, bars
+
+
+def _slot_table(slots: np.ndarray) -> tuple[int, jax.Array, jax.Array]:
+    """(total classes, valid [slots, max classes], column of each (slot, class) in a head's output)."""
+    nc = np.array(LABEL_CLASSES)[slots]
+    offsets = np.concatenate([[0], np.cumsum(nc)[:-1]])
+    valid = np.arange(max(LABEL_CLASSES))[None, :] < nc[:, None]
+    return int(nc.sum()), jnp.asarray(valid), jnp.asarray(np.where(valid, offsets[:, None] + np.arange(valid.shape[1]),
+                                                                   0))
+
+
+def init_tower_head(dv: int, key: jax.Array) -> dict:
+    """The pretraining heads over [N, cells, dv] tower features: `cell_*` (shared by all tokens) reads a cell's
+    colour/shape/size from that cell's token; `w`/`b` read the other slots from all tokens concatenated."""
+    n_cell, n_rest = _slot_table(CELL_SLOTS[0])[0], _slot_table(REST_SLOTS)[0]
+    k1, k2 = jax.random.split(key)
+    return {"cell_w": jax.random.normal(k1, (dv, n_cell)) * 0.02, "cell_b": jnp.zeros((n_cell,)),
+            "w": jax.random.normal(k2, (W.GRID ** 2 * dv, n_rest)) * 0.02, "b": jnp.zeros((n_rest,))}
+
+
+def tower_head_logits(head: dict, feats: jax.Array) -> jax.Array:
+    """[N, len(LABEL_CLASSES), max classes] logits in `scene_labels` slot order (-1e9 past a slot's classes); the
+    slots of cell j depend on token j's features only."""
+    _, cell_valid, cell_gather = _slot_table(CELL_SLOTS[0])
+    _, rest_valid, rest_gather = _slot_table(REST_SLOTS)
+    n = feats.shape[0]
+    per_cell = (feats @ head["cell_w"] + head["cell_b"])[:, :, cell_gather]        # [N, cells, 3, classes]
+    per_cell = jnp.where(cell_valid, per_cell, -1e9).reshape(n, CELL_SLOTS.size, -1)
+    flat = (feats.reshape(n, -1) @ head["w"] + head["b"])[:, rest_gather]           # [N, rest slots, classes]
+    flat = jnp.where(rest_valid, flat, -1e9)
+    return jnp.concatenate([flat[:, :1], per_cell, flat[:, 1:]], axis=1)
+
+
 def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) -> dict:
     """The tower's params after `p.tower_steps` AdamW steps on scene attributes (progress bar; held-out accuracy per
     attribute group printed at the end)."""
     from tqdm import tqdm
 
     cfg = model.config
-    n_cls = np.array(LABEL_CLASSES)
-    offsets = np.concatenate([[0], np.cumsum(n_cls)[:-1]])
     P, Dv = cfg.tokens_per_image, cfg.vision.hidden_size
-    head = {"w": jax.random.normal(jax.random.key(seed + 1), (P * Dv, int(n_cls.sum()))) * 0.02,
-            "b": jnp.zeros((int(n_cls.sum()),))}
-    valid = jnp.asarray(np.arange(n_cls.max())[None, :] < n_cls[:, None])  # [slots, max classes]
-    gather = jnp.asarray(np.where(np.asarray(valid), offsets[:, None] + np.arange(n_cls.max())[None, :], 0))
+    if P != W.GRID ** 2:
+        raise SystemExit(f"tower pretraining needs one image token per grid cell ({W.GRID ** 2}), got {P}")
+    head = init_tower_head(Dv, jax.random.key(seed + 1))
 
     def logits(tp, x):
         feats = VZ.image_features(cfg.vision, tp["vision"], x, cfg.feature_layer, cfg.feature_strategy)
-        flat = feats.reshape(feats.shape[0], -1) @ tp["head"]["w"] + tp["head"]["b"]
-        return jnp.where(valid[None], flat[:, gather], -1e9)                # [N, slots, max classes]
+        return tower_head_logits(tp["head"], feats)
 
     def loss(tp, x, y):
         lg = logits(tp, x)
@@ -273,10 +309,10 @@ def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) ->
     x, y = scene_batch("heldout", 256, seed, 0)
     pred = np.asarray(jnp.argmax(logits(tp, x), -1))
     ok = pred == y
-    cells = 1 + 3 * W.GRID ** 2
-    groups = {"kind": (None, [0]), "shapes": (0, list(range(1, cells))),
-              "text": (1, list(range(cells, cells + TEXT_SLOTS + 1))), "chart": (2, list(range(cells + TEXT_SLOTS + 1,
-                                                                                              len(n_cls))))}
+    end = 1 + 3 * W.GRID ** 2
+    groups = {"kind": (None, [0]), "shapes": (0, list(range(1, end))),
+              "text": (1, list(range(end, end + TEXT_SLOTS + 1))), "chart": (2, list(range(end + TEXT_SLOTS + 1,
+                                                                                          len(LABEL_CLASSES))))}
     print("tower pretraining, held-out scenes with every attribute right: " + ", ".join(
         f"{g} {ok[(y[:, 0] == k) if k is not None else slice(None)][:, idx].all(1).mean():.2f}"
         for g, (k, idx) in groups.items()))

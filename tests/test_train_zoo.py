@@ -86,3 +86,24 @@ def test_scene_labels_describe_the_scene(tz):
         assert y.shape == (len(tz.LABEL_CLASSES),) and (y >= 0).all() and (y < np.array(tz.LABEL_CLASSES)).all()
         assert seen.setdefault(y.tobytes(), s.key()) == s.key()
     assert len(set(seen.values())) > 400
+
+
+def test_tower_head_reads_each_cell_from_its_own_token(tz):
+    """Image token j is grid cell j: the pretraining logits of cell j's colour/shape/size slots move when token j's
+    features move and no other cell's do; every slot's padding classes stay out of reach."""
+    from jspec.zoo import world as W
+
+    dv, cells = 8, W.GRID ** 2
+    head = tz.init_tower_head(dv, jax.random.key(0))
+    head = jax.tree.map(lambda w: w + 0.1, head)                        # no zero biases hiding a dependence
+    feats = np.asarray(jax.random.normal(jax.random.key(1), (2, cells, dv)))
+    base = np.asarray(tz.tower_head_logits(head, feats))
+    assert base.shape == (2, len(tz.LABEL_CLASSES), max(tz.LABEL_CLASSES))
+    valid = np.arange(base.shape[-1])[None, :] < np.array(tz.LABEL_CLASSES)[:, None]
+    assert (base[:, ~valid] == -1e9).all() and (base[:, valid] > -1e8).all()
+    for j in (0, 4, cells - 1):
+        moved = feats.copy()
+        moved[:, j] += 1.0
+        diff = np.abs(np.asarray(tz.tower_head_logits(head, moved)) - base).max(axis=(0, 2)) > 1e-6
+        assert set(np.flatnonzero(diff[tz.CELL_SLOTS.ravel()])) == {3 * j, 3 * j + 1, 3 * j + 2}
+        assert diff[tz.REST_SLOTS].all()                                 # the scene-level slots read every token
