@@ -73,7 +73,8 @@ def _hf_prompt(name: str, proc_or_tok):
         return dict(D.Encoder(proc_or_tok, view="T").prompt(ex))
     ex = D.eval_set("vqa", 4)[3]
     text = proc_or_tok.apply_chat_template(ex.messages(upto_last_answer=True), add_generation_prompt=True)
-    return dict(proc_or_tok(text=[text], images=[W.render(ex.images[0], 64)], return_tensors="np"))
+    size = zoo.load(name).config.vision.image_size
+    return dict(proc_or_tok(text=[text], images=[W.render(ex.images[0], size)], return_tensors="np"))
 
 
 @pytest.mark.parametrize("name", zoo.available())
@@ -141,5 +142,6 @@ def test_image_processor_shipped():
     proc = zoo.load_processor("image-target")
     ex = D.eval_set("vqa", 1)[0]
     text = proc.apply_chat_template(ex.messages(upto_last_answer=True), add_generation_prompt=True)
-    out = proc(text=[text], images=[W.render(ex.images[0], 64)], return_tensors="np")
-    assert int((out["input_ids"] == TK.IMAGE_ID).sum()) == zoo.load("image-target").config.tokens_per_image
+    cfg = zoo.load("image-target").config
+    out = proc(text=[text], images=[W.render(ex.images[0], cfg.vision.image_size)], return_tensors="np")
+    assert int((out["input_ids"] == TK.IMAGE_ID).sum()) == cfg.tokens_per_image
