@@ -42,6 +42,19 @@ def premise(sd: dict) -> dict:
     return checks
 
 
+def bars(res: dict) -> dict:
+    """Issue 8's bars on the image pair: the target's mean exact match over the VQA tasks (>= 0.90) and greedy
+    Chain SD's mean accepted length on held-out VQA with the draft in the M view (>= 2.5)."""
+    vqa = [r["target"] for r in res["exact_match"].values() if r["scenario"] == "vqa"]
+    out = {}
+    if vqa:
+        out["target VQA exact match >= 0.90"] = {"value": float(np.mean(vqa)), "met": bool(np.mean(vqa) >= 0.90)}
+    if "M" in res["sd"].get("vqa", {}):
+        tau = res["sd"]["vqa"]["M"]["mean_accepted"]
+        out["VQA mean accepted (M view) >= 2.5"] = {"value": float(tau), "met": bool(tau >= 2.5)}
+    return out
+
+
 def evaluate(pair_name: str, n: int, n_sd: int, runs: int, gamma: int) -> dict:
     pair = E.load_pair(pair_name)
     res = {"pair": pair_name, "date": datetime.date.today().isoformat(),
@@ -64,6 +77,9 @@ def evaluate(pair_name: str, n: int, n_sd: int, runs: int, gamma: int) -> dict:
         res["premise"] = premise(res["sd"])
         for k, ok in res["premise"].items():
             print(f"  TABED premise: {k}: {'yes' if ok else 'NO'}")
+        res["bars"] = bars(res)
+        for k, r in res["bars"].items():
+            print(f"  bar: {k}: {r['value']:.3f} {'met' if r['met'] else 'NOT met'}")
     return res
 
 
@@ -82,6 +98,9 @@ def markdown(res: dict) -> str:
         lines.append(f"| {sc} | {cells} | {all(x['same_tokens'] for x in r.values())} |")
     if "premise" in res:
         lines += ["", "TABED premise: " + "; ".join(f"{k}: {'yes' if ok else 'no'}" for k, ok in res["premise"].items())]
+    if res.get("bars"):
+        lines += ["", "Bars: " + "; ".join(f"{k}: {r['value']:.3f} ({'met' if r['met'] else 'not met'})"
+                                           for k, r in res["bars"].items())]
     return "\n".join(lines) + "\n"
 
 
