@@ -11,9 +11,10 @@ Models (presets in `PRESETS`; our ports are the models; the text pair is trained
                   TABED's text-only view (t_view_prob=0.2)
 The image models follow LLaVA's recipe in three stages, all in one `train` run: (1) the tower is pretrained alone
 (`tower_steps`, supervised on each scene's attributes: kind, the sign's characters, per bar colour/value from all
-tokens, and each grid cell's colour/shape/size from that cell's own token; our stand-in for a pretrained CLIP); (2) alignment: the LM starts from the shipped text model
-(`init_lm`) and stays frozen while the tower and projector learn to feed it (`align_steps`); (3) everything trains,
-the LM at `lm_lr_scale` of the learning rate. Trained from scratch end to end instead (the first attempt), the LM
+tokens, and each grid cell's colour/shape/size/row/column from that cell's own token; our stand-in for a pretrained
+CLIP); (2) alignment: the LM starts from the shipped text model (`init_lm`) and stays frozen, with the pretrained
+tower, while the projector learns to feed it (`align_steps`); (3) everything trains, the LM at `lm_lr_scale` and the
+tower at `tower_lr_scale` of the learning rate. Trained from scratch end to end instead (the first attempt), the LM
 learned the answers' text and ignored the image: its logits moved by <= 0.0015 when the pixels were zeroed.
 The text pair reads the world's text chats (data.TEXT_TASKS) plus `described_*` tasks registered here: the
 single-image tasks (VQA, captions, image-grounded second turns) with each image replaced by its detailed
@@ -106,7 +107,10 @@ class Preset:
     init_lm: str | None = None   # zoo text model whose weights start the LLaVA LM (same shape, same tokenizer)
     align_steps: int = 0         # LLaVA's alignment stage: the LM is frozen for the first steps (tower+projector)
     lm_lr_scale: float = 1.0     # the LM's updates are scaled by this after the alignment stage
+    tower_lr_scale: float = 1.0  # the tower's updates are scaled by this after the alignment stage (0 while aligning
+                                 # when the tower was pretrained: LLaVA keeps its CLIP tower frozen)
     tower_steps: int = 0         # supervised pretraining of the tower on scene attributes first (our CLIP stand-in)
+    loss_per_example: bool = False  # weigh packed examples equally in the objective (else answer tokens equally)
 
 
 PRESETS = {
@@ -114,11 +118,12 @@ PRESETS = {
     "text-draft": Preset("text", dict(hidden=128, layers=3, heads=2, ffn=352), lr=3e-3, minutes=18.0),
     "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                            dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
-                           lr=2e-3, init_lm="text-target", align_steps=200, lm_lr_scale=0.5, tower_steps=2000),
+                           lr=2e-3, init_lm="text-target", align_steps=200, lm_lr_scale=1.0, tower_steps=3000,
+                           tower_lr_scale=0.1, loss_per_example=True),
     "image-draft": Preset("image", dict(hidden=128, layers=3, heads=2, ffn=352),
                           dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(D.DRAFT_TASKS), view="M",
                           t_view_prob=0.2, lr=3e-3, minutes=20.0, init_lm="text-draft", align_steps=200,
-                          lm_lr_scale=0.5, tower_steps=2000),
+                          lm_lr_scale=1.0, tower_steps=3000, tower_lr_scale=0.1, loss_per_example=True),
 }
 # One patch per grid cell: image token (r, c) sees exactly cell (r, c), so the tower can give each token the
 # attributes of its own cell's object (bound together), which the LM then finds by content.
@@ -179,10 +184,11 @@ def init_lm(p: Preset, model: ports.Model) -> dict:
 
 # ------------------------------------------------------------------------------------- tower pretraining
 # LLaVA starts from a pretrained CLIP tower; ours is pretrained here, supervised, to predict what each single-image
-# scene holds: its kind; per grid cell the colour, shape and size of the object there; the sign's characters and
-# colour; per bar slot the bar's colour and value. Class 0 of every slot is "none / not this kind of scene". Two
-# linear heads read the tower's patch features (the ones the projector reads): the cell slots from the cell's own
-# token (one head shared by all tokens, so each token states its own object), the other slots from all tokens
+# scene holds: its kind; per grid cell the colour, shape and size of the object there, and the cell's row and column;
+# the sign's characters and colour; per bar slot the bar's colour and value. Class 0 of every attribute slot is "none /
+# not this kind of scene". Two linear heads read the tower's patch features (the ones the projector reads): the cell
+# slots from the cell's own token (one head shared by all tokens, so each token states its own object and where it
+# is: the LM can copy both from the one token a question's words match), the other slots from all tokens
 # concatenated. The heads are dropped afterwards.
 
 TEXT_SLOTS = max(4, max(len(w) for w in W.SIGN_WORDS))
@@ -192,7 +198,8 @@ SHAPE_IDS = {c: i + 1 for i, c in enumerate(W.SHAPES)}
 SIZE_IDS = {c: i + 1 for i, c in enumerate(W.SIZES)}
 CHAR_IDS = {c: i + 1 for i, c in enumerate(W.TEXT_CHARS)}
 KIND_IDS = {"shapes": 0, "text": 1, "chart": 2}
-LABEL_CLASSES = ([3] + [len(COLOUR_IDS) + 1, len(SHAPE_IDS) + 1, len(SIZE_IDS) + 1] * W.GRID ** 2
+CELL_CLASSES = [len(COLOUR_IDS) + 1, len(SHAPE_IDS) + 1, len(SIZE_IDS) + 1, W.GRID, W.GRID]  # + the cell's row, col
+LABEL_CLASSES = ([3] + CELL_CLASSES * W.GRID ** 2
                  + [len(CHAR_IDS) + 1] * TEXT_SLOTS + [len(COLOUR_IDS) + 1]
                  + [len(COLOUR_IDS) + 1, 10] * BAR_SLOTS)
 
@@ -201,11 +208,14 @@ def scene_labels(s: W.Scene) -> np.ndarray:
     """int32 [len(LABEL_CLASSES)]: the scene's attributes, slot by slot (0 where a slot does not apply)."""
     y = np.zeros(len(LABEL_CLASSES), np.int32)
     y[0] = KIND_IDS[s.kind]
+    A = len(CELL_CLASSES)
+    for j in range(W.GRID ** 2):              # every token also states where its cell is (row, column)
+        y[1 + A * j + 3:1 + A * j + 5] = divmod(j, W.GRID)
     if s.kind == "shapes":
         for o in s.objects:
-            i = 1 + 3 * (o.row * W.GRID + o.col)
+            i = 1 + A * (o.row * W.GRID + o.col)
             y[i:i + 3] = COLOUR_IDS[o.colour], SHAPE_IDS[o.shape], SIZE_IDS[o.size]
-    base = 1 + 3 * W.GRID ** 2
+    base = 1 + A * W.GRID ** 2
     if s.kind == "text":
         y[base:base + len(s.text)] = [CHAR_IDS[c] for c in s.text]
         y[base + TEXT_SLOTS] = COLOUR_IDS[s.text_colour]
@@ -230,7 +240,7 @@ def scene_batch(split: str, n: int, seed: int, start: int) -> tuple[np.ndarray, 
     return np.stack(px), np.stack(ys)
 
 
-CELL_SLOTS = np.arange(1, 1 + 3 * W.GRID ** 2).reshape(W.GRID ** 2, 3)   # label slots of grid cell j: row j
+CELL_SLOTS = np.arange(1, 1 + len(CELL_CLASSES) * W.GRID ** 2).reshape(W.GRID ** 2, -1)  # slots of grid cell j: row j
 REST_SLOTS = np.setdiff1d(np.arange(len(LABEL_CLASSES)), CELL_SLOTS.ravel())  # kind (slot 0), sign, bars
 
 
@@ -309,7 +319,7 @@ def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) ->
     x, y = scene_batch("heldout", 256, seed, 0)
     pred = np.asarray(jnp.argmax(logits(tp, x), -1))
     ok = pred == y
-    end = 1 + 3 * W.GRID ** 2
+    end = 1 + len(CELL_CLASSES) * W.GRID ** 2
     groups = {"kind": (None, [0]), "shapes": (0, list(range(1, end))),
               "text": (1, list(range(end, end + TEXT_SLOTS + 1))), "chart": (2, list(range(end + TEXT_SLOTS + 1,
                                                                                           len(LABEL_CLASSES))))}
@@ -355,15 +365,30 @@ def logits_fn(model_cfg, params: dict, batch: dict) -> jax.Array:
                          embeds=embeds).logits
 
 
-def loss_fn(model_cfg, params, batch):
-    """Mean cross-entropy over answer tokens; aux: (answer-token accuracy, number of answer tokens)."""
+def answer_weights(segment_ids: jax.Array, mask: jax.Array, per_example: bool) -> jax.Array:
+    """[B, T] weights of the answer tokens in the objective, summing to 1: equal per token, or (per_example) equal
+    per packed example, shared by its answer tokens (a one-word VQA answer then weighs as much as a long caption)."""
+    m = mask.astype(jnp.float32)
+    if not per_example:
+        return m / jnp.maximum(m.sum(), 1.0)
+    B, T = m.shape
+    ids = (jnp.arange(B)[:, None] * T + segment_ids).ravel()
+    count = jax.ops.segment_sum(m.ravel(), ids, num_segments=B * T)
+    examples = jnp.maximum((count > 0).sum(), 1)
+    return m / jnp.maximum(count[ids].reshape(B, T), 1.0) / examples
+
+
+def loss_fn(model_cfg, params, batch, per_example: bool = False):
+    """The objective (cross-entropy over answer tokens under `answer_weights`); aux: (mean cross-entropy per answer
+    token, answer-token accuracy, number of answer tokens)."""
     logits = logits_fn(model_cfg, params, batch)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
     m = batch["target_mask"]
     n = jnp.maximum(m.sum(), 1.0)
     acc = ((jnp.argmax(logits, -1) == batch["targets"]) * m).sum() / n
-    return (nll * m).sum() / n, (acc, m.sum())
+    objective = (nll * answer_weights(batch["segment_ids"], m, per_example)).sum()
+    return objective, ((nll * m).sum() / n, acc, m.sum())
 
 
 def make_optimizer(p: Preset) -> optax.GradientTransformation:
@@ -390,22 +415,23 @@ def lr_at(schedule: list[dict], step: int) -> float:
     return float(optax.cosine_decay_schedule(peak, 1, alpha=0.1)(frac))
 
 
-def make_steps(model_cfg, tx):
+def make_steps(model_cfg, tx, per_example: bool = False):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch, lr, lm_scale):
-        (loss, (acc, n)), grads = jax.value_and_grad(functools.partial(loss_fn, model_cfg), has_aux=True)(
-            params, batch)
+    def train_step(params, opt_state, batch, lr, lm_scale, tower_scale=1.0):
+        (_, (loss, acc, n)), grads = jax.value_and_grad(
+            functools.partial(loss_fn, model_cfg, per_example=per_example), has_aux=True)(params, batch)
         clip_state, inj = opt_state
         inj = inj._replace(hyperparams={**inj.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
         updates, opt_state = tx.update(grads, (clip_state, inj), params)
-        if "lm" in updates:   # LLaVA: the LM's step (weight decay included) is scaled, 0 while aligning
-            updates = {**updates, "lm": jax.tree.map(lambda u: u * lm_scale, updates["lm"])}
+        if "lm" in updates:   # LLaVA: the LM's and tower's steps (weight decay included) are scaled
+            updates = {**updates, "lm": jax.tree.map(lambda u: u * lm_scale, updates["lm"]),
+                       "vision": jax.tree.map(lambda u: u * tower_scale, updates["vision"])}
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, "acc": acc,
                                                                  "grad_norm": optax.global_norm(grads)}
 
     @jax.jit
     def eval_step(params, batch):
-        loss, (acc, n) = loss_fn(model_cfg, params, batch)
+        _, (loss, acc, n) = loss_fn(model_cfg, params, batch)
         return loss * n, acc * n, n
 
     return train_step, eval_step
@@ -529,7 +555,7 @@ def train(args) -> None:
         model = dataclasses.replace(model, params={**model.params, "vision": pretrain_tower(p, model, args.seed)})
     tx = make_optimizer(p)
     params, opt_state = model.params, tx.init(model.params)
-    train_step, eval_step = make_steps(model.config, tx)
+    train_step, eval_step = make_steps(model.config, tx, p.loss_per_example)
     mgr = _checkpointer(workdir)
     meta = {"name": name, "seed": args.seed, "step": 0, "next_index": 0, "total_steps": args.steps,
             "elapsed_s": 0.0, "tokens": 0, "preset": dataclasses.asdict(p), "runs": [],
@@ -590,8 +616,11 @@ def train(args) -> None:
             t0 = time.perf_counter()
             batch, next_index, n_tok = next(data)
             lr = lr_at(meta["schedule"], meta["step"])
-            lm_scale = 0.0 if meta["step"] < p.align_steps else p.lm_lr_scale
-            params, opt_state, m = train_step(params, opt_state, batch, np.float32(lr), np.float32(lm_scale))
+            aligning = meta["step"] < p.align_steps
+            lm_scale = 0.0 if aligning else p.lm_lr_scale
+            tower_scale = p.tower_lr_scale * (not (aligning and p.tower_steps))
+            params, opt_state, m = train_step(params, opt_state, batch, np.float32(lr), np.float32(lm_scale),
+                                              np.float32(tower_scale))
             m = jax.device_get(m)
             dt = time.perf_counter() - t0
             meta["step"] += 1

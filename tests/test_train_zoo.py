@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,6 +53,25 @@ def test_alignment_stage_freezes_only_the_lm(tz):
     assert _moved(aligned["lm"], jax.device_get(params)["lm"])
 
 
+def test_pretrained_tower_stays_frozen_while_aligning(tz):
+    """With a pretrained tower (LLaVA's frozen CLIP), the alignment steps move the projector only; afterwards the
+    tower moves at its own scale."""
+    p = _tiny(tz, align_steps=1, lm_lr_scale=0.5, tower_lr_scale=0.1)
+    model = tz.new_model(p, 0)
+    tx = tz.make_optimizer(p)
+    train_step, _ = tz.make_steps(model.config, tx)
+    batch = next(tz.stream(p, "train", 0, 0))[0]
+    before = jax.device_get(model.params)
+    params, opt = jax.tree.map(np.copy, before), tx.init(model.params)
+    params, opt, _ = train_step(params, opt, batch, np.float32(1e-2), np.float32(0.0), np.float32(0.0))
+    aligned = jax.device_get(params)
+    assert not _moved(before["lm"], aligned["lm"]) and not _moved(before["vision"], aligned["vision"])
+    assert _moved(before["projector"], aligned["projector"])
+    params, opt, _ = train_step(params, opt, batch, np.float32(1e-2), np.float32(0.5), np.float32(0.1))
+    after = jax.device_get(params)
+    assert _moved(aligned["vision"], after["vision"]) and _moved(aligned["lm"], after["lm"])
+
+
 def test_init_lm_refuses_a_text_model_of_another_shape(tz):
     p = _tiny(tz, init_lm="text-draft")
     if not (tz.ZOO_DIR / "text-draft" / "config.json").exists():
@@ -89,8 +109,8 @@ def test_scene_labels_describe_the_scene(tz):
 
 
 def test_tower_head_reads_each_cell_from_its_own_token(tz):
-    """Image token j is grid cell j: the pretraining logits of cell j's colour/shape/size slots move when token j's
-    features move and no other cell's do; every slot's padding classes stay out of reach."""
+    """Image token j is grid cell j: the pretraining logits of cell j's colour/shape/size/row/column slots move when
+    token j's features move and no other cell's do; every slot's padding classes stay out of reach."""
     from jspec.zoo import world as W
 
     dv, cells = 8, W.GRID ** 2
@@ -105,5 +125,20 @@ def test_tower_head_reads_each_cell_from_its_own_token(tz):
         moved = feats.copy()
         moved[:, j] += 1.0
         diff = np.abs(np.asarray(tz.tower_head_logits(head, moved)) - base).max(axis=(0, 2)) > 1e-6
-        assert set(np.flatnonzero(diff[tz.CELL_SLOTS.ravel()])) == {3 * j, 3 * j + 1, 3 * j + 2}
+        A = tz.CELL_SLOTS.shape[1]
+        assert set(np.flatnonzero(diff[tz.CELL_SLOTS.ravel()])) == set(range(A * j, A * j + A))
         assert diff[tz.REST_SLOTS].all()                                 # the scene-level slots read every token
+
+
+def test_answer_weights_per_token_and_per_example(tz):
+    """Per token: every answer token weighs the same. Per example: each packed example's answer tokens share an equal
+    part, so a one-token answer weighs as much as a long one; padding and prompt tokens weigh nothing."""
+    seg = np.array([[1, 1, 1, 1, 2, 2, 0], [1, 1, 2, 2, 2, 3, 3]], np.int32)
+    mask = np.array([[0, 1, 1, 1, 0, 1, 0], [0, 1, 0, 0, 1, 0, 0]], np.float32)   # row 1, segment 3: no answer
+    tok = np.asarray(tz.answer_weights(jnp.asarray(seg), jnp.asarray(mask), False))
+    np.testing.assert_allclose(tok, mask / mask.sum())
+    ex = np.asarray(tz.answer_weights(jnp.asarray(seg), jnp.asarray(mask), True))
+    np.testing.assert_allclose(ex.sum(), 1.0, rtol=1e-6)
+    assert (ex[mask == 0] == 0).all()
+    np.testing.assert_allclose(ex[0, 1:4], 1 / 12)            # 4 examples with answers; 3 tokens share one quarter
+    np.testing.assert_allclose([ex[0, 5], ex[1, 1], ex[1, 4]], 1 / 4)
