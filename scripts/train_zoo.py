@@ -416,6 +416,13 @@ def lr_at(schedule: list[dict], step: int) -> float:
     return float(optax.cosine_decay_schedule(peak, 1, alpha=0.1)(frac))
 
 
+def stage_scales(p: Preset, step: int) -> tuple[float, float]:
+    """(LM, tower) update scales at `step`: while aligning the LM is frozen, and so is a pretrained tower (LLaVA's
+    frozen CLIP; a tower trained from scratch learns from the start); afterwards `lm_lr_scale`, `tower_lr_scale`."""
+    aligning = step < p.align_steps
+    return (0.0 if aligning else p.lm_lr_scale), (0.0 if aligning and p.tower_steps else p.tower_lr_scale)
+
+
 def make_steps(model_cfg, tx, per_example: bool = False):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, batch, lr, lm_scale, tower_scale=1.0):
@@ -617,9 +624,7 @@ def train(args) -> None:
             t0 = time.perf_counter()
             batch, next_index, n_tok = next(data)
             lr = lr_at(meta["schedule"], meta["step"])
-            aligning = meta["step"] < p.align_steps
-            lm_scale = 0.0 if aligning else p.lm_lr_scale
-            tower_scale = p.tower_lr_scale * (not (aligning and p.tower_steps))
+            lm_scale, tower_scale = stage_scales(p, meta["step"])
             params, opt_state, m = train_step(params, opt_state, batch, np.float32(lr), np.float32(lm_scale),
                                               np.float32(tower_scale))
             m = jax.device_get(m)

@@ -55,19 +55,21 @@ def test_alignment_stage_freezes_only_the_lm(tz):
 
 def test_pretrained_tower_stays_frozen_while_aligning(tz):
     """With a pretrained tower (LLaVA's frozen CLIP), the alignment steps move the projector only; afterwards the
-    tower moves at its own scale."""
-    p = _tiny(tz, align_steps=1, lm_lr_scale=0.5, tower_lr_scale=0.1)
+    tower moves at its own scale. A tower trained from scratch learns while aligning."""
+    p = _tiny(tz, align_steps=1, lm_lr_scale=0.5, tower_lr_scale=0.1, tower_steps=5)
+    assert tz.stage_scales(p, 0) == (0.0, 0.0) and tz.stage_scales(p, 1) == (0.5, 0.1)
+    assert tz.stage_scales(dataclasses.replace(p, tower_steps=0), 0) == (0.0, 0.1)
     model = tz.new_model(p, 0)
     tx = tz.make_optimizer(p)
     train_step, _ = tz.make_steps(model.config, tx)
     batch = next(tz.stream(p, "train", 0, 0))[0]
     before = jax.device_get(model.params)
     params, opt = jax.tree.map(np.copy, before), tx.init(model.params)
-    params, opt, _ = train_step(params, opt, batch, np.float32(1e-2), np.float32(0.0), np.float32(0.0))
+    params, opt, _ = train_step(params, opt, batch, np.float32(1e-2), *map(np.float32, tz.stage_scales(p, 0)))
     aligned = jax.device_get(params)
     assert not _moved(before["lm"], aligned["lm"]) and not _moved(before["vision"], aligned["vision"])
     assert _moved(before["projector"], aligned["projector"])
-    params, opt, _ = train_step(params, opt, batch, np.float32(1e-2), np.float32(0.5), np.float32(0.1))
+    params, opt, _ = train_step(params, opt, batch, np.float32(1e-2), *map(np.float32, tz.stage_scales(p, 1)))
     after = jax.device_get(params)
     assert _moved(aligned["vision"], after["vision"]) and _moved(aligned["lm"], after["lm"])
 
