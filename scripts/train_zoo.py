@@ -14,8 +14,11 @@ The image models follow LLaVA's recipe in three stages, all in one `train` run: 
 tokens, and each grid cell's colour/shape/size/row/column from that cell's own token; our stand-in for a pretrained
 CLIP); (2) alignment: the LM starts from the shipped text model (`init_lm`) and stays frozen, with the pretrained
 tower, while the projector learns to feed it (`align_steps`); (3) everything trains, the LM at `lm_lr_scale` and the
-tower at `tower_lr_scale` of the learning rate. Trained from scratch end to end instead (the first attempt), the LM
-learned the answers' text and ignored the image: its logits moved by <= 0.0015 when the pixels were zeroed.
+tower at `tower_lr_scale` of the learning rate. Both image models train on batches of 16 rows: in 8-minute trials of
+the image target (100 alignment steps, then the LM), batch 16 reached a held-out VQA exact match of 0.44, batch 32
+0.33 and batch 8 0.41; more, smaller steps win at this budget. Trained from scratch end to end instead (the first
+attempt), the LM learned the answers' text and ignored the image: its logits moved by <= 0.0015 when the pixels
+were zeroed.
 The text pair reads the world's text chats (data.TEXT_TASKS) plus `described_*` tasks registered here: the
 single-image tasks (VQA, captions, image-grounded second turns) with each image replaced by its detailed
 description ("Picture: There are two shapes. A big red circle is in the top left. ..."), so VQA-style questions
@@ -119,11 +122,11 @@ PRESETS = {
     "text-draft": Preset("text", dict(hidden=128, layers=3, heads=2, ffn=352), lr=3e-3, minutes=18.0),
     "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                            dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
-                           lr=2e-3, init_lm="text-target", align_steps=200, lm_lr_scale=1.0, tower_steps=3000,
+                           batch=16, lr=2e-3, init_lm="text-target", align_steps=200, lm_lr_scale=1.0, tower_steps=3000,
                            tower_lr_scale=0.1),
     "image-draft": Preset("image", dict(hidden=128, layers=3, heads=2, ffn=352),
                           dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(D.DRAFT_TASKS), view="M",
-                          t_view_prob=0.2, lr=3e-3, minutes=20.0, init_lm="text-draft", align_steps=200,
+                          t_view_prob=0.2, batch=16, lr=2e-3, minutes=20.0, init_lm="text-draft", align_steps=200,
                           lm_lr_scale=1.0, tower_steps=3000, tower_lr_scale=0.1),
 }
 # One patch per grid cell: image token (r, c) sees exactly cell (r, c), so the tower can give each token the

@@ -1,8 +1,10 @@
 """The shipped zoo models (jspec/zoo/<name>/, trained by scripts/train_zoo.py): transformers loads each one and its
-greedy `generate` equals jspec's greedy decode; the text target answers held-out text chats; greedy Chain SD with
-the text draft equals AR and accepts well above one token per step; unknown names list the available ones."""
+greedy `generate` equals jspec's greedy decode; the text target answers held-out text chats and the image target
+answers VQA questions from the image; greedy Chain SD with either draft equals AR and accepts well above one token
+per step; unknown names list the available ones."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,6 +28,11 @@ from jspec.zoo import world as W
 MIN_EXACT_MATCH = 0.85
 MIN_MEAN_ACCEPTED = 4.0
 MIN_IMAGE_MEAN_ACCEPTED = 2.0
+# Measured on the shipped image target, the 32 held-out VQA prompts of D.eval_set("vqa", 32): exact match 0.53 with
+# each prompt's own image, 0.31 with a same-task prompt's image (issue 8's bar, 0.90, is not met yet: README).
+N_VQA = 32
+MIN_IMAGE_VQA_EXACT_MATCH = 0.40
+MIN_IMAGE_VQA_GAIN = 0.12
 N_PROMPTS = 20
 MAX_NEW = 64
 
@@ -135,6 +142,21 @@ def test_image_pair_chain_sd_both_views():
         np.testing.assert_array_equal(sd.lengths, ar.lengths)
     pooled = m.stats["accepted"].sum() / m.stats["steps"].sum()
     assert pooled >= MIN_IMAGE_MEAN_ACCEPTED, pooled
+
+
+@needs_image_pair
+def test_image_target_answers_from_the_image():
+    """The image target answers held-out VQA questions from the image: its greedy exact match with each prompt's own
+    image is well above that with the image of another prompt asking the same kind of question (the same answer
+    format, a different scene)."""
+    from jspec.zoo import evaluate as E
+
+    pair = E.load_pair("image")
+    exs = D.eval_set("vqa", N_VQA)
+    k = len(W.tasks_of("vqa"))       # eval_set is round-robin over the VQA tasks: i and i + k share a task
+    swapped = [dataclasses.replace(ex, images=exs[(i + k) % len(exs)].images) for i, ex in enumerate(exs)]
+    own, other = np.mean(E.exact_match(pair.target, pair, exs)), np.mean(E.exact_match(pair.target, pair, swapped))
+    assert own >= MIN_IMAGE_VQA_EXACT_MATCH and own - other >= MIN_IMAGE_VQA_GAIN, (own, other)
 
 
 @needs_image_pair
