@@ -43,9 +43,9 @@ Reproduce the shipped models (commands also in jspec/zoo/<name>/training.json; a
     python scripts/train_zoo.py train text-draft --steps 1371             # (sized by --minutes 17)
 A run stopped by --minutes (or Ctrl-C / SIGTERM) continues with the same command plus --resume; an interrupted and
 resumed run exports bit-identical weights.
-Image pair (needs the text pair in jspec/zoo/, whose LMs it starts from):
-    python scripts/train_zoo.py train image-target --minutes 35
-    python scripts/train_zoo.py train image-draft  --minutes 20
+Image pair (needs the text pair in jspec/zoo/, whose LMs it starts from; ~66 minutes here, tower pretraining included):
+    python scripts/train_zoo.py train image-target --steps 2750           # (sized by --minutes 45)
+    python scripts/train_zoo.py train image-draft --steps 4911            # (sized by --minutes 18, then --resume)
 Measure the shipped pairs (exact match per task, acceptance per scenario and view): scripts/eval_zoo.py.
 Other commands: `export NAME` (re-export from the latest checkpoint), `plot NAME`.
 """
