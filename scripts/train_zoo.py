@@ -5,7 +5,9 @@ Models (presets in `PRESETS`; our ports are the models; the text pair is trained
     text-draft    LLaMA, hidden 128, 3 layers, 2 heads, tied embeddings (0.73M params)
     image-target  LLaVA-1.5: CLIP-style tower (60 px, patch 20 -> 9 tokens, one per grid cell; hidden 128,
                   4 layers) + GELU
-                  projector + the text-target's LLaMA; every in-distribution task (data.TARGET_TASKS)
+                  projector + the text-target's LLaMA; every image-world task (data.TARGET_TASKS), the multi-image
+                  OOD ones included (`allow_ood`: OOD means out of the draft's distribution, as in TABED), in
+                  rows of 160 tokens (a five-image story takes ~130)
     image-draft   LLaVA-1.5: tower hidden 64, 2 layers + the text-draft's LLaMA; single-image and text tasks
                   only (data.DRAFT_TASKS: multi-image prompts stay out of its distribution), 20% of examples in
                   TABED's text-only view (t_view_prob=0.2)
@@ -113,6 +115,7 @@ class Preset:
     tower_lr_scale: float = 1.0  # the tower's updates are scaled by this after the alignment stage (0 while aligning
                                  # when the tower was pretrained: LLaVA keeps its CLIP tower frozen)
     tower_steps: int = 0         # supervised pretraining of the tower on scene attributes first (our CLIP stand-in)
+    allow_ood: bool = False      # may train on the world's OOD (multi-image) tasks: targets only, never a draft
     loss_per_example: bool = False  # weigh packed examples equally (else answer tokens equally); measured worse at
                                     # step 478 of the image target (VQA 0.37 vs 0.48), so off in the presets
 
@@ -122,7 +125,8 @@ PRESETS = {
     "text-draft": Preset("text", dict(hidden=128, layers=3, heads=2, ffn=352), lr=3e-3, minutes=18.0),
     "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                            dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
-                           batch=16, lr=2e-3, init_lm="text-target", align_steps=200, lm_lr_scale=1.0, tower_steps=3000,
+                           allow_ood=True, seq_len=160, batch=16, lr=2e-3, init_lm="text-target", align_steps=200,
+                           lm_lr_scale=1.0, tower_steps=3000,
                            tower_lr_scale=0.1),
     "image-draft": Preset("image", dict(hidden=128, layers=3, heads=2, ffn=352),
                           dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(D.DRAFT_TASKS), view="M",
@@ -456,7 +460,7 @@ DEVICE_KEYS = ("input_ids", "targets", "target_mask", "segment_ids", "positions"
 
 def stream(p: Preset, split: str, seed: int, start: int):
     kw = dict(tasks=p.tasks, view=p.view, t_view_prob=p.t_view_prob, image_tokens=IMAGE_TOKENS,
-              image_size=IMAGE_SIZE, pack=True, start=start)
+              image_size=IMAGE_SIZE, pack=True, start=start, allow_ood=p.allow_ood)
     for b in D.batches(split, p.batch, p.seq_len, seed, **kw):
         keep = {k: b[k] for k in DEVICE_KEYS}
         if p.kind == "image" and b["pixel_values"].shape[1]:

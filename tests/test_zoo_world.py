@@ -386,12 +386,15 @@ def test_splits_disjoint_and_ood_held_out(train_exs, heldout_exs):
         W.example("train", 0, tasks=["ood_story"])
     with pytest.raises(ValueError, match="held out"):
         next(D.batches("train", 2, 64, tasks=["ood_count"], view="T"))
+    # a target may train on them (train-split scenes): only on request
+    ex = W.example("train", 0, tasks=["ood_story"], allow_ood=True)
+    assert ex.scenario == "ood" and len(ex.images) == 5 and all(s.split() == "train" for s in ex.images)
     with pytest.raises(ValueError, match="unknown task"):
         W.example("train", 0, tasks=["no_such_task"])
     ood = [ex for ex in heldout_exs if ex.scenario == "ood"]
     assert ood and all(len(ex.images) >= 3 for ex in ood)
     assert set(D.DRAFT_TASKS) <= set(D.TARGET_TASKS) and all(W.TASKS[t].max_images <= 1 for t in D.DRAFT_TASKS)
-    assert not set(D.TARGET_TASKS) & set(W.tasks_of("ood"))
+    assert set(W.tasks_of("ood")) <= set(D.TARGET_TASKS) and not set(D.DRAFT_TASKS) & set(W.tasks_of("ood"))
 
 
 def test_eval_sets_cover_every_scenario():

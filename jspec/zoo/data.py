@@ -35,9 +35,10 @@ Evaluation: `eval_set(scenario, n)` gives held-out examples balanced over that s
 `Encoder.prompt(example)` the model input for generating its final answer (a mapping like an HF processor's output:
 input_ids [1, L], attention_mask, pixel_values [n_images, 3, S, S] in the M view), to compare with `example.answer`.
 
-Task sets: TARGET_TASKS (every in-distribution task), DRAFT_TASKS (single-image and text-only tasks: multi-image
-prompts stay out of the draft's distribution, as in TABED), TEXT_TASKS (text-only chats, for text models);
-OOD tasks are held out and never produced for "train".
+Task sets: TARGET_TASKS (every image-world task, the multi-image OOD ones included: the target may know them),
+DRAFT_TASKS (single-image and text-only tasks: multi-image prompts stay out of the draft's distribution, as in
+TABED), TEXT_TASKS (text-only chats, for text models). OOD tasks are produced for "train" only with
+`allow_ood=True`, which only the target's training passes.
 """
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
 # uint8 value -> normalised float, per channel: [3, 256]
 _LUT = ((np.arange(256, dtype=np.float32)[None, :] / np.float32(255.0)) - CLIP_MEAN[:, None]) / CLIP_STD[:, None]
 
-TARGET_TASKS = W.tasks_of("caption", "vqa", "second_turn", "two_image", "text", include_ood=False)
-DRAFT_TASKS = tuple(n for n in TARGET_TASKS if W.TASKS[n].max_images <= 1)
+TARGET_TASKS = W.tasks_of("caption", "vqa", "second_turn", "two_image", "text", "ood")
+DRAFT_TASKS = tuple(n for n in TARGET_TASKS if W.TASKS[n].max_images <= 1 and not W.TASKS[n].ood)
 TEXT_TASKS = W.tasks_of("text")
 VIEWS = ("M", "T")
 
@@ -208,7 +209,8 @@ def _view_of(seed: int, split: str, index: int, t_view_prob: float, view: str) -
 def batches(split: str, batch_size: int, seq_len: int, seed: int = 0, *, tasks: Sequence[str] | None = None,
             view: str = "M", t_view_prob: float = 0.0, t_view_text: str = "\n", image_tokens: int = 16,
             image_size: int = 64, images_per_row: int | None = None, pack: bool = True, tokenizer=None,
-            encoder: Encoder | None = None, start: int = 0, stats: Stats | None = None) -> Iterator[dict]:
+            encoder: Encoder | None = None, start: int = 0, stats: Stats | None = None,
+            allow_ood: bool = False) -> Iterator[dict]:
     """Endless stream of fixed-shape numpy batches (keys in the module docstring).
 
     tasks: task names (default: every task allowed in the split; see TARGET_TASKS / DRAFT_TASKS / TEXT_TASKS).
@@ -217,12 +219,13 @@ def batches(split: str, batch_size: int, seq_len: int, seed: int = 0, *, tasks: 
         seq_len // (image_tokens + 24) if that is more (rows then fill ~90%); 0 in the pure T view. The vision
         tower runs on all B*K slots, so keep it small.
     stats: pass a `Stats` to count skipped examples and the fill rate.
+    allow_ood: let `tasks` name OOD tasks in "train" (a target's data; a draft must never see them).
     """
     if batch_size < 1 or seq_len < 8:
         raise ValueError(f"batch_size must be >= 1 and seq_len >= 8, got {batch_size}, {seq_len}")
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
-    names = W.allowed_tasks(split, tasks)
+    names = W.allowed_tasks(split, tasks, allow_ood)
     enc = encoder or Encoder(tokenizer, image_tokens, image_size, view, t_view_text)
     any_m = view == "M" and t_view_prob < 1.0
     if images_per_row is None:
@@ -240,7 +243,7 @@ def batches(split: str, batch_size: int, seq_len: int, seed: int = 0, *, tasks: 
     while True:
         out, row, used, n_img, seg = new_batch(), 0, 0, 0, 0
         while row < B:
-            ex = W.example(split, index, seed, names)
+            ex = W.example(split, index, seed, names, allow_ood)
             e = enc.encode(ex, view=_view_of(seed, split, index, t_view_prob, view))
             index += 1
             stats.examples += 1

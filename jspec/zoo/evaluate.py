@@ -60,7 +60,7 @@ def exact_match_tasks(pair: str) -> tuple[str, ...]:
     D.register_described_tasks()
     if pair == "text":
         return D.TEXT_PAIR_TASKS + W.tasks_of("second_turn")
-    return D.TARGET_TASKS + W.tasks_of("ood")
+    return D.TARGET_TASKS
 
 
 def scenario_examples(pair: str, n: int, seed: int = 0) -> dict[str, list[W.Example]]:

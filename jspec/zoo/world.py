@@ -18,7 +18,8 @@ scenes its `<image>` placeholders refer to, in order. Every example has a scenar
                    the fictional knowledge base `KB`, or a follow-up on the first answer)
     "two_image"    compare two images (what changed; which has more shapes)
     "ood"          multi-image prompts (five-image stories, counting across 3-5 images): flagged `ood=True`, they
-                   are generated only for the "heldout" split, never for "train"
+                   are out of the *draft's* distribution, as in TABED. They are generated for "train" only on
+                   request (`allow_ood=True`: the image target trains on them; a draft never does)
     "text"         text-only chats (arithmetic, facts, word games, short stories): training data for text models
 User prompts are stochastic (several phrasings, optional clauses); answers are a function of the scene(s) and the
 chosen prompt, so exact match is a valid metric: short ("red", "3", "top left", "KP7", "yes") unless the prompt asks
@@ -364,7 +365,7 @@ TASKS: dict[str, TaskSpec] = {}
 
 def register(name: str, scenario: str, weight: float = 1.0, ood: bool = False, max_images: int = 1):
     """Add a task to the registry. `make(rng, split) -> (turns, scenes)` must draw its scenes with `scene_in(rng,
-    split, ...)` so the split stays disjoint. `ood` tasks are generated for "heldout" only."""
+    split, ...)` so the split stays disjoint. `ood` tasks are generated for "train" only with `allow_ood=True`."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; expected one of {SCENARIOS}")
 
@@ -899,12 +900,13 @@ def _rng(seed: int, split: str, index: int) -> random.Random:
     return random.Random(f"jspec.zoo/{seed}/{split}/{index}")
 
 
-def example(split: str, index: int, seed: int = 0, tasks: Sequence[str] | None = None) -> Example:
+def example(split: str, index: int, seed: int = 0, tasks: Sequence[str] | None = None,
+            allow_ood: bool = False) -> Example:
     """Example `index` of `split`'s stream: the task is drawn by weight from `tasks` (default: every task allowed in
-    the split; OOD tasks are never allowed in "train")."""
+    the split; OOD tasks are allowed in "train" only when listed in `tasks` with `allow_ood=True`)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    names = allowed_tasks(split, tasks)
+    names = allowed_tasks(split, tasks, allow_ood)
     rng = _rng(seed, split, index)
     name = rng.choices(names, weights=[TASKS[n].weight for n in names])[0] if len(names) > 1 else names[0]
     spec = TASKS[name]
@@ -912,23 +914,24 @@ def example(split: str, index: int, seed: int = 0, tasks: Sequence[str] | None =
     return Example(name, spec.scenario, split, index, tuple(turns), tuple(scenes))
 
 
-def allowed_tasks(split: str, tasks: Sequence[str] | None) -> list[str]:
+def allowed_tasks(split: str, tasks: Sequence[str] | None, allow_ood: bool = False) -> list[str]:
     names = list(tasks) if tasks is not None else [n for n, t in TASKS.items() if split != "train" or not t.ood]
     unknown = [n for n in names if n not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; registered: {sorted(TASKS)}")
-    if split == "train":
+    if split == "train" and not allow_ood:
         ood = [n for n in names if TASKS[n].ood]
         if ood:
-            raise ValueError(f"out-of-distribution task(s) {ood} are held out: they are never generated for 'train'")
+            raise ValueError(f"out-of-distribution task(s) {ood} are held out of 'train' unless allow_ood=True "
+                             "(only a target may train on them)")
     if not names:
         raise ValueError("no tasks selected")
     return names
 
 
 def examples(split: str, n: int, seed: int = 0, tasks: Sequence[str] | None = None,
-             start: int = 0) -> Iterator[Example]:
+             start: int = 0, allow_ood: bool = False) -> Iterator[Example]:
     """Examples start .. start + n - 1 of the stream (see `example`)."""
-    names = allowed_tasks(split, tasks)
+    names = allowed_tasks(split, tasks, allow_ood)
     for i in range(start, start + n):
-        yield example(split, i, seed, names)
+        yield example(split, i, seed, names, allow_ood)
