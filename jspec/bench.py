@@ -9,8 +9,10 @@ Suites:
        and per-phase times, and transformers' assisted generation (same pair, constant gamma) for chain rows.
        Pairs: the zoo text pair (when shipped) on held-out prompts, and a random pair (the target's layers after
        the first damped, the draft = its first layer) with random prompts.
-  gpu  `ar` and `sd` in bfloat16 on a lent GPU with 7B-shaped random weights for throughput, against the HBM
-       floor (parameter bytes / measured copy bandwidth); zoo pairs for acceptance.
+  gpu  in bfloat16 on a lent GPU: `ar` with 7B-shaped random weights and the zoo text target against the HBM
+       floor (parameter bytes / measured copy bandwidth) and transformers on the same GPU; `sd` on a 7B-shaped
+       damped pair (throughput, transformers' assisted generation beside it) and on the zoo pairs (acceptance).
+       Its parts (GPU_PARTS) run apart with `pairs=`, to fit a run into a lease's time limits.
 Every figure is a median over `runs` interleaved runs after a warm-up (compile time reported apart); every speed
 is also a ratio to a baseline measured in the same run. `quick=True` shrinks everything to finish in well under
 3 minutes on a 2-core CPU (the smoke test's setting; its numbers mean nothing).
@@ -63,12 +65,12 @@ def damped_pair(layers: int = 8, damp: float = 0.05, **shape):
     return target, draft
 
 
-def zoo_text_pair():
-    """(target, draft) of the shipped zoo text pair, or None when it is not shipped."""
+def zoo_text_pair(dtype=None):
+    """(target, draft) of the shipped zoo text pair (float32 unless `dtype`), or None when it is not shipped."""
     try:
         from jspec import zoo
 
-        return zoo.load("text-target"), zoo.load("text-draft")
+        return zoo.load("text-target", dtype), zoo.load("text-draft", dtype)
     except (ImportError, AttributeError, ValueError, FileNotFoundError, OSError):
         return None
 
@@ -140,16 +142,45 @@ def _r(x, n=3):
 _WORKDIR: list[str] = []  # the running suite's scratch directory (removed when `run` returns)
 
 
+def _torch_device() -> str:
+    """Where transformers runs: the GPU when JAX runs on one and torch sees it, else the CPU."""
+    import torch
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
 def _hf_from(model, name: str):
-    """The model as a transformers model, through an HF checkpoint in the suite's scratch directory."""
+    """The model as a transformers model in the model's dtype (f32 or bf16) on `_torch_device()`, through an HF
+    checkpoint in the suite's scratch directory (removed once loaded)."""
+    import shutil
+
     import torch
     import transformers
 
     import ports
 
+    bf16 = model.dtype == jnp.bfloat16
     path = tempfile.mkdtemp(prefix=name + "-", dir=_WORKDIR[-1] if _WORKDIR else None)
-    ports.save_hf(model, path, dtype=np.float32)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ports.save_hf(model, path, dtype=jnp.bfloat16 if bf16 else np.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
+    hf = hf.to(_torch_device()).eval()
+    shutil.rmtree(path, ignore_errors=True)
+    return hf
+
+
+def _free_torch() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _transformers_usable(dtype) -> bool:
+    """transformers baselines run in f32 on CPU and in any dtype on a GPU (bf16 on a CPU would be a straw man)."""
+    return dtype == jnp.float32 or _torch_device() == "cuda"
 
 
 def _hf_generate(hf, rows: list[np.ndarray], new_tokens: int | None, assistant=None, gamma: int = 0,
@@ -170,8 +201,8 @@ def _hf_generate(hf, rows: list[np.ndarray], new_tokens: int | None, assistant=N
             assistant.generation_config.assistant_confidence_threshold = 0.0
             kw["assistant_model"] = assistant
         with torch.no_grad():
-            o = hf.generate(torch.tensor(np.asarray(r)[None]), **kw)
-        outs.append(o[0, len(r):].numpy())
+            o = hf.generate(torch.tensor(np.asarray(r)[None]).to(hf.device), **kw)
+        outs.append(o[0, len(r):].cpu().numpy())
     return outs
 
 
@@ -186,26 +217,25 @@ def suite_ar(runs: int, quick: bool, progress: bool, with_transformers: bool = T
     N, P = (8, 16) if quick else (128, 128)
     models = {"random LLaMA": random_llama(**(big or ({"layers": 1, "vocab": 512, "hidden": 64, "mlp": 128,
                                                        "heads": 4} if quick else {})), dtype=dtype)}
-    zoo = None if quick else zoo_text_pair()
+    zoo = None if quick else zoo_text_pair(dtype)
     if zoo is not None:
         models = {"zoo text-target": zoo[0], **models}
     rows = []
     for mname, model in models.items():
+        hf = _hf_from(model, "t") if with_transformers and _transformers_usable(dtype) else None
         for B in ((1, 2) if quick else (1, 8)):
             prompt = np.random.default_rng(0).integers(4, model.vocab_size, (B, P))
             cases = [Case("jspec", lambda: jspec.decode(model, prompt, max_new_tokens=N, eos_token_id=()).tokens)]
-            hf = None
-            if with_transformers and dtype == jnp.float32:
-                hf = _hf_from(model, "t")
+            if hf is not None:
                 import torch
 
                 torch.set_num_threads(os.cpu_count() or 1)
 
-                def hf_run(hf=hf):
+                def hf_run(hf=hf, prompt=prompt):
                     with torch.no_grad():
-                        o = hf.generate(torch.tensor(prompt), do_sample=False, pad_token_id=0, max_new_tokens=N,
-                                        min_new_tokens=N)
-                    return o[:, P:].numpy()
+                        o = hf.generate(torch.tensor(prompt).to(hf.device), do_sample=False, pad_token_id=0,
+                                        max_new_tokens=N, min_new_tokens=N)
+                    return o[:, P:].cpu().numpy()
 
                 cases.append(Case("transformers", hf_run))
             res = interleaved(cases, runs, progress)
@@ -218,6 +248,8 @@ def suite_ar(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                            jspec_over_transformers=_r(med(h["wall"]) / med(j["wall"])),
                            same_tokens=bool(np.array_equal(j["first"], h["first"])))
             rows.append(row)
+        del hf
+        _free_torch()
     return {"rows": rows}
 
 
@@ -252,9 +284,9 @@ def _decode_rows(target, rows, strategy, N, eos, profile=False):
 
 
 def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = True, pairs: dict | None = None,
-             n_prompts: int = 8, only: tuple[str, ...] = ()) -> dict:
+             n_prompts: int = 8, only: tuple[str, ...] = (), strategies: tuple[str, ...] = ()) -> dict:
     """Speculative strategies per pair and scenario; see the module docstring. `only`: the pair names to run
-    (e.g. ("zoo text",); default all)."""
+    (e.g. ("zoo text",); default all); `strategies`: the strategy names to run (default all; AR always)."""
     if pairs is None:
         pairs = {} if quick else zoo_pairs(n_prompts)
         shape = dict(layers=2, vocab=512, hidden=64, mlp=128, heads=4) if quick else {}
@@ -271,11 +303,12 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
         if only and pname not in only:
             continue
         for scen, prompts in scenarios.items():
-            strategies = sd_strategies(draft, quick)
-            cases = [Case(name, (lambda s=s: _decode_rows(target, prompts, s, N, eos))) for name, s, _ in strategies]
+            strats = [st for st in sd_strategies(draft, quick)
+                      if not strategies or st[0] == "AR" or st[0] in strategies]
+            cases = [Case(name, (lambda s=s: _decode_rows(target, prompts, s, N, eos))) for name, s, _ in strats]
             res = interleaved(cases, runs, progress)
             prof = {}  # per-phase times: a warm-up (the phases compile apart), then the median of `runs`
-            for name, s, _ in strategies:
+            for name, s, _ in strats:
                 if name != "AR":
                     _decode_rows(target, prompts, s, N, eos, profile=True)
                     timed = [_decode_rows(target, prompts, s, N, eos, profile=True)[1] for _ in range(runs)]
@@ -284,7 +317,7 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
             ar_toks = ar["first"][0]
             ar_decode = med(r[1]["decode_s"] for r in ar["results"])
             ar_step = ar_decode / max(ar["first"][1]["steps"] - len(prompts), 1)
-            for name, s, gamma in strategies:
+            for name, s, gamma in strats:
                 c = res[name]
                 toks, tot = c["first"]
                 same = all(np.array_equal(a, b) for a, b in zip(toks, ar_toks))
@@ -296,7 +329,7 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                            tok_s=_r(tot["tokens"] / med(c["wall"]), 1), wall_speedup=_r(_ratio(med(ar["wall"]),
                                                                                              med(c["wall"]))),
                            decode_speedup=_r(_ratio(ar_decode, decode)), compile_s=_r(c["compile_s"], 2),
-                           same_tokens_as_ar=bool(same))
+                           same_tokens_as_ar=bool(same), tokens_before_divergence=_r(_agreed(toks, ar_toks), 1))
                 if name in prof:
                     p = prof[name]
                     per = {k: p[k] / steps_loop for k in ("draft_s", "verify_s", "other_s")}
@@ -306,8 +339,19 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                                measured_over_predicted=_r(_ratio(row["decode_speedup"], predicted)))
                 rows.append(row)
             if with_transformers and not isinstance(prompts[0], dict):  # transformers: text pairs only
-                hf_rows += _assisted(target, draft, prompts, strategies, res, runs, N, eos, pname, scen)
+                hf_rows += _assisted(target, draft, prompts, strats, res, runs, N, eos, pname, scen)
     return {"rows": rows, "transformers": hf_rows}
+
+
+def _agreed(toks: list, ref: list) -> float:
+    """Mean over prompts of how many leading tokens equal the reference's (its length where all do): greedy SD
+    in bf16 can flip a near-tie that AR resolves the other way, and this says how early."""
+    out = []
+    for a, b in zip(toks, ref):
+        n = min(len(a), len(b))
+        diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+        out.append(int(diff[0]) if len(diff) else n)
+    return float(np.mean(out))
 
 
 def _assisted(target, draft, prompts, strategies, res, runs, N, eos, pname, scen) -> list[dict]:
@@ -322,6 +366,8 @@ def _assisted(target, draft, prompts, strategies, res, runs, N, eos, pname, scen
     cases += [Case(f"transformers assisted g={g}", (lambda g=g: _hf_generate(hf_t, prompts, N, hf_d, g, hf_eos)))
               for _, g in chains]
     hres = interleaved(cases, runs, progress=False)
+    del hf_t, hf_d
+    _free_torch()
     ar_jspec = res["AR"]["first"][0]
     base = med(hres["transformers AR"]["wall"])
     out = []
@@ -349,20 +395,45 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / med(times) / 1e9
 
 
-def suite_gpu(runs: int, quick: bool, progress: bool, allow_cpu: bool = False) -> dict:
-    """`ar` with 7B-shaped random weights in bf16 against the HBM floor, and `sd` acceptance on the zoo pair."""
+GPU_PARTS = ("ar", "random damped 7B", "zoo text", "zoo image")
+
+
+def suite_gpu(runs: int, quick: bool, progress: bool, allow_cpu: bool = False, with_transformers: bool = True,
+              parts: tuple[str, ...] = ()) -> dict:
+    """In bfloat16 on a GPU: `ar` with 7B-shaped random weights (and the zoo text target) against the HBM floor and
+    transformers `generate`; `sd` on a 7B-shaped damped pair (throughput, with transformers' assisted generation)
+    and on the zoo pairs (acceptance). `parts` (default all) picks from GPU_PARTS, to split a run across calls."""
     if jax.default_backend() == "cpu" and not allow_cpu:
         raise RuntimeError("the gpu suite needs a GPU/TPU backend (jax.default_backend() is 'cpu')")
+    unknown = [p for p in parts if p not in GPU_PARTS]
+    if unknown:
+        raise ValueError(f"unknown part(s) {unknown} of the gpu suite; it has {list(GPU_PARTS)}")
+    want = (lambda part: not parts or part in parts)
     shape = (dict(layers=2, vocab=512, hidden=64, mlp=128, heads=4) if quick else
              dict(layers=32, vocab=32000, hidden=4096, mlp=11008, heads=32))
-    ar = suite_ar(runs, quick, progress, with_transformers=False, dtype=jnp.bfloat16, big=shape)
     bw = copy_bandwidth_gbs(1 << 24 if quick else 1 << 30)
-    for row in ar["rows"]:
-        floor_ms = row["params_m"] * 1e6 * 2 / (bw * 1e9) * 1e3
-        row.update(floor_ms_per_token=_r(floor_ms), ms_per_token=_r(1e3 * row["batch"] / row["jspec_tok_s"]),
-                   x_floor=_r(1e3 * row["batch"] / row["jspec_tok_s"] / floor_ms))
-    sd = [] if quick else suite_sd(runs, quick, progress, with_transformers=False)["rows"]  # quick: AR path only
-    return {"rows": ar["rows"], "sd": sd, "bandwidth_gbs": _r(bw, 1)}
+    out: dict[str, Any] = {"rows": [], "sd": [], "transformers": [], "bandwidth_gbs": _r(bw, 1)}
+    if want("ar"):
+        out["rows"] = suite_ar(runs, quick, progress, with_transformers, dtype=jnp.bfloat16, big=shape)["rows"]
+        for row in out["rows"]:
+            floor_ms = row["params_m"] * 1e6 * 2 / (bw * 1e9) * 1e3
+            row.update(floor_ms_per_token=_r(floor_ms), ms_per_token=_r(1e3 * row["batch"] / row["jspec_tok_s"]),
+                       x_floor=_r(1e3 * row["batch"] / row["jspec_tok_s"] / floor_ms))
+    pairs = {}
+    if want("random damped 7B"):
+        t, d = damped_pair(dtype=jnp.bfloat16, **shape)
+        rng = np.random.default_rng(1)
+        P, n, N = (12, 1, 8) if quick else (128, 1, 64)
+        pairs["random damped 7B"] = (t, d, {"random": [rng.integers(0, t.vocab_size, P) for _ in range(n)]}, (), N)
+    if not quick and (want("zoo text") or want("zoo image")):
+        pairs.update({k: v for k, v in zoo_pairs(4).items() if want(k)})
+    if pairs:
+        # the 7B programs take ~20 s each to compile: the chain gammas that matter, one static and the dynamic tree
+        sd = suite_sd(runs, quick, progress, with_transformers and _transformers_usable(jnp.bfloat16), pairs=pairs,
+                      strategies=() if quick else ("Chain g=3", "Chain g=5", "Tree mc_sim_7b_63",
+                                                   "DynamicTree 6x10/60"))
+        out.update(sd=sd["rows"], transformers=sd["transformers"])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -406,6 +477,8 @@ def plot(result: dict, path: str) -> str | None:
         return None
     suite = result["meta"]["suite"]
     rows = result["rows"]
+    if not rows:
+        return None
     if suite == "sd":
         return _plot_sd(plt, result, path)
     labels = [f"{r['model']}\nbatch {r['batch']}" for r in rows]
@@ -435,8 +508,8 @@ def run(suite: str, runs: int = 3, quick: bool = False, out_dir: str = "scripts/
         raise ValueError(f"unknown bench suite {suite!r}; available: {', '.join(SUITES)}")
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
-    if pairs and suite != "sd":
-        raise ValueError(f"--pair selects pairs of the sd suite, not of {suite!r}")
+    if pairs and suite == "ar":
+        raise ValueError(f"--pair selects pairs of the sd suite (or parts of the gpu suite), not of {suite!r}")
     with tempfile.TemporaryDirectory() as work:
         _WORKDIR.append(work)
         try:
@@ -445,7 +518,7 @@ def run(suite: str, runs: int = 3, quick: bool = False, out_dir: str = "scripts/
             elif suite == "sd":
                 result = suite_sd(runs, quick, progress, with_transformers, only=tuple(pairs))
             else:
-                result = suite_gpu(runs, quick, progress, allow_cpu)
+                result = suite_gpu(runs, quick, progress, allow_cpu, with_transformers, parts=tuple(pairs))
         finally:
             _WORKDIR.pop()
     result = {"meta": meta(suite, runs, quick), **result}
@@ -458,6 +531,9 @@ def run(suite: str, runs: int = 3, quick: bool = False, out_dir: str = "scripts/
     with open(stem + ".md", "w") as f:
         f.write(md + "\n")
     result["files"] = [stem + ".json", stem + ".md"] + ([stem + ".png"] if plot(result, stem + ".png") else [])
+    if suite == "gpu" and result["sd"] and plot({"meta": {**result["meta"], "suite": "sd"}, "rows": result["sd"]},
+                                                stem + "-sd.png"):
+        result["files"].append(stem + "-sd.png")
     return result
 
 

@@ -153,7 +153,9 @@ def main(argv=None) -> int:
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     b.add_argument("--allow-cpu", action="store_true", help="let the gpu suite run on CPU (a dry run)")
     b.add_argument("--pair", action="append", default=[], help="sd suite: run only this pair (repeatable), e.g. "
-                                                               "'zoo text', 'zoo image', 'random damped'")
+                                                               "'zoo text', 'zoo image', 'random damped'; gpu "
+                                                               "suite: only this part ('ar', 'random damped 7B', "
+                                                               "'zoo text', 'zoo image')")
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     return args.fn(args)

@@ -22,8 +22,9 @@ def test_quick_sd_suite_schema_and_ratios(tmp_path, capsys):
     names = [r["strategy"] for r in res["rows"]]
     assert names[0] == "AR" and any(n.startswith("Chain") for n in names) and any(n.startswith("Tree") for n in names)
     assert any(n.startswith("DynamicTree") for n in names)
+    ar_agreed = res["rows"][0]["tokens_before_divergence"]
     for r in res["rows"]:
-        assert r["same_tokens_as_ar"] is True
+        assert r["same_tokens_as_ar"] is True and r["tokens_before_divergence"] == ar_agreed > 0
         for k in ("mean_accepted", "block_efficiency", "tok_s", "wall_speedup", "decode_speedup"):
             assert finite_positive(r[k]), (r["strategy"], k, r[k])
         if r["strategy"] != "AR":
@@ -50,8 +51,18 @@ def test_gpu_suite_refuses_cpu_then_dry_runs_and_bad_input(tmp_path):
         bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path))
     res = bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path), progress=False, allow_cpu=True)
     assert finite_positive(res["bandwidth_gbs"]) and res["meta"]["suite"] == "gpu"
+    assert res["rows"] and not res["transformers"]  # no bf16 transformers baseline on a CPU
     for r in res["rows"]:
         assert finite_positive(r["x_floor"]) and finite_positive(r["floor_ms_per_token"])
+    sd = {r["strategy"]: r for r in res["sd"]}
+    assert set(sd) >= {"AR", "Chain g=3"} and all(r["pair"] == "random damped 7B" for r in res["sd"])
+    assert all(r["same_tokens_as_ar"] and finite_positive(r["wall_speedup"]) for r in res["sd"])
+    assert any(f.endswith("-sd.png") for f in res["files"])
+    part = bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path), progress=False, allow_cpu=True,
+                     pairs=("random damped 7B",))
+    assert not part["rows"] and part["sd"]
+    with pytest.raises(ValueError, match="unknown part"):
+        bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path), allow_cpu=True, pairs=("nope",))
     with pytest.raises(ValueError, match="ar, sd, gpu"):
         bench.run("nope", out_dir=str(tmp_path))
     with pytest.raises(ValueError, match="pairs of the sd suite"):
