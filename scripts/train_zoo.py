@@ -46,7 +46,7 @@ Reproduce the shipped models (commands also in jspec/zoo/<name>/training.json; a
 A run stopped by --minutes (or Ctrl-C / SIGTERM) continues with the same command plus --resume; an interrupted and
 resumed run exports bit-identical weights.
 Image pair (needs the text pair in jspec/zoo/, whose LMs it starts from; ~66 minutes here, tower pretraining included):
-    python scripts/train_zoo.py train image-target --steps 2750           # (sized by --minutes 45)
+    python scripts/train_zoo.py train image-target --steps 2400           # 43 min (rows of 160 tokens)
     python scripts/train_zoo.py train image-draft --steps 4911            # (sized by --minutes 18, then --resume)
 Measure the shipped pairs (exact match per task, acceptance per scenario and view): scripts/eval_zoo.py.
 Other commands: `export NAME` (re-export from the latest checkpoint), `plot NAME`.

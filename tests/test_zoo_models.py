@@ -27,9 +27,12 @@ from jspec.zoo import world as W
 # 4.94 (pooled over the batch's steps).
 MIN_EXACT_MATCH = 0.85
 MIN_MEAN_ACCEPTED = 4.0
-MIN_IMAGE_MEAN_ACCEPTED = 2.0
-# Measured on the shipped image target, the 32 held-out VQA prompts of D.eval_set("vqa", 32): exact match 0.53 with
-# each prompt's own image, 0.31 with a same-task prompt's image (issue 8's bar, 0.90, is not met yet: README).
+# Image pair, the batch of test_image_pair_chain_sd_both_views: pooled over its VQA and caption rows (the draft's own
+# distribution) the M-view draft is accepted 3.11 tokens per step (3.22 with the image target shipped before
+# 2026-11-23); its two-image rows are out of the draft's distribution and not counted.
+MIN_IMAGE_MEAN_ACCEPTED = 2.5
+# Measured on the shipped image target, the 32 held-out VQA prompts of D.eval_set("vqa", 32): exact match 0.69 with
+# each prompt's own image, 0.41 with a same-task prompt's image (0.53 / 0.31 with the target shipped before) (issue 8's bar, 0.90, is not met yet: README).
 N_VQA = 32
 MIN_IMAGE_VQA_EXACT_MATCH = 0.40
 MIN_IMAGE_VQA_GAIN = 0.12
@@ -125,8 +128,8 @@ needs_image_pair = pytest.mark.skipif(not {"image-target", "image-draft"} <= set
 @needs_image_pair
 def test_image_pair_chain_sd_both_views():
     """Greedy Chain SD with the image draft equals AR whether the draft reads the images (M view, the default) or a
-    text stand-in (T view, `draft_prompt=`), on a ragged batch of VQA, caption and two-image prompts; the drafts
-    are accepted well above one token per step in the M view."""
+    text stand-in (T view, `draft_prompt=`), on a ragged batch of VQA, caption and two-image prompts; on the
+    single-image rows the M-view drafts are accepted well above one token per step."""
     from jspec.zoo import evaluate as E
 
     pair = E.load_pair("image")
@@ -140,7 +143,8 @@ def test_image_pair_chain_sd_both_views():
     for sd in (m, t):
         np.testing.assert_array_equal(sd.tokens, ar.tokens)
         np.testing.assert_array_equal(sd.lengths, ar.lengths)
-    pooled = m.stats["accepted"].sum() / m.stats["steps"].sum()
+    single = slice(0, 6)  # the VQA and caption rows; two-image prompts are outside the draft's training
+    pooled = m.stats["accepted"][single].sum() / m.stats["steps"][single].sum()
     assert pooled >= MIN_IMAGE_MEAN_ACCEPTED, pooled
 
 
