@@ -11,7 +11,8 @@ Suites:
        the first damped, the draft = its first layer) with random prompts.
   gpu  in bfloat16 on a lent GPU: `ar` with 7B-shaped random weights and the zoo text target against the HBM
        floor (parameter bytes / measured copy bandwidth) and transformers on the same GPU; `sd` on a 7B-shaped
-       damped pair (throughput, transformers' assisted generation beside it) and on the zoo pairs (acceptance).
+       damped pair (throughput, transformers' assisted generation beside it) and, in float32, on the zoo pairs
+       (acceptance; SD must give AR's tokens there).
        Its parts (GPU_PARTS) run apart with `pairs=`, to fit a run into a lease's time limits.
 Every figure is a median over `runs` interleaved runs after a warm-up (compile time reported apart); every speed
 is also a ratio to a baseline measured in the same run. `quick=True` shrinks everything to finish in well under
@@ -402,7 +403,7 @@ def suite_gpu(runs: int, quick: bool, progress: bool, allow_cpu: bool = False, w
               parts: tuple[str, ...] = ()) -> dict:
     """In bfloat16 on a GPU: `ar` with 7B-shaped random weights (and the zoo text target) against the HBM floor and
     transformers `generate`; `sd` on a 7B-shaped damped pair (throughput, with transformers' assisted generation)
-    and on the zoo pairs (acceptance). `parts` (default all) picks from GPU_PARTS, to split a run across calls."""
+    and on the zoo pairs in float32 (acceptance). `parts` (default all) picks from GPU_PARTS, to split a run across calls."""
     if jax.default_backend() == "cpu" and not allow_cpu:
         raise RuntimeError("the gpu suite needs a GPU/TPU backend (jax.default_backend() is 'cpu')")
     unknown = [p for p in parts if p not in GPU_PARTS]
