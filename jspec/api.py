@@ -173,10 +173,21 @@ def _decode_sd(ctx, policy, rule, controller, target, draft, state):
     return loop.run_loop(ctx, lambda s: SD.sd_step(ctx, policy, rule, controller, target, draft, s), state)
 
 
-# Profiling mode: the same three phases as `SD.sd_step`, jitted apart and timed from the host.
+# Profiling mode: the same three phases as `SD.sd_step` (AR: its one step), jitted apart and timed from the host.
+_phase_ar = jax.jit(loop.ar_step, static_argnames=("ctx",), donate_argnames=("state",))
 _phase_draft = jax.jit(SD.sd_draft, static_argnames=("ctx", "policy", "controller"), donate_argnames=("state",))
 _phase_verify = jax.jit(SD.sd_verify, donate_argnames=("state",))
 _phase_accept = jax.jit(SD.sd_accept, static_argnames=("ctx", "policy", "rule"), donate_argnames=("state",))
+
+
+def _profile_ar(ctx, target, state):
+    """Run the AR loop step by step, blocking after each; returns (state, {"step_s": summed seconds})."""
+    total = 0.0
+    while int(state.step) < ctx.max_steps and not bool(jnp.all(state.done)):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(_phase_ar(ctx, target, state))
+        total += time.perf_counter() - t0
+    return state, {"step_s": total}
 
 
 def _profile_sd(ctx, policy, rule, controller, target, draft, state):
@@ -207,7 +218,8 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     `draft_prompt` (speculative strategies): the draft's own view of each row's prompt (same batch size, e.g. a
     pruned or text-only version); the draft continues it with the committed tokens. Default: the target's prompt.
     `profile=True` runs the speculative loop phase by phase with a host sync after each and adds the summed
-    "draft_s", "verify_s", "other_s" to the stats (same tokens, slower: use it to measure, not to serve).
+    "draft_s", "verify_s", "other_s" to the stats (AR: step by step, "step_s"), timed alike so that they compare
+    (same tokens, slower: use it to measure, not to serve).
     `guidance=jspec.CFG(scale, uncond_prompt)`: classifier-free guidance; `constraint` (e.g. `jspec.ImageGrammar`):
     a mask on the logits of each generated position. Both apply to the target and the draft alike, in every
     strategy (see `jspec.guidance`).
@@ -270,7 +282,7 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     t1 = time.perf_counter()
     phases = {}
     if policy is None:
-        state = _decode_ar(ctx, run_target, state)
+        state, phases = _profile_ar(ctx, run_target, state) if profile else (_decode_ar(ctx, run_target, state), {})
     elif profile:
         state, phases = _profile_sd(ctx, policy, strategy.rule, strategy.controller, run_target, run_draft, state)
     else:

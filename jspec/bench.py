@@ -6,7 +6,9 @@ Suites:
   sd   per strategy (AR, Chain at several gammas, Tree with each shipped static tree, DynamicTree) on a
        target/draft pair, per scenario: mean accepted length (incl. bonus), block efficiency (tokens per target
        step), tokens/s, wall and decode-loop speedup over jspec AR, the speedup predicted from the measured tau
-       and per-phase times, and transformers' assisted generation (same pair, constant gamma) for chain rows.
+       and per-phase times (tau x AR step / (draft + verify); the AR step and the SD phases each jitted alone
+       and timed from the host alike, `decode(profile=True)`), the fused loop's time per step beside them, and
+       transformers' assisted generation (same pair, constant gamma) for chain rows.
        Pairs: the zoo text pair (when shipped) on held-out prompts, and a random pair (the target's layers after
        the first damped, the draft = its first layer) with random prompts.
   gpu  in bfloat16 on a lent GPU: `ar` with 7B-shaped random weights and the zoo text target against the HBM
@@ -272,14 +274,15 @@ def _decode_rows(target, rows, strategy, N, eos, profile=False):
     """Decode each prompt alone (batch 1); returns the summed stats a speedup needs."""
     import jspec
 
-    toks, tot = [], {"tokens": 0, "steps": 0, "decode_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
+    toks, tot = [], {"tokens": 0, "steps": 0, "decode_s": 0.0, "step_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
+                     "other_s": 0.0}
     for r in rows:
         o = jspec.decode(target, r if isinstance(r, dict) else [r], strategy=strategy, max_new_tokens=N,
                          eos_token_id=eos, profile=profile)
         toks.append(o.tokens[0, :o.lengths[0]])
         tot["tokens"] += int(o.lengths[0])
         tot["steps"] += int(o.stats["steps"][0]) + 1  # + the token sampled at prefill
-        for k in ("decode_s", "draft_s", "verify_s", "other_s"):
+        for k in ("decode_s", "step_s", "draft_s", "verify_s", "other_s"):
             tot[k] += float(o.stats.get(k, 0.0))
     return toks, tot
 
@@ -308,16 +311,18 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                       if not strategies or st[0] == "AR" or st[0] in strategies]
             cases = [Case(name, (lambda s=s: _decode_rows(target, prompts, s, N, eos))) for name, s, _ in strats]
             res = interleaved(cases, runs, progress)
-            prof = {}  # per-phase times: a warm-up (the phases compile apart), then the median of `runs`
+            # per-phase times (AR: per step), every one jitted alone and host-synced, so that they compare: a
+            # warm-up (the phases compile apart), then the median of `runs`
+            prof = {}
             for name, s, _ in strats:
-                if name != "AR":
-                    _decode_rows(target, prompts, s, N, eos, profile=True)
-                    timed = [_decode_rows(target, prompts, s, N, eos, profile=True)[1] for _ in range(runs)]
-                    prof[name] = {k: med(t[k] for t in timed) for k in ("draft_s", "verify_s", "other_s")}
+                _decode_rows(target, prompts, s, N, eos, profile=True)
+                timed = [_decode_rows(target, prompts, s, N, eos, profile=True)[1] for _ in range(runs)]
+                prof[name] = {k: med(t[k] for t in timed) for k in ("step_s", "draft_s", "verify_s", "other_s")}
             ar = res["AR"]
             ar_toks = ar["first"][0]
             ar_decode = med(r[1]["decode_s"] for r in ar["results"])
-            ar_step = ar_decode / max(ar["first"][1]["steps"] - len(prompts), 1)
+            ar_steps = max(ar["first"][1]["steps"] - len(prompts), 1)
+            ar_step = prof["AR"]["step_s"] / ar_steps
             for name, s, gamma in strats:
                 c = res[name]
                 toks, tot = c["first"]
@@ -331,12 +336,15 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                                                                                              med(c["wall"]))),
                            decode_speedup=_r(_ratio(ar_decode, decode)), compile_s=_r(c["compile_s"], 2),
                            same_tokens_as_ar=bool(same), tokens_before_divergence=_r(_agreed(toks, ar_toks), 1))
-                if name in prof:
+                if name == "AR":
+                    row.update(step_ms=_r(ar_step * 1e3, 2), loop_step_ms=_r(ar_decode / ar_steps * 1e3, 2))
+                else:
                     p = prof[name]
                     per = {k: p[k] / steps_loop for k in ("draft_s", "verify_s", "other_s")}
                     predicted = tau * ar_step / (per["draft_s"] + per["verify_s"])
                     row.update(draft_ms=_r(per["draft_s"] * 1e3, 2), verify_ms=_r(per["verify_s"] * 1e3, 2),
-                               other_ms=_r(per["other_s"] * 1e3, 2), predicted_speedup=_r(predicted),
+                               other_ms=_r(per["other_s"] * 1e3, 2), loop_step_ms=_r(decode / steps_loop * 1e3, 2),
+                               predicted_speedup=_r(predicted),
                                measured_over_predicted=_r(_ratio(row["decode_speedup"], predicted)))
                 rows.append(row)
             if with_transformers and not isinstance(prompts[0], dict):  # transformers: text pairs only
@@ -403,7 +411,8 @@ def suite_gpu(runs: int, quick: bool, progress: bool, allow_cpu: bool = False, w
               parts: tuple[str, ...] = ()) -> dict:
     """In bfloat16 on a GPU: `ar` with 7B-shaped random weights (and the zoo text target) against the HBM floor and
     transformers `generate`; `sd` on a 7B-shaped damped pair (throughput, with transformers' assisted generation)
-    and on the zoo pairs in float32 (acceptance). `parts` (default all) picks from GPU_PARTS, to split a run across calls."""
+    and on the zoo pairs in float32 (acceptance). `parts` (default all) picks from GPU_PARTS, to split a run across
+    calls."""
     if jax.default_backend() == "cpu" and not allow_cpu:
         raise RuntimeError("the gpu suite needs a GPU/TPU backend (jax.default_backend() is 'cpu')")
     unknown = [p for p in parts if p not in GPU_PARTS]

@@ -1,11 +1,15 @@
 """Train the zoo's model pairs on the synthetic world, export them in HF layout, and measure them.
 
 Models (presets in `PRESETS`; our ports are the models; the text pair is trained from scratch):
-    text-target   LLaMA, hidden 256, 6 layers, 4 heads, tied embeddings (5.1M params)
+    text-base     LLaMA, hidden 256, 6 layers, 4 heads, tied embeddings (5.1M params); a stage, not shipped
+                  (exported into build/stages/text-base): the image target's LM and the text target start from it
+    text-target   LLaMA, hidden 256, 12 layers (9.9M params), grown from text-base (`grow_params`: each layer
+                  twice, the twin's output projections zero, so it starts as text-base's function) and trained
+                  on examples text-base never read (`data_start`)
     text-draft    LLaMA, hidden 128, 3 layers, 2 heads, tied embeddings (0.73M params)
     image-target  LLaVA-1.5: CLIP-style tower (60 px, patch 20 -> 9 tokens, one per grid cell; hidden 128,
                   4 layers) + GELU
-                  projector + the text-target's LLaMA; every image-world task (data.TARGET_TASKS), the multi-image
+                  projector + text-base's LLaMA; every image-world task (data.TARGET_TASKS), the multi-image
                   OOD ones included (`allow_ood`: OOD means out of the draft's distribution, as in TABED), in
                   rows of 160 tokens (a five-image story takes ~130)
     image-draft   LLaVA-1.5: tower hidden 64, 2 layers + the text-draft's LLaMA; single-image and text tasks
@@ -14,7 +18,7 @@ Models (presets in `PRESETS`; our ports are the models; the text pair is trained
 The image models follow LLaVA's recipe in three stages, all in one `train` run: (1) the tower is pretrained alone
 (`tower_steps`, supervised on each scene's attributes: kind, the sign's characters, per bar colour/value from all
 tokens, and each grid cell's colour/shape/size/row/column from that cell's own token; our stand-in for a pretrained
-CLIP); (2) alignment: the LM starts from the shipped text model (`init_lm`) and stays frozen, with the pretrained
+CLIP); (2) alignment: the LM starts from a trained text model (`init_lm`) and stays frozen, with the pretrained
 tower, while the projector learns to feed it (`align_steps`); (3) everything trains, the LM at `lm_lr_scale` and the
 tower at `tower_lr_scale` of the learning rate. Both image models train on batches of 16 rows: in 8-minute trials of
 the image target (100 alignment steps, then the LM), batch 16 reached a held-out VQA exact match of 0.44, batch 32
@@ -39,13 +43,16 @@ storage) into jspec/zoo/<name>/ with the tokenizer files (image models: also the
 training.json, so `transformers.AutoModelForCausalLM` / `AutoTokenizer` (image models:
 `LlavaForConditionalGeneration` / `AutoProcessor`) and `jspec.zoo.load(name)` read the directory.
 
-Reproduce the shipped models (commands also in jspec/zoo/<name>/training.json; a 2-core CPU took ~65 minutes):
-    python scripts/train_zoo.py train text-target --steps 1291            # first cosine cycle (sized by --minutes 38)
-    python scripts/train_zoo.py train text-target --resume --steps 2600   # warm restart at lr 1e-3, second cycle
+Reproduce the shipped models (commands also in jspec/zoo/<name>/training.json; a 2-core CPU took ~95 minutes):
+    python scripts/train_zoo.py train text-base --steps 1291              # first cosine cycle (sized by --minutes 38)
+    python scripts/train_zoo.py train text-base --resume --steps 2600     # warm restart at lr 1e-3, second cycle
+    python scripts/train_zoo.py train text-target --steps 1113            # grown from text-base (sized by --minutes 36)
     python scripts/train_zoo.py train text-draft --steps 1371             # (sized by --minutes 17)
+(text-base is the model shipped as text-target until 2026-11-23: its training.json there names these commands
+"text-target".)
 A run stopped by --minutes (or Ctrl-C / SIGTERM) continues with the same command plus --resume; an interrupted and
 resumed run exports bit-identical weights.
-Image pair (needs the text pair in jspec/zoo/, whose LMs it starts from; ~66 minutes here, tower pretraining included):
+Image pair (needs text-base and text-draft, whose LMs it starts from; ~66 minutes here, tower pretraining included):
     python scripts/train_zoo.py train image-target --steps 2400           # 43 min (rows of 160 tokens)
     python scripts/train_zoo.py train image-draft --steps 4911            # (sized by --minutes 18, then --resume)
 Measure the shipped pairs (exact match per task, acceptance per scenario and view): scripts/eval_zoo.py.
@@ -118,14 +125,22 @@ class Preset:
     allow_ood: bool = False      # may train on the world's OOD (multi-image) tasks: targets only, never a draft
     loss_per_example: bool = False  # weigh packed examples equally (else answer tokens equally); measured worse at
                                     # step 478 of the image target (VQA 0.37 vs 0.48), so off in the presets
+    grow_from: str | None = None  # a trained LLaMA of the same width and half the layers that starts this one
+                                  # (`grow_params`: depth growth, the source's function at step 0)
+    data_start: int = 0           # index of the first training example (a grown model reads examples its source
+                                  # never saw)
+    ship: bool = True             # exported into jspec/zoo/NAME; else a training stage, exported into build/stages
 
 
 PRESETS = {
-    "text-target": Preset("text", dict(hidden=256, layers=6, heads=4, ffn=704), batch=16, lr=2e-3, minutes=38.0),
+    "text-base": Preset("text", dict(hidden=256, layers=6, heads=4, ffn=704), batch=16, lr=2e-3, minutes=38.0,
+                        ship=False),
+    "text-target": Preset("text", dict(hidden=256, layers=12, heads=4, ffn=704), batch=16, lr=1e-3, warmup=50,
+                          minutes=40.0, grow_from="text-base", data_start=1_000_000),
     "text-draft": Preset("text", dict(hidden=128, layers=3, heads=2, ffn=352), lr=3e-3, minutes=18.0),
     "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                            dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
-                           allow_ood=True, seq_len=160, batch=16, lr=2e-3, init_lm="text-target", align_steps=200,
+                           allow_ood=True, seq_len=160, batch=16, lr=2e-3, init_lm="text-base", align_steps=200,
                            lm_lr_scale=1.0, tower_steps=3000, tower_lr_scale=0.1),
     "image-draft": Preset("image", dict(hidden=128, layers=3, heads=2, ffn=352),
                           dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(D.DRAFT_TASKS), view="M",
@@ -175,18 +190,53 @@ def new_model(p: Preset, seed: int) -> ports.Model:
 # ------------------------------------------------------------------------------------------------ the model
 
 
-def init_lm(p: Preset, model: ports.Model) -> dict:
-    """The LM params of `p.init_lm` (a shipped zoo text model), checked against the image model's LM shapes."""
-    src = ZOO_DIR / p.init_lm
+def export_dir(name: str) -> Path:
+    """Where `train NAME` exports by default: jspec/zoo/NAME for a shipped model, build/stages/NAME for a stage."""
+    return (ZOO_DIR if PRESETS[name].ship else ROOT / "build" / "stages") / name
+
+
+def load_source(name: str, why: str) -> dict:
+    """The float32 params of the exported model `name` (a preset), or SystemExit saying how to make it."""
+    src = export_dir(name)
     if not (src / "config.json").exists():
-        raise SystemExit(f"{src} is missing: train and export {p.init_lm} first (the image model's LM starts there)")
-    lm = ports.load_hf(str(src), jnp.float32).params
+        raise SystemExit(f"{src} is missing: train and export {name} first ({why})")
+    return ports.load_hf(str(src), jnp.float32).params
+
+
+def init_lm(p: Preset, model: ports.Model) -> dict:
+    """The LM params of `p.init_lm` (an exported zoo text model), checked against the image model's LM shapes."""
+    lm = load_source(p.init_lm, "the image model's LM starts there")
+    src = export_dir(p.init_lm)
     want = jax.tree.map(lambda x: (x.shape, x.dtype), model.params["lm"])
     got = jax.tree.map(lambda x: (x.shape, x.dtype), lm)
     if want != got:
         raise SystemExit(f"{p.init_lm}'s weights do not fit the LM of this preset: {got} vs {want}")
     print(f"LM initialised from {src} ({sum(x.size for x in jax.tree.leaves(lm)) / 1e6:.2f}M params)")
     return lm
+
+
+def grow_params(src: dict, layers: int) -> dict:
+    """Depth growth of LLaMA params: source layer i starts layers 2i and 2i+1; the second copy's output projections
+    (`wo`, `w_down`) are zero, so it adds nothing to the residual stream and the grown model computes exactly the
+    source's function at step 0. Its other weights are live copies, so its gradients are not zero."""
+    if 2 * len(src["layers"]) != layers:
+        raise SystemExit(f"depth growth doubles the layers: the source has {len(src['layers'])}, this preset {layers}")
+    grown = []
+    for lp in src["layers"]:
+        twin = {k: jnp.zeros_like(v) if k in ("wo", "w_down") else jnp.copy(v) for k, v in lp.items()}
+        grown += [dict(lp), twin]        # own buffers: the train step donates its params
+    return {**src, "layers": grown}
+
+
+def grown_init(p: Preset, model: ports.Model) -> dict:
+    """`model`'s params grown from `p.grow_from`, checked against its shapes."""
+    params = grow_params(load_source(p.grow_from, "this model grows from it"), len(model.params["layers"]))
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), model.params)
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    if want != got:
+        raise SystemExit(f"{p.grow_from}'s weights do not grow into this preset: {got} vs {want}")
+    print(f"grown from {export_dir(p.grow_from)}: {len(params['layers']) // 2} -> {len(params['layers'])} layers")
+    return params
 
 
 # ------------------------------------------------------------------------------------- tower pretraining
@@ -565,14 +615,16 @@ def train(args) -> None:
     model = new_model(p, args.seed)
     if p.init_lm and not args.resume:
         model = dataclasses.replace(model, params={**model.params, "lm": init_lm(p, model)})
+    if p.grow_from and not args.resume:
+        model = dataclasses.replace(model, params=grown_init(p, model))
     if p.tower_steps and not args.resume:
         model = dataclasses.replace(model, params={**model.params, "vision": pretrain_tower(p, model, args.seed)})
     tx = make_optimizer(p)
     params, opt_state = model.params, tx.init(model.params)
     train_step, eval_step = make_steps(model.config, tx, p.loss_per_example)
     mgr = _checkpointer(workdir)
-    meta = {"name": name, "seed": args.seed, "step": 0, "next_index": 0, "total_steps": args.steps,
-            "elapsed_s": 0.0, "tokens": 0, "preset": dataclasses.asdict(p), "runs": [],
+    meta = {"name": name, "seed": args.seed, "step": 0, "next_index": p.data_start,
+            "total_steps": args.steps, "elapsed_s": 0.0, "tokens": 0, "preset": dataclasses.asdict(p), "runs": [],
             "schedule": [{"start": 0, "total": args.steps, "peak": p.lr, "warmup": p.warmup}]}
     if args.resume:
         restored = restore_ckpt(mgr, params, opt_state)
@@ -748,7 +800,7 @@ def reproduce_commands(name: str, meta: dict) -> list[str]:
 def export(name: str, model: ports.Model, meta: dict, workdir: Path, out: Path | None = None) -> Path:
     """jspec/zoo/<name>/ (or `out`): model.safetensors (bf16) + config.json + generation_config.json + tokenizer files
     (+ processor files for image models) + training.json."""
-    out = Path(out or ZOO_DIR / name)
+    out = Path(out or export_dir(name))
     if out.exists():
         shutil.rmtree(out)
     ports.save_hf(model, str(out), dtype=jnp.bfloat16)
@@ -813,11 +865,11 @@ def main(argv=None) -> None:
     t.add_argument("--ckpt-minutes", type=float, default=3.0)
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--export-partial", action="store_true", help="export even if the schedule did not finish")
-    t.add_argument("--out", default=None, help="export directory (default jspec/zoo/NAME)")
+    t.add_argument("--out", default=None, help="export directory (default jspec/zoo/NAME; a stage: build/stages/NAME)")
     e = sub.add_parser("export", help="export NAME from its latest checkpoint")
     e.add_argument("name", choices=sorted(PRESETS))
     e.add_argument("--workdir", default=None)
-    e.add_argument("--out", default=None, help="export directory (default jspec/zoo/NAME)")
+    e.add_argument("--out", default=None, help="export directory (default jspec/zoo/NAME; a stage: build/stages/NAME)")
     pl = sub.add_parser("plot", help="loss curve PNG of NAME's log")
     pl.add_argument("name", choices=sorted(PRESETS))
     pl.add_argument("--workdir", default=None)

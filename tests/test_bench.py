@@ -27,9 +27,10 @@ def test_quick_sd_suite_schema_and_ratios(tmp_path, capsys):
         assert r["same_tokens_as_ar"] is True and r["tokens_before_divergence"] == ar_agreed > 0
         for k in ("mean_accepted", "block_efficiency", "tok_s", "wall_speedup", "decode_speedup"):
             assert finite_positive(r[k]), (r["strategy"], k, r[k])
-        if r["strategy"] != "AR":
-            for k in ("predicted_speedup", "measured_over_predicted", "draft_ms", "verify_ms"):
-                assert finite_positive(r[k]), (r["strategy"], k, r[k])
+        keys = ("step_ms", "loop_step_ms") if r["strategy"] == "AR" else (
+            "predicted_speedup", "measured_over_predicted", "draft_ms", "verify_ms", "loop_step_ms")
+        for k in keys:
+            assert finite_positive(r[k]), (r["strategy"], k, r[k])
     assert res["rows"][0]["wall_speedup"] == 1.0
     chains = [r for r in res["transformers"] if "assisted" in r["strategy"]]
     assert chains and all(finite_positive(r["jspec_over_transformers"]) and r["same_tokens_as_jspec"]

@@ -267,6 +267,10 @@ def test_profile_mode_times_phases_and_keeps_tokens(pair):
         np.testing.assert_array_equal(prof.stats["accepted"], fast.stats["accepted"])
         assert all(prof.stats[k] > 0 for k in ("draft_s", "verify_s", "other_s"))
         assert "draft_s" not in fast.stats
+    fast = jspec.decode(target, PROMPTS, max_new_tokens=12)
+    prof = jspec.decode(target, PROMPTS, max_new_tokens=12, profile=True)     # AR: timed step by step
+    np.testing.assert_array_equal(prof.tokens, fast.tokens)
+    assert prof.stats["step_s"] > 0 and "step_s" not in fast.stats
 
 
 def test_bad_dynamic_tree(pair):

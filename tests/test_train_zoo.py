@@ -144,3 +144,26 @@ def test_answer_weights_per_token_and_per_example(tz):
     assert (ex[mask == 0] == 0).all()
     np.testing.assert_allclose(ex[0, 1:4], 1 / 12)            # 4 examples with answers; 3 tokens share one quarter
     np.testing.assert_allclose([ex[0, 5], ex[1, 1], ex[1, 4]], 1 / 4)
+
+
+def test_depth_growth_keeps_the_function_and_trains(tz):
+    """A grown model computes its source's logits exactly at step 0 (the twins' output projections are zero), owns
+    its buffers (the train step donates them) and its twins learn; a source of the wrong depth is refused."""
+    small = tz.Preset("text", dict(hidden=32, layers=2, heads=2, ffn=64), batch=2, seq_len=64, warmup=1)
+    big = dataclasses.replace(small, lm=dict(small.lm, layers=4))
+    src = tz.new_model(small, 0)
+    model = tz.new_model(big, 1)
+    params = tz.grow_params(src.params, 4)
+    assert jax.tree.map(lambda x: x.shape, params) == jax.tree.map(lambda x: x.shape, model.params)
+    batch = next(tz.stream(small, "train", 0, 0))[0]
+    np.testing.assert_allclose(tz.logits_fn(model.config, params, batch), tz.logits_fn(src.config, src.params, batch),
+                               atol=1e-6)
+    tx = tz.make_optimizer(big)
+    train_step, _ = tz.make_steps(model.config, tx)
+    before = jax.device_get(params)
+    params, _, _ = train_step(params, tx.init(params), batch, np.float32(1e-2), np.float32(1.0))
+    after = jax.device_get(params)
+    assert _moved(before["layers"][1]["wo"], after["layers"][1]["wo"])
+    assert not np.array_equal(after["layers"][1]["wq"], after["layers"][0]["wq"])
+    with pytest.raises(SystemExit, match="doubles the layers"):
+        tz.grow_params(src.params, 3)
