@@ -48,8 +48,8 @@ Reproduce the shipped models (commands also in jspec/zoo/<name>/training.json; a
     python scripts/train_zoo.py train text-base --resume --steps 2600     # warm restart at lr 1e-3, second cycle
     python scripts/train_zoo.py train text-target --steps 1113            # grown from text-base (sized by --minutes 36)
     python scripts/train_zoo.py train text-draft --steps 1371             # (sized by --minutes 17)
-(text-base is the model shipped as text-target until 2026-11-23: its training.json there names these commands
-"text-target".)
+(text-base is the model shipped as text-target until 2026-11-23. A model that starts from another one, by `grow_from`
+or `init_lm`, lists that one's commands under "starts_from" in its training.json.)
 A run stopped by --minutes (or Ctrl-C / SIGTERM) continues with the same command plus --resume; an interrupted and
 resumed run exports bit-identical weights.
 Image pair (needs text-base and text-draft, whose LMs it starts from; ~66 minutes here, tower pretraining included):
@@ -824,6 +824,11 @@ def export(name: str, model: ports.Model, meta: dict, workdir: Path, out: Path |
             "schedule": meta["schedule"],
             "runs": meta["runs"], "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "jax": jax.__version__, "date": datetime.date.today().isoformat()}
+    source = meta["preset"].get("grow_from") or meta["preset"].get("init_lm")
+    if source and (export_dir(source) / "training.json").exists():   # the stage this one starts from
+        src = json.loads((export_dir(source) / "training.json").read_text())
+        info["starts_from"] = {k: src[k] for k in ("name", "params", "steps", "tokens", "train_minutes",
+                                                   "final_heldout_loss", "commands", "date") if k in src}
     (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
     print(f"exported {name} to {out} ({size:.1f} MB)")
