@@ -49,7 +49,8 @@ def text_pair():
 @pytest.fixture(scope="module")
 def text_prompts():
     tok = zoo.load_tokenizer("text-target")
-    exs = D.eval_set("text", N_PROMPTS)
+    exs = D.eval_set("text", N_PROMPTS, tasks=list(D.TEXT_TASKS))   # not the described_* tasks, which another
+                                                                    # test module's import may have registered
     enc = D.Encoder(tok, view="T")
     return tok, exs, [enc.prompt(ex)["input_ids"][0] for ex in exs]
 
@@ -79,7 +80,7 @@ def test_unknown_name_lists_available():
 def _hf_prompt(name: str, proc_or_tok):
     """A held-out prompt for the model: a text chat (T view) for LLaMA, a VQA question with its image for LLaVA."""
     if name.startswith("text"):
-        ex = D.eval_set("text", 4)[3]
+        ex = D.eval_set("text", 4, tasks=list(D.TEXT_TASKS))[3]
         return dict(D.Encoder(proc_or_tok, view="T").prompt(ex))
     ex = D.eval_set("vqa", 4)[3]
     text = proc_or_tok.apply_chat_template(ex.messages(upto_last_answer=True), add_generation_prompt=True)
