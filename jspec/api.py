@@ -183,7 +183,7 @@ _phase_accept = jax.jit(SD.sd_accept, static_argnames=("ctx", "policy", "rule"),
 def _profile_ar(ctx, target, state):
     """Run the AR loop step by step, blocking after each; returns (state, {"step_s": summed seconds})."""
     total = 0.0
-    while int(state.step) < ctx.max_steps and not bool(jnp.all(state.done)):
+    while bool(loop.running(ctx, state)):
         t0 = time.perf_counter()
         state = jax.block_until_ready(_phase_ar(ctx, target, state))
         total += time.perf_counter() - t0
@@ -193,7 +193,7 @@ def _profile_ar(ctx, target, state):
 def _profile_sd(ctx, policy, rule, controller, target, draft, state):
     """Run the SD loop phase by phase, blocking after each; returns (state, summed seconds per phase)."""
     times = {"draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
-    while int(state.step) < ctx.max_steps and not bool(jnp.all(state.done)):
+    while bool(loop.running(ctx, state)):
         t0 = time.perf_counter()
         state, prop = jax.block_until_ready(_phase_draft(ctx, policy, controller, draft, state))
         t1 = time.perf_counter()

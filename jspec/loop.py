@@ -124,10 +124,15 @@ def step_key(state: DecodeState) -> jax.Array:
     return jax.random.fold_in(state.key, state.step)
 
 
+def running(ctx: StepContext, state: DecodeState) -> jax.Array:
+    """Whether the decode loop takes another step: some row is unfinished and the step budget is not spent."""
+    return (state.step < ctx.max_steps) & ~jnp.all(state.done)
+
+
 def run_loop(ctx: StepContext, step_fn: Callable[[DecodeState], DecodeState], state: DecodeState) -> DecodeState:
-    """Iterate `step_fn` on device until every row is done or the step budget is spent (the target cache keeps
-    the placement's sharding through the loop)."""
-    cond = lambda s: (s.step < ctx.max_steps) & ~jnp.all(s.done)
+    """Iterate `step_fn` on device while `running` (the target cache keeps the placement's sharding through the
+    loop)."""
+    cond = lambda s: running(ctx, s)
 
     def body(s):
         s = step_fn(s)
