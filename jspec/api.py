@@ -12,6 +12,7 @@ import numpy as np
 
 from jspec import guidance as G
 from jspec import loop
+from jspec import profiling as P
 from jspec import sampling as S
 from jspec import sharding as SH
 from jspec import speculative as SD
@@ -173,43 +174,9 @@ def _decode_sd(ctx, policy, rule, controller, target, draft, state):
     return loop.run_loop(ctx, lambda s: SD.sd_step(ctx, policy, rule, controller, target, draft, s), state)
 
 
-# Profiling mode: the same three phases as `SD.sd_step` (AR: its one step), jitted apart and timed from the host.
-_phase_ar = jax.jit(loop.ar_step, static_argnames=("ctx",), donate_argnames=("state",))
-_phase_draft = jax.jit(SD.sd_draft, static_argnames=("ctx", "policy", "controller"), donate_argnames=("state",))
-_phase_verify = jax.jit(SD.sd_verify, donate_argnames=("state",))
-_phase_accept = jax.jit(SD.sd_accept, static_argnames=("ctx", "policy", "rule"), donate_argnames=("state",))
-
-
-def _profile_ar(ctx, target, state):
-    """Run the AR loop step by step, blocking after each; returns (state, {"step_s": summed seconds})."""
-    total = 0.0
-    while bool(loop.running(ctx, state)):
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(_phase_ar(ctx, target, state))
-        total += time.perf_counter() - t0
-    return state, {"step_s": total}
-
-
-def _profile_sd(ctx, policy, rule, controller, target, draft, state):
-    """Run the SD loop phase by phase, blocking after each; returns (state, summed seconds per phase)."""
-    times = {"draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
-    while bool(loop.running(ctx, state)):
-        t0 = time.perf_counter()
-        state, prop = jax.block_until_ready(_phase_draft(ctx, policy, controller, draft, state))
-        t1 = time.perf_counter()
-        state, logits = jax.block_until_ready(_phase_verify(target, state, prop))
-        t2 = time.perf_counter()
-        state = jax.block_until_ready(_phase_accept(ctx, policy, rule, state, prop, logits))
-        t3 = time.perf_counter()
-        times["draft_s"] += t1 - t0
-        times["verify_s"] += t2 - t1
-        times["other_s"] += t3 - t2
-    return state, times
-
-
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
            top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
-           profile: bool = False, guidance: G.CFG | None = None, constraint=None, mesh=None,
+           profile: bool | str = False, guidance: G.CFG | None = None, constraint=None, mesh=None,
            rules=None) -> DecodeOutput:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
 
@@ -218,8 +185,10 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     `draft_prompt` (speculative strategies): the draft's own view of each row's prompt (same batch size, e.g. a
     pruned or text-only version); the draft continues it with the committed tokens. Default: the target's prompt.
     `profile=True` runs the speculative loop phase by phase with a host sync after each and adds the summed
-    "draft_s", "verify_s", "other_s" to the stats (AR: step by step, "step_s"), timed alike so that they compare
-    (same tokens, slower: use it to measure, not to serve).
+    "draft_s", "verify_s", "other_s" (the rule and the commit) to the stats (AR: step by step, "step_s"), timed
+    alike so that they compare (same tokens, slower: use it to measure, not to serve). `profile="program"` runs
+    the fused loop and adds the same keys timed inside one program instead (`jspec.profiling.in_program_costs`,
+    per step, times the loop's steps): no dispatch or sync in them, so their sum is what a fused step can cost.
     `guidance=jspec.CFG(scale, uncond_prompt)`: classifier-free guidance; `constraint` (e.g. `jspec.ImageGrammar`):
     a mask on the logits of each generated position. Both apply to the target and the draft alike, in every
     strategy (see `jspec.guidance`).
@@ -271,6 +240,8 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
                            out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg, placement=placement)
     key = jax.random.key(0) if key is None else key
+    if profile not in (False, True, "host", "program"):
+        raise ValueError(f"profile must be False, True (or 'host') or 'program', got {profile!r}")
     t0 = time.perf_counter()
     if policy is None:
         state = _prefill_ar(ctx, max_len, run_target, jnp.asarray(tokens), jnp.asarray(lengths), inputs, key, sp)
@@ -280,16 +251,22 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
                             jnp.asarray(d_lengths), d_inputs, key, sp)
     jax.block_until_ready(state.out)
     t1 = time.perf_counter()
-    phases = {}
-    if policy is None:
-        state, phases = _profile_ar(ctx, run_target, state) if profile else (_decode_ar(ctx, run_target, state), {})
-    elif profile:
-        state, phases = _profile_sd(ctx, policy, strategy.rule, strategy.controller, run_target, run_draft, state)
+    phases, per_step = {}, {}
+    rule, controller = (strategy.rule, strategy.controller) if speculative else (None, None)
+    if profile == "program":
+        per_step = P.in_program_costs(ctx, policy, rule, controller, run_target, run_draft, state)
+        t1 = time.perf_counter()
+    if profile in (True, "host"):
+        state, phases = (P.host_timed_ar(ctx, run_target, state) if policy is None else
+                         P.host_timed_sd(ctx, policy, rule, controller, run_target, run_draft, state))
+    elif policy is None:
+        state = _decode_ar(ctx, run_target, state)
     else:
-        state = _decode_sd(ctx, policy, strategy.rule, strategy.controller, run_target, run_draft, state)
+        state = _decode_sd(ctx, policy, rule, controller, run_target, run_draft, state)
     out, n_out, steps, accepted, drafted = jax.device_get(
         (state.out, state.n_out, state.step, state.accepted, state.drafted))
     t2 = time.perf_counter()
+    phases.update({k: v * int(steps) for k, v in per_step.items()})
     return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, _pad_id(target, eos),
                    {"prefill_s": t1 - t0, "decode_s": t2 - t1, **phases})
 

@@ -6,9 +6,10 @@ Suites:
   sd   per strategy (AR, Chain at several gammas, Tree with each shipped static tree, DynamicTree) on a
        target/draft pair, per scenario: mean accepted length (incl. bonus), block efficiency (tokens per target
        step), tokens/s, wall and decode-loop speedup over jspec AR, the speedup predicted from the measured tau
-       and per-phase times (tau x AR step / (draft + verify); the AR step and the SD phases each jitted alone
-       and timed from the host alike, `decode(profile=True)`), the fused loop's time per step beside them, and
-       transformers' assisted generation (same pair, constant gamma) for chain rows.
+       and per-phase times (tau x AR step / (draft + verify + rule-and-commit), every phase and the AR step timed
+       inside one program, `decode(profile="program")`), the fused loop's time per step beside them (its excess
+       over the phases is the engine's overhead), and transformers' assisted generation (same pair, constant
+       gamma) for chain rows.
        Pairs: the zoo text pair (when shipped) on held-out prompts, and a random pair (the target's layers after
        the first damped, the draft = its first layer) with random prompts.
   gpu  in bfloat16 on a lent GPU: `ar` with 7B-shaped random weights and the zoo text target against the HBM
@@ -311,13 +312,8 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                       if not strategies or st[0] == "AR" or st[0] in strategies]
             cases = [Case(name, (lambda s=s: _decode_rows(target, prompts, s, N, eos))) for name, s, _ in strats]
             res = interleaved(cases, runs, progress)
-            # per-phase times (AR: per step), every one jitted alone and host-synced, so that they compare: a
-            # warm-up (the phases compile apart), then the median of `runs`
-            prof = {}
-            for name, s, _ in strats:
-                _decode_rows(target, prompts, s, N, eos, profile=True)
-                timed = [_decode_rows(target, prompts, s, N, eos, profile=True)[1] for _ in range(runs)]
-                prof[name] = {k: med(t[k] for t in timed) for k in ("step_s", "draft_s", "verify_s", "other_s")}
+            # per-phase times (AR: per step), each timed inside one program (a median of `runs` slopes per prompt)
+            prof = {name: _decode_rows(target, prompts, s, N, eos, profile="program")[1] for name, s, _ in strats}
             ar = res["AR"]
             ar_toks = ar["first"][0]
             ar_decode = med(r[1]["decode_s"] for r in ar["results"])
@@ -341,9 +337,10 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                 else:
                     p = prof[name]
                     per = {k: p[k] / steps_loop for k in ("draft_s", "verify_s", "other_s")}
-                    predicted = tau * ar_step / (per["draft_s"] + per["verify_s"])
+                    predicted = tau * ar_step / sum(per.values())
                     row.update(draft_ms=_r(per["draft_s"] * 1e3, 2), verify_ms=_r(per["verify_s"] * 1e3, 2),
                                other_ms=_r(per["other_s"] * 1e3, 2), loop_step_ms=_r(decode / steps_loop * 1e3, 2),
+                               loop_over_phases=_r(_ratio(decode / steps_loop, sum(per.values()))),
                                predicted_speedup=_r(predicted),
                                measured_over_predicted=_r(_ratio(row["decode_speedup"], predicted)))
                 rows.append(row)

@@ -144,6 +144,10 @@ class StaticPolicy:
         draft."""
         return self.tree.num_nodes
 
+    @property
+    def is_chain(self) -> bool:
+        return self.tree.is_chain
+
     def propose(self, ctx, draft, ds: DraftState, last, key, sp, limit) -> tuple[Proposal, kvc.KVCache]:
         tree = self.tree
         B = last.shape[0]
@@ -214,6 +218,10 @@ class DynamicPolicy:
     @property
     def pool_size(self) -> int:
         return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+    @property
+    def is_chain(self) -> bool:
+        return False
 
     def propose(self, ctx, draft, ds: DraftState, last, key, sp, limit) -> tuple[Proposal, kvc.KVCache]:
         B = last.shape[0]
@@ -298,7 +306,9 @@ def sd_accept(ctx: loop.StepContext, policy, rule: str, state: loop.DecodeState,
     new = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     new = new.at[jnp.arange(B), a].set(verdict.bonus)  # [accepted drafts..., bonus]
     active = ~state.done
-    tc = kvc.commit_path(state.cache, verdict.path, jnp.where(active, a + 1, 0))
+    n_keep = jnp.where(active, a + 1, 0)
+    # a chain's accepted entries already sit in slots length.. in order: no gather and write of every layer
+    tc = kvc.commit(state.cache, n_keep) if policy.is_chain else kvc.commit_path(state.cache, verdict.path, n_keep)
     state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
     dc = aux.draft.cache

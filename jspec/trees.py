@@ -71,6 +71,11 @@ class StaticTree:
     def max_children(self) -> int:
         return int(self.children.shape[1])
 
+    @property
+    def is_chain(self) -> bool:
+        """One node per depth (node i at depth i): an accepted path is already a prefix of the scratch slots."""
+        return all(e - s == 1 for s, e in self.levels)
+
     def __hash__(self):
         return hash((self.paths, self.num_nodes))
 

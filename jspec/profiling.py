@@ -1,0 +1,107 @@
+"""Where a decode step's time goes: the phases of `speculative.sd_step` (AR: `loop.ar_step`), timed two ways.
+
+`host_timed_*` run the decode loop phase by phase, each phase jitted alone and synced from the host: the same
+tokens as the fused loop, but every phase also pays a dispatch and a sync (on a CPU that is a large share of a
+small model's step).
+
+`in_program_costs` times each phase inside one compiled program: the phase repeated n times in a `fori_loop`,
+at two values of n, the difference divided by the difference of n. Dispatch, sync and the loop's own fixed cost
+cancel, so the costs of the phases add up to what a step of the fused loop can cost; what the fused loop spends
+beyond their sum is the engine's overhead. Every repetition passes its inputs through an optimization barrier
+with the carried state, so no part of a phase is hoisted out of the loop as loop-invariant.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import numpy as np
+
+from jspec import loop
+from jspec import speculative as SD
+
+# the stats keys of a speculative profile, by phase (the third, "other", is the rule and the commit); AR: "step_s"
+KEYS = {"draft": "draft_s", "verify": "verify_s", "accept": "other_s"}
+
+_phase_ar = jax.jit(loop.ar_step, static_argnames=("ctx",), donate_argnames=("state",))
+_phase_draft = jax.jit(SD.sd_draft, static_argnames=("ctx", "policy", "controller"), donate_argnames=("state",))
+_phase_verify = jax.jit(SD.sd_verify, donate_argnames=("state",))
+_phase_accept = jax.jit(SD.sd_accept, static_argnames=("ctx", "policy", "rule"), donate_argnames=("state",))
+_draft_once = jax.jit(SD.sd_draft, static_argnames=("ctx", "policy", "controller"))   # keep their input
+_verify_once = jax.jit(SD.sd_verify)
+
+
+def host_timed_ar(ctx, target, state):
+    """Run the AR loop step by step, blocking after each; returns (state, {"step_s": summed seconds})."""
+    total = 0.0
+    while bool(loop.running(ctx, state)):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(_phase_ar(ctx, target, state))
+        total += time.perf_counter() - t0
+    return state, {"step_s": total}
+
+
+def host_timed_sd(ctx, policy, rule, controller, target, draft, state):
+    """Run the SD loop phase by phase, blocking after each; returns (state, summed seconds per phase)."""
+    times = dict.fromkeys(KEYS.values(), 0.0)
+    while bool(loop.running(ctx, state)):
+        t0 = time.perf_counter()
+        state, prop = jax.block_until_ready(_phase_draft(ctx, policy, controller, draft, state))
+        t1 = time.perf_counter()
+        state, logits = jax.block_until_ready(_phase_verify(target, state, prop))
+        t2 = time.perf_counter()
+        state = jax.block_until_ready(_phase_accept(ctx, policy, rule, state, prop, logits))
+        t3 = time.perf_counter()
+        times["draft_s"] += t1 - t0
+        times["verify_s"] += t2 - t1
+        times["other_s"] += t3 - t2
+    return state, times
+
+
+@functools.partial(jax.jit, static_argnames=("phase", "ctx", "policy", "rule", "controller"))
+def _repeat(phase, ctx, policy, rule, controller, target, draft, state, prop, logits, n):
+    """`phase` applied n times (n traced: one compile serves every n); returns the whole carry (nothing is dead)."""
+    def body(_, carry):
+        s, p, lg = jax.lax.optimization_barrier(carry)
+        if phase == "step":
+            return loop.ar_step(ctx, target, s), p, lg
+        if phase == "sd_step":
+            return SD.sd_step(ctx, policy, rule, controller, target, draft, s), p, lg
+        if phase == "draft":
+            s, p = SD.sd_draft(ctx, policy, controller, draft, s)
+            return s, p, lg
+        if phase == "verify":
+            s, lg = SD.sd_verify(target, s, p)
+            return s, p, lg
+        return SD.sd_accept(ctx, policy, rule, s, p, lg), p, lg
+
+    return jax.lax.fori_loop(0, n, body, (state, prop, logits))
+
+
+def _cost(phase, statics, args, reps: tuple[int, int], runs: int) -> float:
+    """Seconds per application of `phase`: the slope between `reps` repetitions, median over `runs`."""
+    def timed(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(_repeat(phase, *statics, *args, n))
+        return time.perf_counter() - t0
+
+    timed(reps[0])  # compile
+    lo, hi = reps
+    slopes = [(timed(hi) - timed(lo)) / (hi - lo) for _ in range(runs)]
+    return max(float(np.median(slopes)), 0.0)
+
+
+def in_program_costs(ctx, policy, rule, controller, target, draft, state, reps: tuple[int, int] = (4, 16),
+                     runs: int = 3) -> dict[str, float]:
+    """Seconds per step of each phase, timed inside one program from `state` (not consumed): {"step_s"} for AR
+    (`policy` None), else {"draft_s", "verify_s", "other_s"}. The phases repeat on their own outputs, so a
+    repetition does the work of a real step (shapes are static; the cache may run past its end, where writes
+    clamp, which costs the same)."""
+    statics = (ctx, policy, rule, controller)
+    if policy is None:
+        return {"step_s": _cost("step", statics, (target, draft, state, None, None), reps, runs)}
+    s1, prop = _draft_once(ctx, policy, controller, draft, state)
+    s2, logits = _verify_once(target, s1, prop)
+    return {KEYS[phase]: _cost(phase, statics, (target, draft, s, prop, logits), reps, runs)
+            for phase, s in (("draft", state), ("verify", s1), ("accept", s2))}
