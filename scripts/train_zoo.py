@@ -6,13 +6,16 @@ Models (presets in `PRESETS`; our ports are the models; the text pair is trained
     text-target   LLaMA, hidden 256, 12 layers (9.9M params), grown from text-base (`grow_params`: each layer
                   twice, the twin's output projections zero, so it starts as text-base's function) and trained
                   on examples text-base never read (`data_start`)
-    text-draft    LLaMA, hidden 128, 3 layers, 2 heads, tied embeddings (0.73M params)
+    text-draft-base  LLaMA, hidden 128, 3 layers, 2 heads, tied embeddings (0.73M params); a stage (build/stages):
+                  the image draft's LM and the text draft start from it
+    text-draft    LLaMA, hidden 128, 6 layers (1.33M params), grown from text-draft-base as text-target is from
+                  text-base
     image-target  LLaVA-1.5: CLIP-style tower (60 px, patch 20 -> 9 tokens, one per grid cell; hidden 128,
                   4 layers) + GELU
                   projector + text-base's LLaMA; every image-world task (data.TARGET_TASKS), the multi-image
                   OOD ones included (`allow_ood`: OOD means out of the draft's distribution, as in TABED), in
                   rows of 160 tokens (a five-image story takes ~130)
-    image-draft   LLaVA-1.5: tower hidden 64, 2 layers + the text-draft's LLaMA; single-image and text tasks
+    image-draft   LLaVA-1.5: tower hidden 64, 2 layers + text-draft-base's LLaMA; single-image and text tasks
                   only (data.DRAFT_TASKS: multi-image prompts stay out of its distribution), 20% of examples in
                   TABED's text-only view (t_view_prob=0.2)
 The image models follow LLaVA's recipe in three stages, all in one `train` run: (1) the tower is pretrained alone
@@ -47,12 +50,14 @@ Reproduce the shipped models (commands also in jspec/zoo/<name>/training.json; a
     python scripts/train_zoo.py train text-base --steps 1291              # first cosine cycle (sized by --minutes 38)
     python scripts/train_zoo.py train text-base --resume --steps 2600     # warm restart at lr 1e-3, second cycle
     python scripts/train_zoo.py train text-target --steps 1113            # grown from text-base (sized by --minutes 36)
-    python scripts/train_zoo.py train text-draft --steps 1371             # (sized by --minutes 17)
-(text-base is the model shipped as text-target until 2026-11-23. A model that starts from another one, by `grow_from`
-or `init_lm`, lists that one's commands under "starts_from" in its training.json.)
+    python scripts/train_zoo.py train text-draft-base --steps 1371        # (sized by --minutes 17)
+    python scripts/train_zoo.py train text-draft --steps 1259             # grown from text-draft-base (--minutes 16)
+(text-base and text-draft-base are the models shipped as text-target and text-draft until 2026-11-23. A model that
+starts from another one, by `grow_from` or `init_lm`, lists that one's commands under "starts_from" in its
+training.json.)
 A run stopped by --minutes (or Ctrl-C / SIGTERM) continues with the same command plus --resume; an interrupted and
 resumed run exports bit-identical weights.
-Image pair (needs text-base and text-draft, whose LMs it starts from; ~66 minutes here, tower pretraining included):
+Image pair (needs text-base and text-draft-base, whose LMs it starts from; ~66 minutes here, tower pretraining included):
     python scripts/train_zoo.py train image-target --steps 2400           # 43 min (rows of 160 tokens)
     python scripts/train_zoo.py train image-draft --steps 4911            # (sized by --minutes 18, then --resume)
 Measure the shipped pairs (exact match per task, acceptance per scenario and view): scripts/eval_zoo.py.
@@ -137,14 +142,17 @@ PRESETS = {
                         ship=False),
     "text-target": Preset("text", dict(hidden=256, layers=12, heads=4, ffn=704), batch=16, lr=1e-3, warmup=50,
                           minutes=40.0, grow_from="text-base", data_start=1_000_000),
-    "text-draft": Preset("text", dict(hidden=128, layers=3, heads=2, ffn=352), lr=3e-3, minutes=18.0),
+    "text-draft-base": Preset("text", dict(hidden=128, layers=3, heads=2, ffn=352), lr=3e-3, minutes=18.0,
+                              ship=False),
+    "text-draft": Preset("text", dict(hidden=128, layers=6, heads=2, ffn=352), lr=1.5e-3, warmup=50, minutes=16.0,
+                         grow_from="text-draft-base", data_start=1_000_000),
     "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                            dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
                            allow_ood=True, seq_len=160, batch=16, lr=2e-3, init_lm="text-base", align_steps=200,
                            lm_lr_scale=1.0, tower_steps=3000, tower_lr_scale=0.1),
     "image-draft": Preset("image", dict(hidden=128, layers=3, heads=2, ffn=352),
                           dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(D.DRAFT_TASKS), view="M",
-                          t_view_prob=0.2, batch=16, lr=2e-3, minutes=20.0, init_lm="text-draft", align_steps=200,
+                          t_view_prob=0.2, batch=16, lr=2e-3, minutes=20.0, init_lm="text-draft-base", align_steps=200,
                           lm_lr_scale=1.0, tower_steps=3000, tower_lr_scale=0.1),
 }
 # One patch per grid cell: image token (r, c) sees exactly cell (r, c), so the tower can give each token the

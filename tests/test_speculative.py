@@ -110,6 +110,9 @@ def test_tree_buffers_match_slow_reference():
         for d, (s, e) in enumerate(t.levels):
             assert np.all(t.depth[s:e] == d) and (e - s) == sum(len(p) == d for p in nodes)
     assert build_tree("mc_sim_7b_63").num_nodes == 26 and build_tree("naive_extend_57").num_nodes == 58
+    # a chain commits its accepted drafts where the verify wrote them; any branching needs the path gathered
+    assert build_tree(chain(4)).is_chain and build_tree(chain(1), n_max=4).is_chain
+    assert not any(build_tree(p).is_chain for p in ([[0], [1]], [[0], [0, 0], [1]], "mc_sim_7b_63"))
 
 
 def test_bad_trees_and_pairs(pair):

@@ -76,16 +76,18 @@ def test_pretrained_tower_stays_frozen_while_aligning(tz):
 
 def test_init_lm_refuses_a_text_model_of_another_shape(tz):
     p = _tiny(tz, init_lm="text-draft")
-    if not (tz.ZOO_DIR / "text-draft" / "config.json").exists():
+    if not (tz.export_dir("text-draft") / "config.json").exists():
         pytest.skip("the zoo text draft is not shipped in this install")
     with pytest.raises(SystemExit, match="do not fit the LM"):
         tz.init_lm(p, tz.new_model(p, 0))
 
 
 def test_init_lm_loads_the_shipped_text_lm(tz):
-    if not (tz.ZOO_DIR / "text-draft" / "config.json").exists():
+    if not (tz.export_dir("text-draft") / "config.json").exists():
         pytest.skip("the zoo text draft is not shipped in this install")
-    p = dataclasses.replace(tz.PRESETS["image-draft"])
+    # the image draft's recipe over the shipped text draft (its own init_lm, text-draft-base, is a stage that only
+    # a training machine has)
+    p = dataclasses.replace(tz.PRESETS["image-draft"], init_lm="text-draft", lm=tz.PRESETS["text-draft"].lm)
     model = tz.new_model(p, 0)
     lm = tz.init_lm(p, model)
     from jspec import zoo
