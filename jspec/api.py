@@ -187,8 +187,9 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     `profile=True` runs the speculative loop phase by phase with a host sync after each and adds the summed
     "draft_s", "verify_s", "other_s" (the rule and the commit) to the stats (AR: step by step, "step_s"), timed
     alike so that they compare (same tokens, slower: use it to measure, not to serve). `profile="program"` runs
-    the fused loop and adds the same keys timed inside one program instead (`jspec.profiling.in_program_costs`,
-    per step, times the loop's steps): no dispatch or sync in them, so their sum is what a fused step can cost.
+    the fused loop and adds the same keys timed inside one program instead, plus the whole step "step_s" for
+    speculative strategies (`jspec.profiling.in_program_costs`: per step, times the loop's steps; no dispatch or
+    sync in them).
     `guidance=jspec.CFG(scale, uncond_prompt)`: classifier-free guidance; `constraint` (e.g. `jspec.ImageGrammar`):
     a mask on the logits of each generated position. Both apply to the target and the draft alike, in every
     strategy (see `jspec.guidance`).

@@ -6,10 +6,10 @@ Suites:
   sd   per strategy (AR, Chain at several gammas, Tree with each shipped static tree, DynamicTree) on a
        target/draft pair, per scenario: mean accepted length (incl. bonus), block efficiency (tokens per target
        step), tokens/s, wall and decode-loop speedup over jspec AR, the speedup predicted from the measured tau
-       and per-phase times (tau x AR step / (draft + verify + rule-and-commit), every phase and the AR step timed
-       inside one program, `decode(profile="program")`), the fused loop's time per step beside them (its excess
-       over the phases is the engine's overhead), and transformers' assisted generation (same pair, constant
-       gamma) for chain rows.
+       and step times (tau x AR step / SD step, both timed inside one program, `decode(profile="program")`: the
+       decode loop's excess over it is the engine's overhead), the phases (draft, verify, rule-and-commit) timed
+       alike and the prediction from their sum, the fused loop's time per step beside them, and transformers'
+       assisted generation (same pair, constant gamma) for chain rows.
        Pairs: the zoo text pair (when shipped) on held-out prompts, and a random pair (the target's layers after
        the first damped, the draft = its first layer) with random prompts.
   gpu  in bfloat16 on a lent GPU: `ar` with 7B-shaped random weights and the zoo text target against the HBM
@@ -337,10 +337,13 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                 else:
                     p = prof[name]
                     per = {k: p[k] / steps_loop for k in ("draft_s", "verify_s", "other_s")}
-                    predicted = tau * ar_step / sum(per.values())
+                    sd_step = p["step_s"] / steps_loop
+                    predicted = tau * ar_step / sd_step
                     row.update(draft_ms=_r(per["draft_s"] * 1e3, 2), verify_ms=_r(per["verify_s"] * 1e3, 2),
-                               other_ms=_r(per["other_s"] * 1e3, 2), loop_step_ms=_r(decode / steps_loop * 1e3, 2),
-                               loop_over_phases=_r(_ratio(decode / steps_loop, sum(per.values()))),
+                               other_ms=_r(per["other_s"] * 1e3, 2), step_ms=_r(sd_step * 1e3, 2),
+                               loop_step_ms=_r(decode / steps_loop * 1e3, 2),
+                               step_over_phases=_r(_ratio(sd_step, sum(per.values()))),
+                               predicted_from_phases=_r(tau * ar_step / sum(per.values())),
                                predicted_speedup=_r(predicted),
                                measured_over_predicted=_r(_ratio(row["decode_speedup"], predicted)))
                 rows.append(row)
@@ -562,7 +565,7 @@ def _plot_sd(plt, result: dict, path: str) -> str:
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(np.arange(len(scen)), scen, fontsize=7)
         ax.set_ylabel("speedup over AR")
-        ax.set_title(f"{pair} (dots: predicted from phase times)", fontsize=8)
+        ax.set_title(f"{pair} (dots: predicted from in-program step times)", fontsize=8)
         ax.legend(fontsize=6, ncol=4)
     fig.suptitle(f"jspec bench sd, {result['meta']['device']}", fontsize=9)
     fig.tight_layout()

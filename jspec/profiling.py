@@ -4,11 +4,14 @@
 tokens as the fused loop, but every phase also pays a dispatch and a sync (on a CPU that is a large share of a
 small model's step).
 
-`in_program_costs` times each phase inside one compiled program: the phase repeated n times in a `fori_loop`,
-at two values of n, the difference divided by the difference of n. Dispatch, sync and the loop's own fixed cost
-cancel, so the costs of the phases add up to what a step of the fused loop can cost; what the fused loop spends
-beyond their sum is the engine's overhead. Every repetition passes its inputs through an optimization barrier
-with the carried state, so no part of a phase is hoisted out of the loop as loop-invariant.
+`in_program_costs` times each phase, and the whole step, inside one compiled program: the phase repeated n times
+in a `fori_loop`, at two values of n, the difference divided by the difference of n. Dispatch, sync and the loop's
+own fixed cost cancel. The whole step is what a step of the fused decode loop should cost; what the loop spends
+beyond it is the engine's overhead (loop control, the call, reading results back). The phases alone add up to
+less than the whole step on a CPU: run back to back, the draft's and the target's work cost more than each
+repeated alone (measured: a draft phase followed by an unrelated target AR step costs ~2 ms more than the two
+repeated apart). Every repetition passes its inputs through an optimization barrier with the carried state, so no
+part of a phase is hoisted out of the loop as loop-invariant.
 """
 from __future__ import annotations
 
@@ -94,8 +97,8 @@ def _cost(phase, statics, args, reps: tuple[int, int], runs: int) -> float:
 
 def in_program_costs(ctx, policy, rule, controller, target, draft, state, reps: tuple[int, int] = (4, 16),
                      runs: int = 3) -> dict[str, float]:
-    """Seconds per step of each phase, timed inside one program from `state` (not consumed): {"step_s"} for AR
-    (`policy` None), else {"draft_s", "verify_s", "other_s"}. The phases repeat on their own outputs, so a
+    """Seconds per step, timed inside one program from `state` (not consumed): {"step_s"} for AR (`policy` None),
+    else the phases {"draft_s", "verify_s", "other_s"} and the whole step "step_s". The phases repeat on their own outputs, so a
     repetition does the work of a real step (shapes are static; the cache may run past its end, where writes
     clamp, which costs the same)."""
     statics = (ctx, policy, rule, controller)
@@ -103,5 +106,7 @@ def in_program_costs(ctx, policy, rule, controller, target, draft, state, reps: 
         return {"step_s": _cost("step", statics, (target, draft, state, None, None), reps, runs)}
     s1, prop = _draft_once(ctx, policy, controller, draft, state)
     s2, logits = _verify_once(target, s1, prop)
-    return {KEYS[phase]: _cost(phase, statics, (target, draft, s, prop, logits), reps, runs)
-            for phase, s in (("draft", state), ("verify", s1), ("accept", s2))}
+    out = {KEYS[phase]: _cost(phase, statics, (target, draft, s, prop, logits), reps, runs)
+           for phase, s in (("draft", state), ("verify", s1), ("accept", s2))}
+    out["step_s"] = _cost("sd_step", statics, (target, draft, state, prop, logits), reps, runs)
+    return out

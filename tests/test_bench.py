@@ -28,7 +28,8 @@ def test_quick_sd_suite_schema_and_ratios(tmp_path, capsys):
         for k in ("mean_accepted", "block_efficiency", "tok_s", "wall_speedup", "decode_speedup"):
             assert finite_positive(r[k]), (r["strategy"], k, r[k])
         keys = ("step_ms", "loop_step_ms") if r["strategy"] == "AR" else (
-            "predicted_speedup", "measured_over_predicted", "draft_ms", "verify_ms", "loop_step_ms")
+            "predicted_speedup", "measured_over_predicted", "draft_ms", "verify_ms", "step_ms", "loop_step_ms",
+            "predicted_from_phases", "step_over_phases")
         for k in keys:
             assert finite_positive(r[k]), (r["strategy"], k, r[k])
     assert res["rows"][0]["wall_speedup"] == 1.0
