@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -174,28 +174,25 @@ def _decode_sd(ctx, policy, rule, controller, target, draft, state):
     return loop.run_loop(ctx, lambda s: SD.sd_step(ctx, policy, rule, controller, target, draft, s), state)
 
 
-def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
-           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
-           profile: bool | str = False, guidance: G.CFG | None = None, constraint=None, mesh=None,
-           rules=None) -> DecodeOutput:
-    """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
+class Started(NamedTuple):
+    """A decode after its prefill: what the decode loop runs on (`state` is consumed by it)."""
 
-    Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
-    `max_cache_len` caps the KV cache; a prompt that does not fit with the new tokens raises ValueError.
-    `draft_prompt` (speculative strategies): the draft's own view of each row's prompt (same batch size, e.g. a
-    pruned or text-only version); the draft continues it with the committed tokens. Default: the target's prompt.
-    `profile=True` runs the speculative loop phase by phase with a host sync after each and adds the summed
-    "draft_s", "verify_s", "other_s" (the rule and the commit) to the stats (AR: step by step, "step_s"), timed
-    alike so that they compare (same tokens, slower: use it to measure, not to serve). `profile="program"` runs
-    the fused loop and adds the same keys timed inside one program instead, plus the whole step "step_s" for
-    speculative strategies (`jspec.profiling.in_program_costs`: per step, times the loop's steps; no dispatch or
-    sync in them).
-    `guidance=jspec.CFG(scale, uncond_prompt)`: classifier-free guidance; `constraint` (e.g. `jspec.ImageGrammar`):
-    a mask on the logits of each generated position. Both apply to the target and the draft alike, in every
-    strategy (see `jspec.guidance`).
-    `mesh` (e.g. `jspec.make_mesh(tensor=8)`): shard the target over it by the logical axis `rules` (default
-    `jspec.sharding.DEFAULT_RULES`; a dict overrides entries), replicate the draft; same tokens as one device.
-    """
+    ctx: loop.StepContext
+    policy: Any          # None for AR
+    rule: Any
+    controller: Any
+    target: Any          # as run: sharded / guided when asked
+    draft: Any
+    state: loop.DecodeState
+    pad: int
+    prefill_s: float
+
+
+def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
+          top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
+          guidance: G.CFG | None = None, constraint=None, mesh=None, rules=None) -> Started:
+    """`decode`'s checks, setup and prefill (same arguments): the state its loop starts from, for tools that time
+    or step the loop themselves (`jspec.profiling`)."""
     strategy = AR() if strategy is None else strategy
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -241,8 +238,6 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
                            out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg, placement=placement)
     key = jax.random.key(0) if key is None else key
-    if profile not in (False, True, "host", "program"):
-        raise ValueError(f"profile must be False, True (or 'host') or 'program', got {profile!r}")
     t0 = time.perf_counter()
     if policy is None:
         state = _prefill_ar(ctx, max_len, run_target, jnp.asarray(tokens), jnp.asarray(lengths), inputs, key, sp)
@@ -251,25 +246,56 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
                             jnp.asarray(tokens), jnp.asarray(lengths), inputs, jnp.asarray(d_tokens),
                             jnp.asarray(d_lengths), d_inputs, key, sp)
     jax.block_until_ready(state.out)
+    rule, controller = (strategy.rule, strategy.controller) if speculative else (None, None)
+    return Started(ctx, policy, rule, controller, run_target, run_draft, state, _pad_id(target, eos),
+                   time.perf_counter() - t0)
+
+
+def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
+           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
+           profile: bool | str = False, guidance: G.CFG | None = None, constraint=None, mesh=None,
+           rules=None) -> DecodeOutput:
+    """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
+
+    Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
+    `max_cache_len` caps the KV cache; a prompt that does not fit with the new tokens raises ValueError.
+    `draft_prompt` (speculative strategies): the draft's own view of each row's prompt (same batch size, e.g. a
+    pruned or text-only version); the draft continues it with the committed tokens. Default: the target's prompt.
+    `profile=True` runs the speculative loop phase by phase with a host sync after each and adds the summed
+    "draft_s", "verify_s", "other_s" (the rule and the commit) to the stats (AR: step by step, "step_s"), timed
+    alike so that they compare (same tokens, slower: use it to measure, not to serve). `profile="program"` runs
+    the fused loop and adds the same keys timed inside one program instead, plus the whole step "step_s" for
+    speculative strategies (`jspec.profiling.in_program_costs`: per step, times the loop's steps; no dispatch or
+    sync in them).
+    `guidance=jspec.CFG(scale, uncond_prompt)`: classifier-free guidance; `constraint` (e.g. `jspec.ImageGrammar`):
+    a mask on the logits of each generated position. Both apply to the target and the draft alike, in every
+    strategy (see `jspec.guidance`).
+    `mesh` (e.g. `jspec.make_mesh(tensor=8)`): shard the target over it by the logical axis `rules` (default
+    `jspec.sharding.DEFAULT_RULES`; a dict overrides entries), replicate the draft; same tokens as one device.
+    """
+    if profile not in (False, True, "host", "program"):
+        raise ValueError(f"profile must be False, True (or 'host') or 'program', got {profile!r}")
+    r = start(target, prompt, strategy, max_new_tokens, temperature, top_k, top_p, key, eos_token_id, max_cache_len,
+              draft_prompt, guidance, constraint, mesh, rules)
+    ctx, policy, state = r.ctx, r.policy, r.state
     t1 = time.perf_counter()
     phases, per_step = {}, {}
-    rule, controller = (strategy.rule, strategy.controller) if speculative else (None, None)
     if profile == "program":
-        per_step = P.in_program_costs(ctx, policy, rule, controller, run_target, run_draft, state)
+        per_step = P.in_program_costs(ctx, policy, r.rule, r.controller, r.target, r.draft, state)
         t1 = time.perf_counter()
     if profile in (True, "host"):
-        state, phases = (P.host_timed_ar(ctx, run_target, state) if policy is None else
-                         P.host_timed_sd(ctx, policy, rule, controller, run_target, run_draft, state))
+        state, phases = (P.host_timed_ar(ctx, r.target, state) if policy is None else
+                         P.host_timed_sd(ctx, policy, r.rule, r.controller, r.target, r.draft, state))
     elif policy is None:
-        state = _decode_ar(ctx, run_target, state)
+        state = _decode_ar(ctx, r.target, state)
     else:
-        state = _decode_sd(ctx, policy, rule, controller, run_target, run_draft, state)
+        state = _decode_sd(ctx, policy, r.rule, r.controller, r.target, r.draft, state)
     out, n_out, steps, accepted, drafted = jax.device_get(
         (state.out, state.n_out, state.step, state.accepted, state.drafted))
     t2 = time.perf_counter()
     phases.update({k: v * int(steps) for k, v in per_step.items()})
-    return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, _pad_id(target, eos),
-                   {"prefill_s": t1 - t0, "decode_s": t2 - t1, **phases})
+    return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, r.pad,
+                   {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **phases})
 
 
 def _model_prompt(model, prompt, who: str):

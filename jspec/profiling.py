@@ -71,6 +71,11 @@ def _repeat(phase, ctx, policy, rule, controller, target, draft, state, prop, lo
             return loop.ar_step(ctx, target, s), p, lg
         if phase == "sd_step":
             return SD.sd_step(ctx, policy, rule, controller, target, draft, s), p, lg
+        if phase == "ar+ar":
+            return loop.ar_step(ctx, target, loop.ar_step(ctx, target, s)), p, lg
+        if phase == "draft+ar":  # the control: a draft phase, then a target AR step that does not use its proposal
+            s, p = SD.sd_draft(ctx, policy, controller, draft, s)
+            return loop.ar_step(ctx, target, s), p, lg
         if phase == "draft":
             s, p = SD.sd_draft(ctx, policy, controller, draft, s)
             return s, p, lg
@@ -110,3 +115,14 @@ def in_program_costs(ctx, policy, rule, controller, target, draft, state, reps: 
            for phase, s in (("draft", state), ("verify", s1), ("accept", s2))}
     out["step_s"] = _cost("sd_step", statics, (target, draft, state, prop, logits), reps, runs)
     return out
+
+
+def composition_control(ctx, policy, rule, controller, target, draft, state, reps: tuple[int, int] = (4, 16),
+                        runs: int = 3) -> dict[str, float]:
+    """Seconds per repetition of a draft phase, a target AR step, both in one loop body ("draft+ar", the AR step
+    not using the proposal) and two AR steps in one body ("ar+ar"), from an SD `state`: whether composing two
+    models' work costs more than its parts, with no speculative logic involved."""
+    statics = (ctx, policy, rule, controller)
+    _, prop = _draft_once(ctx, policy, controller, draft, state)
+    args = (target, draft, state, prop, None)
+    return {name: _cost(name, statics, args, reps, runs) for name in ("draft", "step", "draft+ar", "ar+ar")}

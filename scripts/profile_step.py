@@ -1,0 +1,66 @@
+"""Where one decode step's time goes, for one prompt of a zoo pair: the phases and the whole step timed inside one
+compiled program (`jspec.profiling`), the fused decode loop's time per step, and the composition control (a draft
+phase and an unrelated target AR step, repeated apart and in one loop body).
+
+    python scripts/profile_step.py                         # zoo text pair, Chain gamma=5, the longest chat answer
+    python scripts/profile_step.py --gamma 7 --rounds 5 --scenario described_caption
+
+Prints one line per round (medians inside each), so a noisy host shows as spread between rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+import jspec  # noqa: E402
+from jspec import api  # noqa: E402
+from jspec import bench as B  # noqa: E402
+from jspec import profiling as P  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gamma", type=int, default=5)
+    ap.add_argument("--scenario", default="text", help="a zoo text-pair evaluation scenario")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts to pick the longest answer from")
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    pairs = B.zoo_pairs(args.prompts)
+    if "zoo text" not in pairs:
+        raise SystemExit("the zoo text pair is not shipped in this install")
+    target, draft, scenarios, eos, _ = pairs["zoo text"]
+    if args.scenario not in scenarios:
+        raise SystemExit(f"unknown scenario {args.scenario!r}; the text pair has {sorted(scenarios)}")
+    prompts = scenarios[args.scenario]
+    lengths = [int(jspec.decode(target, [p], max_new_tokens=args.max_new, eos_token_id=eos).lengths[0])
+               for p in prompts]
+    prompt = prompts[int(np.argmax(lengths))]
+    strategy = jspec.Chain(draft, gamma=args.gamma)
+    print(f"zoo text pair, Chain gamma={args.gamma}, {args.scenario} prompt with a {max(lengths)}-token answer; ms")
+    kw = dict(strategy=strategy, max_new_tokens=args.max_new, eos_token_id=eos)
+    jspec.decode(target, [prompt], **kw)  # compile the loop
+    for r in range(args.rounds):
+        o = jspec.decode(target, [prompt], **kw)
+        loop_ms = o.stats["decode_s"] / int(o.stats["steps"][0]) * 1e3
+        s = api.start(target, [prompt], **kw)
+        cost = P.in_program_costs(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, s.state)
+        ctl = P.composition_control(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, s.state)
+        ms = {k: v * 1e3 for k, v in cost.items()}
+        c = {k: v * 1e3 for k, v in ctl.items()}
+        phases = ms["draft_s"] + ms["verify_s"] + ms["other_s"]
+        print(f"round {r + 1}: loop step {loop_ms:.2f} | in-program step {ms['step_s']:.2f} = draft {ms['draft_s']:.2f}"
+              f" + verify {ms['verify_s']:.2f} + rule/commit {ms['other_s']:.3f} + composition "
+              f"{ms['step_s'] - phases:.2f} | control: draft {c['draft']:.2f}, AR step {c['step']:.2f}, both in one "
+              f"body {c['draft+ar']:.2f}, two AR steps {c['ar+ar']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
