@@ -103,9 +103,9 @@ def _cost(phase, statics, args, reps: tuple[int, int], runs: int) -> float:
 def in_program_costs(ctx, policy, rule, controller, target, draft, state, reps: tuple[int, int] = (4, 16),
                      runs: int = 3) -> dict[str, float]:
     """Seconds per step, timed inside one program from `state` (not consumed): {"step_s"} for AR (`policy` None),
-    else the phases {"draft_s", "verify_s", "other_s"} and the whole step "step_s". The phases repeat on their own outputs, so a
-    repetition does the work of a real step (shapes are static; the cache may run past its end, where writes
-    clamp, which costs the same)."""
+    else the phases {"draft_s", "verify_s", "other_s"} and the whole step "step_s". The phases repeat on their own
+    outputs, so a repetition does the work of a real step (shapes are static; the cache may run past its end, where
+    writes clamp, which costs the same)."""
     statics = (ctx, policy, rule, controller)
     if policy is None:
         return {"step_s": _cost("step", statics, (target, draft, state, None, None), reps, runs)}
