@@ -57,7 +57,8 @@ starts from another one, by `grow_from` or `init_lm`, lists that one's commands 
 training.json.)
 A run stopped by --minutes (or Ctrl-C / SIGTERM) continues with the same command plus --resume; an interrupted and
 resumed run exports bit-identical weights.
-Image pair (needs text-base and text-draft-base, whose LMs it starts from; ~66 minutes here, tower pretraining included):
+Image pair (needs text-base and text-draft-base, whose LMs it starts from; ~66 minutes here, tower pretraining
+included):
     python scripts/train_zoo.py train image-target --steps 2400           # 43 min (rows of 160 tokens)
     python scripts/train_zoo.py train image-draft --steps 4911            # (sized by --minutes 18, then --resume)
 Measure the shipped pairs (exact match per task, acceptance per scenario and view): scripts/eval_zoo.py.
