@@ -160,13 +160,13 @@ def _decode_ar(ctx, target, state):
     return loop.run_loop(ctx, lambda s: loop.ar_step(ctx, target, s), state)
 
 
-@functools.partial(jax.jit, static_argnames=("ctx", "max_len", "width", "controller"))
-def _prefill_sd(ctx, max_len, width, controller, target, draft, tokens, lengths, inputs, d_tokens, d_lengths,
-                d_inputs, key, sp):
+@functools.partial(jax.jit, static_argnames=("ctx", "max_len", "width", "max_depth", "controller"))
+def _prefill_sd(ctx, max_len, width, max_depth, controller, target, draft, tokens, lengths, inputs, d_tokens,
+                d_lengths, d_inputs, key, sp):
     state = _prefill_ar.__wrapped__(ctx, max_len, target, tokens, lengths, inputs, key, sp)
     ds = SD.init_draft(draft, d_tokens, d_lengths, max_len, state.last, width, d_inputs)
     ds = ds.replace(cache=SH.constrain(ctx.placement, ds.cache, replicated=True))
-    return state.replace(aux=SD.init_sd_state(ds, controller, width - 1))
+    return state.replace(aux=SD.init_sd_state(ds, controller, max_depth))
 
 
 @functools.partial(jax.jit, static_argnames=("ctx", "policy", "rule", "controller"), donate_argnames=("state",))
@@ -242,8 +242,8 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
     if policy is None:
         state = _prefill_ar(ctx, max_len, run_target, jnp.asarray(tokens), jnp.asarray(lengths), inputs, key, sp)
     else:
-        state = _prefill_sd(ctx, max_len, policy.max_depth + 1, strategy.controller, run_target, run_draft,
-                            jnp.asarray(tokens), jnp.asarray(lengths), inputs, jnp.asarray(d_tokens),
+        state = _prefill_sd(ctx, max_len, policy.pending_width, policy.max_depth, strategy.controller, run_target,
+                            run_draft, jnp.asarray(tokens), jnp.asarray(lengths), inputs, jnp.asarray(d_tokens),
                             jnp.asarray(d_lengths), d_inputs, key, sp)
     jax.block_until_ready(state.out)
     rule, controller = (strategy.rule, strategy.controller) if speculative else (None, None)

@@ -41,7 +41,7 @@ class Proposal(NamedTuple):
 @struct.dataclass
 class DraftState:
     cache: kvc.KVCache  # committed length = tokens the draft has read, `last` excluded
-    pending: jax.Array  # [B, D+1] committed tokens the draft has not read yet, ending with `last`
+    pending: jax.Array  # [B, policy.pending_width] committed tokens the draft has not read yet, ending with `last`
     n_pending: jax.Array  # [B] int32
 
 
@@ -148,6 +148,18 @@ class StaticPolicy:
     def is_chain(self) -> bool:
         return self.tree.is_chain
 
+    @property
+    def reuses_draft_kv(self) -> bool:
+        """Node i's draft K/V sits in draft scratch slot i - 1 after `propose`, for every node the draft fed (all
+        nodes shallower than the row's depth limit), so the accepted ones are committed, not fed again."""
+        return True
+
+    @property
+    def pending_width(self) -> int:
+        """Tokens the draft still has to read after a step: at most the deepest accepted node (never fed) and
+        the bonus token."""
+        return 2
+
     def propose(self, ctx, draft, ds: DraftState, last, key, sp, limit) -> tuple[Proposal, kvc.KVCache]:
         tree = self.tree
         B = last.shape[0]
@@ -222,6 +234,14 @@ class DynamicPolicy:
     @property
     def is_chain(self) -> bool:
         return False
+
+    @property
+    def reuses_draft_kv(self) -> bool:
+        return False  # the beam's scratch slots hold pool nodes, not the chosen tree's: the path is fed again
+
+    @property
+    def pending_width(self) -> int:
+        return self.depth + 1
 
     def propose(self, ctx, draft, ds: DraftState, last, key, sp, limit) -> tuple[Proposal, kvc.KVCache]:
         B = last.shape[0]
@@ -311,15 +331,32 @@ def sd_accept(ctx: loop.StepContext, policy, rule: str, state: loop.DecodeState,
     tc = kvc.commit(state.cache, n_keep) if policy.is_chain else kvc.commit_path(state.cache, verdict.path, n_keep)
     state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
-    dc = aux.draft.cache
-    # finished rows must not move the draft: feed nothing new (re-feed `last` at the same slot)
-    dc = SH.constrain(ctx.placement, dc, replicated=True)
-    ds = DraftState(dc.replace(length=jnp.where(active, dc.length, dc.length - 1)),
-                    jnp.where(active[:, None], new, state.last[:, None]), jnp.where(active, a + 1, 1))
+    ds = _draft_catch_up(policy, aux, verdict.path, new, a, active, state.last)
+    ds = ds.replace(cache=SH.constrain(ctx.placement, ds.cache, replicated=True))
     feedback = Feedback(jnp.where(active, a, 0), aux.feedback.limit, active)
     state = state.replace(aux=aux.replace(draft=ds, feedback=feedback))
     drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
     return loop.record_step(state, n_eff, drafted)
+
+
+def _draft_catch_up(policy, aux: SDState, path, new, a, active, last) -> DraftState:
+    """The draft's state after a step that accepted a[b] drafts, `new` [B, D+1] = [accepted drafts..., bonus].
+
+    With `policy.reuses_draft_kv`, the accepted nodes the draft already fed (depth < the step's limit) are
+    committed from its scratch slots and only the rest (at most the deepest accepted node and the bonus) wait in
+    `pending`; otherwise all of `new` does. A finished row feeds nothing new: it re-reads `last` at its slot."""
+    dc = aux.draft.cache
+    W = policy.pending_width
+    if policy.reuses_draft_kv:
+        fed = jnp.where(active, jnp.minimum(a, aux.feedback.limit - 1), 0)
+        dc = (kvc.commit(dc, fed) if policy.is_chain else kvc.commit_path(dc, path[:, 1:] - 1, fed))
+        idx = jnp.minimum(fed[:, None] + jnp.arange(W)[None, :], new.shape[1] - 1)
+        pending, n = jnp.take_along_axis(new, idx, axis=1), a + 1 - fed
+    else:
+        pending, n = new, a + 1
+    last_only = jnp.zeros_like(pending).at[:, 0].set(last)
+    return DraftState(dc.replace(length=jnp.where(active, dc.length, dc.length - 1)),
+                      jnp.where(active[:, None], pending, last_only), jnp.where(active, n, 1))
 
 
 def sd_step(ctx: loop.StepContext, policy, rule: str, controller, target, draft, state: loop.DecodeState):

@@ -66,8 +66,9 @@ def embed(params: dict, tokens: jax.Array) -> jax.Array:
 def unembed(cfg: TextConfig, params: dict, h: jax.Array) -> jax.Array:
     """Final norm + LM head (tied or not), logits in float32."""
     h = L.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return L.einsum_f32("btd,dv->btv", h, w)
+    if cfg.tie_word_embeddings:  # contract with the stored [V, D] table: a transposed view made XLA:CPU copy it
+        return L.einsum_f32("btd,vd->btv", h, params["embed"])
+    return L.einsum_f32("btd,dv->btv", h, params["lm_head"])
 
 
 def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,

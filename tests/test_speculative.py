@@ -10,6 +10,7 @@ import pytest
 import jspec
 import ports
 from jspec import api
+from jspec import speculative as SD
 from jspec.trees import MC_SIM_7B_63, NAIVE_EXTEND_57, build_tree, chain, tree_from_pool
 
 CFG = ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
@@ -290,3 +291,40 @@ def test_bad_dynamic_tree(pair):
         jspec.decode(target, PROMPTS[0], strategy=jspec.DynamicTree(draft, rule="residual"))
     with pytest.raises(ValueError, match="depth must be a positive integer"):
         jspec.decode(target, PROMPTS[0], strategy=jspec.DynamicTree(draft, depth=0))
+
+
+class _RefeedPolicy(SD.StaticPolicy):
+    """The static policy without draft K/V reuse: every accepted node is fed to the draft again."""
+
+    @property
+    def reuses_draft_kv(self) -> bool:
+        return False
+
+    @property
+    def pending_width(self) -> int:
+        return self.tree.max_depth + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refeed(jspec.Tree):
+    def policy(self):
+        return _RefeedPolicy(self.static_tree(), draw=self.rule == "residual")
+
+
+@pytest.mark.parametrize("tree,controller", [("chain", None), ("chain", CycleDepth(4)), ("mc_sim_7b_63", None),
+                                             ("mc_sim_7b_63", CycleDepth(3))],
+                         ids=["chain", "chain-limited", "tree", "tree-limited"])
+def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
+    """Static policies commit the accepted nodes' draft K/V from scratch instead of feeding them again: the draft
+    then proposes what it would have proposed after a re-feed, so every step accepts as many tokens."""
+    target, draft = pair
+    paths = tuple(tuple(p) for p in chain(5)) if tree == "chain" else tree
+    reuse = jspec.Tree(draft, tree=paths, controller=controller)
+    assert reuse.policy().reuses_draft_kv and reuse.policy().pending_width == 2
+    a = jspec.decode(target, PROMPTS, strategy=reuse, max_new_tokens=40, eos_token_id=())
+    b = jspec.decode(target, PROMPTS, strategy=_Refeed(draft, tree=paths, controller=controller), max_new_tokens=40,
+                     eos_token_id=())
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.stats["steps"], b.stats["steps"])
+    np.testing.assert_array_equal(a.stats["accepted"], b.stats["accepted"])
+    assert 1.5 < np.mean(a.stats["accepted"][a.stats["accepted"] > 0]) < 5  # partly accepted: the test can fail
