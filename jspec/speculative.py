@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jspec import cache as kvc
@@ -36,6 +37,16 @@ class Proposal(NamedTuple):
     valid: jax.Array  # [B, N] nodes the verifier may accept
     tree: TreeArrays  # [B, ...]
     q: jax.Array | None  # [B, N, V] distribution each node's children were drawn from (residual sampling only)
+    fed: jax.Array | None = None  # [B, N] int32: the draft scratch offset (past its committed length) holding node
+    # i's K/V, -1 where the draft did not feed node i; the accepted nodes it fed are committed, not fed again
+
+
+def _fed_levels(fed: jax.Array, start: int, slots, run) -> jax.Array:
+    """`fed` with nodes start.. marked as fed at `slots` when the level's forward ran (`run` None: always)."""
+    slots = jnp.asarray(slots, jnp.int32)
+    if run is not None:
+        slots = jnp.where(run, slots, -1)
+    return fed.at[:, start:start + slots.shape[-1]].set(jnp.broadcast_to(slots, (fed.shape[0], slots.shape[-1])))
 
 
 @struct.dataclass
@@ -149,15 +160,9 @@ class StaticPolicy:
         return self.tree.is_chain
 
     @property
-    def reuses_draft_kv(self) -> bool:
-        """Node i's draft K/V sits in draft scratch slot i - 1 after `propose`, for every node the draft fed (all
-        nodes shallower than the row's depth limit), so the accepted ones are committed, not fed again."""
-        return True
-
-    @property
     def pending_width(self) -> int:
-        """Tokens the draft still has to read after a step: at most the deepest accepted node (never fed) and
-        the bonus token."""
+        """Tokens the draft still has to read after a step: the deepest accepted node when it was not fed (every
+        other accepted node has an accepted child, so the draft fed it) and the bonus token."""
         return 2
 
     def propose(self, ctx, draft, ds: DraftState, last, key, sp, limit) -> tuple[Proposal, kvc.KVCache]:
@@ -169,6 +174,7 @@ class StaticPolicy:
         tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(last)
         q_all = jnp.zeros((B, N, draft.vocab_size), jnp.float32) if sample else None
         valid = jnp.ones((B, N), bool)
+        fed = jnp.full((B, N), -1, jnp.int32)
         depth = jnp.asarray(tree.depth)
         anc = jnp.asarray(tree.ancestor)
         keys = jax.random.split(key, D)
@@ -195,10 +201,11 @@ class StaticPolicy:
                 pos = root_pos[:, None] + depth[None, cs:ce]
                 run = None if limit is None else jnp.any(limit >= d + 2)
                 logits, dc = _level_forward(draft, kids, pos, dc, mask, cs - 1, run)
+                fed = _fed_levels(fed, cs, np.arange(cs - 1, ce - 1), run)
         # a node is usable only if its whole path is
         t = device_tree(tree, B)
         valid = jnp.all(valid[:, None, :] | ~t.ancestor, axis=-1)
-        return Proposal(tokens, valid, t, q_all), dc
+        return Proposal(tokens, valid, t, q_all, fed), dc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,12 +243,8 @@ class DynamicPolicy:
         return False
 
     @property
-    def reuses_draft_kv(self) -> bool:
-        return False  # the beam's scratch slots hold pool nodes, not the chosen tree's: the path is fed again
-
-    @property
     def pending_width(self) -> int:
-        return self.depth + 1
+        return 2  # as for static trees: only beam nodes get children, and the draft fed every beam node
 
     def propose(self, ctx, draft, ds: DraftState, last, key, sp, limit) -> tuple[Proposal, kvc.KVCache]:
         B = last.shape[0]
@@ -252,6 +255,7 @@ class DynamicPolicy:
         pool_parent = [jnp.full((B, K), -1, jnp.int32)]
         pool_depth = [jnp.ones((B, K), jnp.int32)]
         beam_tok, beam_score, beam_pool = tok, score, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))
+        pool_fed = jnp.full((B, self.pool_size), -1, jnp.int32)  # pool node -> its draft scratch slot
         slots = (D - 1) * K  # beam nodes of level l sit in scratch slots (l-1)K .. lK-1
         beam_anc = jnp.zeros((B, max(slots, 1), max(slots, 1)), bool)
         beam_anc = beam_anc.at[:, jnp.arange(min(K, slots)), jnp.arange(min(K, slots))].set(True)
@@ -260,6 +264,9 @@ class DynamicPolicy:
             run = None if limit is None else jnp.any(limit >= lvl + 1)
             pos = jnp.broadcast_to(root_pos[:, None] + lvl, (B, K))
             logits, dc = _level_forward(draft, beam_tok, pos, dc, beam_anc[:, a:b, :b], a, run)
+            slot = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (B, K))
+            slot = slot if run is None else jnp.where(run, slot, -1)
+            pool_fed = pool_fed.at[jnp.arange(B)[:, None], beam_pool].set(slot)
             cs, ct = jax.lax.top_k(_log_probs(logits, ctx, sp), K)  # [B, K, K]
             cand_score = (beam_score[:, :, None] + cs).reshape(B, K * K)
             cand_tok = ct.reshape(B, K * K).astype(jnp.int32)
@@ -284,7 +291,8 @@ class DynamicPolicy:
                                           self.total, D, K)
         kids = jnp.take_along_axis(jnp.concatenate(pool_tok, axis=1), sel, axis=1)
         tokens = jnp.concatenate([last[:, None].astype(jnp.int32), kids], axis=1)
-        return Proposal(tokens, valid, tree, None), dc
+        fed = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), jnp.take_along_axis(pool_fed, sel, axis=1)], axis=1)
+        return Proposal(tokens, valid, tree, None, fed), dc
 
 
 def sd_draft(ctx: loop.StepContext, policy, controller, draft, state: loop.DecodeState):
@@ -331,7 +339,7 @@ def sd_accept(ctx: loop.StepContext, policy, rule: str, state: loop.DecodeState,
     tc = kvc.commit(state.cache, n_keep) if policy.is_chain else kvc.commit_path(state.cache, verdict.path, n_keep)
     state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
-    ds = _draft_catch_up(policy, aux, verdict.path, new, a, active, state.last)
+    ds = _draft_catch_up(policy, aux, prop, verdict.path, new, a, active, state.last)
     ds = ds.replace(cache=SH.constrain(ctx.placement, ds.cache, replicated=True))
     feedback = Feedback(jnp.where(active, a, 0), aux.feedback.limit, active)
     state = state.replace(aux=aux.replace(draft=ds, feedback=feedback))
@@ -339,24 +347,31 @@ def sd_accept(ctx: loop.StepContext, policy, rule: str, state: loop.DecodeState,
     return loop.record_step(state, n_eff, drafted)
 
 
-def _draft_catch_up(policy, aux: SDState, path, new, a, active, last) -> DraftState:
+def _draft_catch_up(policy, aux: SDState, prop: Proposal, path, new, a, active, last) -> DraftState:
     """The draft's state after a step that accepted a[b] drafts, `new` [B, D+1] = [accepted drafts..., bonus].
 
-    With `policy.reuses_draft_kv`, the accepted nodes the draft already fed (depth < the step's limit) are
-    committed from its scratch slots and only the rest (at most the deepest accepted node and the bonus) wait in
-    `pending`; otherwise all of `new` does. A finished row feeds nothing new: it re-reads `last` at its slot."""
+    The leading accepted nodes the draft already fed (`prop.fed`) are committed from its scratch slots: in place
+    for a chain, with one gather otherwise. Only the rest wait in `pending` for the next step's first forward.
+    A finished row feeds nothing new: it re-reads `last` at its slot."""
     dc = aux.draft.cache
     W = policy.pending_width
-    if policy.reuses_draft_kv:
-        fed = jnp.where(active, jnp.minimum(a, aux.feedback.limit - 1), 0)
-        dc = (kvc.commit(dc, fed) if policy.is_chain else kvc.commit_path(dc, path[:, 1:] - 1, fed))
-        idx = jnp.minimum(fed[:, None] + jnp.arange(W)[None, :], new.shape[1] - 1)
-        pending, n = jnp.take_along_axis(new, idx, axis=1), a + 1 - fed
+    D = path.shape[1] - 1
+    if prop.fed is None:
+        if W < D + 1:
+            raise ValueError(f"a proposal without `fed` needs pending_width >= {D + 1} (the whole path), got {W}")
+        fed, slots = jnp.zeros_like(a), None
     else:
-        pending, n = new, a + 1
+        slots = jnp.take_along_axis(prop.fed, path[:, 1:], axis=1)  # [B, D]
+        usable = (slots >= 0) & (jnp.arange(D)[None, :] < a[:, None])
+        fed = jnp.sum(jnp.cumprod(usable.astype(jnp.int32), axis=1), axis=1)
+    fed = jnp.where(active, fed, 0)
+    if slots is not None:
+        dc = kvc.commit(dc, fed) if policy.is_chain else kvc.commit_path(dc, jnp.maximum(slots, 0), fed)
+    idx = jnp.minimum(fed[:, None] + jnp.arange(W)[None, :], new.shape[1] - 1)
+    pending = jnp.take_along_axis(new, idx, axis=1)
     last_only = jnp.zeros_like(pending).at[:, 0].set(last)
     return DraftState(dc.replace(length=jnp.where(active, dc.length, dc.length - 1)),
-                      jnp.where(active[:, None], pending, last_only), jnp.where(active, n, 1))
+                      jnp.where(active[:, None], pending, last_only), jnp.where(active, a + 1 - fed, 1))
 
 
 def sd_step(ctx: loop.StepContext, policy, rule: str, controller, target, draft, state: loop.DecodeState):

@@ -10,7 +10,6 @@ import pytest
 import jspec
 import ports
 from jspec import api
-from jspec import speculative as SD
 from jspec.trees import MC_SIM_7B_63, NAIVE_EXTEND_57, build_tree, chain, tree_from_pool
 
 CFG = ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
@@ -293,41 +292,54 @@ def test_bad_dynamic_tree(pair):
         jspec.decode(target, PROMPTS[0], strategy=jspec.DynamicTree(draft, depth=0))
 
 
-class _RefeedPolicy(SD.StaticPolicy):
-    """The static policy without draft K/V reuse: every accepted node is fed to the draft again."""
+def _refeed(policy):
+    """`policy` reporting no node as fed: the draft feeds the whole accepted path again (the reference)."""
+    class Refeed(type(policy)):
+        @property
+        def pending_width(self) -> int:
+            return self.max_depth + 1
 
-    @property
-    def reuses_draft_kv(self) -> bool:
-        return False
+        def propose(self, *args):
+            prop, dc = super().propose(*args)
+            return prop._replace(fed=None), dc
 
-    @property
-    def pending_width(self) -> int:
-        return self.tree.max_depth + 1
+    return Refeed(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
 
 
 @dataclasses.dataclass(frozen=True)
-class _Refeed(jspec.Tree):
+class _RefeedTree(jspec.Tree):
     def policy(self):
-        return _RefeedPolicy(self.static_tree(), draw=self.rule == "residual")
+        return _refeed(super().policy())
+
+
+@dataclasses.dataclass(frozen=True)
+class _RefeedDynamic(jspec.DynamicTree):
+    def policy(self):
+        return _refeed(super().policy())
 
 
 @pytest.mark.parametrize("tree,controller", [("chain", None), ("chain", CycleDepth(4)), ("mc_sim_7b_63", None),
-                                             ("mc_sim_7b_63", CycleDepth(3))],
-                         ids=["chain", "chain-limited", "tree", "tree-limited"])
+                                             ("mc_sim_7b_63", CycleDepth(3)), ("dynamic", None),
+                                             ("dynamic", CycleDepth(4))],
+                         ids=["chain", "chain-limited", "tree", "tree-limited", "dynamic", "dynamic-limited"])
 def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
-    """Static policies commit the accepted nodes' draft K/V from scratch instead of feeding them again: the draft
-    then proposes what it would have proposed after a re-feed, so every step accepts as many tokens."""
+    """The accepted nodes the draft fed while drafting are committed from its scratch instead of fed again: the
+    draft then proposes what it would have proposed after a re-feed, so every step accepts as many tokens."""
     target, draft = pair
-    paths = tuple(tuple(p) for p in chain(5)) if tree == "chain" else tree
-    reuse = jspec.Tree(draft, tree=paths, controller=controller)
-    assert reuse.policy().reuses_draft_kv and reuse.policy().pending_width == 2
+    if tree == "dynamic":
+        reuse = jspec.DynamicTree(draft, depth=5, top_k=3, total=12, controller=controller)
+        refeed = _RefeedDynamic(draft, depth=5, top_k=3, total=12, controller=controller)
+    else:
+        paths = tuple(tuple(p) for p in chain(5)) if tree == "chain" else tree
+        reuse = jspec.Tree(draft, tree=paths, controller=controller)
+        refeed = _RefeedTree(draft, tree=paths, controller=controller)
+    assert reuse.policy().pending_width == 2 and refeed.policy().pending_width == 6
     # an EOS that ends row 0 early, so finished rows sit beside running ones for some steps
     ar = jspec.decode(target, PROMPTS, max_new_tokens=40, eos_token_id=())
     eos = int(ar.tokens[0, 6])
     for e in ((), (eos,)):
         a = jspec.decode(target, PROMPTS, strategy=reuse, max_new_tokens=40, eos_token_id=e)
-        b = jspec.decode(target, PROMPTS, strategy=_Refeed(draft, tree=paths, controller=controller),
-                         max_new_tokens=40, eos_token_id=e)
+        b = jspec.decode(target, PROMPTS, strategy=refeed, max_new_tokens=40, eos_token_id=e)
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.stats["steps"], b.stats["steps"])
         np.testing.assert_array_equal(a.stats["accepted"], b.stats["accepted"])
