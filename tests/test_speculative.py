@@ -292,18 +292,25 @@ def test_bad_dynamic_tree(pair):
         jspec.decode(target, PROMPTS[0], strategy=jspec.DynamicTree(draft, depth=0))
 
 
+_REFEED_TYPES = {}
+
+
 def _refeed(policy):
-    """`policy` reporting no node as fed: the draft feeds the whole accepted path again (the reference)."""
-    class Refeed(type(policy)):
-        @property
-        def pending_width(self) -> int:
-            return self.max_depth + 1
+    """`policy` reporting no node as fed: the draft feeds the whole accepted path again (the reference). One
+    class per policy type, so equal policies stay equal (one compilation)."""
+    base = type(policy)
+    if base not in _REFEED_TYPES:
+        class Refeed(base):
+            @property
+            def pending_width(self) -> int:
+                return self.max_depth + 1
 
-        def propose(self, *args):
-            prop, dc = super().propose(*args)
-            return prop._replace(fed=None), dc
+            def propose(self, *args):
+                prop, dc = super().propose(*args)
+                return prop._replace(fed=None), dc
 
-    return Refeed(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
+        _REFEED_TYPES[base] = Refeed
+    return _REFEED_TYPES[base](**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
 
 
 @dataclasses.dataclass(frozen=True)
