@@ -308,6 +308,10 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
         if only and pname not in only:
             continue
         for scen, prompts in scenarios.items():
+            # each XLA:CPU executable maps ~1000 memory regions; a whole suite's programs in one process passed the
+            # kernel's vm.max_map_count (65530) and crashed the JIT, so every scenario starts from an empty cache
+            # (compile time is measured per case on its first run anyway)
+            jax.clear_caches()
             strats = [st for st in sd_strategies(draft, quick)
                       if not strategies or st[0] == "AR" or st[0] in strategies]
             cases = [Case(name, (lambda s=s: _decode_rows(target, prompts, s, N, eos))) for name, s, _ in strats]
