@@ -66,6 +66,9 @@ def evaluate(pair_name: str, n: int, n_sd: int, runs: int, gamma: int) -> dict:
         t, d = np.mean(E.exact_match(pair.target, pair, exs)), np.mean(E.exact_match(pair.draft, pair, exs))
         res["exact_match"][task] = {"scenario": W.TASKS[task].scenario, "target": float(t), "draft": float(d)}
         print(f"  {task:20s} target {t:.3f}  draft {d:.3f}", flush=True)
+    res["binding"] = E.binding(pair, n)
+    print(f"[{pair_name}] target exact match on the shape-scene VQA tasks by objects in the scene: " + ", ".join(
+        f"{k}: {r['exact_match']:.2f} (n={r['n']})" for k, r in res["binding"].items()), flush=True)
     print(f"[{pair_name}] greedy Chain SD, gamma={gamma}, batch 1, {n_sd} prompts per scenario, {runs} runs, "
           f"draft views {pair.draft_views}:", flush=True)
     for sc, exs in E.scenario_examples(pair_name, n_sd).items():
@@ -91,6 +94,12 @@ def markdown(res: dict) -> str:
              "| task | scenario | target exact match | draft exact match |", "|---|---|---|---|"]
     for task, r in res["exact_match"].items():
         lines.append(f"| {task} | {r['scenario']} | {r['target']:.2f} | {r['draft']:.2f} |")
+    if res.get("binding"):
+        lines += ["", "Target exact match on the shape-scene VQA tasks (" + ", ".join(E.SHAPE_VQA) + "), by objects in "
+                  "the scene:", "", "| objects | " + " | ".join(str(k) for k in res["binding"]) + " |",
+                  "|---|" + "---|" * len(res["binding"]),
+                  "| exact match | " + " | ".join(f"{r['exact_match']:.2f} (n={r['n']})"
+                                                 for r in res["binding"].values()) + " |"]
     head = " | ".join(f"mean accepted ({v} view) | speedup ({v})" for v in views)
     lines += ["", f"| scenario | {head} | same tokens as AR |", "|---|" + "---|---|" * len(views) + "---|"]
     for sc, r in res["sd"].items():

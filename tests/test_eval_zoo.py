@@ -39,3 +39,23 @@ def test_bars_and_premise(ez):
     b, p = ez.bars(r), ez.premise(r["sd"])
     assert not b["target VQA exact match >= 0.90"]["met"] and not b["VQA mean accepted (M view) >= 2.5"]["met"]
     assert not p["M > T on vqa"] and not p["T >= M on ood"] and p["M > T on caption"]
+
+
+def test_binding_groups_by_objects_and_describes_the_same_scene():
+    from jspec.zoo import evaluate as E
+    from jspec.zoo import world as W
+
+    exs = [W.example("heldout", i, 0, [t]) for t in ("vqa_colour", "vqa_text") for i in range(12)]
+    counts = [len(e.images[0].objects) for e in exs[:12]]
+    hits = [i % 3 == 0 for i in range(len(exs))]
+    g = E.by_objects(exs, hits)
+    assert sorted(g) == sorted(set(counts))                       # text scenes (vqa_text) are left out
+    assert sum(r["n"] for r in g.values()) == 12
+    for k, r in g.items():
+        want = [h for h, c in zip(hits[:12], counts) if c == k]
+        assert r["n"] == len(want) and r["exact_match"] == pytest.approx(sum(want) / len(want))
+    d = E.described_example(exs[0])
+    assert not d.images and d.answer == exs[0].answer and d.turns[-1] == exs[0].turns[-1]
+    o = exs[0].images[0].objects[0]
+    assert f"{o.size} {o.colour} {o.shape} is in the {o.position}" in d.turns[0].text
+    assert d.turns[0].text.endswith(exs[0].turns[0].text)

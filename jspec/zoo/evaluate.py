@@ -110,6 +110,36 @@ def exact_match(model, pair: Pair, examples: Sequence[W.Example], view: str | No
     return hits
 
 
+SHAPE_VQA = ("vqa_colour", "vqa_shape", "vqa_count", "vqa_position", "vqa_size", "vqa_exists")
+
+
+def described_example(ex: W.Example, seed: int = 0) -> W.Example:
+    """The same example with each image replaced by its detailed description (what the text pair reads)."""
+    import random
+
+    turns = D.described(ex.turns, ex.images, random.Random(f"described/{seed}/{ex.split}/{ex.index}"))
+    return W.Example(ex.task, ex.scenario, ex.split, ex.index, tuple(turns), ())
+
+
+def by_objects(examples: Sequence[W.Example], hits: Sequence[bool]) -> dict[int, dict]:
+    """Exact match grouped by the number of objects in each example's first image: {n: {"n": count, "exact_match":
+    mean}} (shape scenes only; other examples are left out)."""
+    groups: dict[int, list[bool]] = {}
+    for ex, h in zip(examples, hits, strict=True):
+        if ex.images and ex.images[0].kind == "shapes":
+            groups.setdefault(len(ex.images[0].objects), []).append(bool(h))
+    return {k: {"n": len(v), "exact_match": float(np.mean(v))} for k, v in sorted(groups.items())}
+
+
+def binding(pair: Pair, n: int, seed: int = 0) -> dict[int, dict]:
+    """The pair's target on n held-out examples of each shape-scene VQA task, grouped by the number of objects in
+    the scene: one object needs no lookup, several need the asked-about object found first. The text pair reads
+    each scene as its description."""
+    exs = [W.example("heldout", i, seed, [t]) for t in SHAPE_VQA for i in range(n)]
+    prompts = exs if pair.view == "M" else [described_example(e, seed) for e in exs]
+    return by_objects(exs, exact_match(pair.target, pair, prompts))
+
+
 def sd_scenario(pair: Pair, examples: Sequence[W.Example], views: Sequence[str] | None = None, runs: int = 3,
                 gamma: int = 5, max_new: int = 64) -> dict[str, dict]:
     """Greedy AR vs greedy Chain(gamma) at batch 1 over the examples, for each draft view.
