@@ -51,18 +51,19 @@ def test_quick_ar_suite_schema_and_ratios(tmp_path):
 def test_gpu_suite_refuses_cpu_then_dry_runs_and_bad_input(tmp_path):
     with pytest.raises(RuntimeError, match="GPU"):
         bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path))
-    res = bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path), progress=False, allow_cpu=True)
+    # each part once (a full dry run is their union): the AR part alone, then the SD part alone
+    res = bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path), progress=False, allow_cpu=True, pairs=("ar",))
     assert finite_positive(res["bandwidth_gbs"]) and res["meta"]["suite"] == "gpu"
-    assert res["rows"] and not res["transformers"]  # no bf16 transformers baseline on a CPU
+    assert res["rows"] and not res["sd"] and not res["transformers"]  # no bf16 transformers baseline on a CPU
     for r in res["rows"]:
         assert finite_positive(r["x_floor"]) and finite_positive(r["floor_ms_per_token"])
-    sd = {r["strategy"]: r for r in res["sd"]}
-    assert set(sd) >= {"AR", "Chain g=3"} and all(r["pair"] == "random damped 7B" for r in res["sd"])
-    assert all(r["same_tokens_as_ar"] and finite_positive(r["wall_speedup"]) for r in res["sd"])
-    assert any(f.endswith("-sd.png") for f in res["files"])
     part = bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path), progress=False, allow_cpu=True,
                      pairs=("random damped 7B",))
-    assert not part["rows"] and part["sd"]
+    assert not part["rows"] and part["sd"] and not part["transformers"]
+    sd = {r["strategy"]: r for r in part["sd"]}
+    assert set(sd) >= {"AR", "Chain g=3"} and all(r["pair"] == "random damped 7B" for r in part["sd"])
+    assert all(r["same_tokens_as_ar"] and finite_positive(r["wall_speedup"]) for r in part["sd"])
+    assert any(f.endswith("-sd.png") for f in part["files"])
     with pytest.raises(ValueError, match="unknown part"):
         bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path), allow_cpu=True, pairs=("nope",))
     with pytest.raises(ValueError, match="ar, sd, gpu"):
