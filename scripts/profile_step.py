@@ -4,8 +4,11 @@ phase and an unrelated target AR step, repeated apart and in one loop body).
 
     python scripts/profile_step.py                         # zoo text pair, Chain gamma=5, the longest chat answer
     python scripts/profile_step.py --gamma 7 --rounds 5 --scenario described_caption
+    python scripts/profile_step.py --calls --scenario described_vqa   # per-call costs of AR and Chain instead
 
-Prints one line per round (medians inside each), so a noisy host shows as spread between rounds.
+Prints one line per round (medians inside each), so a noisy host shows as spread between rounds. `--calls` fits
+whole calls' decode time as per call + per step x steps instead (`jspec.profiling.call_costs`; 4 prompts, EOS off,
+4-24 new tokens), with the zero-step launch of the compiled loop and the prefill, for AR and for Chain.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts to pick the longest answer from")
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calls", action="store_true", help="per-call costs of whole calls instead of one step's phases")
     args = ap.parse_args(argv)
     pairs = B.zoo_pairs(args.prompts)
     if "zoo text" not in pairs:
@@ -40,6 +44,13 @@ def main(argv=None) -> None:
     if args.scenario not in scenarios:
         raise SystemExit(f"unknown scenario {args.scenario!r}; the text pair has {sorted(scenarios)}")
     prompts = scenarios[args.scenario]
+    if args.calls:
+        print(f"zoo text pair, {args.scenario}, 4 prompts, EOS off, 4-24 new tokens, {args.rounds} rounds; ms")
+        for name, strat in (("AR", None), (f"Chain g={args.gamma}", jspec.Chain(draft, gamma=args.gamma))):
+            c = P.call_costs(target, [[p] for p in prompts[:4]], strat, rounds=args.rounds)
+            print(f"{name}: per step {c['per_step_s'] * 1e3:.2f}, per call {c['per_call_s'] * 1e3:.2f}, zero-step "
+                  f"loop call {c['zero_step_s'] * 1e3:.2f}, prefill {c['prefill_s'] * 1e3:.2f}", flush=True)
+        return
     lengths = [int(jspec.decode(target, [p], max_new_tokens=args.max_new, eos_token_id=eos).lengths[0])
                for p in prompts]
     prompt = prompts[int(np.argmax(lengths))]

@@ -282,6 +282,22 @@ def test_profile_mode_times_phases_and_keeps_tokens(pair):
         jspec.decode(target, PROMPTS, max_new_tokens=4, profile="gpu")
 
 
+def test_call_costs_fits_whole_calls(pair):
+    from jspec import profiling as P
+
+    target, draft = pair
+    ar = P.call_costs(target, [PROMPTS], max_new=(4, 9), rounds=1)
+    assert sorted(s for s, _ in ar["points"]) == [3, 8]           # EOS off: max_new - 1 steps after the prefill
+    sd = P.call_costs(target, [PROMPTS], jspec.Chain(draft, gamma=3), max_new=(4, 16), rounds=1)
+    (s1, _), (s2, _) = sorted(sd["points"])
+    assert 1 <= s1 < s2 <= 15
+    for c in (ar, sd):
+        assert c["per_step_s"] > 0 and np.isfinite(c["per_call_s"])
+        assert c["zero_step_s"] > 0 and c["prefill_s"] > 0
+    with pytest.raises(ValueError, match="max_new values that differ"):
+        P.call_costs(target, [PROMPTS], max_new=(4,), rounds=1)
+
+
 def test_bad_dynamic_tree(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="exceeds the 12 candidates"):
