@@ -187,6 +187,13 @@ class Started(NamedTuple):
     pad: int
     prefill_s: float
 
+    def run(self, state: loop.DecodeState | None = None) -> loop.DecodeState:
+        """The fused decode loop (AR or speculative) from `state` (default: this start's own), consumed."""
+        state = self.state if state is None else state
+        if self.policy is None:
+            return _decode_ar(self.ctx, self.target, state)
+        return _decode_sd(self.ctx, self.policy, self.rule, self.controller, self.target, self.draft, state)
+
 
 def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
@@ -286,10 +293,8 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     if profile in (True, "host"):
         state, phases = (P.host_timed_ar(ctx, r.target, state) if policy is None else
                          P.host_timed_sd(ctx, policy, r.rule, r.controller, r.target, r.draft, state))
-    elif policy is None:
-        state = _decode_ar(ctx, r.target, state)
     else:
-        state = _decode_sd(ctx, policy, r.rule, r.controller, r.target, r.draft, state)
+        state = r.run(state)
     out, n_out, steps, accepted, drafted = jax.device_get(
         (state.out, state.n_out, state.step, state.accepted, state.drafted))
     t2 = time.perf_counter()

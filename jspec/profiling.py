@@ -157,15 +157,10 @@ def call_costs(target, prompts, strategy=None, max_new: tuple[int, ...] = (4, 8,
     s = api.start(target, prompts[0], max_new_tokens=max(max_new), **kw)
     state = s.state.replace(done=jax.numpy.ones_like(s.state.done))
 
-    def loop_once(st):
-        if s.policy is None:
-            return api._decode_ar(s.ctx, s.target, st)
-        return api._decode_sd(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, st)
-
     times = []
     for _ in range(3 + 20):
         t0 = time.perf_counter()
-        state = jax.block_until_ready(loop_once(state))
+        state = jax.block_until_ready(s.run(state))
         times.append(time.perf_counter() - t0)
     return {"per_call_s": float(per_call), "per_step_s": float(per_step), "zero_step_s": float(np.median(times[3:])),
             "prefill_s": float(np.median([x[2] for v in runs.values() for x in v])), "points": points}
