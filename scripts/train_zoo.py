@@ -36,7 +36,8 @@ about scenes exist in text form and every training answer follows from the promp
 Training: AdamW (optax, inject_hyperparams: the learning rate, linear warmup then cosine decay to 10%, is set each
 step), global-norm clipping 1.0, weight decay on matrices; packed sequences (`jspec.zoo.data.batches`, pack=True)
 under a segment mask (a token attends causally within its own example only) through `ports.llama.forward`; the
-loss is the mean cross-entropy over answer tokens (`target_mask`: the tokens of assistant answers and their EOS).
+loss is the mean cross-entropy over answer tokens (`target_mask`: the tokens of assistant answers and their EOS),
+plus, with `prompt_loss`, that weight times the mean over the prompt's text tokens (`prompt_mask`).
 Fixed seeds (init and data from --seed). Orbax checkpoints every --ckpt-minutes (and on Ctrl-C / SIGTERM) in
 --workdir; `--resume` continues from the latest one with the same data stream and learning-rate schedule, so an
 interrupted run ends where an uninterrupted one would. The schedule length is --steps, or, without it, estimated
@@ -53,7 +54,7 @@ Reproduce the shipped models (commands also in jspec/zoo/<name>/training.json; a
     python scripts/train_zoo.py train text-draft-base --steps 1371        # (sized by --minutes 17)
     python scripts/train_zoo.py train text-draft --steps 1259             # grown from text-draft-base (--minutes 16)
 (text-base and text-draft-base are the models shipped as text-target and text-draft until 2026-11-23. A model that
-starts from another one, by `grow_from` or `init_lm`, lists that one's commands under "starts_from" in its
+starts from another one, by `grow_from`, `init_from` or `init_lm`, lists that one's commands under "starts_from" in its
 training.json.)
 A run stopped by --minutes (or Ctrl-C / SIGTERM) continues with the same command plus --resume; an interrupted and
 resumed run exports bit-identical weights.
@@ -131,6 +132,11 @@ class Preset:
     allow_ood: bool = False      # may train on the world's OOD (multi-image) tasks: targets only, never a draft
     loss_per_example: bool = False  # weigh packed examples equally (else answer tokens equally); measured worse at
                                     # step 478 of the image target (VQA 0.37 vs 0.48), so off in the presets
+    prompt_loss: float = 0.0      # weight of the prompt's text tokens (questions, captions asked for, ...) beside the
+                                  # answers' (1.0): predicting "Where is the red ..." -> "circle" needs the same
+                                  # lookup in the image that answering needs, so every question trains it;
+                                  # measured no better on VQA (README), so 0 in the presets
+    init_from: str | None = None  # an exported model of the same preset shape whose weights start this one
     grow_from: str | None = None  # a trained LLaMA of the same width and half the layers that starts this one
                                   # (`grow_params`: depth growth, the source's function at step 0)
     data_start: int = 0           # index of the first training example (a grown model reads examples its source
@@ -222,6 +228,17 @@ def init_lm(p: Preset, model: ports.Model) -> dict:
         raise SystemExit(f"{p.init_lm}'s weights do not fit the LM of this preset: {got} vs {want}")
     print(f"LM initialised from {src} ({sum(x.size for x in jax.tree.leaves(lm)) / 1e6:.2f}M params)")
     return lm
+
+
+def start_from(p: Preset, model: ports.Model) -> dict:
+    """The params of `p.init_from` (an exported model), checked against `model`'s shapes."""
+    params = load_source(p.init_from, "this model continues its training")
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), model.params)
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    if want != got:
+        raise SystemExit(f"{p.init_from}'s weights do not fit this preset: {got} vs {want}")
+    print(f"starting from {export_dir(p.init_from)}")
+    return params
 
 
 def grow_params(src: dict, layers: int) -> dict:
@@ -444,9 +461,17 @@ def answer_weights(segment_ids: jax.Array, mask: jax.Array, per_example: bool) -
     return m / jnp.maximum(count[ids].reshape(B, T), 1.0) / examples
 
 
-def loss_fn(model_cfg, params, batch, per_example: bool = False):
-    """The objective (cross-entropy over answer tokens under `answer_weights`); aux: (mean cross-entropy per answer
-    token, answer-token accuracy, number of answer tokens)."""
+def prompt_mask(batch: dict) -> jax.Array:
+    """[B, T] 1 where the target is a prompt text token of the same example: not an answer token, not an image
+    token, not padding or a special token (ids below 6: pad, BOS, EOS, image, the chat roles)."""
+    t = batch["targets"]
+    return ((batch["segment_ids"] > 0) & (t >= 6) & (batch["target_mask"] == 0)).astype(jnp.float32)
+
+
+def loss_fn(model_cfg, params, batch, per_example: bool = False, prompt_loss: float = 0.0):
+    """The objective (cross-entropy over answer tokens under `answer_weights`, plus `prompt_loss` x the mean over
+    prompt text tokens); aux: (mean cross-entropy per answer token, answer-token accuracy, number of answer
+    tokens): the answers alone, whatever the objective."""
     logits = logits_fn(model_cfg, params, batch)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
@@ -454,6 +479,9 @@ def loss_fn(model_cfg, params, batch, per_example: bool = False):
     n = jnp.maximum(m.sum(), 1.0)
     acc = ((jnp.argmax(logits, -1) == batch["targets"]) * m).sum() / n
     objective = (nll * answer_weights(batch["segment_ids"], m, per_example)).sum()
+    if prompt_loss:
+        pm = prompt_mask(batch)
+        objective = objective + prompt_loss * (nll * pm).sum() / jnp.maximum(pm.sum(), 1.0)
     return objective, ((nll * m).sum() / n, acc, m.sum())
 
 
@@ -488,11 +516,12 @@ def stage_scales(p: Preset, step: int) -> tuple[float, float]:
     return (0.0 if aligning else p.lm_lr_scale), (0.0 if aligning and p.tower_steps else p.tower_lr_scale)
 
 
-def make_steps(model_cfg, tx, per_example: bool = False):
+def make_steps(model_cfg, tx, per_example: bool = False, prompt_loss: float = 0.0):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, batch, lr, lm_scale, tower_scale=1.0):
         (_, (loss, acc, n)), grads = jax.value_and_grad(
-            functools.partial(loss_fn, model_cfg, per_example=per_example), has_aux=True)(params, batch)
+            functools.partial(loss_fn, model_cfg, per_example=per_example, prompt_loss=prompt_loss),
+            has_aux=True)(params, batch)
         clip_state, inj = opt_state
         inj = inj._replace(hyperparams={**inj.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
         updates, opt_state = tx.update(grads, (clip_state, inj), params)
@@ -624,13 +653,15 @@ def train(args) -> None:
     model = new_model(p, args.seed)
     if p.init_lm and not args.resume:
         model = dataclasses.replace(model, params={**model.params, "lm": init_lm(p, model)})
+    if p.init_from and not args.resume:
+        model = dataclasses.replace(model, params=start_from(p, model))
     if p.grow_from and not args.resume:
         model = dataclasses.replace(model, params=grown_init(p, model))
     if p.tower_steps and not args.resume:
         model = dataclasses.replace(model, params={**model.params, "vision": pretrain_tower(p, model, args.seed)})
     tx = make_optimizer(p)
     params, opt_state = model.params, tx.init(model.params)
-    train_step, eval_step = make_steps(model.config, tx, p.loss_per_example)
+    train_step, eval_step = make_steps(model.config, tx, p.loss_per_example, p.prompt_loss)
     mgr = _checkpointer(workdir)
     meta = {"name": name, "seed": args.seed, "step": 0, "next_index": p.data_start,
             "total_steps": args.steps, "elapsed_s": 0.0, "tokens": 0, "preset": dataclasses.asdict(p), "runs": [],
@@ -833,7 +864,8 @@ def export(name: str, model: ports.Model, meta: dict, workdir: Path, out: Path |
             "schedule": meta["schedule"],
             "runs": meta["runs"], "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "jax": jax.__version__, "date": datetime.date.today().isoformat()}
-    source = meta["preset"].get("grow_from") or meta["preset"].get("init_lm")
+    source = (meta["preset"].get("grow_from") or meta["preset"].get("init_from")
+              or meta["preset"].get("init_lm"))
     if source and (export_dir(source) / "training.json").exists():   # the stage this one starts from
         src = json.loads((export_dir(source) / "training.json").read_text())
         info["starts_from"] = {k: src[k] for k in ("name", "params", "steps", "tokens", "train_minutes",

@@ -169,3 +169,37 @@ def test_depth_growth_keeps_the_function_and_trains(tz):
     assert not np.array_equal(after["layers"][1]["wq"], after["layers"][0]["wq"])
     with pytest.raises(SystemExit, match="doubles the layers"):
         tz.grow_params(src.params, 3)
+
+
+def test_prompt_loss_adds_the_question_tokens_only(tz):
+    """`prompt_mask` marks the prompt's text tokens (never an answer token, an image token, padding or a special
+    token); `prompt_loss` adds their mean cross-entropy to the objective while the reported loss stays the answers'."""
+    p = _tiny(tz)
+    batch = next(tz.stream(p, "train", 0, 0))[0]
+    pm = np.asarray(tz.prompt_mask(batch))
+    t, m, seg = batch["targets"], batch["target_mask"], batch["segment_ids"]
+    assert pm.sum() > 0
+    assert (pm * m).sum() == 0 and (pm[seg == 0] == 0).all()
+    assert (t[pm > 0] >= 6).all() and not np.isin(t[pm > 0], [0, 1, 2, 3, 4, 5]).any()
+    # every real text target that is not an answer is in the mask
+    assert ((t >= 6) & (seg > 0) & (m == 0)).sum() == pm.sum()
+    model = tz.new_model(p, 0)
+    plain, aux0 = tz.loss_fn(model.config, model.params, batch)
+    full, aux1 = tz.loss_fn(model.config, model.params, batch, prompt_loss=0.5)
+    np.testing.assert_allclose(aux0[0], aux1[0])
+    logp = jax.nn.log_softmax(tz.logits_fn(model.config, model.params, batch), axis=-1)
+    nll = -np.take_along_axis(np.asarray(logp), t[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(full - plain, 0.5 * (nll * pm).sum() / pm.sum(), rtol=1e-5)
+
+
+def test_init_from_starts_from_an_exported_model_of_the_same_shape(tz):
+    if not (tz.export_dir("text-draft") / "config.json").exists():
+        pytest.skip("the zoo text draft is not shipped in this install")
+    p = dataclasses.replace(tz.PRESETS["text-draft"], grow_from=None, init_from="text-draft")
+    params = tz.start_from(p, tz.new_model(p, 0))
+    from jspec import zoo
+
+    assert not _moved(jax.device_get(params), jax.device_get(zoo.load("text-draft").params))
+    wrong = dataclasses.replace(p, lm=dict(p.lm, layers=3))
+    with pytest.raises(SystemExit, match="do not fit this preset"):
+        tz.start_from(wrong, tz.new_model(wrong, 0))
