@@ -35,7 +35,8 @@ Q_LEN = 12   # question slots (padded with the pad embedding)
 
 
 def dataset(n: int, seed: int, layout: str, features, embed: np.ndarray, tok):
-    """(image features [n, 9, D], question embeddings [n, Q, D], answer class [n], query index [n], objects [n])."""
+    """(image features [n, 9, D], question embeddings [n, Q, D], answer class [n], index of the query position in
+    the question [n], objects in the scene [n], number of classes)."""
     from jspec.zoo import data as D
     from jspec.zoo import tokenizer as TK
     from jspec.zoo import world as W
