@@ -228,25 +228,28 @@ def load_source(name: str, why: str) -> dict:
     return ports.load_hf(str(src), jnp.float32).params
 
 
+def check_fits(params: dict, like: dict, what: str) -> dict:
+    """`params`, or SystemExit "`what`: got vs want" when its tree of shapes and dtypes differs from `like`'s."""
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), like)
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    if want != got:
+        raise SystemExit(f"{what}: {got} vs {want}")
+    return params
+
+
 def init_lm(p: Preset, model: ports.Model) -> dict:
     """The LM params of `p.init_lm` (an exported zoo text model), checked against the image model's LM shapes."""
-    lm = load_source(p.init_lm, "the image model's LM starts there")
+    lm = check_fits(load_source(p.init_lm, "the image model's LM starts there"), model.params["lm"],
+                    f"{p.init_lm}'s weights do not fit the LM of this preset")
     src = export_dir(p.init_lm)
-    want = jax.tree.map(lambda x: (x.shape, x.dtype), model.params["lm"])
-    got = jax.tree.map(lambda x: (x.shape, x.dtype), lm)
-    if want != got:
-        raise SystemExit(f"{p.init_lm}'s weights do not fit the LM of this preset: {got} vs {want}")
     print(f"LM initialised from {src} ({sum(x.size for x in jax.tree.leaves(lm)) / 1e6:.2f}M params)")
     return lm
 
 
 def start_from(p: Preset, model: ports.Model) -> dict:
     """The params of `p.init_from` (an exported model), checked against `model`'s shapes."""
-    params = load_source(p.init_from, "this model continues its training")
-    want = jax.tree.map(lambda x: (x.shape, x.dtype), model.params)
-    got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
-    if want != got:
-        raise SystemExit(f"{p.init_from}'s weights do not fit this preset: {got} vs {want}")
+    params = check_fits(load_source(p.init_from, "this model continues its training"), model.params,
+                        f"{p.init_from}'s weights do not fit this preset")
     print(f"starting from {export_dir(p.init_from)}")
     return params
 
@@ -266,11 +269,8 @@ def grow_params(src: dict, layers: int) -> dict:
 
 def grown_init(p: Preset, model: ports.Model) -> dict:
     """`model`'s params grown from `p.grow_from`, checked against its shapes."""
-    params = grow_params(load_source(p.grow_from, "this model grows from it"), len(model.params["layers"]))
-    want = jax.tree.map(lambda x: (x.shape, x.dtype), model.params)
-    got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
-    if want != got:
-        raise SystemExit(f"{p.grow_from}'s weights do not grow into this preset: {got} vs {want}")
+    params = check_fits(grow_params(load_source(p.grow_from, "this model grows from it"), len(model.params["layers"])),
+                        model.params, f"{p.grow_from}'s weights do not grow into this preset")
     print(f"grown from {export_dir(p.grow_from)}: {len(params['layers']) // 2} -> {len(params['layers'])} layers")
     return params
 
