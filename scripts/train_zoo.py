@@ -100,6 +100,7 @@ from jspec import cache as kvc  # noqa: E402
 from jspec.zoo import data as D  # noqa: E402
 from jspec.zoo import tokenizer as TK  # noqa: E402
 from jspec.zoo import world as W  # noqa: E402
+from ports import layers as L  # noqa: E402
 from ports import llama, llava  # noqa: E402
 from ports import vision as VZ  # noqa: E402
 
@@ -139,6 +140,13 @@ class Preset:
                                   # answers' (1.0): predicting "Where is the red ..." -> "circle" needs the same
                                   # lookup in the image that answering needs, so every question trains it;
                                   # measured no better on VQA (README), so 0 in the presets
+    focus_loss: float = 0.0       # weight of `focus_nll`: one attention head (focus_head = (layer, head)) is taught
+                                  # to look, from each answer token read off one object, at that object's image
+                                  # token: a direct signal for the lookup the answer loss alone did not teach
+    focus_head: tuple = (2, 0)
+    focus_readout: float = 0.0    # weight of `focus_nll`'s readout term: that head's write alone must name the object's
+                                  # attribute (with the focus loss alone, the head found the object but its output
+                                  # did not carry the shape: a linear probe read it at 0.59)
     init_from: str | None = None  # an exported model of the same preset shape whose weights start this one
     grow_from: str | None = None  # a trained LLaMA of the same width and half the layers that starts this one
                                   # (`grow_params`: depth growth, the source's function at step 0)
@@ -171,6 +179,19 @@ PRESETS = {
                                tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M", allow_ood=True,
                                seq_len=160, batch=16, lr=1e-3, warmup=50, init_from="image-target",
                                tower_lr_scale=0.1, minutes=80.0, ship=False),
+    # the same continuation with `focus_loss`: head 0 of layer 2 is taught where the asked-about object is
+    "image-target-focus": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
+                                 dict(hidden=128, layers=4, heads=4, ffn=512),
+                                 tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M",
+                                 allow_ood=True, seq_len=160, batch=16, lr=1e-3, warmup=50, init_from="image-target",
+                                 tower_lr_scale=0.1, focus_loss=0.1, focus_head=(2, 0), minutes=60.0, ship=False),
+    # and its head's write taught to carry the attribute (`focus_readout`), continuing image-target-focus
+    "image-target-readout": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
+                                   dict(hidden=128, layers=4, heads=4, ffn=512),
+                                   tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M",
+                                   allow_ood=True, seq_len=160, batch=16, lr=1e-3, warmup=50,
+                                   init_from="image-target-focus", tower_lr_scale=0.1, focus_loss=0.1,
+                                   focus_head=(2, 0), focus_readout=0.1, minutes=60.0, ship=False),
 }
 # One patch per grid cell: image token (r, c) sees exactly cell (r, c), so the tower can give each token the
 # attributes of its own cell's object (bound together), which the LM then finds by content.
@@ -445,6 +466,11 @@ def image_embeds(cfg: llava.LlavaConfig, params: dict, tokens: jax.Array, pixel_
 def logits_fn(model_cfg, params: dict, batch: dict) -> jax.Array:
     """Training forward: logits [B, T, V] of packed rows through the port's forward (an empty cache of T slots,
     the segment mask as the new tokens' visibility)."""
+    return forward_fn(model_cfg, params, batch).logits
+
+
+def forward_fn(model_cfg, params: dict, batch: dict, hidden_layers: tuple = ()) -> llama.ForwardOut:
+    """`logits_fn`'s forward, with the residual streams of `hidden_layers` (`llama.forward`'s)."""
     tokens = batch["input_ids"]
     B, T = tokens.shape
     if isinstance(model_cfg, llava.LlavaConfig):
@@ -455,7 +481,65 @@ def logits_fn(model_cfg, params: dict, batch: dict) -> jax.Array:
     cache = kvc.init_cache(text_cfg.num_layers, B, text_cfg.num_kv_heads, T, text_cfg.head_dim,
                            jax.tree.leaves(lm)[0].dtype)
     return llama.forward(text_cfg, lm, tokens, batch["positions"], cache, segment_mask(batch["segment_ids"]),
-                         embeds=embeds).logits
+                         embeds=embeds, hidden_layers=hidden_layers)
+
+
+def focus_logprobs(text_cfg, layer_params: dict, x: jax.Array, batch: dict, head: int) -> jax.Array:
+    """[B, T, T] log attention probabilities of one head of one layer over the keys, from that layer's input
+    residual stream x [B, T, D]: the same queries, keys, RoPE and segment mask as its forward (a recomputation of
+    one head, so the port's forward stays as it is)."""
+    B, T, _ = x.shape
+    h = L.rms_norm(x, layer_params["attn_norm"], text_cfg.rms_norm_eps)
+    q = L.linear(h, layer_params["wq"], layer_params.get("bq")).reshape(B, T, text_cfg.num_heads, -1)
+    k = L.linear(h, layer_params["wk"], layer_params.get("bk")).reshape(B, T, text_cfg.num_kv_heads, -1)
+    cos, sin = L.rope_tables(text_cfg, batch["positions"])
+    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    kv = head // (text_cfg.num_heads // text_cfg.num_kv_heads)
+    scores = jnp.einsum("btd,bsd->bts", q[:, :, head], k[:, :, kv]).astype(jnp.float32) * q.shape[-1] ** -0.5
+    scores = jnp.where(segment_mask(batch["segment_ids"]), scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.log_softmax(scores, axis=-1)
+
+
+def head_write(text_cfg, layer_params: dict, x: jax.Array, logp: jax.Array, head: int) -> jax.Array:
+    """[B, T, D]: what head `head` adds to the residual stream (its values under attention exp(logp), through its
+    rows of the output projection), from the layer's input stream x."""
+    B, T, _ = x.shape
+    h = L.rms_norm(x, layer_params["attn_norm"], text_cfg.rms_norm_eps)
+    v = L.linear(h, layer_params["wv"], layer_params.get("bv")).reshape(B, T, text_cfg.num_kv_heads, -1)
+    kv = head // (text_cfg.num_heads // text_cfg.num_kv_heads)
+    o = jnp.einsum("bts,bsd->btd", jnp.exp(logp), v[:, :, kv])
+    Dh = o.shape[-1]
+    return o @ layer_params["wo"][head * Dh:(head + 1) * Dh]
+
+
+def attribute_ids() -> np.ndarray:
+    """Token ids of the words an answer reads off one object (colours, shapes, sizes, positions, yes), with and
+    without a leading space, where the word is one token."""
+    words = list(W.COLOURS) + list(W.SHAPES) + ["big", "small", "top", "middle", "bottom", "left", "right", "center",
+                                                "yes", "Yes"]
+    tok = TK.load_tokenizer().backend_tokenizer
+    ids = [tok.encode(pre + w, add_special_tokens=False).ids for w in words for pre in ("", " ")]
+    return np.unique([i[0] for i in ids if len(i) == 1])
+
+
+def focus_nll(text_cfg, lm: dict, x: jax.Array, batch: dict, layer: int, head: int,
+              readout_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(mean -log attention of head `head` of layer `layer` on the focus cell's image token, over the positions
+    whose target is read off one object (`target_focus` >= 0); their number; and, with `readout_ids`, the mean
+    cross-entropy of the target where it is one of those ids, under the logits of the head's write alone (final
+    norm + LM head: the head's direct path to the answer), else 0). x: that layer's input stream."""
+    f = batch["target_focus"]
+    on = (f >= 0).astype(jnp.float32)
+    logp = focus_logprobs(text_cfg, lm["layers"][layer], x, batch, head)
+    at = jnp.take_along_axis(logp, jnp.maximum(f, 0)[..., None], axis=-1)[..., 0]
+    n = on.sum()
+    readout = jnp.zeros((), jnp.float32)
+    if readout_ids is not None:
+        words = on * jnp.isin(batch["targets"], readout_ids).astype(jnp.float32)
+        lg = llama.unembed(text_cfg, lm, head_write(text_cfg, lm["layers"][layer], x, logp, head))
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(lg, -1), batch["targets"][..., None], -1)[..., 0]
+        readout = (nll * words).sum() / jnp.maximum(words.sum(), 1.0)
+    return -(at * on).sum() / jnp.maximum(n, 1.0), n, readout
 
 
 def answer_weights(segment_ids: jax.Array, mask: jax.Array, per_example: bool) -> jax.Array:
@@ -478,11 +562,16 @@ def prompt_mask(batch: dict) -> jax.Array:
     return ((batch["segment_ids"] > 0) & (t >= 6) & (batch["target_mask"] == 0)).astype(jnp.float32)
 
 
-def loss_fn(model_cfg, params, batch, per_example: bool = False, prompt_loss: float = 0.0):
+def loss_fn(model_cfg, params, batch, per_example: bool = False, prompt_loss: float = 0.0,
+            focus_loss: float = 0.0, focus_head: tuple[int, int] = (2, 0), focus_readout: float = 0.0):
     """The objective (cross-entropy over answer tokens under `answer_weights`, plus `prompt_loss` x the mean over
-    prompt text tokens); aux: (mean cross-entropy per answer token, answer-token accuracy, number of answer
-    tokens): the answers alone, whatever the objective."""
-    logits = logits_fn(model_cfg, params, batch)
+    prompt text tokens, plus `focus_loss` x `focus_nll` of head focus_head = (layer, head), plus `focus_readout` x
+    its readout term over `attribute_ids`); aux: (mean
+    cross-entropy per answer token, answer-token accuracy, number of answer tokens): the answers alone, whatever
+    the objective; and `focus_nll`'s attention and readout terms (0 without `focus_loss`)."""
+    layer, head = focus_head
+    out = forward_fn(model_cfg, params, batch, (layer,) if focus_loss else ())
+    logits = out.logits
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
     m = batch["target_mask"]
@@ -492,7 +581,14 @@ def loss_fn(model_cfg, params, batch, per_example: bool = False, prompt_loss: fl
     if prompt_loss:
         pm = prompt_mask(batch)
         objective = objective + prompt_loss * (nll * pm).sum() / jnp.maximum(pm.sum(), 1.0)
-    return objective, ((nll * m).sum() / n, acc, m.sum())
+    focus = readout = jnp.zeros((), jnp.float32)
+    if focus_loss:
+        text_cfg = model_cfg.text if isinstance(model_cfg, llava.LlavaConfig) else model_cfg
+        lm = params["lm"] if isinstance(model_cfg, llava.LlavaConfig) else params
+        ids = jnp.asarray(attribute_ids()) if focus_readout else None
+        focus, _, readout = focus_nll(text_cfg, lm, out.hidden[0], batch, layer, head, ids)
+        objective = objective + focus_loss * focus + focus_readout * readout
+    return objective, ((nll * m).sum() / n, acc, m.sum(), focus, readout)
 
 
 def make_optimizer(p: Preset) -> optax.GradientTransformation:
@@ -526,11 +622,13 @@ def stage_scales(p: Preset, step: int) -> tuple[float, float]:
     return (0.0 if aligning else p.lm_lr_scale), (0.0 if aligning and p.tower_steps else p.tower_lr_scale)
 
 
-def make_steps(model_cfg, tx, per_example: bool = False, prompt_loss: float = 0.0):
+def make_steps(model_cfg, tx, per_example: bool = False, prompt_loss: float = 0.0, focus_loss: float = 0.0,
+               focus_head: tuple[int, int] = (2, 0), focus_readout: float = 0.0):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, batch, lr, lm_scale, tower_scale=1.0):
-        (_, (loss, acc, n)), grads = jax.value_and_grad(
-            functools.partial(loss_fn, model_cfg, per_example=per_example, prompt_loss=prompt_loss),
+        (_, (loss, acc, n, focus, readout)), grads = jax.value_and_grad(
+            functools.partial(loss_fn, model_cfg, per_example=per_example, prompt_loss=prompt_loss,
+                              focus_loss=focus_loss, focus_head=focus_head, focus_readout=focus_readout),
             has_aux=True)(params, batch)
         clip_state, inj = opt_state
         inj = inj._replace(hyperparams={**inj.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
@@ -538,12 +636,13 @@ def make_steps(model_cfg, tx, per_example: bool = False, prompt_loss: float = 0.
         if "lm" in updates:   # LLaVA: the LM's and tower's steps (weight decay included) are scaled
             updates = {**updates, "lm": jax.tree.map(lambda u: u * lm_scale, updates["lm"]),
                        "vision": jax.tree.map(lambda u: u * tower_scale, updates["vision"])}
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "acc": acc,
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "acc": acc, "focus": focus,
+                                                                 "readout": readout,
                                                                  "grad_norm": optax.global_norm(grads)}
 
     @jax.jit
     def eval_step(params, batch):
-        _, (loss, acc, n) = loss_fn(model_cfg, params, batch)
+        _, (loss, acc, n, _, _) = loss_fn(model_cfg, params, batch)
         return loss * n, acc * n, n
 
     return train_step, eval_step
@@ -559,7 +658,7 @@ def stream(p: Preset, split: str, seed: int, start: int):
     kw = dict(tasks=p.tasks, view=p.view, t_view_prob=p.t_view_prob, image_tokens=IMAGE_TOKENS,
               image_size=IMAGE_SIZE, pack=True, start=start, allow_ood=p.allow_ood)
     for b in D.batches(split, p.batch, p.seq_len, seed, **kw):
-        keep = {k: b[k] for k in DEVICE_KEYS}
+        keep = {k: b[k] for k in DEVICE_KEYS + (("target_focus",) if p.focus_loss else ())}
         if p.kind == "image" and b["pixel_values"].shape[1]:
             keep["pixel_values"] = b["pixel_values"]
         yield keep, int(b["next_index"]), int(b["attention_mask"].sum())
@@ -671,7 +770,8 @@ def train(args) -> None:
         model = dataclasses.replace(model, params={**model.params, "vision": pretrain_tower(p, model, args.seed)})
     tx = make_optimizer(p)
     params, opt_state = model.params, tx.init(model.params)
-    train_step, eval_step = make_steps(model.config, tx, p.loss_per_example, p.prompt_loss)
+    train_step, eval_step = make_steps(model.config, tx, p.loss_per_example, p.prompt_loss, p.focus_loss,
+                                       tuple(p.focus_head), p.focus_readout)
     mgr = _checkpointer(workdir)
     meta = {"name": name, "seed": args.seed, "step": 0, "next_index": p.data_start,
             "total_steps": args.steps, "elapsed_s": 0.0, "tokens": 0, "preset": dataclasses.asdict(p), "runs": [],
@@ -741,7 +841,7 @@ def train(args) -> None:
             meta["next_index"] = next_index
             meta["tokens"] += n_tok
             meta["elapsed_s"] = elapsed0 + time.perf_counter() - run_start
-            window.append((float(m["loss"]), float(m["acc"]), n_tok, dt))
+            window.append((float(m["loss"]), float(m["acc"]), n_tok, dt, float(m["focus"]), float(m["readout"])))
             if timing is None:
                 timing = []                      # the first step compiles: not timed
             else:
@@ -754,15 +854,20 @@ def train(args) -> None:
                 bar.total = total
                 bar.write(f"{per_step:.2f} s/step: schedule of {total} steps to fill {budget / 60:.0f} minutes")
             if meta["step"] % args.log_every == 0:
-                lo, ac, nt, ts = (np.array(c) for c in zip(*window))
+                lo, ac, nt, ts, fo, ro = (np.array(c) for c in zip(*window))
                 row = {"step": meta["step"], "loss": float(lo.mean()), "acc": float(ac.mean()), "lr": lr,
                        "tok_s": float(nt.sum() / ts.sum()), "grad_norm": float(m["grad_norm"]),
                        "tokens": meta["tokens"], "elapsed_s": meta["elapsed_s"]}
+                if p.focus_loss:
+                    row["focus_nll"] = float(fo.mean())
+                if p.focus_readout:
+                    row["readout_nll"] = float(ro.mean())
                 with log_path.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 window = []
                 bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tok_s']:.0f}",
-                                lr=f"{lr:.2e}", refresh=False)
+                                lr=f"{lr:.2e}", **({"focus": f"{row['focus_nll']:.3f}"} if p.focus_loss else {}),
+                                refresh=False)
             bar.update()
             if time.perf_counter() - last_ckpt > 60.0 * args.ckpt_minutes:
                 checkpoint()

@@ -203,3 +203,70 @@ def test_init_from_starts_from_an_exported_model_of_the_same_shape(tz):
     wrong = dataclasses.replace(p, lm=dict(p.lm, layers=3))
     with pytest.raises(SystemExit, match="do not fit this preset"):
         tz.start_from(wrong, tz.new_model(wrong, 0))
+
+
+def test_focus_loss_supervises_one_heads_attention(tz):
+    """`target_focus` marks answer targets with the row position of their object's image token (same example,
+    earlier); `focus_logprobs` is the port's own attention of that head (checked against the forward's attention
+    probabilities); `focus_loss` adds exactly its weight x `focus_nll` to the objective."""
+    p = dataclasses.replace(_tiny(tz, focus_loss=0.3, focus_head=(0, 1)), tasks=("vqa_colour", "vqa_count"))
+    batch = next(tz.stream(p, "train", 0, 0))[0]
+    f, seg = batch["target_focus"], batch["segment_ids"]
+    b, t = np.nonzero(f >= 0)
+    assert len(b) > 0 and (batch["target_mask"][b, t] == 1).all()
+    assert (batch["input_ids"][b, f[b, t]] == 3).all() and (f[b, t] < t).all() and (seg[b, f[b, t]] == seg[b, t]).all()
+    assert "target_focus" not in next(tz.stream(_tiny(tz), "train", 0, 0))[0]
+
+    model = tz.new_model(p, 0)
+    cfg, lm = model.config.text, model.params["lm"]
+    x = tz.forward_fn(model.config, model.params, batch, (0,)).hidden[0]
+    probs = np.exp(np.asarray(jnp.stack([tz.focus_logprobs(cfg, lm["layers"][0], x, batch, h) for h in (0, 1)])))
+    w = np.zeros(f.shape, np.float32)
+    rows = sorted(set(b.tolist()))
+    for r in rows:
+        w[r, t[b == r][0]] = 1.0
+    embeds = tz.image_embeds(model.config, model.params, batch["input_ids"], batch["pixel_values"])
+    B, T = f.shape
+    cache = tz.kvc.init_cache(1, B, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
+    attn = tz.llama.forward(cfg, lm, batch["input_ids"], batch["positions"], cache, tz.segment_mask(seg),
+                            embeds=embeds, attn_query_weights=jnp.asarray(w)).attn
+    for r in rows:
+        np.testing.assert_allclose(probs[:, r, t[b == r][0]].mean(0), np.asarray(attn)[r], atol=1e-5)
+
+    plain, aux0 = tz.loss_fn(model.config, model.params, batch)
+    full, aux1 = tz.loss_fn(model.config, model.params, batch, focus_loss=0.3, focus_head=(0, 1))
+    np.testing.assert_allclose(aux0[0], aux1[0])
+    expect = -np.log(probs[1, b, t, f[b, t]]).mean()
+    np.testing.assert_allclose(full - plain, 0.3 * expect, rtol=1e-4)
+
+
+def test_focus_readout_reads_the_heads_own_write(tz):
+    """`head_write` is what a head adds to the residual stream (with the MLP's output zeroed, the layer's heads'
+    writes sum to the layer's change of the stream); the readout term is the cross-entropy of the attribute-word
+    targets under the LM head applied to that write alone."""
+    p = dataclasses.replace(_tiny(tz, focus_loss=0.3, focus_head=(0, 1)), tasks=("vqa_colour", "vqa_size"))
+    batch = next(tz.stream(p, "train", 0, 0))[0]
+    model = tz.new_model(p, 0)
+    cfg = model.config.text
+    lm = {**model.params["lm"], "layers": [{**model.params["lm"]["layers"][0],
+                                            "w_down": jnp.zeros_like(model.params["lm"]["layers"][0]["w_down"])}]}
+    params = {**model.params, "lm": lm}
+    x0, x1 = tz.forward_fn(model.config, params, batch, (0, 1)).hidden
+    writes = [tz.head_write(cfg, lm["layers"][0], x0, tz.focus_logprobs(cfg, lm["layers"][0], x0, batch, h), h)
+              for h in (0, 1)]
+    np.testing.assert_allclose(np.asarray(writes[0] + writes[1]), np.asarray(x1 - x0), atol=1e-5)
+
+    ids = tz.attribute_ids()
+    from jspec.zoo import tokenizer as TK
+    words = {TK.load_tokenizer().decode([int(i)]).strip() for i in ids}
+    assert {"red", "circle", "big", "small", "top", "center", "yes"} <= words and "The" not in words
+    _, _, readout = tz.focus_nll(cfg, lm, x0, batch, 0, 1, jnp.asarray(ids))
+    on = (batch["target_focus"] >= 0) & np.isin(batch["targets"], ids)
+    assert on.sum() > 0 and on.sum() < (batch["target_focus"] >= 0).sum()     # the answers' other words are left out
+    logp = np.asarray(jax.nn.log_softmax(tz.llama.unembed(cfg, lm, writes[1]), -1))
+    expect = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0][on].mean()
+    np.testing.assert_allclose(readout, expect, rtol=1e-5)
+    full, aux = tz.loss_fn(model.config, params, batch, focus_loss=0.3, focus_head=(0, 1), focus_readout=0.2)
+    plain, _ = tz.loss_fn(model.config, params, batch)
+    np.testing.assert_allclose(full - plain, 0.3 * aux[3] + 0.2 * aux[4], rtol=1e-5)
+    np.testing.assert_allclose(aux[4], expect, rtol=1e-5)

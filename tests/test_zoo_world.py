@@ -577,3 +577,38 @@ def test_t_view_batches_and_view_mixing(tok):
     np.testing.assert_array_equal(mixed["input_ids"], again["input_ids"])
     with pytest.raises(ValueError, match="unknown view"):
         next(D.batches("train", 2, 64, view="X"))
+
+
+def test_focus_names_the_object_an_answer_reads(tok, train_exs):
+    """`Turn.focus` is set exactly on answers read off one object (colour/shape/position/size, and 'yes' to
+    exists), names a cell holding that object, and the encoder points those answer tokens at that cell's image token
+    (9 tokens per image: one per grid cell, row-major)."""
+    enc = D.Encoder(tok, image_tokens=W.GRID ** 2)
+    seen = 0
+    for ex in train_exs[:1500]:
+        e = enc.encode(ex)
+        runs = np.flatnonzero(np.diff(np.r_[0, (e.ids == TK.IMAGE_ID).astype(int)]) == 1)
+        answer_starts = np.flatnonzero(np.diff(np.r_[0, e.loss_mask]) == 1)
+        answers = [t for t in ex.turns if t.role == "assistant"]
+        for turn, start in zip(answers, answer_starts):
+            end = start + int(np.argmax(e.loss_mask[start:] == 0)) if (e.loss_mask[start:] == 0).any() else len(e.ids)
+            if turn.focus is None:
+                assert (e.focus[start:end] == -1).all()
+                continue
+            seen += 1
+            image, row, col = turn.focus
+            (obj,) = [o for o in ex.images[image].objects if (o.row, o.col) == (row, col)]
+            words = turn.text.lower().rstrip(".").replace(",", "").split()
+            assert {obj.colour, obj.shape, obj.size} & set(words) or obj.position in turn.text or words[0] == "yes"
+            assert (e.focus[start:end] == runs[image] + row * W.GRID + col).all()
+            assert e.ids[e.focus[start]] == TK.IMAGE_ID
+        assert (e.focus[e.loss_mask == 0] == -1).all()
+    assert seen > 100
+    tasks_with_focus = {ex.task for ex in train_exs[:1500] if ex.turns[-1].focus is not None}
+    assert {"vqa_colour", "vqa_shape", "vqa_position", "vqa_size", "vqa_exists"} <= tasks_with_focus
+    assert not tasks_with_focus & {"vqa_count", "vqa_text", "vqa_chart", "caption", "text_chat"}
+    # 'no' answers to exists questions read no single object
+    assert all(ex.turns[-1].focus is None for ex in train_exs if ex.task == "vqa_exists" and
+               ex.turns[-1].text.lower().startswith("no"))
+    # with 16 tokens per image a token is no grid cell: no focus
+    assert all((D.Encoder(tok, image_tokens=16).encode(ex).focus == -1).all() for ex in train_exs[:200])

@@ -24,6 +24,9 @@ Training batches (numpy, fixed shapes, for a jitted step):
     batch["attention_mask"] int32  [B, T]  1 on tokens, 0 on padding
     batch["pixel_values"]  float32 [B, K, 3, S, S]  image k of row b (in the order of the image-token runs)
     batch["image_mask"]    bool    [B, K]  which of the K image slots are real
+    batch["target_focus"]  int32   [B, T]  where targets[b, t] is an answer token read off one object
+                                           (`Turn.focus`) and each image has one token per grid cell: the row
+                                           position of that object's cell token; -1 elsewhere
     batch["next_index"]    int64   []      resume with batches(..., start=next_index)
 
 With pack=True several examples share a row (next-fit, up to K images per row); with pack=False each row holds one
@@ -114,6 +117,8 @@ class Encoded:
     ids: np.ndarray          # int32 [L]
     loss_mask: np.ndarray    # uint8 [L]: 1 on answer tokens and their EOS
     images: tuple            # the Scenes whose features fill the image-token runs, in order (M view); () in T view
+    focus: np.ndarray        # int32 [L]: on the answer tokens of a turn with a focus, the index in `ids` of the
+                             # focus cell's image token (M view, one token per grid cell); -1 elsewhere
 
 
 class Encoder:
@@ -147,13 +152,15 @@ class Encoder:
         if view not in VIEWS:
             raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
         turns = example.turns[:-1] if upto_last_answer else example.turns
-        ids, mask = [TK.BOS_ID], [0]
-        used = 0
+        ids, mask, focus = [TK.BOS_ID], [0], [-1]
+        used, runs = 0, []
+        cells = view == "M" and self.image_tokens == W.GRID ** 2
         for t in turns:
             if t.role == "user":
                 seg = [TK.USER_ID]
                 if view == "M":
                     for k in range(t.n_images):
+                        runs.append(len(ids) + len(seg))
                         seg += [TK.IMAGE_ID] * self.image_tokens
                         seg += self.text_ids("\n" + (t.text if k == t.n_images - 1 else ""))
                     if t.n_images == 0:
@@ -163,17 +170,24 @@ class Encoder:
                 used += t.n_images
                 ids += seg
                 mask += [0] * len(seg)
+                focus += [-1] * len(seg)
             elif t.role == "assistant":
                 ans = self.text_ids(t.text) + [TK.EOS_ID]
                 ids += [TK.ASSISTANT_ID] + ans
                 mask += [0] + [1] * len(ans)
+                f = -1
+                if cells and t.focus is not None:
+                    image, row, col = t.focus
+                    f = runs[image] + row * W.GRID + col
+                focus += [-1] + [f] * len(ans)
             else:
                 raise ValueError(f"unknown chat role {t.role!r}")
         if upto_last_answer:
             ids.append(TK.ASSISTANT_ID)
             mask.append(0)
+            focus.append(-1)
         images = tuple(example.images[:used]) if view == "M" else ()
-        return Encoded(np.asarray(ids, np.int32), np.asarray(mask, np.uint8), images)
+        return Encoded(np.asarray(ids, np.int32), np.asarray(mask, np.uint8), images, np.asarray(focus, np.int32))
 
     def prompt(self, example: W.Example, view: str | None = None) -> dict:
         """Model input for generating the example's final answer (batch of 1), like an HF processor's output."""
@@ -238,7 +252,8 @@ def batches(split: str, batch_size: int, seq_len: int, seed: int = 0, *, tasks: 
     def new_batch():
         return {"input_ids": np.zeros((B, T), np.int32), "loss_mask": np.zeros((B, T), np.float32),
                 "segment_ids": np.zeros((B, T), np.int32), "positions": np.zeros((B, T), np.int32),
-                "pixel_values": np.zeros((B, K, 3, S, S), np.float32), "image_mask": np.zeros((B, K), bool)}
+                "pixel_values": np.zeros((B, K, 3, S, S), np.float32), "image_mask": np.zeros((B, K), bool),
+                "focus": np.full((B, T), -1, np.int32)}
 
     while True:
         out, row, used, n_img, seg = new_batch(), 0, 0, 0, 0
@@ -262,6 +277,7 @@ def batches(split: str, batch_size: int, seq_len: int, seed: int = 0, *, tasks: 
             out["loss_mask"][row, used:used + L] = e.loss_mask
             out["segment_ids"][row, used:used + L] = seg
             out["positions"][row, used:used + L] = np.arange(L)
+            out["focus"][row, used:used + L] = np.where(e.focus >= 0, e.focus + used, -1)
             for j, s in enumerate(e.images):
                 out["pixel_values"][row, n_img + j] = pixels(s, S)
                 out["image_mask"][row, n_img + j] = True
@@ -276,6 +292,9 @@ def batches(split: str, batch_size: int, seq_len: int, seed: int = 0, *, tasks: 
         tm = np.zeros((B, T), np.float32)
         tm[:, :-1] = out["loss_mask"][:, 1:]
         out["target_mask"] = np.where(same, tm, 0.0).astype(np.float32)
+        tf = np.full((B, T), -1, np.int32)
+        tf[:, :-1] = out.pop("focus")[:, 1:]
+        out["target_focus"] = np.where(same, tf, -1).astype(np.int32)
         out["attention_mask"] = (out["segment_ids"] > 0).astype(np.int32)
         out["next_index"] = np.asarray(index, np.int64)
         stats.slots += B * T

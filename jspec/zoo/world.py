@@ -323,6 +323,7 @@ class Turn:
     role: str                                   # "user" | "assistant"
     text: str
     n_images: int = 0
+    focus: tuple[int, int, int] | None = None   # an answer read off one object: (image of the example, row, col)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,11 +397,13 @@ def _q(rng: random.Random, templates: Sequence[str], prefix: float = 0.3, **fiel
 
 
 class QA(NamedTuple):
-    """A question, its answer, the kind of its short answer, and the short answer itself (follow-ups use it)."""
+    """A question, its answer, the kind of its short answer, the short answer itself (follow-ups use it), and the
+    one object the answer is read off, when there is one."""
     question: str
     answer: str
     kind: str
     short: str
+    focus: Obj | None = None
 
 
 _ONE_WORD = ("Answer with one word.", "Use a single word.", "Be brief.", "Short answer please.")
@@ -414,15 +417,15 @@ P_SHORT_CLAUSE = 0.25    # share that add a "be brief" clause (the answer is sho
 
 
 def _styled(rng: random.Random, q: str, kind: str, short: str, sentence: str | None,
-            short_clauses: Sequence[str] = ()) -> QA:
+            short_clauses: Sequence[str] = (), focus: Obj | None = None) -> QA:
     """The answer style is fixed by the prompt: a sentence clause asks for `sentence`; otherwise the answer is `short`
     (with an optional brevity clause)."""
     r = rng.random()
     if sentence is not None and r < P_SENTENCE:
-        return QA(q + " " + rng.choice(_SENTENCE), sentence, kind, short)
+        return QA(q + " " + rng.choice(_SENTENCE), sentence, kind, short, focus)
     if short_clauses and r > 1.0 - P_SHORT_CLAUSE:
-        return QA(q + " " + rng.choice(short_clauses), short, kind, short)
-    return QA(q, short, kind, short)
+        return QA(q + " " + rng.choice(short_clauses), short, kind, short, focus)
+    return QA(q, short, kind, short, focus)
 
 
 def _there(n: int, singular: str, plural: str) -> str:
@@ -437,10 +440,10 @@ def _qa_colour(rng: random.Random, s: Scene) -> QA:
     if shapes.count(o.shape) == 1 and rng.random() < 0.6:
         q = _q(rng, ("What {c} is the {shape}?", "Which {c} is the {shape}?", "What is the {c} of the {shape}?",
                      "Tell me the {c} of the {shape}."), c=rng.choice(_COLOR), shape=o.shape)
-        return _styled(rng, q, "colour", o.colour, f"The {o.shape} is {o.colour}.", _ONE_WORD)
+        return _styled(rng, q, "colour", o.colour, f"The {o.shape} is {o.colour}.", _ONE_WORD, o)
     q = _q(rng, ("What {c} is the shape in the {pos}?", "Which {c} is the object in the {pos}?",
                  "What is the {c} of the shape in the {pos}?"), c=rng.choice(_COLOR), pos=o.position)
-    return _styled(rng, q, "colour", o.colour, f"The shape in the {o.position} is {o.colour}.", _ONE_WORD)
+    return _styled(rng, q, "colour", o.colour, f"The shape in the {o.position} is {o.colour}.", _ONE_WORD, o)
 
 
 def _qa_shape(rng: random.Random, s: Scene) -> QA:
@@ -449,10 +452,10 @@ def _qa_shape(rng: random.Random, s: Scene) -> QA:
     if colours.count(o.colour) == 1 and rng.random() < 0.5:
         q = _q(rng, ("What shape is the {col} object?", "What is the shape of the {col} object?",
                      "Which shape is {col}?"), col=o.colour)
-        return _styled(rng, q, "shape", o.shape, f"The {o.colour} object is a {o.shape}.", _ONE_WORD)
+        return _styled(rng, q, "shape", o.shape, f"The {o.colour} object is a {o.shape}.", _ONE_WORD, o)
     q = _q(rng, ("What shape is in the {pos}?", "Which shape is in the {pos}?",
                  "What kind of shape is in the {pos}?"), pos=o.position)
-    return _styled(rng, q, "shape", o.shape, f"The shape in the {o.position} is a {o.shape}.", _ONE_WORD)
+    return _styled(rng, q, "shape", o.shape, f"The shape in the {o.position} is a {o.shape}.", _ONE_WORD, o)
 
 
 def _qa_count(rng: random.Random, s: Scene) -> QA:
@@ -479,14 +482,15 @@ def _qa_position(rng: random.Random, s: Scene) -> QA:
     q = _q(rng, ("Where is the {c} {sh}?", "In which part of the image is the {c} {sh}?",
                  "Where can you find the {c} {sh}?", "What is the position of the {c} {sh}?"),
            c=o.colour, sh=o.shape)
-    return _styled(rng, q, "position", o.position, f"The {o.colour} {o.shape} is in the {o.position}.", _PHRASE)
+    return _styled(rng, q, "position", o.position, f"The {o.colour} {o.shape} is in the {o.position}.", _PHRASE,
+                   o)
 
 
 def _qa_size(rng: random.Random, s: Scene) -> QA:
     o = rng.choice(s.objects)
     q = _q(rng, ("Is the {c} {sh} big or small?", "Is the {c} {sh} small or big?", "How big is the {c} {sh}?",
                  "What size is the {c} {sh}?"), c=o.colour, sh=o.shape)
-    return _styled(rng, q, "size", o.size, f"The {o.colour} {o.shape} is {o.size}.", _ONE_WORD)
+    return _styled(rng, q, "size", o.size, f"The {o.colour} {o.shape} is {o.size}.", _ONE_WORD, o)
 
 
 def _qa_exists(rng: random.Random, s: Scene) -> QA:
@@ -500,11 +504,12 @@ def _qa_exists(rng: random.Random, s: Scene) -> QA:
             c, sh = (o.colour, rng.choice(SHAPES)) if rng.random() < 0.5 else (rng.choice(tuple(COLOURS)), o.shape)
             if (c, sh) not in present:
                 break
-    yes = any(o.colour == c and o.shape == sh for o in s.objects)
+    match = [x for x in s.objects if x.colour == c and x.shape == sh]
+    yes = bool(match)
     q = _q(rng, ("Is there a {c} {sh} in the image?", "Do you see a {c} {sh}?", "Does the picture contain a {c} {sh}?",
                  "Is there any {c} {sh}?"), c=c, sh=sh)
     sentence = f"Yes, there is a {c} {sh}." if yes else f"No, there is no {c} {sh}."
-    return _styled(rng, q, "yesno", "yes" if yes else "no", sentence, _YESNO)
+    return _styled(rng, q, "yesno", "yes" if yes else "no", sentence, _YESNO, match[0] if yes else None)
 
 
 def _qa_text(rng: random.Random, s: Scene) -> QA:
@@ -583,11 +588,17 @@ SINGLE_IMAGE_QA: dict[str, tuple[str, Callable]] = {   # vqa task name -> (scene
 }
 
 
+def answer_turn(qa: QA, image: int = 0) -> Turn:
+    """The assistant turn of `qa` about the example's image number `image`, with its focus cell if it has one."""
+    focus = (image, qa.focus.row, qa.focus.col) if qa.focus is not None else None
+    return Turn("assistant", qa.answer, focus=focus)
+
+
 def _single_qa_task(kind: str, gen: Callable):
     def make(rng: random.Random, split: str):
         s = scene_in(rng, split, SCENE_MAKERS[kind])
         qa = gen(rng, s)
-        return [Turn("user", qa.question, 1), Turn("assistant", qa.answer)], [s]
+        return [Turn("user", qa.question, 1), answer_turn(qa)], [s]
     return make
 
 
@@ -613,7 +624,7 @@ def _first_turn(rng: random.Random, split: str) -> tuple[list[Turn], list[Scene]
         kind, gen = SINGLE_IMAGE_QA[rng.choice(tuple(SINGLE_IMAGE_QA))]
         s = scene_in(rng, split, SCENE_MAKERS[kind])
         qa = gen(rng, s)
-    return [Turn("user", qa.question, 1), Turn("assistant", qa.answer)], [s], qa
+    return [Turn("user", qa.question, 1), answer_turn(qa)], [s], qa
 
 
 # --- text-only questions (second turns and text chats): rng -> QA
