@@ -10,17 +10,22 @@ Models (presets in `PRESETS`; our ports are the models; the text pair is trained
                   the image draft's LM and the text draft start from it
     text-draft    LLaMA, hidden 128, 6 layers (1.33M params), grown from text-draft-base as text-target is from
                   text-base
-    image-target  LLaVA-1.5: CLIP-style tower (60 px, patch 20 -> 9 tokens, one per grid cell; hidden 128,
-                  4 layers) + GELU
-                  projector + text-base's LLaMA; every image-world task (data.TARGET_TASKS), the multi-image
-                  OOD ones included (`allow_ood`: OOD means out of the draft's distribution, as in TABED), in
-                  rows of 160 tokens (a five-image story takes ~130)
+    image-target-base  LLaVA-1.5: CLIP-style tower (60 px, patch 20 -> 9 tokens, one per grid cell; hidden 128,
+                  4 layers) + GELU projector + text-base's LLaMA; every image-world task (data.TARGET_TASKS), the
+                  multi-image OOD ones included (`allow_ood`: OOD means out of the draft's distribution, as in
+                  TABED), in rows of 160 tokens (a five-image story takes ~130); a stage (build/stages), shipped as
+                  image-target until 2026-11-24
+    image-target-focus  a stage: image-target-base continued on VQA-dense data (each VQA task listed 5x, ~78% of
+                  examples) with `focus_loss`: head 0 of layer 2 is taught, on each answer read off one object
+                  (`Turn.focus`), to attend to that object's image token
+    image-target  image-target-focus continued on the same data with `focus_readout` too: that head's write
+                  alone, through the LM head, must name the attribute (the lookup circuit the answer loss alone
+                  did not form; README, "Zoo models")
     image-draft   LLaVA-1.5: tower hidden 64, 2 layers + text-draft-base's LLaMA; single-image and text tasks
                   only (data.DRAFT_TASKS: multi-image prompts stay out of its distribution), 20% of examples in
                   TABED's text-only view (t_view_prob=0.2)
-    image-target-vqa  a stage (build/stages): the shipped image target continued (`init_from`) on VQA-dense data,
-                  for issue 8's VQA gap (README, "Zoo models"); not shipped until it is measured:
-                  python scripts/train_zoo.py train image-target-vqa --steps 4000   # ~75 min; --resume continues
+    image-target-vqa  a stage: image-target-base continued on the VQA-dense data with the answer loss alone
+                  (stopped at step 2030 of 4000: superseded by the focus losses)
 The image models follow LLaVA's recipe in three stages, all in one `train` run: (1) the tower is pretrained alone
 (`tower_steps`, supervised on each scene's attributes: kind, the sign's characters, per bar colour/value from all
 tokens, and each grid cell's colour/shape/size/row/column from that cell's own token; our stand-in for a pretrained
@@ -63,8 +68,11 @@ A run stopped by --minutes (or Ctrl-C / SIGTERM) continues with the same command
 resumed run exports bit-identical weights.
 Image pair (needs text-base and text-draft-base, whose LMs it starts from; ~66 minutes here, tower pretraining
 included):
-    python scripts/train_zoo.py train image-target --steps 2400           # 43 min (rows of 160 tokens)
+    python scripts/train_zoo.py train image-target-base --steps 2400      # 43 min (rows of 160 tokens)
     python scripts/train_zoo.py train image-draft --steps 4911            # (sized by --minutes 18, then --resume)
+    python scripts/train_zoo.py train image-target-focus --steps 2000     # 37 min
+    python scripts/train_zoo.py train image-target --steps 1600           # 31 min
+    python scripts/train_zoo.py train image-target --resume --steps 3200 --restart-lr 1   # second cycle
 Measure the shipped pairs (exact match per task, acceptance per scenario and view): scripts/eval_zoo.py.
 Other commands: `export NAME` (re-export from the latest checkpoint), `plot NAME`.
 """
@@ -164,34 +172,36 @@ PRESETS = {
                               ship=False),
     "text-draft": Preset("text", dict(hidden=128, layers=6, heads=2, ffn=352), lr=1.5e-3, warmup=50, minutes=16.0,
                          grow_from="text-draft-base", data_start=1_000_000),
-    "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
-                           dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
-                           allow_ood=True, seq_len=160, batch=16, lr=2e-3, init_lm="text-base", align_steps=200,
-                           lm_lr_scale=1.0, tower_steps=3000, tower_lr_scale=0.1),
+    # the image target shipped until 2026-11-24 (VQA exact match 0.625), now the first stage of the shipped one
+    "image-target-base": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
+                                dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
+                                allow_ood=True, seq_len=160, batch=16, lr=2e-3, init_lm="text-base", align_steps=200,
+                                lm_lr_scale=1.0, tower_steps=3000, tower_lr_scale=0.1, ship=False),
     "image-draft": Preset("image", dict(hidden=128, layers=3, heads=2, ffn=352),
                           dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(D.DRAFT_TASKS), view="M",
                           t_view_prob=0.2, batch=16, lr=2e-3, minutes=20.0, init_lm="text-draft-base", align_steps=200,
                           lm_lr_scale=1.0, tower_steps=3000, tower_lr_scale=0.1),
-    # issue 8's next step (README): the shipped image target continued on VQA-dense data (each VQA task listed 5x:
-    # ~78% of examples; the other tasks keep ~22% so they are not forgotten). A stage until it is measured.
+    # image-target-base continued on VQA-dense data (each VQA task listed 5x: ~78% of examples; the other tasks keep
+    # ~22% so they are not forgotten), answer loss only: stopped at step 2030 of 4000, superseded by the two below
     "image-target-vqa": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                                dict(hidden=128, layers=4, heads=4, ffn=512),
                                tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M", allow_ood=True,
-                               seq_len=160, batch=16, lr=1e-3, warmup=50, init_from="image-target",
+                               seq_len=160, batch=16, lr=1e-3, warmup=50, init_from="image-target-base",
                                tower_lr_scale=0.1, minutes=80.0, ship=False),
     # the same continuation with `focus_loss`: head 0 of layer 2 is taught where the asked-about object is
     "image-target-focus": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                                  dict(hidden=128, layers=4, heads=4, ffn=512),
                                  tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M",
-                                 allow_ood=True, seq_len=160, batch=16, lr=1e-3, warmup=50, init_from="image-target",
-                                 tower_lr_scale=0.1, focus_loss=0.1, focus_head=(2, 0), minutes=60.0, ship=False),
-    # and its head's write taught to carry the attribute (`focus_readout`), continuing image-target-focus
-    "image-target-readout": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
-                                   dict(hidden=128, layers=4, heads=4, ffn=512),
-                                   tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M",
-                                   allow_ood=True, seq_len=160, batch=16, lr=1e-3, warmup=50,
-                                   init_from="image-target-focus", tower_lr_scale=0.1, focus_loss=0.1,
-                                   focus_head=(2, 0), focus_readout=0.1, minutes=60.0, ship=False),
+                                 allow_ood=True, seq_len=160, batch=16, lr=1e-3, warmup=50,
+                                 init_from="image-target-base", tower_lr_scale=0.1, focus_loss=0.1, focus_head=(2, 0),
+                                 minutes=60.0, ship=False),
+    # the shipped image target: image-target-focus continued with that head's write taught to carry the attribute
+    # (`focus_readout`); two cosine cycles (README)
+    "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
+                           dict(hidden=128, layers=4, heads=4, ffn=512),
+                           tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M", allow_ood=True,
+                           seq_len=160, batch=16, lr=1e-3, warmup=50, init_from="image-target-focus",
+                           tower_lr_scale=0.1, focus_loss=0.1, focus_head=(2, 0), focus_readout=0.1, minutes=60.0),
 }
 # One patch per grid cell: image token (r, c) sees exactly cell (r, c), so the tower can give each token the
 # attributes of its own cell's object (bound together), which the LM then finds by content.
