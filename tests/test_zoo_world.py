@@ -610,5 +610,10 @@ def test_focus_names_the_object_an_answer_reads(tok, train_exs):
     # 'no' answers to exists questions read no single object
     assert all(ex.turns[-1].focus is None for ex in train_exs if ex.task == "vqa_exists" and
                ex.turns[-1].text.lower().startswith("no"))
+    # described scenes have no image to look at, and the M-view encoder takes them as they are
+    D.register_described_tasks()
+    described = D.eval_set("text", 24, tasks=list(D.DESCRIBED))
+    assert all(t.focus is None for ex in described for t in ex.turns)
+    assert all((enc.encode(ex).focus == -1).all() for ex in described)
     # with 16 tokens per image a token is no grid cell: no focus
     assert all((D.Encoder(tok, image_tokens=16).encode(ex).focus == -1).all() for ex in train_exs[:200])

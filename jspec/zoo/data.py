@@ -87,7 +87,7 @@ def described(turns, scenes, rng) -> list:
             k += t.n_images
             out.append(W.Turn(t.role, pics + t.text, 0))
         else:
-            out.append(t)
+            out.append(W.Turn(t.role, t.text, t.n_images))   # no focus: there is no image to look at
     return out
 
 
@@ -178,6 +178,9 @@ class Encoder:
                 f = -1
                 if cells and t.focus is not None:
                     image, row, col = t.focus
+                    if image >= len(runs):
+                        raise ValueError(f"{example.task} example {example.index}: an answer's focus is on image "
+                                         f"{image}, but the turns before it show {len(runs)} image(s)")
                     f = runs[image] + row * W.GRID + col
                 focus += [-1] + [f] * len(ans)
             else:
