@@ -55,7 +55,9 @@ def test_binding_groups_by_objects_and_describes_the_same_scene():
         want = [h for h, c in zip(hits[:12], counts) if c == k]
         assert r["n"] == len(want) and r["exact_match"] == pytest.approx(sum(want) / len(want))
     d = E.described_example(exs[0])
-    assert not d.images and d.answer == exs[0].answer and d.turns[-1] == exs[0].turns[-1]
+    last = exs[0].turns[-1]
+    assert not d.images and d.answer == exs[0].answer and (d.turns[-1].role, d.turns[-1].text) == (last.role, last.text)
+    assert d.turns[-1].focus is None      # a described scene has no image cell to look at
     o = exs[0].images[0].objects[0]
     assert f"{o.size} {o.colour} {o.shape} is in the {o.position}" in d.turns[0].text
     assert d.turns[0].text.endswith(exs[0].turns[0].text)
