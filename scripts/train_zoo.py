@@ -533,23 +533,22 @@ def attribute_ids() -> np.ndarray:
 
 
 def focus_nll(text_cfg, lm: dict, x: jax.Array, batch: dict, layer: int, head: int,
-              readout_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              readout_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(mean -log attention of head `head` of layer `layer` on the focus cell's image token, over the positions
-    whose target is read off one object (`target_focus` >= 0); their number; and, with `readout_ids`, the mean
+    whose target is read off one object (`target_focus` >= 0); and, with `readout_ids`, the mean
     cross-entropy of the target where it is one of those ids, under the logits of the head's write alone (final
     norm + LM head: the head's direct path to the answer), else 0). x: that layer's input stream."""
     f = batch["target_focus"]
     on = (f >= 0).astype(jnp.float32)
     logp = focus_logprobs(text_cfg, lm["layers"][layer], x, batch, head)
     at = jnp.take_along_axis(logp, jnp.maximum(f, 0)[..., None], axis=-1)[..., 0]
-    n = on.sum()
     readout = jnp.zeros((), jnp.float32)
     if readout_ids is not None:
         words = on * jnp.isin(batch["targets"], readout_ids).astype(jnp.float32)
         lg = llama.unembed(text_cfg, lm, head_write(text_cfg, lm["layers"][layer], x, logp, head))
         nll = -jnp.take_along_axis(jax.nn.log_softmax(lg, -1), batch["targets"][..., None], -1)[..., 0]
         readout = (nll * words).sum() / jnp.maximum(words.sum(), 1.0)
-    return -(at * on).sum() / jnp.maximum(n, 1.0), n, readout
+    return -(at * on).sum() / jnp.maximum(on.sum(), 1.0), readout
 
 
 def answer_weights(segment_ids: jax.Array, mask: jax.Array, per_example: bool) -> jax.Array:
@@ -576,9 +575,9 @@ def loss_fn(model_cfg, params, batch, per_example: bool = False, prompt_loss: fl
             focus_loss: float = 0.0, focus_head: tuple[int, int] = (2, 0), focus_readout: float = 0.0):
     """The objective (cross-entropy over answer tokens under `answer_weights`, plus `prompt_loss` x the mean over
     prompt text tokens, plus `focus_loss` x `focus_nll` of head focus_head = (layer, head), plus `focus_readout` x
-    its readout term over `attribute_ids`); aux: (mean
-    cross-entropy per answer token, answer-token accuracy, number of answer tokens): the answers alone, whatever
-    the objective; and `focus_nll`'s attention and readout terms (0 without `focus_loss`)."""
+    its readout term over `attribute_ids`); aux: (mean cross-entropy per answer token, answer-token accuracy, number
+    of answer tokens): the answers alone, whatever the objective; then `focus_nll`'s attention and readout terms
+    (0 without `focus_loss`)."""
     layer, head = focus_head
     out = forward_fn(model_cfg, params, batch, (layer,) if focus_loss else ())
     logits = out.logits
@@ -596,7 +595,7 @@ def loss_fn(model_cfg, params, batch, per_example: bool = False, prompt_loss: fl
         text_cfg = model_cfg.text if isinstance(model_cfg, llava.LlavaConfig) else model_cfg
         lm = params["lm"] if isinstance(model_cfg, llava.LlavaConfig) else params
         ids = jnp.asarray(attribute_ids()) if focus_readout else None
-        focus, _, readout = focus_nll(text_cfg, lm, out.hidden[0], batch, layer, head, ids)
+        focus, readout = focus_nll(text_cfg, lm, out.hidden[0], batch, layer, head, ids)
         objective = objective + focus_loss * focus + focus_readout * readout
     return objective, ((nll * m).sum() / n, acc, m.sum(), focus, readout)
 

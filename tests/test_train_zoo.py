@@ -260,7 +260,7 @@ def test_focus_readout_reads_the_heads_own_write(tz):
     from jspec.zoo import tokenizer as TK
     words = {TK.load_tokenizer().decode([int(i)]).strip() for i in ids}
     assert {"red", "circle", "big", "small", "top", "center", "yes"} <= words and "The" not in words
-    _, _, readout = tz.focus_nll(cfg, lm, x0, batch, 0, 1, jnp.asarray(ids))
+    _, readout = tz.focus_nll(cfg, lm, x0, batch, 0, 1, jnp.asarray(ids))
     on = (batch["target_focus"] >= 0) & np.isin(batch["targets"], ids)
     assert on.sum() > 0 and on.sum() < (batch["target_focus"] >= 0).sum()     # the answers' other words are left out
     logp = np.asarray(jax.nn.log_softmax(tz.llama.unembed(cfg, lm, writes[1]), -1))
