@@ -3,7 +3,8 @@
 The image target shipped until 2026-11-24 (image-target-base) answered "What colour is the circle?" on multi-object
 scenes at about chance among the scene's colours. This trains a fresh 2-layer attention model (pre-LN, learned
 positions, d=128, 4 heads) to do the lookup on the target's own frozen image features (tower + projector, the 9
-tokens the LM reads), with the question given as the LM's own input embeddings, and reports its accuracy on scenes of another seed, grouped by objects in the scene:
+tokens the LM reads), with the question given as the LM's own input embeddings, and reports its accuracy on
+scenes of another seed, grouped by objects in the scene:
 
     python scripts/probe_lookup.py                      # the question's tokens, then the assistant token (2 hops)
     python scripts/probe_lookup.py --layout word        # the shape word alone right after the image (1 hop)
