@@ -166,7 +166,10 @@ def _hf_from(model, name: str):
     bf16 = model.dtype == jnp.bfloat16
     path = tempfile.mkdtemp(prefix=name + "-", dir=_WORKDIR[-1] if _WORKDIR else None)
     ports.save_hf(model, path, dtype=jnp.bfloat16 if bf16 else np.float32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
+    # a model that reads images (LLaVA) loads as transformers' image-text-to-text class
+    auto = (transformers.AutoModelForImageTextToText if model.family.prompt_embeds is not None else
+            transformers.AutoModelForCausalLM)
+    hf = auto.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
     hf = hf.to(_torch_device()).eval()
     shutil.rmtree(path, ignore_errors=True)
     return hf
@@ -187,13 +190,19 @@ def _transformers_usable(dtype) -> bool:
     return dtype == jnp.float32 or _torch_device() == "cuda"
 
 
-def _hf_generate(hf, rows: list[np.ndarray], new_tokens: int | None, assistant=None, gamma: int = 0,
+def _hf_generate(hf, rows: list, new_tokens: int | None, assistant=None, gamma: int = 0,
                  eos=None) -> list[np.ndarray]:
-    """Greedy generate row by row (batch 1, the setting assisted generation supports)."""
+    """Greedy generate row by row (batch 1, the setting assisted generation supports). A row is a token array or a
+    processor-style mapping (input_ids [1, T], pixel_values, ...: an image pair's prompt, which the assistant
+    reads too)."""
     import torch
 
     outs = []
     for r in rows:
+        inputs = {}
+        if isinstance(r, dict):
+            inputs = {k: torch.tensor(np.asarray(v)).to(hf.device) for k, v in r.items() if k != "input_ids"}
+            r = np.asarray(r["input_ids"])[0]
         kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=new_tokens)
         if eos is None:
             kw["min_new_tokens"] = new_tokens
@@ -205,7 +214,7 @@ def _hf_generate(hf, rows: list[np.ndarray], new_tokens: int | None, assistant=N
             assistant.generation_config.assistant_confidence_threshold = 0.0
             kw["assistant_model"] = assistant
         with torch.no_grad():
-            o = hf.generate(torch.tensor(np.asarray(r)[None]).to(hf.device), **kw)
+            o = hf.generate(torch.tensor(np.asarray(r)[None]).to(hf.device), **inputs, **kw)
         outs.append(o[0, len(r):].cpu().numpy())
     return outs
 
@@ -351,7 +360,7 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                                predicted_speedup=_r(predicted),
                                measured_over_predicted=_r(_ratio(row["decode_speedup"], predicted)))
                 rows.append(row)
-            if with_transformers and not isinstance(prompts[0], dict):  # transformers: text pairs only
+            if with_transformers:
                 hf_rows += _assisted(target, draft, prompts, strats, res, runs, N, eos, pname, scen)
     return {"rows": rows, "transformers": hf_rows}
 

@@ -1,8 +1,10 @@
 """The benchmark harness in --quick mode: every suite writes JSON + markdown (+ PNG with matplotlib) whose schema
-holds and whose speed ratios are finite and positive. Speeds themselves are never asserted."""
+holds and whose speed ratios are finite and positive. Speeds themselves are never asserted. Also: the transformers
+baselines on the zoo image pair give jspec's tokens."""
 import json
 import math
 
+import numpy as np
 import pytest
 
 from jspec import bench, cli
@@ -72,3 +74,28 @@ def test_gpu_suite_refuses_cpu_then_dry_runs_and_bad_input(tmp_path):
         bench.run("ar", out_dir=str(tmp_path), pairs=("zoo text",))
     with pytest.raises(ValueError, match="unknown pair"):
         bench.run("sd", runs=1, quick=True, out_dir=str(tmp_path), pairs=("nope",))
+
+
+def test_transformers_baselines_read_image_prompts(tmp_path):
+    """The sd suite's transformers rows on the zoo image pair: the LLaVA checkpoints load as transformers' image
+    class, the prompt's pixel_values reach the target and the assistant, and both give jspec's greedy tokens (a
+    two-image prompt, so every image of a row is passed)."""
+    import jspec
+    from jspec.zoo import evaluate as E
+
+    pair = E.load_pair("image")
+    prompt = pair.encoder.prompt(E.scenario_examples("image", 1)["two_image"][0])
+    assert prompt["pixel_values"].shape[0] == 2
+    want = jspec.decode(pair.target, prompt, max_new_tokens=24)
+    want = want.tokens[0, :want.lengths[0]]
+    bench._WORKDIR.append(str(tmp_path))
+    try:
+        hf_t, hf_d = bench._hf_from(pair.target, "t"), bench._hf_from(pair.draft, "d")
+    finally:
+        bench._WORKDIR.pop()
+    assert type(hf_t).__name__ == "LlavaForConditionalGeneration"
+    eos = tuple(pair.target.config.eos_token_ids)
+    [plain] = bench._hf_generate(hf_t, [prompt], 24, eos=eos)
+    [assisted] = bench._hf_generate(hf_t, [prompt], 24, hf_d, 3, eos)
+    np.testing.assert_array_equal(plain, want)
+    np.testing.assert_array_equal(assisted, want)
