@@ -78,8 +78,9 @@ def test_gpu_suite_refuses_cpu_then_dry_runs_and_bad_input(tmp_path):
 
 def test_transformers_baselines_read_image_prompts(tmp_path):
     """The sd suite's transformers rows on the zoo image pair: the LLaVA checkpoints load as transformers' image
-    class, the prompt's pixel_values reach the target and the assistant, and both give jspec's greedy tokens (a
-    two-image prompt, so every image of a row is passed)."""
+    class, the prompt's pixel_values (two images) reach `generate`, and plain and assisted generation both give
+    jspec's greedy tokens. (Assisted generation is lossless, so equal tokens do not show that the assistant read the
+    images; transformers copies every model kwarg, pixel_values included, to the assistant.)"""
     import jspec
     from jspec.zoo import evaluate as E
 
