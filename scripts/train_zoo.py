@@ -22,8 +22,9 @@ Models (presets in `PRESETS`; our ports are the models; the text pair is trained
                   alone, through the LM head, must name the attribute (the lookup circuit the answer loss alone
                   did not form; README, "Zoo models")
     image-draft   LLaVA-1.5: tower hidden 64, 2 layers + text-draft-base's LLaMA; single-image and text tasks
-                  only (data.DRAFT_TASKS: multi-image prompts stay out of its distribution), 20% of examples in
-                  TABED's text-only view (t_view_prob=0.2)
+                  only (data.DRAFT_TASKS: multi-image prompts stay out of its distribution, and the "prior" tasks,
+                  text-only positioned stories and totals, stand in for a real draft LM's text pretraining), 20%
+                  of examples in TABED's text-only view (t_view_prob=0.2)
     image-target-vqa  a stage: image-target-base continued on the VQA-dense data with the answer loss alone
                   (stopped at step 2030 of 4000: superseded by the focus losses)
 The image models follow LLaVA's recipe in three stages, all in one `train` run: (1) the tower is pretrained alone

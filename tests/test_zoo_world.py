@@ -218,6 +218,16 @@ def check_example(ex: W.Example) -> None:
         listed = re.findall(r"a (big|small) (\w+) (\w+)", user[0].text)
         assert re.findall(r"a (big|small) (\w+) (\w+) appears", answers[0]) == listed and len(listed) >= 2
         return
+    if ex.task == "prior_story":
+        told = re.findall(r"a (big|small) (\w+) (\w+) appears in the ([a-z ]+)\.", answers[0])
+        n = W.NUMBER_WORDS.index(re.search(r"\b(\w+) shapes\b", user[0].text).group(1))
+        assert n == len(told) and len({t[3] for t in told}) == len(told) and set(t[3] for t in told) <= set(POS)
+        return
+    if ex.task == "prior_total":
+        counts = [int(c) for c in re.findall(r"\b(\d+)\b", user[0].text)]
+        assert re.search(rf"(?i)\b{W.NUMBER_WORDS[len(counts)]}\b", user[0].text) and len(counts) >= 2
+        check_answer(user[0].text, answers[0], str(sum(counts)))
+        return
     prev = None
     for i, (u, a) in enumerate(zip(user, answers)):
         if u.n_images:
@@ -393,7 +403,12 @@ def test_splits_disjoint_and_ood_held_out(train_exs, heldout_exs):
         W.example("train", 0, tasks=["no_such_task"])
     ood = [ex for ex in heldout_exs if ex.scenario == "ood"]
     assert ood and all(len(ex.images) >= 3 for ex in ood)
-    assert set(D.DRAFT_TASKS) <= set(D.TARGET_TASKS) and all(W.TASKS[t].max_images <= 1 for t in D.DRAFT_TASKS)
+    prior = set(W.tasks_of("prior"))
+    assert prior and set(D.DRAFT_TASKS) <= set(D.TARGET_TASKS) | prior and prior <= set(D.DRAFT_TASKS)
+    assert all(W.TASKS[t].max_images <= 1 for t in D.DRAFT_TASKS)
+    # the draft's language prior is its own: no target's data (image target, text pair) lists those tasks
+    assert not prior & (set(D.TARGET_TASKS) | set(D.TEXT_TASKS) | set(D.TEXT_PAIR_TASKS))
+    assert all(W.TASKS[t].max_images == 0 for t in prior)
     assert set(W.tasks_of("ood")) <= set(D.TARGET_TASKS) and not set(D.DRAFT_TASKS) & set(W.tasks_of("ood"))
 
 

@@ -40,7 +40,8 @@ input_ids [1, L], attention_mask, pixel_values [n_images, 3, S, S] in the M view
 
 Task sets: TARGET_TASKS (every image-world task, the multi-image OOD ones included: the target may know them),
 DRAFT_TASKS (single-image and text-only tasks: multi-image prompts stay out of the draft's distribution, as in
-TABED), TEXT_TASKS (text-only chats, for text models). OOD tasks are produced for "train" only with
+TABED; plus the draft's own language prior, the "prior" scenario: text-only stories with positions and totals of
+counts, which no target reads), TEXT_TASKS (text-only chats, for text models). OOD tasks are produced for "train" only with
 `allow_ood=True`, which only the target's training passes.
 """
 from __future__ import annotations
@@ -62,7 +63,7 @@ CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
 _LUT = ((np.arange(256, dtype=np.float32)[None, :] / np.float32(255.0)) - CLIP_MEAN[:, None]) / CLIP_STD[:, None]
 
 TARGET_TASKS = W.tasks_of("caption", "vqa", "second_turn", "two_image", "text", "ood")
-DRAFT_TASKS = tuple(n for n in TARGET_TASKS if W.TASKS[n].max_images <= 1 and not W.TASKS[n].ood)
+DRAFT_TASKS = tuple(n for n in TARGET_TASKS if W.TASKS[n].max_images <= 1 and not W.TASKS[n].ood) + W.tasks_of("prior")
 TEXT_TASKS = W.tasks_of("text")
 VIEWS = ("M", "T")
 

@@ -66,7 +66,7 @@ POSITIONS = {(0, 0): "top left", (0, 1): "top middle", (0, 2): "top right",
              (1, 0): "middle left", (1, 1): "center", (1, 2): "middle right",
              (2, 0): "bottom left", (2, 1): "bottom middle", (2, 2): "bottom right"}
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
-SCENARIOS = ("caption", "vqa", "second_turn", "two_image", "ood", "text")
+SCENARIOS = ("caption", "vqa", "second_turn", "two_image", "ood", "text", "prior")
 SPLITS = ("train", "heldout")
 HELDOUT_EVERY = 8                             # 1 scene in 8 (by content hash) is held out
 
@@ -902,6 +902,35 @@ def _text_story(rng: random.Random, split: str):
     q = _q(rng, ("Tell a short story about {x}.", "Write a story with {x}, in that order.",
                  "Make up a story about {x}."), prefix=0.0, x=listed)
     return [Turn("user", q), Turn("assistant", story_text(objs, False))], []
+
+
+# --- the draft's language prior: text-only forms of story and total templates, read by the image draft only. A real
+# draft LM is pretrained on web text full of such forms; TABED's text-only view lives on that prior when images
+# are out of its distribution. These prompts show no images and are not the OOD prompts.
+
+@register("prior_story", "prior", weight=1.0, max_images=0)
+def _prior_story(rng: random.Random, split: str):
+    n = rng.randint(2, 5)
+    objs = random_shapes(rng, n).objects
+    objs = tuple(rng.sample(objs, n))
+    q = _q(rng, ("Make up a story about {n} shapes and where they are.", "Tell a story with {n} shapes, saying "
+                 "where each one appears.", "Write a short story in which {n} shapes appear one by one."),
+           prefix=0.0, n=NUMBER_WORDS[n])
+    return [Turn("user", q), Turn("assistant", story_text(objs, True))], []
+
+
+@register("prior_total", "prior", weight=0.5, max_images=0)
+def _prior_total(rng: random.Random, split: str):
+    counts = [rng.randint(1, 4) for _ in range(rng.randint(2, 5))]
+    listed = ", ".join(map(str, counts[:-1])) + f" and {counts[-1]}"
+    n = NUMBER_WORDS[len(counts)]
+    q = _q(rng, ("{N} boxes hold {x} shapes. How many shapes are there altogether?",
+                 "Add up the shapes in {n} groups of {x}. What is the total?",
+                 "There are {n} bags with {x} shapes in them. How many shapes in total?"),
+           prefix=0.0, n=n, N=n.capitalize(), x=listed)
+    total = sum(counts)
+    qa = _styled(rng, q, "number", str(total), f"There are {total} shapes in total.", _NUMBER)
+    return [Turn("user", qa.question), Turn("assistant", qa.answer)], []
 
 
 # ------------------------------------------------------------------------------------------------ streams
