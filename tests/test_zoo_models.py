@@ -31,6 +31,9 @@ MIN_MEAN_ACCEPTED = 4.0
 # distribution) the M-view draft is accepted 3.22 tokens per step (3.11 with image-target-base, 3.22 with the image
 # target shipped before 2026-11-23); its two-image rows are out of the draft's distribution and not counted.
 MIN_IMAGE_MEAN_ACCEPTED = 2.5
+# test_image_pair_views_differ_as_tabed_needs, pooled over 6 prompts each: captions M 4.69 / T 2.59, five-image
+# stories M 1.53 / T 2.15 (the draft shipped before its text prior: stories M 1.44 / T 1.22, failing this test)
+MIN_VIEW_GAP = 0.3
 # Measured on the shipped image target (trained with the focus losses), the 32 held-out VQA prompts of
 # D.eval_set("vqa", 32): exact match 0.94 with each prompt's own image, 0.44 with a same-task prompt's image
 # (0.69 / 0.41 with image-target-base, shipped until 2026-11-24). Issue 8's bar, 0.90, is on 24 prompts per task
@@ -149,6 +152,28 @@ def test_image_pair_chain_sd_both_views():
     single = slice(0, 6)  # the VQA and caption rows; two-image prompts are outside the draft's training
     pooled = m.stats["accepted"][single].sum() / m.stats["steps"][single].sum()
     assert pooled >= MIN_IMAGE_MEAN_ACCEPTED, pooled
+
+
+@needs_image_pair
+def test_image_pair_views_differ_as_tabed_needs():
+    """TABED's premise on the shipped pair, in small: the draft reading the images (M view) is accepted more on
+    single-image captions, and its text-only view (T) more on five-image stories, which it never saw. Its text prior
+    knows the story form; five images pull the M view to the endings of its single-image answers."""
+    from jspec.zoo import evaluate as E
+
+    pair = E.load_pair("image")
+    strat = jspec.Chain(pair.draft, gamma=5)
+
+    def tau(exs, view):
+        kw = {} if view == "M" else {"draft_prompt": E.batch_prompt(pair.encoder, exs, view="T")}
+        sd = jspec.decode(pair.target, E.batch_prompt(pair.encoder, exs), strategy=strat, max_new_tokens=48, **kw)
+        return sd.stats["accepted"].sum() / sd.stats["steps"].sum()
+
+    captions = D.eval_set("caption", 6)
+    stories = [W.example("heldout", i, 0, ["ood_story"]) for i in range(6)]
+    cap_m, cap_t, story_m, story_t = tau(captions, "M"), tau(captions, "T"), tau(stories, "M"), tau(stories, "T")
+    assert cap_m > cap_t + MIN_VIEW_GAP, (cap_m, cap_t)
+    assert story_t > story_m + MIN_VIEW_GAP, (story_m, story_t)
 
 
 @needs_image_pair

@@ -41,8 +41,8 @@ input_ids [1, L], attention_mask, pixel_values [n_images, 3, S, S] in the M view
 Task sets: TARGET_TASKS (every image-world task, the multi-image OOD ones included: the target may know them),
 DRAFT_TASKS (single-image and text-only tasks: multi-image prompts stay out of the draft's distribution, as in
 TABED; plus the draft's own language prior, the "prior" scenario: text-only stories with positions and totals of
-counts, which no target reads), TEXT_TASKS (text-only chats, for text models). OOD tasks are produced for "train" only with
-`allow_ood=True`, which only the target's training passes.
+counts, which no target reads), TEXT_TASKS (text-only chats, for text models). OOD tasks are produced for "train"
+only with `allow_ood=True`, which only the target's training passes.
 """
 from __future__ import annotations
 
