@@ -155,7 +155,7 @@ class Guided:
         inner_tokens = jnp.stack(rows, axis=1).reshape(B * self.streams, W)
         positions = jnp.maximum(j - self.starts[:, None], 0)
         last = jnp.repeat(self.prompt_end - 1, self.streams)[:, None]
-        fo = self.model.forward(inner_tokens, positions, self._inner(cache), logits_at=last)
+        fo = self.model.forward(inner_tokens, positions, self._inner(cache), logits_at=last, fresh=True)
         logits = self._process(fo.logits, jnp.zeros((B, 1), jnp.int32))
         out_cache = self._outer(fo.cache, cache).replace(length=self.prompt_end)
         return logits[:, 0], ForwardOut(logits, (), out_cache), out_cache

@@ -57,7 +57,8 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, in
     a family whose `prompt_embeds` also returns `positions` (M-RoPE ids) and `position_offset` [B] gets those
     positions for the prompt, and the offset becomes the cache's `pos_offset` for every later token.
     Returns (logits at each row's last prompt token [B, V], forward output, cache with length = lengths).
-    Right padding needs no pad mask: under the causal mask no real token sees a later pad.
+    Right padding needs no pad mask: under the causal mask no real token sees a later pad. The cache must be empty
+    (the forward runs with `fresh=True`: it neither reads nor copies the cache's slots past the prompt).
     A model with its own `prefill` (e.g. `jspec.guidance.Guided`) does it its way.
     """
     if hasattr(model, "prefill"):
@@ -70,7 +71,7 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, in
         fwd_kwargs["embeds"] = pe.embeds
         if getattr(pe, "positions", None) is not None:  # e.g. M-RoPE [3, B, T] ids and their rope deltas
             positions, offset = pe.positions, pe.position_offset
-    fo = model.forward(tokens, positions, cache, logits_at=(lengths - 1)[:, None], **fwd_kwargs)
+    fo = model.forward(tokens, positions, cache, logits_at=(lengths - 1)[:, None], fresh=True, **fwd_kwargs)
     cache = kvc.rollback(fo.cache, lengths)
     if offset is not None:
         cache = cache.replace(pos_offset=offset.astype(jnp.int32))

@@ -273,8 +273,10 @@ def unembed(cfg: ChameleonConfig, params: dict, h: jax.Array) -> jax.Array:
     return logits
 
 
-def attention_block(cfg: ChameleonConfig, p: dict, x: jax.Array, cos, sin, k_buf, v_buf, start, visible):
-    """Project, per-head QK LayerNorm, rotate, write the new K/V at slots start[b].., attend. Returns (out, k, v)."""
+def attention_block(cfg: ChameleonConfig, p: dict, x: jax.Array, cos, sin, k_buf, v_buf, start, visible,
+                    fresh: bool = False):
+    """Project, per-head QK LayerNorm, rotate, write the new K/V at slots start[b].., attend
+    (`layers.write_and_attend`). Returns (out, k, v)."""
     B, T, _ = x.shape
     q = L.linear(x, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
     k = L.linear(x, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -282,17 +284,17 @@ def attention_block(cfg: ChameleonConfig, p: dict, x: jax.Array, cos, sin, k_buf
     q = layer_norm(q, p["q_norm"], p["q_norm_b"], QK_NORM_EPS)
     k = layer_norm(k, p["k_norm"], p["k_norm_b"], QK_NORM_EPS)
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-    k_buf, v_buf = kvc.write_layer(k_buf, v_buf, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)
-    o = L.attention(q, k_buf, v_buf, visible)
+    o, k_buf, v_buf = L.write_and_attend(q, k, v, k_buf, v_buf, start, visible, fresh=fresh)
     return L.linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf
 
 
 def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,
             new_mask: jax.Array | None = None, *, embeds: jax.Array | None = None,
             hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
-            compute_logits: bool = True, write_offset: int = 0) -> ForwardOut:
+            compute_logits: bool = True, write_offset: int = 0, fresh: bool = False) -> ForwardOut:
     """Run T new tokens per row against the cache: the contract of `ports.llama.forward` (cache slots, new_mask,
-    hidden_layers, logits_at, write_offset all mean the same)."""
+    hidden_layers, logits_at, write_offset, fresh all mean the same)."""
+    llama.check_fresh(fresh, write_offset)
     x = embed(cfg, params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
     visible = kvc.cache_visibility(cache, T, new_mask, write_offset)
@@ -304,12 +306,12 @@ def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positi
     eps = cfg.rms_norm_eps
     for i, p in enumerate(params["layers"]):
         if cfg.swin_norm:
-            a, kb, vb = attention_block(cfg, p, x, cos, sin, cache.k[i], cache.v[i], start, visible)
+            a, kb, vb = attention_block(cfg, p, x, cos, sin, cache.k[i], cache.v[i], start, visible, fresh)
             x = x + L.rms_norm(a, p["attn_norm"], eps)
             x = x + L.rms_norm(L.swiglu(x, p), p["mlp_norm"], eps)
         else:
             a, kb, vb = attention_block(cfg, p, L.rms_norm(x, p["attn_norm"], eps), cos, sin, cache.k[i],
-                                        cache.v[i], start, visible)
+                                        cache.v[i], start, visible, fresh)
             x = x + a
             x = x + L.swiglu(L.rms_norm(x, p["mlp_norm"], eps), p)
         ks.append(kb)

@@ -114,18 +114,44 @@ def swiglu(x: jax.Array, p: dict) -> jax.Array:
     return linear(jax.nn.silu(g) * u, p["w_down"], p.get("b_down"))
 
 
+def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.Array | None = None,
+                     fresh: bool = False):
+    """Write the new keys / values k, v [B, T, KVH, Dh] at slots start[b].. of k_buf, v_buf and attend over the
+    cache (see `attention`). Returns (out, k_buf, v_buf), plus the scores [B, S] when `score_weights` is given.
+
+    fresh: the cache holds nothing yet (every row's length is 0, the writes start at slot 0), as in a prefill. Then
+    only slots < T can be visible, so attention runs over the new keys alone and the buffers are the new rows padded
+    to S: the same result without reading, masking or copying the S - T empty slots (a prefill's cost no longer
+    grows with the cache length).
+    """
+    if not fresh:
+        k_buf, v_buf = kvc.write_layer(k_buf, v_buf, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)
+        return (*_as_tuple(attention(q, k_buf, v_buf, visible, score_weights)), k_buf, v_buf)
+    T, S = q.shape[1], k_buf.shape[1]
+    kr, vr = kv_rows(k).astype(k_buf.dtype), kv_rows(v).astype(v_buf.dtype)
+    out = _as_tuple(attention(q, kr, vr, visible[:, :, :T], score_weights))
+    if score_weights is not None:
+        out = (out[0], jnp.pad(out[1], ((0, 0), (0, S - T))))
+    pad = ((0, 0), (0, S - T), (0, 0))
+    return (*out, jnp.pad(kr, pad), jnp.pad(vr, pad))
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
 def self_attention_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf, v_buf, start, visible,
-                         score_weights: jax.Array | None = None):
-    """One attention block: project, rotate, write the new K/V at slots start[b].., attend. Returns (out, k, v),
-    and the attention scores of `attention` as a 4th item when `score_weights` is given."""
+                         score_weights: jax.Array | None = None, fresh: bool = False):
+    """One attention block: project, rotate, write the new K/V at slots start[b].., attend (`write_and_attend`).
+    Returns (out, k, v), and the attention scores of `attention` as a 4th item when `score_weights` is given."""
     B, T, _ = x.shape
     q = linear(x, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
     k = linear(x, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     v = linear(x, p["wv"], p.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_buf, v_buf = kvc.write_layer(k_buf, v_buf, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)
-    o = attention(q, k_buf, v_buf, visible, score_weights)
+    o, *rest = write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights, fresh)
     if score_weights is not None:
-        o, scores = o
+        scores, k_buf, v_buf = rest
         return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf, scores
+    k_buf, v_buf = rest
     return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf

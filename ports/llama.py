@@ -75,7 +75,7 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
             new_mask: jax.Array | None = None, *, embeds: jax.Array | None = None,
             hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
             compute_logits: bool = True, write_offset: int = 0,
-            attn_query_weights: jax.Array | None = None, rope: tuple | None = None) -> ForwardOut:
+            attn_query_weights: jax.Array | None = None, rope: tuple | None = None, fresh: bool = False) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
     tokens [B, T] (or embeds [B, T, D]); positions [B, T] RoPE positions; the new K/V are written at slots
@@ -87,7 +87,10 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     probabilities over cache slots averaged over layers and heads and summed over the new tokens with these
     weights (e.g. 1/|L| on the queries L of SpecVLM's language-to-vision scores). rope: precomputed (cos, sin)
     [B, T, rot_dim] tables that replace the ones of `positions` (e.g. Qwen2-VL's M-RoPE, `layers.mrope_tables`).
+    fresh: the cache is empty (every row's length is 0; a prefill): same result, computed without the cache's
+    empty slots (`layers.write_and_attend`).
     """
+    check_fresh(fresh, write_offset)
     x = embed(params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
     visible = kvc.cache_visibility(cache, T, new_mask, write_offset)
@@ -100,7 +103,7 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     for i, p in enumerate(params["layers"]):
         h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         out = L.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], start, visible,
-                                     attn_query_weights)
+                                     attn_query_weights, fresh)
         a, kb, vb = out[:3]
         if attn_query_weights is not None:
             attn = out[3] if attn is None else attn + out[3]
@@ -114,6 +117,11 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
         attn = attn / len(params["layers"])
     head = (lambda xs: unembed(cfg, params, xs)) if compute_logits else None
     return finish_forward(x, ks, vs, cache, hidden, hidden_layers, logits_at, head, attn)
+
+
+def check_fresh(fresh: bool, write_offset: int) -> None:
+    if fresh and write_offset:
+        raise ValueError(f"a fresh (empty) cache is written from slot 0; got write_offset={write_offset}")
 
 
 def finish_forward(x, ks, vs, cache: kvc.KVCache, hidden: dict, hidden_layers: Sequence[int], logits_at, head,

@@ -72,3 +72,33 @@ def test_hidden_states_match_transformers(llama_pair):
     fo = model.forward(jnp.asarray(tokens), pos, cache, hidden_layers=(0, 1))
     for got, i in zip(fo.hidden, (0, 1)):
         np.testing.assert_allclose(np.asarray(got), ref[i].numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_prefill_of_an_empty_cache_equals_the_cache_forward(llama_pair):
+    """`fresh=True` (what `loop.prefill` runs) attends over the prompt alone and pads it into the cache; logits,
+    the attention scores and every layer's cache equal the general forward's, which reads all S slots."""
+    import jax.numpy as jnp
+    import pytest as _pytest
+    from jspec import loop
+
+    _, model = llama_pair
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, 101, (2, 13)))
+    lengths = jnp.asarray([13, 7])
+    cache = loop.new_cache_for(model, 2, 48)
+    pos = jnp.broadcast_to(jnp.arange(13), (2, 13))
+    w = jnp.asarray(rng.random((2, 13)), jnp.float32)
+    kw = dict(logits_at=(lengths - 1)[:, None], attn_query_weights=w)
+    ref = model.forward(tokens, pos, cache, **kw)
+    got = model.forward(tokens, pos, cache, fresh=True, **kw)
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(ref.logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.attn), np.asarray(ref.attn), rtol=1e-5, atol=1e-6)
+    assert got.attn.shape == (2, 48) and float(jnp.abs(got.attn[:, 13:]).max()) == 0.0
+    for a, b in zip(got.cache.k + got.cache.v, ref.cache.k + ref.cache.v):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    logits, _, c = loop.prefill(model, tokens, lengths, cache)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref.logits[:, 0]), rtol=1e-5, atol=1e-5)
+    assert np.asarray(c.length).tolist() == [13, 7]
+    with _pytest.raises(ValueError, match="write_offset"):
+        model.forward(tokens, pos, cache, fresh=True, write_offset=1)
