@@ -6,8 +6,9 @@ Suites:
   sd   per strategy (AR, Chain at several gammas, Tree with each shipped static tree, DynamicTree) on a
        target/draft pair, per scenario: mean accepted length (incl. bonus), block efficiency (tokens per target
        step), tokens/s, wall and decode-loop speedup over jspec AR, the speedup predicted from the measured tau
-       and step times (tau x AR step / SD step, both timed inside one program, `decode(profile="program")`: the
-       decode loop's excess over it is the engine's overhead), the phases (draft, verify, rule-and-commit) timed
+       and step times (tau x AR step / SD step, both timed inside one program, `jspec.profiling.in_program_costs`,
+       in the same round as the measurement it is compared with: the decode loop's excess over it is the engine's
+       overhead), the phases (draft, verify, rule-and-commit) timed
        alike and the prediction from their sum, the fused loop's time per step beside them, and transformers'
        assisted generation (same pair, constant gamma) for chain rows.
        Pairs: the zoo text pair (when shipped) on held-out prompts, and a random pair (the target's layers after
@@ -280,21 +281,43 @@ def sd_strategies(draft, quick: bool) -> list[tuple[str, Any, int]]:
             ("DynamicTree 6x10/60", jspec.DynamicTree(draft, depth=6, top_k=10, total=60), 0)]
 
 
-def _decode_rows(target, rows, strategy, N, eos, profile=False):
-    """Decode each prompt alone (batch 1); returns the summed stats a speedup needs."""
+PHASE_KEYS = ("step_s", "draft_s", "verify_s", "other_s")
+
+
+def _decode_rows(target, rows, strategy, N, eos):
+    """Decode each prompt alone (batch 1); returns the tokens and the summed stats a speedup needs ("row_steps":
+    each prompt's decode-loop steps)."""
     import jspec
 
-    toks, tot = [], {"tokens": 0, "steps": 0, "decode_s": 0.0, "step_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
-                     "other_s": 0.0}
+    toks, tot = [], {"tokens": 0, "steps": 0, "decode_s": 0.0, "row_steps": []}
     for r in rows:
-        o = jspec.decode(target, r if isinstance(r, dict) else [r], strategy=strategy, max_new_tokens=N,
-                         eos_token_id=eos, profile=profile)
+        o = jspec.decode(target, _as_prompt(r), strategy=strategy, max_new_tokens=N, eos_token_id=eos)
         toks.append(o.tokens[0, :o.lengths[0]])
         tot["tokens"] += int(o.lengths[0])
         tot["steps"] += int(o.stats["steps"][0]) + 1  # + the token sampled at prefill
-        for k in ("decode_s", "step_s", "draft_s", "verify_s", "other_s"):
-            tot[k] += float(o.stats.get(k, 0.0))
+        tot["decode_s"] += float(o.stats["decode_s"])
+        tot["row_steps"].append(int(o.stats["steps"][0]))
     return toks, tot
+
+
+def _as_prompt(r):
+    return r if isinstance(r, dict) else [r]
+
+
+def _profile_rows(target, rows, strategy, N, eos, row_steps) -> dict[str, float]:
+    """Per-step costs timed inside one program from each prompt's post-prefill state (`jspec.profiling.
+    in_program_costs`, AR: "step_s"; SD: the phases and the whole step), times that prompt's loop steps, summed:
+    what the decode loops would cost without the engine's overhead."""
+    from jspec import api
+    from jspec import profiling as P
+
+    tot = dict.fromkeys(PHASE_KEYS, 0.0)
+    for r, n in zip(rows, row_steps):
+        s = api.start(target, _as_prompt(r), strategy, max_new_tokens=N, eos_token_id=eos)
+        for k, v in P.in_program_costs(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, s.state,
+                                       runs=1).items():
+            tot[k] += v * n
+    return tot
 
 
 def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = True, pairs: dict | None = None,
@@ -323,20 +346,34 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
             jax.clear_caches()
             strats = [st for st in sd_strategies(draft, quick)
                       if not strategies or st[0] == "AR" or st[0] in strategies]
-            cases = [Case(name, (lambda s=s: _decode_rows(target, prompts, s, N, eos))) for name, s, _ in strats]
+            # each strategy's timed decodes, then its in-program profile (the prediction), in every round: the
+            # prediction and the measurement of a round come from the same minute of a host whose speed drifts
+            row_steps: dict[str, list] = {}
+
+            def timed(name, s):
+                toks, tot = _decode_rows(target, prompts, s, N, eos)
+                row_steps[name] = tot["row_steps"]
+                return toks, tot
+
+            cases = []
+            for name, s, _ in strats:
+                cases.append(Case(name, (lambda name=name, s=s: timed(name, s))))
+                cases.append(Case(name + " [profile]",
+                                  (lambda name=name, s=s: _profile_rows(target, prompts, s, N, eos, row_steps[name]))))
             res = interleaved(cases, runs, progress)
-            # per-phase times (AR: per step), each timed inside one program (a median of `runs` slopes per prompt)
-            prof = {name: _decode_rows(target, prompts, s, N, eos, profile="program")[1] for name, s, _ in strats}
             ar = res["AR"]
             ar_toks = ar["first"][0]
-            ar_decode = med(r[1]["decode_s"] for r in ar["results"])
+            ar_decodes = [r[1]["decode_s"] for r in ar["results"]]
+            ar_decode = med(ar_decodes)
             ar_steps = max(ar["first"][1]["steps"] - len(prompts), 1)
-            ar_step = prof["AR"]["step_s"] / ar_steps
+            ar_step_runs = [p["step_s"] / ar_steps for p in res["AR [profile]"]["results"]]
+            ar_step = med(ar_step_runs)
             for name, s, gamma in strats:
                 c = res[name]
                 toks, tot = c["first"]
                 same = all(np.array_equal(a, b) for a, b in zip(toks, ar_toks))
-                decode = med(r[1]["decode_s"] for r in c["results"])
+                decodes = [r[1]["decode_s"] for r in c["results"]]
+                decode = med(decodes)
                 steps_loop = max(tot["steps"] - len(prompts), 1)
                 tau = (tot["tokens"] - len(prompts)) / steps_loop  # tokens per decode-loop step (bonus incl.)
                 row = dict(pair=pname, scenario=scen, strategy=name, gamma=gamma, prompts=len(prompts),
@@ -348,17 +385,19 @@ def suite_sd(runs: int, quick: bool, progress: bool, with_transformers: bool = T
                 if name == "AR":
                     row.update(step_ms=_r(ar_step * 1e3, 2), loop_step_ms=_r(ar_decode / ar_steps * 1e3, 2))
                 else:
-                    p = prof[name]
-                    per = {k: p[k] / steps_loop for k in ("draft_s", "verify_s", "other_s")}
-                    sd_step = p["step_s"] / steps_loop
-                    predicted = tau * ar_step / sd_step
+                    profs = res[name + " [profile]"]["results"]
+                    per = {k: med(p[k] for p in profs) / steps_loop for k in PHASE_KEYS}
+                    phases = per["draft_s"] + per["verify_s"] + per["other_s"]
+                    # round by round: (AR decode / SD decode) over (tau x AR step / SD step) of the same round
+                    predicted = [tau * a * steps_loop / p["step_s"] for a, p in zip(ar_step_runs, profs)]
+                    measured = [_ratio(a, d) for a, d in zip(ar_decodes, decodes)]
                     row.update(draft_ms=_r(per["draft_s"] * 1e3, 2), verify_ms=_r(per["verify_s"] * 1e3, 2),
-                               other_ms=_r(per["other_s"] * 1e3, 2), step_ms=_r(sd_step * 1e3, 2),
+                               other_ms=_r(per["other_s"] * 1e3, 2), step_ms=_r(per["step_s"] * 1e3, 2),
                                loop_step_ms=_r(decode / steps_loop * 1e3, 2),
-                               step_over_phases=_r(_ratio(sd_step, sum(per.values()))),
-                               predicted_from_phases=_r(tau * ar_step / sum(per.values())),
-                               predicted_speedup=_r(predicted),
-                               measured_over_predicted=_r(_ratio(row["decode_speedup"], predicted)))
+                               step_over_phases=_r(_ratio(per["step_s"], phases)),
+                               predicted_from_phases=_r(tau * ar_step / phases),
+                               predicted_speedup=_r(med(predicted)),
+                               measured_over_predicted=_r(med(m / p for m, p in zip(measured, predicted))))
                 rows.append(row)
             if with_transformers:
                 hf_rows += _assisted(target, draft, prompts, strats, res, runs, N, eos, pname, scen)
