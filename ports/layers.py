@@ -117,7 +117,8 @@ def swiglu(x: jax.Array, p: dict) -> jax.Array:
 def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.Array | None = None,
                      fresh: bool = False):
     """Write the new keys / values k, v [B, T, KVH, Dh] at slots start[b].. of k_buf, v_buf and attend over the
-    cache (see `attention`). Returns (out, k_buf, v_buf), plus the scores [B, S] when `score_weights` is given.
+    cache (see `attention`). Returns (out, k_buf, v_buf), or (out, scores [B, S], k_buf, v_buf) when
+    `score_weights` is given.
 
     fresh: the cache holds nothing yet (every row's length is 0, the writes start at slot 0), as in a prefill. Then
     only slots < T can be visible, so attention runs over the new keys alone and the buffers are the new rows padded
