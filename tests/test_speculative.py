@@ -270,7 +270,8 @@ def test_profile_mode_times_phases_and_keeps_tokens(pair):
             prof = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=12, profile=mode)
             np.testing.assert_array_equal(prof.tokens, fast.tokens)
             np.testing.assert_array_equal(prof.stats["accepted"], fast.stats["accepted"])
-            assert all(np.isfinite(prof.stats[k]) and prof.stats[k] > 0 for k in ("draft_s", "verify_s")), mode
+            phases = [prof.stats[k] for k in ("draft_s", "verify_s")]      # in-program: slopes, clamped at 0
+            assert all(np.isfinite(t) and t >= 0 for t in phases) and sum(phases) > 0, mode
             assert np.isfinite(prof.stats["other_s"]) and prof.stats["other_s"] >= 0
         assert "draft_s" not in fast.stats
     fast = jspec.decode(target, PROMPTS, max_new_tokens=12)
@@ -291,8 +292,9 @@ def test_call_costs_fits_whole_calls(pair):
     sd = P.call_costs(target, [PROMPTS], jspec.Chain(draft, gamma=3), max_new=(4, 16), rounds=1)
     (s1, _), (s2, _) = sorted(sd["points"])
     assert 1 <= s1 < s2 <= 15
-    for c in (ar, sd):
-        assert c["per_step_s"] > 0 and np.isfinite(c["per_call_s"])
+    for c in (ar, sd):                                            # two points: the line passes through both
+        for steps, secs in c["points"]:                           # (a slope's sign is timing noise on a tiny model)
+            assert c["per_call_s"] + c["per_step_s"] * steps == pytest.approx(secs, rel=1e-6, abs=1e-9)
         assert c["zero_step_s"] > 0 and c["prefill_s"] > 0
     with pytest.raises(ValueError, match="max_new values that differ"):
         P.call_costs(target, [PROMPTS], max_new=(4,), rounds=1)
