@@ -130,6 +130,12 @@ class DecodeOutput:
     stats: dict[str, Any]
 
 
+@functools.lru_cache(maxsize=1)
+def _default_key() -> jax.Array:
+    """jax.random.key(0), made once (keys are immutable; making one is a device op)."""
+    return jax.random.key(0)
+
+
 def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
     if eos_token_id is None:
         return tuple(getattr(target.config, "eos_token_ids", ()) or ())
@@ -244,14 +250,14 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
     max_len = max(round_up(width + max_new_tokens + per_step, 64), need)
     ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
                            out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg, placement=placement)
-    key = jax.random.key(0) if key is None else key
+    key = _default_key() if key is None else key
     t0 = time.perf_counter()
+    # host arrays go to the jitted prefill as they are: it moves them in one go (a jnp.asarray each costs a dispatch)
     if policy is None:
-        state = _prefill_ar(ctx, max_len, run_target, jnp.asarray(tokens), jnp.asarray(lengths), inputs, key, sp)
+        state = _prefill_ar(ctx, max_len, run_target, tokens, lengths, inputs, key, sp)
     else:
         state = _prefill_sd(ctx, max_len, policy.pending_width, policy.max_depth, strategy.controller, run_target,
-                            run_draft, jnp.asarray(tokens), jnp.asarray(lengths), inputs, jnp.asarray(d_tokens),
-                            jnp.asarray(d_lengths), d_inputs, key, sp)
+                            run_draft, tokens, lengths, inputs, d_tokens, d_lengths, d_inputs, key, sp)
     jax.block_until_ready(state.out)
     rule, controller = (strategy.rule, strategy.controller) if speculative else (None, None)
     return Started(ctx, policy, rule, controller, run_target, run_draft, state, _pad_id(target, eos),

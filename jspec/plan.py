@@ -144,11 +144,14 @@ class _Planned:
 def _abstract_params(fam, cfg, dtype, notes: list):
     """eval_shape of init_params; a family whose init is not traceable (host-side random draw) gives its
     param_shapes in `dtype`, the same pytree."""
-    try:
-        return jax.eval_shape(lambda: fam.init_params(cfg, jax.random.key(0), dtype))
+    from ports import fused as FU
+
+    try:  # in the run layout the loaders give (`ports.fused`)
+        return jax.eval_shape(lambda: FU.fuse_params(cfg, fam.init_params(cfg, jax.random.key(0), dtype)))
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         notes.append(f"{cfg.model_type}: params from param_shapes (its init_params draws on the host)")
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s), dtype), fam.param_shapes(cfg),
+        shapes = FU.fused_shapes(cfg, fam.param_shapes(cfg))
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s), dtype), shapes,
                             is_leaf=lambda x: isinstance(x, tuple))
 
 
@@ -252,6 +255,7 @@ def _sharded_tree_bytes(tree, shardings) -> tuple[int, int]:
 
 def param_bytes(model, mesh, rules=None) -> tuple[int, int]:
     """(total, per device) bytes of a model's params placed by `jspec.sharding.param_shardings`."""
+    model = SH.run_layout(model, mesh, rules)
     return _sharded_tree_bytes(model.params, SH.param_shardings(model, mesh, rules))
 
 
@@ -336,7 +340,8 @@ def _fsdp_gather(pl: _Planned, mesh, rules) -> int:
     (bytes on one device, tensor split kept)."""
     if mesh.shape.get("fsdp", 1) == 1:
         return 0
-    shardings = SH.param_shardings(pl.model, mesh, rules)
+    model = SH.run_layout(pl.model, mesh, rules)
+    shardings = SH.param_shardings(model, mesh, rules)
 
     def gathered(tree, shs):
         out = 0
@@ -346,8 +351,8 @@ def _fsdp_gather(pl: _Planned, mesh, rules) -> int:
             out += _nbytes(x) // math.prod(mesh.shape[a] for a in kept)
         return out
 
-    lm = pl.model.params["lm"] if "lm" in pl.model.params else pl.model.params
-    lm_sh = shardings["lm"] if "lm" in pl.model.params else shardings
+    lm = model.params["lm"] if "lm" in model.params else model.params
+    lm_sh = shardings["lm"] if "lm" in model.params else shardings
     layer = gathered(lm["layers"][0], lm_sh["layers"][0])
     head_key = "lm_head" if "lm_head" in lm else "embed"
     return max(layer, gathered(lm[head_key], lm_sh[head_key]))

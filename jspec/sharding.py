@@ -41,6 +41,9 @@ DECODER_AXES: dict[str, tuple[str | None, ...]] = {
     "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "b_gate": ("mlp",), "b_up": ("mlp",),
+    # the run layout (`ports.fused`): split by KV-head groups, so each device holds whole groups
+    "wqkv": ("embed", "kv_heads", None, "head_dim"), "bqkv": ("kv_heads", None, "head_dim"),
+    "w_gate_up": ("embed", None, "mlp"), "b_gate_up": (None, "mlp"),
 }
 
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
@@ -118,8 +121,41 @@ def param_shardings(model, mesh: Mesh, rules=None) -> Any:
                         model.params, ax_tree, is_leaf=lambda x: x is None or isinstance(x, tuple))
 
 
+def _qkv_split_lost(model, mesh: Mesh, rules=None) -> bool:
+    """Whether fused q/k/v (`ports.fused`) would be replicated where separate wq would split by heads."""
+    layers = _get(model.params, _lm_subtree(model) + ("layers",))
+    if not layers or "wqkv" not in layers[0]:
+        return False
+    units = logical_units(model.config)
+    fused = spec_for(DECODER_AXES["wqkv"], units, mesh, rules)
+    return fused[1] is None and spec_for(DECODER_AXES["wq"], units, mesh, rules)[1] is not None
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree.get(k) if isinstance(tree, dict) else None
+    return tree
+
+
+def run_layout(model, mesh: Mesh, rules=None):
+    """The model in the layout it is sharded in on `mesh`: as loaded (q/k/v fused by KV-head group), except where
+    the KV heads cannot split over the tensor axes and the query heads can: then q/k/v are separate matrices again
+    (wq split by heads, wk / wv replicated), so a 16-way split of 8 KV heads keeps wq's memory split. Abstract
+    params (ShapeDtypeStructs) work too."""
+    if not _qkv_split_lost(model, mesh, rules):
+        return model
+    from ports import fused as FU
+
+    fn = lambda p: FU.unfuse_params(model.config, p, mlp=False)  # noqa: E731
+    abstract = isinstance(jax.tree.leaves(model.params)[0], jax.ShapeDtypeStruct)
+    params = jax.eval_shape(fn, model.params) if abstract else fn(model.params)
+    return dataclasses.replace(model, params=params, _hf_aux=model._hf_aux)
+
+
 def shard(model, mesh: Mesh, rules=None):
-    """The model with its params placed on `mesh` by the rules (each device holds only its shards)."""
+    """The model with its params placed on `mesh` by the rules (each device holds only its shards), in
+    `run_layout`."""
+    model = run_layout(model, mesh, rules)
     shardings = param_shardings(model, mesh, rules)
     return dataclasses.replace(model, params=jax.device_put(model.params, shardings), _hf_aux=model._hf_aux)
 

@@ -278,9 +278,7 @@ def attention_block(cfg: ChameleonConfig, p: dict, x: jax.Array, cos, sin, k_buf
     """Project, per-head QK LayerNorm, rotate, write the new K/V at slots start[b].., attend
     (`layers.write_and_attend`). Returns (out, k, v)."""
     B, T, _ = x.shape
-    q = L.linear(x, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
-    k = L.linear(x, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v = L.linear(x, p["wv"], p.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = L.project_qkv(cfg, p, x)
     q = layer_norm(q, p["q_norm"], p["q_norm_b"], QK_NORM_EPS)
     k = layer_norm(k, p["k_norm"], p["k_norm_b"], QK_NORM_EPS)
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)

@@ -108,10 +108,34 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     return y + b if b is not None else y
 
 
+def gate_up(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array]:
+    """(gate, up) projections [..., F] of x [..., D], from either layout (`ports.fused`)."""
+    if "w_gate_up" not in p:
+        return linear(x, p["w_gate"], p.get("b_gate")), linear(x, p["w_up"], p.get("b_up"))
+    y = jnp.einsum("...d,dif->...if", x, p["w_gate_up"])
+    if "b_gate_up" in p:
+        y = y + p["b_gate_up"]
+    return y[..., 0, :], y[..., 1, :]
+
+
 def swiglu(x: jax.Array, p: dict) -> jax.Array:
-    g = linear(x, p["w_gate"], p.get("b_gate"))
-    u = linear(x, p["w_up"], p.get("b_up"))
+    g, u = gate_up(x, p)
     return linear(jax.nn.silu(g) * u, p["w_down"], p.get("b_down"))
+
+
+def project_qkv(cfg: TextConfig, p: dict, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, T, H, Dh], k and v [B, T, KVH, Dh] of x [B, T, D], from either layout (`ports.fused`)."""
+    B, T, _ = x.shape
+    H, KVH, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if "wqkv" not in p:
+        return (linear(x, p["wq"], p.get("bq")).reshape(B, T, H, Dh),
+                linear(x, p["wk"], p.get("bk")).reshape(B, T, KVH, Dh),
+                linear(x, p["wv"], p.get("bv")).reshape(B, T, KVH, Dh))
+    G = H // KVH
+    y = jnp.einsum("btd,dkgh->btkgh", x, p["wqkv"])
+    if "bqkv" in p:
+        y = y + p["bqkv"]
+    return y[:, :, :, :G].reshape(B, T, H, Dh), y[:, :, :, G], y[:, :, :, G + 1]
 
 
 def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.Array | None = None,
@@ -146,9 +170,7 @@ def self_attention_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf
     """One attention block: project, rotate, write the new K/V at slots start[b].., attend (`write_and_attend`).
     Returns (out, k, v), and the attention scores of `attention` as a 4th item when `score_weights` is given."""
     B, T, _ = x.shape
-    q = linear(x, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
-    k = linear(x, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(x, p["wv"], p.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = project_qkv(cfg, p, x)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, *rest = write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights, fresh)
     if score_weights is not None:

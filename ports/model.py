@@ -3,6 +3,10 @@
 `load_hf` streams safetensors tensor by tensor into a params pytree and checks that every checkpoint tensor was
 consumed and every parameter filled with the right shape. `save_hf` writes the reverse (HF layout). `save` / `load`
 use orbax (params) + config.json, and `load` can restore straight onto shardings.
+
+The family's `param_shapes` and `hf_key_map` describe the checkpoint layout (one matrix per projection); the
+loaders return the run layout (`ports.fused`: q/k/v and gate/up fused per decoder layer), which `save` / `load`
+keep and `save_hf` turns back.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ports import config as C
+from ports import fused as FU
 from ports import chameleon
 from ports import llama
 from ports import llava
@@ -144,7 +149,7 @@ def random_model(config, key: jax.Array | int = 0, dtype=jnp.float32, std: float
     if isinstance(key, int):
         key = jax.random.key(key)
     fam = family(config.model_type)
-    return Model(config, fam.init_params(config, key, dtype, std), fam.config_to_hf(config))
+    return Model(config, FU.fuse_params(config, fam.init_params(config, key, dtype, std)), fam.config_to_hf(config))
 
 
 def _resolve_dtype(dtype):
@@ -282,16 +287,34 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
     Raises ValueError listing missing / unexpected / mis-shaped tensors.
     """
     hf, cfg, fam, tensors = _stream_hf(directory, dtype, progress)
-    params = _empty_like_shapes(fam.param_shapes(cfg))
+    shapes = FU.fused_shapes(cfg, fam.param_shapes(cfg))
+    params = _empty_like_shapes(shapes)
     put = device_put or (lambda path, arr: jnp.asarray(arr))
-    for path, arr in tensors:
+    for path, arr in _fused_layers(cfg, fam.param_shapes(cfg), tensors):
         _set_path(params, path, put(path, arr))
     return Model(cfg, params, hf)
 
 
-def _layers_path(shapes) -> tuple:
-    """Path of the decoder's layer list in a params tree (under "lm" for VLMs)."""
-    return ("lm", "layers") if "lm" in shapes else ("layers",)
+def _fused_layers(cfg, shapes, tensors):
+    """(path, array) of the run layout from (path, array) of the checkpoint layout: a decoder layer's tensors wait
+    on the host until the layer is complete, then come out fused (`ports.fused`); other tensors pass through."""
+    lp = _layers_path(shapes)
+    layer_shapes = _get_path(shapes, lp)
+    want = [len(jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, tuple))) for s in layer_shapes]
+    open_layers: dict[int, dict] = {}
+    for path, arr in tensors:
+        if path[:len(lp)] != lp:
+            yield path, arr
+            continue
+        i = path[len(lp)]
+        layer = open_layers.setdefault(i, {})
+        layer[path[-1]] = arr
+        if len(layer) == want[i]:
+            for name, a in FU.fuse_layer(cfg, open_layers.pop(i)).items():
+                yield lp + (i, name), np.ascontiguousarray(a)
+
+
+_layers_path = FU.layers_path
 
 
 def _without_layers(tree, lp: tuple):
@@ -324,7 +347,7 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, progress: bool = False) ->
     its tensors are read, so host memory holds one layer plus the non-layer params (embeddings, head), never the
     model. Returns (config, number of parameters)."""
     hf, cfg, fam, tensors = _stream_hf(hf_dir, dtype, progress)
-    shapes = fam.param_shapes(cfg)
+    shapes = FU.fused_shapes(cfg, fam.param_shapes(cfg))
     lp = _layers_path(shapes)
     layer_shapes = _get_path(shapes, lp)
     want = [len(jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, tuple))) for s in layer_shapes]
@@ -334,7 +357,7 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, progress: bool = False) ->
     open_layers: dict[int, Any] = {}
     filled = [0] * len(layer_shapes)
     n_params = 0
-    for path, arr in tensors:
+    for path, arr in _fused_layers(cfg, fam.param_shapes(cfg), tensors):
         n_params += arr.size
         if path[:len(lp)] == lp:
             i = path[len(lp)]
@@ -355,15 +378,16 @@ def save_hf(model: Model, directory: str, dtype=None) -> None:
     fam = model.family
     rows = fam.hf_key_map(model.config)
     out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(model.dtype)
+    params = _checkpoint_view(model)
     shapes, src = {}, {}
     for name, path, tr in rows:
-        shape = tuple(_get_path(model.params, path).shape)
+        shape = tuple(_get_path(params, path).shape)
         shapes[name] = (ours_shape_to_hf(shape, tr), out_dtype)
         src[name] = (path, tr)
 
     def fetch(name):
         path, tr = src[name]
-        arr = np.asarray(jax.device_get(_get_path(model.params, path)))
+        arr = np.asarray(jax.device_get(_get_path(params, path)))
         return ours_to_hf(arr, tr)
 
     write_safetensors(os.path.join(directory, "model.safetensors"), shapes, fetch)
@@ -373,14 +397,38 @@ def save_hf(model: Model, directory: str, dtype=None) -> None:
         json.dump(hf, f, indent=2)
 
 
+class _LazyLayers:
+    """A decoder layer list read in the checkpoint layout: each fused layer is split when first indexed (on the
+    device, one layer at a time; the last one is kept)."""
+
+    def __init__(self, cfg, layers):
+        self.cfg, self.layers, self.last = cfg, layers, (None, None)
+
+    def __getitem__(self, i):
+        if self.last[0] != i:
+            self.last = (i, FU.unfuse_layer(self.cfg, self.layers[i]))
+        return self.last[1]
+
+    def __len__(self):
+        return len(self.layers)
+
+
+def _checkpoint_view(model: Model) -> dict:
+    """model.params with its decoder layers in the checkpoint layout (`hf_key_map` paths address it)."""
+    lp = _layers_path(model.params)
+    view = _without_layers(model.params, lp)
+    _set_path(view, lp, _LazyLayers(model.config, _get_path(model.params, lp)))
+    return view
+
+
 def save(model: Model, directory: str) -> None:
     """A jspec checkpoint (what `jspec convert` writes): config.json, an orbax checkpoint `params/` of everything
     but the decoder layers, and one orbax checkpoint per layer under `layers/`, so conversion can stream."""
     directory = os.path.abspath(directory)
     _write_config(model.hf_config or model.family.config_to_hf(model.config), directory)
     lp = _layers_path(model.params)
-    for i, layer in enumerate(_get_path(model.params, lp)):
-        _orbax_save(os.path.join(directory, "layers", f"{i:05d}"), layer)
+    for i, layer in enumerate(_get_path(model.params, lp)):  # in the run layout `load` restores, however sharded
+        _orbax_save(os.path.join(directory, "layers", f"{i:05d}"), FU.fuse_layer(model.config, layer))
     _orbax_save(os.path.join(directory, "params"), _without_layers(model.params, lp))
 
 
@@ -393,7 +441,7 @@ def load(directory: str, dtype=None, shardings=None) -> Model:
     hf = read_hf_config(directory)
     fam = family(hf.get("model_type"))
     cfg = fam.config_from_hf(hf)
-    shapes = fam.param_shapes(cfg)
+    shapes = FU.fused_shapes(cfg, fam.param_shapes(cfg))
     dt = _resolve_dtype(dtype)
     is_shape = lambda x: isinstance(x, tuple)
     if shardings is None:

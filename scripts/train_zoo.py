@@ -110,6 +110,7 @@ from jspec.zoo import data as D  # noqa: E402
 from jspec.zoo import tokenizer as TK  # noqa: E402
 from jspec.zoo import world as W  # noqa: E402
 from ports import layers as L  # noqa: E402
+from ports.fused import fuse_params  # noqa: E402
 from ports import llama, llava  # noqa: E402
 from ports import vision as VZ  # noqa: E402
 
@@ -241,7 +242,7 @@ def new_model(p: Preset, seed: int) -> ports.Model:
     hf = hf_config(p)
     fam = ports.model.family(hf["model_type"])
     cfg = fam.config_from_hf(hf)
-    return ports.Model(cfg, fam.init_params(cfg, jax.random.key(seed)), hf)
+    return ports.Model(cfg, fuse_params(cfg, fam.init_params(cfg, jax.random.key(seed))), hf)
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -501,8 +502,7 @@ def focus_logprobs(text_cfg, layer_params: dict, x: jax.Array, batch: dict, head
     one head, so the port's forward stays as it is)."""
     B, T, _ = x.shape
     h = L.rms_norm(x, layer_params["attn_norm"], text_cfg.rms_norm_eps)
-    q = L.linear(h, layer_params["wq"], layer_params.get("bq")).reshape(B, T, text_cfg.num_heads, -1)
-    k = L.linear(h, layer_params["wk"], layer_params.get("bk")).reshape(B, T, text_cfg.num_kv_heads, -1)
+    q, k, _ = L.project_qkv(text_cfg, layer_params, h)
     cos, sin = L.rope_tables(text_cfg, batch["positions"])
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     kv = head // (text_cfg.num_heads // text_cfg.num_kv_heads)
@@ -516,7 +516,7 @@ def head_write(text_cfg, layer_params: dict, x: jax.Array, logp: jax.Array, head
     rows of the output projection), from the layer's input stream x."""
     B, T, _ = x.shape
     h = L.rms_norm(x, layer_params["attn_norm"], text_cfg.rms_norm_eps)
-    v = L.linear(h, layer_params["wv"], layer_params.get("bv")).reshape(B, T, text_cfg.num_kv_heads, -1)
+    _, _, v = L.project_qkv(text_cfg, layer_params, h)
     kv = head // (text_cfg.num_heads // text_cfg.num_kv_heads)
     o = jnp.einsum("bts,bsd->btd", jnp.exp(logp), v[:, :, kv])
     Dh = o.shape[-1]
@@ -602,7 +602,9 @@ def loss_fn(model_cfg, params, batch, per_example: bool = False, prompt_loss: fl
 
 
 def make_optimizer(p: Preset) -> optax.GradientTransformation:
-    decay = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
+    # matrices, not the fused biases (`ports.fused`: bqkv, b_gate_up are biases of any rank)
+    decay = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, x: x.ndim >= 2 and getattr(path[-1], "key", None) not in ("bqkv", "b_gate_up"), params)
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=0.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=p.weight_decay, mask=decay)
     return optax.chain(optax.clip_by_global_norm(1.0), adamw)

@@ -17,17 +17,18 @@ from jspec import loop  # noqa: E402
 from jspec import plan as PL  # noqa: E402
 from jspec import sharding as SH  # noqa: E402
 from ports import llava  # noqa: E402
+from ports.fused import fused_shapes  # noqa: E402
 
 # (data, fsdp, tensor)
 MESHES = ((1, 1, 8), (2, 1, 4), (1, 2, 4), (8, 1, 1))
 
 
 def zeros_model(cfg, dtype):
-    """A model with zero params of the family's param_shapes (host-built: no per-shape compilation; only the
-    bytes matter here). The plan itself goes through eval_shape of init_params, so equal bytes also check that
-    the two agree."""
+    """A model with zero params of the family's param_shapes in the run layout the loaders give (`ports.fused`;
+    host-built: no per-shape compilation; only the bytes matter here). The plan itself goes through eval_shape of
+    init_params, so equal bytes also check that the two agree."""
     fam = ports.model.family(cfg.model_type)
-    params = jax.tree.map(lambda s: jnp.asarray(np.zeros(s, dtype)), fam.param_shapes(cfg),
+    params = jax.tree.map(lambda s: jnp.asarray(np.zeros(s, dtype)), fused_shapes(cfg, fam.param_shapes(cfg)),
                           is_leaf=lambda x: isinstance(x, tuple))
     return ports.Model(cfg, params, fam.config_to_hf(cfg))
 

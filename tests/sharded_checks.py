@@ -53,17 +53,21 @@ def check_placement(target):
     sharded = SH.shard(target, mesh)
     layer = sharded.params["layers"][0]
     hd = target.config.head_dim
-    assert layer["wq"].sharding.spec == P(None, "tensor"), layer["wq"].sharding
-    assert layer["wq"].addressable_shards[0].data.shape == (target.config.hidden_size, 8 * hd // 4)
-    assert layer["wk"].addressable_shards[0].data.shape == (target.config.hidden_size, 4 * hd // 4)
+    # fused q/k/v (`ports.fused`): each device holds whole KV-head groups, 4 groups of 2 query heads + k + v
+    assert layer["wqkv"].sharding.spec == P(None, "tensor", None, None), layer["wqkv"].sharding
+    assert layer["wqkv"].addressable_shards[0].data.shape == (target.config.hidden_size, 1, 2 + 2, hd)
     assert layer["wo"].sharding.spec == P("tensor", None)
+    assert layer["w_gate_up"].sharding.spec == P(None, None, "tensor")
     assert layer["w_down"].addressable_shards[0].data.shape[0] == target.config.intermediate_size // 4
     assert sharded.params["embed"].addressable_shards[0].data.shape[0] == 256 // 4
     assert layer["attn_norm"].sharding.spec == P()
     # kv_heads=4 over tensor=8 does not divide: replicated, not split inside a head
     wide = SH.shard(target, SH.make_mesh(tensor=8))
-    assert wide.params["layers"][0]["wk"].sharding.spec == P(None, None)
-    assert wide.params["layers"][0]["wq"].sharding.spec == P(None, "tensor")
+    # ... so q/k/v go back to separate matrices there: wq still splits by heads (`sharding.run_layout`)
+    wl = wide.params["layers"][0]
+    assert "wqkv" not in wl and "w_gate_up" in wl
+    assert wl["wk"].sharding.spec == P(None, None)
+    assert wl["wq"].sharding.spec == P(None, "tensor")
 
     # the decode state's target cache: batch over data, kv heads over tensor
     ctx = loop.StepContext(max_new=4, max_steps=3, out_len=5, eos=(), sampling=S.SamplingConfig(),
@@ -84,8 +88,8 @@ def check_orbax(target, tmp):
     ports.save(a, tmp)
     mesh_b = SH.make_mesh(tensor=8)
     restored = ports.load(tmp, shardings=SH.param_shardings(target, mesh_b))
-    wq = restored.params["layers"][0]["wq"]
-    assert wq.sharding.mesh.shape["tensor"] == 8 and wq.sharding.spec == P(None, "tensor")
+    gu = restored.params["layers"][0]["w_gate_up"]
+    assert gu.sharding.mesh.shape["tensor"] == 8 and gu.sharding.spec == P(None, None, "tensor")
     ids = np.array([[3, 5, 7, 9, 11]])
     np.testing.assert_allclose(ports.logits(restored, ids), ports.logits(target, ids), rtol=1e-5, atol=1e-5)
     return 1
