@@ -100,7 +100,16 @@ def layers_path(params: dict) -> tuple:
     return ("lm", "layers") if "lm" in params else ("layers",)
 
 
-def _map_layers(params: dict, fn) -> dict:
+def has_decoder(cfg) -> bool:
+    """Whether `cfg` has a text decoder to fuse (a vision-tower model's layers keep their own layout: its forward
+    reads their projections by name)."""
+    return hasattr(getattr(cfg, "text", cfg), "num_kv_heads")
+
+
+def _map_layers(params: dict, fn, cfg) -> dict:
+    """fn over the decoder layers (the tree as it is when there is no decoder)."""
+    if not has_decoder(cfg):
+        return params
     lp = layers_path(params)
     out = dict(params)
     if len(lp) == 2:
@@ -113,14 +122,14 @@ def _map_layers(params: dict, fn) -> dict:
 
 def fuse_params(cfg, params: dict) -> dict:
     """The params tree with every decoder layer in the run layout (a new tree; arrays not fused are shared)."""
-    return _map_layers(params, lambda layer: fuse_layer(cfg, layer))
+    return _map_layers(params, lambda layer: fuse_layer(cfg, layer), cfg)
 
 
 def unfuse_params(cfg, params: dict, qkv: bool = True, mlp: bool = True) -> dict:
     """The params tree in the checkpoint layout (`qkv` / `mlp` False: keep that part fused)."""
-    return _map_layers(params, lambda layer: unfuse_layer(cfg, layer, qkv, mlp))
+    return _map_layers(params, lambda layer: unfuse_layer(cfg, layer, qkv, mlp), cfg)
 
 
 def fused_shapes(cfg, shapes: dict) -> dict:
     """`fuse_params` on a tree of shape tuples (what `param_shapes` returns)."""
-    return _map_layers(shapes, lambda layer: fused_layer_shapes(cfg, layer))
+    return _map_layers(shapes, lambda layer: fused_layer_shapes(cfg, layer), cfg)

@@ -2,7 +2,9 @@
 
 Params are a plain pytree:
     {"embed": [V, D], "layers": [per-layer dict, ...], "final_norm": [D], "lm_head": [D, V] (absent if tied)}
-with per-layer keys attn_norm, wq, wk, wv, wo (+ bq, bk, bv, bo), mlp_norm, w_gate, w_up, w_down (+ b_*).
+with per-layer keys attn_norm, wq, wk, wv, wo (+ bq, bk, bv, bo), mlp_norm, w_gate, w_up, w_down (+ b_*): the
+checkpoint layout `param_shapes`, `init_params` and `hf_key_map` describe. The loaders hand out the run layout
+(`ports.fused`: wqkv and w_gate_up in place of the q/k/v and gate/up matrices); `forward` takes either.
 Matrices are stored [in, out]. Layers are a Python list (unrolled in the jitted forward): on CPU a scanned,
 stacked layout copies each layer's weights per step and runs ~2.5x slower at batch 1.
 """

@@ -298,6 +298,9 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
 def _fused_layers(cfg, shapes, tensors):
     """(path, array) of the run layout from (path, array) of the checkpoint layout: a decoder layer's tensors wait
     on the host until the layer is complete, then come out fused (`ports.fused`); other tensors pass through."""
+    if not FU.has_decoder(cfg):
+        yield from tensors
+        return
     lp = _layers_path(shapes)
     layer_shapes = _get_path(shapes, lp)
     want = [len(jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, tuple))) for s in layer_shapes]
@@ -428,7 +431,8 @@ def save(model: Model, directory: str) -> None:
     _write_config(model.hf_config or model.family.config_to_hf(model.config), directory)
     lp = _layers_path(model.params)
     for i, layer in enumerate(_get_path(model.params, lp)):  # in the run layout `load` restores, however sharded
-        _orbax_save(os.path.join(directory, "layers", f"{i:05d}"), FU.fuse_layer(model.config, layer))
+        fused = FU.fuse_layer(model.config, layer) if FU.has_decoder(model.config) else layer
+        _orbax_save(os.path.join(directory, "layers", f"{i:05d}"), fused)
     _orbax_save(os.path.join(directory, "params"), _without_layers(model.params, lp))
 
 

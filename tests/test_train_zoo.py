@@ -166,7 +166,7 @@ def test_depth_growth_keeps_the_function_and_trains(tz):
     params, _, _ = train_step(params, tx.init(params), batch, np.float32(1e-2), np.float32(1.0))
     after = jax.device_get(params)
     assert _moved(before["layers"][1]["wo"], after["layers"][1]["wo"])
-    assert not np.array_equal(after["layers"][1]["wq"], after["layers"][0]["wq"])
+    assert not np.array_equal(after["layers"][1]["wqkv"], after["layers"][0]["wqkv"])
     with pytest.raises(SystemExit, match="doubles the layers"):
         tz.grow_params(src.params, 3)
 
