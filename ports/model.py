@@ -287,34 +287,42 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
     Raises ValueError listing missing / unexpected / mis-shaped tensors.
     """
     hf, cfg, fam, tensors = _stream_hf(directory, dtype, progress)
-    shapes = FU.fused_shapes(cfg, fam.param_shapes(cfg))
-    params = _empty_like_shapes(shapes)
+    params = _empty_like_shapes(FU.fused_shapes(cfg, fam.param_shapes(cfg)))
     put = device_put or (lambda path, arr: jnp.asarray(arr))
-    for path, arr in _fused_layers(cfg, fam.param_shapes(cfg), tensors):
-        _set_path(params, path, put(path, arr))
+    for path, item in _layer_stream(cfg, fam.param_shapes(cfg), tensors):
+        for sub, arr in (_leaf_paths(item) if isinstance(item, dict) else [((), item)]):
+            _set_path(params, path + sub, put(path + sub, arr))
     return Model(cfg, params, hf)
 
 
-def _fused_layers(cfg, shapes, tensors):
-    """(path, array) of the run layout from (path, array) of the checkpoint layout: a decoder layer's tensors wait
-    on the host until the layer is complete, then come out fused (`ports.fused`); other tensors pass through."""
-    if not FU.has_decoder(cfg):
-        yield from tensors
-        return
+def _layer_stream(cfg, shapes, tensors):
+    """The checkpoint's (path, array) stream, grouped: tensors outside the decoder layers pass through as they come;
+    a layer's tensors wait on the host until the layer is complete, which then comes out whole as (layers path +
+    (i,), layer dict), in the run layout (`ports.fused`; a model without a text decoder keeps its layers as read).
+    `shapes`: the checkpoint layout's (`param_shapes`)."""
     lp = _layers_path(shapes)
     layer_shapes = _get_path(shapes, lp)
     want = [len(jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, tuple))) for s in layer_shapes]
-    open_layers: dict[int, dict] = {}
+    open_layers: dict[int, Any] = {}
+    filled = [0] * len(layer_shapes)
+    fuse = FU.has_decoder(cfg)
     for path, arr in tensors:
         if path[:len(lp)] != lp:
             yield path, arr
             continue
         i = path[len(lp)]
-        layer = open_layers.setdefault(i, {})
-        layer[path[-1]] = arr
-        if len(layer) == want[i]:
-            for name, a in FU.fuse_layer(cfg, open_layers.pop(i)).items():
-                yield lp + (i, name), np.ascontiguousarray(a)
+        layer = open_layers.setdefault(i, _empty_like_shapes(layer_shapes[i]))
+        _set_path(layer, path[len(lp) + 1:], arr)
+        filled[i] += 1
+        if filled[i] == want[i]:
+            layer = open_layers.pop(i)
+            yield lp + (i,), FU.fuse_layer(cfg, layer) if fuse else layer
+
+
+def _leaf_paths(tree) -> list[tuple[tuple, Any]]:
+    """(path of keys / indices, leaf) of every leaf of a nested dict / list."""
+    return [(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp), leaf)
+            for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 _layers_path = FU.layers_path
@@ -350,27 +358,19 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, progress: bool = False) ->
     its tensors are read, so host memory holds one layer plus the non-layer params (embeddings, head), never the
     model. Returns (config, number of parameters)."""
     hf, cfg, fam, tensors = _stream_hf(hf_dir, dtype, progress)
-    shapes = FU.fused_shapes(cfg, fam.param_shapes(cfg))
+    shapes = fam.param_shapes(cfg)
     lp = _layers_path(shapes)
-    layer_shapes = _get_path(shapes, lp)
-    want = [len(jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, tuple))) for s in layer_shapes]
     out_dir = os.path.abspath(out_dir)
     _write_config(hf, out_dir)
     rest = _without_layers(_empty_like_shapes(shapes), lp)
-    open_layers: dict[int, Any] = {}
-    filled = [0] * len(layer_shapes)
     n_params = 0
-    for path, arr in _fused_layers(cfg, fam.param_shapes(cfg), tensors):
-        n_params += arr.size
-        if path[:len(lp)] == lp:
-            i = path[len(lp)]
-            layer = open_layers.setdefault(i, _empty_like_shapes(layer_shapes[i]))
-            _set_path(layer, path[len(lp) + 1:], arr)
-            filled[i] += 1
-            if filled[i] == want[i]:
-                _orbax_save(os.path.join(out_dir, "layers", f"{i:05d}"), open_layers.pop(i))
+    for path, item in _layer_stream(cfg, shapes, tensors):
+        if isinstance(item, dict):
+            n_params += sum(a.size for a in jax.tree.leaves(item))
+            _orbax_save(os.path.join(out_dir, "layers", f"{path[-1]:05d}"), item)
         else:
-            _set_path(rest, path, arr)
+            n_params += item.size
+            _set_path(rest, path, item)
     _orbax_save(os.path.join(out_dir, "params"), rest)
     return cfg, n_params
 
