@@ -16,6 +16,7 @@ part of a phase is hoisted out of the loop as loop-invariant.
 from __future__ import annotations
 
 import functools
+import re
 import time
 
 import jax
@@ -164,3 +165,67 @@ def call_costs(target, prompts, strategy=None, max_new: tuple[int, ...] = (4, 8,
         times.append(time.perf_counter() - t0)
     return {"per_call_s": float(per_call), "per_step_s": float(per_step), "zero_step_s": float(np.median(times[3:])),
             "prefill_s": float(np.median([x[2] for v in runs.values() for x in v])), "points": points}
+
+
+_CONTROL_OPS = ("while", "conditional", "call", "tuple", "get-tuple-element", "parameter")
+
+
+def _hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """Instruction name -> (result shape, the JAX op it came from) of a compiled module's text; control-flow
+    instructions (whose time contains their bodies') are left out."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(", line)
+        if not m or m.group(3) in _CONTROL_OPS:
+            continue
+        name = re.search(r'op_name="([^"]*)"', line)
+        parts = name.group(1).split("/") if name else [m.group(3)]
+        op = parts[-1]
+        if len(parts) > 1 and "->" in parts[-2]:  # an einsum: keep its spec ("btd,dkgh->btkgh/dot_general")
+            op = parts[-2] + "/" + op
+        out[m.group(1)] = (m.group(2), op)
+    return out
+
+
+def op_costs(started, top: int | None = 25) -> dict:
+    """Where the fused decode loop's time goes, by XLA operation: `started` (`jspec.api.start`'s result) runs its
+    loop once under `jax.profiler.trace`, and each executed instruction's time is summed per (result shape, JAX op)
+    and divided by the loop's steps. Returns {"steps", "ops": [{"op", "shape", "per_step", "us_per_step"}, ...]
+    largest first (the `top` ones; None: all), "total_us_per_step"} (the instructions' summed time: where the
+    runtime runs instructions on several threads at once, more than the loop's wall time). The loop runs once
+    untraced first, on a copy of the state; the traced run consumes the state."""
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    from jspec import api
+
+    if started.policy is None:
+        fn, args = api._decode_ar, (started.ctx, started.target, started.state)
+    else:
+        fn, args = api._decode_sd, (started.ctx, started.policy, started.rule, started.controller, started.target,
+                                    started.draft, started.state)
+    instr = _hlo_instructions(fn.lower(*args).compile().as_text())
+    jax.block_until_ready(started.run(jax.tree.map(lambda x: x.copy(), started.state)))  # warm, untraced
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            state = jax.block_until_ready(started.run())
+        files = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
+        if not files:
+            raise RuntimeError(f"jax.profiler.trace wrote no trace file under {tmp}")
+        with gzip.open(files[0]) as f:
+            events = json.load(f)["traceEvents"]
+    steps = max(int(np.max(np.asarray(state.step))), 1)
+    agg: dict[tuple[str, str], list] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("name") not in instr:
+            continue
+        a = agg.setdefault(instr[e["name"]], [0.0, 0])
+        a[0] += float(e["dur"])
+        a[1] += 1
+    ops = [{"op": op, "shape": shape, "per_step": n / steps, "us_per_step": us / steps}
+           for (shape, op), (us, n) in agg.items()]
+    ops.sort(key=lambda r: -r["us_per_step"])
+    return {"steps": steps, "ops": ops[:top] if top else ops,
+            "total_us_per_step": sum(r["us_per_step"] for r in ops)}

@@ -5,10 +5,12 @@ phase and an unrelated target AR step, repeated apart and in one loop body).
     python scripts/profile_step.py                         # zoo text pair, Chain gamma=5, the longest chat answer
     python scripts/profile_step.py --gamma 7 --rounds 5 --scenario described_caption
     python scripts/profile_step.py --calls --scenario described_vqa   # per-call costs of AR and Chain instead
+    python scripts/profile_step.py --ops                   # the loop's time by XLA operation, AR and Chain
 
 Prints one line per round (medians inside each), so a noisy host shows as spread between rounds. `--calls` fits
 whole calls' decode time as per call + per step x steps instead (`jspec.profiling.call_costs`; 4 prompts, EOS off,
-4-24 new tokens), with the zero-step launch of the compiled loop and the prefill, for AR and for Chain.
+4-24 new tokens), with the zero-step launch of the compiled loop and the prefill, for AR and for Chain. `--ops`
+traces one decode loop of each (`jspec.profiling.op_costs`) and prints its time per step by XLA operation.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", action="store_true", help="per-call costs of whole calls instead of one step's phases")
+    ap.add_argument("--ops", action="store_true", help="the decode loop's time per step by XLA operation instead")
+    ap.add_argument("--top", type=int, default=15, help="--ops: operations to print per strategy")
     args = ap.parse_args(argv)
     pairs = B.zoo_pairs(args.prompts)
     if "zoo text" not in pairs:
@@ -57,6 +61,14 @@ def main(argv=None) -> None:
     strategy = jspec.Chain(draft, gamma=args.gamma)
     print(f"zoo text pair, Chain gamma={args.gamma}, {args.scenario} prompt with a {max(lengths)}-token answer; ms")
     kw = dict(strategy=strategy, max_new_tokens=args.max_new, eos_token_id=eos)
+    if args.ops:
+        for name, strat in (("AR", None), (f"Chain g={args.gamma}", strategy)):
+            jspec.decode(target, [prompt], **dict(kw, strategy=strat))  # compile
+            c = P.op_costs(api.start(target, [prompt], **dict(kw, strategy=strat)), top=args.top)
+            print(f"{name}: {c['steps']} steps, instructions sum to {c['total_us_per_step'] / 1e3:.2f} ms per step")
+            for r in c["ops"]:
+                print(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:5.1f}  {r['shape']:<24} {r['op']}")
+        return
     jspec.decode(target, [prompt], **kw)  # compile the loop
     for r in range(args.rounds):
         o = jspec.decode(target, [prompt], **kw)

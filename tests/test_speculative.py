@@ -370,3 +370,25 @@ def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
         np.testing.assert_array_equal(a.stats["accepted"], b.stats["accepted"])
         assert 1.5 < np.mean(a.stats["accepted"][a.stats["accepted"] > 0]) < 5  # partly accepted: it can fail
     assert a.lengths[0] <= 7 and a.lengths.max() > a.lengths[0]
+
+
+def test_op_costs_attributes_the_loop_to_its_operations(pair):
+    from jspec import api
+    from jspec import profiling as P
+
+    target, draft = pair
+    for strat in (None, jspec.Chain(draft, gamma=3)):
+        c = P.op_costs(api.start(target, PROMPTS, strat, max_new_tokens=10, eos_token_id=()), top=None)
+        assert 1 <= c["steps"] <= 9 and (strat is not None or c["steps"] == 9)   # EOS off: AR takes max_new - 1
+        ops = c["ops"]
+        assert ops and all(r["us_per_step"] >= 0 and r["per_step"] > 0 for r in ops)
+        assert [r["us_per_step"] for r in ops] == sorted((r["us_per_step"] for r in ops), reverse=True)
+        assert c["total_us_per_step"] == pytest.approx(sum(r["us_per_step"] for r in ops))
+        # every layer's projections run each step: the target's [B, D] x [D, ...] dots are among the operations
+        B, D = len(PROMPTS), target.config.hidden_size
+        dots = [r for r in ops if "dot_general" in r["op"]]
+        assert dots and all(r["per_step"] >= 1 for r in dots)
+        assert any(r["shape"].startswith(f"f32[{B},") for r in dots), [r["shape"] for r in dots]
+        assert not any(r["op"] in ("while", "conditional") for r in ops)   # containers would count their bodies
+    assert P._hlo_instructions('  %dot.5 = f32[2,8]{1,0} dot(%a, %b), metadata={op_name="jit(f)/btd,dv->btv/'
+                               'dot_general"}') == {"dot.5": ("f32[2,8]{1,0}", "btd,dv->btv/dot_general")}
