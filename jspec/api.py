@@ -193,12 +193,18 @@ class Started(NamedTuple):
     pad: int
     prefill_s: float
 
-    def run(self, state: loop.DecodeState | None = None) -> loop.DecodeState:
-        """The fused decode loop (AR or speculative) from `state` (default: this start's own), consumed."""
+    def loop_call(self, state: loop.DecodeState | None = None) -> tuple[Any, tuple]:
+        """(the jitted decode loop, its arguments) from `state` (default: this start's own): what `run` calls, for
+        tools that lower or trace it (`jspec.profiling.op_costs`)."""
         state = self.state if state is None else state
         if self.policy is None:
-            return _decode_ar(self.ctx, self.target, state)
-        return _decode_sd(self.ctx, self.policy, self.rule, self.controller, self.target, self.draft, state)
+            return _decode_ar, (self.ctx, self.target, state)
+        return _decode_sd, (self.ctx, self.policy, self.rule, self.controller, self.target, self.draft, state)
+
+    def run(self, state: loop.DecodeState | None = None) -> loop.DecodeState:
+        """The fused decode loop (AR or speculative) from `state` (default: this start's own), consumed."""
+        fn, args = self.loop_call(state)
+        return fn(*args)
 
 
 def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,

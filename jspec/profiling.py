@@ -199,13 +199,7 @@ def op_costs(started, top: int | None = 25) -> dict:
     import json
     import tempfile
 
-    from jspec import api
-
-    if started.policy is None:
-        fn, args = api._decode_ar, (started.ctx, started.target, started.state)
-    else:
-        fn, args = api._decode_sd, (started.ctx, started.policy, started.rule, started.controller, started.target,
-                                    started.draft, started.state)
+    fn, args = started.loop_call()
     instr = _hlo_instructions(fn.lower(*args).compile().as_text())
     jax.block_until_ready(started.run(jax.tree.map(lambda x: x.copy(), started.state)))  # warm, untraced
     with tempfile.TemporaryDirectory() as tmp:

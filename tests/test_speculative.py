@@ -383,7 +383,6 @@ def test_op_costs_attributes_the_loop_to_its_operations(pair):
         ops = c["ops"]
         assert ops and all(r["us_per_step"] >= 0 and r["per_step"] > 0 for r in ops)
         assert [r["us_per_step"] for r in ops] == sorted((r["us_per_step"] for r in ops), reverse=True)
-        assert c["total_us_per_step"] == pytest.approx(sum(r["us_per_step"] for r in ops))
         # every layer's projections run each step: the target's [B, D] x [D, ...] dots are among the operations
         B, D = len(PROMPTS), target.config.hidden_size
         dots = [r for r in ops if "dot_general" in r["op"]]
