@@ -6,11 +6,15 @@ phase and an unrelated target AR step, repeated apart and in one loop body).
     python scripts/profile_step.py --gamma 7 --rounds 5 --scenario described_caption
     python scripts/profile_step.py --calls --scenario described_vqa   # per-call costs of AR and Chain instead
     python scripts/profile_step.py --ops                   # the loop's time by XLA operation, AR and Chain
+    python scripts/profile_step.py --draft-size            # the composition control with drafts of other widths
 
 Prints one line per round (medians inside each), so a noisy host shows as spread between rounds. `--calls` fits
 whole calls' decode time as per call + per step x steps instead (`jspec.profiling.call_costs`; 4 prompts, EOS off,
 4-24 new tokens), with the zero-step launch of the compiled loop and the prefill, for AR and for Chain. `--ops`
 traces one decode loop of each (`jspec.profiling.op_costs`) and prints its time per step by XLA operation.
+`--draft-size` runs the composition control with the zoo draft and with random drafts of its depth at its width and
+at a quarter of it: the same operations and instruction count on fewer weight bytes, which separates what
+composing costs by data (the target's pass evicting the draft's weights) from what it costs per instruction.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", action="store_true", help="per-call costs of whole calls instead of one step's phases")
     ap.add_argument("--ops", action="store_true", help="the decode loop's time per step by XLA operation instead")
     ap.add_argument("--top", type=int, default=15, help="--ops: operations to print per strategy")
+    ap.add_argument("--draft-size", action="store_true",
+                    help="the composition control with random drafts of the zoo draft's depth at 1 and 1/4 its width")
     args = ap.parse_args(argv)
     pairs = B.zoo_pairs(args.prompts)
     if "zoo text" not in pairs:
@@ -59,6 +65,9 @@ def main(argv=None) -> None:
                for p in prompts]
     prompt = prompts[int(np.argmax(lengths))]
     strategy = jspec.Chain(draft, gamma=args.gamma)
+    if args.draft_size:
+        _draft_size_control(target, draft, prompt, args)
+        return
     print(f"zoo text pair, Chain gamma={args.gamma}, {args.scenario} prompt with a {max(lengths)}-token answer; ms")
     kw = dict(strategy=strategy, max_new_tokens=args.max_new, eos_token_id=eos)
     if args.ops:
@@ -83,6 +92,31 @@ def main(argv=None) -> None:
               f" + verify {ms['verify_s']:.2f} + rule/commit {ms['other_s']:.3f} + composition "
               f"{ms['step_s'] - phases:.2f} | control: draft {c['draft']:.2f}, AR step {c['step']:.2f}, both in one "
               f"body {c['draft+ar']:.2f}, two AR steps {c['ar+ar']:.2f}", flush=True)
+
+
+def _draft_size_control(target, draft, prompt, args) -> None:
+    """Composition excess (both in one body minus the two apart) per draft, `args.rounds` interleaved rounds."""
+    import jax
+
+    c = draft.config
+    drafts = {"zoo draft": draft}
+    for width in (c.hidden_size, c.hidden_size // 4):
+        heads = max(1, c.num_heads * width // c.hidden_size)
+        d = B.random_llama(c.num_layers, vocab=c.vocab_size, hidden=width,
+                           mlp=c.intermediate_size * width // c.hidden_size, heads=heads)
+        mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(d.params)) / 1e6
+        drafts[f"random {c.num_layers}x{width} ({mb:.1f} MB)"] = d
+    zoo_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(draft.params)) / 1e6
+    print(f"composition control, Chain gamma={args.gamma}, zoo draft {zoo_mb:.1f} MB; ms per repetition")
+    for r in range(args.rounds):
+        for name, d in drafts.items():
+            s = api.start(target, [prompt], jspec.Chain(d, gamma=args.gamma), max_new_tokens=args.max_new,
+                          eos_token_id=())
+            m = {k: v * 1e3 for k, v in
+                 P.composition_control(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, s.state).items()}
+            print(f"round {r + 1}, {name}: draft {m['draft']:.2f}, AR step {m['step']:.2f}, both in one body "
+                  f"{m['draft+ar']:.2f}: composing costs {m['draft+ar'] - m['draft'] - m['step']:+.2f}", flush=True)
+            jax.clear_caches()  # each draft compiles its own programs; keep the process under vm.max_map_count
 
 
 if __name__ == "__main__":
