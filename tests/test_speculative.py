@@ -283,6 +283,22 @@ def test_profile_mode_times_phases_and_keeps_tokens(pair):
         jspec.decode(target, PROMPTS, max_new_tokens=4, profile="gpu")
 
 
+def test_composition_control_times_each_body_and_leaves_the_state(pair):
+    from jspec import api
+    from jspec import profiling as P
+
+    target, draft = pair
+    strat = jspec.Chain(draft, gamma=3)
+    fast = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=10, eos_token_id=())
+    s = api.start(target, PROMPTS, strat, max_new_tokens=10, eos_token_id=())
+    c = P.composition_control(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, s.state, reps=(1, 3),
+                              runs=1)
+    assert set(c) == {"draft", "step", "draft+ar", "ar+ar"}
+    assert all(np.isfinite(v) and v >= 0 for v in c.values()), c
+    # the control repeats phases from the state without consuming it: the loop then decodes it as decode does
+    np.testing.assert_array_equal(np.asarray(s.run().out)[:, :fast.tokens.shape[1]], fast.tokens)
+
+
 def test_call_costs_fits_whole_calls(pair):
     from jspec import profiling as P
 
