@@ -13,8 +13,9 @@ whole calls' decode time as per call + per step x steps instead (`jspec.profilin
 4-24 new tokens), with the zero-step launch of the compiled loop and the prefill, for AR and for Chain. `--ops`
 traces one decode loop of each (`jspec.profiling.op_costs`) and prints its time per step by XLA operation.
 `--draft-size` runs the composition control with the zoo draft and with random drafts of its depth at its width and
-at a quarter of it: the same operations and instruction count on fewer weight bytes, which separates what
-composing costs by data (the target's pass evicting the draft's weights) from what it costs per instruction.
+at a quarter of it: the same operations and instruction count on fewer weight bytes, to tell what composing costs
+by data (the target's pass evicting the draft's weights) from what it costs per instruction (random weights of the
+zoo draft's shape are a control for the trained values).
 """
 from __future__ import annotations
 
