@@ -99,16 +99,17 @@ def _draft_size_control(target, draft, prompt, args) -> None:
     """Composition excess (both in one body minus the two apart) per draft, `args.rounds` interleaved rounds."""
     import jax
 
+    def megabytes(model) -> float:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params)) / 1e6
+
     c = draft.config
     drafts = {"zoo draft": draft}
     for width in (c.hidden_size, c.hidden_size // 4):
         heads = max(1, c.num_heads * width // c.hidden_size)
         d = B.random_llama(c.num_layers, vocab=c.vocab_size, hidden=width,
                            mlp=c.intermediate_size * width // c.hidden_size, heads=heads)
-        mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(d.params)) / 1e6
-        drafts[f"random {c.num_layers}x{width} ({mb:.1f} MB)"] = d
-    zoo_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(draft.params)) / 1e6
-    print(f"composition control, Chain gamma={args.gamma}, zoo draft {zoo_mb:.1f} MB; ms per repetition")
+        drafts[f"random {c.num_layers}x{width} ({megabytes(d):.1f} MB)"] = d
+    print(f"composition control, Chain gamma={args.gamma}, zoo draft {megabytes(draft):.1f} MB; ms per repetition")
     for r in range(args.rounds):
         for name, d in drafts.items():
             s = api.start(target, [prompt], jspec.Chain(d, gamma=args.gamma), max_new_tokens=args.max_new,
