@@ -1,4 +1,4 @@
-"""`jspec.decode` and the strategy dataclasses."""
+"""`jspec.decode`: checks, setup, prefill, the fused decode loop, and the output (strategies: `jspec.strategy`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,111 +16,9 @@ from jspec import profiling as P
 from jspec import sampling as S
 from jspec import sharding as SH
 from jspec import speculative as SD
-from jspec.prompts import normalize_prompt, round_up
-from jspec.trees import StaticTree, build_tree, chain
-
-
-@dataclasses.dataclass(frozen=True)
-class AR:
-    """Plain autoregressive decoding with the target alone (the baseline every strategy must reproduce)."""
-
-    def check(self, target) -> None:
-        pass
-
-
-def _check_draft(target, draft) -> None:
-    tv, dv = target.config.vocab_size, draft.config.vocab_size
-    if tv != dv:
-        raise ValueError(f"draft and target vocabularies differ: target vocab_size={tv}, draft vocab_size={dv}; "
-                         "speculative decoding needs one shared tokenizer")
-
-
-@dataclasses.dataclass(frozen=True)
-class Tree:
-    """Static-tree speculative decoding with a separate draft model.
-
-    tree: a named tree ("mc_sim_7b_63" = EAGLE-1/SpecVLM/SAGE initial tree, "naive_extend_57" = LANTERN++'s,
-    "chain5") or a list of child-rank paths. rule: "residual" (default, min(1, p/q) acceptance over children
-    drawn without replacement) or "q1" (EAGLE-2's q = 1 rule over the draft's top-ranked children: also exact,
-    see `verify.stochastic`). controller: an optional `speculative.Controller` that limits the draft depth per
-    row and step.
-    """
-
-    draft: Any
-    tree: Any = "mc_sim_7b_63"
-    rule: str = "residual"
-    controller: Any = None
-
-    def static_tree(self) -> StaticTree:
-        paths = self.tree if isinstance(self.tree, str) else tuple(tuple(p) for p in self.tree)
-        return _cached_tree(paths)
-
-    def policy(self):
-        return SD.StaticPolicy(self.static_tree(), draw=self.rule == "residual")
-
-    def check(self, target) -> None:
-        _check_draft(target, self.draft)
-        if self.rule not in ("residual", "q1"):
-            raise ValueError(f"unknown verification rule {self.rule!r}; use 'residual' or 'q1'")
-        self.static_tree()
-
-
-@dataclasses.dataclass(frozen=True)
-class Chain(Tree):
-    """Chain speculative decoding: the draft proposes `gamma` tokens per step, the target verifies them at once."""
-
-    gamma: int = 5
-
-    def __init__(self, draft, gamma: int = 5, rule: str = "residual", controller=None):
-        if not isinstance(gamma, (int, np.integer)) or not 1 <= gamma <= 64:
-            raise ValueError(f"gamma must be an integer in [1, 64], got {gamma!r}")
-        object.__setattr__(self, "draft", draft)
-        object.__setattr__(self, "gamma", int(gamma))
-        object.__setattr__(self, "tree", tuple(tuple(p) for p in chain(int(gamma))))
-        object.__setattr__(self, "rule", rule)
-        object.__setattr__(self, "controller", controller)
-
-
-@dataclasses.dataclass(frozen=True)
-class DynamicTree:
-    """EAGLE-2 dynamic-tree speculative decoding with a separate draft model (see `speculative.DynamicPolicy`).
-
-    depth: deepest draft level; top_k: children per expanded node and nodes expanded per level; total: draft
-    nodes kept per step after reranking. Sampling uses the q = 1 rule, the lossless one for trees whose shape
-    depends on the drafted tokens ("residual" would not be: a candidate is kept or dropped according to its own
-    draft probability, so the kept siblings are not a plain without-replacement draw).
-    """
-
-    draft: Any
-    depth: int = 6
-    top_k: int = 10
-    total: int = 60
-    rule: str = "q1"
-    controller: Any = None
-
-    def policy(self):
-        return SD.DynamicPolicy(int(self.depth), int(self.top_k), int(self.total))
-
-    def check(self, target) -> None:
-        _check_draft(target, self.draft)
-        for name in ("depth", "top_k", "total"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"DynamicTree {name} must be a positive integer, got {v!r}")
-        if self.depth > 64 or self.top_k > 64:
-            raise ValueError(f"DynamicTree depth and top_k must be <= 64, got depth={self.depth}, top_k={self.top_k}")
-        pool = self.policy().pool_size
-        if self.total > pool:
-            raise ValueError(f"DynamicTree total={self.total} exceeds the {pool} candidates that depth={self.depth}, "
-                             f"top_k={self.top_k} produce (top_k + (depth - 1) * top_k**2)")
-        if self.rule != "q1":
-            raise ValueError(f"DynamicTree supports rule='q1' only (got {self.rule!r}): the residual rule is not "
-                             "lossless when the kept candidates depend on their own draft probabilities")
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_tree(paths) -> StaticTree:
-    return build_tree(paths if isinstance(paths, str) else [list(p) for p in paths])
+from jspec.drafters import Setup, TargetPrefill
+from jspec.prompts import model_prompt, round_up
+from jspec.strategy import AR, Chain, DynamicTree, Speculative, Static, Strategy, Tree, merge, split  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -151,14 +49,18 @@ def _pad_id(target, eos: tuple[int, ...]) -> int:
     return eos[0] if eos else 0
 
 
-@functools.partial(jax.jit, static_argnames=("ctx", "max_len"))
-def _prefill_ar(ctx, max_len, target, tokens, lengths, inputs, key, sp):
+def _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks=None):
     cache = SH.constrain(ctx.placement, loop.new_cache_for(target, tokens.shape[0], max_len))
-    logits, _, cache = loop.prefill(target, tokens, lengths, cache, inputs)
+    logits, fo, cache = loop.prefill(target, tokens, lengths, cache, inputs, **(asks or {}))
     cache = SH.constrain(ctx.placement, cache)
     k_first, k_loop = jax.random.split(key)
     first = S.sample(k_first, logits, ctx.sampling, sp)
-    return loop.start_state(ctx, first, cache, k_loop, sp)
+    return loop.start_state(ctx, first, cache, k_loop, sp), logits, fo
+
+
+@functools.partial(jax.jit, static_argnames=("ctx", "max_len"))
+def _prefill_ar(ctx, max_len, target, tokens, lengths, inputs, key, sp):
+    return _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("ctx",), donate_argnames=("state",))
@@ -166,29 +68,29 @@ def _decode_ar(ctx, target, state):
     return loop.run_loop(ctx, lambda s: loop.ar_step(ctx, target, s), state)
 
 
-@functools.partial(jax.jit, static_argnames=("ctx", "max_len", "width", "max_depth", "controller"))
-def _prefill_sd(ctx, max_len, width, max_depth, controller, target, draft, tokens, lengths, inputs, d_tokens,
-                d_lengths, d_inputs, key, sp):
-    state = _prefill_ar.__wrapped__(ctx, max_len, target, tokens, lengths, inputs, key, sp)
-    ds = SD.init_draft(draft, d_tokens, d_lengths, max_len, state.last, width, d_inputs)
-    ds = ds.replace(cache=SH.constrain(ctx.placement, ds.cache, replicated=True))
-    return state.replace(aux=SD.init_sd_state(ds, controller, max_depth))
+@functools.partial(jax.jit, static_argnames=("ctx", "max_len", "static"))
+def _prefill_sd(ctx, max_len, static, dyn, target, tokens, lengths, inputs, d_prompt, key, sp):
+    parts = merge(static, dyn)
+    asks = None if parts.prefill is None else parts.prefill.asks(tokens, lengths, inputs)
+    state, logits, fo = _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks)
+    prefill = TargetPrefill(logits, fo.hidden, fo.attn, tokens, lengths, state.cache)
+    return SD.sd_start(ctx, parts, target, state, prefill, d_prompt, max_len)
 
 
-@functools.partial(jax.jit, static_argnames=("ctx", "policy", "rule", "controller"), donate_argnames=("state",))
-def _decode_sd(ctx, policy, rule, controller, target, draft, state):
-    return loop.run_loop(ctx, lambda s: SD.sd_step(ctx, policy, rule, controller, target, draft, s), state)
+@functools.partial(jax.jit, static_argnames=("ctx", "static"), donate_argnames=("state",))
+def _decode_sd(ctx, static, dyn, target, state):
+    parts = merge(static, dyn)
+    return loop.run_loop(ctx, lambda s: SD.sd_step(ctx, parts, target, s), state)
 
 
 class Started(NamedTuple):
     """A decode after its prefill: what the decode loop runs on (`state` is consumed by it)."""
 
     ctx: loop.StepContext
-    policy: Any          # None for AR
-    rule: Any
-    controller: Any
+    parts: Speculative | None  # the strategy's parts as run (drafter guided / placed); None for AR
+    static: Static | None  # `split(parts)`: the jit key and the dynamic leaves
+    dyn: list | None
     target: Any          # as run: sharded / guided when asked
-    draft: Any
     state: loop.DecodeState
     pad: int
     prefill_s: float
@@ -197,9 +99,9 @@ class Started(NamedTuple):
         """(the jitted decode loop, its arguments) from `state` (default: this start's own): what `run` calls, for
         tools that lower or trace it (`jspec.profiling.op_costs`)."""
         state = self.state if state is None else state
-        if self.policy is None:
+        if self.parts is None:
             return _decode_ar, (self.ctx, self.target, state)
-        return _decode_sd, (self.ctx, self.policy, self.rule, self.controller, self.target, self.draft, state)
+        return _decode_sd, (self.ctx, self.static, self.dyn, self.target, state)
 
     def run(self, state: loop.DecodeState | None = None) -> loop.DecodeState:
         """The fused decode loop (AR or speculative) from `state` (default: this start's own), consumed."""
@@ -215,40 +117,36 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
     strategy = AR() if strategy is None else strategy
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(strategy, (Strategy, Speculative)):
+        raise ValueError(f"strategy must be a jspec strategy (AR, Chain, Tree, DynamicTree, Speculative, ...), got "
+                         f"{type(strategy).__name__}")
     strategy.check(target)
-    speculative = not isinstance(strategy, AR)
-    tokens, lengths, inputs = _model_prompt(target, prompt, "")
-    if draft_prompt is not None and not speculative:
-        raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree)")
-    if draft_prompt is not None:
-        d_tokens, d_lengths, d_inputs = _model_prompt(strategy.draft, draft_prompt, "draft ")
-        if d_tokens.shape[0] != tokens.shape[0]:
-            raise ValueError(f"draft_prompt has {d_tokens.shape[0]} rows, the prompt has {tokens.shape[0]}")
-    elif speculative:
-        d_tokens, d_lengths, d_inputs = _draft_view(target, strategy.draft, prompt, tokens, lengths, inputs)
-    else:
-        d_tokens, d_lengths, d_inputs = tokens, lengths, {}
+    parts = strategy.parts()
+    tokens, lengths, inputs = model_prompt(target, prompt, "")
+    if draft_prompt is not None and parts is None:
+        raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")
     sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
     eos = _eos_ids(target, eos_token_id)
-    policy = strategy.policy() if speculative else None
-    run_target, run_draft = target, strategy.draft if speculative else None
-    placement = None
+    run_target, placement = target, None
     if mesh is not None:
         placement = SH.Placement(mesh, tuple(SH.rules_table(rules).items()))
         run_target = SH.shard(target, mesh, rules)
-        run_draft = SH.replicate(run_draft, mesh) if speculative else None
-    longest, width = int(max(lengths.max(), d_lengths.max())), max(tokens.shape[1], d_tokens.shape[1])
+    longest, width = int(lengths.max()), tokens.shape[1]
     if guidance is not None or constraint is not None:
-        if inputs or d_inputs:
+        if inputs:
             raise ValueError("guidance / constraint take token prompts only (no image inputs)")
         run_target = G.guide(run_target, lengths, guidance, constraint)
-        if speculative:
-            run_draft = G.guide(run_draft, d_lengths, guidance, constraint)
-        ends = [run_target] + ([run_draft] if speculative else [])
-        longest = int(max(int(np.max(np.asarray(m.prompt_end))) for m in ends))
+        longest = int(np.max(np.asarray(run_target.prompt_end)))
         width = max(width, run_target.uncond.shape[1])
+    d_prompt = None
+    if parts is not None:
+        prep = parts.drafter.prepare(Setup(target, prompt, tokens, lengths, inputs, draft_prompt, mesh, guidance,
+                                           constraint))
+        parts, d_prompt = parts.replace(drafter=prep.drafter), prep.prompt
+        longest, width = max(longest, prep.longest), max(width, prep.width)
     # scratch slots beyond the committed tokens: the tree's nodes (target), the catch-up feed + tree (draft)
-    per_step = 1 if policy is None else policy.scratch + policy.max_depth + 1
+    plan = None if parts is None else parts.plan
+    per_step = 1 if plan is None else plan.scratch + plan.max_depth + 1
     need = longest + max_new_tokens + per_step
     if max_cache_len is not None and need > max_cache_len:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} + {per_step} "
@@ -259,15 +157,14 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
     key = _default_key() if key is None else key
     t0 = time.perf_counter()
     # host arrays go to the jitted prefill as they are: it moves them in one go (a jnp.asarray each costs a dispatch)
-    if policy is None:
+    static = dyn = None
+    if parts is None:
         state = _prefill_ar(ctx, max_len, run_target, tokens, lengths, inputs, key, sp)
     else:
-        state = _prefill_sd(ctx, max_len, policy.pending_width, policy.max_depth, strategy.controller, run_target,
-                            run_draft, tokens, lengths, inputs, d_tokens, d_lengths, d_inputs, key, sp)
+        static, dyn = split(parts)
+        state = _prefill_sd(ctx, max_len, static, dyn, run_target, tokens, lengths, inputs, d_prompt, key, sp)
     jax.block_until_ready(state.out)
-    rule, controller = (strategy.rule, strategy.controller) if speculative else (None, None)
-    return Started(ctx, policy, rule, controller, run_target, run_draft, state, _pad_id(target, eos),
-                   time.perf_counter() - t0)
+    return Started(ctx, parts, static, dyn, run_target, state, _pad_id(target, eos), time.perf_counter() - t0)
 
 
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
@@ -296,52 +193,24 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
         raise ValueError(f"profile must be False, True (or 'host') or 'program', got {profile!r}")
     r = start(target, prompt, strategy, max_new_tokens, temperature, top_k, top_p, key, eos_token_id, max_cache_len,
               draft_prompt, guidance, constraint, mesh, rules)
-    ctx, policy, state = r.ctx, r.policy, r.state
+    state = r.state
     t1 = time.perf_counter()
     phases, per_step = {}, {}
     if profile == "program":
-        per_step = P.in_program_costs(ctx, policy, r.rule, r.controller, r.target, r.draft, state)
+        per_step = P.in_program_costs(r)
         t1 = time.perf_counter()
     if profile in (True, "host"):
-        state, phases = (P.host_timed_ar(ctx, r.target, state) if policy is None else
-                         P.host_timed_sd(ctx, policy, r.rule, r.controller, r.target, r.draft, state))
+        state, phases = P.host_timed(r)
     else:
         state = r.run(state)
-    out, n_out, steps, accepted, drafted = jax.device_get(
-        (state.out, state.n_out, state.step, state.accepted, state.drafted))
+    out, n_out, steps, accepted, drafted, decided = jax.device_get(
+        (state.out, state.n_out, state.step, state.accepted, state.drafted,
+         state.aux.decided if r.parts is not None else {}))
     t2 = time.perf_counter()
     phases.update({k: v * int(steps) for k, v in per_step.items()})
+    decided = {k: v[:, :int(steps)] for k, v in decided.items()}
     return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, r.pad,
-                   {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **phases})
-
-
-def _model_prompt(model, prompt, who: str):
-    """(tokens, lengths, modality inputs as device arrays) of a prompt for `model`, checked on the host."""
-    tokens, lengths, extra = normalize_prompt(prompt, model.config.vocab_size)
-    fam = model.family
-    if extra and fam.prompt_embeds is None:
-        raise ValueError(f"{who}model_type {model.config.model_type!r} takes text only; got inputs {sorted(extra)}")
-    if fam.prepare_inputs is not None:
-        extra = fam.prepare_inputs(model.config, tokens, lengths, extra)
-    return tokens, lengths, {k: jnp.asarray(v) for k, v in extra.items()}
-
-
-def _draft_view(target, draft, prompt, tokens, lengths, inputs):
-    """The draft's default prompt: a draft that reads images prepares the raw prompt itself (its own tower and
-    layout); a text-only draft gets the prompt without the image / video placeholder tokens."""
-    if not inputs:
-        return tokens, lengths, inputs
-    if draft.family.prompt_embeds is not None:
-        try:
-            return _model_prompt(draft, prompt, "draft ")
-        except ValueError as e:
-            raise ValueError(f"the draft cannot read the target's prompt: it was prepared for another model ({e}); "
-                             "pass draft_prompt= built with the draft's own processor") from e
-    placeholders = [t for t in (getattr(target.config, "image_token_id", None),
-                                getattr(target.config, "video_token_id", None)) if t is not None]
-    rows = [tokens[b, :lengths[b]] for b in range(tokens.shape[0])]
-    d_tokens, d_lengths, _ = normalize_prompt([r[~np.isin(r, placeholders)] for r in rows], draft.config.vocab_size)
-    return d_tokens, d_lengths, {}
+                   {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **decided, **phases})
 
 
 def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings) -> DecodeOutput:

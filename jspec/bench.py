@@ -314,8 +314,7 @@ def _profile_rows(target, rows, strategy, N, eos, row_steps) -> dict[str, float]
     tot = dict.fromkeys(PHASE_KEYS, 0.0)
     for r, n in zip(rows, row_steps):
         s = api.start(target, _as_prompt(r), strategy, max_new_tokens=N, eos_token_id=eos)
-        for k, v in P.in_program_costs(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, s.state,
-                                       runs=1).items():
+        for k, v in P.in_program_costs(s, runs=1).items():
             tot[k] += v * n
     return tot
 

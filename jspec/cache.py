@@ -9,8 +9,12 @@ unless the current forward wrote them. A token's RoPE position is its slot + `po
 prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots before `start[b]` are never visible (0 for an ordinary cache; a row
 whose prompt was placed right-aligned, as the guided streams of `jspec.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
 moving `length`; committing a tree path is one gather (`commit_path`).
+
+This module and `ForwardOut` are the leaf both `ports` and the engine import (it imports neither).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +40,15 @@ class KVCache:
     @property
     def kv_heads(self) -> int:
         return self.k[0].shape[0] // self.length.shape[0]
+
+
+class ForwardOut(NamedTuple):
+    """What every model forward returns (`ports.llama.forward` gives the contract)."""
+
+    logits: jax.Array | None  # [B, T or K, V] float32
+    hidden: tuple  # requested hidden states, each [B, T, D]
+    cache: KVCache
+    attn: jax.Array | None = None  # [B, S] attention scores when asked (`attn_query_weights`)
 
 
 def init_cache(num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype) -> KVCache:

@@ -22,7 +22,7 @@ import numpy as np
 from flax import struct
 
 from jspec.prompts import normalize_prompt
-from ports.llama import ForwardOut
+from jspec.cache import ForwardOut
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,6 @@ then maps the grid to VQ codes and, given the VQGAN decoder, to pixels.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from typing import Any
@@ -18,8 +17,6 @@ import numpy as np
 from jspec import api
 from jspec.guidance import CFG, ImageGrammar
 from jspec.prompts import normalize_prompt
-from ports import chameleon as CH
-from ports import vqgan as VQ
 
 LUMINA_GRID_PX = 32  # Lumina-mGPT's size tokens count 32-pixel grid units
 
@@ -46,7 +43,7 @@ class ImageOutput:
         return paths
 
 
-def image_prefix(cfg: CH.ChameleonConfig, rows: int, cols: int) -> list[int]:
+def image_prefix(cfg: "ports.chameleon.ChameleonConfig", rows: int, cols: int) -> list[int]:
     """Lumina-mGPT's tokens before a grid of rows x cols codes: image start, then the size tokens of the height and
     the width in 32-pixel units (`<reserved{8800 + n:05d}>`)."""
     missing = [n for n, v in (("image start '<racm3:break>'", cfg.image_start_token_id),
@@ -61,13 +58,15 @@ def image_prefix(cfg: CH.ChameleonConfig, rows: int, cols: int) -> list[int]:
             cfg.size_token_base + cols * f // LUMINA_GRID_PX]
 
 
-def grammar(cfg: CH.ChameleonConfig, rows: int, cols: int) -> ImageGrammar:
+def grammar(cfg: "ports.chameleon.ChameleonConfig", rows: int, cols: int) -> ImageGrammar:
     """The image grammar of a rows x cols grid for this model's vocabulary."""
     missing = [n for n, v in (("end-of-row '<reserved08799>'", cfg.image_newline_token_id),
                               ("end-of-image '<eoss>'", cfg.image_end_token_id)) if v is None]
     if missing or not cfg.image_token_ids:
         raise ValueError(f"the model's vocabulary_map lacks {', '.join(missing) or 'the image tokens (IMGIMG*)'}: "
                          "it cannot generate images")
+    from ports import chameleon as CH
+
     return ImageGrammar(jnp.asarray(CH.image_logit_mask(cfg)), rows, cols, int(cfg.image_newline_token_id),
                         int(cfg.image_end_token_id))
 
@@ -84,7 +83,7 @@ def _generating(model):
 
 def generate_image(target, prompt, rows: int, cols: int, strategy=None, cfg_scale: float | None = 3.0,
                    temperature: float = 1.0, top_k: int | None = 2000, top_p: float | None = None, key=None,
-                   decoder: tuple[VQ.VQConfig, Any] | None = None, image_prefix_ids=None) -> ImageOutput:
+                   decoder: tuple["ports.vqgan.VQConfig", Any] | None = None, image_prefix_ids=None) -> ImageOutput:
     """Generate one rows x cols image per prompt row (any prompt form `jspec.decode` takes, token ids of the
     caption prompt). Defaults follow LANTERN++'s Lumina-mGPT setting: CFG 3.0, temperature 1, top-k 2000
     (`cfg_scale=None` turns CFG off). The strategy's draft, if any, is guided and constrained like the target.
@@ -93,9 +92,9 @@ def generate_image(target, prompt, rows: int, cols: int, strategy=None, cfg_scal
         raise ValueError(f"rows and cols must be >= 1, got {rows}x{cols}")
     target = _generating(target)
     strategy = api.AR() if strategy is None else strategy
-    if not isinstance(strategy, api.AR):
-        strategy = copy.copy(strategy)
-        object.__setattr__(strategy, "draft", _generating(strategy.draft))
+    parts = strategy.parts()
+    if parts is not None:  # every model the drafter runs generates images too
+        strategy = parts.replace(drafter=parts.drafter.map_models(_generating))
     cfg = target.config
     prefix = list(image_prefix(cfg, rows, cols) if image_prefix_ids is None else image_prefix_ids)
     tokens, lengths, extra = normalize_prompt(prompt, cfg.vocab_size)
@@ -107,6 +106,9 @@ def generate_image(target, prompt, rows: int, cols: int, strategy=None, cfg_scal
     out = api.decode(target, full, strategy, max_new_tokens=gram.length, temperature=temperature, top_k=top_k,
                      top_p=top_p, key=key, eos_token_id=(gram.eoi,), guidance=guidance, constraint=gram)
     grid = out.tokens[:, :rows * (cols + 1)].reshape(-1, rows, cols + 1)[:, :, :cols]
+    from ports import chameleon as CH
+    from ports import vqgan as VQ
+
     codes = np.asarray(CH.bpe_to_codes(cfg, grid))
     images = None
     if decoder is not None:

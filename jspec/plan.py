@@ -41,7 +41,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16", "fp16": "float16", "float16": "float16",
           "f32": "float32", "fp32": "float32", "float32": "float32"}
 
-# Qwen2-VL / Qwen2.5-VL (no jspec port yet): the vision tower is counted from vision_config. Images are assumed
+# Qwen2-VL / Qwen2.5-VL: the vision tower's geometry is read from vision_config. Images are assumed
 # to have this many pixels (Qwen's own recommended max_pixels = 1280 * 28 * 28) unless the caller says otherwise.
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 QWEN_VL_IMAGE_PIXELS = 1280 * 28 * 28
@@ -136,7 +136,7 @@ class _Planned:
     model: Any  # ports.Model(config, params of ShapeDtypeStruct)
     text: Any  # the language model's TextConfig
     notes: list
-    analytic_vision: dict | None = None  # Qwen-VL tower: {"params": n, "hidden", "mlp", "heads", "patch", "gated"}
+    analytic_vision: dict | None = None  # Qwen-VL tower geometry: {"hidden", "mlp", "heads", "patch", "gated"}
     vit: Any = None  # a ported ViT (VisionConfig) and its tiles per image, for the activation estimate
     tiles_per_image: int = 0
 
@@ -188,7 +188,6 @@ def _qwen_vl_vision(d: dict) -> dict:
 def _planned(config: dict, dtype, role: str) -> _Planned:
     from ports import anyres as A
     from ports import chameleon as CH
-    from ports import config as C
     from ports import vision as VZ
     from ports.model import FAMILIES, Model, family
 
@@ -205,22 +204,14 @@ def _planned(config: dict, dtype, role: str) -> _Planned:
         text = getattr(cfg, "text", cfg)
         out = _Planned(Model(cfg, params), text, notes)
         vision = getattr(cfg, "vision", None)
-        if mt in QWEN_VL_TYPES:  # ported since: its params come from the family, the tower's geometry from here
-            out.analytic_vision = dict(_qwen_vl_vision(config), params=0)
+        if mt in QWEN_VL_TYPES:  # params from the family, the tower's geometry (activations) from vision_config
+            out.analytic_vision = _qwen_vl_vision(config)
         elif isinstance(vision, VZ.VisionConfig):
             out.vit = vision
             pins = getattr(cfg, "grid_pinpoints", None)
             out.tiles_per_image = A.bucket(1 + max(-(-h // vision.image_size) * -(-w // vision.image_size)
                                                    for h, w in pins)) if pins else 1
         return out
-    if mt in QWEN_VL_TYPES:
-        text = C.text_config_from_hf(_qwen_vl_text(config))
-        params = _abstract_params(family("qwen2"), text, dtype, notes)
-        vis = _qwen_vl_vision(config)
-        notes.append(f"{role} {mt} has no jspec port yet: language model counted through the qwen2 text family, "
-                     f"vision transformer ({vis['params'] / 1e6:.0f}M params) analytically from vision_config, "
-                     f"replicated")
-        return _Planned(Model(text, params), text, notes, analytic_vision=vis)
     family(mt)  # raises: unknown architecture, naming the supported ones
     raise AssertionError("unreachable")
 
@@ -449,16 +440,10 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     total, per = param_bytes(target.model, mesh, table)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(target.model.params))
     comps["params"] = dict(total=total, per_device=per, count=n_params)
-    if target.analytic_vision and target.analytic_vision["params"]:
-        vb = target.analytic_vision["params"] * dt.itemsize
-        comps["vision_params"] = dict(total=vb, per_device=vb, count=target.analytic_vision["params"],
-                                      analytic=True)
     total, per, cache = cache_bytes(target.model, batch, max_len, placement)
     comps["kv_cache"] = dict(total=total, per_device=per, spec=str(placement.cache_spec(cache)))
     if draft is not None:
         n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft.model.params))
-        if draft.analytic_vision:
-            n += draft.analytic_vision["params"]
         comps["draft_params"] = dict(total=n * dt.itemsize, per_device=n * dt.itemsize, count=n, replicated=True)
         total, per, _ = cache_bytes(draft.model, batch, max_len, placement, replicated=True)
         assert total == per
@@ -481,8 +466,7 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
                  + (f"; prefill counts the {act['vision_what']}" if act["vision_what"] else ""))
     n_dev = math.prod(mesh.shape.values())
     return Plan(
-        target=dict(name=_name(config), model_type=config.get("model_type"), params=n_params +
-                    (target.analytic_vision["params"] if target.analytic_vision else 0)),
+        target=dict(name=_name(config), model_type=config.get("model_type"), params=n_params),
         draft=None if draft is None else dict(name=_name(draft_config), model_type=draft_config.get("model_type"),
                                               params=comps["draft_params"]["count"]),
         mesh=dict(mesh.shape), devices=n_dev, batch=int(batch), max_len=int(max_len), prompt_len=prompt_len,
@@ -493,7 +477,7 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
 
 # ------------------------------------------------------------------------------------------------ report
 
-LABELS = {"params": "params", "vision_params": "vision params (analytic, replicated)", "kv_cache": "KV cache",
+LABELS = {"params": "params", "kv_cache": "KV cache",
           "draft_params": "draft params (replicated)", "draft_cache": "draft KV cache (replicated)",
           "activations": "activations (estimate)"}
 

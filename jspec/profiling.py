@@ -1,6 +1,7 @@
-"""Where a decode step's time goes: the phases of `speculative.sd_step` (AR: `loop.ar_step`), timed two ways.
+"""Where a decode step's time goes: the phases of `speculative.sd_step` (AR: `loop.ar_step`), timed two ways, with
+the same phase functions the fused loop runs (`speculative.PHASES`).
 
-`host_timed_*` run the decode loop phase by phase, each phase jitted alone and synced from the host: the same
+`host_timed` runs the decode loop phase by phase, each phase jitted alone and synced from the host: the same
 tokens as the fused loop, but every phase also pays a dispatch and a sync (on a CPU that is a large share of a
 small model's step).
 
@@ -24,75 +25,79 @@ import numpy as np
 
 from jspec import loop
 from jspec import speculative as SD
+from jspec.strategy import merge
 
 # the stats keys of a speculative profile, by phase (the third, "other", is the rule and the commit); AR: "step_s"
 KEYS = {"draft": "draft_s", "verify": "verify_s", "accept": "other_s"}
 
-_phase_ar = jax.jit(loop.ar_step, static_argnames=("ctx",), donate_argnames=("state",))
-_phase_draft = jax.jit(SD.sd_draft, static_argnames=("ctx", "policy", "controller"), donate_argnames=("state",))
-_phase_verify = jax.jit(SD.sd_verify, donate_argnames=("state",))
-_phase_accept = jax.jit(SD.sd_accept, static_argnames=("ctx", "policy", "rule"), donate_argnames=("state",))
-_draft_once = jax.jit(SD.sd_draft, static_argnames=("ctx", "policy", "controller"))   # keep their input
-_verify_once = jax.jit(SD.sd_verify)
+
+def _phase_fn(name):
+    if name == "step":
+        return lambda ctx, parts, target, carry: (loop.ar_step(ctx, target, carry[0]), None, None)
+    return dict(SD.PHASES)[name]
 
 
-def host_timed_ar(ctx, target, state):
-    """Run the AR loop step by step, blocking after each; returns (state, {"step_s": summed seconds})."""
-    total = 0.0
-    while bool(loop.running(ctx, state)):
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(_phase_ar(ctx, target, state))
-        total += time.perf_counter() - t0
-    return state, {"step_s": total}
+@functools.partial(jax.jit, static_argnames=("name", "ctx", "static"), donate_argnames=("carry",))
+def _phase(name, ctx, static, dyn, target, carry):
+    """One phase of the step (`speculative.PHASES`, or "step": the AR step), alone in its own program."""
+    return _phase_fn(name)(ctx, None if static is None else merge(static, dyn), target, carry)
 
 
-def host_timed_sd(ctx, policy, rule, controller, target, draft, state):
-    """Run the SD loop phase by phase, blocking after each; returns (state, summed seconds per phase)."""
-    times = dict.fromkeys(KEYS.values(), 0.0)
-    while bool(loop.running(ctx, state)):
-        t0 = time.perf_counter()
-        state, prop = jax.block_until_ready(_phase_draft(ctx, policy, controller, draft, state))
-        t1 = time.perf_counter()
-        state, logits = jax.block_until_ready(_phase_verify(target, state, prop))
-        t2 = time.perf_counter()
-        state = jax.block_until_ready(_phase_accept(ctx, policy, rule, state, prop, logits))
-        t3 = time.perf_counter()
-        times["draft_s"] += t1 - t0
-        times["verify_s"] += t2 - t1
-        times["other_s"] += t3 - t2
+_phase_keep = jax.jit(_phase.__wrapped__, static_argnames=("name", "ctx", "static"))  # keeps its input
+
+
+def host_timed(started):
+    """Run the decode loop phase by phase (AR: step by step), blocking after each; returns (state, summed seconds
+    per phase: {"draft_s", "verify_s", "other_s"}, AR {"step_s"}). Same functions as the fused loop."""
+    s = started
+    names = ("step",) if s.parts is None else tuple(n for n, _ in SD.PHASES)
+    keys = {"step": "step_s", **KEYS}
+    times = {keys[n]: 0.0 for n in names}
+    state = s.state
+    while bool(loop.running(s.ctx, state)):
+        carry = (state, None, None)
+        for n in names:
+            t0 = time.perf_counter()
+            carry = jax.block_until_ready(_phase(n, s.ctx, s.static, s.dyn, s.target, carry))
+            times[keys[n]] += time.perf_counter() - t0
+        state = carry[0]
     return state, times
 
 
-@functools.partial(jax.jit, static_argnames=("phase", "ctx", "policy", "rule", "controller"))
-def _repeat(phase, ctx, policy, rule, controller, target, draft, state, prop, logits, n):
-    """`phase` applied n times (n traced: one compile serves every n); returns the whole carry (nothing is dead)."""
-    def body(_, carry):
-        s, p, lg = jax.lax.optimization_barrier(carry)
-        if phase == "step":
-            return loop.ar_step(ctx, target, s), p, lg
-        if phase == "sd_step":
-            return SD.sd_step(ctx, policy, rule, controller, target, draft, s), p, lg
-        if phase == "ar+ar":
-            return loop.ar_step(ctx, target, loop.ar_step(ctx, target, s)), p, lg
-        if phase == "draft+ar":  # the control: a draft phase, then a target AR step that does not use its proposal
-            s, p = SD.sd_draft(ctx, policy, controller, draft, s)
-            return loop.ar_step(ctx, target, s), p, lg
-        if phase == "draft":
-            s, p = SD.sd_draft(ctx, policy, controller, draft, s)
-            return s, p, lg
-        if phase == "verify":
-            s, lg = SD.sd_verify(target, s, p)
-            return s, p, lg
-        return SD.sd_accept(ctx, policy, rule, s, p, lg), p, lg
-
-    return jax.lax.fori_loop(0, n, body, (state, prop, logits))
+def _body(name, ctx, parts, target):
+    """The loop body of `_repeat` for `name`: a phase of the step, the whole step ("sd_step", "step"), or a
+    composition control ("ar+ar", "draft+ar": a draft phase, then a target AR step that does not use its
+    proposal)."""
+    ar = lambda s: loop.ar_step(ctx, target, s)
+    if name == "sd_step":
+        return lambda c: (SD.sd_step(ctx, parts, target, c[0]), c[1], c[2])
+    if name == "ar+ar":
+        return lambda c: (ar(ar(c[0])), c[1], c[2])
+    if name == "draft+ar":
+        return lambda c: (lambda d: (ar(d[0]), d[1], c[2]))(SD.sd_draft(ctx, parts, target, c))
+    fn = _phase_fn(name)
+    if name == "draft":
+        return lambda c: fn(ctx, parts, target, c)[:2] + (c[2],)
+    if name == "verify":
+        return lambda c: fn(ctx, parts, target, c)
+    return lambda c: (fn(ctx, parts, target, c)[0], c[1], c[2])
 
 
-def _cost(phase, statics, args, reps: tuple[int, int], runs: int) -> float:
-    """Seconds per application of `phase`: the slope between `reps` repetitions, median over `runs`."""
+@functools.partial(jax.jit, static_argnames=("name", "ctx", "static"))
+def _repeat(name, ctx, static, dyn, target, carry, n):
+    """`name` applied n times (n traced: one compile serves every n); returns the whole carry (nothing is dead).
+    Every repetition passes its inputs through an optimization barrier, so nothing is hoisted out of the loop."""
+    body = _body(name, ctx, None if static is None else merge(static, dyn), target)
+    return jax.lax.fori_loop(0, n, lambda _, c: body(jax.lax.optimization_barrier(c)), carry)
+
+
+def _cost(name, started, carry, reps: tuple[int, int], runs: int) -> float:
+    """Seconds per application of `name`: the slope between `reps` repetitions, median over `runs`."""
+    s = started
+
     def timed(n):
         t0 = time.perf_counter()
-        jax.block_until_ready(_repeat(phase, *statics, *args, n))
+        jax.block_until_ready(_repeat(name, s.ctx, s.static, s.dyn, s.target, carry, n))
         return time.perf_counter() - t0
 
     timed(reps[0])  # compile
@@ -101,32 +106,37 @@ def _cost(phase, statics, args, reps: tuple[int, int], runs: int) -> float:
     return max(float(np.median(slopes)), 0.0)
 
 
-def in_program_costs(ctx, policy, rule, controller, target, draft, state, reps: tuple[int, int] = (4, 16),
-                     runs: int = 3) -> dict[str, float]:
-    """Seconds per step, timed inside one program from `state` (not consumed): {"step_s"} for AR (`policy` None),
-    else the phases {"draft_s", "verify_s", "other_s"} and the whole step "step_s". The phases repeat on their own
+def _carries(started):
+    """The state, and the carries after its draft and verify phases (the state is not consumed)."""
+    s = started
+    c0 = (s.state, None, None)
+    c1 = _phase_keep("draft", s.ctx, s.static, s.dyn, s.target, c0)
+    c2 = _phase_keep("verify", s.ctx, s.static, s.dyn, s.target, c1)
+    return c0, c1, c2
+
+
+def in_program_costs(started, reps: tuple[int, int] = (4, 16), runs: int = 3) -> dict[str, float]:
+    """Seconds per step, timed inside one program from `started.state` (not consumed): {"step_s"} for AR, else
+    the phases {"draft_s", "verify_s", "other_s"} and the whole step "step_s". The phases repeat on their own
     outputs, so a repetition does the work of a real step (shapes are static; the cache may run past its end, where
     writes clamp, which costs the same)."""
-    statics = (ctx, policy, rule, controller)
-    if policy is None:
-        return {"step_s": _cost("step", statics, (target, draft, state, None, None), reps, runs)}
-    s1, prop = _draft_once(ctx, policy, controller, draft, state)
-    s2, logits = _verify_once(target, s1, prop)
-    out = {KEYS[phase]: _cost(phase, statics, (target, draft, s, prop, logits), reps, runs)
-           for phase, s in (("draft", state), ("verify", s1), ("accept", s2))}
-    out["step_s"] = _cost("sd_step", statics, (target, draft, state, prop, logits), reps, runs)
+    if started.parts is None:
+        return {"step_s": _cost("step", started, (started.state, None, None), reps, runs)}
+    c0, c1, c2 = _carries(started)
+    # the draft and the whole step repeat from a carry that already holds a proposal and logits (fixed shapes)
+    out = {KEYS[name]: _cost(name, started, c, reps, runs)
+           for name, c in (("draft", (c0[0], c2[1], c2[2])), ("verify", (c1[0], c1[1], c2[2])), ("accept", c2))}
+    out["step_s"] = _cost("sd_step", started, (c0[0], c2[1], c2[2]), reps, runs)
     return out
 
 
-def composition_control(ctx, policy, rule, controller, target, draft, state, reps: tuple[int, int] = (4, 16),
-                        runs: int = 3) -> dict[str, float]:
+def composition_control(started, reps: tuple[int, int] = (4, 16), runs: int = 3) -> dict[str, float]:
     """Seconds per repetition of a draft phase, a target AR step, both in one loop body ("draft+ar", the AR step
-    not using the proposal) and two AR steps in one body ("ar+ar"), from an SD `state`: whether composing two
-    models' work costs more than its parts, with no speculative logic involved."""
-    statics = (ctx, policy, rule, controller)
-    _, prop = _draft_once(ctx, policy, controller, draft, state)
-    args = (target, draft, state, prop, None)
-    return {name: _cost(name, statics, args, reps, runs) for name in ("draft", "step", "draft+ar", "ar+ar")}
+    not using the proposal) and two AR steps in one body ("ar+ar"), from a speculative start's state: whether
+    composing two models' work costs more than its parts, with no speculative logic involved."""
+    c0, _, c2 = _carries(started)
+    carry = (c0[0], c2[1], c2[2])
+    return {name: _cost(name, started, carry, reps, runs) for name in ("draft", "step", "draft+ar", "ar+ar")}
 
 
 def call_costs(target, prompts, strategy=None, max_new: tuple[int, ...] = (4, 8, 12, 16, 24), rounds: int = 5,

@@ -72,3 +72,17 @@ def normalize_prompt(prompt: Any, vocab_size: int, pad_to: int = 16) -> tuple[np
     for b, r in enumerate(rows):
         tokens[b, :r.size] = r
     return tokens, lengths, extra
+
+
+def model_prompt(model, prompt, who: str = ""):
+    """(tokens, lengths, modality inputs as device arrays) of a prompt for `model`, checked on the host; `who`
+    prefixes error messages (e.g. "draft ")."""
+    import jax.numpy as jnp
+
+    tokens, lengths, extra = normalize_prompt(prompt, model.config.vocab_size)
+    fam = model.family
+    if extra and fam.prompt_embeds is None:
+        raise ValueError(f"{who}model_type {model.config.model_type!r} takes text only; got inputs {sorted(extra)}")
+    if fam.prepare_inputs is not None:
+        extra = fam.prepare_inputs(model.config, tokens, lengths, extra)
+    return tokens, lengths, {k: jnp.asarray(v) for k, v in extra.items()}

@@ -1,10 +1,11 @@
 """Draft trees as fixed-shape arrays.
 
-Node 0 is the root (the newest committed token); draft nodes follow with parents before children. A static tree
-comes from a list of child-rank paths (EAGLE-1 / Medusa style) and is built once on the host, in breadth-first
-order (each level contiguous, siblings by rank); its arrays are padded to a node budget so that trees of one
-budget share a compilation. A dynamic tree (EAGLE-2) is selected per step and per row inside `jit` from a pool of
-scored candidates (`tree_from_pool`). Both reach the verifier as a batched `TreeArrays`.
+Node 0 is the root (the newest committed token); draft nodes follow with parents before children. A layered tree
+has a static `Layout` (node slots per depth level) and data (parent, rank, valid per slot), so trees of one layout
+share a compilation and may differ per row and per step (`layered_arrays`). A static tree comes from a list of
+child-rank paths (EAGLE-1 / Medusa style), built once on the host in breadth-first order (each level contiguous,
+siblings by rank) and padded to a layout. A dynamic tree (EAGLE-2) is selected per step and per row inside `jit`
+from a pool of scored candidates (`tree_from_pool`). All reach the verifier as a batched `TreeArrays`.
 """
 from __future__ import annotations
 
@@ -41,31 +42,80 @@ NAMED_TREES = {"mc_sim_7b_63": MC_SIM_7B_63, "eagle1": MC_SIM_7B_63, "specvlm": 
 
 
 @dataclasses.dataclass(frozen=True)
-class StaticTree:
-    """Host-side arrays of a static tree with N = 1 + drafts nodes (padded to `n_max` when built with one).
+class Layout:
+    """The static shape of a layered tree: `widths[d - 1]` node slots at depth d (d = 1..D; the root is one slot at
+    depth 0) and `children[d]` the most children one node at depth d may have. Nodes are numbered level by level,
+    so level d occupies the slot range `levels[d]`; a tree smaller than its layout leaves slots invalid. Trees of one
+    layout share one compiled program: which slots are used, their parents and ranks are data."""
 
-    parent [N] (-1 for the root and padding), depth [N], rank [N] (which draft choice of its parent), valid [N],
-    ancestor [N, N] (ancestor[i, j]: j is i or an ancestor of i), children [N, M] (node ids by rank, -1 padded),
-    retrieve [P, D+1] (root-to-leaf node ids, -1 padded), levels: (start, end) node range of each depth.
+    widths: tuple
+    children: tuple
+
+    def __post_init__(self):
+        if not self.widths or min(self.widths) < 1 or len(self.children) != len(self.widths) or min(self.children) < 1:
+            raise ValueError(f"a tree layout needs >= 1 slot per level and >= 1 child per level, got widths="
+                             f"{self.widths}, children={self.children}")
+
+    @property
+    def levels(self) -> tuple:
+        out, s = [(0, 1)], 1
+        for w in self.widths:
+            out.append((s, s + w))
+            s += w
+        return tuple(out)
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 + sum(self.widths)
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.widths)
+
+    @property
+    def max_children(self) -> int:
+        return max(self.children)
+
+    @property
+    def is_chain(self) -> bool:
+        """One node per depth (node i at depth i): an accepted path is already a prefix of the scratch slots."""
+        return all(w == 1 for w in self.widths)
+
+    def holds(self, other: "Layout") -> bool:
+        """Whether every tree of `other` fits in this layout."""
+        return (len(other.widths) <= len(self.widths) and all(a <= b for a, b in zip(other.widths, self.widths))
+                and all(a <= b for a, b in zip(other.children, self.children)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticTree:
+    """Host-side arrays of a static tree laid out in `layout` (N = layout.num_nodes slots, unused ones invalid).
+
+    parent [N] (-1 for the root and unused slots), depth [N], rank [N] (which draft choice of its parent), valid
+    [N], ancestor [N, N] (ancestor[i, j]: j is i or an ancestor of i), children [N, M] (node ids by rank, -1
+    padded), levels: (start, end) slot range of each depth.
     """
 
     paths: tuple
+    layout: Layout
     parent: np.ndarray
     depth: np.ndarray
     rank: np.ndarray
     valid: np.ndarray
     ancestor: np.ndarray
     children: np.ndarray
-    retrieve: np.ndarray
-    levels: tuple
+
+    @property
+    def levels(self) -> tuple:
+        return self.layout.levels
 
     @property
     def num_nodes(self) -> int:
-        return int(self.parent.shape[0])
+        return self.layout.num_nodes
 
     @property
     def max_depth(self) -> int:
-        return len(self.levels) - 1
+        return self.layout.max_depth
 
     @property
     def max_children(self) -> int:
@@ -73,18 +123,16 @@ class StaticTree:
 
     @property
     def is_chain(self) -> bool:
-        """One node per depth (node i at depth i): an accepted path is already a prefix of the scratch slots."""
-        return all(e - s == 1 for s, e in self.levels)
+        return self.layout.is_chain
 
     def __hash__(self):
-        return hash((self.paths, self.num_nodes))
+        return hash((self.paths, self.layout))
 
     def __eq__(self, other):
-        return isinstance(other, StaticTree) and self.paths == other.paths and self.num_nodes == other.num_nodes
+        return isinstance(other, StaticTree) and self.paths == other.paths and self.layout == other.layout
 
 
-def build_tree(paths, n_max: int | None = None) -> StaticTree:
-    """Tree arrays from child-rank paths. Every path's prefixes must be in the list (ranks may skip none)."""
+def _canonical(paths) -> list[tuple]:
     if isinstance(paths, str):
         if paths not in NAMED_TREES:
             raise ValueError(f"unknown tree {paths!r}; named trees: {sorted(NAMED_TREES)}")
@@ -100,21 +148,43 @@ def build_tree(paths, n_max: int | None = None) -> StaticTree:
             raise ValueError(f"tree path {list(p)} has no parent path {list(p[:-1])} in the list")
         if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in known:
             raise ValueError(f"tree path {list(p)}: rank {p[-1]} without rank {p[-1] - 1} before it")
-    n = 1 + len(paths)
-    N = n if n_max is None else n_max
-    if N < n:
-        raise ValueError(f"tree has {n} nodes (root included), more than the budget n_max={n_max}")
+    return paths
+
+
+def layout_of(paths) -> Layout:
+    """The smallest layout that holds a path list (its own level widths and child counts)."""
+    paths = _canonical(paths)
+    D = max(len(p) for p in paths)
+    widths = tuple(sum(len(p) == d for p in paths) for d in range(1, D + 1))
+    children = tuple(max([p[-1] + 1 for p in paths if len(p) == d + 1], default=1) for d in range(D))
+    return Layout(widths, children)
+
+
+def build_tree(paths, layout: Layout | None = None) -> StaticTree:
+    """Tree arrays from child-rank paths, in `layout` (default: the tree's own). Every path's prefixes must be in
+    the list (ranks may skip none)."""
+    paths = _canonical(paths)
+    own = layout_of(paths)
+    layout = own if layout is None else layout
+    if not layout.holds(own):
+        raise ValueError(f"tree with level widths {own.widths} and children {own.children} does not fit the budget "
+                         f"widths={layout.widths}, children={layout.children}")
+    N = layout.num_nodes
     index = {(): 0}
-    for i, p in enumerate(paths):
-        index[p] = i + 1
+    fill = [s for s, _ in layout.levels]
+    for p in paths:
+        index[p] = fill[len(p)]
+        fill[len(p)] += 1
     parent = np.full(N, -1, np.int32)
     depth = np.zeros(N, np.int32)
     rank = np.zeros(N, np.int32)
     valid = np.zeros(N, bool)
-    valid[:n] = True
+    for d, (s, e) in enumerate(layout.levels):
+        depth[s:e] = d
     for p, i in index.items():
+        valid[i] = True
         if p:
-            parent[i], depth[i], rank[i] = index[p[:-1]], len(p), p[-1]
+            parent[i], rank[i] = index[p[:-1]], p[-1]
     ancestor = np.zeros((N, N), bool)
     for i in range(N):
         ancestor[i, i] = True
@@ -122,23 +192,11 @@ def build_tree(paths, n_max: int | None = None) -> StaticTree:
         while j >= 0:
             ancestor[i, j] = True
             j = parent[j]
-    M = max(1, max(rank[1:n]) + 1)
-    children = np.full((N, M), -1, np.int32)
-    for i in range(1, n):
-        children[parent[i], rank[i]] = i
-    leaves = [i for i in range(n) if not (children[i] >= 0).any()]
-    D = int(depth.max())
-    retrieve = np.full((len(leaves), D + 1), -1, np.int32)
-    for r, leaf in enumerate(leaves):
-        chain_ = []
-        j = leaf
-        while j >= 0:
-            chain_.append(j)
-            j = parent[j]
-        retrieve[r, :len(chain_)] = chain_[::-1]
-    levels = tuple((int(np.flatnonzero(depth[:n] == d)[0]), int(np.flatnonzero(depth[:n] == d)[-1]) + 1)
-                   for d in range(D + 1))
-    return StaticTree(tuple(paths), parent, depth, rank, valid, ancestor, children, retrieve, levels)
+    children = np.full((N, layout.max_children), -1, np.int32)
+    for i in index.values():
+        if i:
+            children[parent[i], rank[i]] = i
+    return StaticTree(tuple(paths), layout, parent, depth, rank, valid, ancestor, children)
 
 
 class TreeArrays(NamedTuple):
@@ -156,6 +214,44 @@ def device_tree(tree: StaticTree, batch: int) -> TreeArrays:
     """A static tree's arrays broadcast to `batch` rows."""
     b = lambda a: jnp.broadcast_to(jnp.asarray(a), (batch,) + a.shape)
     return TreeArrays(b(tree.parent), b(tree.depth), b(tree.ancestor), b(tree.children))
+
+
+def _ancestors(parent: jax.Array, max_depth: int) -> jax.Array:
+    """ancestor [B, N, N] of parent [B, N] (-1 for roots) by pointer jumping."""
+    B, N = parent.shape
+    up = jnp.where(parent < 0, jnp.arange(N)[None], parent)  # a root is its own parent
+    cur = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+    ancestor = jax.nn.one_hot(cur, N, dtype=bool)
+    for _ in range(max_depth):
+        cur = jnp.take_along_axis(up, cur, axis=1)
+        ancestor = ancestor | jax.nn.one_hot(cur, N, dtype=bool)
+    return ancestor
+
+
+def layered_arrays(parent: jax.Array, rank: jax.Array, valid: jax.Array, layout: Layout) -> tuple[jax.Array, TreeArrays]:
+    """A batch of per-row layered trees (parent, rank, valid [B, N] over `layout`'s slots) as (valid, TreeArrays).
+
+    A slot is usable when it and every ancestor are valid, its parent sits in the level above and its rank is
+    below that level's child limit; unusable slots get no parent, no children, and only themselves as ancestor.
+    Siblings must have distinct ranks (a plan builder's duty)."""
+    B, N = parent.shape
+    depth = np.zeros(N, np.int32)
+    for d, (s, e) in enumerate(layout.levels):
+        depth[s:e] = d
+    lim = jnp.asarray(np.array([(layout.children + (0,))[d] for d in depth], np.int32))  # children per slot
+    par = jnp.clip(parent, 0, N - 1)
+    depth = jnp.asarray(depth)
+    ok = valid & (jnp.take(depth, par) == depth[None] - 1) & (rank >= 0) & (rank < jnp.take(lim, par))
+    ok = ok.at[:, 0].set(True)
+    for _ in range(layout.max_depth):
+        ok = ok & jnp.take_along_axis(ok, par, axis=1)
+    parent = jnp.where(ok, parent, -1).at[:, 0].set(-1)
+    ancestor = _ancestors(parent, layout.max_depth)
+    rows = jnp.arange(B)[:, None]
+    slot = jnp.where(ok & (jnp.arange(N) > 0)[None], par, N)  # out of range: dropped
+    children = jnp.full((B, N, layout.max_children), -1, jnp.int32).at[rows, slot, rank].set(
+        jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N)), mode="drop")
+    return ok, TreeArrays(parent, jnp.broadcast_to(depth, (B, N)), ancestor, children)
 
 
 def tree_from_pool(pool_parent: jax.Array, pool_depth: jax.Array, pool_score: jax.Array, total: int,

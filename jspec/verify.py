@@ -1,8 +1,16 @@
-"""Verification rules: which drafted tree path the target accepts, and the token that follows it.
+"""Acceptance rules: which drafted tree path the target accepts, and the token that follows it.
 
-Every rule maps (node tokens [B, N], target logits or probs per node, draft probs per node, a batched
-`TreeArrays`, key) to a `Verdict`: the accepted path (node ids by depth), how many drafts it holds, and the bonus
-token. A chain is the tree whose nodes each have one child, so one implementation serves both.
+A rule is a small pytree object (its numbers, e.g. a relaxation bound or a neighbour table, are leaves: changing
+them does not recompile). `Rule.verify` maps a drafted tree and the target's logits to a `Verdict`: the accepted
+path (node ids by depth), how many drafts it holds, and the bonus token. Greedy decoding takes the longest path
+that matches the target's argmax under every rule. Sampling walks the tree from the root (`stochastic`) and asks
+the rule three things at each candidate x: the target mass it may accept (`target_mass`), the draft mass it is
+compared with (`draft_mass`), and the residual after a rejection (`reject`). A chain is the tree whose nodes each
+have one child, so one walk serves both.
+
+`Residual` is exact multi-draft speculative sampling (children drawn without replacement, `draws = True`);
+`Q1` is EAGLE-2's q = 1 rule (exact whatever tokens are offered). A relaxed rule (LANTERN's delta, LANTERN++'s
+lambda over latent neighbours) overrides `target_mass` and `reject` and reads its table from its own fields.
 """
 from __future__ import annotations
 
@@ -10,7 +18,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
+from jspec import sampling as S
 from jspec.trees import TreeArrays
 
 
@@ -49,23 +59,95 @@ def _renorm(x: jax.Array, fallback: jax.Array) -> jax.Array:
     return jnp.where(s > 1e-30, x / jnp.where(s > 1e-30, s, 1.0), fallback)
 
 
+def _at(x: jax.Array, tok: jax.Array) -> jax.Array:
+    """x[b, tok[b]] of x [B, V]."""
+    return jnp.take_along_axis(x, tok[:, None], axis=1)[:, 0]
+
+
+class Rule:
+    """Base of acceptance rules (subclasses are `flax.struct` dataclasses; see the module docstring).
+
+    draws: the rule needs the children of a node drawn without replacement from the draft distribution q, in draw
+    order, and q itself (the plan then records q per node). exact: the rule claims to sample the target's
+    distribution exactly (the conformance suite tests the claim).
+    """
+
+    draws: bool = False
+    exact: bool = True
+
+    def target_mass(self, resid: jax.Array, x: jax.Array) -> jax.Array:
+        """[B] the target mass the candidate x [B] may be accepted with, from the current residual [B, V]."""
+        return _at(resid, x)
+
+    def draft_mass(self, q: jax.Array | None, x: jax.Array) -> jax.Array:
+        """[B] the draft mass x is compared with: accept when u * draft_mass <= target_mass, u ~ U(0, 1)."""
+        return jnp.ones(x.shape, jnp.float32)
+
+    def reject(self, resid: jax.Array, q: jax.Array | None, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(residual, q) after x was rejected."""
+        raise NotImplementedError
+
+    def verify(self, key: jax.Array, tokens: jax.Array, logits: jax.Array, q: jax.Array | None, valid: jax.Array,
+               tree: TreeArrays, max_depth: int, sampling: S.SamplingConfig, sp: S.SamplingParams) -> Verdict:
+        """The verdict on one drafted tree per row: greedy matching when decoding greedily, else `stochastic`
+        over the sampler's target distribution."""
+        if sampling.greedy:
+            return greedy(tokens, logits, valid, tree, max_depth)
+        return stochastic(key, tokens, S.probs(logits, sampling, sp), q, valid, tree, max_depth, self)
+
+    def check(self) -> None:
+        """Raise ValueError for out-of-range numbers (host side, before any compute)."""
+
+
+@struct.dataclass
+class Residual(Rule):
+    """Exact multi-draft speculative sampling: accept x with probability min(1, r(x) / q'(x)), where q' is the
+    draft distribution renormalised without the siblings already tried; on rejection r <- norm(max(0, r - q'))."""
+
+    draws = True
+
+    def draft_mass(self, q, x):
+        return _at(q, x)
+
+    def reject(self, resid, q, x):
+        new_q = _renorm(q.at[jnp.arange(x.shape[0]), x].set(0.0), q)
+        return _renorm(jnp.maximum(resid - q, 0.0), resid), new_q
+
+
+@struct.dataclass
+class Q1(Rule):
+    """EAGLE-2's rule: treat each offered draft as certain (q'(x) = 1): accept with probability r(x); on rejection
+    zero r(x) and renormalise. Exact whatever tokens are offered and however they were chosen."""
+
+    def reject(self, resid, q, x):
+        return _renorm(resid.at[jnp.arange(x.shape[0]), x].set(0.0), resid), q
+
+
+RULES = {"residual": Residual, "q1": Q1}
+
+
+def as_rule(rule) -> Rule:
+    """A rule object from a rule or its name ("residual", "q1")."""
+    if isinstance(rule, str):
+        if rule not in RULES:
+            raise ValueError(f"unknown verification rule {rule!r}; use one of {sorted(RULES)} or a jspec.verify.Rule")
+        return RULES[rule]()
+    if not isinstance(rule, Rule):
+        raise ValueError(f"a rule must be a name ({sorted(RULES)}) or a jspec.verify.Rule, got {type(rule).__name__}")
+    return rule
+
+
 def stochastic(key: jax.Array, tokens: jax.Array, p: jax.Array, q: jax.Array | None, node_valid: jax.Array,
-               t: TreeArrays, max_depth: int, rule: str = "residual") -> Verdict:
-    """Multi-draft speculative sampling over a tree (a chain is the one-child case).
+               t: TreeArrays, max_depth: int, rule: Rule) -> Verdict:
+    """Multi-draft speculative sampling over a tree (a chain is the one-child case), under `rule`'s hooks.
 
     p [B, N, V]: target distribution after each node; q [B, N, V]: the draft distribution each node's children
-    were drawn from, without replacement and in child order. From the root, children are tried in order: child x
-    is accepted with probability min(1, r(x) / q'(x)), where r is the current target residual and q' the draft
-    distribution renormalised without the siblings already tried. On rejection r <- norm(max(0, r - q')) and
-    q'(x) <- 0. On acceptance the walk moves to the child with r = p(child). The bonus is drawn from r where the
-    walk stops. With rule="residual" (default) the output follows p exactly (recursive rejection sampling for
-    draws without replacement).
-
-    rule="q1" is EAGLE-2's rule, which treats each draft as certain (q'(x) = 1): accept with probability r(x),
-    on rejection zero r(x) and renormalise. It yields p exactly whatever tokens are offered and however they were
-    chosen (q is not read), which is why dynamic trees, whose shape depends on the drafted tokens, use it; for
-    the same offered drafts it accepts with probability r(x) <= min(1, r/q'), so a sampled chain commits fewer
-    tokens per step under it; tests/test_sd_sampling.py measures both facts.
+    were drawn from (read only by rules that draw). From the root, children are tried in order: child x is accepted
+    when u * rule.draft_mass(q', x) <= rule.target_mass(r, x), r the current residual and q' the draft
+    distribution as the rule leaves it after earlier rejections (`rule.reject`). On acceptance the walk moves to
+    the child with r = p(child). The bonus is drawn from r where the walk stops. Under `Residual` the output
+    follows p exactly (recursive rejection sampling for draws without replacement); under `Q1` too, whatever the
+    offered tokens; tests/test_conformance.py measures both.
     """
     B, N, V = p.shape
     M = t.children.shape[2]
@@ -75,9 +157,8 @@ def stochastic(key: jax.Array, tokens: jax.Array, p: jax.Array, q: jax.Array | N
     alive = jnp.ones((B,), bool)
     accepted = jnp.zeros((B,), jnp.int32)
     keys = jax.random.split(key, max_depth * M + 1)
-    q1 = rule == "q1"
     for d in range(max_depth):
-        qd = None if q1 else q[rows, cur]  # [B, V]
+        qd = None if q is None else q[rows, cur]  # [B, V]
         moved = jnp.zeros((B,), bool)
         new_cur = cur
         for k in range(M):
@@ -85,18 +166,13 @@ def stochastic(key: jax.Array, tokens: jax.Array, p: jax.Array, q: jax.Array | N
             cc = jnp.maximum(c, 0)
             live = alive & ~moved & (c >= 0) & node_valid[rows, cc]
             x = tokens[rows, cc]
-            px = resid[rows, x]
             u = jax.random.uniform(keys[d * M + k], (B,))
-            if q1:
-                acc = live & (u <= px)
-                rej_resid = _renorm(resid.at[rows, x].set(0.0), resid)
-            else:
-                acc = live & (u * qd[rows, x] <= px)
-                rej_resid = _renorm(jnp.maximum(resid - qd, 0.0), resid)
+            acc = live & (u * rule.draft_mass(qd, x) <= rule.target_mass(resid, x))
             rej = live & ~acc
+            rej_resid, rej_q = rule.reject(resid, qd, x)
             resid = jnp.where(rej[:, None], rej_resid, resid)
-            if not q1:
-                qd = jnp.where(rej[:, None], _renorm(qd.at[rows, x].set(0.0), qd), qd)
+            if qd is not None:
+                qd = jnp.where(rej[:, None], rej_q, qd)
             new_cur = jnp.where(acc, cc, new_cur)
             resid = jnp.where(acc[:, None], p[rows, cc], resid)
             moved = moved | acc

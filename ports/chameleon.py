@@ -38,7 +38,7 @@ from ports import layers as L
 from ports import llama
 from ports import vqgan as VQ
 from ports.config import TextConfig, _as_tuple, rope_from_hf
-from ports.llama import ForwardOut
+from jspec.cache import ForwardOut
 from ports.vision import layer_norm
 
 QK_NORM_EPS = 1e-5  # HF ChameleonLayerNorm calls F.layer_norm with eps=1e-5 whatever the config says

@@ -10,21 +10,15 @@ stacked layout copies each layer's weights per step and runs ~2.5x slower at bat
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jspec import cache as kvc
+from jspec.cache import ForwardOut
 from ports import layers as L
 from ports.config import TextConfig
-
-
-class ForwardOut(NamedTuple):
-    logits: jax.Array | None  # [B, T or K, V] float32
-    hidden: tuple  # requested hidden states, each [B, T, D]
-    cache: kvc.KVCache
-    attn: jax.Array | None = None  # [B, S] attention scores when asked (`attn_query_weights`)
 
 
 def param_shapes(cfg: TextConfig) -> dict:

@@ -84,8 +84,8 @@ def main(argv=None) -> None:
         o = jspec.decode(target, [prompt], **kw)
         loop_ms = o.stats["decode_s"] / int(o.stats["steps"][0]) * 1e3
         s = api.start(target, [prompt], **kw)
-        cost = P.in_program_costs(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, s.state)
-        ctl = P.composition_control(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, s.state)
+        cost = P.in_program_costs(s)
+        ctl = P.composition_control(s)
         ms = {k: v * 1e3 for k, v in cost.items()}
         c = {k: v * 1e3 for k, v in ctl.items()}
         phases = ms["draft_s"] + ms["verify_s"] + ms["other_s"]
@@ -115,7 +115,7 @@ def _draft_size_control(target, draft, prompt, args) -> None:
             s = api.start(target, [prompt], jspec.Chain(d, gamma=args.gamma), max_new_tokens=args.max_new,
                           eos_token_id=())
             m = {k: v * 1e3 for k, v in
-                 P.composition_control(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, s.state).items()}
+                 P.composition_control(s).items()}
             print(f"round {r + 1}, {name}: draft {m['draft']:.2f}, AR step {m['step']:.2f}, both in one body "
                   f"{m['draft+ar']:.2f}: composing costs {m['draft+ar'] - m['draft'] - m['step']:+.2f}", flush=True)
             jax.clear_caches()  # each draft compiles its own programs; keep the process under vm.max_map_count

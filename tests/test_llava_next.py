@@ -369,9 +369,10 @@ def test_text_only_draft_reads_video_prompt_without_placeholders(jx_models):
     ar = jspec.decode(target, batch, max_new_tokens=10)
     sd = jspec.decode(target, batch, strategy=jspec.Chain(draft, gamma=3), max_new_tokens=10)
     np.testing.assert_array_equal(sd.tokens, ar.tokens)
-    from jspec.api import _draft_view, _model_prompt
-    tokens, lengths, inputs = _model_prompt(target, batch, "")
-    d_tokens, d_lengths, d_inputs = _draft_view(target, draft, batch, tokens, lengths, inputs)
+    from jspec.drafters.model import default_view
+    from jspec.prompts import model_prompt
+    tokens, lengths, inputs = model_prompt(target, batch, "")
+    d_tokens, d_lengths, d_inputs = default_view(target, draft, batch, tokens, lengths, inputs)
     assert not d_inputs and not np.isin(d_tokens, [IMG, VID]).any()
     assert int(d_lengths.sum()) == int(lengths.sum()) - int(np.isin(tokens, [IMG, VID]).sum())
 

@@ -9,8 +9,12 @@ import pytest
 
 import jspec
 import ports
+from flax import struct
+
 from jspec import api
-from jspec.trees import MC_SIM_7B_63, NAIVE_EXTEND_57, build_tree, chain, tree_from_pool
+from jspec.controllers import Controller, Decision
+from jspec.plans import DynamicPlan, StaticPlan
+from jspec.trees import MC_SIM_7B_63, NAIVE_EXTEND_57, build_tree, chain, layout_of, tree_from_pool
 
 CFG = ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
                        num_heads=4, num_kv_heads=2, head_dim=16)
@@ -103,15 +107,11 @@ def test_tree_buffers_match_slow_reference():
             if p:
                 assert t.parent[i] == nodes.index(p[:-1]) and t.rank[i] == p[-1]
                 assert t.children[t.parent[i], p[-1]] == i
-        leaves = [p for p in nodes if not any(len(q) == len(p) + 1 and q[:-1] == p for q in nodes)]
-        got = {tuple(int(x) for x in r if x >= 0) for r in t.retrieve}
-        want = {tuple(nodes.index(p[:k]) for k in range(len(p) + 1)) for p in leaves}
-        assert got == want
         for d, (s, e) in enumerate(t.levels):
             assert np.all(t.depth[s:e] == d) and (e - s) == sum(len(p) == d for p in nodes)
     assert build_tree("mc_sim_7b_63").num_nodes == 26 and build_tree("naive_extend_57").num_nodes == 58
     # a chain commits its accepted drafts where the verify wrote them; any branching needs the path gathered
-    assert build_tree(chain(4)).is_chain and build_tree(chain(1), n_max=4).is_chain
+    assert build_tree(chain(4)).is_chain and build_tree(chain(1), layout_of(chain(4))).is_chain
     assert not any(build_tree(p).is_chain for p in ([[0], [1]], [[0], [0, 0], [1]], "mc_sim_7b_63"))
 
 
@@ -189,7 +189,7 @@ def test_dynamic_tree_from_pool_matches_slow_reference():
 
 
 @dataclasses.dataclass(frozen=True)
-class CycleDepth:
+class CycleDepth(Controller):
     """Test controller: step s of a row drafts 1 + s % period levels."""
 
     period: int
@@ -197,8 +197,11 @@ class CycleDepth:
     def init(self, batch, max_depth):
         return jnp.zeros((batch,), jnp.int32)
 
-    def step(self, state, feedback, key):
-        return state + 1, 1 + state % self.period
+    def plan(self, state, key):
+        return Decision(depth=1 + state % self.period)
+
+    def observe(self, state, record):
+        return state + 1
 
 
 @pytest.mark.parametrize("make", [lambda d, c: jspec.Chain(d, gamma=4, controller=c),
@@ -291,8 +294,7 @@ def test_composition_control_times_each_body_and_leaves_the_state(pair):
     strat = jspec.Chain(draft, gamma=3)
     fast = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=10, eos_token_id=())
     s = api.start(target, PROMPTS, strat, max_new_tokens=10, eos_token_id=())
-    c = P.composition_control(s.ctx, s.policy, s.rule, s.controller, s.target, s.draft, s.state, reps=(1, 3),
-                              runs=1)
+    c = P.composition_control(s, reps=(1, 3), runs=1)
     assert set(c) == {"draft", "step", "draft+ar", "ar+ar"}
     assert all(np.isfinite(v) and v >= 0 for v in c.values()), c
     # the control repeats phases from the state without consuming it: the loop then decodes it as decode does
@@ -326,37 +328,26 @@ def test_bad_dynamic_tree(pair):
         jspec.decode(target, PROMPTS[0], strategy=jspec.DynamicTree(draft, depth=0))
 
 
-_REFEED_TYPES = {}
+def _refeed(base):
+    """`base` plan reporting no node as fed: the draft feeds the whole accepted path again (the reference)."""
+    @struct.dataclass
+    class Refeed(base):
+        pending_width = property(lambda self: self.max_depth + 1)
+
+        def propose(self, *args):
+            prop, ds = super().propose(*args)
+            return prop._replace(fed=None), ds
+
+    return Refeed
 
 
-def _refeed(policy):
-    """`policy` reporting no node as fed: the draft feeds the whole accepted path again (the reference). One
-    class per policy type, so equal policies stay equal (one compilation)."""
-    base = type(policy)
-    if base not in _REFEED_TYPES:
-        class Refeed(base):
-            @property
-            def pending_width(self) -> int:
-                return self.max_depth + 1
-
-            def propose(self, *args):
-                prop, dc = super().propose(*args)
-                return prop._replace(fed=None), dc
-
-        _REFEED_TYPES[base] = Refeed
-    return _REFEED_TYPES[base](**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
+_REFEED = {StaticPlan: _refeed(StaticPlan), DynamicPlan: _refeed(DynamicPlan)}
 
 
-@dataclasses.dataclass(frozen=True)
-class _RefeedTree(jspec.Tree):
-    def policy(self):
-        return _refeed(super().policy())
-
-
-@dataclasses.dataclass(frozen=True)
-class _RefeedDynamic(jspec.DynamicTree):
-    def policy(self):
-        return _refeed(super().policy())
+def _refeeding(strategy):
+    parts = strategy.parts()
+    plan = _REFEED[type(parts.plan)](**{f.name: getattr(parts.plan, f.name) for f in dataclasses.fields(parts.plan)})
+    return parts.replace(plan=plan)
 
 
 @pytest.mark.parametrize("tree,controller", [("chain", None), ("chain", CycleDepth(4)), ("mc_sim_7b_63", None),
@@ -369,12 +360,11 @@ def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
     target, draft = pair
     if tree == "dynamic":
         reuse = jspec.DynamicTree(draft, depth=5, top_k=3, total=12, controller=controller)
-        refeed = _RefeedDynamic(draft, depth=5, top_k=3, total=12, controller=controller)
     else:
         paths = tuple(tuple(p) for p in chain(5)) if tree == "chain" else tree
         reuse = jspec.Tree(draft, tree=paths, controller=controller)
-        refeed = _RefeedTree(draft, tree=paths, controller=controller)
-    assert reuse.policy().pending_width == 2 and refeed.policy().pending_width == 6
+    refeed = _refeeding(reuse)
+    assert reuse.parts().plan.pending_width == 2 and refeed.plan.pending_width == 6
     # an EOS that ends row 0 early, so finished rows sit beside running ones for some steps
     ar = jspec.decode(target, PROMPTS, max_new_tokens=40, eos_token_id=())
     eos = int(ar.tokens[0, 6])

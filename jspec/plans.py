@@ -1,0 +1,224 @@
+"""Tree plans: which nodes to draft each step, as device arrays padded to a static node budget.
+
+A plan drives a drafter (`jspec.drafters`) level by level and returns a `Proposal`:
+- `StaticPlan`: a layered tree (`trees.Layout` + parent / rank / valid per slot as data). A chain and an EAGLE-1
+  path list are static plans; so is any per-row tree a controller hands over in its `Decision.tree` (a
+  `LayeredTree` of [B, N] arrays), which replaces the plan's own tree for that step (SAGE-style planning).
+  Trees of one layout share one compiled program.
+- `DynamicPlan`: EAGLE-2's dynamic beam, reranked to a node budget per row inside `jit`.
+Both honour a per-row depth limit (draft levels no row needs are skipped) and draw children without replacement
+from the draft distribution when the rule asks for it (`draw`), recording that distribution per node.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jspec.trees import Layout, StaticTree, TreeArrays, layered_arrays, tree_from_pool
+
+
+class Proposal(NamedTuple):
+    """A drafted tree for every row. Node 0 is the root (`last`)."""
+
+    tokens: jax.Array  # [B, N]
+    valid: jax.Array  # [B, N] nodes the verifier may accept
+    tree: TreeArrays  # [B, ...]
+    q: jax.Array | None  # [B, N, V] distribution each node's children were drawn from (when drawn or asked)
+    fed: jax.Array | None  # [B, N] int32: the draft scratch offset holding node i's K/V, -1 where not fed
+    root_logp: jax.Array  # [B, V] the drafter's log-distribution at the root
+    aux: Any = None  # the drafter's per-node outputs [B, N, ...] when asked
+    known: jax.Array | None = None  # [B, N] bool: q exists at the node (its level was drafted)
+    decision: Any = None  # the controller's Decision this proposal followed
+
+
+class LayeredTree(NamedTuple):
+    """Per-row trees over a plan's layout: parent, rank [B, N] int32 and valid [B, N] bool (see `trees.Layout`)."""
+
+    parent: jax.Array
+    rank: jax.Array
+    valid: jax.Array
+
+
+def _fed_levels(fed: jax.Array, start: int, slots, run) -> jax.Array:
+    """`fed` with nodes start.. marked as fed at `slots` when the level's forward ran (`run` None: always)."""
+    slots = jnp.asarray(slots, jnp.int32)
+    if run is not None:
+        slots = jnp.where(run, slots, -1)
+    return fed.at[:, start:start + slots.shape[-1]].set(jnp.broadcast_to(slots, (fed.shape[0], slots.shape[-1])))
+
+
+def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, K, ...] rows idx [B, J] -> [B, J, ...]."""
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@struct.dataclass
+class StaticPlan:
+    """A layered tree per step: the plan's own (`parent`, `rank`, `valid` host arrays: data, not compile-time
+    constants) or the controller's per-row `Decision.tree`."""
+
+    parent: Any  # [N]
+    rank: Any  # [N]
+    valid: Any  # [N]
+    ancestor: Any  # [N, N]
+    children: Any  # [N, M]
+    layout: Layout = struct.field(pytree_node=False)
+
+    @classmethod
+    def of(cls, tree: StaticTree) -> "StaticPlan":
+        return cls(tree.parent, tree.rank, tree.valid, tree.ancestor, tree.children, tree.layout)
+
+    num_nodes = property(lambda self: self.layout.num_nodes)
+    max_depth = property(lambda self: self.layout.max_depth)
+    is_chain = property(lambda self: self.layout.is_chain)
+    scratch = property(lambda self: self.layout.num_nodes)  # target: the tree; draft: its levels
+    pending_width = 2  # the deepest accepted node when unfed (every other accepted node was fed) and the bonus
+
+    def check(self, rule) -> None:
+        pass
+
+    def _tree(self, B: int, decision):
+        if decision is not None and decision.tree is not None:
+            t = decision.tree
+            valid, arrays = layered_arrays(t.parent.astype(jnp.int32), t.rank.astype(jnp.int32), t.valid,
+                                           self.layout)
+            return valid, arrays, arrays.parent, t.rank.astype(jnp.int32)
+        b = lambda a: jnp.broadcast_to(jnp.asarray(a), (B,) + jnp.shape(a))
+        depth = np.concatenate([np.full(e - s, d, np.int32) for d, (s, e) in enumerate(self.layout.levels)])
+        arrays = TreeArrays(b(self.parent), b(depth), b(self.ancestor), b(self.children))
+        return b(self.valid), arrays, arrays.parent, b(self.rank)
+
+    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool):
+        layout = self.layout
+        B = env.last.shape[0]
+        N, D = layout.num_nodes, layout.max_depth
+        sample = draw and not env.ctx.sampling.greedy
+        valid, t, parent, rank = self._tree(B, env.decision)
+        logp, aux, ds = drafter.root(env, ds)
+        root_logp = logp[:, 0]
+        tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(env.last)
+        V = logp.shape[-1]
+        q_all = jnp.zeros((B, N, V), jnp.float32) if (sample or want_q) else None
+        aux_all = None
+        fed = jnp.full((B, N), -1, jnp.int32)
+        keys = jax.random.split(key, D)
+        for d in range(D):
+            (s, e), (cs, ce) = layout.levels[d], layout.levels[d + 1]
+            m = layout.children[d]
+            if q_all is not None:
+                q_all = q_all.at[:, s:e].set(jnp.exp(logp))
+            if want_aux and aux is not None:
+                if aux_all is None:
+                    aux_all = jax.tree.map(lambda a: jnp.zeros((B, N) + a.shape[2:], a.dtype), aux)
+                aux_all = jax.tree.map(lambda acc, a: acc.at[:, s:e].set(a), aux_all, aux)
+            choice_logp = logp + jax.random.gumbel(keys[d], logp.shape) if sample else logp
+            choice = jax.lax.top_k(choice_logp, m)[1].astype(jnp.int32)  # [B, e - s, m]
+            par = jnp.clip(parent[:, cs:ce] - s, 0, e - s - 1)
+            rk = jnp.clip(rank[:, cs:ce], 0, m - 1)
+            kids = jnp.take_along_axis(choice.reshape(B, (e - s) * m), par * m + rk, axis=1)  # [B, ce - cs]
+            tokens = tokens.at[:, cs:ce].set(kids)
+            lk = jnp.take_along_axis(_gather_rows(logp, par), kids[..., None], axis=-1)[..., 0]
+            ok = jnp.isfinite(lk) if limit is None else jnp.isfinite(lk) & (d + 1 <= limit[:, None])
+            valid = valid.at[:, cs:ce].set(valid[:, cs:ce] & ok)
+            if d + 1 < D:
+                # level d+1 nodes: node i sits in scratch slot i - 1 (the root is committed)
+                mask = t.ancestor[:, cs:ce, 1:ce]
+                run = None if limit is None else jnp.any(limit >= d + 2)
+                depth = jnp.full((B, ce - cs), d + 1, jnp.int32)
+                logp, aux, ds = drafter.level(env, ds, kids, depth, mask, cs - 1, run)
+                fed = _fed_levels(fed, cs, np.arange(cs - 1, ce - 1), run)
+        valid = jnp.all(valid[:, None, :] | ~t.ancestor, axis=-1)  # a node is usable only if its whole path is
+        known = (t.depth < D) & valid if q_all is not None else None
+        return Proposal(tokens, valid, t, q_all, fed, root_logp, aux_all, known), ds
+
+
+@struct.dataclass
+class DynamicPlan:
+    """EAGLE-2's dynamic tree, per row inside `jit`.
+
+    Level 1 = the root's top_k draft tokens. Each later level expands the `top_k` best nodes of the level above
+    (the beam, by cumulative draft log-prob) into top_k children each, one draft forward per level. All
+    candidates are then reranked by cumulative log-prob and the best `total` become the tree (parents before
+    children). `depth` is the deepest draft level (depth - 1 draft forwards after the root's). Its shape depends
+    on the drafted tokens, so only rules that accept whatever tokens are offered (`Q1`) keep it exact.
+    """
+
+    depth: int = struct.field(pytree_node=False)
+    top_k: int = struct.field(pytree_node=False)
+    total: int = struct.field(pytree_node=False)
+
+    num_nodes = property(lambda self: self.total + 1)
+    max_depth = property(lambda self: self.depth)
+    is_chain = False
+    pending_width = 2  # as for static trees: only beam nodes get children, and the draft fed every beam node
+
+    @property
+    def scratch(self) -> int:
+        return max(self.total + 1, (self.depth - 1) * self.top_k)  # target: the tree; draft: the beam levels
+
+    @property
+    def pool_size(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+    def check(self, rule) -> None:
+        if rule.draws:
+            raise ValueError(f"DynamicTree supports rule='q1' only (got {type(rule).__name__}): a rule that draws "
+                             "children without replacement is not lossless when the kept candidates depend on their "
+                             "own draft probabilities")
+
+    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool):
+        B = env.last.shape[0]
+        K, D = self.top_k, self.depth
+        logp, _, ds = drafter.root(env, ds)
+        root_logp = logp[:, 0]
+        score, tok = jax.lax.top_k(root_logp, K)  # [B, K]
+        pool_tok, pool_score = [tok], [score]
+        pool_parent = [jnp.full((B, K), -1, jnp.int32)]
+        pool_depth = [jnp.ones((B, K), jnp.int32)]
+        beam_tok, beam_score, beam_pool = tok, score, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))
+        pool_fed = jnp.full((B, self.pool_size), -1, jnp.int32)  # pool node -> its draft scratch slot
+        slots = (D - 1) * K  # beam nodes of level l sit in scratch slots (l-1)K .. lK-1
+        beam_anc = jnp.zeros((B, max(slots, 1), max(slots, 1)), bool)
+        beam_anc = beam_anc.at[:, jnp.arange(min(K, slots)), jnp.arange(min(K, slots))].set(True)
+        for lvl in range(1, D):
+            a, b = (lvl - 1) * K, lvl * K
+            run = None if limit is None else jnp.any(limit >= lvl + 1)
+            depth = jnp.full((B, K), lvl, jnp.int32)
+            logp, _, ds = drafter.level(env, ds, beam_tok, depth, beam_anc[:, a:b, :b], a, run)
+            slot = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (B, K))
+            slot = slot if run is None else jnp.where(run, slot, -1)
+            pool_fed = pool_fed.at[jnp.arange(B)[:, None], beam_pool].set(slot)
+            cs, ct = jax.lax.top_k(logp, K)  # [B, K, K]
+            cand_score = (beam_score[:, :, None] + cs).reshape(B, K * K)
+            cand_tok = ct.reshape(B, K * K).astype(jnp.int32)
+            start = K + (lvl - 1) * K * K
+            pool_tok.append(cand_tok)
+            pool_score.append(cand_score)
+            pool_parent.append(jnp.repeat(beam_pool, K, axis=1))
+            pool_depth.append(jnp.full((B, K * K), lvl + 1, jnp.int32))
+            if lvl + 1 < D:
+                beam_score, pick = jax.lax.top_k(cand_score, K)
+                beam_tok = jnp.take_along_axis(cand_tok, pick, axis=1)
+                beam_pool = (start + pick).astype(jnp.int32)
+                parent_slot = a + pick // K
+                new_rows = jnp.take_along_axis(beam_anc, parent_slot[:, :, None], axis=1)  # [B, K, slots]
+                new_rows = new_rows | jax.nn.one_hot(b + jnp.arange(K), slots, dtype=bool)[None]
+                beam_anc = beam_anc.at[:, b:b + K].set(new_rows)
+        pool_score = jnp.concatenate(pool_score, axis=1)
+        pool_depth = jnp.concatenate(pool_depth, axis=1)
+        if limit is not None:
+            pool_score = jnp.where(pool_depth > limit[:, None], -jnp.inf, pool_score)
+        sel, valid, tree = tree_from_pool(jnp.concatenate(pool_parent, axis=1), pool_depth, pool_score,
+                                          self.total, D, K)
+        kids = jnp.take_along_axis(jnp.concatenate(pool_tok, axis=1), sel, axis=1)
+        tokens = jnp.concatenate([env.last[:, None].astype(jnp.int32), kids], axis=1)
+        fed = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), jnp.take_along_axis(pool_fed, sel, axis=1)], axis=1)
+        q, known = None, None
+        if want_q:  # the root's distribution (the reranked nodes' own distributions are not kept)
+            q = jnp.zeros((B, self.total + 1, root_logp.shape[-1]), jnp.float32).at[:, 0].set(jnp.exp(root_logp))
+            known = jnp.zeros((B, self.total + 1), bool).at[:, 0].set(True)
+        return Proposal(tokens, valid, tree, q, fed, root_logp, None, known), ds

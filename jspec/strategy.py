@@ -1,0 +1,206 @@
+"""Strategies: a speculative strategy is a composition of parts, and the paper methods are presets of it.
+
+`Speculative(drafter, plan, rule, controller, prefill)` is the general strategy (see `jspec.drafters`,
+`jspec.plans`, `jspec.verify`, `jspec.controllers`; `prefill` is an optional hook over the target prefill's
+by-products, below). `Chain`, `Tree` and `DynamicTree` are presets with their familiar arguments; `parts()` turns
+any strategy into its `Speculative`, and parts swap with `dataclasses.replace` on either form.
+
+Prefill hook protocol: `asks(tokens, lengths, inputs) -> dict` of forward options for the target's prefill
+(e.g. `attn_query_weights`, `hidden_layers`), then `draft_prompt(prefill: TargetPrefill, prompt) -> prompt`
+picks the drafter's prompt from what the prefill returned, inside the same program (SpecVLM's pruning).
+
+Inside the jitted programs a strategy travels as `split(parts)`: its array and number leaves are arguments (new
+values do not recompile), everything else (shapes, layouts, flags, plain objects) is the static key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from flax import struct
+
+from jspec.drafters import ModelDrafter
+from jspec.plans import DynamicPlan, StaticPlan
+from jspec.trees import Layout, StaticTree, build_tree, chain
+from jspec.verify import Rule, as_rule
+
+
+class Strategy:
+    """Base of every strategy: `parts()` (None for AR) and `check(target)` (host-side validation)."""
+
+    def parts(self) -> "Speculative | None":
+        raise NotImplementedError
+
+    def check(self, target) -> None:
+        self.parts().check(target)
+
+
+@dataclasses.dataclass(frozen=True)
+class AR(Strategy):
+    """Plain autoregressive decoding with the target alone (the baseline every strategy must reproduce)."""
+
+    def parts(self):
+        return None
+
+    def check(self, target) -> None:
+        pass
+
+
+_PROTOCOLS = {"drafter": ("check", "prepare", "init", "root", "level", "commit", "map_models"),
+              "plan": ("propose", "check", "max_depth", "num_nodes", "scratch", "pending_width", "is_chain"),
+              "controller": ("init", "plan", "observe"), "prefill": ("asks", "draft_prompt")}
+
+
+@struct.dataclass
+class Speculative(Strategy):
+    """The general speculative strategy: its parts (see the module docstring)."""
+
+    drafter: Any
+    plan: Any
+    rule: Any = "residual"
+    controller: Any = None
+    prefill: Any = None
+
+    def parts(self) -> "Speculative":
+        return self if isinstance(self.rule, Rule) else self.replace(rule=as_rule(self.rule))
+
+    def check(self, target) -> None:
+        for name, methods in _PROTOCOLS.items():
+            part = getattr(self, name)
+            missing = [m for m in methods if part is not None and not hasattr(part, m)]
+            if missing or (part is None and name in ("drafter", "plan")):
+                raise ValueError(f"the strategy's {name} {type(part).__name__} lacks {missing or 'everything'}")
+        rule = as_rule(self.rule)
+        rule.check()
+        self.drafter.check(target)
+        self.plan.check(rule)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_tree(paths, layout) -> StaticTree:
+    return build_tree(paths if isinstance(paths, str) else [list(p) for p in paths], layout)
+
+
+def _paths_key(tree):
+    return tree if isinstance(tree, str) else tuple(tuple(int(r) for r in p) for p in tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree(Strategy):
+    """Static-tree speculative decoding with a separate draft model.
+
+    tree: a named tree ("mc_sim_7b_63" = EAGLE-1/SpecVLM/SAGE initial tree, "naive_extend_57" = LANTERN++'s,
+    "chain5") or a list of child-rank paths. rule: "residual" (default, min(1, p/q) acceptance over children
+    drawn without replacement), "q1" (EAGLE-2's q = 1 rule over the draft's top-ranked children: also exact), or
+    a `jspec.verify.Rule`. controller: an optional controller (`jspec.controllers`). budget: a `trees.Layout` to
+    pad the tree into (trees of one budget share one compiled program).
+    """
+
+    draft: Any
+    tree: Any = "mc_sim_7b_63"
+    rule: Any = "residual"
+    controller: Any = None
+    budget: Layout | None = None
+
+    def static_tree(self) -> StaticTree:
+        return _cached_tree(_paths_key(self.tree), self.budget)
+
+    def parts(self) -> Speculative:
+        return Speculative(ModelDrafter(self.draft), StaticPlan.of(self.static_tree()), as_rule(self.rule),
+                           self.controller)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain(Strategy):
+    """Chain speculative decoding: the draft proposes `gamma` tokens per step, the target verifies them at once."""
+
+    draft: Any
+    gamma: int = 5
+    rule: Any = "residual"
+    controller: Any = None
+
+    def __post_init__(self):
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, np.integer)) or not 1 <= self.gamma <= 64:
+            raise ValueError(f"gamma must be an integer in [1, 64], got {self.gamma!r}")
+
+    @property
+    def tree(self) -> tuple:
+        return tuple(tuple(p) for p in chain(int(self.gamma)))
+
+    def parts(self) -> Speculative:
+        return Speculative(ModelDrafter(self.draft), StaticPlan.of(_cached_tree(self.tree, None)),
+                           as_rule(self.rule), self.controller)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree(Strategy):
+    """EAGLE-2 dynamic-tree speculative decoding with a separate draft model (see `plans.DynamicPlan`).
+
+    depth: deepest draft level; top_k: children per expanded node and nodes expanded per level; total: draft
+    nodes kept per step after reranking. Sampling uses the q = 1 rule, the lossless one for trees whose shape
+    depends on the drafted tokens ("residual" would not be: a candidate is kept or dropped according to its own
+    draft probability, so the kept siblings are not a plain without-replacement draw).
+    """
+
+    draft: Any
+    depth: int = 6
+    top_k: int = 10
+    total: int = 60
+    rule: Any = "q1"
+    controller: Any = None
+
+    def parts(self) -> Speculative:
+        return Speculative(ModelDrafter(self.draft), DynamicPlan(int(self.depth), int(self.top_k), int(self.total)),
+                           as_rule(self.rule), self.controller)
+
+    def check(self, target) -> None:
+        for name in ("depth", "top_k", "total"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"DynamicTree {name} must be a positive integer, got {v!r}")
+        if self.depth > 64 or self.top_k > 64:
+            raise ValueError(f"DynamicTree depth and top_k must be <= 64, got depth={self.depth}, top_k={self.top_k}")
+        pool = DynamicPlan(self.depth, self.top_k, self.total).pool_size
+        if self.total > pool:
+            raise ValueError(f"DynamicTree total={self.total} exceeds the {pool} candidates that depth={self.depth}, "
+                             f"top_k={self.top_k} produce (top_k + (depth - 1) * top_k**2)")
+        super().check(target)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """The static half of a split strategy: its tree structure, the class of every node, and its non-array leaves
+    (hashable: a jit key). The classes are kept apart because JAX's treedef equality does not tell two dataclass
+    node types with equal metadata apart (two rules of different classes would share a program)."""
+
+    treedef: Any
+    types: tuple
+    leaves: tuple
+
+
+def _node_types(treedef) -> tuple:
+    data = treedef.node_data()
+    if data is None:
+        return ()
+    return (data[0],) + tuple(t for c in treedef.children() for t in _node_types(c))
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+def split(parts) -> tuple[Static, list]:
+    """(static, dynamic leaves) of a pytree of parts: arrays and Python / NumPy numbers are dynamic."""
+    leaves, treedef = jax.tree.flatten(parts)
+    dyn = [np.asarray(x) if isinstance(x, (bool, int, float, complex)) else x if _is_number(x) else None
+           for x in leaves]
+    static = Static(treedef, _node_types(treedef), tuple(None if _is_number(x) else x for x in leaves))
+    return static, dyn
+
+
+def merge(static: Static, dyn: list):
+    """Inverse of `split`."""
+    return jax.tree.unflatten(static.treedef, [d if s is None else s for s, d in zip(static.leaves, dyn)])

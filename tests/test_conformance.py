@@ -1,0 +1,94 @@
+"""The conformance suite: every strategy in tests/strategies.py's registry, proven against the invariants with no
+strategy-specific test code (greedy == AR on a ragged batch, each row as if alone; the same on an 8-device mesh;
+exact sampling where claimed; no recompilation after warm-up; a clear error for a draft of another vocabulary)."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jspec
+import ports
+from jspec import api
+from sampling_check import exactness, tiny_vocab_pair
+from strategies import REGISTRY
+
+CFG = ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
+                       num_heads=4, num_kv_heads=2, head_dim=16)
+PROMPTS = [np.arange(5) % 97, (np.arange(14) * 7) % 97, (np.arange(9) * 3 + 1) % 97]
+NAMES = sorted(REGISTRY)
+
+
+def tiny_pair():
+    """(target, draft): the draft is the target's first layer (later layers damped), so it often agrees."""
+    target = ports.random_model(CFG, key=0, std=0.3)
+    for layer in target.params["layers"][1:]:
+        layer["wo"] = layer["wo"] * 0.3
+        layer["w_down"] = layer["w_down"] * 0.3
+    p = dict(target.params)
+    p["layers"] = p["layers"][:1]
+    return target, ports.Model(dataclasses.replace(CFG, num_layers=1), p)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_equals_ar_and_rows_are_independent(pair, name):
+    target, draft = pair
+    strat = REGISTRY[name].make(target, draft)
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=17, eos_token_id=())
+    eos = int(ar.tokens[0, 5])  # row 0 stops early: finished rows decode beside running ones
+    for e in ((), (eos,)):
+        ar = jspec.decode(target, PROMPTS, max_new_tokens=17, eos_token_id=e)
+        sd = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=17, eos_token_id=e)
+        np.testing.assert_array_equal(sd.tokens, ar.tokens)
+        np.testing.assert_array_equal(sd.lengths, ar.lengths)
+    assert np.all(sd.stats["mean_accepted"] >= 1.0) and sd.stats["mean_accepted"].max() > 1.0
+    for b in (1, 2):
+        alone = jspec.decode(target, PROMPTS[b], strategy=strat, max_new_tokens=17, eos_token_id=(eos,))
+        np.testing.assert_array_equal(alone.tokens[0], sd.tokens[b])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_recompilation_after_warmup(pair, name):
+    target, draft = pair
+    jspec.decode(target, PROMPTS, strategy=REGISTRY[name].make(target, draft), max_new_tokens=9)
+    n = api._decode_sd._cache_size(), api._prefill_sd._cache_size()
+    rng = np.random.default_rng(0)
+    for i in range(2):  # other prompts of the same padded width, another key, the strategy built anew
+        jspec.decode(target, [rng.integers(0, 97, len(p)) for p in PROMPTS],
+                     strategy=REGISTRY[name].make(target, draft), max_new_tokens=9, key=jax.random.key(i))
+    assert (api._decode_sd._cache_size(), api._prefill_sd._cache_size()) == n
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if REGISTRY[n].separate_draft])
+def test_draft_of_another_vocabulary_is_refused(pair, name):
+    target, _ = pair
+    other = ports.random_model(dataclasses.replace(CFG, vocab_size=50, num_layers=1), key=3)
+    with pytest.raises(ValueError, match="vocabularies differ"):
+        jspec.decode(target, PROMPTS, strategy=REGISTRY[name].make(target, other), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if REGISTRY[n].exact])
+def test_sampling_is_exact(name):
+    target, draft = tiny_vocab_pair()
+    pval, tv, out = exactness(target, REGISTRY[name].make(target, draft))
+    assert out.stats["mean_accepted"].mean() > 1.1  # drafts were really accepted (and rejected) on the way
+    assert pval > 1e-3, (pval, tv)
+
+
+def test_every_strategy_on_an_8_device_mesh(tmp_path):
+    """tests/conformance_mesh.py in a subprocess (the device count is fixed when jax is imported)."""
+    here = os.path.dirname(__file__)
+    proc = subprocess.run([sys.executable, os.path.join(here, "conformance_mesh.py")],
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=1200,
+                          cwd=os.path.dirname(here))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"passed": NAMES}
