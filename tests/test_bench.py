@@ -14,6 +14,7 @@ def finite_positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow  # a benchmark run
 def test_quick_sd_suite_schema_and_ratios(tmp_path, capsys):
     assert cli.main(["bench", "sd", "--quick", "--runs", "1", "--out", str(tmp_path)]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
@@ -53,6 +54,7 @@ def test_quick_ar_suite_schema_and_ratios(tmp_path):
         assert finite_positive(r["jspec_over_transformers"]) and finite_positive(r["jspec_tok_s"])
 
 
+@pytest.mark.slow  # a benchmark run
 def test_gpu_suite_refuses_cpu_then_dry_runs_and_bad_input(tmp_path):
     with pytest.raises(RuntimeError, match="GPU"):
         bench.run("gpu", runs=1, quick=True, out_dir=str(tmp_path))

@@ -39,11 +39,15 @@ def pair():
 PROMPTS = [np.arange(5) % 97, (np.arange(14) * 7) % 97, (np.arange(9) * 3 + 1) % 97]
 
 
+# (chain3, mc_sim, custom and dyn4x3 are what the conformance suite proves for its registered strategies: slow here)
 @pytest.mark.parametrize("make", [
-    lambda d: jspec.Chain(d, gamma=1), lambda d: jspec.Chain(d, gamma=3), lambda d: jspec.Chain(d, gamma=6),
-    lambda d: jspec.Tree(d, tree="mc_sim_7b_63"), lambda d: jspec.Tree(d, tree="naive_extend_57"),
-    lambda d: jspec.Tree(d, tree=[[0], [1], [0, 0], [0, 1], [1, 0]]),
-    lambda d: jspec.DynamicTree(d, depth=4, top_k=3, total=10), lambda d: jspec.DynamicTree(d, depth=6, top_k=8, total=40),
+    lambda d: jspec.Chain(d, gamma=1), pytest.param(lambda d: jspec.Chain(d, gamma=3), marks=pytest.mark.slow),
+    lambda d: jspec.Chain(d, gamma=6),
+    pytest.param(lambda d: jspec.Tree(d, tree="mc_sim_7b_63"), marks=pytest.mark.slow),
+    lambda d: jspec.Tree(d, tree="naive_extend_57"),
+    pytest.param(lambda d: jspec.Tree(d, tree=[[0], [1], [0, 0], [0, 1], [1, 0]]), marks=pytest.mark.slow),
+    pytest.param(lambda d: jspec.DynamicTree(d, depth=4, top_k=3, total=10), marks=pytest.mark.slow),
+    lambda d: jspec.DynamicTree(d, depth=6, top_k=8, total=40),
     lambda d: jspec.DynamicTree(d, depth=5, top_k=6, total=8)],  # its draft beam has more slots than the tree nodes
     ids=["chain1", "chain3", "chain6", "mc_sim", "extend57", "custom", "dyn4x3", "dyn6x8", "dyn_narrow"])
 def test_greedy_sd_equals_greedy_ar(pair, make):
@@ -68,6 +72,7 @@ def test_truncated_draft_is_partly_accepted(pair):
     assert np.all(sd.stats["acceptance_rate"] > 0) and np.all(sd.stats["acceptance_rate"] < 1)
 
 
+@pytest.mark.slow  # the conformance suite decodes every registered strategy with a row that stops at EOS
 def test_eos_mid_step(pair):
     target, draft = pair
     free = jspec.decode(target, PROMPTS, max_new_tokens=30, eos_token_id=())
@@ -350,10 +355,11 @@ def _refeeding(strategy):
     return parts.replace(plan=plan)
 
 
-@pytest.mark.parametrize("tree,controller", [("chain", None), ("chain", CycleDepth(4)), ("mc_sim_7b_63", None),
-                                             ("mc_sim_7b_63", CycleDepth(3)), ("dynamic", None),
-                                             ("dynamic", CycleDepth(4))],
-                         ids=["chain", "chain-limited", "tree", "tree-limited", "dynamic", "dynamic-limited"])
+@pytest.mark.parametrize("tree,controller", [
+    pytest.param("chain", None, marks=pytest.mark.slow), pytest.param("chain", CycleDepth(4), marks=pytest.mark.slow),
+    pytest.param("mc_sim_7b_63", None, marks=pytest.mark.slow), ("mc_sim_7b_63", CycleDepth(3)), ("dynamic", None),
+    pytest.param("dynamic", CycleDepth(4), marks=pytest.mark.slow)],
+    ids=["chain", "chain-limited", "tree", "tree-limited", "dynamic", "dynamic-limited"])
 def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
     """The accepted nodes the draft fed while drafting are committed from its scratch instead of fed again: the
     draft then proposes what it would have proposed after a re-feed, so every step accepts as many tokens."""
