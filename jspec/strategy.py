@@ -32,7 +32,7 @@ class Strategy:
     """Base of every strategy: `parts()` (None for AR) and `check(target)` (host-side validation)."""
 
     def parts(self) -> "Speculative | None":
-        raise NotImplementedError
+        raise TypeError(f"strategy {type(self).__name__} defines no `parts()` (its drafter, plan, rule, controller)")
 
     def check(self, target) -> None:
         self.parts().check(target)

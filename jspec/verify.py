@@ -84,8 +84,8 @@ class Rule:
         return jnp.ones(x.shape, jnp.float32)
 
     def reject(self, resid: jax.Array, q: jax.Array | None, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """(residual, q) after x was rejected."""
-        raise NotImplementedError
+        """(residual, q) after x was rejected. Every rule defines it (the walk cannot continue without it)."""
+        raise TypeError(f"rule {type(self).__name__} defines no `reject` (the residual after a rejection)")
 
     def verify(self, key: jax.Array, tokens: jax.Array, logits: jax.Array, q: jax.Array | None, valid: jax.Array,
                tree: TreeArrays, max_depth: int, sampling: S.SamplingConfig, sp: S.SamplingParams) -> Verdict:

@@ -1,8 +1,6 @@
 """Toy plug-ins, one per seam of the engine, written against the public part protocols (tests/test_parts.py)."""
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,7 +194,6 @@ class AttendedPrompt:
 
 def attended(target, prompts, keep=3, queries=2):
     """What `AttendedPrompt` picks, computed on the host from a plain forward (the reference)."""
-    import ports
     from jspec import cache as kvc
     from jspec.prompts import normalize_prompt
 
@@ -213,8 +210,5 @@ def attended(target, prompts, keep=3, queries=2):
     for b in range(B):
         a = np.where(np.arange(T) < lengths[b], attn[b], -np.inf)
         out.append(tokens[b, np.sort(np.argsort(-a, kind="stable")[:keep])])
-    del ports
     return out
 
-
-__all__ = [n for n in dir() if not n.startswith("_")] + ["dataclasses"]
