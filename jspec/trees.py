@@ -276,13 +276,10 @@ def tree_from_pool(pool_parent: jax.Array, pool_depth: jax.Array, pool_score: ja
     parent = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), jnp.where(ok, par, 0)], axis=1)
     depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.take_along_axis(pool_depth, sel, axis=1)], axis=1)
     valid = jnp.concatenate([jnp.ones((B, 1), bool), ok], axis=1)
-    up = jnp.maximum(parent, 0)  # the root is its own parent for pointer jumping
-    cur = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
-    ancestor = jax.nn.one_hot(cur, N, dtype=bool)
+    up = jnp.maximum(parent, 0)
     for _ in range(max_depth):
         valid = valid & jnp.take_along_axis(valid, up, axis=1)
-        cur = jnp.take_along_axis(up, cur, axis=1)
-        ancestor = ancestor | jax.nn.one_hot(cur, N, dtype=bool)
+    ancestor = _ancestors(parent, max_depth)
     # sibling rank = earlier valid nodes with the same parent; children listed in node order
     i = jnp.arange(N)
     same = (parent[:, :, None] == parent[:, None, :]) & (i[None, None, :] < i[None, :, None]) & valid[:, None, :]
