@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from strategies import REGISTRY  # noqa: E402
-from test_conformance import PROMPTS, tiny_pair  # noqa: E402
+from tiny_pairs import PROMPTS, tiny_pair  # noqa: E402
 
 
 def main():

@@ -16,22 +16,9 @@ import ports
 from jspec import api
 from sampling_check import exactness, tiny_vocab_pair
 from strategies import REGISTRY
+from tiny_pairs import CFG, PROMPTS, tiny_pair
 
-CFG = ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
-                       num_heads=4, num_kv_heads=2, head_dim=16)
-PROMPTS = [np.arange(5) % 97, (np.arange(14) * 7) % 97, (np.arange(9) * 3 + 1) % 97]
 NAMES = sorted(REGISTRY)
-
-
-def tiny_pair():
-    """(target, draft): the draft is the target's first layer (later layers damped), so it often agrees."""
-    target = ports.random_model(CFG, key=0, std=0.3)
-    for layer in target.params["layers"][1:]:
-        layer["wo"] = layer["wo"] * 0.3
-        layer["w_down"] = layer["w_down"] * 0.3
-    p = dict(target.params)
-    p["layers"] = p["layers"][:1]
-    return target, ports.Model(dataclasses.replace(CFG, num_layers=1), p)
 
 
 @pytest.fixture(scope="module")

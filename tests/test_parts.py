@@ -15,23 +15,13 @@ from jspec.drafters import ModelDrafter
 from jspec.plans import StaticPlan
 from jspec.trees import Layout, build_tree, chain
 from sampling_check import exactness, tiny_vocab_pair
+from tiny_pairs import PROMPTS, tiny_pair
 from toy_parts import (AttendedPrompt, CycleDepth, FixedTrees, RecordingController, Relaxed, ResampleFromTarget,
                        ResidualByHooks, TwoViews, attended, per_row_trees)
 
-CFG = ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
-                       num_heads=4, num_kv_heads=2, head_dim=16)
-PROMPTS = [np.arange(5) % 97, (np.arange(14) * 7) % 97, (np.arange(9) * 3 + 1) % 97]
-
-
 @pytest.fixture(scope="module")
 def pair():
-    target = ports.random_model(CFG, key=0, std=0.3)
-    for layer in target.params["layers"][1:]:  # a truncated copy agrees with the target often, not always
-        layer["wo"] = layer["wo"] * 0.3
-        layer["w_down"] = layer["w_down"] * 0.3
-    p = dict(target.params)
-    p["layers"] = p["layers"][:1]
-    return target, ports.Model(dataclasses.replace(CFG, num_layers=1), p)
+    return tiny_pair()
 
 
 @pytest.fixture(scope="module")

@@ -12,31 +12,14 @@ import ports
 from flax import struct
 
 from jspec import api
-from jspec.controllers import Controller, Decision
 from jspec.plans import DynamicPlan, StaticPlan
 from jspec.trees import MC_SIM_7B_63, NAIVE_EXTEND_57, build_tree, chain, layout_of, tree_from_pool
-
-CFG = ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
-                       num_heads=4, num_kv_heads=2, head_dim=16)
-
+from tiny_pairs import CFG, PROMPTS, tiny_pair
+from toy_parts import CycleDepth
 
 @pytest.fixture(scope="module")
 def pair():
-    target = ports.random_model(CFG, key=0, std=0.3)
-    # damp the later layers so that a truncated copy (first layer, same embeddings and head) agrees with the
-    # target often but not always
-    for layer in target.params["layers"][1:]:
-        layer["wo"] = layer["wo"] * 0.3
-        layer["w_down"] = layer["w_down"] * 0.3
-    p = dict(target.params)
-    p["layers"] = p["layers"][:1]
-    import dataclasses
-
-    draft = ports.Model(dataclasses.replace(CFG, num_layers=1), p)
-    return target, draft
-
-
-PROMPTS = [np.arange(5) % 97, (np.arange(14) * 7) % 97, (np.arange(9) * 3 + 1) % 97]
+    return tiny_pair()
 
 
 # (chain3, mc_sim, custom and dyn4x3 are what the conformance suite proves for its registered strategies: slow here)
@@ -191,22 +174,6 @@ def test_dynamic_tree_from_pool_matches_slow_reference():
             kids = [k for k in range(1, total + 1) if valid[b, k] and t.parent[b, k] == i]
             got = [int(c) for c in np.asarray(t.children[b, i]) if c >= 0]
             assert got == kids
-
-
-@dataclasses.dataclass(frozen=True)
-class CycleDepth(Controller):
-    """Test controller: step s of a row drafts 1 + s % period levels."""
-
-    period: int
-
-    def init(self, batch, max_depth):
-        return jnp.zeros((batch,), jnp.int32)
-
-    def plan(self, state, key):
-        return Decision(depth=1 + state % self.period)
-
-    def observe(self, state, record):
-        return state + 1
 
 
 @pytest.mark.parametrize("make", [lambda d, c: jspec.Chain(d, gamma=4, controller=c),
