@@ -86,12 +86,8 @@ import functools
 import json
 import os
 import platform
-import queue
 import shutil
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -106,6 +102,7 @@ import optax  # noqa: E402
 
 import ports  # noqa: E402
 from jspec import cache as kvc  # noqa: E402
+from jspec import train as jt  # noqa: E402
 from jspec.zoo import data as D  # noqa: E402
 from jspec.zoo import tokenizer as TK  # noqa: E402
 from jspec.zoo import world as W  # noqa: E402
@@ -432,7 +429,7 @@ def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) ->
         up, opt = tx.update(g, opt, tp)
         return optax.apply_updates(tp, up), opt, lo
 
-    data = Prefetch((scene_batch("train", batch, seed, i * batch) for i in range(p.tower_steps)), size=4)
+    data = jt.Prefetch((scene_batch("train", batch, seed, i * batch) for i in range(p.tower_steps)), size=4)
     bar = tqdm(range(p.tower_steps), desc="tower pretraining", unit="step", mininterval=2.0, dynamic_ncols=True)
     try:
         for _ in bar:
@@ -552,19 +549,6 @@ def focus_nll(text_cfg, lm: dict, x: jax.Array, batch: dict, layer: int, head: i
     return -(at * on).sum() / jnp.maximum(on.sum(), 1.0), readout
 
 
-def answer_weights(segment_ids: jax.Array, mask: jax.Array, per_example: bool) -> jax.Array:
-    """[B, T] weights of the answer tokens in the objective, summing to 1: equal per token, or (per_example) equal
-    per packed example, shared by its answer tokens (a one-word VQA answer then weighs as much as a long caption)."""
-    m = mask.astype(jnp.float32)
-    if not per_example:
-        return m / jnp.maximum(m.sum(), 1.0)
-    B, T = m.shape
-    ids = (jnp.arange(B)[:, None] * T + segment_ids).ravel()
-    count = jax.ops.segment_sum(m.ravel(), ids, num_segments=B * T)
-    examples = jnp.maximum((count > 0).sum(), 1)
-    return m / jnp.maximum(count[ids].reshape(B, T), 1.0) / examples
-
-
 def prompt_mask(batch: dict) -> jax.Array:
     """[B, T] 1 where the target is a prompt text token of the same example: not an answer token, not an image
     token, not padding or a special token (ids below 6: pad, BOS, EOS, image, the chat roles)."""
@@ -587,7 +571,7 @@ def loss_fn(model_cfg, params, batch, per_example: bool = False, prompt_loss: fl
     m = batch["target_mask"]
     n = jnp.maximum(m.sum(), 1.0)
     acc = ((jnp.argmax(logits, -1) == batch["targets"]) * m).sum() / n
-    objective = (nll * answer_weights(batch["segment_ids"], m, per_example)).sum()
+    objective = (nll * jt.answer_weights(batch["segment_ids"], m, per_example)).sum()
     if prompt_loss:
         pm = prompt_mask(batch)
         objective = objective + prompt_loss * (nll * pm).sum() / jnp.maximum(pm.sum(), 1.0)
@@ -602,29 +586,7 @@ def loss_fn(model_cfg, params, batch, per_example: bool = False, prompt_loss: fl
 
 
 def make_optimizer(p: Preset) -> optax.GradientTransformation:
-    # matrices, not the fused biases (`ports.fused`: bqkv, b_gate_up are biases of any rank)
-    decay = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda path, x: x.ndim >= 2 and getattr(path[-1], "key", None) not in ("bqkv", "b_gate_up"), params)
-    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
-        learning_rate=0.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=p.weight_decay, mask=decay)
-    return optax.chain(optax.clip_by_global_norm(1.0), adamw)
-
-
-RESTART_WARMUP = 50      # warmup steps of a continuation segment
-
-
-def lr_at(schedule: list[dict], step: int) -> float:
-    """The learning rate at `step` of a schedule: segments {start, total, peak, warmup}, each a linear warmup from
-    its start to `peak`, then a cosine decay to 10% of it at `total` (constant `peak` while total is unknown). The
-    first segment starts at 0; `--resume --steps N` past a finished schedule appends a warm restart."""
-    seg = [g for g in schedule if g["start"] <= step][-1]
-    s, peak, warm, total = step - seg["start"], seg["peak"], seg["warmup"], seg["total"]
-    if s < warm:
-        return peak * (s + 1) / warm
-    if total is None:
-        return peak
-    frac = min(1.0, (s - warm) / max(1, total - seg["start"] - warm))
-    return float(optax.cosine_decay_schedule(peak, 1, alpha=0.1)(frac))
+    return jt.adamw(p.weight_decay)
 
 
 def stage_scales(p: Preset, step: int) -> tuple[float, float]:
@@ -642,9 +604,7 @@ def make_steps(model_cfg, tx, per_example: bool = False, prompt_loss: float = 0.
             functools.partial(loss_fn, model_cfg, per_example=per_example, prompt_loss=prompt_loss,
                               focus_loss=focus_loss, focus_head=focus_head, focus_readout=focus_readout),
             has_aux=True)(params, batch)
-        clip_state, inj = opt_state
-        inj = inj._replace(hyperparams={**inj.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
-        updates, opt_state = tx.update(grads, (clip_state, inj), params)
+        updates, opt_state = tx.update(grads, jt.set_lr(opt_state, lr), params)
         if "lm" in updates:   # LLaVA: the LM's and tower's steps (weight decay included) are scaled
             updates = {**updates, "lm": jax.tree.map(lambda u: u * lm_scale, updates["lm"]),
                        "vision": jax.tree.map(lambda u: u * tower_scale, updates["vision"])}
@@ -676,73 +636,7 @@ def stream(p: Preset, split: str, seed: int, start: int):
         yield keep, int(b["next_index"]), int(b["attention_mask"].sum())
 
 
-class Prefetch:
-    """Batches made in a background thread (the data pipeline overlaps the jitted step)."""
-
-    def __init__(self, it, size: int = 4):
-        self.q: queue.Queue = queue.Queue(size)
-        self.stop = threading.Event()
-        self.t = threading.Thread(target=self._run, args=(it,), daemon=True)
-        self.t.start()
-
-    def _run(self, it):
-        try:
-            for item in it:
-                while not self.stop.is_set():
-                    try:
-                        self.q.put(item, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                if self.stop.is_set():
-                    return
-        except BaseException as e:  # surfaced in the consumer
-            self.q.put(e)
-
-    def __next__(self):
-        item = self.q.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self):
-        self.stop.set()
-
-
 # ------------------------------------------------------------------------------------------------- training
-
-
-def _checkpointer(workdir: Path):
-    import orbax.checkpoint as ocp
-
-    return ocp.CheckpointManager(workdir / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-
-
-def save_ckpt(mgr, step: int, params, opt_state, meta: dict) -> None:
-    import orbax.checkpoint as ocp
-
-    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-                                           meta=ocp.args.JsonSave(meta)), force=True)
-    mgr.wait_until_finished()
-
-
-def restore_ckpt(mgr, params, opt_state):
-    import orbax.checkpoint as ocp
-
-    step = mgr.latest_step()
-    if step is None:
-        return None
-    template = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
-    out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template),
-                                                    meta=ocp.args.JsonRestore()))
-    return out["state"]["params"], out["state"]["opt_state"], dict(out["meta"])
-
-
-def read_log(path: Path, upto: int | None = None) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if upto is None or r["step"] <= upto]
 
 
 def heldout_batches(p: Preset, seed: int, n: int = 4) -> list[dict]:
@@ -750,17 +644,7 @@ def heldout_batches(p: Preset, seed: int, n: int = 4) -> list[dict]:
     return [next(it)[0] for _ in range(n)]
 
 
-def evaluate_loss(eval_step, params, batches) -> tuple[float, float]:
-    tot = [0.0, 0.0, 0.0]
-    for b in batches:
-        out = jax.device_get(eval_step(params, b))
-        tot = [t + float(o) for t, o in zip(tot, out)]
-    return tot[0] / max(tot[2], 1.0), tot[1] / max(tot[2], 1.0)
-
-
 def train(args) -> None:
-    from tqdm import tqdm
-
     name, p = args.name, PRESETS[args.name]
     if args.batch:
         p = dataclasses.replace(p, batch=args.batch)
@@ -770,7 +654,6 @@ def train(args) -> None:
     if workdir.exists() and not args.resume:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    log_path = workdir / "log.jsonl"
     model = new_model(p, args.seed)
     if p.init_lm and not args.resume:
         model = dataclasses.replace(model, params={**model.params, "lm": init_lm(p, model)})
@@ -781,175 +664,58 @@ def train(args) -> None:
     if p.tower_steps and not args.resume:
         model = dataclasses.replace(model, params={**model.params, "vision": pretrain_tower(p, model, args.seed)})
     tx = make_optimizer(p)
-    params, opt_state = model.params, tx.init(model.params)
+    state = {"params": model.params, "opt_state": tx.init(model.params)}
     train_step, eval_step = make_steps(model.config, tx, p.loss_per_example, p.prompt_loss, p.focus_loss,
                                        tuple(p.focus_head), p.focus_readout)
-    mgr = _checkpointer(workdir)
-    meta = {"name": name, "seed": args.seed, "step": 0, "next_index": p.data_start,
-            "total_steps": args.steps, "elapsed_s": 0.0, "tokens": 0, "preset": dataclasses.asdict(p), "runs": [],
-            "schedule": [{"start": 0, "total": args.steps, "peak": p.lr, "warmup": p.warmup}]}
+    ckpts = jt.Checkpoints(workdir)
+    meta = jt.new_meta(name, args.seed, args.steps, p.lr, p.warmup, next_index=p.data_start,
+                      preset=dataclasses.asdict(p))
     if args.resume:
-        restored = restore_ckpt(mgr, params, opt_state)
-        if restored is not None:
-            params, opt_state, old = restored
-            if old["name"] != name or old["seed"] != args.seed:
-                raise SystemExit(f"{workdir} holds a checkpoint of {old['name']} seed {old['seed']}, not {name} "
-                                 f"seed {args.seed}")
-            finished = old["total_steps"] is not None and old["step"] >= old["total_steps"]
-            if args.steps and old["total_steps"] and args.steps != old["total_steps"] and not (
-                    finished and args.steps > old["step"]):
-                raise SystemExit(f"--steps {args.steps} differs from the checkpoint's unfinished schedule "
-                                 f"({old['total_steps']} steps): resume with the same --steps or none")
-            meta = old
-            meta.setdefault("schedule", [{"start": 0, "total": old["total_steps"], "peak": p.lr, "warmup": p.warmup}])
-            print(f"resumed {name} at step {meta['step']} (example {meta['next_index']}) from {workdir}")
-            if finished and args.steps and args.steps > meta["step"]:
-                peak = p.lr * args.restart_lr
-                meta["schedule"].append({"start": meta["step"], "total": args.steps, "peak": peak,
-                                         "warmup": RESTART_WARMUP})
-                meta["total_steps"] = args.steps
-                print(f"continuing to step {args.steps}: warm restart to lr {peak:.2e}, cosine to 10% of it")
-    log_rows = read_log(log_path, meta["step"])
-    log_path.write_text("".join(json.dumps(r) + "\n" for r in log_rows))
-    meta["runs"].append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
-                         "from_step": meta["step"], "argv": sys.argv[1:]})
-    n_params = model.num_params
-    print(f"{name}: {n_params / 1e6:.2f}M params, batch {p.batch} x {p.seq_len}, tasks {list(p.tasks)}, "
+        try:
+            state, meta, resumed = jt.resume(ckpts, state, meta, args.steps, p.lr * args.restart_lr)
+        except ValueError as e:
+            raise SystemExit(f"{e} (--steps, --seed and the model name must match the checkpoint's)") from None
+        if resumed:
+            print(f"resumed {name} at step {meta['step']} (example {meta['next_index']}) from {workdir}; "
+                  f"schedule {meta['schedule']}")
+    print(f"{name}: {model.num_params / 1e6:.2f}M params, batch {p.batch} x {p.seq_len}, tasks {list(p.tasks)}, "
           f"view {p.view} (T with p={p.t_view_prob}), lr {p.lr}, workdir {workdir}")
     held = heldout_batches(p, args.seed)
-    data = Prefetch(stream(p, "train", args.seed, meta["next_index"]))
+
+    def step(state, batch, lr, i):
+        params, opt_state, m = train_step(state["params"], state["opt_state"], batch, np.float32(lr),
+                                          *map(np.float32, stage_scales(p, i)))
+        logged = {"loss": m["loss"], "acc": m["acc"], "grad_norm": m["grad_norm"]}
+        if p.focus_loss:
+            logged["focus_nll"] = m["focus"]
+        if p.focus_readout:
+            logged["readout_nll"] = m["readout"]
+        return {"params": params, "opt_state": opt_state}, logged
+
+    def evaluate(state):
+        loss, acc = jt.weighted_means(eval_step, state["params"], held)
+        return {"heldout_loss": loss, "heldout_acc": acc}
+
     budget = 60.0 * (args.minutes if args.minutes is not None else p.minutes)
-    total = meta["total_steps"]
-    bar = tqdm(total=total, initial=meta["step"], desc=name, unit="step", mininterval=2.0, dynamic_ncols=True)
-    stopping = {"signal": False}
-
-    def on_term(signum, frame):
-        stopping["signal"] = True
-    signal.signal(signal.SIGTERM, on_term)
-
-    def checkpoint(final=False):
-        ev_loss, ev_acc = evaluate_loss(eval_step, params, held)
-        save_ckpt(mgr, meta["step"], params, opt_state, meta)
-        with log_path.open("a") as f:
-            f.write(json.dumps({"step": meta["step"], "heldout_loss": ev_loss, "heldout_acc": ev_acc,
-                                "tokens": meta["tokens"], "elapsed_s": meta["elapsed_s"]}) + "\n")
-        bar.write(f"step {meta['step']}: heldout loss {ev_loss:.4f}, answer-token acc {ev_acc:.4f}; "
-                  f"checkpoint saved{' (final)' if final else ''}")
-
-    run_start, last_ckpt = time.perf_counter(), time.perf_counter()
-    elapsed0 = meta["elapsed_s"]
-    window, timing = [], None
-    try:
-        while total is None or meta["step"] < total:
-            t0 = time.perf_counter()
-            batch, next_index, n_tok = next(data)
-            lr = lr_at(meta["schedule"], meta["step"])
-            lm_scale, tower_scale = stage_scales(p, meta["step"])
-            params, opt_state, m = train_step(params, opt_state, batch, np.float32(lr), np.float32(lm_scale),
-                                              np.float32(tower_scale))
-            m = jax.device_get(m)
-            dt = time.perf_counter() - t0
-            meta["step"] += 1
-            meta["next_index"] = next_index
-            meta["tokens"] += n_tok
-            meta["elapsed_s"] = elapsed0 + time.perf_counter() - run_start
-            window.append((float(m["loss"]), float(m["acc"]), n_tok, dt, float(m["focus"]), float(m["readout"])))
-            if timing is None:
-                timing = []                      # the first step compiles: not timed
-            else:
-                timing.append(dt)
-            if total is None and len(timing) >= 20:
-                per_step = float(np.median(timing))
-                left = budget - (time.perf_counter() - run_start)
-                total = meta["step"] + max(p.warmup - meta["step"], int(0.92 * left / per_step))
-                meta["total_steps"] = meta["schedule"][-1]["total"] = total
-                bar.total = total
-                bar.write(f"{per_step:.2f} s/step: schedule of {total} steps to fill {budget / 60:.0f} minutes")
-            if meta["step"] % args.log_every == 0:
-                lo, ac, nt, ts, fo, ro = (np.array(c) for c in zip(*window))
-                row = {"step": meta["step"], "loss": float(lo.mean()), "acc": float(ac.mean()), "lr": lr,
-                       "tok_s": float(nt.sum() / ts.sum()), "grad_norm": float(m["grad_norm"]),
-                       "tokens": meta["tokens"], "elapsed_s": meta["elapsed_s"]}
-                if p.focus_loss:
-                    row["focus_nll"] = float(fo.mean())
-                if p.focus_readout:
-                    row["readout_nll"] = float(ro.mean())
-                with log_path.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                window = []
-                bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tok_s']:.0f}",
-                                lr=f"{lr:.2e}", **({"focus": f"{row['focus_nll']:.3f}"} if p.focus_loss else {}),
-                                refresh=False)
-            bar.update()
-            if time.perf_counter() - last_ckpt > 60.0 * args.ckpt_minutes:
-                checkpoint()
-                last_ckpt = time.perf_counter()
-            if time.perf_counter() - run_start > budget or stopping["signal"]:
-                bar.write(f"stopping at step {meta['step']}: "
-                          f"{'SIGTERM' if stopping['signal'] else f'time budget of {budget / 60:.1f} min'} reached")
-                break
-    except KeyboardInterrupt:
-        bar.write(f"interrupted at step {meta['step']}")
-    finally:
-        data.close()
-        bar.close()
-    if mgr.latest_step() != meta["step"]:
-        checkpoint(final=True)
-    done = total is not None and meta["step"] >= total
-    print(f"{name}: step {meta['step']}/{total}, {meta['tokens'] / 1e6:.2f}M tokens, "
+    state, meta = jt.fit(step, state, stream(p, "train", args.seed, meta["next_index"]), meta, workdir, ckpts=ckpts,
+                        budget_s=budget, ckpt_minutes=args.ckpt_minutes, log_every=args.log_every,
+                        evaluate=evaluate, desc=name)
+    done = jt.finished(meta)
+    print(f"{name}: step {meta['step']}/{meta['total_steps']}, {meta['tokens'] / 1e6:.2f}M tokens, "
           f"{meta['elapsed_s'] / 60:.1f} min{'' if done else ' (not finished: rerun with --resume)'}")
     plot(name, workdir)
     if done or args.export_partial:
-        export(name, ports.Model(model.config, params, model.hf_config), meta, workdir, args.out)
+        export(name, ports.Model(model.config, state["params"], model.hf_config), meta, workdir, args.out)
 
 
 # --------------------------------------------------------------------------------------------------- export
 
 
-def _smooth(y: np.ndarray, k: int) -> np.ndarray:
-    if len(y) < k:
-        return y
-    return np.convolve(y, np.ones(k) / k, mode="valid")
-
-
 def plot(name: str, workdir: Path | None = None) -> Path | None:
     """Loss curve (training loss per logged window, smoothed, and held-out loss at checkpoints) as a PNG."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing (pip install -e '.[bench]'): no loss plot")
-        return None
     workdir = Path(workdir or ROOT / "build" / "zoo" / name)
-    rows = read_log(workdir / "log.jsonl")
-    tr = [r for r in rows if "loss" in r]
-    ev = [r for r in rows if "heldout_loss" in r]
-    if not tr:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps, loss = np.array([r["step"] for r in tr]), np.array([r["loss"] for r in tr])
-    ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8)
-    k = 5
-    if len(loss) >= k:
-        ax.plot(steps[k - 1:], _smooth(loss, k), color="tab:blue", label="train (answer tokens)")
-    if ev:
-        ax.plot([r["step"] for r in ev], [r["heldout_loss"] for r in ev], "o-", color="tab:red", ms=4,
-                label="held-out")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / answer token)")
-    toks = tr[-1]["tokens"] / 1e6
-    ax.set_title(f"{name}: {tr[-1]['step']} steps, {toks:.2f}M tokens, {tr[-1]['elapsed_s'] / 60:.0f} min")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    out = RESULTS_DIR / f"zoo-{name}-loss.png"
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    print(f"wrote {out}")
-    return out
+    return jt.plot_log(workdir / "log.jsonl", RESULTS_DIR / f"zoo-{name}-loss.png", name,
+                      ylabel="cross-entropy (nats / answer token)")
 
 
 def reproduce_commands(name: str, meta: dict) -> list[str]:
@@ -979,7 +745,7 @@ def export(name: str, model: ports.Model, meta: dict, workdir: Path, out: Path |
     else:
         for f in sorted(TK.ASSET_DIR.iterdir()):
             shutil.copy(f, out / f.name)
-    rows = read_log(workdir / "log.jsonl")
+    rows = jt.read_log(workdir / "log.jsonl")
     tr = [r for r in rows if "loss" in r]
     ev = [r for r in rows if "heldout_loss" in r]
     info = {"name": name, "params": model.num_params, "steps": meta["step"], "total_steps": meta["total_steps"],
@@ -1008,10 +774,10 @@ def export_cmd(args) -> None:
     workdir = Path(args.workdir or ROOT / "build" / "zoo" / args.name).resolve()
     model = new_model(p, 0)
     tx = make_optimizer(p)
-    restored = restore_ckpt(_checkpointer(workdir), model.params, tx.init(model.params))
+    restored = jt.Checkpoints(workdir).restore({"params": model.params, "opt_state": tx.init(model.params)})
     if restored is None:
         raise SystemExit(f"no checkpoint in {workdir}")
-    params, _, meta = restored
+    params, meta = restored[0]["params"], restored[1]
     meta.setdefault("schedule", [{"start": 0, "total": meta["total_steps"], "peak": p.lr, "warmup": p.warmup}])
     export(args.name, ports.Model(model.config, params, model.hf_config), meta, workdir, args.out)
 

@@ -134,20 +134,6 @@ def test_tower_head_reads_each_cell_from_its_own_token(tz):
         assert diff[tz.REST_SLOTS].all()                                 # the scene-level slots read every token
 
 
-def test_answer_weights_per_token_and_per_example(tz):
-    """Per token: every answer token weighs the same. Per example: each packed example's answer tokens share an equal
-    part, so a one-token answer weighs as much as a long one; padding and prompt tokens weigh nothing."""
-    seg = np.array([[1, 1, 1, 1, 2, 2, 0], [1, 1, 2, 2, 2, 3, 3]], np.int32)
-    mask = np.array([[0, 1, 1, 1, 0, 1, 0], [0, 1, 0, 0, 1, 0, 0]], np.float32)   # row 1, segment 3: no answer
-    tok = np.asarray(tz.answer_weights(jnp.asarray(seg), jnp.asarray(mask), False))
-    np.testing.assert_allclose(tok, mask / mask.sum())
-    ex = np.asarray(tz.answer_weights(jnp.asarray(seg), jnp.asarray(mask), True))
-    np.testing.assert_allclose(ex.sum(), 1.0, rtol=1e-6)
-    assert (ex[mask == 0] == 0).all()
-    np.testing.assert_allclose(ex[0, 1:4], 1 / 12)            # 4 examples with answers; 3 tokens share one quarter
-    np.testing.assert_allclose([ex[0, 5], ex[1, 1], ex[1, 4]], 1 / 4)
-
-
 def test_depth_growth_keeps_the_function_and_trains(tz):
     """A grown model computes its source's logits exactly at step 0 (the twins' output projections are zero), owns
     its buffers (the train step donates them) and its twins learn; a source of the wrong depth is refused."""
