@@ -68,12 +68,30 @@ def _decode_ar(ctx, target, state):
     return loop.run_loop(ctx, lambda s: loop.ar_step(ctx, target, s), state)
 
 
+def _prefill_asks(parts, tokens, lengths, inputs) -> dict:
+    """The forward options of the target's prefill: the prefill hook's and the drafter's, merged (hidden layers
+    united; any other option asked by both must agree)."""
+    asks: dict = {}
+    for part, fn in ((parts.prefill, "asks"), (parts.drafter, "prefill_asks")):
+        if part is None or not hasattr(part, fn):
+            continue
+        for k, v in getattr(part, fn)(tokens, lengths, inputs).items():
+            if k == "hidden_layers":
+                asks[k] = tuple(sorted(set(asks.get(k, ())) | set(v)))
+            elif k in asks and asks[k] is not v:
+                raise ValueError(f"the prefill hook and the drafter both set the prefill option {k!r}")
+            else:
+                asks[k] = v
+    return asks
+
+
 @functools.partial(jax.jit, static_argnames=("ctx", "max_len", "static"))
 def _prefill_sd(ctx, max_len, static, dyn, target, tokens, lengths, inputs, d_prompt, key, sp):
     parts = merge(static, dyn)
-    asks = None if parts.prefill is None else parts.prefill.asks(tokens, lengths, inputs)
+    asks = _prefill_asks(parts, tokens, lengths, inputs)
     state, logits, fo = _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks)
-    prefill = TargetPrefill(logits, fo.hidden, fo.attn, tokens, lengths, state.cache)
+    prefill = TargetPrefill(logits, fo.hidden, fo.attn, tokens, lengths, state.cache,
+                            tuple(asks.get("hidden_layers", ())))
     return SD.sd_start(ctx, parts, target, state, prefill, d_prompt, max_len)
 
 

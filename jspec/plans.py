@@ -81,6 +81,15 @@ class StaticPlan:
     def check(self, rule) -> None:
         pass
 
+    @property
+    def verify_buckets(self) -> tuple[tuple[int, int], ...]:
+        """(depth, nodes) pairs: the first `nodes` nodes (BFS order) hold every node of depth <= `depth`. Depths 1,
+        2, 4, 8, ... and the deepest: under a controller's depth limit the target verifies the smallest bucket that
+        covers every row's limit, not the whole budget."""
+        D = self.layout.max_depth
+        depths = sorted({d for d in (2 ** i for i in range(D.bit_length())) if d < D} | {D})
+        return tuple((d, self.layout.levels[d][1]) for d in depths)
+
     def _tree(self, B: int, decision):
         if decision is not None and decision.tree is not None:
             t = decision.tree

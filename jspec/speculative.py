@@ -44,7 +44,7 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
     drafter prefills, the controller starts."""
     if parts.prefill is not None:
         prompt = parts.prefill.draft_prompt(prefill, prompt)
-    env = DraftEnv(ctx, state.sp, target, state.cache, state.last)
+    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, plan_scratch=parts.plan.scratch)
     ds = parts.drafter.init(env, prefill, prompt, max_len, parts.plan.pending_width)
     B = state.last.shape[0]
     ctrl, decided = None, {}
@@ -79,11 +79,25 @@ def sd_verify(ctx, parts, target, carry):
     state, prop, _ = carry
     tc = state.cache
     pos = kvc.positions(tc, prop.tree.depth)
-    if asks_of(parts.controller).hidden:
-        fo = target.forward(prop.tokens, pos, tc, prop.tree.ancestor, hidden_layers=(target.kv_layout[0],))
-        return state.replace(cache=fo.cache), prop, Verified(fo.logits, fo.hidden[0])
-    fo = target.forward(prop.tokens, pos, tc, prop.tree.ancestor)
-    return state.replace(cache=fo.cache), prop, Verified(fo.logits)
+    hidden = asks_of(parts.controller).hidden
+    N = prop.tokens.shape[1]
+
+    def forward(n):
+        def run(tc):
+            kw = {"hidden_layers": (target.kv_layout[0],)} if hidden else {}
+            fo = target.forward(prop.tokens[:, :n], pos[:, :n], tc, prop.tree.ancestor[:, :n, :n], **kw)
+            pad = lambda x: jnp.pad(x, ((0, 0), (0, N - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+            return fo.cache, pad(fo.logits), pad(fo.hidden[0]) if hidden else None
+        return run
+
+    buckets = [n for _, n in getattr(parts.plan, "verify_buckets", ())]
+    if prop.decision is None or prop.decision.depth is None or len(buckets) < 2:
+        tc, logits, hid = forward(N)(tc)
+    else:  # verify only the levels some row drafted: the smallest bucket covering every row's depth limit
+        need = jnp.max(jnp.where(state.done, 1, prop.decision.depth))
+        depths = jnp.asarray([d for d, _ in parts.plan.verify_buckets])
+        tc, logits, hid = jax.lax.switch(jnp.argmax(depths >= need), [forward(n) for n in buckets], tc)
+    return state.replace(cache=tc), prop, Verified(logits, hid)
 
 
 def _along(x: jax.Array, path: jax.Array) -> jax.Array:

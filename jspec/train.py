@@ -294,7 +294,8 @@ def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *
 
     - `step_fn(state, batch, lr, step) -> (state, metrics)`: one update at the schedule's learning rate; metrics
       are scalars, averaged over each logged window.
-    - `data` yields (batch, next_index, n_tokens) from `meta["next_index"]` on; it runs in a background thread.
+    - `data` yields (batch, next_index, n_tokens) from `meta["next_index"]` on (an int, or a tuple of ints for a
+      mix of streams); it runs in a background thread.
     - Every `log_every` steps a row (window means, lr, tok_s, tokens, elapsed_s) goes to `workdir/log.jsonl`;
       every `ckpt_minutes` and at the end, `evaluate(state)`'s dict is logged and a checkpoint saved.
     - Without a schedule length, the first 20 timed steps size it to fill `budget_s`.
@@ -343,7 +344,7 @@ def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             dt = time.perf_counter() - t0
             meta["step"] += 1
-            meta["next_index"] = int(next_index)
+            meta["next_index"] = _jsonable(next_index)
             meta["tokens"] += int(n_tok)
             meta["elapsed_s"] = elapsed0 + time.perf_counter() - run_start
             window.append((metrics, int(n_tok), dt))
@@ -386,6 +387,11 @@ def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *
     if ckpts.latest_step() != meta["step"]:
         checkpoint(final=True)
     return state, meta
+
+
+def _jsonable(x):
+    """A data cursor as JSON keeps it: an int, or a list of ints (several streams)."""
+    return [int(v) for v in x] if isinstance(x, (tuple, list)) else int(x)
 
 
 def finished(meta: dict) -> bool:

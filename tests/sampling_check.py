@@ -5,6 +5,7 @@ three generated tokens. Their joint distribution is compared by a chi-square tes
 computed from the target's logits. A wrong residual rule (e.g. resampling from p instead of norm(max(0, p - q)))
 fails this check (tests/test_parts.py shows one failing).
 """
+import dataclasses
 import itertools
 
 import jax
@@ -22,8 +23,10 @@ ROWS = 12000
 
 
 def tiny_vocab_pair():
-    """(target, draft) over a 6-token vocabulary, different enough that drafts are accepted and rejected."""
-    return ports.random_model(T_CFG, key=10, std=0.4), ports.random_model(T_CFG, key=11, std=0.6)
+    """(target, draft) over a 6-token vocabulary, different enough that drafts are accepted and rejected. The
+    target has two layers (an early-exit drafter exits after the first)."""
+    return (ports.random_model(dataclasses.replace(T_CFG, num_layers=2), key=13, std=0.4),
+            ports.random_model(T_CFG, key=11, std=0.6))
 
 
 def exact_joint(target, n=3):

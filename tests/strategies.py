@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 import jspec
@@ -18,6 +19,7 @@ from jspec.drafters import ModelDrafter
 from jspec.plans import StaticPlan
 from jspec.trees import Layout, build_tree, chain
 from toy_parts import CycleDepth, FixedTrees, TwoViews, per_row_trees
+from jspec.drafters.early_exit import init_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,3 +60,21 @@ register("per_row_trees", lambda t, d: jspec.Speculative(
     exact=True)
 register("two_views", lambda t, d: jspec.Speculative(TwoViews(ModelDrafter(d), ModelDrafter(d), jnp.asarray([.4, .6])),
                                                      StaticPlan.of(build_tree(chain(3)))), exact=True)
+
+
+def eesd_head(target, num_layers=1):
+    """An early-exit head after the target's first layer, nudged off the target's own layers so that drafts are
+    both accepted and rejected."""
+    head = init_head(target, exit_layer=1, num_layers=num_layers)
+    leaves, tree = jax.tree.flatten(head.params)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    noisy = [a + 0.3 * jnp.std(a) * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)]
+    return head.replace(params=jax.tree.unflatten(tree, noisy))
+
+
+register("eesd_beta", lambda t, d: jspec.EESD(eesd_head(t), k_max=5), exact=True, separate_draft=False)
+register("eesd_fixed_tree", lambda t, d: jspec.EESD(eesd_head(t), controller=2, k_max=3, tree=[[0], [1], [0, 0], [1, 0]]),
+         exact=True, separate_draft=False)
+register("eesd_head_only", lambda t, d: jspec.EESD(eesd_head(t, 0), controller=3, k_max=4), exact=True,
+         separate_draft=False)
+register("chain_beta_ts", lambda t, d: jspec.Chain(d, gamma=6, controller=jspec.BetaTS()), exact=True)

@@ -7,6 +7,8 @@ once per decode (`check`, `prepare`) and on the device inside the jitted step:
 - `map_models(fn)`: the drafter with `fn` applied to every model it runs (placement on a mesh, image mode).
 - `prepare(setup: Setup) -> Prepared`: the drafter as it will run (guided, replicated) and its prompt, a pytree
   of host or device arrays handed to `init` inside the prefill program, with the cache extent it needs.
+- optional `prefill_asks(tokens, lengths, inputs) -> dict`: forward options for the target's prefill whose
+  by-products `init` reads (e.g. `{"hidden_layers": (N,)}`: an early-exit drafter's prompt states at layer N).
 - `init(env, prefill: TargetPrefill, prompt, max_len, pending_width) -> state`: prefill; `prefill` holds the
   target prefill's by-products (logits, requested hidden states and attention, its cache).
 - `root(env, state) -> (logp [B, 1, V], aux, state)`: the distribution after the newest committed token
@@ -37,6 +39,7 @@ class DraftEnv(NamedTuple):
     tcache: Any  # the target's KV cache at the step's start (committed tokens before `last`)
     last: jax.Array  # [B] the newest committed token (the tree's root)
     decision: Any = None  # controllers.Decision of this step
+    plan_scratch: int = 0  # the plan's draft scratch slots (set for `init`: a drafter may size buffers by it)
 
 
 class Setup(NamedTuple):
@@ -64,11 +67,18 @@ class TargetPrefill(NamedTuple):
     """The target prefill's by-products, handed to the prefill hook and the drafter's `init`."""
 
     logits: jax.Array  # [B, V] at each row's last prompt token
-    hidden: tuple  # hidden states the hook asked for, each [B, T, D]
+    hidden: tuple  # hidden states the hook and the drafter asked for, each [B, T, D], in the order of `layers`
     attn: jax.Array | None  # [B, S] attention over prompt slots when the hook asked (`attn_query_weights`)
     tokens: jax.Array  # [B, T]
     lengths: jax.Array  # [B]
     cache: Any  # the target's cache after the prefill
+    layers: tuple = ()  # the layer index of each entry of `hidden`
+
+    def hidden_at(self, layer: int) -> jax.Array:
+        """The residual stream after the target's first `layer` layers, [B, T, D] (it must have been asked for)."""
+        if layer not in self.layers:
+            raise ValueError(f"the target prefill kept hidden states of layers {self.layers}, not {layer}")
+        return self.hidden[self.layers.index(layer)]
 
 
 class Catchup(NamedTuple):

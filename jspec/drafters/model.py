@@ -124,25 +124,31 @@ class ModelDrafter:
         return draft_log_probs(logits, env), None, ds.replace(cache=dc)
 
     def commit(self, env: DraftEnv, ds: DraftState, c: Catchup) -> DraftState:
-        """The leading accepted nodes the draft fed (`prop.fed`) are committed from its scratch slots; the rest
-        wait in `pending`. A finished row feeds nothing new: it re-reads `last` at its slot."""
-        dc, a, active, new, prop = ds.cache, c.accepted, c.active, c.new, c.prop
-        W = ds.pending.shape[1]
-        D = c.path.shape[1] - 1
-        if prop.fed is None:
-            if W < D + 1:
-                raise ValueError(f"a proposal without `fed` needs pending_width >= {D + 1} (the whole path), got {W}")
-            fed, slots = jnp.zeros_like(a), None
-        else:
-            slots = jnp.take_along_axis(prop.fed, c.path[:, 1:], axis=1)  # [B, D]
-            usable = (slots >= 0) & (jnp.arange(D)[None, :] < a[:, None])
-            fed = jnp.sum(jnp.cumprod(usable.astype(jnp.int32), axis=1), axis=1)
-        fed = jnp.where(active, fed, 0)
+        return DraftState(*commit_fed(env, ds.cache, ds.pending, c))
+
+
+def commit_fed(env: DraftEnv, dc: kvc.KVCache | None, pending: jax.Array, c: Catchup):
+    """A drafter cache's catch-up after a step: (cache, pending, n_pending). The leading accepted nodes the drafter
+    fed (`prop.fed`) are committed from its scratch slots; the rest wait in `pending`. A finished row feeds
+    nothing new: it re-reads `last` at its slot. A drafter without a cache of its own passes None."""
+    a, active, new, prop = c.accepted, c.active, c.new, c.prop
+    W = pending.shape[1]
+    D = c.path.shape[1] - 1
+    if prop.fed is None:
+        if W < D + 1:
+            raise ValueError(f"a proposal without `fed` needs pending_width >= {D + 1} (the whole path), got {W}")
+        fed, slots = jnp.zeros_like(a), None
+    else:
+        slots = jnp.take_along_axis(prop.fed, c.path[:, 1:], axis=1)  # [B, D]
+        usable = (slots >= 0) & (jnp.arange(D)[None, :] < a[:, None])
+        fed = jnp.sum(jnp.cumprod(usable.astype(jnp.int32), axis=1), axis=1)
+    fed = jnp.where(active, fed, 0)
+    if dc is not None:
         if slots is not None:
             dc = kvc.commit(dc, fed) if c.is_chain else kvc.commit_path(dc, jnp.maximum(slots, 0), fed)
-        idx = jnp.minimum(fed[:, None] + jnp.arange(W)[None, :], new.shape[1] - 1)
-        pending = jnp.take_along_axis(new, idx, axis=1)
-        last_only = jnp.zeros_like(pending).at[:, 0].set(env.last)
         dc = SH.constrain(env.ctx.placement, dc.replace(length=jnp.where(active, dc.length, dc.length - 1)),
                           replicated=True)
-        return DraftState(dc, jnp.where(active[:, None], pending, last_only), jnp.where(active, a + 1 - fed, 1))
+    idx = jnp.minimum(fed[:, None] + jnp.arange(W)[None, :], new.shape[1] - 1)
+    nxt = jnp.take_along_axis(new, idx, axis=1)
+    last_only = jnp.zeros_like(nxt).at[:, 0].set(env.last)
+    return dc, jnp.where(active[:, None], nxt, last_only), jnp.where(active, a + 1 - fed, 1)

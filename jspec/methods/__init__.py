@@ -1,0 +1,1 @@
+"""The paper methods, each a preset of the engine's parts (`jspec.strategy.Speculative`)."""

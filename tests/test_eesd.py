@@ -1,0 +1,195 @@
+"""EESD: the early-exit drafter runs the target's own first N layers (a head that copies the rest of the target
+drafts exactly what the target would, so every draft is accepted), holds no copy of them, saves and loads in the
+PyTorch layout, and refuses what it cannot run; the Beta-TS controller's posterior update table and its draft-length
+distribution; the depth a controller picks changes no compiled program. Greedy == AR, rows independent, exact
+sampling and the 8-device mesh: tests/strategies.py registers EESD with the conformance suite."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+import ports
+from jspec import api
+from jspec.controllers import Record
+from jspec.controllers.draft_length import BetaTS, FixedK, leading_ones
+from jspec.drafters import early_exit as EE
+from ports import layers as L
+from tiny_pairs import CFG, PROMPTS, tiny_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+def test_a_head_that_copies_the_rest_of_the_target_drafts_what_the_target_says(pair):
+    """Exit after layer 1 of 3 with a head of the target's layers 2-3, norm and LM head: the drafter computes the
+    target's own function through the shared layers' two-source attention, so every draft is accepted (greedy and
+    sampled), in a chain and in a tree."""
+    target, _ = pair
+    head = EE.init_head(target, exit_layer=1, num_layers=2)
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=20, eos_token_id=())
+    for tree in (None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]):
+        strat = jspec.EESD(head, controller=4, k_max=6, tree=tree)
+        out = jspec.decode(target, PROMPTS, strat, max_new_tokens=20, eos_token_id=())
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+        full = 5 if tree is None else 4     # depth 4 (chain, FixedK(4)) or the tree's depth 3, + the bonus
+        acc = out.stats["accepted"]
+        assert (acc[:, :3] == full).all(), acc
+        sampled = jspec.decode(target, PROMPTS, strat, max_new_tokens=20, eos_token_id=(), temperature=1.0,
+                               key=jax.random.key(4))
+        assert (sampled.stats["accepted"][:, :3] == full).all()
+
+
+def test_two_source_attention_equals_attention_over_the_joined_cache():
+    rng = np.random.default_rng(0)
+    B, T, H, KVH, Dh, Sa, Sb = 2, 3, 4, 2, 8, 7, 5
+    q = jnp.asarray(rng.normal(size=(B, T, H, Dh)), jnp.float32)
+    ka, va = (jnp.asarray(rng.normal(size=(B * KVH, Sa, Dh)), jnp.float32) for _ in range(2))
+    kb, vb = (jnp.asarray(rng.normal(size=(B * KVH, Sb, Dh)), jnp.float32) for _ in range(2))
+    vis_a = jnp.asarray(rng.random((B, T, Sa)) < 0.6).at[:, :, 0].set(True)
+    vis_b = jnp.asarray(rng.random((B, T, Sb)) < 0.5)
+    got = EE.two_source_attention(q, ka, va, vis_a, kb, vb, vis_b)
+    want = L.attention(q, jnp.concatenate([ka, kb], 1), jnp.concatenate([va, vb], 1),
+                       jnp.concatenate([vis_a, vis_b], -1))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_the_drafter_holds_only_its_own_layers_and_head(pair):
+    target, _ = pair
+    D, V = CFG.hidden_size, CFG.vocab_size
+    layer_bytes = sum(a.nbytes for a in jax.tree.leaves(target.params["layers"][0]))
+    for k in (0, 1, 2):
+        drafter = EE.EarlyExitDrafter(EE.init_head(target, exit_layer=1, num_layers=k))
+        held = sum(a.nbytes for a in jax.tree.leaves(drafter))
+        assert held == k * layer_bytes + 4 * (D + D * V)
+    assert EE.init_head(target, 1, 0).num_params == D + D * V   # the head-only ablation
+
+
+def test_bad_inputs_are_refused(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="out of range"):
+        EE.init_head(target, exit_layer=3)
+    with pytest.raises(ValueError, match="out of range"):
+        EE.init_head(target, exit_layer=0)
+    with pytest.raises(ValueError, match="k_max"):
+        jspec.EESD(EE.init_head(target, 1), k_max=0)
+    with pytest.raises(ValueError, match="fixed draft length"):
+        jspec.decode(target, PROMPTS, jspec.EESD(EE.init_head(target, 1), controller=0), max_new_tokens=4)
+    other = ports.random_model(CFG, key=77)
+    with pytest.raises(ValueError, match="made for another target"):
+        jspec.decode(other, PROMPTS, jspec.EESD(EE.init_head(target, 1)), max_new_tokens=4)
+    with pytest.raises(ValueError, match="LLaMA-family"):
+        EE.text_model(type("M", (), {"config": type("C", (), {"model_type": "chameleon"})(), "params": {}})())
+    with pytest.raises(ValueError, match="draft_prompt does not apply"):
+        jspec.decode(target, PROMPTS, jspec.EESD(EE.init_head(target, 1)), max_new_tokens=4, draft_prompt=PROMPTS)
+
+
+def test_head_saves_and_loads_in_the_pytorch_layout(pair, tmp_path):
+    target, _ = pair
+    head = EE.init_head(target, exit_layer=1, num_layers=1)
+    head = head.replace(params=jax.tree.map(lambda a: a + 0.01 * jnp.arange(a.size).reshape(a.shape) / a.size,
+                                            head.params))
+    EE.save_head(head, target, str(tmp_path / "h"))
+    sd = EE.torch_state_dict(head, CFG)
+    assert sd["lm_head.weight"].shape == (CFG.vocab_size, CFG.hidden_size)
+    assert sd["layers.0.self_attn.q_proj.weight"].shape == (CFG.num_heads * CFG.head_dim, CFG.hidden_size)
+    assert {"norm.weight", "layers.0.mlp.down_proj.weight", "layers.0.input_layernorm.weight"} <= set(sd)
+    back = EE.load_head(str(tmp_path / "h"), target)
+    assert back.exit_layer == 1 and back.target == head.target
+    for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="made for another target"):
+        EE.load_head(str(tmp_path / "h"), ports.random_model(CFG, key=5))
+    with pytest.raises(ValueError, match="holds no early-exit head"):
+        EE.load_head(str(tmp_path), target)
+
+
+def _record(accepted, drafted, active=None):
+    a = jnp.asarray(accepted, jnp.int32)
+    z = jnp.zeros_like(a)
+    return Record(accepted=a, committed=a + 1, active=jnp.ones(a.shape, bool) if active is None else
+                  jnp.asarray(active), depth=jnp.asarray(drafted), drafted=jnp.asarray(drafted), path=z[:, None],
+                  on_path=z[:, None] > 0, tokens=z[:, None])
+
+
+def test_beta_ts_update_table():
+    """alpha += accepted; beta += min(2, drafted - accepted): all accepted 0, the last rejected 1, an earlier one 2
+    (`clean`: 1 for any rejection); finished rows are left alone."""
+    ts = BetaTS(1.0, 1.0)
+    s = ts.init(5, 8)
+    s = ts.observe(s, _record([5, 4, 1, 0, 3], [5, 5, 5, 3, 5], [True, True, True, True, False]))
+    np.testing.assert_array_equal(s.alpha, [6, 5, 2, 1, 1])
+    np.testing.assert_array_equal(s.beta, [1, 2, 3, 3, 1])
+    clean = BetaTS(1.0, 1.0, clean=True)
+    c = clean.observe(clean.init(3, 8), _record([5, 4, 1], [5, 5, 5]))
+    np.testing.assert_array_equal(c.beta, [1, 2, 2])
+
+
+def test_beta_ts_draft_lengths_follow_the_posterior():
+    """With the posterior concentrated at theta, P(depth > i) = theta^i (capped at the plan's depth); a round drafts
+    at least one token."""
+    assert list(leading_ones(jnp.asarray([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], bool))) == [2, 0, 4]
+    theta, K, B = 0.7, 6, 20000
+    ts = BetaTS(theta * 1e5, (1 - theta) * 1e5)
+    depth = np.asarray(ts.plan(ts.init(B, K), jax.random.key(0)).depth)
+    assert depth.min() >= 1 and depth.max() == K
+    for i in range(1, K):
+        assert abs((depth > i).mean() - theta ** i) < 0.015, i
+    flat = BetaTS(1.0, 1.0)       # uniform theta: P(depth > 1) = E[theta] = 1/2
+    d = np.asarray(flat.plan(flat.init(B, K), jax.random.key(1)).depth)
+    assert abs((d > 1).mean() - 0.5) < 0.015
+
+
+def test_controllers_change_the_depth_without_recompiling(pair):
+    target, draft = pair
+    head = EE.init_head(target, 1, 1)
+    outs = {}
+    for i, ctl in enumerate((FixedK(jnp.int32(2)), FixedK(jnp.int32(5)))):
+        outs[i] = jspec.decode(target, PROMPTS, jspec.EESD(head, controller=ctl, k_max=8), max_new_tokens=16)
+        if i == 0:
+            n = api._decode_sd._cache_size(), api._prefill_sd._cache_size()
+    assert (api._decode_sd._cache_size(), api._prefill_sd._cache_size()) == n
+    assert (outs[0].stats["depth"] == 2).all() and (outs[1].stats["depth"] == 5).all()
+    for a0 in (1.0, 9.0):
+        jspec.decode(target, PROMPTS, jspec.EESD(head, controller=BetaTS(a0, 1.0), k_max=8), max_new_tokens=16)
+        if a0 == 1.0:
+            n = api._decode_sd._cache_size()
+    assert api._decode_sd._cache_size() == n
+    # Beta-TS in place of a separate draft's fixed gamma (EESD Table 5)
+    chain = jspec.decode(target, PROMPTS, jspec.Chain(draft, gamma=8, controller=BetaTS()), max_new_tokens=16)
+    np.testing.assert_array_equal(chain.tokens, outs[0].tokens)
+    assert len(set(chain.stats["depth"][0].tolist())) > 1
+
+
+def test_verify_buckets_cover_the_levels():
+    from jspec.plans import StaticPlan
+    from jspec.trees import build_tree, chain
+
+    plan = StaticPlan.of(build_tree(chain(32)))
+    assert plan.verify_buckets == ((1, 2), (2, 3), (4, 5), (8, 9), (16, 17), (32, 33))
+    tree = StaticPlan.of(build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]]))
+    assert tree.verify_buckets == ((1, 3), (2, 5), (3, 6))
+
+
+def test_exit_layer_hidden_states_come_from_the_target_prefill(pair):
+    """The drafter asks the target's prefill for layer N's states; a prefill hook asking for another layer gets
+    its own beside them."""
+    target, _ = pair
+    head = EE.init_head(target, 2, 1)
+    parts = dataclasses.replace(jspec.EESD(head).parts(), prefill=_AsksLayer1())
+    assert api._prefill_asks(parts, None, None, None) == {"hidden_layers": (1, 2)}
+    out = jspec.decode(target, PROMPTS, parts, max_new_tokens=8, eos_token_id=())
+    np.testing.assert_array_equal(out.tokens, jspec.decode(target, PROMPTS, max_new_tokens=8, eos_token_id=()).tokens)
+
+
+class _AsksLayer1:
+    def asks(self, tokens, lengths, inputs):
+        return {"hidden_layers": (1,)}
+
+    def draft_prompt(self, prefill, prompt):
+        assert prefill.hidden_at(1).shape == prefill.hidden_at(2).shape
+        return prompt
