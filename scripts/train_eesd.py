@@ -5,9 +5,10 @@
     python scripts/train_eesd.py --target DIR --texts open.jsonl --exit-layer 3 ...       # an HF checkpoint
 
 The head: `--layers` decoder layers initialised from the target's last ones (0: the head-only ablation), the final
-norm and an untied LM head initialised from the target's. Data: open text (a zoo target: the zoo's own text tasks;
-otherwise --texts, a JSON-lines file of {"text": ...}) mixed with the target's own generations for prompts of the
-same data (`--gen-share` of each batch's rows; the first --greedy-first tokens greedy, the rest sampled: the
+norm and an untied LM head initialised from the target's. Data: open text (a zoo target: the answers of the zoo's
+own text tasks, the text a zoo model is trained to write; otherwise --texts, a JSON-lines file of {"text": ...})
+mixed with the target's own generations for prompts of the
+same data (`--gen-share` of each batch's rows, the continuations weighted; the first --greedy-first tokens greedy, the rest sampled: the
 LLM-QAT hybrid EESD uses; 0 trains on open text alone, the paper's "w/o SD" ablation). The generations are made
 once and kept in the work directory. Loss: next-token cross-entropy; AdamW, warmup + cosine (`jspec.train`).
 Orbax checkpoints every --ckpt-minutes and on Ctrl-C / SIGTERM; `--resume` continues bit-identically. At the end
@@ -52,7 +53,7 @@ def zoo_open_stream(batch: int, seq_len: int, seed: int, start: int, split: str 
     D.register_described_tasks()
     for b in D.batches(split, batch, seq_len, seed, tasks=D.TEXT_PAIR_TASKS, view="T", pack=True, start=start):
         yield ({"input_ids": b["input_ids"], "targets": b["targets"], "segment_ids": b["segment_ids"],
-                "positions": b["positions"], "weights": (b["targets"] != 0).astype(np.float32)},
+                "positions": b["positions"], "weights": b["target_mask"].astype(np.float32)},
                int(b["next_index"]))
 
 
@@ -124,18 +125,19 @@ def main(argv=None) -> None:
     print(f"{tag}: head {head.num_params / 1e6:.2f}M params ({args.layers} layer(s) + norm + LM head) on "
           f"{cfg.num_layers}-layer {args.target} exiting after layer {args.exit_layer}; workdir {workdir}")
 
-    gen = None
+    gen = gen_starts = None
     if args.gen_share > 0:
         cache = workdir / "generations.npz"
         if cache.exists():
             z = np.load(cache)
-            gen = np.split(z["tokens"], z["ends"][:-1])
+            gen, gen_starts = np.split(z["tokens"], z["ends"][:-1]), z["starts"]
         else:
             prompts = zoo_prompts(args.gen_prompts, args.seed) if is_zoo else file_texts(args.texts, args.target)[
                 :args.gen_prompts]
             gen = ET.self_distillation_texts(target, prompts, args.gen_tokens, args.greedy_first,
                                              key=jax.random.key(args.seed))
-            np.savez(cache, tokens=np.concatenate(gen), ends=np.cumsum([len(g) for g in gen]))
+            gen_starts = np.asarray([len(p) for p in prompts])
+            np.savez(cache, tokens=np.concatenate(gen), ends=np.cumsum([len(g) for g in gen]), starts=gen_starts)
         print(f"{len(gen)} target generations, {sum(map(len, gen))} tokens")
 
     if is_zoo:
@@ -147,7 +149,7 @@ def main(argv=None) -> None:
         cut = max(1, len(texts) // 20)
         open_stream = ET.pack(texts[cut:], args.batch, args.seq_len, meta["next_index"][0])
         held = [b for b, _ in (next(it) for it in [ET.pack(texts[:cut], args.batch, args.seq_len)] * 4)]
-    gen_stream = ET.pack(gen, args.batch, args.seq_len, meta["next_index"][1]) if gen else None
+    gen_stream = ET.pack(gen, args.batch, args.seq_len, meta["next_index"][1], gen_starts) if gen else None
     train_step, eval_step = ET.make_steps(cfg, args.exit_layer, tx)
 
     def step(state, batch, lr, i):

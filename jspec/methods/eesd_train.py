@@ -94,7 +94,8 @@ def self_distillation_texts(target, prompts: Sequence[np.ndarray], max_new_token
                             temperature: float = 1.0, key=None, eos_token_id=None, batch_size: int = 32,
                             progress: bool = True) -> list[np.ndarray]:
     """Prompt + the target's own continuation, per prompt (the LLM-QAT hybrid: the first `greedy_first` tokens
-    greedy, the rest sampled at `temperature`), each ending at its EOS or after `max_new_tokens`."""
+    greedy, the rest sampled at `temperature`), each ending at its EOS or after `max_new_tokens`. The prompt's
+    length is len(prompts[i]): `pack(..., starts=)` trains on the continuation alone."""
     import jspec
     from tqdm import tqdm
 
@@ -112,9 +113,11 @@ def self_distillation_texts(target, prompts: Sequence[np.ndarray], max_new_token
     return out
 
 
-def pack(seqs: Sequence[np.ndarray], batch_size: int, seq_len: int, start: int = 0) -> Iterator[tuple[dict, int]]:
+def pack(seqs: Sequence[np.ndarray], batch_size: int, seq_len: int, start: int = 0,
+         starts: Sequence[int] | None = None) -> Iterator[tuple[dict, int]]:
     """Endless fixed-shape batches of `seqs` packed next-fit into rows (cycling; sequences longer than seq_len are
-    cut to it), from sequence index `start` on; yields (batch, next index)."""
+    cut to it), from sequence index `start` on; yields (batch, next index). Every next token is weighted, or, with
+    `starts`, those of sequence i from position starts[i] on (a prompt's continuation)."""
     if not len(seqs):
         raise ValueError("pack needs at least one sequence")
     i = start
@@ -132,7 +135,8 @@ def pack(seqs: Sequence[np.ndarray], batch_size: int, seq_len: int, start: int =
                 L = len(s)
                 b["input_ids"][r, used:used + L] = s
                 b["targets"][r, used:used + L - 1] = s[1:]
-                w[r, used:used + L - 1] = 1.0
+                first = 0 if starts is None else max(int(starts[(i) % len(seqs)]) - 1, 0)
+                w[r, used + first:used + L - 1] = 1.0
                 b["segment_ids"][r, used:used + L] = seg
                 b["positions"][r, used:used + L] = np.arange(L)
                 used += L

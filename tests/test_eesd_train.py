@@ -1,0 +1,48 @@
+"""EESD self-distillation: packing weights only the continuations asked for, the frozen shared layers' states are
+the target's own, and a few steps of training lower the loss while leaving the target untouched."""
+import jax
+import numpy as np
+
+import jspec
+from jspec import train as jt
+from jspec.drafters import early_exit as EE
+from jspec.methods import eesd_train as ET
+from tiny_pairs import PROMPTS, tiny_pair
+
+
+def test_pack_weights_next_tokens_of_the_continuation():
+    seqs = [np.array([5, 6, 7, 8]), np.array([9, 10, 11])]
+    b, nxt = next(ET.pack(seqs, 2, 8, starts=[2, 1]))
+    np.testing.assert_array_equal(b["input_ids"][0], [5, 6, 7, 8, 9, 10, 11, 0])
+    np.testing.assert_array_equal(b["targets"][0], [6, 7, 8, 0, 10, 11, 0, 0])
+    np.testing.assert_array_equal(b["segment_ids"][0], [1, 1, 1, 1, 2, 2, 2, 0])
+    np.testing.assert_array_equal(b["positions"][0], [0, 1, 2, 3, 0, 1, 2, 0])
+    np.testing.assert_array_equal(b["weights"][0], [0, 1, 1, 0, 1, 1, 0, 0])   # from the token before each start
+    assert nxt == 4
+
+
+def test_training_lowers_the_loss_and_reads_the_targets_own_states():
+    target, _ = tiny_pair()
+    head = EE.init_head(target, exit_layer=1, num_layers=1)
+    cfg, lm = ET.head_target_lm(target, head)
+    texts = ET.self_distillation_texts(target, PROMPTS, max_new_tokens=10, greedy_first=3, progress=False)
+    for t, p in zip(texts, PROMPTS):
+        np.testing.assert_array_equal(t[:len(p)], p)
+        assert len(t) > len(p)
+    batch, _ = next(ET.pack(texts, 3, 32, starts=[len(p) for p in PROMPTS]))
+    h = ET.exit_states(cfg, lm, 1, batch)
+    full = target.forward(batch["input_ids"][:1, :len(texts[0])], batch["positions"][:1, :len(texts[0])],
+                          jspec.loop.new_cache_for(target, 1, len(texts[0])), hidden_layers=(1,), fresh=True)
+    np.testing.assert_allclose(h[0, :len(texts[0])], full.hidden[0][0], rtol=1e-4, atol=1e-4)
+    tx = jt.adamw(0.0)
+    step, eval_step = ET.make_steps(cfg, 1, tx)
+    params, opt = head.params, tx.init(head.params)
+    before = jax.tree.map(np.asarray, lm)
+    first = ET.loss_fn(cfg, 1, params, lm, batch)[0]
+    for _ in range(30):
+        params, opt, m = step(params, opt, lm, batch, 3e-3)
+    assert float(ET.loss_fn(cfg, 1, params, lm, batch)[0]) < 0.5 * float(first)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(lm)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    ev = ET.evaluate(eval_step, params, lm, [batch])
+    assert 0.0 <= ev["heldout_agreement"] <= 1.0 and ev["heldout_acc"] > 0.5
