@@ -22,10 +22,12 @@ PROMPT = np.array([1, 4, 2])
 ROWS = 12000
 
 
-def tiny_vocab_pair():
-    """(target, draft) over a 6-token vocabulary, different enough that drafts are accepted and rejected. The
-    target has two layers (an early-exit drafter exits after the first)."""
-    return (ports.random_model(dataclasses.replace(T_CFG, num_layers=2), key=13, std=0.4),
+def tiny_vocab_pair(target_layers: int = 1):
+    """(target, draft) over a 6-token vocabulary, different enough that drafts are accepted and rejected. A
+    two-layer target (`target_layers=2`) is for drafters that exit after its first layer."""
+    if target_layers == 1:
+        return ports.random_model(T_CFG, key=10, std=0.4), ports.random_model(T_CFG, key=11, std=0.6)
+    return (ports.random_model(dataclasses.replace(T_CFG, num_layers=target_layers), key=13, std=0.4),
             ports.random_model(T_CFG, key=11, std=0.6))
 
 

@@ -27,15 +27,16 @@ class Entry:
     make: Callable
     exact: bool  # claims to sample the target's distribution exactly
     separate_draft: bool = True  # drafts with a model of its own (the vocabulary check applies)
+    target_layers: int = 1  # layers of the tiny-vocabulary target of the sampling test (an early exit needs 2)
 
 
 REGISTRY: dict[str, Entry] = {}
 
 
-def register(name: str, make: Callable, exact: bool, separate_draft: bool = True) -> None:
+def register(name: str, make: Callable, exact: bool, separate_draft: bool = True, target_layers: int = 1) -> None:
     if name in REGISTRY:
         raise ValueError(f"strategy {name!r} is registered twice")
-    REGISTRY[name] = Entry(make, exact, separate_draft)
+    REGISTRY[name] = Entry(make, exact, separate_draft, target_layers)
 
 
 SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
@@ -72,9 +73,10 @@ def eesd_head(target, num_layers=1):
     return head.replace(params=jax.tree.unflatten(tree, noisy))
 
 
-register("eesd_beta", lambda t, d: jspec.EESD(eesd_head(t), k_max=5), exact=True, separate_draft=False)
+register("eesd_beta", lambda t, d: jspec.EESD(eesd_head(t), k_max=5), exact=True, separate_draft=False,
+         target_layers=2)
 register("eesd_fixed_tree", lambda t, d: jspec.EESD(eesd_head(t), controller=2, k_max=3, tree=[[0], [1], [0, 0], [1, 0]]),
-         exact=True, separate_draft=False)
+         exact=True, separate_draft=False, target_layers=2)
 register("eesd_head_only", lambda t, d: jspec.EESD(eesd_head(t, 0), controller=3, k_max=4), exact=True,
-         separate_draft=False)
+         separate_draft=False, target_layers=2)
 register("chain_beta_ts", lambda t, d: jspec.Chain(d, gamma=6, controller=jspec.BetaTS()), exact=True)

@@ -65,7 +65,7 @@ def test_draft_of_another_vocabulary_is_refused(pair, name):
 
 @pytest.mark.parametrize("name", [n for n in NAMES if REGISTRY[n].exact])
 def test_sampling_is_exact(name):
-    target, draft = tiny_vocab_pair()
+    target, draft = tiny_vocab_pair(REGISTRY[name].target_layers)
     pval, tv, out = exactness(target, REGISTRY[name].make(target, draft))
     assert out.stats["mean_accepted"].mean() > 1.1  # drafts were really accepted (and rejected) on the way
     assert pval > 1e-3, (pval, tv)
