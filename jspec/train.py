@@ -42,6 +42,13 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     return (x * m).sum() / jnp.maximum(m.sum(), 1.0)
 
 
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T, T] bool for packed rows: query t sees key s <= t of the same packed example (segment > 0)."""
+    T = segment_ids.shape[1]
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
+    return same & jnp.tril(jnp.ones((T, T), bool))[None]
+
+
 def answer_weights(segment_ids: jax.Array, mask: jax.Array, per_example: bool) -> jax.Array:
     """[B, T] weights of the masked tokens, summing to 1: equal per token, or (per_example) equal per packed
     example (`segment_ids` number a row's examples from 1; 0 is padding), shared by that example's tokens."""

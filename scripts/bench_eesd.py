@@ -92,7 +92,8 @@ def main(argv=None) -> None:
             out = r["first"]
             wall = float(np.median(r["wall"]))
             same = bool(np.array_equal(out.tokens, ar["first"].tokens))
-            row = {"scenario": scen, "strategy": n, **hm_metrics(out), "tok_s": hm_metrics(out)["tokens"] / wall,
+            m = hm_metrics(out)
+            row = {"scenario": scen, "strategy": n, **m, "tok_s": m["tokens"] / wall,
                    "speedup": ar_wall / wall, "same_as_ar": same, "compile_s": r["compile_s"]}
             if "depth" in out.stats:
                 row["mean_depth"] = float(np.mean(out.stats["depth"]))

@@ -452,11 +452,7 @@ def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) ->
     return tp["vision"]
 
 
-def segment_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, T, T] bool: query t sees key s <= t of the same packed example (segment > 0)."""
-    T = segment_ids.shape[1]
-    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
-    return same & jnp.tril(jnp.ones((T, T), bool))[None]
+segment_mask = jt.segment_mask
 
 
 def image_embeds(cfg: llava.LlavaConfig, params: dict, tokens: jax.Array, pixel_values: jax.Array) -> jax.Array:

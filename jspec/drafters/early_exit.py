@@ -75,6 +75,15 @@ def fingerprint(target) -> float:
     return round(corner(lm["embed"]) + corner(w), 4)
 
 
+def check_exit_layer(target, exit_layer: int):
+    """(text config, LM params) of `target`, or ValueError when no head can exit after `exit_layer` layers."""
+    cfg, lm = text_model(target)
+    if not 1 <= exit_layer < cfg.num_layers:
+        raise ValueError(f"exit layer N={exit_layer} is out of range: the target has {cfg.num_layers} layers "
+                         f"(1 <= N < {cfg.num_layers})")
+    return cfg, lm
+
+
 def signature(target) -> TargetSig:
     cfg, _ = text_model(target)
     return TargetSig(target.config.model_type, cfg.num_layers, cfg.hidden_size, cfg.vocab_size, fingerprint(target))
@@ -102,10 +111,7 @@ class EarlyExitHead:
         return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params)))
 
     def check(self, target) -> None:
-        cfg, _ = text_model(target)
-        if not 1 <= self.exit_layer < cfg.num_layers:
-            raise ValueError(f"exit layer N={self.exit_layer} is out of range: the target has {cfg.num_layers} layers "
-                             f"(1 <= N < {cfg.num_layers})")
+        check_exit_layer(target, self.exit_layer)
         sig = signature(target)
         same = (sig.model_type, sig.num_layers, sig.hidden_size, sig.vocab_size) == self.target[:4]
         if not same or abs(sig.fingerprint - self.target.fingerprint) > 1e-2 * max(1.0, abs(sig.fingerprint)):
@@ -116,10 +122,7 @@ class EarlyExitHead:
 def init_head(target, exit_layer: int, num_layers: int = 1, dtype=None) -> EarlyExitHead:
     """A new head for `target` exiting after layer `exit_layer`: `num_layers` decoder layers copied from the
     target's last ones (0: head only), the final norm and the LM head copied (untied), all owned by the head."""
-    cfg, lm = text_model(target)
-    if not 1 <= exit_layer < cfg.num_layers:
-        raise ValueError(f"exit layer N={exit_layer} is out of range: the target has {cfg.num_layers} layers "
-                         f"(1 <= N < {cfg.num_layers})")
+    cfg, lm = check_exit_layer(target, exit_layer)
     if not 0 <= num_layers <= cfg.num_layers:
         raise ValueError(f"num_layers must be in [0, {cfg.num_layers}], got {num_layers}")
     head = lm["embed"].T if cfg.tie_word_embeddings else lm["lm_head"]

@@ -25,19 +25,12 @@ from jspec.drafters.early_exit import EarlyExitHead, head_forward, text_model
 from ports import llama
 
 
-def segment_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, T, T] bool: causal within each packed sequence (segment > 0)."""
-    T = segment_ids.shape[1]
-    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
-    return same & jnp.tril(jnp.ones((T, T), bool))[None]
-
-
 def exit_states(cfg, lm: dict, n: int, batch: dict) -> jax.Array:
     """H^n [B, T, D]: the target's residual stream after its first n layers over the packed batch (no gradient)."""
     B, T = batch["input_ids"].shape
     cache = kvc.init_cache(n, B, cfg.num_kv_heads, T, cfg.head_dim, lm["embed"].dtype)
     fo = llama.forward(cfg, {"embed": lm["embed"], "layers": lm["layers"][:n]}, batch["input_ids"],
-                       batch["positions"], cache, segment_mask(batch["segment_ids"]), hidden_layers=(n,),
+                       batch["positions"], cache, jt.segment_mask(batch["segment_ids"]), hidden_layers=(n,),
                        compute_logits=False, fresh=True)
     return jax.lax.stop_gradient(fo.hidden[0])
 
@@ -47,7 +40,7 @@ def head_logits(cfg, params: dict, h: jax.Array, batch: dict) -> jax.Array:
     cache = None
     if params["layers"]:
         cache = kvc.init_cache(len(params["layers"]), B, cfg.num_kv_heads, T, cfg.head_dim, h.dtype)
-    return head_forward(cfg, params, h, batch["positions"], cache, segment_mask(batch["segment_ids"]),
+    return head_forward(cfg, params, h, batch["positions"], cache, jt.segment_mask(batch["segment_ids"]),
                         fresh=cache is not None)[0]
 
 
@@ -80,7 +73,7 @@ def make_steps(cfg, n: int, tx: optax.GradientTransformation):
         full = llama.forward(cfg, lm, batch["input_ids"], batch["positions"],
                              kvc.init_cache(cfg.num_layers, *batch["input_ids"].shape[:1], cfg.num_kv_heads,
                                             batch["input_ids"].shape[1], cfg.head_dim, lm["embed"].dtype),
-                             segment_mask(batch["segment_ids"]), fresh=True).logits
+                             jt.segment_mask(batch["segment_ids"]), fresh=True).logits
         w = batch["weights"]
         nll = jt.token_nll(logits, batch["targets"])
         pred = jnp.argmax(logits, -1)
