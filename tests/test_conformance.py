@@ -26,6 +26,14 @@ def pair():
     return tiny_pair()
 
 
+@pytest.fixture(autouse=True)
+def _free_programs_per_test():
+    """Every registered strategy compiles its own programs; kept for the whole module they mapped past the
+    kernel's vm.max_map_count (each XLA:CPU executable maps ~1000 regions) and XLA crashed compiling."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_equals_ar_and_rows_are_independent(pair, name):
     target, draft = pair
