@@ -28,15 +28,18 @@ class Entry:
     exact: bool  # claims to sample the target's distribution exactly
     separate_draft: bool = True  # drafts with a model of its own (the vocabulary check applies)
     target_layers: int = 1  # layers of the tiny-vocabulary target of the sampling test (an early exit needs 2)
+    slow: bool = False  # a variant of another entry: its per-strategy tests run with `pytest -m slow` (the mesh
+                        # test in the default suite still decodes it)
 
 
 REGISTRY: dict[str, Entry] = {}
 
 
-def register(name: str, make: Callable, exact: bool, separate_draft: bool = True, target_layers: int = 1) -> None:
+def register(name: str, make: Callable, exact: bool, separate_draft: bool = True, target_layers: int = 1,
+             slow: bool = False) -> None:
     if name in REGISTRY:
         raise ValueError(f"strategy {name!r} is registered twice")
-    REGISTRY[name] = Entry(make, exact, separate_draft, target_layers)
+    REGISTRY[name] = Entry(make, exact, separate_draft, target_layers, slow)
 
 
 SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
@@ -47,7 +50,7 @@ register("chain_q1", lambda t, d: jspec.Chain(d, gamma=2, rule="q1"), exact=True
 register("tree", lambda t, d: jspec.Tree(d, tree=SMALL_TREE), exact=True)
 register("tree_q1", lambda t, d: jspec.Tree(d, tree=[[0], [1], [0, 0], [0, 1], [1, 0]], rule="q1"), exact=True)
 register("tree_mc_sim", lambda t, d: jspec.Tree(d, tree="mc_sim_7b_63"), exact=True)
-register("tree_in_budget", lambda t, d: jspec.Tree(d, tree=SMALL_TREE, budget=BUDGET), exact=True)
+register("tree_in_budget", lambda t, d: jspec.Tree(d, tree=SMALL_TREE, budget=BUDGET), exact=True, slow=True)
 register("dynamic", lambda t, d: jspec.DynamicTree(d, depth=3, top_k=3, total=8), exact=True)
 register("chain_depth_controller", lambda t, d: jspec.Chain(d, gamma=4, controller=CycleDepth(jnp.int32(3))),
          exact=True)
@@ -78,5 +81,5 @@ register("eesd_beta", lambda t, d: jspec.EESD(eesd_head(t), k_max=5), exact=True
 register("eesd_fixed_tree", lambda t, d: jspec.EESD(eesd_head(t), controller=2, k_max=3, tree=[[0], [1], [0, 0], [1, 0]]),
          exact=True, separate_draft=False, target_layers=2)
 register("eesd_head_only", lambda t, d: jspec.EESD(eesd_head(t, 0), controller=3, k_max=4), exact=True,
-         separate_draft=False, target_layers=2)
-register("chain_beta_ts", lambda t, d: jspec.Chain(d, gamma=6, controller=jspec.BetaTS()), exact=True)
+         separate_draft=False, target_layers=2, slow=True)
+register("chain_beta_ts", lambda t, d: jspec.Chain(d, gamma=6, controller=jspec.BetaTS()), exact=True, slow=True)

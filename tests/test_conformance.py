@@ -21,6 +21,11 @@ from tiny_pairs import CFG, PROMPTS, tiny_pair
 NAMES = sorted(REGISTRY)
 
 
+def params(names):
+    """The names as parameters, variants marked slow (`Entry.slow`)."""
+    return [pytest.param(n, marks=pytest.mark.slow) if REGISTRY[n].slow else n for n in names]
+
+
 @pytest.fixture(scope="module")
 def pair():
     return tiny_pair()
@@ -34,7 +39,7 @@ def _free_programs_per_test():
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", params(NAMES))
 def test_greedy_equals_ar_and_rows_are_independent(pair, name):
     target, draft = pair
     strat = REGISTRY[name].make(target, draft)
@@ -51,7 +56,7 @@ def test_greedy_equals_ar_and_rows_are_independent(pair, name):
         np.testing.assert_array_equal(alone.tokens[0], sd.tokens[b])
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", params(NAMES))
 def test_no_recompilation_after_warmup(pair, name):
     target, draft = pair
     jspec.decode(target, PROMPTS, strategy=REGISTRY[name].make(target, draft), max_new_tokens=9)
@@ -63,7 +68,7 @@ def test_no_recompilation_after_warmup(pair, name):
     assert (api._decode_sd._cache_size(), api._prefill_sd._cache_size()) == n
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if REGISTRY[n].separate_draft])
+@pytest.mark.parametrize("name", params(n for n in NAMES if REGISTRY[n].separate_draft))
 def test_draft_of_another_vocabulary_is_refused(pair, name):
     target, _ = pair
     other = ports.random_model(dataclasses.replace(CFG, vocab_size=50, num_layers=1), key=3)
@@ -71,7 +76,7 @@ def test_draft_of_another_vocabulary_is_refused(pair, name):
         jspec.decode(target, PROMPTS, strategy=REGISTRY[name].make(target, other), max_new_tokens=4)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if REGISTRY[n].exact])
+@pytest.mark.parametrize("name", params(n for n in NAMES if REGISTRY[n].exact))
 def test_sampling_is_exact(name):
     target, draft = tiny_vocab_pair(REGISTRY[name].target_layers)
     pval, tv, out = exactness(target, REGISTRY[name].make(target, draft))
