@@ -56,12 +56,12 @@ register("chain_depth_controller", lambda t, d: jspec.Chain(d, gamma=4, controll
          exact=True)
 register("dynamic_depth_controller",
          lambda t, d: jspec.DynamicTree(d, depth=3, top_k=2, total=5, controller=CycleDepth(jnp.int32(2))),
-         exact=True)
+         exact=True, slow=True)
 register("per_row_trees", lambda t, d: jspec.Speculative(
     ModelDrafter(d), StaticPlan.of(build_tree(chain(1), BUDGET)), "residual",
     FixedTrees(per_row_trees(BUDGET.levels, [[(1, 0, 0), (4, 1, 0), (7, 4, 0)],
                                              [(1, 0, 0), (2, 0, 1), (4, 1, 0), (5, 1, 1), (6, 2, 0)]]))),
-    exact=True)
+    exact=True, slow=True)  # tests/test_parts.py proves per-row trees in the default suite
 register("two_views", lambda t, d: jspec.Speculative(TwoViews(ModelDrafter(d), ModelDrafter(d), jnp.asarray([.4, .6])),
                                                      StaticPlan.of(build_tree(chain(3)))), exact=True)
 
@@ -79,7 +79,7 @@ def eesd_head(target, num_layers=1):
 register("eesd_beta", lambda t, d: jspec.EESD(eesd_head(t), k_max=5), exact=True, separate_draft=False,
          target_layers=2)
 register("eesd_fixed_tree", lambda t, d: jspec.EESD(eesd_head(t), controller=2, k_max=3, tree=[[0], [1], [0, 0], [1, 0]]),
-         exact=True, separate_draft=False, target_layers=2)
+         exact=True, separate_draft=False, target_layers=2, slow=True)
 register("eesd_head_only", lambda t, d: jspec.EESD(eesd_head(t, 0), controller=3, k_max=4), exact=True,
          separate_draft=False, target_layers=2, slow=True)
 register("chain_beta_ts", lambda t, d: jspec.Chain(d, gamma=6, controller=jspec.BetaTS()), exact=True, slow=True)
