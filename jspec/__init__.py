@@ -1,5 +1,6 @@
 """jspec: speculative decoding for LLMs, LVLMs and visual AR generators in JAX."""
 from jspec.api import DecodeOutput, decode
+from jspec.controllers.calibration import CaliTS
 from jspec.controllers.draft_length import BetaTS, FixedK
 from jspec.guidance import CFG, ImageGrammar
 from jspec.imagegen import ImageOutput, generate_image
@@ -7,6 +8,6 @@ from jspec.sharding import make_mesh, shard
 from jspec.strategy import AR, Chain, DynamicTree, Speculative, Strategy, Tree
 from jspec.methods.eesd import EESD
 
-__all__ = ["AR", "BetaTS", "CFG", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "Speculative",
+__all__ = ["AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "Speculative",
            "Strategy", "Tree", "decode", "generate_image", "make_mesh", "shard"]
 __version__ = "0.1.0"

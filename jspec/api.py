@@ -16,6 +16,7 @@ from jspec import profiling as P
 from jspec import sampling as S
 from jspec import sharding as SH
 from jspec import speculative as SD
+from jspec.controllers import asks_of
 from jspec.drafters import Setup, TargetPrefill
 from jspec.prompts import model_prompt, round_up
 from jspec.strategy import AR, Chain, DynamicTree, Speculative, Static, Strategy, Tree, merge, split  # noqa: F401
@@ -68,10 +69,13 @@ def _decode_ar(ctx, target, state):
     return loop.run_loop(ctx, lambda s: loop.ar_step(ctx, target, s), state)
 
 
-def _prefill_asks(parts, tokens, lengths, inputs) -> dict:
+def _prefill_asks(parts, tokens, lengths, inputs, target_layers: int) -> dict:
     """The forward options of the target's prefill: the prefill hook's and the drafter's, merged (hidden layers
-    united; any other option asked by both must agree)."""
+    united; any other option asked by both must agree), and the last layer's hidden states when the controller
+    reads the target's hidden state (`Asks.hidden`: it starts from the prompt's)."""
     asks: dict = {}
+    if asks_of(parts.controller).hidden and hasattr(parts.controller, "start"):
+        asks["hidden_layers"] = (target_layers,)
     for part, fn in ((parts.prefill, "asks"), (parts.drafter, "prefill_asks")):
         if part is None or not hasattr(part, fn):
             continue
@@ -88,7 +92,7 @@ def _prefill_asks(parts, tokens, lengths, inputs) -> dict:
 @functools.partial(jax.jit, static_argnames=("ctx", "max_len", "static"))
 def _prefill_sd(ctx, max_len, static, dyn, target, tokens, lengths, inputs, d_prompt, key, sp):
     parts = merge(static, dyn)
-    asks = _prefill_asks(parts, tokens, lengths, inputs)
+    asks = _prefill_asks(parts, tokens, lengths, inputs, target.kv_layout[0])
     state, logits, fo = _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks)
     prefill = TargetPrefill(logits, fo.hidden, fo.attn, tokens, lengths, state.cache,
                             tuple(asks.get("hidden_layers", ())))

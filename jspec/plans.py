@@ -8,6 +8,8 @@ A plan drives a drafter (`jspec.drafters`) level by level and returns a `Proposa
 - `DynamicPlan`: EAGLE-2's dynamic beam, reranked to a node budget per row inside `jit`.
 Both honour a per-row depth limit (draft levels no row needs are skipped) and draw children without replacement
 from the draft distribution when the rule asks for it (`draw`), recording that distribution per node.
+`StaticPlan` also takes a controller's `stop(level, aux, limit) -> limit`, called after each drafted level with
+the drafter's per-node outputs that drafted it: a row may end its draft there (EESD's Cali-TS).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Proposal(NamedTuple):
     aux: Any = None  # the drafter's per-node outputs [B, N, ...] when asked
     known: jax.Array | None = None  # [B, N] bool: q exists at the node (its level was drafted)
     decision: Any = None  # the controller's Decision this proposal followed
+    limit: jax.Array | None = None  # [B] the depth limit each row drafted to (after any controller stop)
 
 
 class LayeredTree(NamedTuple):
@@ -101,10 +104,14 @@ class StaticPlan:
         arrays = TreeArrays(b(self.parent), b(depth), b(self.ancestor), b(self.children))
         return b(self.valid), arrays, arrays.parent, b(self.rank)
 
-    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool):
+    stops = True  # takes a controller's per-level `stop`
+
+    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None):
         layout = self.layout
         B = env.last.shape[0]
         N, D = layout.num_nodes, layout.max_depth
+        if stop is not None and limit is None:
+            limit = jnp.full((B,), D, jnp.int32)
         sample = draw and not env.ctx.sampling.greedy
         valid, t, parent, rank = self._tree(B, env.decision)
         logp, aux, ds = drafter.root(env, ds)
@@ -133,6 +140,8 @@ class StaticPlan:
             lk = jnp.take_along_axis(_gather_rows(logp, par), kids[..., None], axis=-1)[..., 0]
             ok = jnp.isfinite(lk) if limit is None else jnp.isfinite(lk) & (d + 1 <= limit[:, None])
             valid = valid.at[:, cs:ce].set(valid[:, cs:ce] & ok)
+            if stop is not None and d + 1 < D:  # `aux`: the level-d nodes' outputs that drafted level d + 1
+                limit = stop(d + 1, aux, limit)
             if d + 1 < D:
                 # level d+1 nodes: node i sits in scratch slot i - 1 (the root is committed)
                 mask = t.ancestor[:, cs:ce, 1:ce]
@@ -142,7 +151,7 @@ class StaticPlan:
                 fed = _fed_levels(fed, cs, np.arange(cs - 1, ce - 1), run)
         valid = jnp.all(valid[:, None, :] | ~t.ancestor, axis=-1)  # a node is usable only if its whole path is
         known = (t.depth < D) & valid if q_all is not None else None
-        return Proposal(tokens, valid, t, q_all, fed, root_logp, aux_all, known), ds
+        return Proposal(tokens, valid, t, q_all, fed, root_logp, aux_all, known, limit=limit), ds
 
 
 @struct.dataclass
@@ -164,6 +173,7 @@ class DynamicPlan:
     max_depth = property(lambda self: self.depth)
     is_chain = False
     pending_width = 2  # as for static trees: only beam nodes get children, and the draft fed every beam node
+    stops = False
 
     @property
     def scratch(self) -> int:
@@ -179,7 +189,9 @@ class DynamicPlan:
                              "children without replacement is not lossless when the kept candidates depend on their "
                              "own draft probabilities")
 
-    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool):
+    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None):
+        if stop is not None:
+            raise ValueError("DynamicTree takes no per-level stop (its levels are a beam, not one row's path)")
         B = env.last.shape[0]
         K, D = self.top_k, self.depth
         logp, _, ds = drafter.root(env, ds)

@@ -50,6 +50,8 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
     ctrl, decided = None, {}
     if parts.controller is not None:
         ctrl = parts.controller.init(B, parts.plan.max_depth)
+        if hasattr(parts.controller, "start"):
+            ctrl = parts.controller.start(ctrl, prefill)
         shapes = jax.eval_shape(parts.controller.plan, ctrl, state.key)
         steps = state.accepted.shape[1]
         decided = {name: jnp.zeros((B, steps) + s.shape[1:], s.dtype)
@@ -61,16 +63,23 @@ def sd_draft(ctx, parts, target, carry):
     """Phase 1: the controller's decision, then the drafted tree."""
     state = carry[0]
     aux: SDAux = state.aux
-    k_draft, k_ctrl = jax.random.split(jax.random.fold_in(loop.step_key(state), 1))
-    decision = Decision() if parts.controller is None else parts.controller.plan(aux.ctrl, k_ctrl)
+    k_draft, k_ctrl, k_stop = jax.random.split(jax.random.fold_in(loop.step_key(state), 1), 3)
+    ctrl = parts.controller
+    decision = Decision() if ctrl is None else ctrl.plan(aux.ctrl, k_ctrl)
     limit = decision.depth
     if limit is not None:
         limit = jnp.clip(limit.astype(jnp.int32), 1, parts.plan.max_depth)
         decision = decision._replace(depth=limit)
     env = DraftEnv(ctx, state.sp, target, state.cache, state.last, decision)
-    asks = asks_of(parts.controller)
+    asks = asks_of(ctrl)
+    stop = None
+    if hasattr(ctrl, "stop"):  # the controller may end a row's draft after any level (from what drafted it)
+        stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, jax.random.fold_in(k_stop, level))  # noqa: E731
+    kw = {} if stop is None else {"stop": stop}
     prop, ds = parts.plan.propose(env, parts.drafter, aux.draft, k_draft, limit, parts.rule.draws,
-                                  asks.draft_probs, asks.draft_aux)
+                                  asks.draft_probs, asks.draft_aux, **kw)
+    if prop.limit is not None and limit is not None:
+        decision = decision._replace(depth=prop.limit)
     return state.replace(aux=aux.replace(draft=ds)), prop._replace(decision=decision), None
 
 

@@ -77,6 +77,11 @@ class Speculative(Strategy):
         rule.check()
         self.drafter.check(target)
         self.plan.check(rule)
+        if hasattr(self.controller, "stop") and not getattr(self.plan, "stops", False):
+            raise ValueError(f"the controller {type(self.controller).__name__} ends drafts level by level; the plan "
+                             f"{type(self.plan).__name__} cannot stop there (use a chain or a static tree)")
+        if hasattr(self.controller, "check"):
+            self.controller.check(target, self.drafter)
 
 
 @functools.lru_cache(maxsize=64)

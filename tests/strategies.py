@@ -19,6 +19,7 @@ from jspec.drafters import ModelDrafter
 from jspec.plans import StaticPlan
 from jspec.trees import Layout, build_tree, chain
 from toy_parts import CycleDepth, FixedTrees, TwoViews, per_row_trees
+from jspec.controllers.calibration import CaliTS, init_predictor
 from jspec.drafters.early_exit import init_head
 
 
@@ -77,9 +78,18 @@ def eesd_head(target, num_layers=1):
 
 
 register("eesd_beta", lambda t, d: jspec.EESD(eesd_head(t), k_max=5), exact=True, separate_draft=False,
-         target_layers=2)
+         target_layers=2, slow=True)  # eesd_cali runs the same drafter with depths decided inside the draft
 register("eesd_fixed_tree", lambda t, d: jspec.EESD(eesd_head(t), controller=2, k_max=3, tree=[[0], [1], [0, 0], [1, 0]]),
          exact=True, separate_draft=False, target_layers=2, slow=True)
 register("eesd_head_only", lambda t, d: jspec.EESD(eesd_head(t, 0), controller=3, k_max=4), exact=True,
          separate_draft=False, target_layers=2, slow=True)
+def cali_ts(target):
+    """Cali-TS with a random predictor whose stop bits depend on the drafted tokens' head states (a draft length
+    that depends on the drafts themselves: still exact)."""
+    pred = init_predictor(jax.random.key(11), target.config.hidden_size)
+    return CaliTS(pred.replace(wp=40.0 * pred.wp), sigma_m=0.05)
+
+
+register("eesd_cali", lambda t, d: jspec.EESD(eesd_head(t), controller=cali_ts(t), k_max=5), exact=True,
+         separate_draft=False, target_layers=2)
 register("chain_beta_ts", lambda t, d: jspec.Chain(d, gamma=6, controller=jspec.BetaTS()), exact=True, slow=True)

@@ -14,6 +14,7 @@ import jspec
 import ports
 from jspec import api
 from jspec.controllers import Record
+from jspec.controllers import calibration as C
 from jspec.controllers.draft_length import BetaTS, FixedK, leading_ones
 from jspec.drafters import early_exit as EE
 from ports import layers as L
@@ -181,7 +182,7 @@ def test_exit_layer_hidden_states_come_from_the_target_prefill(pair):
     target, _ = pair
     head = EE.init_head(target, 2, 1)
     parts = dataclasses.replace(jspec.EESD(head).parts(), prefill=_AsksLayer1())
-    assert api._prefill_asks(parts, None, None, None) == {"hidden_layers": (1, 2)}
+    assert api._prefill_asks(parts, None, None, None, 2) == {"hidden_layers": (1, 2)}
     out = jspec.decode(target, PROMPTS, parts, max_new_tokens=8, eos_token_id=())
     np.testing.assert_array_equal(out.tokens, jspec.decode(target, PROMPTS, max_new_tokens=8, eos_token_id=()).tokens)
 
@@ -193,3 +194,91 @@ class _AsksLayer1:
     def draft_prompt(self, prefill, prompt):
         assert prefill.hidden_at(1).shape == prefill.hidden_at(2).shape
         return prompt
+
+
+# --------------------------------------------------------------------------------------------------- Cali-TS
+
+
+def _cali(target, bias, **kw):
+    """A Cali-TS whose predictor says `bias` (2-way logits) whatever the states (W_p = 0)."""
+    pred = C.init_predictor(jax.random.key(0), target.config.hidden_size)
+    return C.CaliTS(pred.replace(wp=jnp.zeros_like(pred.wp), bp=jnp.asarray(bias, jnp.float32)), **kw)
+
+
+def test_cali_ts_blend_limits():
+    """Eq. 6-7: no verification yet -> mu = theta_M, sigma^2 = sigma_M^2; many -> mu -> theta_hat, sigma^2 -> 0;
+    in between mu lies between the two and sigma^2 = 1 / (1 / sigma_M^2 + n / sigma_S^2)."""
+    tm, th, sm, ss = 0.9, 0.3, 0.2, 0.5
+    mu, var = C.blend(tm, 0.0, th, sm, ss)
+    assert np.isclose(mu, tm) and np.isclose(var, sm ** 2)
+    mu, var = C.blend(tm, 1e7, th, sm, ss)
+    assert abs(mu - th) < 1e-5 and var < 1e-7
+    for n in (1.0, 5.0, 30.0):
+        mu, var = C.blend(tm, n, th, sm, ss)
+        assert th < mu < tm
+        assert np.isclose(1 / var, 1 / sm ** 2 + n / ss ** 2, rtol=1e-5)
+    assert C.blend(tm, 5.0, th, sm, ss)[0] < C.blend(tm, 1.0, th, sm, ss)[0]
+
+
+def test_cali_ts_running_rate(pair):
+    """theta_hat = (theta0 + sum accepted) / (1 + sum Beta-TS trials); the literal Eq. 8 counts every committed
+    token a success and goes to 1 even when nothing is ever accepted; finished rows are left alone."""
+    target, _ = pair
+    ts = _cali(target, [0.0, 0.0])
+    s = ts.observe(ts.init(3, 8), _record([5, 1, 0], [5, 5, 5], [True, True, False]))
+    np.testing.assert_allclose(s.theta_hat, [(0.5 + 5) / 6, (0.5 + 1) / 4, 0.5])
+    np.testing.assert_array_equal(s.n, [1, 1, 0])
+    lit = _cali(target, [0.0, 0.0], literal_eq8=True)
+    s = lit.init(1, 8)
+    for _ in range(200):
+        s = lit.observe(s, _record([0], [5]))
+    assert s.theta_hat[0] > 0.99
+    d = ts.init(1, 8)
+    for _ in range(200):
+        d = ts.observe(d, _record([0], [5]))
+    assert d.theta_hat[0] < 0.01
+
+
+def test_cali_ts_ends_drafts_where_the_predictor_says_and_keeps_the_output(pair):
+    """A predictor sure of rejection drafts one token a round (theta ~ N(0, sigma_M^2) clipped, so mostly 1); one
+    sure of acceptance drafts to k_max (sigma_S large: the running rate barely moves mu); the depth is decided level
+    by level inside the draft and the output is the target's (greedy) in a chain and a tree; the predictor's
+    numbers are data (no recompilation)."""
+    target, _ = pair
+    head = EE.init_head(target, 1, 1)
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=24, eos_token_id=())
+    depths = {}
+    for name, bias in (("never", [8.0, -8.0]), ("always", [-8.0, 8.0])):
+        out = jspec.decode(target, PROMPTS, jspec.EESD(head, controller=_cali(target, bias, sigma_m=0.01, sigma_s=50.0),
+                                                         k_max=6),
+                           max_new_tokens=24, eos_token_id=())
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+        depths[name] = out.stats["depth"]
+        if name == "never":
+            n = api._decode_sd._cache_size()
+    assert api._decode_sd._cache_size() == n
+    assert (depths["never"] == 1).mean() > 0.9
+    assert (depths["always"] == 6).mean() > 0.9
+    tree = jspec.EESD(head, controller=_cali(target, [0.0, 0.0]), k_max=6, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(jspec.decode(target, PROMPTS, tree, max_new_tokens=24, eos_token_id=()).tokens,
+                                  ar.tokens)
+
+
+def test_cali_ts_saves_beside_the_head_and_is_checked(pair, tmp_path):
+    target, draft = pair
+    head = EE.init_head(target, 1, 1)
+    EE.save_head(head, target, str(tmp_path))
+    with pytest.raises(ValueError, match="calibration predictor"):
+        jspec.EESD(EE.load_head(str(tmp_path), target), controller="cali").parts()
+    pred = C.init_predictor(jax.random.key(3), target.config.hidden_size)
+    C.save_calibration(pred, str(tmp_path))
+    loaded = EE.load_head(str(tmp_path), target)
+    for a, b in zip(jax.tree.leaves(pred), jax.tree.leaves(loaded.calibration)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    parts = jspec.EESD(loaded, controller="cali").parts()
+    assert isinstance(parts.controller, C.CaliTS) and parts.drafter.head.calibration is None
+    with pytest.raises(ValueError, match="does not give them"):   # a separate draft has no head states to read
+        jspec.decode(target, PROMPTS, jspec.Chain(draft, gamma=4, controller=parts.controller), max_new_tokens=4)
+    with pytest.raises(ValueError, match="cannot stop there"):
+        jspec.decode(target, PROMPTS, jspec.DynamicTree(draft, depth=3, top_k=2, total=4,
+                                                         controller=parts.controller), max_new_tokens=4)

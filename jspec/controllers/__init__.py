@@ -6,7 +6,14 @@ A controller is a pytree object (its numbers are leaves: changing them does not 
 - `plan(state, key) -> Decision`: before each draft phase, per row: the draft depth limit, ensemble weights for a
   multi-view drafter, a per-row tree for plans that take one;
 - `observe(state, record) -> state`: after each verification.
-Both run on device inside the decode loop. The depth and weights a controller decided are kept per row and step
+and optionally
+- `start(state, prefill: TargetPrefill) -> state`: after the target's prefill (with `Asks.hidden` the prefill
+  keeps the target's last-layer hidden states);
+- `stop(state, level, aux, limit [B], key) -> limit`: after each drafted level (plans with `stops`), from the
+  drafter's per-node outputs `aux` [B, K, ...] at the level-1 nodes whose forward drafted `level`: lower a row's
+  depth limit to end its draft there;
+- `check(target, drafter)`: host-side validation (ValueError) before any compute.
+All but `check` run on device inside the decode loop. The depth and weights a controller decided are kept per row and step
 and returned in `out.stats` ("depth" [B, steps], "weights" [B, steps, m]).
 """
 from __future__ import annotations

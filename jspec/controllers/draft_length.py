@@ -65,19 +65,28 @@ class BetaTS(Controller):
 
     def observe(self, state: BetaState, record: Record) -> BetaState:
         a = record.accepted.astype(jnp.float32)
-        k = record.drafted.astype(jnp.float32)
+        k = jnp.minimum(record.depth, record.drafted).astype(jnp.float32)  # a tree's k: the path's depth
         fails = (jnp.minimum(a + 1.0, k) - a) if self.clean else jnp.minimum(2.0, k - a)
         on = record.active
         return state.replace(alpha=jnp.where(on, state.alpha + a, state.alpha),
                              beta=jnp.where(on, state.beta + jnp.maximum(fails, 0.0), state.beta))
 
 
-def as_controller(spec):
-    """"beta" -> BetaTS(); an int k -> FixedK(k); a controller object as is."""
+def as_controller(spec, calibration=None):
+    """"beta" -> BetaTS(); "cali" -> CaliTS(calibration) (a head's trained predictor); an int k -> FixedK(k); a
+    controller object as is."""
     if isinstance(spec, str):
         if spec == "beta":
             return BetaTS()
-        raise ValueError(f"unknown draft-length controller {spec!r}: use 'beta', an int k, or a controller object")
+        if spec == "cali":
+            if calibration is None:
+                raise ValueError("controller='cali' needs the head's calibration predictor, and this head has none: "
+                                 "train one with scripts/train_cali.py (it is saved beside the head)")
+            from jspec.controllers.calibration import CaliTS
+
+            return CaliTS(calibration)
+        raise ValueError(f"unknown draft-length controller {spec!r}: use 'beta', 'cali', an int k, or a controller "
+                         "object")
     if isinstance(spec, int):
         if spec < 1:
             raise ValueError(f"a fixed draft length must be >= 1, got {spec}")

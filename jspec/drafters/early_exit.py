@@ -97,6 +97,7 @@ class EarlyExitHead:
     params: dict
     exit_layer: int = struct.field(pytree_node=False)
     target: TargetSig = struct.field(pytree_node=False)
+    calibration: Any = None  # a Cali-TS predictor trained for this head (`jspec.controllers.calibration`), or None
 
     @property
     def num_layers(self) -> int:
@@ -189,10 +190,10 @@ def shared_layers(cfg, lm: dict, n: int, x, positions, tcache: kvc.KVCache, base
     return x, ks, vs
 
 
-def head_forward(cfg, params: dict, h, positions, cache: kvc.KVCache | None, new_mask=None, write_offset: int = 0,
-                 fresh: bool = False, logits_at=None):
-    """The head's layers over their own cache, its norm and LM head: (logits [B, T or K, V] f32, the new cache).
-    A head without layers (the head-only ablation) has no cache (None)."""
+def head_states(cfg, params: dict, h, positions, cache: kvc.KVCache | None, new_mask=None, write_offset: int = 0,
+                fresh: bool = False, logits_at=None):
+    """The head's layers over their own cache and its norm: (the draft's last hidden states after the norm
+    [B, T or K, D], the new cache). A head without layers (the head-only ablation) has no cache (None)."""
     if params["layers"]:
         fo = llama.forward(cfg, {"layers": params["layers"]}, None, positions, cache, new_mask, embeds=h,
                            hidden_layers=(len(params["layers"]),), compute_logits=False, write_offset=write_offset,
@@ -200,7 +201,19 @@ def head_forward(cfg, params: dict, h, positions, cache: kvc.KVCache | None, new
         h, cache = fo.hidden[0], fo.cache
     if logits_at is not None:
         h = jnp.take_along_axis(h, logits_at[..., None].astype(jnp.int32), axis=1)
-    return L.einsum_f32("btd,dv->btv", L.rms_norm(h, params["norm"], cfg.rms_norm_eps), params["lm_head"]), cache
+    return L.rms_norm(h, params["norm"], cfg.rms_norm_eps), cache
+
+
+def head_logits(params: dict, states) -> jax.Array:
+    """The head's LM head over `head_states`' output: logits [B, T, V] f32."""
+    return L.einsum_f32("btd,dv->btv", states, params["lm_head"])
+
+
+def head_forward(cfg, params: dict, h, positions, cache: kvc.KVCache | None, new_mask=None, write_offset: int = 0,
+                 fresh: bool = False, logits_at=None):
+    """`head_states` then `head_logits`: (logits [B, T or K, V] f32, the new cache)."""
+    states, cache = head_states(cfg, params, h, positions, cache, new_mask, write_offset, fresh, logits_at)
+    return head_logits(params, states), cache
 
 
 # ---------------------------------------------------------------------------------------------- the drafter
@@ -220,6 +233,7 @@ class EarlyExitDrafter:
     """Drafts with the target's first `head.exit_layer` layers and `head` (see the module docstring)."""
 
     head: EarlyExitHead
+    aux_keys = ("hidden",)  # per-node outputs: the head's post-norm hidden states (Cali-TS reads them)
 
     def check(self, target) -> None:
         check_vocab(target, _VocabOf(self.head.params["lm_head"].shape[1]), "early-exit head")
@@ -278,12 +292,11 @@ class EarlyExitDrafter:
         x = llama.embed(lm, ds.pending)
         h, sk, sv = shared_layers(cfg, lm, self.head.exit_layer, x, pos, tc, base, ds.scratch_k, ds.scratch_v, 0, vis)
         at = (ds.n_pending - 1)[:, None]
-        if ds.cache is None:
-            logits, cache = head_forward(cfg, self.head.params, h, pos, None, logits_at=at)
-        else:
-            logits, cache = head_forward(cfg, self.head.params, h, pos, ds.cache, logits_at=at)
+        states, cache = head_states(cfg, self.head.params, h, pos, ds.cache, logits_at=at)
+        if cache is not None:
             cache = kvc.commit(cache, ds.n_pending)
-        return draft_log_probs(logits, env), None, ds.replace(cache=cache, scratch_k=sk, scratch_v=sv)
+        logp = draft_log_probs(head_logits(self.head.params, states), env)
+        return logp, {"hidden": states}, ds.replace(cache=cache, scratch_k=sk, scratch_v=sv)
 
     def level(self, env: DraftEnv, ds: EEState, tokens, depth, mask, offset: int, run):
         cfg, lm, _, _ = self._shapes(env)
@@ -301,15 +314,17 @@ class EarlyExitDrafter:
             x = llama.embed(lm, tokens)
             h, sk, sv = shared_layers(cfg, lm, self.head.exit_layer, x, positions, tc, base, ds.scratch_k,
                                       ds.scratch_v, P + offset, vis)
-            logits, cache = head_forward(cfg, self.head.params, h, positions, ds.cache, mask, offset)
-            return logits, ds.replace(cache=cache, scratch_k=sk, scratch_v=sv)
+            states, cache = head_states(cfg, self.head.params, h, positions, ds.cache, mask, offset)
+            return (head_logits(self.head.params, states), states), ds.replace(cache=cache, scratch_k=sk,
+                                                                               scratch_v=sv)
 
         if run is None:
-            logits, ds = go(ds)
+            (logits, states), ds = go(ds)
         else:
-            V = self.head.params["lm_head"].shape[1]
-            logits, ds = jax.lax.cond(run, go, lambda ds: (jnp.zeros((B, K, V), jnp.float32), ds), ds)
-        return draft_log_probs(logits, env), None, ds
+            shapes = jax.eval_shape(go, ds)[0]
+            skip = lambda ds: (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), ds)  # noqa: E731
+            (logits, states), ds = jax.lax.cond(run, go, skip, ds)
+        return draft_log_probs(logits, env), {"hidden": states}, ds
 
     def commit(self, env: DraftEnv, ds: EEState, c: Catchup) -> EEState:
         cache, pending, n_pending = commit_fed(env, ds.cache, ds.pending, c)
@@ -391,7 +406,7 @@ def save_head(head: EarlyExitHead, target, directory: str, dtype=None, extra: di
 
 def load_head(directory: str, target, dtype=None) -> EarlyExitHead:
     """A head saved by `save_head` (in `dtype`, default the target's), checked against `target` (ValueError when it
-    was made for another)."""
+    was made for another), with its Cali-TS predictor when one was saved beside it (`calibration`)."""
     from ports.safetensors_io import SafetensorsFile
 
     path = os.path.join(directory, CONFIG_NAME)
@@ -405,4 +420,6 @@ def load_head(directory: str, target, dtype=None) -> EarlyExitHead:
     sd = {k: np.asarray(st.get(k)).astype(dtype) for k in st.keys()}
     head = from_torch_state_dict(sd, cfg, int(meta["exit_layer"]), TargetSig(**meta["target"]))
     head.check(target)
-    return head
+    from jspec.controllers.calibration import load_calibration
+
+    return head.replace(calibration=load_calibration(directory))

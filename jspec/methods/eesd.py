@@ -20,8 +20,8 @@ class EESD(Strategy):
     """Early-exit self-speculative decoding.
 
     head: an `EarlyExitHead` (`jspec.drafters.early_exit.load_head` / `init_head`; it names the target layer N it
-    exits at and is checked against the target). controller: "beta" (`BetaTS()`), an int k (`FixedK(k)`) or any
-    controller object. k_max: the longest draft (the static buffer). tree: None drafts a chain; a tree (a name or
+    exits at and is checked against the target). controller: "beta" (`BetaTS()`), "cali" (`CaliTS` with the
+    head's own calibration predictor), an int k (`FixedK(k)`) or any controller object. k_max: the longest draft (the static buffer). tree: None drafts a chain; a tree (a name or
     child-rank paths, as `Tree` takes) drafts that tree down to the controller's depth (greedy: the longest
     matching path wins). rule: as `Chain`'s.
     """
@@ -41,5 +41,6 @@ class EESD(Strategy):
 
     def parts(self) -> Speculative:
         paths = tuple(tuple(p) for p in chain(int(self.k_max))) if self.tree is None else _paths_key(self.tree)
-        return Speculative(EarlyExitDrafter(self.head), StaticPlan.of(_cached_tree(paths, None)), as_rule(self.rule),
-                           as_controller(self.controller))
+        controller = as_controller(self.controller, self.head.calibration)
+        return Speculative(EarlyExitDrafter(self.head.replace(calibration=None)), StaticPlan.of(_cached_tree(paths, None)),
+                           as_rule(self.rule), controller)

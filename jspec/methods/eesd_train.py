@@ -99,7 +99,10 @@ def self_distillation_texts(target, prompts: Sequence[np.ndarray], max_new_token
         head = jspec.decode(target, rows, max_new_tokens=greedy_first, eos_token_id=eos_token_id)
         cont = [np.concatenate([r, head.tokens[b, :head.lengths[b]]]) for b, r in enumerate(rows)]
         ended = head.lengths < greedy_first
-        rest = jspec.decode(target, cont, max_new_tokens=max(1, max_new_tokens - greedy_first), temperature=temperature,
+        if max_new_tokens <= greedy_first:  # all greedy
+            out.extend(cont)
+            continue
+        rest = jspec.decode(target, cont, max_new_tokens=max_new_tokens - greedy_first, temperature=temperature,
                             key=jax.random.fold_in(key, i), eos_token_id=eos_token_id)
         for b, c in enumerate(cont):
             out.append(c if ended[b] else np.concatenate([c, rest.tokens[b, :rest.lengths[b]]]))

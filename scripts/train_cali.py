@@ -1,0 +1,122 @@
+"""Train Cali-TS's acceptance predictor for a trained early-exit head, and save it beside the head.
+
+    python scripts/train_cali.py --target text-target --head jspec/zoo/text-target-eesd-n1 --steps 300
+    python scripts/train_cali.py --target text-target --head jspec/zoo/text-target-eesd-n1 --steps 300 --resume
+    python scripts/train_cali.py --target DIR --head HEAD_DIR --texts prompts.jsonl ...     # an HF checkpoint
+
+Data: the target's greedy continuations (--gen-tokens) of prompts (a zoo target: the zoo's text tasks, other
+examples than the head was trained on; otherwise --texts), made once and kept in the work directory; labels by
+teacher forcing (`jspec.methods.cali_train`). The last --heldout generations are held out: their cross-entropy,
+accuracy and calibration are logged. AdamW, warmup + cosine (`jspec.train`); orbax checkpoints every --ckpt-minutes
+and on Ctrl-C; `--resume` continues. At the end the predictor is saved into the head's directory
+(`calibration.safetensors` + `calibration.json`), where `load_head` finds it for `jspec.EESD(head, controller="cali")`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import train_eesd as TE  # noqa: E402
+from jspec import train as jt  # noqa: E402
+from jspec.controllers import calibration as C  # noqa: E402
+from jspec.drafters import early_exit as EE  # noqa: E402
+from jspec.methods import cali_train as CT  # noqa: E402
+from jspec.methods import eesd_train as ET  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True, help="a zoo model name or an HF checkpoint directory")
+    ap.add_argument("--head", required=True, help="the early-exit head's directory (save_head)")
+    ap.add_argument("--texts", default=None, help="prompts, JSON lines of {'text': ...} (non-zoo targets)")
+    ap.add_argument("--positions", type=int, default=10, help="P: W^1..W^P (draft offsets past P share W^P)")
+    ap.add_argument("--gen-prompts", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=96)
+    ap.add_argument("--heldout", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--minutes", type=float, default=20.0)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--ckpt-minutes", type=float, default=3.0)
+    ap.add_argument("--log-every", type=int, default=10)
+    args = ap.parse_args(argv)
+
+    target, is_zoo = TE.load_target(args.target)
+    if not is_zoo and not args.texts:
+        raise SystemExit("a target outside the zoo needs --texts (prompts to continue)")
+    head = EE.load_head(args.head, target)
+    cfg, lm = ET.head_target_lm(target, head)
+    tag = f"{Path(args.head).name}-cali"
+    workdir = Path(args.workdir or ROOT / "build" / "eesd" / tag).resolve()
+    if workdir.exists() and not args.resume:
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    pred = C.init_predictor(jax.random.key(args.seed), cfg.hidden_size, positions=args.positions)
+    tx = jt.adamw(weight_decay=0.0)
+    state = {"pred": pred, "opt_state": tx.init(pred)}
+    meta = jt.new_meta(tag, args.seed, args.steps, args.lr, args.warmup, next_index=0, positions=args.positions)
+    if args.resume:
+        state, meta, resumed = jt.resume(jt.Checkpoints(workdir), state, meta, args.steps, args.lr * 0.5)
+        if resumed:
+            print(f"resumed {tag} at step {meta['step']} from {workdir}")
+
+    cache = workdir / "greedy.npz"
+    if cache.exists():
+        z = np.load(cache)
+        texts, starts = np.split(z["tokens"], z["ends"][:-1]), z["starts"]
+    else:
+        n = args.gen_prompts + args.heldout
+        prompts = TE.zoo_prompts(n, args.seed + 100) if is_zoo else TE.file_texts(args.texts, args.target)[:n]
+        texts = ET.self_distillation_texts(target, prompts, args.gen_tokens, greedy_first=args.gen_tokens)
+        starts = np.asarray([len(p) for p in prompts])
+        np.savez(cache, tokens=np.concatenate(texts), ends=np.cumsum([len(t) for t in texts]), starts=starts)
+    k = min(args.heldout, len(texts) // 5)
+    train, held = (texts[:-k], starts[:-k]), (texts[-k:], starts[-k:])
+    print(f"{tag}: predictor {sum(a.size for a in jax.tree.leaves(pred)) / 1e6:.2f}M params (P={args.positions}); "
+          f"{len(train[0])} greedy texts to train on, {k} held out; workdir {workdir}")
+    held_batches = [b for b, _ in (next(it) for it in [ET.pack(*held[:1], args.batch, args.seq_len,
+                                                                starts=held[1])] * 2)]
+    stream = ((b, i, int((b["segment_ids"] > 0).sum()))
+              for b, i in ET.pack(train[0], args.batch, args.seq_len, meta["next_index"], train[1]))
+    train_step, eval_step = CT.make_steps(cfg, head.exit_layer, tx)
+
+    def step(state, batch, lr, i):
+        pred, opt, m = train_step(state["pred"], state["opt_state"], head.params, lm, batch, np.float32(lr))
+        return {"pred": pred, "opt_state": opt}, m
+
+    state, meta = jt.fit(step, state, stream, meta, workdir, budget_s=60 * args.minutes,
+                         ckpt_minutes=args.ckpt_minutes, log_every=args.log_every,
+                         evaluate=lambda s: CT.evaluate(eval_step, s["pred"], head.params, lm, held_batches), desc=tag)
+    jt.plot_log(workdir / "log.jsonl", ROOT / "scripts" / "results" / f"{tag}-loss.png", tag)
+    if not jt.finished(meta):
+        print(f"{tag}: stopped at step {meta['step']} of {meta['total_steps']}: rerun with --resume")
+        return
+    last = [r for r in jt.read_log(workdir / "log.jsonl") if "heldout_loss" in r][-1]
+    import jax.numpy as jnp
+
+    C.save_calibration(state["pred"], args.head, dtype=jnp.bfloat16 if is_zoo else None, extra={
+        "steps": meta["step"], "train_minutes": round(meta["elapsed_s"] / 60, 1),
+        "heldout": {k: round(v, 4) for k, v in last.items() if k.startswith("heldout")},
+        "command": "python scripts/train_cali.py " + " ".join(sys.argv[1:] if argv is None else argv)})
+    print(f"saved the calibration predictor to {args.head}: held-out {last}")
+
+
+if __name__ == "__main__":
+    main()
