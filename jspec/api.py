@@ -247,7 +247,10 @@ def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings) -> Deco
         mean_acc = np.where(row_steps > 0, acc_sum / np.maximum(row_steps, 1), np.nan)
         drafted_accepted = np.maximum(acc_sum - row_steps, 0)
         acc_rate = np.where(drafted > 0, drafted_accepted / np.maximum(drafted, 1), np.nan)
+        # EESD Eq. 11-12: v_d = accepted drafts / drafts (the acceptance rate), r_d = accepted drafts / tokens
+        r_d = np.where(drafted > 0, drafted_accepted / np.maximum(np.asarray(n_out), 1), np.nan)
+        hm = 200.0 * acc_rate * r_d / (acc_rate + r_d)
     stats = {"steps": row_steps, "accepted": accepted, "mean_accepted": mean_acc,
              "mean_accepted_no_bonus": mean_acc - 1.0, "drafted": np.asarray(drafted),
-             "acceptance_rate": acc_rate, **timings}
+             "accepted_drafts": drafted_accepted, "acceptance_rate": acc_rate, "r_d": r_d, "hm": hm, **timings}
     return DecodeOutput(tokens=tokens, lengths=np.asarray(n_out, np.int32), stats=stats)

@@ -73,8 +73,14 @@ def cmd_plan(args) -> int:
         device = PL.parse_bytes(args.device_memory) if args.device_memory else None
         target = PL.load_config(args.config)
         draft = PL.load_config(args.draft) if args.draft else None
+        eesd = None
+        if args.eesd is not None:
+            from jspec.methods.eesd import preset_exit_layer
+
+            n = preset_exit_layer(args.config) if args.eesd == "preset" else int(args.eesd)
+            eesd = (n, args.eesd_layers, args.cali)
         p = PL.plan(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
-                    tree_nodes=args.tree_nodes, prompt_len=args.prompt_len, images=args.images)
+                    tree_nodes=args.tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd)
     except ValueError as e:
         raise SystemExit(f"jspec plan: {e}")
     if args.json:
@@ -137,6 +143,10 @@ def main(argv=None) -> int:
     pl.add_argument("--max-len", type=int, required=True, help="KV cache slots per row")
     pl.add_argument("--dtype", default="bf16", help="bf16, f16 or f32")
     pl.add_argument("--draft", help="draft config (same forms as --config); replicated on every device")
+    pl.add_argument("--eesd", metavar="N", help="size an EESD early-exit drafter exiting after layer N ('preset': "
+                                                "the paper's N for llama-2-13b / 70b)")
+    pl.add_argument("--eesd-layers", type=int, default=1, help="the early-exit head's decoder layers")
+    pl.add_argument("--cali", action="store_true", help="with Cali-TS's predictor (W^1..W^10, W_p)")
     pl.add_argument("--tree-nodes", type=int, default=64, help="nodes verified per step (gamma + 1 for a chain)")
     pl.add_argument("--prompt-len", type=int, help="tokens prefilled at once (default: max-len, the worst case)")
     pl.add_argument("--images", type=int, help="images in the prefill batch of a VLM (default: one per row)")

@@ -410,17 +410,42 @@ def _name(config: dict) -> str:
     return str(config.get("_name_or_path") or config.get("name") or config.get("model_type"))
 
 
+def eesd_components(target: _Planned, exit_layer: int, layers: int, calibration: bool, batch: int, max_len: int,
+                    scratch: int, dt) -> dict:
+    """An EESD early-exit drafter's own bytes (replicated, like the head `EarlyExitDrafter.prepare` places): its
+    `layers` decoder layers (the target's layer shape), norm and untied LM head; their KV cache; the scratch K/V
+    of the shared layers 1..N for one step's drafts; Cali-TS's predictor (W^1..W^10, W_p) when asked. The shared
+    layers themselves are the target's (counted in its params, sharded as they are)."""
+    text = target.text
+    if not 1 <= exit_layer < text.num_layers:
+        raise ValueError(f"exit layer N={exit_layer} is out of range: the target has {text.num_layers} layers")
+    if not 0 <= layers <= text.num_layers:
+        raise ValueError(f"the head's layers must be in [0, {text.num_layers}], got {layers}")
+    per_layer = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(target.model.params["layers"][0]))
+    D, V = text.hidden_size, text.vocab_size
+    n = layers * per_layer + D + D * V
+    out = {"eesd_head": dict(total=n * dt.itemsize, per_device=n * dt.itemsize, count=n, replicated=True)}
+    kv = 2 * batch * text.num_kv_heads * text.head_dim * dt.itemsize
+    cache = layers * kv * max_len + exit_layer * kv * scratch
+    out["eesd_cache"] = dict(total=cache, per_device=cache, replicated=True)
+    if calibration:
+        c = 10 * D * D + 2 * 2 * D + 2
+        out["eesd_calibration"] = dict(total=c * 4, per_device=c * 4, count=c, replicated=True)
+    return out
+
+
 def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, dtype="bfloat16",
          draft_config: dict | None = None, tree_nodes: int = 64, prompt_len: int | None = None, rules=None,
-         images: int | None = None) -> Plan:
+         images: int | None = None, eesd: tuple[int, int, bool] | None = None) -> Plan:
     """Bytes per device of decoding `config` (an HF config dict) on a mesh of `mesh_shape`
     ({"data":, "fsdp":, "tensor":}) with a `max_len`-slot cache for `batch` rows, params in `dtype`, optionally
     with a replicated draft. Nothing is allocated and no devices are needed.
 
     prompt_len: tokens prefilled at once (default max_len, the worst case); tree_nodes: nodes verified per step
     (gamma + 1 for a chain); images: images in the prefill batch for a vision-language target (default: one per
-    row). Returns a `Plan`: per component {"total", "per_device"} bytes ("total" is one logical copy), their sums,
-    and notes; `plan(...).fits(device_bytes)` gives the verdict."""
+    row); eesd: (exit layer N, head layers, with Cali-TS's predictor) sizes an EESD early-exit drafter
+    (`eesd_components`). Returns a `Plan`: per component {"total", "per_device"} bytes ("total" is one logical
+    copy), their sums, and notes; `plan(...).fits(device_bytes)` gives the verdict."""
     for name, v in (("batch", batch), ("max_len", max_len), ("tree_nodes", tree_nodes)):
         if int(v) < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
@@ -449,6 +474,14 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
         assert total == per
         comps["draft_cache"] = dict(total=total, per_device=per, replicated=True)
 
+    if eesd is not None:
+        if draft is not None:
+            raise ValueError("plan a separate draft or an early-exit drafter, not both")
+        comps.update(eesd_components(target, int(eesd[0]), int(eesd[1]), bool(eesd[2]), batch, max_len,
+                                     tree_nodes + 2, dt))
+        notes.append(f"EESD: exits after layer {eesd[0]} of {target.text.num_layers} (shared with the target), "
+                     f"{eesd[1]} head layer(s) + norm + LM head = {comps['eesd_head']['count'] / 1e9:.3f}B params"
+                     + (f", Cali-TS predictor {comps['eesd_calibration']['count'] / 1e9:.3f}B" if eesd[2] else ""))
     vlm = target.vit is not None or target.analytic_vision is not None
     n_img = (batch if vlm else 0) if images is None else int(images)
     one = abstract_mesh({})
@@ -477,7 +510,8 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
 
 # ------------------------------------------------------------------------------------------------ report
 
-LABELS = {"params": "params", "kv_cache": "KV cache",
+LABELS = {"params": "params", "kv_cache": "KV cache", "eesd_head": "EESD head (replicated)",
+          "eesd_cache": "EESD head cache + scratch", "eesd_calibration": "Cali-TS predictor (f32)",
           "draft_params": "draft params (replicated)", "draft_cache": "draft KV cache (replicated)",
           "activations": "activations (estimate)"}
 

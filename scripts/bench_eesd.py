@@ -22,13 +22,17 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import time  # noqa: E402
+
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import bench  # noqa: E402
 from jspec.drafters.early_exit import load_head  # noqa: E402
 
+SPLIT = ("EESD Beta-TS", "EESD Cali-TS", "EESD K=5")  # the rows timed phase by phase
 HEADS = {"n1": "text-target-eesd-n1", "n1 head-only": "text-target-eesd-n1-k0",
          "n1 open text only": "text-target-eesd-n1-open", "n2": "text-target-eesd-n2"}
 
@@ -52,8 +56,12 @@ def cases(target, draft, heads: dict) -> list[tuple[str, object]]:
     if "n1" in heads:
         h = heads["n1"]
         out.append(("EESD Beta-TS", jspec.EESD(h)))
+        if h.calibration is not None:
+            out.append(("EESD Cali-TS", jspec.EESD(h, controller="cali")))
         out += [(f"EESD K={k}", jspec.EESD(h, controller=jspec.FixedK(k))) for k in range(1, 11)]
         out.append(("EESD Beta-TS, tree mc_sim_7b_63", jspec.EESD(h, tree="mc_sim_7b_63")))
+        if h.calibration is not None:
+            out.append(("EESD Cali-TS, tree mc_sim_7b_63", jspec.EESD(h, controller="cali", tree="mc_sim_7b_63")))
     for name in ("n1 head-only", "n1 open text only", "n2"):
         if name in heads:
             out.append((f"EESD Beta-TS ({name})", jspec.EESD(heads[name])))
@@ -61,6 +69,55 @@ def cases(target, draft, heads: dict) -> list[tuple[str, object]]:
             ("Chain gamma=10 (text-draft)", jspec.Chain(draft, gamma=10)),
             ("Chain + Beta-TS (text-draft)", jspec.Chain(draft, gamma=10, controller=jspec.BetaTS()))]
     return out
+
+
+def control_cost(strategy, batch: int, reps: tuple[int, int] = (20, 120), runs: int = 5) -> float:
+    """Seconds per round of the strategy's controller alone (EESD Table 8's "sampling"): its plan, a stop decision
+    after every draft level when it makes them (Cali-TS's predictor), and its observation, in one program."""
+    from jspec.controllers import Record
+
+    parts = strategy.parts()
+    ctrl, D = parts.controller, parts.plan.max_depth
+    if ctrl is None:
+        return 0.0
+    width = target_width = None
+    if hasattr(ctrl, "predictor"):
+        target_width = ctrl.predictor.w.shape[1]
+        width = ctrl.predictor.wp.shape[0] - target_width
+    z = jnp.zeros((batch,), jnp.int32)
+    rec = Record(accepted=z, committed=z + 1, active=z == 0, depth=z + D, drafted=z + D,
+                 path=jnp.zeros((batch, D + 1), jnp.int32), on_path=jnp.zeros((batch, D + 1), bool),
+                 tokens=jnp.zeros((batch, D + 1), jnp.int32),
+                 hidden=None if target_width is None else jnp.ones((batch, target_width), jnp.float32))
+
+    def one(state, key):
+        lim = ctrl.plan(state, key).depth
+        if hasattr(ctrl, "stop"):
+            aux = {"hidden": jnp.ones((batch, 1, width), jnp.float32)}
+            for lvl in range(1, D):
+                lim = ctrl.stop(state, lvl, aux, lim, jax.random.fold_in(key, lvl))
+        return ctrl.observe(state, rec._replace(depth=lim))
+
+    @jax.jit
+    def loop(state, key, n):
+        return jax.lax.fori_loop(0, n, lambda i, s: one(jax.lax.optimization_barrier(s), jax.random.fold_in(key, i)),
+                                 state)
+
+    state, key = ctrl.init(batch, D), jax.random.key(0)
+    timed = lambda n: (lambda t0: (jax.block_until_ready(loop(state, key, n)), time.perf_counter() - t0)[1])(  # noqa: E731
+        time.perf_counter())
+    timed(reps[0])
+    return float(np.median([(timed(reps[1]) - timed(reps[0])) / (reps[1] - reps[0]) for _ in range(runs)]))
+
+
+def phase_split(target, prompts, strategy, max_new: int) -> dict:
+    """EESD Table 8 per decode (seconds): draft / verify / other (the rule, the commit and the controller's
+    observation) timed inside one program (`profile="program"`), and the controller's own share ("control", part
+    of draft and other)."""
+    out = jspec.decode(target, prompts, strategy, max_new_tokens=max_new, profile="program")
+    rounds = int(np.asarray(out.stats["steps"]).max())
+    return {"draft_s": out.stats["draft_s"], "verify_s": out.stats["verify_s"], "other_s": out.stats["other_s"],
+            "control_s": control_cost(strategy, len(prompts)) * rounds, "rounds": rounds}
 
 
 def main(argv=None) -> None:
@@ -97,6 +154,8 @@ def main(argv=None) -> None:
                    "speedup": ar_wall / wall, "same_as_ar": same, "compile_s": r["compile_s"]}
             if "depth" in out.stats:
                 row["mean_depth"] = float(np.mean(out.stats["depth"]))
+            if n in SPLIT:
+                row["phases"] = phase_split(target, prompts, dict(todo)[n], N)
             rows.append(row)
             print(f"{scen:18s} {n:38s} tau {row['tau']:.2f}  HM {row['hm']:5.1f}  {row['tok_s']:7.1f} tok/s  "
                   f"x{row['speedup']:.2f}{'' if same else '  DIFFERS FROM AR'}")
@@ -109,6 +168,15 @@ def main(argv=None) -> None:
         lines.append(f"| {r['scenario']} | {r['strategy']} | {r['tau']:.2f} | {r['v_d']:.2f} | {r['r_d']:.2f} | "
                      f"{r['hm']:.1f} | {r['tok_s']:.0f} | {r['speedup']:.2f} | {r.get('mean_depth', float('nan')):.2f} | "
                      f"{'yes' if r['same_as_ar'] else 'NO'} |")
+    split = [r for r in rows if "phases" in r]
+    if split:
+        lines += ["", "Seconds per decode of the batch by phase (EESD Table 8; timed inside one program; control = the "
+                  "controller's own sampling, inside draft and other):", "",
+                  "| scenario | strategy | rounds | draft | verify | other | control |", "|---|---|---|---|---|---|---|"]
+        for r in split:
+            p = r["phases"]
+            lines.append(f"| {r['scenario']} | {r['strategy']} | {p['rounds']} | {p['draft_s']:.3f} | "
+                         f"{p['verify_s']:.3f} | {p['other_s']:.3f} | {p['control_s']:.4f} |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     plot(rows, args.out + ".png")
     print(f"wrote {args.out}.json / .md / .png")
@@ -124,7 +192,8 @@ def plot(rows: list[dict], path: str) -> None:
     for i, s in enumerate(scens):
         rs = [r for r in rows if r["scenario"] == s and r["strategy"] != "AR"]
         names = [r["strategy"] for r in rs]
-        colour = ["tab:red" if "Beta" in n else "tab:gray" if "Chain" in n else "tab:blue" for n in names]
+        colour = ["tab:red" if "Beta" in n else "tab:purple" if "Cali" in n else "tab:gray" if "Chain" in n
+                  else "tab:blue" for n in names]
         for j, (key, label) in enumerate((("tau", "tokens per target step"), ("speedup", "speedup over AR"))):
             ax = axes[i, j]
             ax.barh(range(len(rs)), [r[key] for r in rs], color=colour)

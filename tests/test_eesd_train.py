@@ -46,3 +46,46 @@ def test_training_lowers_the_loss_and_reads_the_targets_own_states():
         np.testing.assert_array_equal(a, np.asarray(b))
     ev = ET.evaluate(eval_step, params, lm, [batch])
     assert 0.0 <= ev["heldout_agreement"] <= 1.0 and ev["heldout_acc"] > 0.5
+
+
+def test_calibration_labels_and_training():
+    """The predictor's labels are the head's greedy drafts judged by the target under teacher forcing; its pairs
+    (anchor t, draft position t + i) stay inside one packed sequence and the weighted continuation; a few steps
+    lower the cross-entropy, and the mean predicted acceptance approaches the real rate."""
+    from jspec.controllers import calibration as C
+    from jspec.drafters.early_exit import head_forward
+    from jspec.methods import cali_train as CT
+
+    target, _ = tiny_pair()
+    head = EE.init_head(target, exit_layer=1, num_layers=1)
+    cfg, lm = ET.head_target_lm(target, head)
+    texts = ET.self_distillation_texts(target, PROMPTS, max_new_tokens=12, greedy_first=12, progress=False)
+    greedy = jspec.decode(target, PROMPTS, max_new_tokens=12)
+    for t, p, g, n in zip(texts, PROMPTS, greedy.tokens, greedy.lengths):
+        np.testing.assert_array_equal(t[len(p):], g[:n])
+    batch, _ = next(ET.pack(texts, 2, 40, starts=[len(p) for p in PROMPTS]))
+    h_t, h_d, match = CT.features(cfg, 1, head.params, lm, batch)
+    n0 = len(texts[0])
+    h1 = ET.exit_states(cfg, lm, 1, batch)[:1, :n0]
+    logits = head_forward(cfg, head.params, h1, batch["positions"][:1, :n0],
+                          jspec.cache.init_cache(1, 1, cfg.num_kv_heads, n0, cfg.head_dim, h1.dtype), fresh=True)[0]
+    full = target.forward(batch["input_ids"][:1, :n0], batch["positions"][:1, :n0],
+                          jspec.loop.new_cache_for(target, 1, n0), fresh=True)
+    np.testing.assert_array_equal(match[0, :n0], np.argmax(logits[0], -1) == np.argmax(full.logits[0], -1))
+    pred = C.init_predictor(jax.random.key(0), cfg.hidden_size, positions=4)
+    terms = CT.pair_terms(pred, h_t, h_d, match, batch)
+    seg, w = np.asarray(batch["segment_ids"]), np.asarray(batch["weights"])
+    for i in range(1, 5):
+        want = sum(1 for r in range(seg.shape[0]) for t in range(seg.shape[1] - i)
+                   if seg[r, t] == seg[r, t + i] > 0 and w[r, t + i] > 0 and w[r, t] > 0)
+        assert float(terms[i - 1, 4]) == want
+    tx = jt.adamw(0.0)
+    step, eval_step = CT.make_steps(cfg, 1, tx)
+    opt = tx.init(pred)
+    ev0 = CT.evaluate(eval_step, pred, head.params, lm, [batch])
+    for _ in range(40):
+        pred, opt, m = step(pred, opt, head.params, lm, batch, 1e-2)
+    ev = CT.evaluate(eval_step, pred, head.params, lm, [batch])
+    assert ev["heldout_loss"] < ev0["heldout_loss"] - 0.05
+    assert abs(ev["heldout_mean_theta"] - ev["heldout_accept_rate"]) < abs(
+        ev0["heldout_mean_theta"] - ev0["heldout_accept_rate"])

@@ -212,3 +212,32 @@ def test_other_bad_input():
         PL.plan(cfg, {"tensor": 1}, 0, 64)
     with pytest.raises(ValueError, match="unknown mesh axes"):
         PL.plan(cfg, {"pipeline": 2}, 1, 64)
+
+
+def test_eesd_drafter_sizes():
+    """The early-exit head's count equals a real head's on a tiny target, and the paper's sizes on LLaMA-2 (EESD
+    Table 1: 481M / 13B, 1.12B / 70B; Cali-TS's predictor 262M / 0.67B); the presets' N; bad N refused."""
+    import ports
+    from jspec.drafters import early_exit as EE
+
+    tiny = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    target = ports.random_model(ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64,
+                                                 intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                                                 head_dim=16), key=0)
+    for k in (0, 1, 2):
+        p = PL.plan(tiny, {}, 1, 64, dtype="float32", eesd=(1, k, False))
+        assert p["components"]["eesd_head"]["count"] == EE.init_head(target, 1, k).num_params
+    for name, head, cali in (("llama-2-13b", 481e6, 262e6), ("llama-2-70b", 1.12e9, 0.67e9)):
+        from jspec.methods.eesd import preset_exit_layer
+
+        p = PL.plan(PL.load_config(name), {"tensor": 8}, 1, 2048, eesd=(preset_exit_layer(name), 1, True))
+        c = p["components"]
+        assert abs(c["eesd_head"]["count"] / head - 1) < 0.01 and abs(c["eesd_calibration"]["count"] / cali - 1) < 0.01
+        assert c["eesd_head"]["per_device"] == c["eesd_head"]["total"]     # replicated
+    assert preset_exit_layer("llama-2-13b") == 3 and preset_exit_layer("llama-2-70b") == 5
+    with pytest.raises(ValueError, match="out of range"):
+        PL.plan(tiny, {}, 1, 64, eesd=(3, 1, False))
+    with pytest.raises(ValueError, match="no EESD preset"):
+        preset_exit_layer("llama-2-7b")

@@ -3,6 +3,7 @@ controller picks each round's draft length (`jspec.controllers.draft_length`).""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,26 @@ from jspec.plans import StaticPlan
 from jspec.strategy import Speculative, Strategy, _cached_tree, _paths_key
 from jspec.trees import chain
 from jspec.verify import as_rule
+
+
+# The paper's exit layers (EESD Sec. 4.1: N = 3 of LLaMA-2-13B's 40 layers, 5 of 70B's 80) and the training
+# command for each (scripts/train_eesd.py on a GPU machine; Table 9's LR 1e-3, batch 64, 2k / 4k tokens).
+PRESETS = {
+    "llama-2-13b": {"exit_layer": 3, "layers": 1, "command":
+                    "python scripts/train_eesd.py --target CKPT_DIR --texts open.jsonl --exit-layer 3 --batch 64 "
+                    "--seq-len 2048 --lr 1e-3 --gen-share 0.5 --steps 20000"},
+    "llama-2-70b": {"exit_layer": 5, "layers": 1, "command":
+                    "python scripts/train_eesd.py --target CKPT_DIR --texts open.jsonl --exit-layer 5 --batch 64 "
+                    "--seq-len 4096 --lr 1e-3 --gen-share 0.5 --steps 20000"},
+}
+
+
+def preset_exit_layer(name: str) -> int:
+    """The paper's exit layer for a shipped config name (ValueError for one without a preset)."""
+    key = os.path.basename(str(name).rstrip("/")).removesuffix(".json").lower()
+    if key not in PRESETS:
+        raise ValueError(f"no EESD preset for {name!r} (presets: {', '.join(PRESETS)}); pass --eesd N")
+    return PRESETS[key]["exit_layer"]
 
 
 @dataclasses.dataclass(frozen=True)
