@@ -45,11 +45,12 @@ def main(argv=None) -> None:
     ap.add_argument("--gen-prompts", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=96)
     ap.add_argument("--heldout", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--resume", action="store_true")
@@ -65,11 +66,13 @@ def main(argv=None) -> None:
     cfg, lm = ET.head_target_lm(target, head)
     tag = f"{Path(args.head).name}-cali"
     workdir = Path(args.workdir or ROOT / "build" / "eesd" / tag).resolve()
-    if workdir.exists() and not args.resume:
-        shutil.rmtree(workdir)
+    if workdir.exists() and not args.resume:  # a fresh run keeps the generations it would make again
+        for p in workdir.iterdir():
+            if p.name != "greedy.npz":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
     workdir.mkdir(parents=True, exist_ok=True)
     pred = C.init_predictor(jax.random.key(args.seed), cfg.hidden_size, positions=args.positions)
-    tx = jt.adamw(weight_decay=0.0)
+    tx = jt.adamw(weight_decay=args.weight_decay)
     state = {"pred": pred, "opt_state": tx.init(pred)}
     meta = jt.new_meta(tag, args.seed, args.steps, args.lr, args.warmup, next_index=0, positions=args.positions)
     if args.resume:

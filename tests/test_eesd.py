@@ -282,3 +282,22 @@ def test_cali_ts_saves_beside_the_head_and_is_checked(pair, tmp_path):
     with pytest.raises(ValueError, match="cannot stop there"):
         jspec.decode(target, PROMPTS, jspec.DynamicTree(draft, depth=3, top_k=2, total=4,
                                                          controller=parts.controller), max_new_tokens=4)
+
+
+def test_the_zoo_heads_load_and_decode_as_the_target():
+    """Every shipped early-exit head loads against the zoo text target (the main one with its Cali-TS predictor), and
+    Cali-TS decodes the target's own greedy tokens with it."""
+    from jspec import zoo
+
+    target = zoo.load("text-target")
+    heads = sorted(p for p in zoo.ZOO_DIR.iterdir() if (p / EE.CONFIG_NAME).exists())
+    assert {p.name for p in heads} >= {"text-target-eesd-n1", "text-target-eesd-n1-k0", "text-target-eesd-n2",
+                                       "text-target-eesd-n1-open"}
+    loaded = {p.name: EE.load_head(str(p), target) for p in heads}
+    assert loaded["text-target-eesd-n1-k0"].num_layers == 0 and loaded["text-target-eesd-n2"].exit_layer == 2
+    main = loaded["text-target-eesd-n1"]
+    assert main.calibration is not None
+    prompts = [np.arange(3, 12), np.arange(20, 26)]
+    ar = jspec.decode(target, prompts, max_new_tokens=12)
+    out = jspec.decode(target, prompts, jspec.EESD(main, controller="cali", k_max=8), max_new_tokens=12)
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
