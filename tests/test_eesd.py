@@ -284,6 +284,7 @@ def test_cali_ts_saves_beside_the_head_and_is_checked(pair, tmp_path):
                                                          controller=parts.controller), max_new_tokens=4)
 
 
+@pytest.mark.slow
 def test_the_zoo_heads_load_and_decode_as_the_target():
     """Every shipped early-exit head loads against the zoo text target (the main one with its Cali-TS predictor), and
     Cali-TS decodes the target's own greedy tokens with it."""
