@@ -7,7 +7,8 @@ from jspec.imagegen import ImageOutput, generate_image
 from jspec.sharding import make_mesh, shard
 from jspec.strategy import AR, Chain, DynamicTree, Speculative, Strategy, Tree
 from jspec.methods.eesd import EESD
+from jspec.methods.sage import SAGE
 
-__all__ = ["AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "Speculative",
+__all__ = ["AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "SAGE", "Speculative",
            "Strategy", "Tree", "decode", "generate_image", "make_mesh", "shard"]
 __version__ = "0.1.0"

@@ -9,7 +9,11 @@ A plan drives a drafter (`jspec.drafters`) level by level and returns a `Proposa
 Both honour a per-row depth limit (draft levels no row needs are skipped) and draw children without replacement
 from the draft distribution when the rule asks for it (`draw`), recording that distribution per node.
 `StaticPlan` also takes a controller's `stop(level, aux, limit) -> limit`, called after each drafted level with
-the drafter's per-node outputs that drafted it: a row may end its draft there (EESD's Cali-TS).
+the drafter's per-node outputs that drafted it: a row may end its draft there (EESD's Cali-TS). With
+`verify_nodes` it drafts in its (wide) layout and hands the target only the valid nodes, packed in order into that
+many slots (a planner whose trees hold at most `verify_nodes` nodes but whose level widths vary: SAGE).
+A plan picks the target's verify width per step (`verify_size`): the smallest of a few static widths that holds
+every row's tree, so one program serves them all.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ class Proposal(NamedTuple):
     known: jax.Array | None = None  # [B, N] bool: q exists at the node (its level was drafted)
     decision: Any = None  # the controller's Decision this proposal followed
     limit: jax.Array | None = None  # [B] the depth limit each row drafted to (after any controller stop)
+    node_topk: jax.Array | None = None  # [B, N, k] the k largest draft probabilities at each node, when asked
+    node_known: jax.Array | None = None  # [B, N] bool: node_topk exists there (the node's level was drafted)
 
 
 class LayeredTree(NamedTuple):
@@ -70,10 +76,14 @@ class StaticPlan:
     ancestor: Any  # [N, N]
     children: Any  # [N, M]
     layout: Layout = struct.field(pytree_node=False)
+    verify_nodes: int = struct.field(pytree_node=False, default=0)  # > 0: pack the valid nodes into this many
 
     @classmethod
-    def of(cls, tree: StaticTree) -> "StaticPlan":
-        return cls(tree.parent, tree.rank, tree.valid, tree.ancestor, tree.children, tree.layout)
+    def of(cls, tree: StaticTree, verify_nodes: int = 0) -> "StaticPlan":
+        if verify_nodes and not tree.valid.sum() <= verify_nodes <= tree.layout.num_nodes:
+            raise ValueError(f"verify_nodes={verify_nodes} must hold the plan's own tree ({int(tree.valid.sum())} "
+                             f"nodes with the root) and fit its layout ({tree.layout.num_nodes} slots)")
+        return cls(tree.parent, tree.rank, tree.valid, tree.ancestor, tree.children, tree.layout, int(verify_nodes))
 
     num_nodes = property(lambda self: self.layout.num_nodes)
     max_depth = property(lambda self: self.layout.max_depth)
@@ -93,6 +103,28 @@ class StaticPlan:
         depths = sorted({d for d in (2 ** i for i in range(D.bit_length())) if d < D} | {D})
         return tuple((d, self.layout.levels[d][1]) for d in depths)
 
+    @property
+    def packed_sizes(self) -> tuple[int, ...]:
+        """Verify widths of a packing plan: 9, 17, 33, ... (a power of two drafts + the root) up to `verify_nodes`."""
+        n = self.verify_nodes
+        return tuple(sorted({s for s in (2 ** i + 1 for i in range(3, n.bit_length())) if s < n} | {n}))
+
+    def verify_size(self, prop: Proposal, done: jax.Array) -> tuple[tuple[int, ...], jax.Array | None]:
+        """(static widths, index of the one to verify this step, or None for the whole proposal): a packing plan
+        takes the smallest width that holds every decoding row's nodes; a layered one the smallest depth bucket that
+        covers every row's depth limit."""
+        if self.verify_nodes:
+            need = jnp.max(jnp.where(done, 1, jnp.sum(prop.valid, axis=1)))
+            sizes = self.packed_sizes
+        else:
+            if prop.decision is None or prop.decision.depth is None:
+                return (), None
+            need = jnp.max(jnp.where(done, 1, prop.decision.depth))
+            depths = jnp.asarray([d for d, _ in self.verify_buckets])
+            sizes = tuple(n for _, n in self.verify_buckets)
+            return sizes, jnp.argmax(depths >= need)
+        return sizes, jnp.argmax(jnp.asarray(sizes) >= need)
+
     def _tree(self, B: int, decision):
         if decision is not None and decision.tree is not None:
             t = decision.tree
@@ -105,8 +137,10 @@ class StaticPlan:
         return b(self.valid), arrays, arrays.parent, b(self.rank)
 
     stops = True  # takes a controller's per-level `stop`
+    node_outputs = True  # can hand each node's top-k draft probabilities to the controller (`Asks.node_topk`)
 
-    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None):
+    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None,
+                topk: int = 0):
         layout = self.layout
         B = env.last.shape[0]
         N, D = layout.num_nodes, layout.max_depth
@@ -120,6 +154,7 @@ class StaticPlan:
         V = logp.shape[-1]
         q_all = jnp.zeros((B, N, V), jnp.float32) if (sample or want_q) else None
         aux_all = None
+        top_all = jnp.zeros((B, N, topk), jnp.float32) if topk else None
         fed = jnp.full((B, N), -1, jnp.int32)
         keys = jax.random.split(key, D)
         for d in range(D):
@@ -127,6 +162,8 @@ class StaticPlan:
             m = layout.children[d]
             if q_all is not None:
                 q_all = q_all.at[:, s:e].set(jnp.exp(logp))
+            if topk:
+                top_all = top_all.at[:, s:e].set(jax.lax.top_k(jnp.exp(logp), topk)[0])
             if want_aux and aux is not None:
                 if aux_all is None:
                     aux_all = jax.tree.map(lambda a: jnp.zeros((B, N) + a.shape[2:], a.dtype), aux)
@@ -151,7 +188,37 @@ class StaticPlan:
                 fed = _fed_levels(fed, cs, np.arange(cs - 1, ce - 1), run)
         valid = jnp.all(valid[:, None, :] | ~t.ancestor, axis=-1)  # a node is usable only if its whole path is
         known = (t.depth < D) & valid if q_all is not None else None
-        return Proposal(tokens, valid, t, q_all, fed, root_logp, aux_all, known, limit=limit), ds
+        node_known = None
+        if topk:
+            node_known = valid & (t.depth < (D if limit is None else limit[:, None]))
+        prop = Proposal(tokens, valid, t, q_all, fed, root_logp, aux_all, known, limit=limit, node_topk=top_all,
+                        node_known=node_known)
+        return (pack(prop, self.verify_nodes) if self.verify_nodes else prop), ds
+
+
+def pack(prop: Proposal, n: int) -> Proposal:
+    """The proposal's valid nodes moved, in node order, into its first `n` slots (a row with more keeps its first
+    `n`: parents come before children, so the kept nodes stay a tree); the slots after them are unusable padding.
+    Parent, children and ancestor ids are renumbered; per-node arrays move with their nodes."""
+    B, N = prop.tokens.shape
+    rows = jnp.arange(B)[:, None]
+    order = jnp.argsort(~prop.valid, axis=1, stable=True)[:, :n].astype(jnp.int32)  # valid slots first
+    keep = jnp.arange(n)[None] < jnp.sum(prop.valid, axis=1, keepdims=True)
+    new_id = jnp.full((B, N), -1, jnp.int32).at[rows, order].set(
+        jnp.where(keep, jnp.arange(n, dtype=jnp.int32)[None], -1))
+    renumber = lambda ids: jnp.where(ids >= 0, jnp.take_along_axis(  # noqa: E731
+        new_id, jnp.maximum(ids, 0).reshape(B, -1), axis=1).reshape(ids.shape), -1)
+    g = lambda x: None if x is None else _gather_rows(x, order)  # noqa: E731
+    t = prop.tree
+    parent = jnp.where(keep, renumber(g(t.parent)), -1)
+    anc = jnp.take_along_axis(g(t.ancestor), order[:, None, :], axis=2) & keep[:, None, :] & keep[:, :, None]
+    anc = anc | jnp.eye(n, dtype=bool)[None]
+    children = jnp.where(keep[:, :, None], renumber(g(t.children)), -1)
+    tree = TreeArrays(parent, g(t.depth), anc, children)
+    return prop._replace(tokens=g(prop.tokens), valid=keep, tree=tree, q=g(prop.q), fed=g(prop.fed),
+                         aux=jax.tree.map(g, prop.aux), known=None if prop.known is None else g(prop.known) & keep,
+                         node_topk=g(prop.node_topk),
+                         node_known=None if prop.node_known is None else g(prop.node_known) & keep)
 
 
 @struct.dataclass
@@ -174,6 +241,7 @@ class DynamicPlan:
     is_chain = False
     pending_width = 2  # as for static trees: only beam nodes get children, and the draft fed every beam node
     stops = False
+    node_outputs = False
 
     @property
     def scratch(self) -> int:
@@ -189,9 +257,15 @@ class DynamicPlan:
                              "children without replacement is not lossless when the kept candidates depend on their "
                              "own draft probabilities")
 
-    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None):
+    def verify_size(self, prop: Proposal, done: jax.Array):
+        return (), None
+
+    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None,
+                topk: int = 0):
         if stop is not None:
             raise ValueError("DynamicTree takes no per-level stop (its levels are a beam, not one row's path)")
+        if topk:
+            raise ValueError("DynamicTree keeps no per-node draft distributions (a controller asked for node_topk)")
         B = env.last.shape[0]
         K, D = self.top_k, self.depth
         logp, _, ds = drafter.root(env, ds)

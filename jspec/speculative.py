@@ -54,8 +54,8 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
             ctrl = parts.controller.start(ctrl, prefill)
         shapes = jax.eval_shape(parts.controller.plan, ctrl, state.key)
         steps = state.accepted.shape[1]
-        decided = {name: jnp.zeros((B, steps) + s.shape[1:], s.dtype)
-                   for name, s in (("depth", shapes.depth), ("weights", shapes.weights)) if s is not None}
+        made = {"depth": shapes.depth, "weights": shapes.weights, **(shapes.info or {})}
+        decided = {name: jnp.zeros((B, steps) + s.shape[1:], s.dtype) for name, s in made.items() if s is not None}
     return state.replace(aux=SDAux(ds, ctrl, decided))
 
 
@@ -76,6 +76,8 @@ def sd_draft(ctx, parts, target, carry):
     if hasattr(ctrl, "stop"):  # the controller may end a row's draft after any level (from what drafted it)
         stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, jax.random.fold_in(k_stop, level))  # noqa: E731
     kw = {} if stop is None else {"stop": stop}
+    if asks.node_topk:
+        kw["topk"] = asks.node_topk
     prop, ds = parts.plan.propose(env, parts.drafter, aux.draft, k_draft, limit, parts.rule.draws,
                                   asks.draft_probs, asks.draft_aux, **kw)
     if prop.limit is not None and limit is not None:
@@ -99,13 +101,11 @@ def sd_verify(ctx, parts, target, carry):
             return fo.cache, pad(fo.logits), pad(fo.hidden[0]) if hidden else None
         return run
 
-    buckets = [n for _, n in getattr(parts.plan, "verify_buckets", ())]
-    if prop.decision is None or prop.decision.depth is None or len(buckets) < 2:
+    sizes, pick = parts.plan.verify_size(prop, state.done)
+    if pick is None or len(sizes) < 2:
         tc, logits, hid = forward(N)(tc)
-    else:  # verify only the levels some row drafted: the smallest bucket covering every row's depth limit
-        need = jnp.max(jnp.where(state.done, 1, prop.decision.depth))
-        depths = jnp.asarray([d for d, _ in parts.plan.verify_buckets])
-        tc, logits, hid = jax.lax.switch(jnp.argmax(depths >= need), [forward(n) for n in buckets], tc)
+    else:  # verify only what some row drafted: the smallest static width that holds every row's tree
+        tc, logits, hid = jax.lax.switch(pick, [forward(n) for n in sizes], tc)
     return state.replace(cache=tc), prop, Verified(logits, hid)
 
 
@@ -131,6 +131,8 @@ def _record(parts, prop, ver: Verified, verdict, new, n_eff, active, depth, draf
         rec = rec._replace(draft_aux=jax.tree.map(lambda x: _along(x, path), prop.aux))
     if asks.root_topk:
         rec = rec._replace(root_topk=jax.lax.top_k(jnp.exp(prop.root_logp), asks.root_topk)[0])
+    if asks.node_topk:
+        rec = rec._replace(node_topk=prop.node_topk, node_known=prop.node_known & active[:, None])
     if asks.hidden:
         end = jnp.take_along_axis(path, a[:, None], axis=1)  # the node the bonus token follows
         rec = rec._replace(hidden=_along(ver.hidden, end)[:, 0])
@@ -165,7 +167,7 @@ def sd_accept(ctx, parts, target, carry):
         depth = prop.decision.depth
         depth = jnp.full((B,), D, jnp.int32) if depth is None else depth
         ctrl = parts.controller.observe(ctrl, _record(parts, prop, ver, verdict, new, n_eff, active, depth, drafted))
-        made = {"depth": depth, "weights": prop.decision.weights}
+        made = {"depth": depth, "weights": prop.decision.weights, **(prop.decision.info or {})}
         decided = {k: v.at[:, state.step].set(made[k].astype(v.dtype)) for k, v in decided.items()}
     state = state.replace(aux=aux.replace(draft=ds, ctrl=ctrl, decided=decided))
     return loop.record_step(state, n_eff, drafted), None, None

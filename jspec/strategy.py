@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from flax import struct
 
+from jspec.controllers import asks_of
 from jspec.drafters import ModelDrafter
 from jspec.plans import DynamicPlan, StaticPlan
 from jspec.trees import Layout, StaticTree, build_tree, chain
@@ -50,7 +51,8 @@ class AR(Strategy):
 
 
 _PROTOCOLS = {"drafter": ("check", "prepare", "init", "root", "level", "commit", "map_models"),
-              "plan": ("propose", "check", "max_depth", "num_nodes", "scratch", "pending_width", "is_chain"),
+              "plan": ("propose", "check", "max_depth", "num_nodes", "scratch", "pending_width", "is_chain",
+                       "verify_size"),
               "controller": ("init", "plan", "observe"), "prefill": ("asks", "draft_prompt")}
 
 
@@ -80,6 +82,9 @@ class Speculative(Strategy):
         if hasattr(self.controller, "stop") and not getattr(self.plan, "stops", False):
             raise ValueError(f"the controller {type(self.controller).__name__} ends drafts level by level; the plan "
                              f"{type(self.plan).__name__} cannot stop there (use a chain or a static tree)")
+        if asks_of(self.controller).node_topk and not getattr(self.plan, "node_outputs", False):
+            raise ValueError(f"the controller {type(self.controller).__name__} reads every drafted node's "
+                             f"distribution; the plan {type(self.plan).__name__} does not keep them (use a static tree)")
         if hasattr(self.controller, "check"):
             self.controller.check(target, self.drafter)
 

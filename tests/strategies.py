@@ -94,3 +94,9 @@ def cali_ts(target):
 register("eesd_cali", lambda t, d: jspec.EESD(eesd_head(t), controller=cali_ts(t), k_max=5), exact=True,
          separate_draft=False, target_layers=2)
 register("chain_beta_ts", lambda t, d: jspec.Chain(d, gamma=6, controller=jspec.BetaTS()), exact=True, slow=True)
+
+
+SAGE_SMALL = dict(d_min=2, d_max=4, w_min=2, w_max=4, k=4, n_max=12, init_tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]],
+                  window=2)
+register("sage", lambda t, d: jspec.SAGE(d, **SAGE_SMALL), exact=True)
+register("sage_residual", lambda t, d: jspec.SAGE(d, rule="residual", **SAGE_SMALL), exact=True, slow=True)

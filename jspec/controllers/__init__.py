@@ -14,7 +14,8 @@ and optionally
   depth limit to end its draft there;
 - `check(target, drafter)`: host-side validation (ValueError) before any compute.
 All but `check` run on device inside the decode loop. The depth and weights a controller decided are kept per row and step
-and returned in `out.stats` ("depth" [B, steps], "weights" [B, steps, m]).
+and returned in `out.stats` ("depth" [B, steps], "weights" [B, steps, m]), and so is each entry of its
+`Decision.info` (e.g. SAGE's confidence and tree size).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Asks:
     draft_probs: bool = False  # the drafter's distribution at the accepted path's nodes
     draft_aux: bool = False  # the drafter's own per-node outputs (e.g. per-view probabilities) along the path
     root_topk: int = 0  # the drafter's k largest root probabilities
+    node_topk: int = 0  # the drafter's k largest probabilities at every drafted node (plans with `node_outputs`)
     hidden: bool = False  # the target's last hidden state at the node the bonus token follows
 
 
@@ -42,6 +44,7 @@ class Decision(NamedTuple):
     depth: jax.Array | None = None  # [B] int32 depth limit (clipped to [1, plan depth])
     weights: jax.Array | None = None  # [B, m] ensemble weights of a multi-view drafter
     tree: Any = None  # a per-row tree for plans that take one (`plans.LayeredTree` arrays [B, N])
+    info: dict | None = None  # per-row numbers [B, ...] to keep per step in `out.stats` under their names
 
 
 class Record(NamedTuple):
@@ -61,6 +64,8 @@ class Record(NamedTuple):
     draft_known: jax.Array | None = None  # [B, D+1] bool: draft_probs exist there (the node's level was drafted)
     draft_aux: Any = None  # the drafter's aux gathered along the path [B, D+1, ...] when asked
     root_topk: jax.Array | None = None  # [B, k] when asked
+    node_topk: jax.Array | None = None  # [B, N, k] when asked (every node of the drafted tree)
+    node_known: jax.Array | None = None  # [B, N] bool: node_topk exists there
     hidden: jax.Array | None = None  # [B, D_model] when asked
 
 

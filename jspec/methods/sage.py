@@ -1,0 +1,90 @@
+"""SAGE (entropy-guided adaptive speculative decoding): the draft tree is re-planned every round from the draft's
+confidence (`jspec.controllers.entropy_tree`), drafted in a static slot budget and verified packed into
+n_max + 1 tokens. A tree plan and a controller on the one engine; any drafter fits under it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jspec.controllers.entropy_tree import EntropyTree, TreeSpec
+from jspec.drafters import ModelDrafter
+from jspec.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
+from jspec.plans import StaticPlan
+from jspec.strategy import Speculative, Strategy, _paths_key
+from jspec.trees import build_tree
+from jspec.verify import as_rule
+
+# Real checkpoints the paper runs (target, draft), with its settings: video pruning 0.9, image 0.8, greedy.
+PRESETS = {
+    "llava-onevision-72b": {"target": "llava-onevision-qwen2-72b", "draft": "llava-onevision-qwen2-7b"},
+    "qwen2.5-vl-72b": {"target": "qwen2.5-vl-72b", "draft": "qwen2.5-vl-7b"},
+}
+
+
+def as_drafter(draft):
+    """A drafter object as is; an `EarlyExitHead` as its drafter; a model as a separate draft model."""
+    if isinstance(draft, EarlyExitHead):
+        return EarlyExitDrafter(draft.replace(calibration=None))
+    if all(hasattr(draft, m) for m in ("root", "level", "commit")):
+        return draft
+    return ModelDrafter(draft)
+
+
+@dataclasses.dataclass(frozen=True)
+class SAGE(Strategy):
+    """SAGE over any drafter.
+
+    draft: a draft model, an `EarlyExitHead`, or any drafter object (`jspec.drafters`). d_min, d_max, w_min, w_max,
+    k, n_max, theta0: the paper's Eq. 10-12 and threshold (d_max is the history rule's ceiling). history: the
+    sliding-window rule on d_max (`window`, `low`, `high`). confidence: "root" (the round's root distribution) or
+    "mean_nodes" (the mean over its drafted nodes). threshold: "cumulative" (a path's proxy probability) or "local"
+    (each candidate's own). adaptive_tree=False drafts `init_tree` every round (SD-Tree on SAGE's program).
+    rule: "q1" (default; greedy decoding uses the longest match under any rule) or "residual": both are exact,
+    since a round's tree depends only on earlier rounds. prefill: a draft-prefill hook (`jspec.strategy`), e.g.
+    pruning the draft's visual tokens.
+    """
+
+    draft: Any
+    d_min: int = 3
+    d_max: int = 8
+    w_min: int = 2
+    w_max: int = 10
+    k: int = 10
+    n_max: int = 64
+    history: bool = True
+    confidence: str = "root"
+    threshold: str = "cumulative"
+    theta0: float = 0.1
+    adaptive_tree: bool = True
+    init_tree: Any = "mc_sim_7b_63"
+    window: int = 10
+    low: float = 2.0
+    high: float = 3.0
+    alpha0: float = 0.5
+    rule: Any = "q1"
+    prefill: Any = None
+
+    def spec(self) -> TreeSpec:
+        init = tuple(build_tree(self.init_tree if isinstance(self.init_tree, str) else
+                                [list(p) for p in self.init_tree]).paths)
+        return TreeSpec(self.d_min, self.d_max, self.w_min, self.w_max, self.k, self.n_max, self.theta0,
+                        self.threshold, init)
+
+    def __post_init__(self):
+        self.spec()  # bad settings fail here, before any compute
+        EntropyTree(self.spec(), self.confidence, window=self.window)
+
+    def controller(self) -> EntropyTree:
+        return EntropyTree(self.spec(), self.confidence, self.adaptive_tree, self.history, self.window,
+                           float(self.low), float(self.high), float(self.alpha0))
+
+    def parts(self) -> Speculative:
+        spec = self.spec()
+        plan = StaticPlan.of(_plan_tree(spec), verify_nodes=spec.n_max + 1)
+        return Speculative(as_drafter(self.draft), plan, as_rule(self.rule), self.controller(), self.prefill)
+
+
+def _plan_tree(spec: TreeSpec):
+    from jspec.strategy import _cached_tree
+
+    return _cached_tree(_paths_key([list(p) for p in spec.init_tree]), spec.layout)
