@@ -72,7 +72,13 @@ def cmd_plan(args) -> int:
         mesh = PL.parse_mesh(args.mesh)
         device = PL.parse_bytes(args.device_memory) if args.device_memory else None
         target = PL.load_config(args.config)
-        draft = PL.load_config(args.draft) if args.draft else None
+        draft_name, tree_nodes, sage_note = args.draft, args.tree_nodes, None
+        if args.sage:
+            from jspec.methods.sage import preset_draft, sage_budget
+
+            draft_name = draft_name or preset_draft(args.config)
+            tree_nodes, sage_note = sage_budget()
+        draft = PL.load_config(draft_name) if draft_name else None
         eesd = None
         if args.eesd is not None:
             from jspec.methods.eesd import preset_exit_layer
@@ -80,7 +86,9 @@ def cmd_plan(args) -> int:
             n = preset_exit_layer(args.config) if args.eesd == "preset" else int(args.eesd)
             eesd = (n, args.eesd_layers, args.cali)
         p = PL.plan(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
-                    tree_nodes=args.tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd)
+                    tree_nodes=tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd)
+        if sage_note:
+            p["notes"].append(sage_note)
     except ValueError as e:
         raise SystemExit(f"jspec plan: {e}")
     if args.json:
@@ -148,6 +156,8 @@ def main(argv=None) -> int:
     pl.add_argument("--eesd-layers", type=int, default=1, help="the early-exit head's decoder layers")
     pl.add_argument("--cali", action="store_true", help="with Cali-TS's predictor (W^1..W^10, W_p)")
     pl.add_argument("--tree-nodes", type=int, default=64, help="nodes verified per step (gamma + 1 for a chain)")
+    pl.add_argument("--sage", action="store_true", help="SAGE's verify width (n_max + 1 = 65) and, for a target "
+                                                        "with a SAGE preset, the paper's draft unless --draft")
     pl.add_argument("--prompt-len", type=int, help="tokens prefilled at once (default: max-len, the worst case)")
     pl.add_argument("--images", type=int, help="images in the prefill batch of a VLM (default: one per row)")
     pl.add_argument("--device-memory", help="memory of one device, e.g. 80GB, 16GiB: prints whether it fits "

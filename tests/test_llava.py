@@ -167,6 +167,17 @@ def test_greedy_sd_with_vlm_target_equals_ar(models, draft_kind, make):
     np.testing.assert_array_equal(alone.tokens[0], ar.tokens[1])
 
 
+def test_greedy_sage_with_vlm_target_equals_ar(models):
+    """SAGE's per-row re-planned trees with a LLaVA-1.5 target and draft on a ragged two-image batch."""
+    _, target, draft = models
+    a, pa = image_prompt(1, seed=32)
+    b, pb = image_prompt(2, seed=33, post=2)
+    batch = {"input_ids": [a, b], "pixel_values": np.concatenate([pa, pb])}
+    ar = jspec.decode(target, batch, max_new_tokens=14)
+    sd = jspec.decode(target, batch, strategy=jspec.SAGE(draft, d_max=5, n_max=30, k=6, w_max=6), max_new_tokens=14)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+
+
 def test_vlm_draft_reads_the_images(models):
     """draft = target: every draft is accepted only if the draft's prefill spliced the same image features."""
     _, target, _ = models

@@ -362,13 +362,14 @@ def test_greedy_chain_sd_equals_ar(jx_models):
 
 def test_text_only_draft_reads_video_prompt_without_placeholders(jx_models):
     """A OneVision target with image + video and a text-only Qwen2 draft: the draft's default view drops both the
-    image and the video placeholders, and greedy Chain SD gives greedy AR's tokens."""
+    image and the video placeholders, and greedy Chain SD and SAGE give greedy AR's tokens."""
     target = jx_models["ov"]
     draft = ports.random_model(ports.text_config_from_hf(text_config("qwen2", 32, 1).to_dict()), 5, std=0.2)
     batch = ov_video_batch(with_image=True, seed=3)
     ar = jspec.decode(target, batch, max_new_tokens=10)
-    sd = jspec.decode(target, batch, strategy=jspec.Chain(draft, gamma=3), max_new_tokens=10)
-    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    for strategy in (jspec.Chain(draft, gamma=3), jspec.SAGE(draft, d_max=5, n_max=30, k=6, w_max=6)):
+        sd = jspec.decode(target, batch, strategy=strategy, max_new_tokens=10)
+        np.testing.assert_array_equal(sd.tokens, ar.tokens)
     from jspec.drafters.model import default_view
     from jspec.prompts import model_prompt
     tokens, lengths, inputs = model_prompt(target, batch, "")

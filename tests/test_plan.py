@@ -241,3 +241,19 @@ def test_eesd_drafter_sizes():
         PL.plan(tiny, {}, 1, 64, eesd=(3, 1, False))
     with pytest.raises(ValueError, match="no EESD preset"):
         preset_exit_layer("llama-2-7b")
+
+
+@pytest.mark.parametrize("name", ["llava-onevision-qwen2-72b", "qwen2.5-vl-72b"])
+def test_sage_presets_plan_the_72b_target_and_its_draft_on_8_gpus(name, capsys):
+    """`jspec plan --sage`: the paper's 7B draft from the preset, 65 verified tokens, and the preset's command fits
+    8 x 80 GB; a target without a preset asks for --draft."""
+    from jspec.methods.sage import PRESETS
+
+    cmd = PRESETS[name]["plan"].split()[1:]
+    assert cli.main(cmd + ["--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["tree_nodes"] == 65 and js["fit"]["fits"] and "draft_params" in js["components"]
+    assert js["components"]["draft_params"]["total"] > 14e9  # the 7B draft in bf16
+    assert any("SAGE: trees of <= 64 drafts" in n for n in js["notes"])
+    with pytest.raises(SystemExit, match="no SAGE preset"):
+        cli.main(["plan", "--config", "llama-2-7b", "--sage", "--max-len", "512"])

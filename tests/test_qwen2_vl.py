@@ -327,11 +327,12 @@ SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0
 
 def test_greedy_chain_and_tree_sd_equal_ar(jx_models):
     """A Qwen2.5-VL target with a smaller Qwen2.5-VL draft (its own tower, its own M-RoPE sections) on a ragged
-    image / video batch: Chain and Tree give greedy AR's tokens; per-row prompts alone give the same."""
+    image / video batch: Chain, Tree and SAGE give greedy AR's tokens; per-row prompts alone give the same."""
     target, draft = jx_models["q25"], jx_models["q25_draft"]
     batch = sd_batch()
     ar = jspec.decode(target, batch, max_new_tokens=12)
-    for strategy in (jspec.Chain(draft, gamma=3), jspec.Tree(draft, tree=SMALL_TREE)):
+    for strategy in (jspec.Chain(draft, gamma=3), jspec.Tree(draft, tree=SMALL_TREE),
+                     jspec.SAGE(draft, d_max=5, n_max=30, k=6, w_max=6)):
         sd = jspec.decode(target, batch, strategy=strategy, max_new_tokens=12)
         np.testing.assert_array_equal(sd.tokens, ar.tokens)
     # the self-draft (target as its own draft) accepts everything: tree positions are right in the target cache

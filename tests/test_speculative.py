@@ -325,19 +325,21 @@ def _refeeding(strategy):
 @pytest.mark.parametrize("tree,controller", [
     pytest.param("chain", None, marks=pytest.mark.slow), pytest.param("chain", CycleDepth(4), marks=pytest.mark.slow),
     pytest.param("mc_sim_7b_63", None, marks=pytest.mark.slow), ("mc_sim_7b_63", CycleDepth(3)), ("dynamic", None),
-    pytest.param("dynamic", CycleDepth(4), marks=pytest.mark.slow)],
-    ids=["chain", "chain-limited", "tree", "tree-limited", "dynamic", "dynamic-limited"])
+    pytest.param("dynamic", CycleDepth(4), marks=pytest.mark.slow), ("sage", None)],
+    ids=["chain", "chain-limited", "tree", "tree-limited", "dynamic", "dynamic-limited", "sage"])
 def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
     """The accepted nodes the draft fed while drafting are committed from its scratch instead of fed again: the
     draft then proposes what it would have proposed after a re-feed, so every step accepts as many tokens."""
     target, draft = pair
     if tree == "dynamic":
         reuse = jspec.DynamicTree(draft, depth=5, top_k=3, total=12, controller=controller)
+    elif tree == "sage":  # per-row trees packed for the verify: `fed` moves with its nodes
+        reuse = jspec.SAGE(draft, d_max=5, n_max=30, k=6, w_max=6)
     else:
         paths = tuple(tuple(p) for p in chain(5)) if tree == "chain" else tree
         reuse = jspec.Tree(draft, tree=paths, controller=controller)
     refeed = _refeeding(reuse)
-    assert reuse.parts().plan.pending_width == 2 and refeed.plan.pending_width == 6
+    assert reuse.parts().plan.pending_width == 2 and refeed.plan.pending_width == refeed.plan.max_depth + 1
     # an EOS that ends row 0 early, so finished rows sit beside running ones for some steps
     ar = jspec.decode(target, PROMPTS, max_new_tokens=40, eos_token_id=())
     eos = int(ar.tokens[0, 6])

@@ -4,6 +4,7 @@ n_max + 1 tokens. A tree plan and a controller on the one engine; any drafter fi
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from jspec.controllers.entropy_tree import EntropyTree, TreeSpec
@@ -14,11 +15,33 @@ from jspec.strategy import Speculative, Strategy, _paths_key
 from jspec.trees import build_tree
 from jspec.verify import as_rule
 
-# Real checkpoints the paper runs (target, draft), with its settings: video pruning 0.9, image 0.8, greedy.
+# The paper's pairs (SAGE Tables 1-2; shipped configs), its settings (greedy, defaults of `SAGE`; the draft's video
+# tokens pruned 90%, images 80%) and the 8-GPU plan of each target.
 PRESETS = {
-    "llava-onevision-72b": {"target": "llava-onevision-qwen2-72b", "draft": "llava-onevision-qwen2-7b"},
-    "qwen2.5-vl-72b": {"target": "qwen2.5-vl-72b", "draft": "qwen2.5-vl-7b"},
+    "llava-onevision-qwen2-72b": {"draft": "llava-onevision-qwen2-7b", "prune_video": 0.9, "prune_image": 0.8,
+                                  "plan": "jspec plan --config llava-onevision-qwen2-72b --sage --mesh tensor=8 "
+                                          "--max-len 9216 --prompt-len 8192 --device-memory 80GB"},
+    "qwen2.5-vl-72b": {"draft": "qwen2.5-vl-7b", "prune_video": 0.9, "prune_image": 0.8,
+                       "plan": "jspec plan --config qwen2.5-vl-72b --sage --mesh tensor=8 --max-len 9216 "
+                               "--prompt-len 8192 --device-memory 80GB"},
 }
+
+
+def preset_draft(name: str) -> str:
+    """The paper's draft for a shipped target config name (ValueError for one without a preset)."""
+    key = os.path.basename(str(name).rstrip("/")).removesuffix(".json").lower()
+    if key not in PRESETS:
+        raise ValueError(f"no SAGE preset for {name!r} (presets: {', '.join(PRESETS)}); pass --draft")
+    return PRESETS[key]["draft"]
+
+
+def sage_budget(**settings) -> tuple[int, str]:
+    """(tokens the target verifies per step, a note on the draft's slots) of `SAGE(**settings)`'s plan."""
+    spec = SAGE(None, **settings).spec()
+    lay = spec.layout
+    return spec.n_max + 1, (f"SAGE: trees of <= {spec.n_max} drafts verified in {spec.n_max + 1} slots; the draft "
+                            f"feeds <= {max(lay.widths)} tokens per level over {lay.max_depth - 1} levels into "
+                            f"{lay.num_nodes} scratch slots (max-len must hold them)")
 
 
 def as_drafter(draft):
