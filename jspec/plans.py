@@ -60,6 +60,13 @@ def _fed_levels(fed: jax.Array, start: int, slots, run) -> jax.Array:
     return fed.at[:, start:start + slots.shape[-1]].set(jnp.broadcast_to(slots, (fed.shape[0], slots.shape[-1])))
 
 
+def _padded(out, n: int):
+    """A drafter level's (logp, aux, state) over its first w slots, per-node outputs zero-padded to n slots."""
+    logp, aux, ds = out
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, n - x.shape[1])) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+    return pad(logp), jax.tree.map(pad, aux), ds
+
+
 def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     """x [B, K, ...] rows idx [B, J] -> [B, J, ...]."""
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
@@ -77,13 +84,22 @@ class StaticPlan:
     children: Any  # [N, M]
     layout: Layout = struct.field(pytree_node=False)
     verify_nodes: int = struct.field(pytree_node=False, default=0)  # > 0: pack the valid nodes into this many
+    level_buckets: bool = struct.field(pytree_node=False, default=False)  # draft only a level's used prefix
+
+    def level_widths(self, n: int) -> tuple[int, ...]:
+        """The widths a level of n slots may be drafted at: n alone, or with `level_buckets` 4, 8, 16, ... below n
+        too (per-row trees that use a prefix of each level's slots, as SAGE's planner lays them out)."""
+        if not self.level_buckets:
+            return (n,)
+        return tuple(sorted({w for w in (2 ** i for i in range(2, n.bit_length())) if w < n} | {n}))
 
     @classmethod
-    def of(cls, tree: StaticTree, verify_nodes: int = 0) -> "StaticPlan":
+    def of(cls, tree: StaticTree, verify_nodes: int = 0, level_buckets: bool = False) -> "StaticPlan":
         if verify_nodes and not tree.valid.sum() <= verify_nodes <= tree.layout.num_nodes:
             raise ValueError(f"verify_nodes={verify_nodes} must hold the plan's own tree ({int(tree.valid.sum())} "
                              f"nodes with the root) and fit its layout ({tree.layout.num_nodes} slots)")
-        return cls(tree.parent, tree.rank, tree.valid, tree.ancestor, tree.children, tree.layout, int(verify_nodes))
+        return cls(tree.parent, tree.rank, tree.valid, tree.ancestor, tree.children, tree.layout, int(verify_nodes),
+                   bool(level_buckets))
 
     num_nodes = property(lambda self: self.layout.num_nodes)
     max_depth = property(lambda self: self.layout.max_depth)
@@ -184,8 +200,19 @@ class StaticPlan:
                 mask = t.ancestor[:, cs:ce, 1:ce]
                 run = None if limit is None else jnp.any(limit >= d + 2)
                 depth = jnp.full((B, ce - cs), d + 1, jnp.int32)
-                logp, aux, ds = drafter.level(env, ds, kids, depth, mask, cs - 1, run)
-                fed = _fed_levels(fed, cs, np.arange(cs - 1, ce - 1), run)
+                slots = np.arange(cs - 1, ce - 1)
+                widths = self.level_widths(ce - cs)
+                if len(widths) == 1:
+                    logp, aux, ds = drafter.level(env, ds, kids, depth, mask, cs - 1, run)
+                else:  # feed only the level's first w slots, w the smallest width past every row's last valid node
+                    last = jnp.max(jnp.where(valid[:, cs:ce], jnp.arange(1, ce - cs + 1)[None], 0))
+                    pick = jnp.argmax(jnp.asarray(widths) >= last)
+                    branch = lambda w: lambda ds: _padded(  # noqa: E731
+                        drafter.level(env, ds, kids[:, :w], depth[:, :w], mask[:, :w, :cs - 1 + w], cs - 1, run),
+                        ce - cs)
+                    logp, aux, ds = jax.lax.switch(pick, [branch(w) for w in widths], ds)
+                    slots = jnp.where(jnp.arange(ce - cs) < jnp.asarray(widths)[pick], slots, -1)
+                fed = _fed_levels(fed, cs, slots, run)
         valid = jnp.all(valid[:, None, :] | ~t.ancestor, axis=-1)  # a node is usable only if its whole path is
         known = (t.depth < D) & valid if q_all is not None else None
         node_known = None

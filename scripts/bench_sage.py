@@ -99,7 +99,8 @@ def main(argv=None) -> None:
                     st = out.stats
                     rounds = int(np.asarray(st["steps"]).max())
                     row.update(depth=float(np.mean(st["depth"][:, 1:])), nodes=float(np.mean(st["nodes"][:, 1:])),
-                               width=float(np.mean(st["width"][:, 1:])), d_max=float(np.mean(st["d_max"])))
+                               width=float(np.mean(st.get("width", np.full((1, 2), np.nan))[:, 1:])),
+                               d_max=float(np.mean(st.get("d_max", np.nan))))
                     if s.adaptive_tree:
                         row["planner_share"] = planner_seconds(s, len(prompts)) * rounds / dec[n]
                         if n == "SAGE":

@@ -103,7 +103,7 @@ class SAGE(Strategy):
 
     def parts(self) -> Speculative:
         spec = self.spec()
-        plan = StaticPlan.of(_plan_tree(spec), verify_nodes=spec.n_max + 1)
+        plan = StaticPlan.of(_plan_tree(spec), verify_nodes=spec.n_max + 1, level_buckets=True)
         return Speculative(as_drafter(self.draft), plan, as_rule(self.rule), self.controller(), self.prefill)
 
 
