@@ -1,5 +1,6 @@
 """Every registered strategy (tests/strategies.py) decodes on a (data=2, tensor=4) mesh of 8 forced CPU devices to
-the tokens of one device. Run by tests/test_conformance.py in a subprocess; prints {"passed": [names]}."""
+the tokens of one device. Run by tests/test_conformance.py in a subprocess: the default entries, or with `--slow`
+the entries marked slow; prints {"passed": [names]}."""
 import json
 import os
 import sys
@@ -22,7 +23,8 @@ def main():
     mesh = jspec.make_mesh(data=2, tensor=4)
     ar = jspec.decode(target, prompts, max_new_tokens=12, eos_token_id=()).tokens
     passed = []
-    for name in sorted(REGISTRY):
+    slow = "--slow" in sys.argv
+    for name in sorted(n for n, e in REGISTRY.items() if e.slow == slow):
         strat = REGISTRY[name].make(target, draft)
         out = jspec.decode(target, prompts, strategy=strat, max_new_tokens=12, eos_token_id=(), mesh=mesh)
         assert np.array_equal(out.tokens, ar), name

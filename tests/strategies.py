@@ -29,8 +29,7 @@ class Entry:
     exact: bool  # claims to sample the target's distribution exactly
     separate_draft: bool = True  # drafts with a model of its own (the vocabulary check applies)
     target_layers: int = 1  # layers of the tiny-vocabulary target of the sampling test (an early exit needs 2)
-    slow: bool = False  # a variant of another entry: its per-strategy tests run with `pytest -m slow` (the mesh
-                        # test in the default suite still decodes it)
+    slow: bool = False  # a variant of another entry: its per-strategy tests (and its mesh run) are `-m slow`
 
 
 REGISTRY: dict[str, Entry] = {}
@@ -51,11 +50,12 @@ register("chain_q1", lambda t, d: jspec.Chain(d, gamma=2, rule="q1"), exact=True
          slow=True)  # tree_q1 proves the q = 1 rule in the default suite (a chain is a one-child tree)
 register("tree", lambda t, d: jspec.Tree(d, tree=SMALL_TREE), exact=True)
 register("tree_q1", lambda t, d: jspec.Tree(d, tree=[[0], [1], [0, 0], [0, 1], [1, 0]], rule="q1"), exact=True)
-register("tree_mc_sim", lambda t, d: jspec.Tree(d, tree="mc_sim_7b_63"), exact=True)
+register("tree_mc_sim", lambda t, d: jspec.Tree(d, tree="mc_sim_7b_63"), exact=True,
+         slow=True)  # the named tree: SAGE's first round drafts it in the default suite
 register("tree_in_budget", lambda t, d: jspec.Tree(d, tree=SMALL_TREE, budget=BUDGET), exact=True, slow=True)
 register("dynamic", lambda t, d: jspec.DynamicTree(d, depth=3, top_k=3, total=8), exact=True)
 register("chain_depth_controller", lambda t, d: jspec.Chain(d, gamma=4, controller=CycleDepth(jnp.int32(3))),
-         exact=True)
+         exact=True, slow=True)  # eesd_cali and sage prove per-row depth limits in the default suite
 register("dynamic_depth_controller",
          lambda t, d: jspec.DynamicTree(d, depth=3, top_k=2, total=5, controller=CycleDepth(jnp.int32(2))),
          exact=True, slow=True)

@@ -84,11 +84,14 @@ def test_sampling_is_exact(name):
     assert pval > 1e-3, (pval, tv)
 
 
-def test_every_strategy_on_an_8_device_mesh(tmp_path):
-    """tests/conformance_mesh.py in a subprocess (the device count is fixed when jax is imported)."""
+@pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["default", "slow"])
+def test_every_strategy_on_an_8_device_mesh(slow):
+    """tests/conformance_mesh.py in a subprocess (the device count is fixed when jax is imported): the default
+    entries here, the slow ones under -m slow."""
     here = os.path.dirname(__file__)
-    proc = subprocess.run([sys.executable, os.path.join(here, "conformance_mesh.py")],
+    proc = subprocess.run([sys.executable, os.path.join(here, "conformance_mesh.py")] + (["--slow"] if slow else []),
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=1200,
                           cwd=os.path.dirname(here))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"passed": NAMES}
+    want = sorted(n for n in NAMES if REGISTRY[n].slow == slow)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"passed": want}

@@ -2,6 +2,7 @@
 the target's own, and a few steps of training lower the loss while leaving the target untouched."""
 import jax
 import numpy as np
+import pytest
 
 import jspec
 from jspec import train as jt
@@ -48,6 +49,7 @@ def test_training_lowers_the_loss_and_reads_the_targets_own_states():
     assert 0.0 <= ev["heldout_agreement"] <= 1.0 and ev["heldout_acc"] > 0.5
 
 
+@pytest.mark.slow  # training
 def test_calibration_labels_and_training():
     """The predictor's labels are the head's greedy drafts judged by the target under teacher forcing; its pairs
     (anchor t, draft position t + i) stay inside one packed sequence and the weighted continuation; a few steps

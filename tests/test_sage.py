@@ -174,7 +174,8 @@ def test_alpha_and_the_proxy_come_from_the_rounds_root_distribution():
     assert sorted(paths_of(first.tree, 0)) == sorted(INIT) and first.depth.tolist() == [5, 5]
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.35, 1.0, None], ids=["a0", "a035", "a1", "adaptive"])
+@pytest.mark.parametrize("alpha", [pytest.param(0.0, marks=pytest.mark.slow), 0.35, 1.0, None],
+                         ids=["a0", "a035", "a1", "adaptive"])
 def test_greedy_sage_equals_ar_at_every_alpha(pair, alpha):
     target, draft = pair
     ar = jspec.decode(target, PROMPTS, max_new_tokens=24, eos_token_id=())
@@ -193,6 +194,7 @@ def test_greedy_sage_equals_ar_at_every_alpha(pair, alpha):
     assert (st["nodes"][:, 0] == 25).all() and np.isnan(st["alpha"][:, 0]).all()
 
 
+@pytest.mark.slow
 def test_an_early_exit_drafter_under_a_sage_plan_equals_ar(pair):
     from strategies import eesd_head
 
@@ -204,6 +206,7 @@ def test_an_early_exit_drafter_under_a_sage_plan_equals_ar(pair):
     assert out.stats["mean_accepted"].mean() > 1.2
 
 
+@pytest.mark.slow
 def test_mean_nodes_confidence_and_the_static_tree_switch(pair):
     target, draft = pair
     ar = jspec.decode(target, PROMPTS[:2], max_new_tokens=12, eos_token_id=())

@@ -324,8 +324,10 @@ def _refeeding(strategy):
 
 @pytest.mark.parametrize("tree,controller", [
     pytest.param("chain", None, marks=pytest.mark.slow), pytest.param("chain", CycleDepth(4), marks=pytest.mark.slow),
-    pytest.param("mc_sim_7b_63", None, marks=pytest.mark.slow), ("mc_sim_7b_63", CycleDepth(3)), ("dynamic", None),
-    pytest.param("dynamic", CycleDepth(4), marks=pytest.mark.slow), ("sage", None)],
+    pytest.param("mc_sim_7b_63", None, marks=pytest.mark.slow),
+    pytest.param("mc_sim_7b_63", CycleDepth(3), marks=pytest.mark.slow),
+    pytest.param("dynamic", None, marks=pytest.mark.slow), pytest.param("dynamic", CycleDepth(4), marks=pytest.mark.slow),
+    ("sage", None)],
     ids=["chain", "chain-limited", "tree", "tree-limited", "dynamic", "dynamic-limited", "sage"])
 def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
     """The accepted nodes the draft fed while drafting are committed from its scratch instead of fed again: the
