@@ -150,9 +150,12 @@ def test_processor_style_padded_batch(models):
     np.testing.assert_array_equal(both.tokens[1], alone.tokens[0])
 
 
-@pytest.mark.parametrize("draft_kind", ["vlm", "text"])
-@pytest.mark.parametrize("make", [lambda d: jspec.Chain(d, gamma=3), lambda d: jspec.Tree(d, tree="mc_sim_7b_63")],
-                         ids=["chain", "tree"])
+CHAIN, TREE = (lambda d: jspec.Chain(d, gamma=3)), (lambda d: jspec.Tree(d, tree="mc_sim_7b_63"))
+
+
+@pytest.mark.parametrize("make, draft_kind", [(CHAIN, "vlm"), (CHAIN, "text"), (TREE, "vlm"),
+                                              pytest.param(TREE, "text", marks=pytest.mark.slow)],
+                         ids=["chain-vlm", "chain-text", "tree-vlm", "tree-text"])
 def test_greedy_sd_with_vlm_target_equals_ar(models, draft_kind, make):
     _, target, draft = models
     if draft_kind == "text":  # the VLM draft's language model alone: it reads the prompt without image tokens

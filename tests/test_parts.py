@@ -67,6 +67,7 @@ def test_rule_from_hooks_is_exact_and_a_wrong_rule_is_caught(tiny):
     assert pval < 1e-6, (pval, tv)  # the same check fails a rule that resamples from p after a rejection
 
 
+@pytest.mark.slow  # SAGE's per-row trees prove it in the default suite (conformance entry "sage", tests/test_sage.py)
 def test_per_row_trees_from_the_controller(pair):
     """Row 0 drafts a 3-deep chain, row 1 three siblings with one child each, in one layout and one program."""
     target, draft = pair

@@ -30,7 +30,7 @@ def pair():
     lambda d: jspec.Tree(d, tree="naive_extend_57"),
     pytest.param(lambda d: jspec.Tree(d, tree=[[0], [1], [0, 0], [0, 1], [1, 0]]), marks=pytest.mark.slow),
     pytest.param(lambda d: jspec.DynamicTree(d, depth=4, top_k=3, total=10), marks=pytest.mark.slow),
-    lambda d: jspec.DynamicTree(d, depth=6, top_k=8, total=40),
+    pytest.param(lambda d: jspec.DynamicTree(d, depth=6, top_k=8, total=40), marks=pytest.mark.slow),
     lambda d: jspec.DynamicTree(d, depth=5, top_k=6, total=8)],  # its draft beam has more slots than the tree nodes
     ids=["chain1", "chain3", "chain6", "mc_sim", "extend57", "custom", "dyn4x3", "dyn6x8", "dyn_narrow"])
 def test_greedy_sd_equals_greedy_ar(pair, make):
@@ -176,10 +176,11 @@ def test_dynamic_tree_from_pool_matches_slow_reference():
             assert got == kids
 
 
-@pytest.mark.parametrize("make", [lambda d, c: jspec.Chain(d, gamma=4, controller=c),
-                                  lambda d, c: jspec.Tree(d, tree="mc_sim_7b_63", controller=c),
-                                  lambda d, c: jspec.DynamicTree(d, depth=4, top_k=3, total=10, controller=c)],
-                         ids=["chain", "tree", "dynamic"])
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda d, c: jspec.Chain(d, gamma=4, controller=c), marks=pytest.mark.slow),
+    lambda d, c: jspec.Tree(d, tree="mc_sim_7b_63", controller=c),
+    pytest.param(lambda d, c: jspec.DynamicTree(d, depth=4, top_k=3, total=10, controller=c), marks=pytest.mark.slow)],
+    ids=["chain", "tree", "dynamic"])
 def test_controller_limits_depth_without_recompiling(pair, make):
     target, draft = pair
     ar = jspec.decode(target, PROMPTS, max_new_tokens=20, eos_token_id=())
