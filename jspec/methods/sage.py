@@ -11,7 +11,7 @@ from jspec.controllers.entropy_tree import EntropyTree, TreeSpec
 from jspec.drafters import ModelDrafter
 from jspec.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
 from jspec.plans import StaticPlan
-from jspec.strategy import Speculative, Strategy, _paths_key
+from jspec.strategy import Speculative, Strategy, _cached_tree, _paths_key
 from jspec.trees import build_tree
 from jspec.verify import as_rule
 
@@ -108,6 +108,5 @@ class SAGE(Strategy):
 
 
 def _plan_tree(spec: TreeSpec):
-    from jspec.strategy import _cached_tree
-
+    """The plan's own tree (the initial one) in the spec's layout."""
     return _cached_tree(_paths_key([list(p) for p in spec.init_tree]), spec.layout)
