@@ -3,12 +3,12 @@ controller picks each round's draft length (`jspec.controllers.draft_length`).""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import numpy as np
 
 from jspec.controllers.draft_length import as_controller
+from jspec.methods import preset
 from jspec.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
 from jspec.plans import StaticPlan
 from jspec.strategy import Speculative, Strategy, _cached_tree, _paths_key
@@ -30,10 +30,7 @@ PRESETS = {
 
 def preset_exit_layer(name: str) -> int:
     """The paper's exit layer for a shipped config name (ValueError for one without a preset)."""
-    key = os.path.basename(str(name).rstrip("/")).removesuffix(".json").lower()
-    if key not in PRESETS:
-        raise ValueError(f"no EESD preset for {name!r} (presets: {', '.join(PRESETS)}); pass --eesd N")
-    return PRESETS[key]["exit_layer"]
+    return preset(PRESETS, name, "EESD", "pass --eesd N")["exit_layer"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,12 +4,12 @@ n_max + 1 tokens. A tree plan and a controller on the one engine; any drafter fi
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from jspec.controllers.entropy_tree import EntropyTree, TreeSpec
 from jspec.drafters import ModelDrafter
 from jspec.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
+from jspec.methods import preset
 from jspec.plans import StaticPlan
 from jspec.strategy import Speculative, Strategy, _cached_tree, _paths_key
 from jspec.trees import build_tree
@@ -29,10 +29,7 @@ PRESETS = {
 
 def preset_draft(name: str) -> str:
     """The paper's draft for a shipped target config name (ValueError for one without a preset)."""
-    key = os.path.basename(str(name).rstrip("/")).removesuffix(".json").lower()
-    if key not in PRESETS:
-        raise ValueError(f"no SAGE preset for {name!r} (presets: {', '.join(PRESETS)}); pass --draft")
-    return PRESETS[key]["draft"]
+    return preset(PRESETS, name, "SAGE", "pass --draft")["draft"]
 
 
 def sage_budget(**settings) -> tuple[int, str]:
