@@ -8,7 +8,8 @@ from jspec.sharding import make_mesh, shard
 from jspec.strategy import AR, Chain, DynamicTree, Speculative, Strategy, Tree
 from jspec.methods.eesd import EESD
 from jspec.methods.sage import SAGE
+from jspec.methods.specvlm import SpecVLM, VisionPruning
 
-__all__ = ["AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "SAGE", "Speculative",
-           "Strategy", "Tree", "decode", "generate_image", "make_mesh", "shard"]
+__all__ = ["AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "SAGE", "SpecVLM", "Speculative",
+           "Strategy", "Tree", "VisionPruning", "decode", "generate_image", "make_mesh", "shard"]
 __version__ = "0.1.0"

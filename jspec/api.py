@@ -162,9 +162,11 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
         width = max(width, run_target.uncond.shape[1])
     d_prompt = None
     if parts is not None:
-        prep = parts.drafter.prepare(Setup(target, prompt, tokens, lengths, inputs, draft_prompt, mesh, guidance,
-                                           constraint))
+        setup = Setup(target, prompt, tokens, lengths, inputs, draft_prompt, mesh, guidance, constraint)
+        prep = parts.drafter.prepare(setup)
         parts, d_prompt = parts.replace(drafter=prep.drafter), prep.prompt
+        if hasattr(parts.prefill, "prepare"):  # host-side facts of the prompts (checks, static widths)
+            parts = parts.replace(prefill=parts.prefill.prepare(setup, prep))
         longest, width = max(longest, prep.longest), max(width, prep.width)
     # scratch slots beyond the committed tokens: the tree's nodes (target), the catch-up feed + tree (draft)
     plan = None if parts is None else parts.plan

@@ -42,10 +42,13 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
              max_len: int) -> loop.DecodeState:
     """After the target's prefill: the prefill hook picks the drafter's prompt from the prefill's by-products, the
     drafter prefills, the controller starts."""
+    d_len = max_len
     if parts.prefill is not None:
         prompt = parts.prefill.draft_prompt(prefill, prompt)
+        if hasattr(parts.prefill, "draft_len"):  # a hook that shortens the draft's prompt shortens its cache
+            d_len = parts.prefill.draft_len(max_len)
     env = DraftEnv(ctx, state.sp, target, state.cache, state.last, plan_scratch=parts.plan.scratch)
-    ds = parts.drafter.init(env, prefill, prompt, max_len, parts.plan.pending_width)
+    ds = parts.drafter.init(env, prefill, prompt, d_len, parts.plan.pending_width)
     B = state.last.shape[0]
     ctrl, decided = None, {}
     if parts.controller is not None:

@@ -8,6 +8,8 @@ any strategy into its `Speculative`, and parts swap with `dataclasses.replace` o
 Prefill hook protocol: `asks(tokens, lengths, inputs) -> dict` of forward options for the target's prefill
 (e.g. `attn_query_weights`, `hidden_layers`), then `draft_prompt(prefill: TargetPrefill, prompt) -> prompt`
 picks the drafter's prompt from what the prefill returned, inside the same program (SpecVLM's pruning).
+Optional: `prepare(setup, prepared) -> hook` on the host before any compute (checks of the prompts, static
+widths), and `draft_len(max_len) -> int`, the drafter's cache length when the hook shortens its prompt.
 
 Inside the jitted programs a strategy travels as `split(parts)`: its array and number leaves are arguments (new
 values do not recompile), everything else (shapes, layouts, flags, plain objects) is the static key.

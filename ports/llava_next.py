@@ -311,3 +311,22 @@ def prompt_embeds(cfg: LlavaNextConfig, params: dict, tokens: jax.Array,
     packed = sum(w[..., k, None] * jnp.take(table, taps[..., k], axis=0).astype(jnp.float32) for k in range(A.TAPS))
     mask = inputs["vision_mask"]
     return llava.PromptEmbeds(jnp.where(mask[..., None], packed.astype(x.dtype), x), mask, feats)
+
+
+def compact_prompt(cfg: LlavaNextConfig, inputs: Mapping[str, jax.Array], idx: jax.Array, lengths: jax.Array,
+                   new_lengths: jax.Array, positions: str = "renumbered") -> dict:
+    """Prepared inputs of a [B, T] prompt -> those of the [B, D] prompt made of the positions idx [B, D]
+    (ascending, -1 past each row's new_lengths[b]); the tiles stay whole. LLaVA positions are the sequence index,
+    so the pruned prompt is renumbered (0..D-1, SpecVLM's reading); "original" ids need a model that takes
+    explicit positions (Qwen2-VL's M-RoPE)."""
+    if positions != "renumbered":
+        raise ValueError(f"{cfg.model_type} numbers a prompt's positions by sequence index: a pruned prompt can only "
+                         f"be renumbered (positions='renumbered'), got {positions!r}")
+    on = idx >= 0
+    at = jnp.maximum(idx, 0)
+    out = dict(inputs)
+    for key, fill in (("vision_taps", 0), ("vision_weights", 0.0), ("vision_mask", False)):
+        x = inputs[key]
+        shape = at.shape + (1,) * (x.ndim - 2)
+        out[key] = jnp.where(on.reshape(shape), jnp.take_along_axis(x, at.reshape(shape), axis=1), fill)
+    return out

@@ -49,6 +49,9 @@ class Family(NamedTuple):
     # prompt_embeds(cfg, params, tokens, inputs) -> .embeds [B, T, D] for the prefill (None: text only)
     prepare_inputs: Callable | None = None
     prompt_embeds: Callable | None = None
+    # compact_prompt(cfg, inputs, idx, lengths, new_lengths, positions) -> inputs: the prepared inputs of the prompt
+    # made of the positions idx [B, D] (SpecVLM's pruned draft prompt, inside a program); None: not prunable
+    compact_prompt: Callable | None = None
 
 
 _TEXT = Family(C.text_config_from_hf, C.text_config_to_hf, llama.param_shapes, llama.init_params, llama.forward,
@@ -64,11 +67,11 @@ _CHAMELEON = Family(chameleon.config_from_hf, chameleon.config_to_hf, chameleon.
 _LLAVA_NEXT = Family(llava_next.config_from_hf, llava_next.config_to_hf, llava_next.param_shapes,
                      llava_next.init_params, llava.forward, llava_next.hf_key_map, llava_next.IGNORED_HF_KEYS,
                      llava.kv_layout, llava.embed, llava.unembed, llava_next.rename_hf_key, llava_next.prepare_inputs,
-                     llava_next.prompt_embeds)
+                     llava_next.prompt_embeds, llava_next.compact_prompt)
 _QWEN_VL = Family(qwen2_vl.config_from_hf, qwen2_vl.config_to_hf, qwen2_vl.param_shapes, qwen2_vl.init_params,
                   qwen2_vl.forward, qwen2_vl.hf_key_map, qwen2_vl.IGNORED_HF_KEYS, qwen2_vl.kv_layout,
                   qwen2_vl.embed, qwen2_vl.unembed, qwen2_vl.rename_hf_key, qwen2_vl.prepare_inputs,
-                  qwen2_vl.prompt_embeds)
+                  qwen2_vl.prompt_embeds, qwen2_vl.compact_prompt)
 FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "llava": _LLAVA, "llava_next": _LLAVA_NEXT,
                                "llava_onevision": _LLAVA_NEXT, "chameleon": _CHAMELEON, "qwen2_vl": _QWEN_VL,
                                "qwen2_5_vl": _QWEN_VL}

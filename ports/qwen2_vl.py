@@ -517,3 +517,33 @@ def prune_prompt(cfg: QwenVLConfig, prompt: Mapping[str, Any], keep, positions: 
         if k in extra:
             out[k] = extra[k]
     return out
+
+
+def compact_prompt(cfg: QwenVLConfig, inputs: Mapping[str, jax.Array], idx: jax.Array, lengths: jax.Array,
+                   new_lengths: jax.Array, positions: str = "original") -> dict:
+    """`prune_prompt` inside a program: prepared inputs of a [B, T] prompt -> those of the [B, D] prompt made of the
+    positions idx [B, D] (ascending, -1 past each row's new_lengths[b]). The vision tables stay whole (the tower
+    still encodes every frame); each kept placeholder keeps its feature row. positions: "original" keeps each kept
+    token's M-RoPE ids and continues where the full prompt does; "renumbered" gives the pruned row plain positions
+    0..D-1 and continues at its length."""
+    if positions not in POSITION_MODES:
+        raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+    on = idx >= 0
+    at = jnp.maximum(idx, 0)
+    take = lambda x, fill: jnp.where(on.reshape(on.shape + (1,) * (x.ndim - 2)),  # noqa: E731
+                                     jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 2)), axis=1), fill)
+    out = dict(inputs)
+    for key, fill in (("vision_src", 0), ("vision_mask", False), ("vision_grid_pos", -1)):
+        if key in inputs:
+            out[key] = take(inputs[key], fill)
+    B, D = idx.shape
+    if positions == "original":
+        pos = jnp.where(on[None], jnp.take_along_axis(inputs["mrope_positions"], at[None], axis=2), 0)
+        offset = lengths + inputs["mrope_offset"] - new_lengths
+    else:
+        pos = jnp.where(on[None], jnp.arange(D, dtype=jnp.int32)[None, None, :], 0)
+        pos = jnp.broadcast_to(pos, (3, B, D))
+        offset = jnp.zeros_like(inputs["mrope_offset"])
+    out["mrope_positions"] = pos.astype(jnp.int32)
+    out["mrope_offset"] = offset.astype(jnp.int32)
+    return out

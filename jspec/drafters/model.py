@@ -63,17 +63,36 @@ class DraftState:
 
 @struct.dataclass
 class ModelDrafter:
-    """Drafts with `model` (a `ports.Model`, or a guided wrapper of one) over its own prompt view."""
+    """Drafts with `model` (a `ports.Model`, or a guided wrapper of one) over its own prompt view. `model=None`
+    drafts with the target itself as it runs (sharded, guided: its weights, not a copy) from a cache of its own
+    (SpecVLM's Self-SD, whose draft cache holds a pruned prompt)."""
 
     model: Any
 
+    @property
+    def is_self(self) -> bool:
+        return self.model is None
+
+    def run_model(self, env: DraftEnv):
+        return env.target if self.model is None else self.model
+
     def check(self, target) -> None:
-        check_vocab(target, self.model)
+        if self.model is not None:
+            check_vocab(target, self.model)
 
     def map_models(self, fn) -> "ModelDrafter":
-        return self.replace(model=fn(self.model))
+        return self if self.model is None else self.replace(model=fn(self.model))
 
     def prepare(self, setup: Setup) -> Prepared:
+        if self.model is None:
+            if setup.draft_prompt is not None:
+                raise ValueError("the target drafts for itself (draft=None): it reads the target's prompt, so "
+                                 "draft_prompt= does not apply (a prefill hook may prune that prompt)")
+            if setup.guidance is not None or setup.constraint is not None:
+                raise ValueError("guidance / constraint with the target as its own draft (draft=None) are not "
+                                 "supported: pass a separate draft model")
+            return Prepared(self, (setup.tokens, setup.lengths, setup.inputs), int(np.max(setup.lengths)),
+                            setup.tokens.shape[1])
         if setup.draft_prompt is not None:
             tokens, lengths, inputs = model_prompt(self.model, setup.draft_prompt, "draft ")
             if tokens.shape[0] != setup.tokens.shape[0]:
@@ -90,44 +109,49 @@ class ModelDrafter:
             longest, width = int(np.max(np.asarray(model.prompt_end))), max(width, model.uncond.shape[1])
         return Prepared(self.replace(model=model), (tokens, lengths, inputs), longest, width)
 
+    def _constrain(self, env: DraftEnv, cache):
+        # a separate draft is replicated on a mesh; the target drafting for itself keeps the target's sharding
+        return SH.constrain(env.ctx.placement, cache, replicated=self.model is not None)
+
     def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> DraftState:
         from jspec import loop
 
         tokens, lengths, inputs = prompt
-        cache = loop.new_cache_for(self.model, tokens.shape[0], max_len)
-        _, _, cache = loop.prefill(self.model, tokens, lengths, cache, inputs)
+        model = self.run_model(env)
+        cache = loop.new_cache_for(model, tokens.shape[0], max_len)
+        _, _, cache = loop.prefill(model, tokens, lengths, cache, inputs)
         pending = jnp.zeros((tokens.shape[0], pending_width), jnp.int32).at[:, 0].set(env.last)
-        return DraftState(SH.constrain(env.ctx.placement, cache, replicated=True), pending,
-                          jnp.ones((tokens.shape[0],), jnp.int32))
+        return DraftState(self._constrain(env, cache), pending, jnp.ones((tokens.shape[0],), jnp.int32))
 
     def root(self, env: DraftEnv, ds: DraftState):
         P = ds.pending.shape[1]
         dc = ds.cache
         pos = kvc.positions(dc, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), ds.pending.shape))
-        fo = self.model.forward(ds.pending, pos, dc, logits_at=(ds.n_pending - 1)[:, None])
+        fo = self.run_model(env).forward(ds.pending, pos, dc, logits_at=(ds.n_pending - 1)[:, None])
         dc = kvc.commit(fo.cache, ds.n_pending)
         return draft_log_probs(fo.logits, env), None, ds.replace(cache=dc)
 
     def level(self, env: DraftEnv, ds: DraftState, tokens, depth, mask, offset: int, run):
         positions = (ds.cache.length + ds.cache.pos_offset - 1)[:, None] + depth  # the root is committed
+        model = self.run_model(env)
 
         def go(dc):
-            fo = self.model.forward(tokens, positions, dc, mask, write_offset=offset)
+            fo = model.forward(tokens, positions, dc, mask, write_offset=offset)
             return fo.logits, fo.cache
 
         if run is None:
             logits, dc = go(ds.cache)
         else:
             B, T = tokens.shape
-            skip = lambda dc: (jnp.zeros((B, T, self.model.vocab_size), jnp.float32), dc)
+            skip = lambda dc: (jnp.zeros((B, T, model.vocab_size), jnp.float32), dc)
             logits, dc = jax.lax.cond(run, go, skip, ds.cache)
         return draft_log_probs(logits, env), None, ds.replace(cache=dc)
 
     def commit(self, env: DraftEnv, ds: DraftState, c: Catchup) -> DraftState:
-        return DraftState(*commit_fed(env, ds.cache, ds.pending, c))
+        return DraftState(*commit_fed(env, ds.cache, ds.pending, c, replicated=self.model is not None))
 
 
-def commit_fed(env: DraftEnv, dc: kvc.KVCache | None, pending: jax.Array, c: Catchup):
+def commit_fed(env: DraftEnv, dc: kvc.KVCache | None, pending: jax.Array, c: Catchup, replicated: bool = True):
     """A drafter cache's catch-up after a step: (cache, pending, n_pending). The leading accepted nodes the drafter
     fed (`prop.fed`) are committed from its scratch slots; the rest wait in `pending`. A finished row feeds
     nothing new: it re-reads `last` at its slot. A drafter without a cache of its own passes None."""
@@ -147,7 +171,7 @@ def commit_fed(env: DraftEnv, dc: kvc.KVCache | None, pending: jax.Array, c: Cat
         if slots is not None:
             dc = kvc.commit(dc, fed) if c.is_chain else kvc.commit_path(dc, jnp.maximum(slots, 0), fed)
         dc = SH.constrain(env.ctx.placement, dc.replace(length=jnp.where(active, dc.length, dc.length - 1)),
-                          replicated=True)
+                          replicated=replicated)
     idx = jnp.minimum(fed[:, None] + jnp.arange(W)[None, :], new.shape[1] - 1)
     nxt = jnp.take_along_axis(new, idx, axis=1)
     last_only = jnp.zeros_like(nxt).at[:, 0].set(env.last)

@@ -1,0 +1,207 @@
+"""SpecVLM: the pruning hook reads the target's own prefill attention, compacts the draft's prompt in-program
+exactly as the host `prune_prompt` does, and greedy decoding gives the target's AR tokens at every ratio, in both
+position modes, with a separate draft (Std.-SD) and with the target drafting for itself (Self-SD)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jspec
+import ports
+from jspec import loop
+from jspec import pruning as PR
+from jspec.drafters import Prepared, Setup, TargetPrefill
+from jspec.drafters.model import ModelDrafter
+from jspec.methods.specvlm import SpecVLM, VisionPruning
+from jspec.prompts import model_prompt
+from ports import qwen2_vl as QW
+
+import test_llava_next as LN
+from test_qwen2_vl import IMG, VID, build, frames, image, torch_batch
+from test_qwen2_vl import built, hf_models, jx_models  # noqa: F401  (module fixtures: tiny Qwen2.5-VL pair)
+
+SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+
+
+def video_batch():
+    """Two ragged rows, each with a video (8 and 4 frames) and text after it; the second also has an image."""
+    return build(["w1 <video> w2 w3 w4", "w5 <image> w6 w7 <video> w8 w9 w10 w11 w12"],
+                 images=[image(40, 56, 3)], videos=[frames(8, seed=21), frames(4, 28, 56, seed=22)],
+                 seconds=[0.5, 1.0])
+
+
+def prepared_hook(target, draft, batch, **kw) -> tuple[VisionPruning, tuple]:
+    tokens, lengths, inputs = model_prompt(target, batch, "")
+    drafter = ModelDrafter(draft)
+    prep = drafter.prepare(Setup(target, batch, tokens, lengths, inputs, None, None, None, None))
+    hook = VisionPruning(**kw).prepare(Setup(target, batch, tokens, lengths, inputs, None, None, None, None), prep)
+    return hook, (tokens, lengths, inputs), prep
+
+
+def target_prefill(target, hook, tokens, lengths, inputs) -> TargetPrefill:
+    cache = loop.new_cache_for(target, tokens.shape[0], tokens.shape[1])
+    asks = hook.asks(jnp.asarray(tokens), jnp.asarray(lengths), inputs)
+    logits, fo, cache = loop.prefill(target, jnp.asarray(tokens), jnp.asarray(lengths), cache,
+                                     jax.tree.map(jnp.asarray, inputs), **asks)
+    return TargetPrefill(logits, fo.hidden, fo.attn, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+
+
+# ------------------------------------------------------------------------------------------ scores
+
+
+def test_scores_equal_mean_attention_of_an_explicit_forward(hf_models, jx_models):
+    """a_j from the hook (one prefill, reduced per layer) == the mean over layers, heads and the post-video text
+    queries of transformers' eager attention probabilities, on each video token; ragged rows each by its own L."""
+    target = jx_models["q25"]
+    hf = hf_models["q25"]
+    hf.config._attn_implementation = "eager"
+    hf.model.language_model.config._attn_implementation = "eager"
+    batch = video_batch()
+    hook, (tokens, lengths, inputs), _ = prepared_hook(target, jx_models["q25_draft"], batch, ratio=0.5)
+    a, n = hook.scores(target_prefill(target, hook, tokens, lengths, inputs))
+    with torch.no_grad():
+        att = hf(**torch_batch(batch), output_attentions=True).attentions
+    probs = np.mean(np.stack([x.numpy() for x in att]), axis=(0, 2))  # [B, T, T]: mean over layers and heads
+    for b in range(tokens.shape[0]):
+        ids = tokens[b, :lengths[b]]
+        vid = np.flatnonzero(ids == VID)
+        L = np.arange(vid[-1] + 1, lengths[b])
+        want = probs[b][L][:, vid].mean(axis=0)
+        assert int(n[b]) == len(vid)
+        np.testing.assert_allclose(np.asarray(a[b, :len(vid)]), want, rtol=2e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ compaction
+
+
+@pytest.mark.parametrize("positions", ["original", "renumbered"])
+def test_in_program_compaction_equals_host_prune_prompt(jx_models, positions):
+    """The hook's pruned draft prompt (tokens, M-RoPE ids, rope deltas, prefill logits) equals `prune_prompt` given
+    the same kept tokens; each row keeps exactly int(|V| (1 - r)) video tokens and every text and image token."""
+    target, draft = jx_models["q25"], jx_models["q25_draft"]
+    batch = video_batch()
+    hook, (tokens, lengths, inputs), prep = prepared_hook(target, draft, batch, ratio=0.7, positions=positions)
+    prefill = target_prefill(target, hook, tokens, lengths, inputs)
+    keep = np.asarray(hook.keep(prefill))
+    d_tokens, d_lengths, d_inputs = jax.jit(hook.draft_prompt)(prefill, jax.tree.map(jnp.asarray, prep.prompt))
+    n = np.isin(tokens, [VID]).sum(1)
+    assert keep.sum(1).tolist() == [int(k) for k in np.floor(n * 0.3 + 1e-3)]
+    keep_bt = np.zeros(tokens.shape, bool)
+    for b in range(tokens.shape[0]):
+        keep_bt[b, np.flatnonzero(tokens[b] == VID)] = keep[b, :n[b]]
+    keep_bt |= tokens == IMG  # images are not pruned (modality="video")
+    ref = QW.prune_prompt(draft.config, batch, keep_bt, positions=positions)
+    D = ref["input_ids"].shape[1]
+    assert d_tokens.shape[1] == hook.width == D
+    np.testing.assert_array_equal(np.asarray(d_lengths), ref["attention_mask"].sum(1))
+    np.testing.assert_array_equal(np.asarray(d_tokens) * ref["attention_mask"], ref["input_ids"])
+    np.testing.assert_array_equal(np.asarray(d_inputs["mrope_positions"]), ref["position_ids"])
+    np.testing.assert_array_equal(np.asarray(d_inputs["mrope_offset"]), ref["rope_deltas"])
+    cache = loop.new_cache_for(draft, 2, D)
+    ours, _, _ = loop.prefill(draft, d_tokens, d_lengths, cache, d_inputs)
+    want = ports.logits(draft, ref)[np.arange(2), ref["attention_mask"].sum(1) - 1]
+    np.testing.assert_allclose(np.asarray(ours), want, atol=5e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ decoding
+
+
+@pytest.mark.parametrize("ratio,positions,std", [
+    (0.9, "original", True), (0.0, "renumbered", False), (0.95, "renumbered", True),
+    pytest.param(0.0, "original", True, marks=pytest.mark.slow),
+    pytest.param(0.5, "renumbered", True, marks=pytest.mark.slow),
+    pytest.param(0.95, "original", False, marks=pytest.mark.slow),
+    pytest.param(0.9, "original", False, marks=pytest.mark.slow),
+    pytest.param(0.6, "renumbered", False, marks=pytest.mark.slow),
+])
+def test_greedy_specvlm_equals_ar_qwen(jx_models, ratio, positions, std):
+    """Qwen2.5-VL, ragged video batch: greedy SpecVLM (Std.-SD with the small draft, or Self-SD) gives greedy AR's
+    tokens; the draft's cache is shorter than the target's by what pruning removed."""
+    target = jx_models["q25"]
+    draft = jx_models["q25_draft"] if std else None
+    batch = video_batch()
+    ar = jspec.decode(target, batch, max_new_tokens=12)
+    strategy = SpecVLM(draft, ratio=ratio, tree=SMALL_TREE, positions=positions)
+    sd = jspec.decode(target, batch, strategy=strategy, max_new_tokens=12)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    started = jspec.api.start(target, batch, strategy, max_new_tokens=12)
+    t_len, d_len = started.state.cache.k[0].shape[1], started.state.aux.draft.cache.k[0].shape[1]
+    n = int(np.isin(batch["input_ids"], [VID]).sum(1).max())
+    assert t_len - d_len >= (0 if ratio == 0 else int(n * ratio) - 1)
+
+
+def ov_video_rows(frames: int = 3, seed: int = 0):
+    """Two OneVision rows with the same clip length and ragged text around the video."""
+    rng = np.random.default_rng(seed)
+    n = LN.video_tokens(frames)
+    rows = [np.concatenate([[1, 2], [LN.VID] * n, [4, 5, 6]]), np.concatenate([[7], [LN.VID] * n, [8, 9, 10, 11, 12]])]
+    return {"input_ids": rows,
+            "pixel_values_videos": rng.normal(size=(2, frames, 3, 30, 30)).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def ov_models(tmp_path_factory):
+    from conftest import saved_and_loaded
+
+    return saved_and_loaded({"ov": LN.tiny_ov(10)}, tmp_path_factory.mktemp("ov"))[1]
+
+
+@pytest.mark.parametrize("ratio", [0.9, pytest.param(0.0, marks=pytest.mark.slow),
+                                   pytest.param(0.95, marks=pytest.mark.slow)])
+def test_greedy_specvlm_equals_ar_onevision(ov_models, ratio):
+    """LLaVA-OneVision video (the trailing newline is a video token and prunable), ragged rows, Self-SD: greedy
+    SpecVLM gives greedy AR's tokens; `positions='original'` is refused for a model without M-RoPE."""
+    target = ov_models["ov"]
+    batch = ov_video_rows()
+    ar = jspec.decode(target, batch, max_new_tokens=10)
+    sd = jspec.decode(target, batch, strategy=SpecVLM(None, ratio=ratio, tree=SMALL_TREE), max_new_tokens=10)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    with pytest.raises(ValueError, match="renumbered"):
+        jspec.decode(target, batch, strategy=SpecVLM(None, positions="original"), max_new_tokens=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("select", ["uniform", "attention", "random", "front", "middle", "end", "frames"])
+def test_ablation_selectors_decode_exactly(jx_models, select):
+    target, draft = jx_models["q25"], jx_models["q25_draft"]
+    batch = video_batch()
+    ar = jspec.decode(target, batch, max_new_tokens=8)
+    # the two clips have 6 and 8 tokens per temporal patch: `frames` needs the count given (one clip size infers it)
+    kw = {"frame_tokens": 6} if select == "frames" else {}
+    sd = jspec.decode(target, batch, strategy=SpecVLM(draft, ratio=0.8, select=select, tree="chain5", **kw),
+                      max_new_tokens=8)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    if select == "frames":
+        one = build(["w1 <video> w2 w3"], videos=[frames(8, seed=4)])
+        hook, _, _ = prepared_hook(target, draft, one, ratio=0.5, select="frames")
+        assert hook.frame_tokens == 6
+        with pytest.raises(ValueError, match="frame_tokens"):
+            prepared_hook(target, draft, batch, ratio=0.5, select="frames")
+
+
+# ------------------------------------------------------------------------------------------ bad inputs
+
+
+def test_bad_inputs_raise_clear_errors(jx_models):
+    target, draft = jx_models["q25"], jx_models["q25_draft"]
+    for ratio in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"pruning ratio must be in \[0, 1\)"):
+            SpecVLM(draft, ratio=ratio)
+    with pytest.raises(ValueError, match="selector"):
+        SpecVLM(draft, select="best")
+    no_video = build(["w1 <image> w2 w3"], images=[image(40, 56, 1)])
+    with pytest.raises(ValueError, match="no video tokens"):
+        jspec.decode(target, no_video, strategy=SpecVLM(draft), max_new_tokens=2)
+    other_vocab = ports.random_model(ports.text_config_from_hf(
+        {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 120}), 0)
+    with pytest.raises(ValueError, match="vocabularies differ"):
+        jspec.decode(target, video_batch(), strategy=SpecVLM(other_vocab), max_new_tokens=2)
+    text_draft = ports.random_model(ports.text_config_from_hf(
+        {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": target.config.vocab_size}), 0)
+    with pytest.raises(ValueError, match="reads video or images"):
+        jspec.decode(target, video_batch(), strategy=SpecVLM(text_draft), max_new_tokens=2)
