@@ -173,7 +173,7 @@ def prompt_embeds(cfg: LlavaConfig, params: dict, tokens: jax.Array, inputs: Map
     image feature vector. Counts are checked on the host by `prepare_inputs`."""
     x = llama.embed(params["lm"], tokens)
     is_img = tokens == cfg.image_token_id
-    other = sorted(set(inputs) - {"pixel_values"})
+    other = sorted(set(inputs) - {"pixel_values", "vision_src"})
     if other:
         raise ValueError(f"{cfg.model_type} takes pixel_values; got {other}, inputs prepared for another model "
                          f"(for a draft: pass draft_prompt= with its own processor output)")
@@ -182,9 +182,24 @@ def prompt_embeds(cfg: LlavaConfig, params: dict, tokens: jax.Array, inputs: Map
         return PromptEmbeds(x, is_img, jnp.zeros((0, cfg.tokens_per_image, cfg.projector.in_dim), x.dtype))
     feats, proj = image_features(cfg, params, pv.astype(x.dtype))
     flat = proj.reshape(-1, proj.shape[-1]).astype(x.dtype)
-    idx = jnp.cumsum(is_img.reshape(-1)) - 1
+    idx = inputs["vision_src"] if "vision_src" in inputs else jnp.cumsum(is_img.reshape(-1)) - 1
     spliced = jnp.take(flat, jnp.clip(idx, 0, flat.shape[0] - 1), axis=0).reshape(x.shape)
     return PromptEmbeds(jnp.where(is_img[..., None], spliced, x), is_img, feats)
+
+
+def compact_prompt(cfg: LlavaConfig, tokens: jax.Array, inputs: Mapping[str, jax.Array], idx: jax.Array,
+                   lengths: jax.Array, new_lengths: jax.Array, positions: str = "renumbered") -> dict:
+    """Inputs of the [B, D] prompt made of the positions idx [B, D] of the [B, T] prompt `tokens` (ascending, -1
+    past each row's new_lengths[b]): every image is still encoded; `vision_src` names the feature row of each kept
+    placeholder. Positions are renumbered (LLaVA numbers a prompt by sequence index)."""
+    if positions != "renumbered":
+        raise ValueError(f"{cfg.model_type} numbers a prompt's positions by sequence index: a pruned prompt can only "
+                         f"be renumbered (positions='renumbered'), got {positions!r}")
+    is_img = tokens == cfg.image_token_id
+    src = inputs["vision_src"] if "vision_src" in inputs else \
+        (jnp.cumsum(is_img.reshape(-1)) - 1).reshape(tokens.shape)
+    kept = jnp.where(idx >= 0, jnp.take_along_axis(src, jnp.maximum(idx, 0), axis=1), 0)
+    return {**inputs, "vision_src": kept.astype(jnp.int32)}
 
 
 def hf_key_map(cfg: LlavaConfig):

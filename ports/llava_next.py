@@ -313,8 +313,8 @@ def prompt_embeds(cfg: LlavaNextConfig, params: dict, tokens: jax.Array,
     return llava.PromptEmbeds(jnp.where(mask[..., None], packed.astype(x.dtype), x), mask, feats)
 
 
-def compact_prompt(cfg: LlavaNextConfig, inputs: Mapping[str, jax.Array], idx: jax.Array, lengths: jax.Array,
-                   new_lengths: jax.Array, positions: str = "renumbered") -> dict:
+def compact_prompt(cfg: LlavaNextConfig, tokens: jax.Array, inputs: Mapping[str, jax.Array], idx: jax.Array,
+                   lengths: jax.Array, new_lengths: jax.Array, positions: str = "renumbered") -> dict:
     """Prepared inputs of a [B, T] prompt -> those of the [B, D] prompt made of the positions idx [B, D]
     (ascending, -1 past each row's new_lengths[b]); the tiles stay whole. LLaVA positions are the sequence index,
     so the pruned prompt is renumbered (0..D-1, SpecVLM's reading); "original" ids need a model that takes

@@ -49,7 +49,7 @@ class Family(NamedTuple):
     # prompt_embeds(cfg, params, tokens, inputs) -> .embeds [B, T, D] for the prefill (None: text only)
     prepare_inputs: Callable | None = None
     prompt_embeds: Callable | None = None
-    # compact_prompt(cfg, inputs, idx, lengths, new_lengths, positions) -> inputs: the prepared inputs of the prompt
+    # compact_prompt(cfg, tokens, inputs, idx, lengths, new_lengths, positions) -> inputs: the prepared inputs of the prompt
     # made of the positions idx [B, D] (SpecVLM's pruned draft prompt, inside a program); None: not prunable
     compact_prompt: Callable | None = None
 
@@ -59,7 +59,7 @@ _TEXT = Family(C.text_config_from_hf, C.text_config_to_hf, llama.param_shapes, l
                lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed)
 _LLAVA = Family(llava.config_from_hf, llava.config_to_hf, llava.param_shapes, llava.init_params, llava.forward,
                 llava.hf_key_map, llava.IGNORED_HF_KEYS, llava.kv_layout, llava.embed, llava.unembed,
-                llava.rename_hf_key, llava.prepare_inputs, llava.prompt_embeds)
+                llava.rename_hf_key, llava.prepare_inputs, llava.prompt_embeds, llava.compact_prompt)
 _CHAMELEON = Family(chameleon.config_from_hf, chameleon.config_to_hf, chameleon.param_shapes, chameleon.init_params,
                     chameleon.forward, chameleon.hf_key_map, chameleon.IGNORED_HF_KEYS, chameleon.kv_layout,
                     chameleon.embed, chameleon.unembed, prepare_inputs=chameleon.prepare_inputs,

@@ -519,8 +519,8 @@ def prune_prompt(cfg: QwenVLConfig, prompt: Mapping[str, Any], keep, positions: 
     return out
 
 
-def compact_prompt(cfg: QwenVLConfig, inputs: Mapping[str, jax.Array], idx: jax.Array, lengths: jax.Array,
-                   new_lengths: jax.Array, positions: str = "original") -> dict:
+def compact_prompt(cfg: QwenVLConfig, tokens: jax.Array, inputs: Mapping[str, jax.Array], idx: jax.Array,
+                   lengths: jax.Array, new_lengths: jax.Array, positions: str = "original") -> dict:
     """`prune_prompt` inside a program: prepared inputs of a [B, T] prompt -> those of the [B, D] prompt made of the
     positions idx [B, D] (ascending, -1 past each row's new_lengths[b]). The vision tables stay whole (the tower
     still encodes every frame); each kept placeholder keeps its feature row. positions: "original" keeps each kept

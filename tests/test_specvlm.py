@@ -205,3 +205,30 @@ def test_bad_inputs_raise_clear_errors(jx_models):
          "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": target.config.vocab_size}), 0)
     with pytest.raises(ValueError, match="reads video or images"):
         jspec.decode(target, video_batch(), strategy=SpecVLM(text_draft), max_new_tokens=2)
+
+
+def test_llava15_image_pruning_on_the_zoo_pair():
+    """LLaVA-1.5 (the zoo's image pair), image tokens pruned (`modality="image"`, SAGE's image setting): greedy
+    SpecVLM and SAGE + pruning give AR's tokens on a ragged batch with two-image rows; pruning really reaches the
+    draft (its drafts change) and keeping every token drafts exactly as the unpruned tree."""
+    from jspec.zoo import data as D
+    from jspec.zoo import evaluate as E
+
+    pair = E.load_pair("image")
+    exs = D.eval_set("vqa", 2) + D.eval_set("two_image", 1)
+    prompt = E.batch_prompt(pair.encoder, exs)
+    ar = jspec.decode(pair.target, prompt, max_new_tokens=16)
+    full = jspec.decode(pair.target, prompt, strategy=jspec.Tree(pair.draft, tree=SMALL_TREE), max_new_tokens=16)
+    runs = {r: jspec.decode(pair.target, prompt, max_new_tokens=16,
+                            strategy=SpecVLM(pair.draft, ratio=r, modality="image", tree=SMALL_TREE))
+            for r in (0.0, 0.8)}
+    sage = jspec.decode(pair.target, prompt, max_new_tokens=16, strategy=jspec.SAGE(
+        pair.draft, d_max=5, n_max=32, prune_ratio=0.8, prune_modality="image"))
+    for out in (full, *runs.values(), sage):
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+    np.testing.assert_array_equal(runs[0.0].stats["accepted"], full.stats["accepted"])
+    assert not np.array_equal(runs[0.8].stats["accepted"], full.stats["accepted"])
+    with pytest.raises(ValueError, match="not both"):
+        jspec.SAGE(pair.draft, prune_ratio=0.9, prefill=VisionPruning(0.9))
+    with pytest.raises(ValueError, match="pruning ratio"):
+        jspec.SAGE(pair.draft, prune_ratio=1.0)

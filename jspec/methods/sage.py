@@ -61,7 +61,8 @@ class SAGE(Strategy):
     (each candidate's own). adaptive_tree=False drafts `init_tree` every round (SD-Tree on SAGE's program).
     rule: "q1" (default; greedy decoding uses the longest match under any rule) or "residual": both are exact,
     since a round's tree depends only on earlier rounds. prefill: a draft-prefill hook (`jspec.strategy`), e.g.
-    pruning the draft's visual tokens.
+    `jspec.VisionPruning`. prune_ratio: the paper's setting, SpecVLM's pruning of the draft's `prune_modality`
+    tokens ("video", "image" or "vision") at this ratio (a shorthand for that prefill hook).
     """
 
     draft: Any
@@ -83,6 +84,8 @@ class SAGE(Strategy):
     alpha0: float = 0.5
     rule: Any = "q1"
     prefill: Any = None
+    prune_ratio: float | None = None
+    prune_modality: str = "video"
 
     def spec(self) -> TreeSpec:
         init = tuple(build_tree(self.init_tree if isinstance(self.init_tree, str) else
@@ -93,6 +96,17 @@ class SAGE(Strategy):
     def __post_init__(self):
         self.spec()  # bad settings fail here, before any compute
         EntropyTree(self.spec(), self.confidence, window=self.window)
+        if self.prune_ratio is not None and self.prefill is not None:
+            raise ValueError("SAGE takes prune_ratio or a prefill hook, not both")
+        self.hook()
+
+    def hook(self):
+        """The draft-prefill hook: `prefill`, or the pruning that `prune_ratio` asks for (None: neither)."""
+        if self.prune_ratio is None:
+            return self.prefill
+        from jspec.methods.specvlm import VisionPruning
+
+        return VisionPruning(float(self.prune_ratio), modality=self.prune_modality)
 
     def controller(self) -> EntropyTree:
         return EntropyTree(self.spec(), self.confidence, self.adaptive_tree, self.history, self.window,
@@ -101,7 +115,7 @@ class SAGE(Strategy):
     def parts(self) -> Speculative:
         spec = self.spec()
         plan = StaticPlan.of(_plan_tree(spec), verify_nodes=spec.n_max + 1, level_buckets=True)
-        return Speculative(as_drafter(self.draft), plan, as_rule(self.rule), self.controller(), self.prefill)
+        return Speculative(as_drafter(self.draft), plan, as_rule(self.rule), self.controller(), self.hook())
 
 
 def _plan_tree(spec: TreeSpec):

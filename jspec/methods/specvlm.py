@@ -112,7 +112,7 @@ class VisionPruning:
         fam = family(model.config.model_type)
         if fam.compact_prompt is None:
             raise ValueError(f"vision-token pruning needs a draft that reads video or images through a per-token "
-                             f"layout (Qwen2-VL / Qwen2.5-VL, LLaVA-NeXT / OneVision); the draft is "
+                             f"layout (Qwen2-VL / Qwen2.5-VL, LLaVA-1.5 / NeXT / OneVision); the draft is "
                              f"{model.config.model_type}")
         positions = self.positions or ("original" if model.config.model_type in ("qwen2_vl", "qwen2_5_vl")
                                        else "renumbered")
@@ -193,7 +193,7 @@ class VisionPruning:
         new_lengths = jnp.sum(stay, axis=1).astype(lengths.dtype)
         new_tokens = jnp.where(idx >= 0, jnp.take_along_axis(tokens, jnp.maximum(idx, 0), axis=1), 0)
         compact = family(self.draft_config.model_type).compact_prompt
-        return new_tokens.astype(tokens.dtype), new_lengths, compact(self.draft_config, inputs, idx, lengths,
+        return new_tokens.astype(tokens.dtype), new_lengths, compact(self.draft_config, tokens, inputs, idx, lengths,
                                                                      new_lengths, self.positions)
 
 
