@@ -73,12 +73,22 @@ def cmd_plan(args) -> int:
         device = PL.parse_bytes(args.device_memory) if args.device_memory else None
         target = PL.load_config(args.config)
         draft_name, tree_nodes, sage_note = args.draft, args.tree_nodes, None
+        draft_max_len, self_draft = None, draft_name == "self"
+        if args.sage and args.specvlm:
+            raise ValueError("--sage and --specvlm size different verify widths: pick one")
+        if args.specvlm:
+            from jspec.methods.specvlm import specvlm_budget
+
+            name, tree_nodes, draft_max_len, sage_note = specvlm_budget(args.config, args.max_len, args.video_tokens,
+                                                                        args.prune_ratio)
+            draft_name = draft_name or name
+            self_draft = draft_name == "self"
         if args.sage:
             from jspec.methods.sage import preset_draft, sage_budget
 
             draft_name = draft_name or preset_draft(args.config)
             tree_nodes, sage_note = sage_budget()
-        draft = PL.load_config(draft_name) if draft_name else None
+        draft = PL.load_config(draft_name) if draft_name and not self_draft else None
         eesd = None
         if args.eesd is not None:
             from jspec.methods.eesd import preset_exit_layer
@@ -86,7 +96,8 @@ def cmd_plan(args) -> int:
             n = preset_exit_layer(args.config) if args.eesd == "preset" else int(args.eesd)
             eesd = (n, args.eesd_layers, args.cali)
         p = PL.plan(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
-                    tree_nodes=tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd)
+                    tree_nodes=tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd,
+                    draft_max_len=draft_max_len, self_draft=self_draft)
         if sage_note:
             p["notes"].append(sage_note)
     except ValueError as e:
@@ -150,7 +161,8 @@ def main(argv=None) -> int:
     pl.add_argument("--batch", type=int, default=1)
     pl.add_argument("--max-len", type=int, required=True, help="KV cache slots per row")
     pl.add_argument("--dtype", default="bf16", help="bf16, f16 or f32")
-    pl.add_argument("--draft", help="draft config (same forms as --config); replicated on every device")
+    pl.add_argument("--draft", help="draft config (same forms as --config); replicated on every device; 'self': "
+                                    "the target drafts for itself (SpecVLM's Self-SD)")
     pl.add_argument("--eesd", metavar="N", help="size an EESD early-exit drafter exiting after layer N ('preset': "
                                                 "the paper's N for llama-2-13b / 70b)")
     pl.add_argument("--eesd-layers", type=int, default=1, help="the early-exit head's decoder layers")
@@ -158,6 +170,12 @@ def main(argv=None) -> int:
     pl.add_argument("--tree-nodes", type=int, default=64, help="nodes verified per step (gamma + 1 for a chain)")
     pl.add_argument("--sage", action="store_true", help="SAGE's verify width (n_max + 1 = 65) and, for a target "
                                                         "with a SAGE preset, the paper's draft unless --draft")
+    pl.add_argument("--specvlm", action="store_true", help="SpecVLM: the 25-node tree (26 verified), the draft's "
+                                                           "cache less the pruned video tokens and, for a target "
+                                                           "with a preset, the paper's draft unless --draft")
+    pl.add_argument("--video-tokens", type=int, help="--specvlm: video tokens per prompt (default: the preset's clip)")
+    pl.add_argument("--prune-ratio", type=float, help="--specvlm: share of video tokens the draft drops (default: "
+                                                      "the preset's, else 0.9)")
     pl.add_argument("--prompt-len", type=int, help="tokens prefilled at once (default: max-len, the worst case)")
     pl.add_argument("--images", type=int, help="images in the prefill batch of a VLM (default: one per row)")
     pl.add_argument("--device-memory", help="memory of one device, e.g. 80GB, 16GiB: prints whether it fits "

@@ -350,8 +350,9 @@ def _fsdp_gather(pl: _Planned, mesh, rules) -> int:
 
 
 def activation_estimate(target: _Planned, draft: _Planned | None, mesh, rules, batch: int, max_len: int,
-                        prompt_len: int, tree_nodes: int, images: int, dt: int) -> dict:
-    """Analytic per-device peak of prefill and of one decode step (bytes); see the module docstring."""
+                        prompt_len: int, tree_nodes: int, images: int, dt: int, draft_len: int | None = None) -> dict:
+    """Analytic per-device peak of prefill and of one decode step (bytes); see the module docstring. draft_len:
+    the draft's cache slots when a pruned prompt shortens it (its prompt shrinks by as much)."""
     text = target.text
     cache_spec = SH.spec_for(SH.CACHE_AXES, {"batch": batch, "kv_heads": text.num_kv_heads}, mesh, rules)
     b_split = math.prod(mesh.shape[a] for a in ((cache_spec[0],) if isinstance(cache_spec[0], str)
@@ -373,11 +374,14 @@ def activation_estimate(target: _Planned, draft: _Planned | None, mesh, rules, b
         dtext = draft.text
         logits += b * tree_nodes * dtext.vocab_size * 4  # draft probabilities kept for verification
 
+        d_max = max_len if draft_len is None else draft_len
+        d_prompt = max(1, prompt_len - (max_len - d_max))
+
         def draft_layer(T):
-            return _decoder_terms(dtext, batch, T, max_len, dt, dtext.num_heads, dtext.num_kv_heads,
+            return _decoder_terms(dtext, batch, T, d_max, dt, dtext.num_heads, dtext.num_kv_heads,
                                   dtext.intermediate_size)["layer"]
 
-        draft_prefill = max(draft_layer(prompt_len), _vision_peak(draft, images, dt)[0]) + batch * dtext.vocab_size * 4
+        draft_prefill = max(draft_layer(d_prompt), _vision_peak(draft, images, dt)[0]) + batch * dtext.vocab_size * 4
         draft_step = draft_layer(tree_nodes)
     prefill = max(prefill, draft_prefill)
     decode = max(dec["layer"], draft_step) + logits + gather
@@ -436,7 +440,8 @@ def eesd_components(target: _Planned, exit_layer: int, layers: int, calibration:
 
 def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, dtype="bfloat16",
          draft_config: dict | None = None, tree_nodes: int = 64, prompt_len: int | None = None, rules=None,
-         images: int | None = None, eesd: tuple[int, int, bool] | None = None) -> Plan:
+         images: int | None = None, eesd: tuple[int, int, bool] | None = None, draft_max_len: int | None = None,
+         self_draft: bool = False) -> Plan:
     """Bytes per device of decoding `config` (an HF config dict) on a mesh of `mesh_shape`
     ({"data":, "fsdp":, "tensor":}) with a `max_len`-slot cache for `batch` rows, params in `dtype`, optionally
     with a replicated draft. Nothing is allocated and no devices are needed.
@@ -444,7 +449,9 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     prompt_len: tokens prefilled at once (default max_len, the worst case); tree_nodes: nodes verified per step
     (gamma + 1 for a chain); images: images in the prefill batch for a vision-language target (default: one per
     row); eesd: (exit layer N, head layers, with Cali-TS's predictor) sizes an EESD early-exit drafter
-    (`eesd_components`). Returns a `Plan`: per component {"total", "per_device"} bytes ("total" is one logical
+    (`eesd_components`); draft_max_len: the draft's cache slots when they differ from the target's (SpecVLM's
+    pruned draft prompt); self_draft: the target drafts for itself from a second cache of its own, sharded like
+    the target's (SpecVLM's Self-SD). Returns a `Plan`: per component {"total", "per_device"} bytes ("total" is one logical
     copy), their sums, and notes; `plan(...).fits(device_bytes)` gives the verdict."""
     for name, v in (("batch", batch), ("max_len", max_len), ("tree_nodes", tree_nodes)):
         if int(v) < 1:
@@ -467,12 +474,21 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     comps["params"] = dict(total=total, per_device=per, count=n_params)
     total, per, cache = cache_bytes(target.model, batch, max_len, placement)
     comps["kv_cache"] = dict(total=total, per_device=per, spec=str(placement.cache_spec(cache)))
+    d_len = max_len if draft_max_len is None else int(draft_max_len)
+    if not 1 <= d_len <= max_len:
+        raise ValueError(f"draft_max_len={d_len} must be in [1, max_len={max_len}]")
+    if self_draft and draft is not None:
+        raise ValueError("plan a separate draft or the target drafting for itself, not both")
     if draft is not None:
         n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft.model.params))
         comps["draft_params"] = dict(total=n * dt.itemsize, per_device=n * dt.itemsize, count=n, replicated=True)
-        total, per, _ = cache_bytes(draft.model, batch, max_len, placement, replicated=True)
+        total, per, _ = cache_bytes(draft.model, batch, d_len, placement, replicated=True)
         assert total == per
-        comps["draft_cache"] = dict(total=total, per_device=per, replicated=True)
+        comps["draft_cache"] = dict(total=total, per_device=per, replicated=True, slots=d_len)
+    if self_draft:
+        total, per, _ = cache_bytes(target.model, batch, d_len, placement)
+        comps["draft_cache"] = dict(total=total, per_device=per, replicated=False, slots=d_len)
+        notes.append(f"Self-SD: the target drafts for itself (its weights shared) from a second cache of {d_len} slots")
 
     if eesd is not None:
         if draft is not None:
@@ -486,9 +502,9 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     n_img = (batch if vlm else 0) if images is None else int(images)
     one = abstract_mesh({})
     act = activation_estimate(target, draft, mesh, table, batch, max_len, prompt_len, tree_nodes, n_img,
-                              dt.itemsize)
+                              dt.itemsize, d_len)
     act_one = activation_estimate(target, draft, one, table, batch, max_len, prompt_len, tree_nodes, n_img,
-                                  dt.itemsize)
+                                  dt.itemsize, d_len)
     comps["activations"] = dict(total=act_one["peak"], per_device=act["peak"], estimate=True, phase=act["phase"],
                                 prefill=act["prefill"], decode=act["decode"], detail=act)
     notes.append(f"activations are an analytic estimate (peak of the {act['phase']}: prefill of {prompt_len} "
@@ -531,7 +547,8 @@ def format_plan(p: Plan, device_bytes=None, headroom: float = 0.10) -> str:
     w = max(len(v) for v in LABELS.values())
     lines.append(f"{'component':<{w}}  {'total':>12}  {'per device':>12}")
     for k, c in p["components"].items():
-        lines.append(f"{LABELS.get(k, k):<{w}}  {gb(c['total']):>12}  {gb(c['per_device']):>12}")
+        label = "draft KV cache (sharded)" if k == "draft_cache" and not c.get("replicated", True) else LABELS.get(k, k)
+        lines.append(f"{label:<{w}}  {gb(c['total']):>12}  {gb(c['per_device']):>12}")
     lines.append(f"{'sum':<{w}}  {gb(p['total']):>12}  {gb(p['per_device']):>12}")
     if device_bytes is not None:
         v = p.fits(device_bytes, headroom)

@@ -257,3 +257,31 @@ def test_sage_presets_plan_the_72b_target_and_its_draft_on_8_gpus(name, capsys):
     assert any("SAGE: trees of <= 64 drafts" in n for n in js["notes"])
     with pytest.raises(SystemExit, match="no SAGE preset"):
         cli.main(["plan", "--config", "llama-2-7b", "--sage", "--max-len", "512"])
+
+
+@pytest.mark.parametrize("name", ["llava-onevision-qwen2-72b", "qwen2.5-vl-32b"])
+def test_specvlm_presets_plan_a_pruned_draft_cache(name, capsys):
+    """`jspec plan --specvlm`: the preset's 7B draft, 26 verified tokens, a draft cache short by the pruned video
+    tokens (and the draft's prefill sized on the pruned prompt); the preset's command fits 80 GB devices. Self-SD
+    (`--draft self`) sizes a second, sharded target cache and no draft params; no preset and no clip size asks for
+    --video-tokens."""
+    from jspec.methods.specvlm import PRESETS
+
+    pre = PRESETS[name]
+    cmd = pre["plan"].split()[1:]
+    assert cli.main(cmd + ["--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["tree_nodes"] == 26 and js["fit"]["fits"]
+    assert js["components"]["draft_params"]["total"] > 14e9
+    max_len = js["max_len"]
+    kept = int(pre["video_tokens"] * (1 - pre["ratio"]) + 1e-3)
+    assert js["components"]["draft_cache"]["slots"] == max_len - pre["video_tokens"] + kept
+    full = cli.main(cmd + ["--json", "--prune-ratio", "0"])
+    js0 = json.loads(capsys.readouterr().out)
+    assert full in (0, 3) and js0["components"]["draft_cache"]["total"] > 5 * js["components"]["draft_cache"]["total"]
+    assert cli.main(cmd + ["--json", "--draft", "self"]) in (0, 3)
+    js_self = json.loads(capsys.readouterr().out)
+    assert "draft_params" not in js_self["components"]
+    assert js_self["components"]["draft_cache"]["replicated"] is False
+    with pytest.raises(SystemExit, match="--video-tokens"):
+        cli.main(["plan", "--config", "llama-2-7b", "--specvlm", "--max-len", "512"])

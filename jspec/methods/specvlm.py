@@ -26,15 +26,40 @@ from jspec.verify import as_rule
 MODALITIES = ("video", "image", "vision")
 POSITIONS = ("original", "renumbered")
 
-# The paper's pairs (SpecVLM Tables 1-2; shipped configs): the draft, the frames and lambda_r of each target.
+# The paper's pairs (SpecVLM Tables 1-2; shipped configs): the draft, the clip (frames and the video tokens they
+# take), lambda_r and the ratio of each target, and its plan (`jspec plan --specvlm`).
 PRESETS = {
-    "llava-onevision-qwen2-72b": {"draft": "llava-onevision-qwen2-7b", "frames": 64, "top_p": 0.4, "ratio": 0.9,
+    "llava-onevision-qwen2-72b": {"draft": "llava-onevision-qwen2-7b", "frames": 64, "video_tokens": 64 * 196 + 1,
+                                  "top_p": 0.4, "ratio": 0.9,
                                   "plan": "jspec plan --config llava-onevision-qwen2-72b --specvlm --mesh tensor=8 "
-                                          "--prompt-len 12800 --max-len 13184 --device-memory 80GB"},
-    "qwen2.5-vl-32b": {"draft": "qwen2.5-vl-7b", "frames": 128, "top_p": 0.5, "ratio": 0.9,
-                       "plan": "jspec plan --config qwen2.5-vl-32b --specvlm --mesh tensor=4 --prompt-len 16640 "
-                               "--max-len 17024 --device-memory 80GB"},
+                                          "--prompt-len 12672 --max-len 13056 --device-memory 80GB"},
+    "qwen2.5-vl-32b": {"draft": "qwen2.5-vl-7b", "frames": 128, "video_tokens": 64 * 256, "top_p": 0.5,
+                       "ratio": 0.9,
+                       "plan": "jspec plan --config qwen2.5-vl-32b --specvlm --mesh tensor=4 --prompt-len 16512 "
+                               "--max-len 16832 --device-memory 80GB"},
 }
+TREE_NODES = 26  # the 25-node tree and its root, verified per step
+
+
+def specvlm_budget(config: str, max_len: int, video_tokens: int | None = None, ratio: float | None = None):
+    """(the preset's draft or None, tokens verified per step, the draft's cache slots, a note) for planning SpecVLM
+    on `config` with `max_len` cache slots: the draft's cache drops the video tokens pruning removes."""
+    import os
+
+    key = os.path.basename(str(config).rstrip("/")).removesuffix(".json").lower()
+    pre = PRESETS.get(key, {})
+    v = video_tokens if video_tokens is not None else pre.get("video_tokens")
+    if v is None:
+        raise ValueError(f"no SpecVLM preset for {config!r} (presets: {', '.join(PRESETS)}): pass --video-tokens")
+    r = ratio if ratio is not None else pre.get("ratio", 0.9)
+    PR.check_ratio(r)
+    kept = int(np.asarray(PR.budget(int(v), float(r))))
+    if int(v) > max_len:
+        raise ValueError(f"{v} video tokens do not fit max-len {max_len}")
+    d_len = max_len - (int(v) - kept)
+    note = (f"SpecVLM: the draft keeps {kept} of {v} video tokens (ratio {r}); its cache holds {d_len} of the "
+            f"target's {max_len} slots; the 25-node tree verifies {TREE_NODES} tokens per step")
+    return pre.get("draft"), TREE_NODES, d_len, note
 
 
 def placeholder_ids(config, modality: str) -> tuple[int, ...]:
@@ -244,4 +269,5 @@ def preset_draft(name: str) -> str:
     return preset(PRESETS, name, "SpecVLM", "pass --draft")["draft"]
 
 
-__all__ = ["MODALITIES", "POSITIONS", "PRESETS", "SpecVLM", "VisionPruning", "placeholder_ids", "preset_draft"]
+__all__ = ["MODALITIES", "POSITIONS", "PRESETS", "SpecVLM", "VisionPruning", "placeholder_ids", "preset_draft",
+           "specvlm_budget"]
