@@ -59,7 +59,10 @@ def cmd_demo(args) -> int:
     from jspec import demo
 
     try:
-        demo.run(seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens)
+        if args.what == "video":
+            demo.run_video(seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens or 96)
+        else:
+            demo.run(seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens or 48)
     except ValueError as e:
         raise SystemExit(f"jspec demo: {e}")
     return 0
@@ -148,7 +151,9 @@ def main(argv=None) -> int:
     demo_help = ("the shipped zoo pair answers a question about a fresh image with AR, Chain and Tree SD: answers, "
                  "mean accepted length, speedup; writes the images and a plot")
     m = sub.add_parser("demo", help=demo_help, description=demo_help)
-    m.add_argument("--max-new-tokens", type=int, default=48)
+    m.add_argument("what", nargs="?", default="image", choices=("image", "video"),
+                   help="image (default): the image pair; video: the video pair with SpecVLM's pruning")
+    m.add_argument("--max-new-tokens", type=int, default=None, help="default 48 (image), 96 (video)")
     m.add_argument("--seed", type=int, default=None, help="scene seed (default: a fresh one, printed)")
     m.add_argument("--out", default="jspec-demo", help="directory for the image and the plot")
     m.set_defaults(fn=cmd_demo)

@@ -56,3 +56,18 @@ def test_decode_text_prompt_with_tokenizer(llama_pair, tmp_path, capsys):
     toks = json.loads([l for l in lines if l.startswith("{")][-1])["tokens"]
     assert toks == jspec.decode(model, np.array([3, 1, 4]), max_new_tokens=5).tokens[0].tolist()
     assert lines[-1].split() == [f"w{t}" for t in toks]
+
+
+@pytest.mark.slow
+def test_demo_video_runs(tmp_path):
+    """`jspec demo video`: the video pair with AR, the unpruned tree, SpecVLM and Self-SD at 90% pruning; every
+    strategy gives AR's tokens, and the frame strips and the plot are written."""
+    from jspec import demo
+
+    lines = []
+    res = demo.run_video(seed=5, out_dir=str(tmp_path), max_new_tokens=24, print_fn=lines.append)
+    assert "\n".join(lines).count("Q: ") == 2
+    assert {p.name for p in tmp_path.iterdir()} == {"clips-5.png", "video-accepted-5.png"}
+    for name, r in res["results"].items():
+        assert r["same_as_ar"], name
+        assert name == "AR" or r["mean_accepted"] > 1.5, (name, r["mean_accepted"])
