@@ -6,6 +6,7 @@ accepted length per round.
 
     python scripts/bench_sage.py                   # writes scripts/results/sage-zoo.{json,md,png}
     python scripts/bench_sage.py --runs 5 --prompts 8
+    python scripts/bench_sage.py --pairs "zoo video" --out scripts/results/sage-zoo-video   # + SpecVLM's pruning
 
 Each scenario's prompts decode as one batch (greedy, EOS honoured); every case runs once to compile, then `--runs`
 interleaved timed rounds (median reported).
@@ -33,12 +34,16 @@ from jspec import bench  # noqa: E402
 
 # the zoo's longest answers: text chats (mean 18 tokens, at most 36) and captions; image captions and the
 # five-image stories ("ood": mean 36, at most 67)
-SCENARIOS = {"zoo text": ("text", "described_caption"), "zoo image": ("ood", "caption")}
+SCENARIOS = {"zoo text": ("text", "described_caption"), "zoo image": ("ood", "caption"),
+             "zoo video": ("describe", "qa")}
+DEFAULT_PAIRS = ("zoo text", "zoo image")  # `--pairs "zoo video"` (the paper's setting, with pruning) writes apart
 LENGTH_CAPS = (8, 16, 32, 64)
 
 
 def as_batch(prompts):
     """The zoo's per-example prompts as one ragged batch (image prompts: their input_ids rows and images)."""
+    if isinstance(prompts, dict):  # already one batch (the video pair's)
+        return prompts
     if not isinstance(prompts[0], dict):
         return prompts
     out = {"input_ids": [p["input_ids"][0] for p in prompts]}
@@ -48,10 +53,27 @@ def as_batch(prompts):
     return out
 
 
-def cases(draft) -> list[tuple[str, object]]:
-    return [("AR", None), ("SD-Chain", jspec.Chain(draft, gamma=5)), ("SD-Tree", jspec.Tree(draft, tree="mc_sim_7b_63")),
-            ("SAGE", jspec.SAGE(draft)), ("SAGE, local threshold", jspec.SAGE(draft, threshold="local")),
-            ("static tree on SAGE's program", jspec.SAGE(draft, adaptive_tree=False))]
+def cases(draft, pruning: bool = False) -> list[tuple[str, object]]:
+    """The strategies compared; with `pruning` (video prompts) also SpecVLM (the static tree, the draft's video
+    tokens pruned 90%) and SAGE + pruning (the paper's main setting)."""
+    out = [("AR", None), ("SD-Chain", jspec.Chain(draft, gamma=5)), ("SD-Tree", jspec.Tree(draft, tree="mc_sim_7b_63")),
+           ("SAGE", jspec.SAGE(draft)), ("SAGE, local threshold", jspec.SAGE(draft, threshold="local")),
+           ("static tree on SAGE's program", jspec.SAGE(draft, adaptive_tree=False))]
+    if pruning:
+        out += [("SpecVLM (tree, pruned 0.9)", jspec.SpecVLM(draft, ratio=0.9)),
+                ("SAGE + pruning 0.9", jspec.SAGE(draft, prune_ratio=0.9))]
+    return out
+
+
+def video_pair(n: int):
+    """(target, draft, {scenario: prompt}, eos, max_new) of the zoo's video pair: held-out detailed descriptions and
+    video QA questions, each scenario one batch prompt."""
+    from jspec import zoo
+    from jspec.zoo import video as V
+
+    enc = V.VideoEncoder()
+    scen = {"describe": enc.prompts(V.eval_set(n, tasks=("video_describe",))), "qa": enc.prompts(V.eval_set(n))}
+    return zoo.load("video-target"), zoo.load("video-draft"), scen, None, 128
 
 
 def tau(out) -> tuple[float, float]:
@@ -83,17 +105,19 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--pairs", nargs="*", default=list(SCENARIOS))
+    ap.add_argument("--pairs", nargs="*", default=list(DEFAULT_PAIRS), choices=list(SCENARIOS))
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "sage-zoo"))
     args = ap.parse_args(argv)
     pairs = bench.zoo_pairs(args.prompts)
+    if "zoo video" in args.pairs:
+        pairs["zoo video"] = video_pair(args.prompts)
     rows, scatter, lengths = [], [], []
     for pname in args.pairs:
         target, draft, scenarios, _, N = pairs[pname]
         for scen in SCENARIOS[pname]:
             prompts = as_batch(scenarios[scen])
             jax.clear_caches()
-            todo = cases(draft)
+            todo = cases(draft, pruning=pname == "zoo video")
             res = bench.interleaved([bench.Case(n, (lambda s=s: jspec.decode(target, prompts, s, max_new_tokens=N)))
                                      for n, s in todo], args.runs)
             dec = {n: float(np.median([o.stats["decode_s"] for o in res[n]["results"]])) for n, _ in todo}
@@ -188,7 +212,7 @@ def plot(rows, lengths, scatter, path: str) -> None:
     import matplotlib.pyplot as plt
 
     groups = sorted({(r["pair"], r["scenario"]) for r in rows})
-    names = [n for n, _ in cases(None)][1:]
+    names = [n for n, _ in cases(None, pruning=any(r["pair"] == "zoo video" for r in rows))][1:]
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     w = 0.8 / len(names)
     for j, (key, label) in enumerate((("tau", "accepted drafts per round (tau)"), ("speedup", "decode speedup over AR"))):

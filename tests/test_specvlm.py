@@ -146,18 +146,21 @@ def ov_video_rows(frames: int = 3, seed: int = 0):
 def ov_models(tmp_path_factory):
     from conftest import saved_and_loaded
 
-    return saved_and_loaded({"ov": LN.tiny_ov(10)}, tmp_path_factory.mktemp("ov"))[1]
+    return saved_and_loaded({"ov": LN.tiny_ov(10), "ov_draft": LN.tiny_ov(11)}, tmp_path_factory.mktemp("ov"))[1]
 
 
-@pytest.mark.parametrize("ratio", [0.9, pytest.param(0.0, marks=pytest.mark.slow),
-                                   pytest.param(0.95, marks=pytest.mark.slow)])
-def test_greedy_specvlm_equals_ar_onevision(ov_models, ratio):
-    """LLaVA-OneVision video (the trailing newline is a video token and prunable), ragged rows, Self-SD: greedy
-    SpecVLM gives greedy AR's tokens; `positions='original'` is refused for a model without M-RoPE."""
+@pytest.mark.parametrize("ratio,std", [(0.9, False), (0.9, True), pytest.param(0.0, True, marks=pytest.mark.slow),
+                                       pytest.param(0.95, False, marks=pytest.mark.slow),
+                                       pytest.param(0.95, True, marks=pytest.mark.slow)])
+def test_greedy_specvlm_equals_ar_onevision(ov_models, ratio, std):
+    """LLaVA-OneVision video (the trailing newline is a video token and prunable), ragged rows, Self-SD and a
+    separate OneVision draft (its own tower and LM): greedy SpecVLM gives greedy AR's tokens; `positions='original'`
+    is refused for a model without M-RoPE."""
     target = ov_models["ov"]
     batch = ov_video_rows()
     ar = jspec.decode(target, batch, max_new_tokens=10)
-    sd = jspec.decode(target, batch, strategy=SpecVLM(None, ratio=ratio, tree=SMALL_TREE), max_new_tokens=10)
+    draft = ov_models["ov_draft"] if std else None
+    sd = jspec.decode(target, batch, strategy=SpecVLM(draft, ratio=ratio, tree=SMALL_TREE), max_new_tokens=10)
     np.testing.assert_array_equal(sd.tokens, ar.tokens)
     with pytest.raises(ValueError, match="renumbered"):
         jspec.decode(target, batch, strategy=SpecVLM(None, positions="original"), max_new_tokens=2)
