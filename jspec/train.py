@@ -296,7 +296,7 @@ Step = Callable[[Any, Any, float, int], tuple[Any, dict]]
 def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *, ckpts: Checkpoints | None = None,
         budget_s: float = float("inf"), ckpt_minutes: float = 3.0, log_every: int = 10,
         evaluate: Callable[[Any], dict] | None = None, desc: str = "train", progress: bool = True,
-        argv: list[str] | None = None) -> tuple[Any, dict]:
+        argv: list[str] | None = None, schedule_s: float | None = None) -> tuple[Any, dict]:
     """Run `step_fn` until the schedule's last step, the time budget, Ctrl-C or SIGTERM; returns (state, meta).
 
     - `step_fn(state, batch, lr, step) -> (state, metrics)`: one update at the schedule's learning rate; metrics
@@ -305,7 +305,8 @@ def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *
       mix of streams); it runs in a background thread.
     - Every `log_every` steps a row (window means, lr, tok_s, tokens, elapsed_s) goes to `workdir/log.jsonl`;
       every `ckpt_minutes` and at the end, `evaluate(state)`'s dict is logged and a checkpoint saved.
-    - Without a schedule length, the first 20 timed steps size it to fill `budget_s`.
+    - Without a schedule length, the first 20 timed steps size it to fill `budget_s` (or `schedule_s`, when the
+      schedule is to span several runs of `budget_s` each).
     - The log is cut back to the checkpoint's step first, and the checkpoint keeps the unlogged window's metrics,
       so a resumed run's log rows equal an uninterrupted one's.
     """
@@ -317,7 +318,8 @@ def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *
     log_path = workdir / "log.jsonl"
     log_path.write_text("".join(json.dumps(r) + "\n" for r in read_log(log_path, meta["step"])))
     meta["runs"].append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
-                         "from_step": meta["step"], "argv": list(sys.argv[1:] if argv is None else argv)})
+                         "from_step": meta["step"], "argv": list(sys.argv[1:] if argv is None else argv),
+                         "device": jax.devices()[0].device_kind, "jax": jax.__version__})
     total = meta["total_steps"]
     bar = tqdm(total=total, initial=meta["step"], desc=desc, unit="step", mininterval=2.0, dynamic_ncols=True,
                disable=not progress)
@@ -361,7 +363,7 @@ def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *
                 timing.append(dt)
             if total is None and len(timing) >= 20:
                 per_step = float(np.median(timing))
-                left = budget_s - (time.perf_counter() - run_start)
+                left = (budget_s if schedule_s is None else schedule_s) - (time.perf_counter() - run_start)
                 warm = meta["schedule"][-1]["warmup"]
                 total = meta["step"] + max(warm - meta["step"], int(0.92 * left / per_step))
                 meta["total_steps"] = meta["schedule"][-1]["total"] = total

@@ -27,6 +27,22 @@ Models (presets in `PRESETS`; our ports are the models; the text pair is trained
                   of examples in TABED's text-only view (t_view_prob=0.2)
     image-target-vqa  a stage: image-target-base continued on the VQA-dense data with the answer loss alone
                   (stopped at step 2030 of 4000: superseded by the focus losses)
+    video-target  Qwen2.5-VL: a Qwen2.5-VL vision tower (48 px frames, patch 8, temporal patch 2, 2x2 merger: 9
+                  tokens per two frames, 288 per 64-frame clip; hidden 128, 4 blocks, window attention inside each
+                  grid cell except blocks 1 and 3) + a Qwen2 LM started from image-target's LLaMA (hidden 256, 6
+                  layers; q/k/v biases start at zero; M-RoPE sections (8, 12, 12)); the video tasks of
+                  `jspec.zoo.video` (moves, appearances, counts over time, detailed descriptions), with the focus
+                  losses of image-target from the start and `time_loss` (each video token's stream must name its
+                  temporal group)
+    video-draft   the same family and recipe: tower hidden 64, 2 blocks + image-draft's LLaMA (hidden 128, 3 layers)
+The video models train on rows of one clip and several QA segments about it (`jspec.zoo.video.batches`: each
+segment sees the clip and itself only, at the positions greedy decoding gives it alone: the question at its prompt's
+M-RoPE ids, the answer where generation feeds it (`video.segment_positions`), so a row is several single-question
+prompts and their answers that read the clip once); the clips are rendered in `--workers` processes. Their recipe is the image pair's:
+tower pretraining on per-token attributes (each merged token's cell: colour, shape, size, row, column and motion
+direction, per temporal group), alignment (LM and tower frozen, the merger learns), then everything. For them
+`--minutes` bounds the whole command (tower pretraining and compiles included), so a run in a fixed-length job
+stops in time with a checkpoint; `--schedule-minutes` sizes the learning-rate schedule for several such runs.
 The image models follow LLaVA's recipe in three stages, all in one `train` run: (1) the tower is pretrained alone
 (`tower_steps`, supervised on each scene's attributes: kind, the sign's characters, per bar colour/value from all
 tokens, and each grid cell's colour/shape/size/row/column from that cell's own token; our stand-in for a pretrained
@@ -74,6 +90,21 @@ included):
     python scripts/train_zoo.py train image-target-focus --steps 2000     # 37 min
     python scripts/train_zoo.py train image-target --steps 1600           # 31 min
     python scripts/train_zoo.py train image-target --resume --steps 3200 --restart-lr 1   # second cycle
+Video pair (GPU; needs jspec/zoo/image-target and image-draft, whose LMs it starts from); both at once on one GPU,
+each sized to and stopped at 8.5 minutes:
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python scripts/train_zoo.py train video-draft --minutes 8.5 --workers 5 \
+        --export-partial &
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python scripts/train_zoo.py train video-target --minutes 8.5 --workers 9 \
+        --export-partial
+    python scripts/train_zoo.py eval-video video-target --draft video-draft --n 96
+(a longer run over several jobs: --schedule-minutes T --minutes M, then the same with --resume until it finishes)
+Those GPU runs trained answers at positions that continued the question; generation feeds them after the clip's
+temporal ids (`video.segment_positions`), so both were then fine-tuned from their exports on the fixed rows (CPU,
+2 cores; `--init-from DIR` skips the LM init, tower pretraining and alignment; commands in their training.json):
+    python scripts/train_zoo.py train video-target --init-from jspec/zoo/video-target --batch 8 --lr 3e-4 \
+        --warmup 20 --minutes 20 --workdir build/zoo/video-target-ft --export-partial
+    python scripts/train_zoo.py train video-draft --init-from jspec/zoo/video-draft --batch 8 --lr 6e-4 \
+        --warmup 20 --minutes 8 --workdir build/zoo/video-draft-ft --export-partial
 Measure the shipped pairs (exact match per task, acceptance per scenario and view): scripts/eval_zoo.py.
 Other commands: `export NAME` (re-export from the latest checkpoint), `plot NAME`.
 """
@@ -88,6 +119,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -105,10 +137,13 @@ from jspec import cache as kvc  # noqa: E402
 from jspec import train as jt  # noqa: E402
 from jspec.zoo import data as D  # noqa: E402
 from jspec.zoo import tokenizer as TK  # noqa: E402
+from jspec.zoo import video as VID  # noqa: E402
 from jspec.zoo import world as W  # noqa: E402
 from ports import layers as L  # noqa: E402
 from ports.fused import fuse_params  # noqa: E402
 from ports import llama, llava  # noqa: E402
+from ports import qwen2_vl as QW  # noqa: E402
+from ports import qwen2_vl_vision as QV  # noqa: E402
 from ports import vision as VZ  # noqa: E402
 
 ZOO_DIR = ROOT / "jspec" / "zoo"
@@ -122,9 +157,10 @@ TEXT_PAIR_TASKS = D.TEXT_PAIR_TASKS
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    kind: str                    # "text" (llama) | "image" (llava)
+    kind: str                    # "text" (llama) | "image" (llava) | "video" (qwen2_5_vl)
     lm: dict                     # LLaMA shape: hidden, layers, heads, ffn
-    vision: dict | None = None   # CLIP tower shape: hidden, layers, heads, ffn
+    vision: dict | None = None   # CLIP tower shape: hidden, layers, heads, ffn (Qwen2.5-VL's: + fullatt, the blocks
+                                 # with full attention over a frame; the others attend within a grid cell)
     tasks: tuple = TEXT_PAIR_TASKS
     view: str = "T"
     t_view_prob: float = 0.0
@@ -154,6 +190,10 @@ class Preset:
     focus_readout: float = 0.0    # weight of `focus_nll`'s readout term: that head's write alone must name the object's
                                   # attribute (with the focus loss alone, the head found the object but its output
                                   # did not carry the shape: a linear probe read it at 0.59)
+    time_loss: float = 0.0        # video: weight of `time_nll`: the LM's stream at every video token, entering layer
+    time_layer: int = 2           # `time_layer`, must name its temporal group (through a fixed random readout), so
+                                  # answers can find "the end" by content; M-RoPE alone leaves that to the query's
+                                  # own absolute position, which the LM does not know
     init_from: str | None = None  # an exported model of the same preset shape whose weights start this one
     grow_from: str | None = None  # a trained LLaMA of the same width and half the layers that starts this one
                                   # (`grow_params`: depth growth, the source's function at step 0)
@@ -201,6 +241,18 @@ PRESETS = {
                            tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M", allow_ood=True,
                            seq_len=160, batch=16, lr=1e-3, warmup=50, init_from="image-target-focus",
                            tower_lr_scale=0.1, focus_loss=0.1, focus_head=(2, 0), focus_readout=0.1, minutes=60.0),
+    # the video pair (Qwen2.5-VL; trained on a GPU): every video task, the LMs of the image pair, 512-token rows of
+    # one clip and ~7 QA segments
+    "video-target": Preset("video", dict(hidden=256, layers=6, heads=4, ffn=704),
+                           dict(hidden=128, layers=4, heads=4, ffn=384, fullatt=(1, 3)), tasks=VID.ALL_TASKS,
+                           view="M", seq_len=512, batch=32, lr=1e-3, warmup=100, init_lm="image-target",
+                           tower_steps=1500, align_steps=200, tower_lr_scale=0.3, focus_loss=0.1,
+                           focus_head=(2, 0), focus_readout=0.1, time_loss=0.1, time_layer=2, minutes=8.0),
+    "video-draft": Preset("video", dict(hidden=128, layers=3, heads=2, ffn=352),
+                          dict(hidden=64, layers=2, heads=2, ffn=256, fullatt=(1,)), tasks=VID.ALL_TASKS, view="M",
+                          seq_len=512, batch=32, lr=2e-3, warmup=100, init_lm="image-draft", tower_steps=1000,
+                          align_steps=200, tower_lr_scale=0.3, focus_loss=0.1, focus_head=(1, 0), focus_readout=0.1,
+                          time_loss=0.1, time_layer=1, minutes=8.0),
 }
 # One patch per grid cell: image token (r, c) sees exactly cell (r, c), so the tower can give each token the
 # attributes of its own cell's object (bound together), which the LM then finds by content.
@@ -217,11 +269,40 @@ def text_hf_config(lm: dict) -> dict:
             "bos_token_id": TK.BOS_ID, "eos_token_id": TK.EOS_ID, "pad_token_id": TK.PAD_ID}
 
 
+def mrope_section(head_dim: int) -> tuple[int, int, int]:
+    """Qwen2.5-VL's M-RoPE split (16, 24, 24) of head_dim 128, scaled to head_dim: (8, 12, 12) for 64."""
+    half = head_dim // 2
+    t = half // 4
+    return t, (half - t) // 2, half - t - (half - t) // 2
+
+
+def video_hf_config(p: Preset) -> dict:
+    """Qwen2.5-VL config of a video preset: the LM is Qwen2 (q/k/v biases) of the LLaMA shape `p.lm` under M-RoPE;
+    the tower reads `jspec.zoo.video`'s clips (window = one grid cell, 16 px); token ids: `video.special_ids()`."""
+    v = p.vision
+    text = {**text_hf_config(p.lm), "model_type": "qwen2", "max_position_embeddings": 1024,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": list(mrope_section(p.lm["hidden"] // p.lm["heads"]))}}
+    text.pop("rope_theta")
+    d = {"model_type": "qwen2_5_vl", "text_config": text,
+         "vision_config": {"depth": v["layers"], "hidden_size": v["hidden"], "intermediate_size": v["ffn"],
+                           "num_heads": v["heads"], "out_hidden_size": p.lm["hidden"], "hidden_act": "silu",
+                           "in_channels": 3, "patch_size": VID.PATCH, "temporal_patch_size": VID.TEMPORAL_PATCH,
+                           "spatial_merge_size": VID.MERGE, "window_size": VID.PATCH * VID.MERGE,
+                           "fullatt_block_indexes": list(v["fullatt"]), "tokens_per_second": VID.TOKENS_PER_SECOND},
+         **VID.special_ids(), "tie_word_embeddings": True,
+         "bos_token_id": TK.BOS_ID, "eos_token_id": TK.EOS_ID, "pad_token_id": TK.PAD_ID}
+    fam = ports.model.family("qwen2_5_vl")
+    return fam.config_to_hf(fam.config_from_hf(d))
+
+
 def hf_config(p: Preset) -> dict:
     """The model's HF config.json dict (parsed by the port's family, so the round trip is the port's own)."""
     text = text_hf_config(p.lm)
     if p.kind == "text":
         return ports.model.family("llama").config_to_hf(ports.model.family("llama").config_from_hf(text))
+    if p.kind == "video":
+        return video_hf_config(p)
     v = p.vision
     d = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "text_config": text,
          "vision_config": {"model_type": "clip_vision_model", "hidden_size": v["hidden"],
@@ -250,9 +331,18 @@ def export_dir(name: str) -> Path:
     return (ZOO_DIR if PRESETS[name].ship else ROOT / "build" / "stages") / name
 
 
+def source_dir(name: str) -> Path:
+    """An exported model: a preset's export directory, or a directory path (relative to the repository root)."""
+    if name in PRESETS:
+        return export_dir(name)
+    d = Path(name)
+    return d if d.is_absolute() else ROOT / d
+
+
 def load_source(name: str, why: str) -> dict:
-    """The float32 params of the exported model `name` (a preset), or SystemExit saying how to make it."""
-    src = export_dir(name)
+    """The float32 params of the exported model `name` (a preset or a directory), or SystemExit saying how to
+    make it."""
+    src = source_dir(name)
     if not (src / "config.json").exists():
         raise SystemExit(f"{src} is missing: train and export {name} first ({why})")
     return ports.load_hf(str(src), jnp.float32).params
@@ -267,10 +357,22 @@ def check_fits(params: dict, like: dict, what: str) -> dict:
     return params
 
 
+def qwen2_from_llama(lm: dict, like: dict) -> dict:
+    """LLaMA LM params (a text model's, or a LLaVA's "lm") as a Qwen2 LM's: the same weights and zero q/k/v biases
+    (`like`: the Qwen2 params, for the bias shapes), so it computes the LLaMA's function (under M-RoPE, on text
+    positions, which is RoPE)."""
+    layers = [{**lp, "bqkv": jnp.zeros_like(ref["bqkv"])} if "bqkv" in ref and "bqkv" not in lp else dict(lp)
+              for lp, ref in zip(lm["layers"], like["layers"])]
+    return {**lm, "layers": layers}
+
+
 def init_lm(p: Preset, model: ports.Model) -> dict:
-    """The LM params of `p.init_lm` (an exported zoo text model), checked against the image model's LM shapes."""
-    lm = check_fits(load_source(p.init_lm, "the image model's LM starts there"), model.params["lm"],
-                    f"{p.init_lm}'s weights do not fit the LM of this preset")
+    """The LM params of `p.init_lm` (an exported zoo text model, or the LM of an exported image model), checked
+    against this model's LM shapes (a Qwen2 LM takes a LLaMA's weights with zero q/k/v biases)."""
+    src = load_source(p.init_lm, "the multimodal model's LM starts there")
+    if p.kind == "video":
+        src = qwen2_from_llama(src.get("lm", src), model.params["lm"])
+    lm = check_fits(src, model.params["lm"], f"{p.init_lm}'s weights do not fit the LM of this preset")
     src = export_dir(p.init_lm)
     print(f"LM initialised from {src} ({sum(x.size for x in jax.tree.leaves(lm)) / 1e6:.2f}M params)")
     return lm
@@ -280,7 +382,7 @@ def start_from(p: Preset, model: ports.Model) -> dict:
     """The params of `p.init_from` (an exported model), checked against `model`'s shapes."""
     params = check_fits(load_source(p.init_from, "this model continues its training"), model.params,
                         f"{p.init_from}'s weights do not fit this preset")
-    print(f"starting from {export_dir(p.init_from)}")
+    print(f"starting from {source_dir(p.init_from)}")
     return params
 
 
@@ -452,6 +554,117 @@ def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) ->
     return tp["vision"]
 
 
+# ---------------------------------------------------------------------------------------------- the video pair
+# Qwen2.5-VL on `jspec.zoo.video`'s rows: the clip's frames arrive as uint8 and become the processor's patches on
+# the device (the same lookup table and layout as `video.video_pixels`); the tower runs on every temporal group of
+# every row at once ([B * 32 frames, 36 patches]) and its merged tokens replace the video placeholders, which sit
+# at the same positions in every row (`video.PREFIX_VIDEO_START`).
+
+
+def video_patches(frames: jax.Array) -> jax.Array:
+    """uint8 frames [B, F, S, S, 3] -> normalised patches [B * F / 2, (S / p)^2, PATCH_DIM] in the processor's
+    layout (`video.video_pixels`, per temporal group)."""
+    B = frames.shape[0]
+    lut = jnp.asarray(VID._LUT)
+    x = jnp.stack([lut[c][frames[..., c]] for c in range(3)], axis=2)        # [B, F, 3, S, S]
+    gt, gh, p_, m = VID.GROUPS, VID.GRID_PATCHES, VID.PATCH, VID.MERGE
+    x = x.reshape(B * gt, VID.TEMPORAL_PATCH, 3, gh // m, m, p_, gh // m, m, p_).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(B * gt, gh * gh, VID.PATCH_DIM)
+
+
+def video_tokens(vcfg: QV.QwenVisionConfig, vparams: dict, frames: jax.Array) -> jax.Array:
+    """The merged tokens [B, VIDEO_TOKENS, out_dim] of each row's clip (what the port splices over the video
+    placeholders), from uint8 frames [B, F, S, S, 3]."""
+    B = frames.shape[0]
+    patches = video_patches(frames)
+    n, Lp = patches.shape[:2]
+    rot = QV.frame_rot(vcfg, VID.GRID_PATCHES, VID.GRID_PATCHES)
+    window = QV.frame_windows(vcfg, rot, VID.GRID_PATCHES) if vcfg.windowed else np.zeros(Lp, np.int32)
+    vo = QV.forward(vcfg, vparams, patches, jnp.broadcast_to(jnp.asarray(rot, jnp.int32), (n, Lp, 2)),
+                    jnp.ones((n, Lp), bool), jnp.broadcast_to(jnp.asarray(window, jnp.int32), (n, Lp)))
+    return vo.merged.reshape(B, VID.VIDEO_TOKENS, -1)
+
+
+def prefix_mask(qa_segment: jax.Array) -> jax.Array:
+    """[B, T, T] bool for video rows: query q sees key s <= q when s is in the clip's prefix (segment 0) or in q's
+    own QA segment; padding (-1) sees and is seen by nothing."""
+    T = qa_segment.shape[1]
+    q, k = qa_segment[:, :, None], qa_segment[:, None, :]
+    return (q >= 0) & (k >= 0) & ((k == 0) | (k == q)) & jnp.tril(jnp.ones((T, T), bool))[None]
+
+
+def video_forward(cfg: QW.QwenVLConfig, params: dict, batch: dict, hidden_layers: tuple = ()) -> llama.ForwardOut:
+    """Training forward of a Qwen2.5-VL on `video.batches` rows (the port's forward under M-RoPE and
+    `prefix_mask`)."""
+    tokens = batch["input_ids"]
+    B, T = tokens.shape
+    x = llama.embed(params["lm"], tokens)
+    feats = video_tokens(cfg.vision, params["vision"], batch["frames"]).astype(x.dtype)
+    x = jax.lax.dynamic_update_slice(x, feats, (0, VID.PREFIX_VIDEO_START, 0))
+    text = cfg.text
+    cache = kvc.init_cache(text.num_layers, B, text.num_kv_heads, T, text.head_dim, x.dtype)
+    return QW.forward(cfg, params, tokens, batch["positions"], cache, prefix_mask(batch["qa_segment"]), embeds=x,
+                      hidden_layers=hidden_layers)
+
+
+def pretrain_video_tower(p: Preset, model: ports.Model, seed: int, clips: int = 8, workers: int = 0) -> dict:
+    """The Qwen2.5-VL tower's params (merger included) after `p.tower_steps` AdamW steps on per-token attributes:
+    one linear head per attribute reads each merged token (a grid cell in a temporal group) and names the colour,
+    shape and size of the object there, the cell's row and column, and the object's motion direction (heads
+    dropped afterwards; held-out accuracy per attribute printed)."""
+    from tqdm import tqdm
+
+    cfg = model.config
+    nc = np.array(VID.LABEL_CLASSES)
+    offs = np.concatenate([[0], np.cumsum(nc)])
+    k1, _ = jax.random.split(jax.random.key(seed + 1))
+    head = {"w": jax.random.normal(k1, (cfg.vision.out_dim, int(nc.sum()))) * 0.02, "b": jnp.zeros(int(nc.sum()))}
+
+    def logits(tp, frames):
+        return video_tokens(cfg.vision, tp["vision"], frames) @ tp["head"]["w"] + tp["head"]["b"]   # [B, N, sum]
+
+    def loss(tp, frames, y):
+        lg = logits(tp, frames)
+        y = y.reshape(y.shape[0], VID.VIDEO_TOKENS, -1)
+        tot = 0.0
+        for i in range(len(nc)):
+            lp = jax.nn.log_softmax(lg[..., offs[i]:offs[i + 1]], -1)
+            tot = tot - jnp.take_along_axis(lp, y[..., i:i + 1], -1).mean()
+        return tot
+
+    warm = min(50, p.tower_steps // 2)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 2e-3, warm, p.tower_steps, 2e-4), weight_decay=0.05))
+    tp = {"vision": model.params["vision"], "head": head}
+    opt = tx.init(tp)
+
+    @jax.jit
+    def step(tp, opt, x, y):
+        lo, g = jax.value_and_grad(loss)(tp, x, y)
+        up, opt = tx.update(g, opt, tp)
+        return optax.apply_updates(tp, up), opt, lo
+
+    data = jt.Prefetch(VID.pooled(functools.partial(VID.tower_batch, "train", n=clips, seed=seed),
+                                  (i * clips for i in range(p.tower_steps)), workers), size=4)
+    bar = tqdm(range(p.tower_steps), desc="tower pretraining", unit="step", mininterval=2.0, dynamic_ncols=True)
+    try:
+        for _ in bar:
+            x, y = next(data)
+            tp, opt, lo = step(tp, opt, x, y)
+            bar.set_postfix(loss=f"{float(lo):.3f}", refresh=False)
+    finally:
+        data.close()
+        bar.close()
+    x, y = VID.tower_batch("heldout", 0, 16, seed)
+    lg = np.asarray(jax.jit(logits)(tp, x))
+    y = y.reshape(y.shape[0], VID.VIDEO_TOKENS, -1)
+    on = y[..., 0] > 0
+    accs = [float((lg[..., offs[i]:offs[i + 1]].argmax(-1) == y[..., i])[on].mean()) for i in range(len(nc))]
+    print("tower pretraining, held-out accuracy on the tokens of objects: "
+          + ", ".join(f"{n} {a:.3f}" for n, a in zip(VID.LABELS, accs)))
+    return tp["vision"]
+
+
 segment_mask = jt.segment_mask
 
 
@@ -476,6 +689,8 @@ def logits_fn(model_cfg, params: dict, batch: dict) -> jax.Array:
 
 def forward_fn(model_cfg, params: dict, batch: dict, hidden_layers: tuple = ()) -> llama.ForwardOut:
     """`logits_fn`'s forward, with the residual streams of `hidden_layers` (`llama.forward`'s)."""
+    if isinstance(model_cfg, QW.QwenVLConfig):
+        return video_forward(model_cfg, params, batch, hidden_layers)
     tokens = batch["input_ids"]
     B, T = tokens.shape
     if isinstance(model_cfg, llava.LlavaConfig):
@@ -489,18 +704,34 @@ def forward_fn(model_cfg, params: dict, batch: dict, hidden_layers: tuple = ()) 
                          embeds=embeds, hidden_layers=hidden_layers)
 
 
-def focus_logprobs(text_cfg, layer_params: dict, x: jax.Array, batch: dict, head: int) -> jax.Array:
+def text_parts(model_cfg, params: dict) -> tuple:
+    """(the language model's config, its params) of a text, LLaVA or Qwen2.5-VL model."""
+    if isinstance(model_cfg, (llava.LlavaConfig, QW.QwenVLConfig)):
+        return model_cfg.text, params["lm"]
+    return model_cfg, params
+
+
+def video_attention(cfg: QW.QwenVLConfig, batch: dict) -> tuple:
+    """((cos, sin), visibility [B, T, T]) of video rows as `video_forward` uses them: M-RoPE of the (t, h, w)
+    positions and `prefix_mask`."""
+    return L.mrope_tables(cfg.text, batch["positions"], cfg.mrope_section), prefix_mask(batch["qa_segment"])
+
+
+def focus_logprobs(text_cfg, layer_params: dict, x: jax.Array, batch: dict, head: int, rope=None,
+                   visible=None) -> jax.Array:
     """[B, T, T] log attention probabilities of one head of one layer over the keys, from that layer's input
     residual stream x [B, T, D]: the same queries, keys, RoPE and segment mask as its forward (a recomputation of
-    one head, so the port's forward stays as it is)."""
+    one head, so the port's forward stays as it is); `rope` / `visible` (video rows: `video_attention`) replace
+    the batch's RoPE tables and segment mask."""
     B, T, _ = x.shape
     h = L.rms_norm(x, layer_params["attn_norm"], text_cfg.rms_norm_eps)
     q, k, _ = L.project_qkv(text_cfg, layer_params, h)
-    cos, sin = L.rope_tables(text_cfg, batch["positions"])
+    cos, sin = L.rope_tables(text_cfg, batch["positions"]) if rope is None else rope
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     kv = head // (text_cfg.num_heads // text_cfg.num_kv_heads)
     scores = jnp.einsum("btd,bsd->bts", q[:, :, head], k[:, :, kv]).astype(jnp.float32) * q.shape[-1] ** -0.5
-    scores = jnp.where(segment_mask(batch["segment_ids"]), scores, jnp.finfo(jnp.float32).min)
+    visible = segment_mask(batch["segment_ids"]) if visible is None else visible
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     return jax.nn.log_softmax(scores, axis=-1)
 
 
@@ -527,14 +758,15 @@ def attribute_ids() -> np.ndarray:
 
 
 def focus_nll(text_cfg, lm: dict, x: jax.Array, batch: dict, layer: int, head: int,
-              readout_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+              readout_ids: jax.Array | None = None, rope=None, visible=None) -> tuple[jax.Array, jax.Array]:
     """(mean -log attention of head `head` of layer `layer` on the focus cell's image token, over the positions
     whose target is read off one object (`target_focus` >= 0); and, with `readout_ids`, the mean
     cross-entropy of the target where it is one of those ids, under the logits of the head's write alone (final
-    norm + LM head: the head's direct path to the answer), else 0). x: that layer's input stream."""
+    norm + LM head: the head's direct path to the answer), else 0). x: that layer's input stream; rope, visible:
+    see `focus_logprobs`."""
     f = batch["target_focus"]
     on = (f >= 0).astype(jnp.float32)
-    logp = focus_logprobs(text_cfg, lm["layers"][layer], x, batch, head)
+    logp = focus_logprobs(text_cfg, lm["layers"][layer], x, batch, head, rope, visible)
     at = jnp.take_along_axis(logp, jnp.maximum(f, 0)[..., None], axis=-1)[..., 0]
     readout = jnp.zeros((), jnp.float32)
     if readout_ids is not None:
@@ -552,33 +784,54 @@ def prompt_mask(batch: dict) -> jax.Array:
     return ((batch["segment_ids"] > 0) & (t >= 6) & (batch["target_mask"] == 0)).astype(jnp.float32)
 
 
+def time_nll(x: jax.Array) -> jax.Array:
+    """Mean cross-entropy of each video token's temporal group under a fixed random linear readout of the
+    (normalised) stream x [B, T, D] at the video placeholders of `video.batches` rows (the readout is a constant:
+    the model learns to write the group where the readout looks)."""
+    v = jax.lax.dynamic_slice_in_dim(x, VID.PREFIX_VIDEO_START, VID.VIDEO_TOKENS, axis=1).astype(jnp.float32)
+    v = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + 1e-6)
+    proj = jax.random.normal(jax.random.key(20261125), (x.shape[-1], VID.GROUPS)) * x.shape[-1] ** -0.5
+    logp = jax.nn.log_softmax(2.0 * v @ proj, axis=-1)
+    group = np.repeat(np.arange(VID.GROUPS), VID.TOKENS_PER_GROUP)
+    return -jnp.mean(logp[:, np.arange(VID.VIDEO_TOKENS), group])
+
+
 def loss_fn(model_cfg, params, batch, per_example: bool = False, prompt_loss: float = 0.0,
-            focus_loss: float = 0.0, focus_head: tuple[int, int] = (2, 0), focus_readout: float = 0.0):
+            focus_loss: float = 0.0, focus_head: tuple[int, int] = (2, 0), focus_readout: float = 0.0,
+            time_loss: float = 0.0, time_layer: int = 2):
     """The objective (cross-entropy over answer tokens under `answer_weights`, plus `prompt_loss` x the mean over
     prompt text tokens, plus `focus_loss` x `focus_nll` of head focus_head = (layer, head), plus `focus_readout` x
-    its readout term over `attribute_ids`); aux: (mean cross-entropy per answer token, answer-token accuracy, number
-    of answer tokens): the answers alone, whatever the objective; then `focus_nll`'s attention and readout terms
-    (0 without `focus_loss`)."""
+    its readout term over `attribute_ids`, plus `time_loss` x `time_nll` of the stream entering `time_layer` (video
+    rows)); aux: (mean cross-entropy per answer token, answer-token accuracy, number of answer tokens): the answers
+    alone, whatever the objective; then `focus_nll`'s attention and readout terms (0 without `focus_loss`), and
+    `time_nll` (0 without `time_loss`)."""
     layer, head = focus_head
-    out = forward_fn(model_cfg, params, batch, (layer,) if focus_loss else ())
+    wanted = ((layer,) if focus_loss else ()) + ((time_layer,) if time_loss and time_layer != layer else ())
+    out = forward_fn(model_cfg, params, batch, wanted)
+    hidden = dict(zip(wanted, out.hidden))
     logits = out.logits
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
     m = batch["target_mask"]
     n = jnp.maximum(m.sum(), 1.0)
     acc = ((jnp.argmax(logits, -1) == batch["targets"]) * m).sum() / n
-    objective = (nll * jt.answer_weights(batch["segment_ids"], m, per_example)).sum()
+    segments = batch["segment_ids"] if "segment_ids" in batch else jnp.maximum(batch["qa_segment"], 0)
+    objective = (nll * jt.answer_weights(segments, m, per_example)).sum()
     if prompt_loss:
         pm = prompt_mask(batch)
         objective = objective + prompt_loss * (nll * pm).sum() / jnp.maximum(pm.sum(), 1.0)
     focus = readout = jnp.zeros((), jnp.float32)
     if focus_loss:
-        text_cfg = model_cfg.text if isinstance(model_cfg, llava.LlavaConfig) else model_cfg
-        lm = params["lm"] if isinstance(model_cfg, llava.LlavaConfig) else params
+        text_cfg, lm = text_parts(model_cfg, params)
         ids = jnp.asarray(attribute_ids()) if focus_readout else None
-        focus, readout = focus_nll(text_cfg, lm, out.hidden[0], batch, layer, head, ids)
+        rope, visible = video_attention(model_cfg, batch) if isinstance(model_cfg, QW.QwenVLConfig) else (None, None)
+        focus, readout = focus_nll(text_cfg, lm, hidden[layer], batch, layer, head, ids, rope, visible)
         objective = objective + focus_loss * focus + focus_readout * readout
-    return objective, ((nll * m).sum() / n, acc, m.sum(), focus, readout)
+    timing = jnp.zeros((), jnp.float32)
+    if time_loss:
+        timing = time_nll(hidden[time_layer])
+        objective = objective + time_loss * timing
+    return objective, ((nll * m).sum() / n, acc, m.sum(), focus, readout, timing)
 
 
 def make_optimizer(p: Preset) -> optax.GradientTransformation:
@@ -593,24 +846,31 @@ def stage_scales(p: Preset, step: int) -> tuple[float, float]:
 
 
 def make_steps(model_cfg, tx, per_example: bool = False, prompt_loss: float = 0.0, focus_loss: float = 0.0,
-               focus_head: tuple[int, int] = (2, 0), focus_readout: float = 0.0):
+               focus_head: tuple[int, int] = (2, 0), focus_readout: float = 0.0, time_loss: float = 0.0,
+               time_layer: int = 2):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, batch, lr, lm_scale, tower_scale=1.0):
-        (_, (loss, acc, n, focus, readout)), grads = jax.value_and_grad(
+        (_, (loss, acc, n, focus, readout, timing)), grads = jax.value_and_grad(
             functools.partial(loss_fn, model_cfg, per_example=per_example, prompt_loss=prompt_loss,
-                              focus_loss=focus_loss, focus_head=focus_head, focus_readout=focus_readout),
+                              focus_loss=focus_loss, focus_head=focus_head, focus_readout=focus_readout,
+                              time_loss=time_loss, time_layer=time_layer),
             has_aux=True)(params, batch)
         updates, opt_state = tx.update(grads, jt.set_lr(opt_state, lr), params)
-        if "lm" in updates:   # LLaVA: the LM's and tower's steps (weight decay included) are scaled
-            updates = {**updates, "lm": jax.tree.map(lambda u: u * lm_scale, updates["lm"]),
-                       "vision": jax.tree.map(lambda u: u * tower_scale, updates["vision"])}
+        if "lm" in updates:   # LLaVA / Qwen2.5-VL: the LM's and tower's steps (weight decay included) are scaled
+            vision = updates["vision"]
+            if "merger" in vision:     # Qwen2.5-VL's merger is its projector: it learns at the full rate
+                vision = {k: v if k == "merger" else jax.tree.map(lambda u: u * tower_scale, v)
+                          for k, v in vision.items()}
+            else:
+                vision = jax.tree.map(lambda u: u * tower_scale, vision)
+            updates = {**updates, "lm": jax.tree.map(lambda u: u * lm_scale, updates["lm"]), "vision": vision}
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, "acc": acc, "focus": focus,
-                                                                 "readout": readout,
+                                                                 "readout": readout, "time": timing,
                                                                  "grad_norm": optax.global_norm(grads)}
 
     @jax.jit
     def eval_step(params, batch):
-        _, (loss, acc, n, _, _) = loss_fn(model_cfg, params, batch)
+        _, (loss, acc, n, _, _, _) = loss_fn(model_cfg, params, batch)
         return loss * n, acc * n, n
 
     return train_step, eval_step
@@ -620,9 +880,17 @@ def make_steps(model_cfg, tx, per_example: bool = False, prompt_loss: float = 0.
 
 
 DEVICE_KEYS = ("input_ids", "targets", "target_mask", "segment_ids", "positions")
+VIDEO_KEYS = ("frames", "input_ids", "targets", "target_mask", "qa_segment", "positions")
 
 
-def stream(p: Preset, split: str, seed: int, start: int):
+def stream(p: Preset, split: str, seed: int, start: int, workers: int = 0):
+    """(batch of device arrays, next data index, tokens) per step from example `start` on; video presets' rows
+    are made in `workers` processes."""
+    if p.kind == "video":
+        for b in VID.batches(split, p.batch, p.seq_len, seed, tasks=p.tasks, start=start, workers=workers):
+            keep = {k: b[k] for k in VIDEO_KEYS + (("target_focus",) if p.focus_loss else ())}
+            yield keep, int(b["next_index"]), int((b["qa_segment"] >= 0).sum())
+        return
     kw = dict(tasks=p.tasks, view=p.view, t_view_prob=p.t_view_prob, image_tokens=IMAGE_TOKENS,
               image_size=IMAGE_SIZE, pack=True, start=start, allow_ood=p.allow_ood)
     for b in D.batches(split, p.batch, p.seq_len, seed, **kw):
@@ -640,12 +908,24 @@ def heldout_batches(p: Preset, seed: int, n: int = 4) -> list[dict]:
     return [next(it)[0] for _ in range(n)]
 
 
+FINAL_MARGIN_S = 30.0     # video presets: time kept after the loop for the final checkpoint, plot and export
+FINE_TUNE_DATA_START = 1_000_000   # --init-from: the first training row (past the rows the source was trained on)
+
+
 def train(args) -> None:
+    started = time.perf_counter()
     name, p = args.name, PRESETS[args.name]
     if args.batch:
         p = dataclasses.replace(p, batch=args.batch)
     if args.lr:
         p = dataclasses.replace(p, lr=args.lr)
+    if args.tower_steps is not None:
+        p = dataclasses.replace(p, tower_steps=args.tower_steps)
+    if args.init_from:        # continue an exported model: no LM init, tower pretraining or alignment; fresh rows
+        p = dataclasses.replace(p, init_from=args.init_from, init_lm=None, grow_from=None, tower_steps=0,
+                                align_steps=0, data_start=FINE_TUNE_DATA_START)
+    if args.warmup is not None:
+        p = dataclasses.replace(p, warmup=args.warmup)
     workdir = Path(args.workdir or ROOT / "build" / "zoo" / name).resolve()
     if workdir.exists() and not args.resume:
         shutil.rmtree(workdir)
@@ -658,14 +938,19 @@ def train(args) -> None:
     if p.grow_from and not args.resume:
         model = dataclasses.replace(model, params=grown_init(p, model))
     if p.tower_steps and not args.resume:
-        model = dataclasses.replace(model, params={**model.params, "vision": pretrain_tower(p, model, args.seed)})
+        tower = (pretrain_video_tower(p, model, args.seed, workers=args.workers) if p.kind == "video" else
+                 pretrain_tower(p, model, args.seed))
+        model = dataclasses.replace(model, params={**model.params, "vision": tower})
     tx = make_optimizer(p)
     state = {"params": model.params, "opt_state": tx.init(model.params)}
     train_step, eval_step = make_steps(model.config, tx, p.loss_per_example, p.prompt_loss, p.focus_loss,
-                                       tuple(p.focus_head), p.focus_readout)
+                                       tuple(p.focus_head), p.focus_readout, p.time_loss, p.time_layer)
     ckpts = jt.Checkpoints(workdir)
     meta = jt.new_meta(name, args.seed, args.steps, p.lr, p.warmup, next_index=p.data_start,
                       preset=dataclasses.asdict(p))
+    if args.init_from and not args.resume:    # the continued model's own record, for the export's history
+        info = source_dir(args.init_from) / "training.json"
+        meta["source_info"] = json.loads(info.read_text()) if info.exists() else None
     if args.resume:
         try:
             state, meta, resumed = jt.resume(ckpts, state, meta, args.steps, p.lr * args.restart_lr)
@@ -686,6 +971,8 @@ def train(args) -> None:
             logged["focus_nll"] = m["focus"]
         if p.focus_readout:
             logged["readout_nll"] = m["readout"]
+        if p.time_loss:
+            logged["time_nll"] = m["time"]
         return {"params": params, "opt_state": opt_state}, logged
 
     def evaluate(state):
@@ -693,9 +980,15 @@ def train(args) -> None:
         return {"heldout_loss": loss, "heldout_acc": acc}
 
     budget = 60.0 * (args.minutes if args.minutes is not None else p.minutes)
-    state, meta = jt.fit(step, state, stream(p, "train", args.seed, meta["next_index"]), meta, workdir, ckpts=ckpts,
-                        budget_s=budget, ckpt_minutes=args.ckpt_minutes, log_every=args.log_every,
-                        evaluate=evaluate, desc=name)
+    if p.kind == "video":     # --minutes bounds the whole command (a job of fixed length): what is left for the loop
+        budget -= time.perf_counter() - started + FINAL_MARGIN_S
+        if budget <= 0:
+            raise SystemExit(f"--minutes {args.minutes or p.minutes} leaves no time for training after the setup")
+    schedule = None if args.schedule_minutes is None else 60.0 * args.schedule_minutes
+    data = stream(p, "train", args.seed, meta["next_index"], workers=args.workers if p.kind == "video" else 0)
+    state, meta = jt.fit(step, state, data, meta, workdir, ckpts=ckpts, budget_s=budget,
+                        ckpt_minutes=args.ckpt_minutes, log_every=args.log_every, evaluate=evaluate, desc=name,
+                        schedule_s=schedule, argv=getattr(args, "argv", None))
     done = jt.finished(meta)
     print(f"{name}: step {meta['step']}/{meta['total_steps']}, {meta['tokens'] / 1e6:.2f}M tokens, "
           f"{meta['elapsed_s'] / 60:.1f} min{'' if done else ' (not finished: rerun with --resume)'}")
@@ -753,16 +1046,75 @@ def export(name: str, model: ports.Model, meta: dict, workdir: Path, out: Path |
             "schedule": meta["schedule"],
             "runs": meta["runs"], "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "jax": jax.__version__, "date": datetime.date.today().isoformat()}
-    source = (meta["preset"].get("grow_from") or meta["preset"].get("init_from")
-              or meta["preset"].get("init_lm"))
-    if source and (export_dir(source) / "training.json").exists():   # the stage this one starts from
-        src = json.loads((export_dir(source) / "training.json").read_text())
-        info["starts_from"] = {k: src[k] for k in ("name", "params", "steps", "tokens", "train_minutes",
-                                                   "final_heldout_loss", "commands", "date") if k in src}
+    prev = meta.get("source_info")
+    if prev:     # --init-from an exported model: its whole record first (runs, commands, trained_on), then this run
+        info = continued_info(prev, info, meta)
+    else:
+        source = (meta["preset"].get("grow_from") or meta["preset"].get("init_from")
+                  or meta["preset"].get("init_lm"))
+        if source and (source_dir(source) / "training.json").exists():   # the stage this one starts from
+            src = json.loads((source_dir(source) / "training.json").read_text())
+            info["starts_from"] = {k: src[k] for k in ("name", "params", "steps", "tokens", "train_minutes",
+                                                       "final_heldout_loss", "commands", "date") if k in src}
     (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
     print(f"exported {name} to {out} ({size:.1f} MB)")
     return out
+
+
+def continued_info(prev: dict, info: dict, meta: dict) -> dict:
+    """training.json of a model fine-tuned from an exported one (`--init-from`): the source's record (its runs,
+    commands, trained_on, starts_from) with this fine-tune appended: its runs and their commands, and the
+    fine-tune's own numbers under "fine_tune"; steps, tokens and minutes add up over both."""
+    ft = {k: info[k] for k in ("steps", "total_steps", "tokens", "train_minutes", "final_train_loss",
+                               "final_heldout_loss", "final_heldout_answer_token_acc", "preset", "schedule",
+                               "machine", "jax", "date")}
+    ft["commands"] = [" ".join(["python scripts/train_zoo.py", *r["argv"]]) for r in meta["runs"]]
+    ft["trained_on"] = (f"{platform.machine()} CPU ({os.cpu_count()} cores), jax {jax.__version__}, "
+                        f"{info['date']}; started from the exported weights of {prev.get('name')}")
+    out = dict(prev)
+    out.update(steps=prev.get("steps", 0) + info["steps"], tokens=prev.get("tokens", 0) + info["tokens"],
+               total_steps=(prev.get("total_steps") or prev.get("steps", 0)) + (info["total_steps"] or 0),
+               train_minutes=round(prev.get("train_minutes", 0) + info["train_minutes"], 1),
+               final_train_loss=info["final_train_loss"], final_heldout_loss=info["final_heldout_loss"],
+               final_heldout_answer_token_acc=info["final_heldout_answer_token_acc"],
+               commands=list(prev.get("commands", [])) + ft["commands"],
+               runs=list(prev.get("runs", [])) + meta["runs"], date=info["date"],
+               fine_tunes=list(prev.get("fine_tunes", [])) + [ft])
+    return out
+
+
+def eval_video(args) -> None:
+    """Held-out video QA exact match per task of an exported video model, on its own clips, shuffled frames and
+    blank frames; with --draft, greedy Chain SD acceptance on QA prompts and on detailed descriptions."""
+    import jspec  # noqa: F401  (jspec.decode, through video.answers)
+
+    def load(name):
+        d = Path(args.dir) / name if args.dir else export_dir(name)
+        return ports.load_hf(str(d), jnp.float32)
+
+    target = load(args.name)
+    enc = VID.VideoEncoder()
+    exs = VID.eval_set(args.n, args.seed)
+    out = {}
+    for variant in VID.VARIANTS:
+        hits = VID.exact_match(target, exs, variant, encoder=enc, batch=args.batch)
+        per = {t: float(np.mean([h for h, e in zip(hits, exs) if e.task == t])) for t in VID.QA_TASKS}
+        out[variant] = {"exact_match": float(np.mean(hits)), **per}
+        print(f"{args.name} {variant:>8}: exact match {np.mean(hits):.3f} ("
+              + ", ".join(f"{t} {v:.2f}" for t, v in per.items()) + f"; {len(exs)} held-out prompts)")
+    if args.draft:
+        draft = load(args.draft)
+        desc = VID.eval_set(max(8, args.n // 6), args.seed, tasks=["video_describe"])
+        hits = VID.exact_match(target, desc, encoder=enc, batch=args.batch, max_new=160)
+        print(f"{args.name} descriptions: exact match {np.mean(hits):.3f} ({len(desc)} prompts)")
+        for what, ex in (("qa", exs[:max(8, args.n // 3)]), ("describe", desc)):
+            r = VID.sd_acceptance(target, draft, ex, encoder=enc)
+            out[f"sd_{what}"] = r
+            print(f"Chain SD (gamma 5) with {args.draft}, {what}: mean accepted {r['mean_accepted']:.2f} per target "
+                  f"step, same tokens as AR: {r['same_tokens']} ({r['prompts']} prompts)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
 
 def export_cmd(args) -> None:
@@ -795,8 +1147,19 @@ def main(argv=None) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--batch", type=int, default=None)
     t.add_argument("--lr", type=float, default=None)
+    t.add_argument("--tower-steps", type=int, default=None, help="tower pretraining steps (default: the preset's)")
+    t.add_argument("--init-from", default=None,
+                   help="continue an exported model of this preset's shape (a directory, e.g. jspec/zoo/video-target, "
+                        "or a preset name): no LM init, tower pretraining or alignment, straight to the full model; "
+                        "its training.json's history is kept in the export")
+    t.add_argument("--warmup", type=int, default=None, help="learning-rate warmup steps (default: the preset's)")
     t.add_argument("--restart-lr", type=float, default=0.5,
                    help="peak lr of a continuation (--resume --steps N past a finished schedule), x the preset's")
+    t.add_argument("--schedule-minutes", type=float, default=None,
+                   help="without --steps: size the schedule to fill this many minutes of training (across several "
+                        "--resume runs of --minutes each) instead of --minutes")
+    t.add_argument("--workers", type=int, default=max(0, min(12, (os.cpu_count() or 1) - 2)),
+                   help="video presets: processes that render the clips (0: in the training process)")
     t.add_argument("--ckpt-minutes", type=float, default=3.0)
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--export-partial", action="store_true", help="export even if the schedule did not finish")
@@ -805,14 +1168,25 @@ def main(argv=None) -> None:
     e.add_argument("name", choices=sorted(PRESETS))
     e.add_argument("--workdir", default=None)
     e.add_argument("--out", default=None, help="export directory (default jspec/zoo/NAME; a stage: build/stages/NAME)")
+    ev = sub.add_parser("eval-video", help="held-out video QA exact match (clips, shuffled, blank) and SD acceptance")
+    ev.add_argument("name", choices=sorted(n for n, q in PRESETS.items() if q.kind == "video"))
+    ev.add_argument("--draft", default=None, help="a video draft to measure Chain SD acceptance with")
+    ev.add_argument("--dir", default=None, help="directory holding the exported models (default: their export dirs)")
+    ev.add_argument("--n", type=int, default=96, help="held-out QA prompts (balanced over the video QA tasks)")
+    ev.add_argument("--batch", type=int, default=16)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--json", default=None, help="also write the numbers to this file")
     pl = sub.add_parser("plot", help="loss curve PNG of NAME's log")
     pl.add_argument("name", choices=sorted(PRESETS))
     pl.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)     # the command each run records
     if args.cmd == "train":
         train(args)
     elif args.cmd == "export":
         export_cmd(args)
+    elif args.cmd == "eval-video":
+        eval_video(args)
     else:
         plot(args.name, args.workdir)
 

@@ -3,6 +3,7 @@ checkpointed loop, whose interrupted-and-resumed run ends bit-identical to an un
 from __future__ import annotations
 
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +146,20 @@ def test_resume_refuses_another_run_and_continues_a_finished_schedule(tmp_path):
     assert meta["step"] == 9 and [g["start"] for g in meta["schedule"]] == [0, 6]
     assert meta["schedule"][1] == jt.segment(6, 9, 0.05, jt.RESTART_WARMUP)
     assert json.loads(json.dumps(meta)) == meta                            # the meta stays JSON
+
+
+def test_schedule_sized_for_several_runs(tmp_path):
+    """Without a schedule length, `schedule_s` (not the run's own budget) sizes it: a run stopped by its budget
+    leaves the rest of the schedule to resumed runs."""
+    step, state, meta, ckpts, _ = _setup(tmp_path, None)
+
+    def slow(state, batch, lr, i):
+        time.sleep(0.02)
+        return step(state, batch, lr, i)
+    state, meta = jt.fit(slow, state, _data(0), meta, tmp_path, ckpts=ckpts, budget_s=3.0, schedule_s=30.0,
+                         progress=False, argv=[])
+    assert 21 <= meta["step"] < 160 and not jt.finished(meta)
+    assert meta["total_steps"] > 5 * meta["step"] and meta["schedule"][0]["total"] == meta["total_steps"]
 
 
 def test_prefetch_surfaces_the_producers_error():

@@ -7,7 +7,9 @@ model pairs, trained on the world by scripts/train_zoo.py and stored in HF layou
     proc = zoo.load_processor("image-target")                            # LlavaProcessor (image models)
     zoo.available()                                                      # the names shipped in this install
 
-`jspec.zoo.evaluate` measures the pairs (exact match, acceptance per scenario and view).
+`jspec.zoo.evaluate` measures the pairs (exact match, acceptance per scenario and view). `jspec.zoo.video` holds the
+video clips, their tasks and the Qwen2.5-VL-style prompts of the video pair (trained by scripts/train_zoo.py's
+video-target / video-draft presets; `video.VideoEncoder().prompts(examples)` is its processor).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from jspec.zoo import tokenizer as _tokenizer_module
 
-MODEL_NAMES = ("text-target", "text-draft", "image-target", "image-draft")
+MODEL_NAMES = ("text-target", "text-draft", "image-target", "image-draft", "video-target", "video-draft")
 ZOO_DIR = Path(__file__).resolve().parent
 
 
@@ -55,6 +57,9 @@ def load_processor(name: str):
 
     d = model_dir(name)
     if not (d / "processor_config.json").exists() and not (d / "preprocessor_config.json").exists():
+        if '"qwen2_5_vl"' in (d / "config.json").read_text():
+            raise ValueError(f"zoo model {name!r} is a video model: its prompts come from "
+                             "jspec.zoo.video.VideoEncoder().prompts(examples) (Qwen2.5-VL processor output)")
         raise ValueError(f"zoo model {name!r} is a text model: it has no processor; use load_tokenizer")
     return AutoProcessor.from_pretrained(str(d))
 
