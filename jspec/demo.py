@@ -60,27 +60,8 @@ def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: in
              f"scene seed {seed}, images {image_path}; one batch of {len(exs)} rows")
     strategies = {"AR": None, "Chain gamma=5": jspec.Chain(pair.draft, gamma=5),
                   "Tree (9 drafts)": jspec.Tree(pair.draft, tree=DEMO_TREE)}
-    res = {}
-    for name, s in strategies.items():
-        jspec.decode(pair.target, prompt, strategy=s, max_new_tokens=max_new_tokens)  # compile
-        runs = [jspec.decode(pair.target, prompt, strategy=s, max_new_tokens=max_new_tokens) for _ in range(3)]
-        o = runs[0]
-        acc = o.stats["accepted"]
-        res[name] = {"answers": [E.answer_text(pair.tokenizer, o.tokens[b, :o.lengths[b]]) for b in range(len(exs))],
-                     "tokens": o.tokens, "new_tokens": int(o.lengths.sum()),
-                     "decode_s": float(np.median([r.stats["decode_s"] for r in runs])),
-                     "accepted": [acc[b][acc[b] > 0] for b in range(len(exs))],
-                     "mean_accepted": float(acc[acc > 0].mean())}
-    base = res["AR"]
-    for b, ex in enumerate(exs):
-        print_fn(f"[{b}] Q: {ex.turns[-2].text}\n    reference: {ex.answer}\n    answer:    {base['answers'][b]}")
-    for name, r in res.items():
-        r["speedup"] = base["decode_s"] / r["decode_s"]
-        r["same_as_ar"] = bool(np.array_equal(r["tokens"], base["tokens"]))
-        extra = "" if name == "AR" else (f", mean accepted {r['mean_accepted']:.2f} tokens/step, "
-                                         f"same tokens as AR: {r['same_as_ar']}")
-        print_fn(f"{name:16s} {r['speedup']:.2f}x over AR: {r['new_tokens']} tokens in "
-                 f"{r['decode_s'] * 1e3:.0f} ms{extra}")
+    res = _measure(pair.target, prompt, strategies, max_new_tokens, pair.tokenizer)
+    _report(res, [(ex.turns[-2].text, ex.answer) for ex in exs], print_fn)
     plot_path = out / f"accepted-{seed}.png"
     _plot(res, plot_path, pair_name)
     print_fn(f"wrote {image_path} and {plot_path}")
@@ -115,37 +96,48 @@ def run_video(seed: int | None = None, out_dir: str = "jspec-demo", max_new_toke
     strategies = {"AR": None, "Tree (draft reads every video token)": jspec.SpecVLM(draft, ratio=0.0),
                   "SpecVLM (draft keeps 10%)": jspec.SpecVLM(draft, ratio=0.9),
                   "Self-SD, 90% pruned": jspec.SpecVLM(None, ratio=0.9)}
-    res = {}
-    for name, s in strategies.items():
-        jspec.decode(target, prompt, strategy=s, max_new_tokens=max_new_tokens)  # compile
-        runs = [jspec.decode(target, prompt, strategy=s, max_new_tokens=max_new_tokens) for _ in range(3)]
-        o = runs[0]
-        acc = o.stats["accepted"]
-        res[name] = {"answers": [_answer(enc, o, b) for b in range(len(exs))], "tokens": o.tokens,
-                     "new_tokens": int(o.lengths.sum()),
-                     "decode_s": float(np.median([r.stats["decode_s"] for r in runs])),
-                     "accepted": [acc[b][acc[b] > 0] for b in range(len(exs))],
-                     "mean_accepted": float(acc[acc > 0].mean())}
-    base = res["AR"]
-    for b, ex in enumerate(exs):
-        print_fn(f"[{b}] Q: {ex.question}\n    reference: {ex.answer}\n    answer:    {base['answers'][b]}")
-    for name, r in res.items():
-        r["speedup"] = base["decode_s"] / r["decode_s"]
-        r["same_as_ar"] = bool(np.array_equal(r["tokens"], base["tokens"]))
-        extra = "" if name == "AR" else (f", tau {r['mean_accepted'] - 1:.2f} drafts accepted per step, "
-                                         f"same tokens as AR: {r['same_as_ar']}")
-        print_fn(f"{name:38s} {r['speedup']:.2f}x over AR: {r['new_tokens']} tokens in "
-                 f"{r['decode_s'] * 1e3:.0f} ms{extra}")
+    res = _measure(target, prompt, strategies, max_new_tokens, enc.tokenizer)
+    _report(res, [(ex.question, ex.answer) for ex in exs], print_fn)
     plot_path = out / f"video-accepted-{seed}.png"
     _plot(res, plot_path, "video")
     print_fn(f"wrote {strip_path} and {plot_path}")
     return {"pair": "video", "seed": seed, "results": res, "files": [str(strip_path), str(plot_path)]}
 
 
-def _answer(enc, out, b: int) -> str:
+def _report(res: dict, questions, print_fn) -> None:
+    """Prints each row's question, reference and AR answer, then per strategy its speedup over AR, tokens per step
+    and whether its tokens are AR's (adding "speedup" and "same_as_ar" to `res`)."""
+    base = res["AR"]
+    for b, (q, ref) in enumerate(questions):
+        print_fn(f"[{b}] Q: {q}\n    reference: {ref}\n    answer:    {base['answers'][b]}")
+    width = max(len(n) for n in res)
+    for name, r in res.items():
+        r["speedup"] = base["decode_s"] / r["decode_s"]
+        r["same_as_ar"] = bool(np.array_equal(r["tokens"], base["tokens"]))
+        extra = "" if name == "AR" else (f", mean accepted {r['mean_accepted']:.2f} tokens/step (tau "
+                                         f"{r['mean_accepted'] - 1:.2f}), same tokens as AR: {r['same_as_ar']}")
+        print_fn(f"{name:{width}s} {r['speedup']:.2f}x over AR: {r['new_tokens']} tokens in "
+                 f"{r['decode_s'] * 1e3:.0f} ms{extra}")
+
+
+def _measure(target, prompt, strategies: dict, max_new_tokens: int, tokenizer) -> dict:
+    """Per strategy: the answers, tokens, median decode time of three warm calls (after one that compiles) and the
+    accepted lengths per row."""
+    import jspec
     from jspec.zoo.evaluate import answer_text
 
-    return answer_text(enc.tokenizer, out.tokens[b, :out.lengths[b]])
+    res = {}
+    for name, s in strategies.items():
+        jspec.decode(target, prompt, strategy=s, max_new_tokens=max_new_tokens)  # compile
+        runs = [jspec.decode(target, prompt, strategy=s, max_new_tokens=max_new_tokens) for _ in range(3)]
+        o = runs[0]
+        acc = o.stats["accepted"]
+        rows = range(o.tokens.shape[0])
+        res[name] = {"answers": [answer_text(tokenizer, o.tokens[b, :o.lengths[b]]) for b in rows],
+                     "tokens": o.tokens, "new_tokens": int(o.lengths.sum()),
+                     "decode_s": float(np.median([r.stats["decode_s"] for r in runs])),
+                     "accepted": [acc[b][acc[b] > 0] for b in rows], "mean_accepted": float(acc[acc > 0].mean())}
+    return res
 
 
 def _clip_strips(clips, shown: int = 8, size: int = 96):

@@ -500,6 +500,31 @@ def tower_head_logits(head: dict, feats: jax.Array) -> jax.Array:
     return jnp.concatenate([flat[:, :1], per_cell, flat[:, 1:]], axis=1)
 
 
+def run_tower_pretraining(loss, tp, data, steps: int, warmup: int):
+    """`steps` AdamW steps (peak 2e-3 after `warmup`, cosine to 2e-4, global-norm clipping 1.0, weight decay 0.05) on
+    `loss(tp, x, y)` over the prefetched batches `data` (closed at the end), with a progress bar; returns tp."""
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup, steps, 2e-4), weight_decay=0.05))
+    opt = tx.init(tp)
+
+    @jax.jit
+    def step(tp, opt, x, y):
+        lo, g = jax.value_and_grad(loss)(tp, x, y)
+        up, opt = tx.update(g, opt, tp)
+        return optax.apply_updates(tp, up), opt, lo
+
+    bar = tqdm(range(steps), desc="tower pretraining", unit="step", mininterval=2.0, dynamic_ncols=True)
+    try:
+        for _ in bar:
+            x, y = next(data)
+            tp, opt, lo = step(tp, opt, x, y)
+            bar.set_postfix(loss=f"{float(lo):.3f}", refresh=False)
+    finally:
+        data.close()
+        bar.close()
+    return tp
+
+
 def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) -> dict:
     """The tower's params after `p.tower_steps` AdamW steps on scene attributes (progress bar; held-out accuracy per
     attribute group printed at the end)."""
@@ -520,27 +545,9 @@ def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) ->
         nll = -jnp.take_along_axis(jax.nn.log_softmax(lg, -1), y[..., None], -1)[..., 0]
         return nll.sum(-1).mean()
 
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
-        optax.warmup_cosine_decay_schedule(0.0, 2e-3, 50, p.tower_steps, 2e-4), weight_decay=0.05))
     tp = {"vision": model.params["vision"], "head": head}
-    opt = tx.init(tp)
-
-    @jax.jit
-    def step(tp, opt, x, y):
-        lo, g = jax.value_and_grad(loss)(tp, x, y)
-        up, opt = tx.update(g, opt, tp)
-        return optax.apply_updates(tp, up), opt, lo
-
     data = jt.Prefetch((scene_batch("train", batch, seed, i * batch) for i in range(p.tower_steps)), size=4)
-    bar = tqdm(range(p.tower_steps), desc="tower pretraining", unit="step", mininterval=2.0, dynamic_ncols=True)
-    try:
-        for _ in bar:
-            x, y = next(data)
-            tp, opt, lo = step(tp, opt, x, y)
-            bar.set_postfix(loss=f"{float(lo):.3f}", refresh=False)
-    finally:
-        data.close()
-        bar.close()
+    tp = run_tower_pretraining(loss, tp, data, p.tower_steps, warmup=50)
     x, y = scene_batch("heldout", 256, seed, 0)
     pred = np.asarray(jnp.argmax(logits(tp, x), -1))
     ok = pred == y
@@ -632,29 +639,10 @@ def pretrain_video_tower(p: Preset, model: ports.Model, seed: int, clips: int = 
             tot = tot - jnp.take_along_axis(lp, y[..., i:i + 1], -1).mean()
         return tot
 
-    warm = min(50, p.tower_steps // 2)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
-        optax.warmup_cosine_decay_schedule(0.0, 2e-3, warm, p.tower_steps, 2e-4), weight_decay=0.05))
     tp = {"vision": model.params["vision"], "head": head}
-    opt = tx.init(tp)
-
-    @jax.jit
-    def step(tp, opt, x, y):
-        lo, g = jax.value_and_grad(loss)(tp, x, y)
-        up, opt = tx.update(g, opt, tp)
-        return optax.apply_updates(tp, up), opt, lo
-
     data = jt.Prefetch(VID.pooled(functools.partial(VID.tower_batch, "train", n=clips, seed=seed),
                                   (i * clips for i in range(p.tower_steps)), workers), size=4)
-    bar = tqdm(range(p.tower_steps), desc="tower pretraining", unit="step", mininterval=2.0, dynamic_ncols=True)
-    try:
-        for _ in bar:
-            x, y = next(data)
-            tp, opt, lo = step(tp, opt, x, y)
-            bar.set_postfix(loss=f"{float(lo):.3f}", refresh=False)
-    finally:
-        data.close()
-        bar.close()
+    tp = run_tower_pretraining(loss, tp, data, p.tower_steps, warmup=min(50, p.tower_steps // 2))
     x, y = VID.tower_batch("heldout", 0, 16, seed)
     lg = np.asarray(jax.jit(logits)(tp, x))
     y = y.reshape(y.shape[0], VID.VIDEO_TOKENS, -1)

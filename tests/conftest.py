@@ -94,3 +94,18 @@ def _free_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def tz():
+    """scripts/train_zoo.py as a module (registered in sys.modules: its dataclasses look their module up)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "train_zoo.py"
+    spec = importlib.util.spec_from_file_location("train_zoo", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["train_zoo"] = mod
+    spec.loader.exec_module(mod)
+    return mod

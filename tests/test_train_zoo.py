@@ -4,10 +4,7 @@ refused with the shapes named."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,16 +12,6 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tz():
-    spec = importlib.util.spec_from_file_location("train_zoo", ROOT / "scripts" / "train_zoo.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_zoo"] = mod        # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _tiny(tz, **kw):
