@@ -69,10 +69,6 @@ class ModelDrafter:
 
     model: Any
 
-    @property
-    def is_self(self) -> bool:
-        return self.model is None
-
     def run_model(self, env: DraftEnv):
         return env.target if self.model is None else self.model
 
