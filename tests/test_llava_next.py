@@ -360,6 +360,7 @@ def test_greedy_chain_sd_equals_ar(jx_models):
     np.testing.assert_array_equal(sd15.tokens, ar.tokens)
 
 
+@pytest.mark.slow
 def test_text_only_draft_reads_video_prompt_without_placeholders(jx_models):
     """A OneVision target with image + video and a text-only Qwen2 draft: the draft's default view drops both the
     image and the video placeholders, and greedy Chain SD and SAGE give greedy AR's tokens."""

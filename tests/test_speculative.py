@@ -27,7 +27,7 @@ def pair():
     lambda d: jspec.Chain(d, gamma=1), pytest.param(lambda d: jspec.Chain(d, gamma=3), marks=pytest.mark.slow),
     lambda d: jspec.Chain(d, gamma=6),
     pytest.param(lambda d: jspec.Tree(d, tree="mc_sim_7b_63"), marks=pytest.mark.slow),
-    lambda d: jspec.Tree(d, tree="naive_extend_57"),
+    pytest.param(lambda d: jspec.Tree(d, tree="naive_extend_57"), marks=pytest.mark.slow),
     pytest.param(lambda d: jspec.Tree(d, tree=[[0], [1], [0, 0], [0, 1], [1, 0]]), marks=pytest.mark.slow),
     pytest.param(lambda d: jspec.DynamicTree(d, depth=4, top_k=3, total=10), marks=pytest.mark.slow),
     pytest.param(lambda d: jspec.DynamicTree(d, depth=6, top_k=8, total=40), marks=pytest.mark.slow),
@@ -324,11 +324,11 @@ def _refeeding(strategy):
 
 
 @pytest.mark.parametrize("tree,controller", [
-    pytest.param("chain", None, marks=pytest.mark.slow), pytest.param("chain", CycleDepth(4), marks=pytest.mark.slow),
+    ("chain", None), pytest.param("chain", CycleDepth(4), marks=pytest.mark.slow),
     pytest.param("mc_sim_7b_63", None, marks=pytest.mark.slow),
     pytest.param("mc_sim_7b_63", CycleDepth(3), marks=pytest.mark.slow),
     pytest.param("dynamic", None, marks=pytest.mark.slow), pytest.param("dynamic", CycleDepth(4), marks=pytest.mark.slow),
-    ("sage", None)],
+    pytest.param("sage", None, marks=pytest.mark.slow)],
     ids=["chain", "chain-limited", "tree", "tree-limited", "dynamic", "dynamic-limited", "sage"])
 def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
     """The accepted nodes the draft fed while drafting are committed from its scratch instead of fed again: the

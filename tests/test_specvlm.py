@@ -210,28 +210,37 @@ def test_bad_inputs_raise_clear_errors(jx_models):
         jspec.decode(target, video_batch(), strategy=SpecVLM(text_draft), max_new_tokens=2)
 
 
-def test_llava15_image_pruning_on_the_zoo_pair():
-    """LLaVA-1.5 (the zoo's image pair), image tokens pruned (`modality="image"`, SAGE's image setting): greedy
-    SpecVLM and SAGE + pruning give AR's tokens on a ragged batch with two-image rows; pruning really reaches the
-    draft (its drafts change) and keeping every token drafts exactly as the unpruned tree."""
+def _zoo_image_prompt(n_vqa: int):
     from jspec.zoo import data as D
     from jspec.zoo import evaluate as E
 
     pair = E.load_pair("image")
-    exs = D.eval_set("vqa", 2) + D.eval_set("two_image", 1)
-    prompt = E.batch_prompt(pair.encoder, exs)
-    ar = jspec.decode(pair.target, prompt, max_new_tokens=16)
-    full = jspec.decode(pair.target, prompt, strategy=jspec.Tree(pair.draft, tree=SMALL_TREE), max_new_tokens=16)
-    runs = {r: jspec.decode(pair.target, prompt, max_new_tokens=16,
-                            strategy=SpecVLM(pair.draft, ratio=r, modality="image", tree=SMALL_TREE))
-            for r in (0.0, 0.8)}
-    sage = jspec.decode(pair.target, prompt, max_new_tokens=16, strategy=jspec.SAGE(
-        pair.draft, d_max=5, n_max=32, prune_ratio=0.8, prune_modality="image"))
-    for out in (full, *runs.values(), sage):
-        np.testing.assert_array_equal(out.tokens, ar.tokens)
-    np.testing.assert_array_equal(runs[0.0].stats["accepted"], full.stats["accepted"])
-    assert not np.array_equal(runs[0.8].stats["accepted"], full.stats["accepted"])
+    return pair, E.batch_prompt(pair.encoder, D.eval_set("vqa", n_vqa) + D.eval_set("two_image", 1))
+
+
+def test_llava15_image_pruning_on_the_zoo_pair():
+    """LLaVA-1.5 (the zoo's image pair), image tokens pruned (`modality="image"`, SAGE's image setting): greedy
+    SpecVLM and SAGE + pruning give AR's tokens on a ragged batch with a two-image row."""
+    pair, prompt = _zoo_image_prompt(1)
+    ar = jspec.decode(pair.target, prompt, max_new_tokens=12)
+    for s in (SpecVLM(pair.draft, ratio=0.8, modality="image", tree=SMALL_TREE),
+              jspec.SAGE(pair.draft, d_max=5, n_max=32, prune_ratio=0.8, prune_modality="image")):
+        np.testing.assert_array_equal(jspec.decode(pair.target, prompt, s, max_new_tokens=12).tokens, ar.tokens)
     with pytest.raises(ValueError, match="not both"):
         jspec.SAGE(pair.draft, prune_ratio=0.9, prefill=VisionPruning(0.9))
     with pytest.raises(ValueError, match="pruning ratio"):
         jspec.SAGE(pair.draft, prune_ratio=1.0)
+
+
+@pytest.mark.slow
+def test_pruning_reaches_the_draft_and_ratio_zero_is_the_plain_tree():
+    """Keeping every token drafts exactly as the unpruned tree; pruning 80% changes the drafts (not the output)."""
+    pair, prompt = _zoo_image_prompt(2)
+    full = jspec.decode(pair.target, prompt, strategy=jspec.Tree(pair.draft, tree=SMALL_TREE), max_new_tokens=16)
+    runs = {r: jspec.decode(pair.target, prompt, max_new_tokens=16,
+                            strategy=SpecVLM(pair.draft, ratio=r, modality="image", tree=SMALL_TREE))
+            for r in (0.0, 0.8)}
+    for out in runs.values():
+        np.testing.assert_array_equal(out.tokens, full.tokens)
+    np.testing.assert_array_equal(runs[0.0].stats["accepted"], full.stats["accepted"])
+    assert not np.array_equal(runs[0.8].stats["accepted"], full.stats["accepted"])

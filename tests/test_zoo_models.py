@@ -157,6 +157,7 @@ def test_image_pair_chain_sd_both_views():
 
 
 @needs_image_pair
+@pytest.mark.slow
 def test_image_pair_views_differ_as_tabed_needs():
     """TABED's premise on the shipped pair, in small: the draft reading the images (M view) is accepted more on
     single-image captions, and its text-only view (T) more on five-image stories, which it never saw. Its text prior

@@ -374,6 +374,7 @@ def test_training_rows_are_single_question_prompts_then_generation(tz, enc, tiny
         np.testing.assert_array_equal(vis[0, q], want)
 
 
+@pytest.mark.slow
 def test_training_forward_is_decoding_with_teacher_forcing(tz, enc, tiny):
     """The training forward on a packed row (tower on device from uint8 frames, features spliced at the fixed
     offset, M-RoPE, the prefix mask) gives each segment the logits `jspec.decode` computes for it: the prompt (the
