@@ -577,7 +577,7 @@ needs_video_target = pytest.mark.skipif(not _shipped("video-target"),
                                         reason="jspec/zoo/video-target is not trained yet")
 needs_video_pair = pytest.mark.skipif(not (_shipped("video-target") and _shipped("video-draft")),
                                       reason="the zoo video pair is not trained yet")
-# Bars (issue: a video pair for SpecVLM). Measured on the shipped pair (after the position fine-tune, 96 prompts):
+# Bars of the video pair. Measured on the shipped pair (after the position fine-tune, 96 prompts):
 # exact match clip 0.99, shuffled 0.56, blank 0.27; Chain SD mean accepted 3.98 (QA), 5.84 (descriptions)
 N_VIDEO_QA = 48                   # 16 held-out prompts per video QA task
 MIN_VIDEO_EXACT_MATCH = 0.90
