@@ -116,6 +116,7 @@ class Started(NamedTuple):
     state: loop.DecodeState
     pad: int
     prefill_s: float
+    prep_stats: dict | None = None  # the drafter's host-side preparation numbers (`Prepared.stats`)
 
     def loop_call(self, state: loop.DecodeState | None = None) -> tuple[Any, tuple]:
         """(the jitted decode loop, its arguments) from `state` (default: this start's own): what `run` calls, for
@@ -160,11 +161,11 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
         run_target = G.guide(run_target, lengths, guidance, constraint)
         longest = int(np.max(np.asarray(run_target.prompt_end)))
         width = max(width, run_target.uncond.shape[1])
-    d_prompt = None
+    d_prompt, prep_stats = None, None
     if parts is not None:
         setup = Setup(target, prompt, tokens, lengths, inputs, draft_prompt, mesh, guidance, constraint)
         prep = parts.drafter.prepare(setup)
-        parts, d_prompt = parts.replace(drafter=prep.drafter), prep.prompt
+        parts, d_prompt, prep_stats = parts.replace(drafter=prep.drafter), prep.prompt, prep.stats
         if hasattr(parts.prefill, "prepare"):  # host-side facts of the prompts (checks, static widths)
             parts = parts.replace(prefill=parts.prefill.prepare(setup, prep))
         longest, width = max(longest, prep.longest), max(width, prep.width)
@@ -188,7 +189,8 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
         static, dyn = split(parts)
         state = _prefill_sd(ctx, max_len, static, dyn, run_target, tokens, lengths, inputs, d_prompt, key, sp)
     jax.block_until_ready(state.out)
-    return Started(ctx, parts, static, dyn, run_target, state, _pad_id(target, eos), time.perf_counter() - t0)
+    return Started(ctx, parts, static, dyn, run_target, state, _pad_id(target, eos), time.perf_counter() - t0,
+                   prep_stats)
 
 
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
@@ -234,7 +236,7 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     phases.update({k: v * int(steps) for k, v in per_step.items()})
     decided = {k: v[:, :int(steps)] for k, v in decided.items()}
     return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, r.pad,
-                   {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **decided, **phases})
+                   {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **(r.prep_stats or {}), **decided, **phases})
 
 
 def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings) -> DecodeOutput:

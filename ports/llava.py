@@ -35,10 +35,48 @@ class LlavaConfig(C.TextFields):
     image_token_id: int
     feature_layer: int | tuple[int, ...] = -2
     feature_strategy: str = "default"
+    image_pool: int = 1  # >1: the tower's patch grid is average-pooled by this factor before the projector (TABED's P)
 
     @property
     def tokens_per_image(self) -> int:
+        if self.image_pool > 1:
+            return pooled_side(self.vision.grid, self.image_pool) ** 2
         return VZ.num_feature_tokens(self.vision, self.feature_strategy)
+
+    def pooled(self, pool: int) -> "LlavaConfig":
+        """This config with its image features pooled `pool` x `pool` before the projector (a shorter image slot)."""
+        if isinstance(pool, bool) or not isinstance(pool, (int, np.integer)) or pool < 1:
+            raise ValueError(f"pool must be a positive integer, got {pool!r}")
+        if pool > 1 and self.model_type != "llava":
+            raise ValueError(f"pooled image features need a LLaVA-1.5-style draft (one square grid per image); "
+                             f"{self.model_type} lays its images out in tiles")
+        if pool > 1 and self.feature_strategy != "default":
+            raise ValueError(f"pooling reads a square patch grid; vision_feature_select_strategy "
+                             f"{self.feature_strategy!r} keeps the CLS token")
+        return dataclasses.replace(self, image_pool=int(pool))
+
+
+def pooled_side(side: int, pool: int) -> int:
+    """Side of a `side` x `side` grid after `pool` x `pool` average pooling (ceil: a partial window is a window)."""
+    return max(1, -(-side // pool))
+
+
+def pool_matrix(side: int, out: int) -> np.ndarray:
+    """[out, side] averaging weights of adaptive average pooling (torch's adaptive_avg_pool1d bins)."""
+    m = np.zeros((out, side), np.float32)
+    for i in range(out):
+        a, b = (i * side) // out, -(-((i + 1) * side) // out)
+        m[i, a:b] = 1.0 / (b - a)
+    return m
+
+
+def pool_features(feats: jax.Array, side: int, pool: int) -> jax.Array:
+    """Patch features [N, side * side, D] (row-major grid) average-pooled to [N, s' * s', D], s' = ceil(side / pool),
+    by adaptive pooling (exactly `pool` x `pool` windows when `pool` divides `side`)."""
+    out = pooled_side(side, pool)
+    a = jnp.asarray(pool_matrix(side, out), feats.dtype)
+    g = feats.reshape(feats.shape[0], side, side, feats.shape[-1])
+    return jnp.einsum("ij,njkd,lk->nild", a, g, a).reshape(feats.shape[0], out * out, feats.shape[-1])
 
 
 _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -142,8 +180,11 @@ class PromptEmbeds(NamedTuple):
 
 
 def image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(tower features before the projector [N, P, Dv], projected features [N, P, D]) for images [N, C, H, W]."""
+    """(tower features before the projector [N, P, Dv], projected features [N, P, D]) for images [N, C, H, W];
+    with `image_pool` > 1 the features are pooled on the patch grid first (P = the pooled grid's cells)."""
     feats = VZ.image_features(cfg.vision, params["vision"], pixel_values, cfg.feature_layer, cfg.feature_strategy)
+    if cfg.image_pool > 1:
+        feats = pool_features(feats, cfg.vision.grid, cfg.image_pool)
     return feats, VZ.projector_forward(params["projector"], feats, cfg.projector.act)
 
 

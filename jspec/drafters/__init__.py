@@ -61,6 +61,7 @@ class Prepared(NamedTuple):
     prompt: Any  # handed to `init`
     longest: int  # the longest prompt it caches
     width: int  # its prompt arrays' width
+    stats: dict | None = None  # host-side numbers of the preparation (e.g. a captioner's seconds) for `out.stats`
 
 
 class TargetPrefill(NamedTuple):

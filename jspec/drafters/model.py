@@ -119,15 +119,16 @@ class ModelDrafter:
         pending = jnp.zeros((tokens.shape[0], pending_width), jnp.int32).at[:, 0].set(env.last)
         return DraftState(self._constrain(env, cache), pending, jnp.ones((tokens.shape[0],), jnp.int32))
 
-    def root(self, env: DraftEnv, ds: DraftState):
+    def root_logits(self, env: DraftEnv, ds: DraftState):
+        """(logits [B, 1, V] after `last`, state): `root` before the sampler's processing."""
         P = ds.pending.shape[1]
         dc = ds.cache
         pos = kvc.positions(dc, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), ds.pending.shape))
         fo = self.run_model(env).forward(ds.pending, pos, dc, logits_at=(ds.n_pending - 1)[:, None])
-        dc = kvc.commit(fo.cache, ds.n_pending)
-        return draft_log_probs(fo.logits, env), None, ds.replace(cache=dc)
+        return fo.logits, ds.replace(cache=kvc.commit(fo.cache, ds.n_pending))
 
-    def level(self, env: DraftEnv, ds: DraftState, tokens, depth, mask, offset: int, run):
+    def level_logits(self, env: DraftEnv, ds: DraftState, tokens, depth, mask, offset: int, run):
+        """(logits [B, K, V] of one tree level, state): `level` before the sampler's processing."""
         positions = (ds.cache.length + ds.cache.pos_offset - 1)[:, None] + depth  # the root is committed
         model = self.run_model(env)
 
@@ -141,7 +142,15 @@ class ModelDrafter:
             B, T = tokens.shape
             skip = lambda dc: (jnp.zeros((B, T, model.vocab_size), jnp.float32), dc)
             logits, dc = jax.lax.cond(run, go, skip, ds.cache)
-        return draft_log_probs(logits, env), None, ds.replace(cache=dc)
+        return logits, ds.replace(cache=dc)
+
+    def root(self, env: DraftEnv, ds: DraftState):
+        logits, ds = self.root_logits(env, ds)
+        return draft_log_probs(logits, env), None, ds
+
+    def level(self, env: DraftEnv, ds: DraftState, tokens, depth, mask, offset: int, run):
+        logits, ds = self.level_logits(env, ds, tokens, depth, mask, offset, run)
+        return draft_log_probs(logits, env), None, ds
 
     def commit(self, env: DraftEnv, ds: DraftState, c: Catchup) -> DraftState:
         return DraftState(*commit_fed(env, ds.cache, ds.pending, c, replicated=self.model is not None))

@@ -1,0 +1,337 @@
+"""TABED: the prompt views, the pooled tower features, the weight policies against a numpy reference, greedy == AR
+on the zoo image pair and on drafts in the llava-hf layout, exact sampling with images, and clear errors."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+import ports
+from jspec import api
+from jspec import cache as kvc
+from jspec.controllers import Record
+from jspec.controllers.ensemble import EnsembleWeights, simplex_grid
+from jspec.drafters.views import build_views, image_runs
+from jspec.methods.tabed import METHODS, TABED, block_efficiency, expected_speedup
+from ports import llava
+from ports import vision as VZ
+from sampling_check import chi2_pvalue
+
+ZOO_NEWLINE = 204  # the zoo tokenizer's "\n"
+
+
+# ----------------------------------------------------------------------------------------- tiny LLaVA pairs
+
+V, IMG = 8, 7
+
+
+def tiny_llava(key: int, std: float, pool_grid: int = 2) -> ports.Model:
+    text = ports.TextConfig(model_type="llama", vocab_size=V, hidden_size=16, intermediate_size=24, num_layers=1,
+                            num_heads=2, num_kv_heads=1, head_dim=8)
+    vis = VZ.VisionConfig("clip_vision_model", hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+                          image_size=7 * pool_grid, patch_size=7)
+    cfg = llava.LlavaConfig("llava", text, vis, VZ.ProjectorConfig(16, 16), IMG, feature_layer=-1)
+    return ports.random_model(cfg, key=key, std=std)
+
+
+IMAGE_PROMPT = np.array([1, IMG, IMG, IMG, IMG, 4, 2])
+PIXELS = np.random.default_rng(0).normal(size=(1, 3, 14, 14)).astype(np.float32)
+
+
+def exact_joint_with_image(target, n=3):
+    seqs = np.array(list(itertools.product(range(V), repeat=n)))
+    full = np.concatenate([np.tile(IMAGE_PROMPT, (len(seqs), 1)), seqs], axis=1)
+    N, T = full.shape
+    # the prompt's image run gets the image; a generated image-token id is text (as in decoding)
+    pe = llava.prompt_embeds(target.config, target.params, jnp.asarray(IMAGE_PROMPT[None]),
+                             {"pixel_values": jnp.asarray(PIXELS)}).embeds
+    emb = jnp.concatenate([jnp.broadcast_to(pe, (N,) + pe.shape[1:]),
+                           llava.embed(target.config, target.params, jnp.asarray(seqs))], axis=1)
+    layers, kvh, hd = target.kv_layout
+    cache = kvc.init_cache(layers, N, kvh, T, hd, jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
+    logp = jax.nn.log_softmax(target.forward(jnp.asarray(full), pos, cache, embeds=emb).logits, axis=-1)
+    L = len(IMAGE_PROMPT)
+    lp = sum(np.take_along_axis(np.asarray(logp[:, L - 1 + i]), seqs[:, i:i + 1], axis=1)[:, 0] for i in range(n))
+    p = np.exp(lp.astype(np.float64))
+    return p / p.sum()
+
+
+# ------------------------------------------------------------------------------------------------- zoo pair
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    from jspec.zoo import evaluate as E
+
+    pair = E.load_pair("image")
+    exs = E.scenario_examples("image", 2)
+    batch = [exs["caption"][0], exs["two_image"][0], exs["vqa"][1]]  # 1, 2 and 1 images; ragged
+    return pair, E.batch_prompt(pair.encoder, batch)
+
+
+def zoo_captioner(pair):
+    from jspec.zoo import tokenizer as TK
+
+    ids = pair.encoder.text_ids
+    return jspec.ModelCaptioner(pair.draft, [TK.BOS_ID, TK.USER_ID], ids("\nGive a short caption.") + [TK.ASSISTANT_ID],
+                                prefix=ids("image: "), max_new_tokens=24, eos_token_id=TK.EOS_ID)
+
+
+def _ar(pair, prompt, n=24):
+    return jspec.decode(pair.target, prompt, max_new_tokens=n)
+
+
+def _same(a, b):
+    return all(np.array_equal(a.tokens[r, :a.lengths[r]], b.tokens[r, :b.lengths[r]]) for r in range(len(a.lengths)))
+
+
+# -------------------------------------------------------------------------------------------------- tests
+
+
+def test_pooled_features_average_the_patch_grid():
+    rng = np.random.default_rng(1)
+    f = rng.normal(size=(2, 16, 5)).astype(np.float32)  # a 4 x 4 grid: plain 2 x 2 windows
+    want = f.reshape(2, 2, 2, 2, 2, 5).mean(axis=(2, 4)).reshape(2, 4, 5)
+    np.testing.assert_allclose(np.asarray(llava.pool_features(jnp.asarray(f), 4, 2)), want, rtol=1e-6, atol=1e-6)
+    g = rng.normal(size=(1, 9, 3)).astype(np.float32)  # 3 x 3 -> 2 x 2 with adaptive (overlapping) bins
+    grid = g.reshape(3, 3, 3)
+    want = np.array([[grid[a:a + 2, b:b + 2].mean(axis=(0, 1)) for b in (0, 1)] for a in (0, 1)]).reshape(1, 4, 3)
+    np.testing.assert_allclose(np.asarray(llava.pool_features(jnp.asarray(g), 3, 2)), want, rtol=1e-6, atol=1e-6)
+    m = tiny_llava(0, 0.3, pool_grid=4)
+    assert m.config.tokens_per_image == 16 and m.config.pooled(2).tokens_per_image == 4
+    feats, _ = llava.image_features(m.config, m.params, jnp.asarray(rng.normal(size=(1, 3, 28, 28)), jnp.float32))
+    pooled, _ = llava.image_features(m.config.pooled(2), m.params, jnp.asarray(
+        rng.normal(size=(1, 3, 28, 28)), jnp.float32))
+    assert feats.shape[1] == 16 and pooled.shape[1] == 4
+    with pytest.raises(ValueError, match="positive integer"):
+        m.config.pooled(0)
+
+
+def test_views_rewrite_each_image_in_order(zoo):
+    pair, prompt = zoo
+    fake = lambda images: [[700 + i, 800 + i] for i in range(images["pixel_values"].shape[0])]  # noqa: E731
+    views, stats = build_views(pair.draft, pair.target, prompt, ("M", "T", "P", "C"), ZOO_NEWLINE, 2, fake)
+    (mt, ml, mi), (tt, tl, ti), (pt, pl, pi), (ct, cl, ci) = views
+    n_img = [1, 2, 1]
+    per = pair.draft.config.tokens_per_image
+    assert list(ml - tl) == [k * (per - 1) for k in n_img]  # one newline per image
+    assert list(ml - pl) == [k * (per - 4) for k in n_img]  # 3 x 3 grid pooled to 2 x 2
+    assert list(cl - tl) == [k for k in n_img]  # two caption ids instead of one newline
+    assert not ti and not ci and pi["pixel_values"].shape[0] == 4 and "caption_s" in stats
+    for b in range(3):
+        m_row = mt[b, :ml[b]]
+        runs = image_runs(m_row, pair.draft.config.image_token_id, per)
+        assert len(runs) == n_img[b]
+        t_row = list(tt[b, :tl[b]])
+        assert t_row.count(ZOO_NEWLINE) >= n_img[b] and pair.draft.config.image_token_id not in t_row
+    row = list(ct[1, :cl[1]])  # row 1 holds images 1 and 2 (row-major over the batch), each as its caption
+    assert [t for t in row if t >= 700] == [701, 801, 702, 802]
+
+
+def _record(rng, B, P, m, Vv, accepted):
+    tl = rng.normal(size=(B, P, Vv)).astype(np.float32) * 2
+    aux = jax.nn.log_softmax(rng.normal(size=(B, P, m, Vv)).astype(np.float32) * 2, axis=-1)
+    a = np.asarray(accepted, np.int32)
+    return Record(accepted=jnp.asarray(a), committed=jnp.asarray(a + 1), active=jnp.ones((B,), bool),
+                  depth=jnp.full((B,), P - 1), drafted=jnp.full((B,), P - 1), path=jnp.zeros((B, P), jnp.int32),
+                  on_path=jnp.zeros((B, P), bool), tokens=jnp.zeros((B, P), jnp.int32), target_logits=jnp.asarray(tl),
+                  draft_known=jnp.asarray(np.arange(P)[None] < P - 1) & (jnp.arange(P)[None] <= a[:, None]),
+                  draft_aux=aux)
+
+
+def _np_scores(rec, cand):
+    p = np.asarray(jax.nn.softmax(rec.target_logits, axis=-1), np.float64)
+    q_views = np.exp(np.asarray(rec.draft_aux, np.float64))
+    out = []
+    for w in cand:
+        q = np.einsum("bpkv,k->bpv", q_views, w)
+        kl = np.sum(np.where(p > 0, p * (np.log(p) - np.log(np.maximum(q, 1e-300))), 0), axis=-1)
+        tvd = 0.5 * np.abs(p - q).sum(-1)
+        out.append(np.stack([kl, tvd, (q.argmax(-1) == p.argmax(-1)).astype(float)], -1))
+    return np.stack(out, -1)  # [B, P, 3, J]
+
+
+def test_weight_policies_match_a_numpy_reference():
+    np.testing.assert_allclose(simplex_grid(2, 10)[:, 1], np.arange(11) / 10)
+    assert simplex_grid(3, 4).shape == (15, 3) and np.allclose(simplex_grid(3, 4).sum(1), 1)
+    rng = np.random.default_rng(3)
+    B, P, m, Vv = 3, 4, 2, 11
+    recs = [_record(rng, B, P, m, Vv, rng.integers(0, P, B)) for _ in range(3)]
+    ctrls = {c: EnsembleWeights.make(m, "grid", 10, c) for c in ("kld", "tvd", "num-accepted", "num-accepted-kld")}
+    ctrls["inverse"] = EnsembleWeights.make(m, "inverse", tau=0.5)
+    ctrls["inverse-softmax"] = EnsembleWeights.make(m, "inverse", inverse="softmax", tau=0.5)
+    ctrls["window"] = EnsembleWeights.make(m, "grid", 10, "kld", window=3)
+    for name, c in ctrls.items():
+        st = c.init(B, P - 1)
+        first = c.plan(st, None).weights
+        np.testing.assert_allclose(first, 0.5)  # uniform before any verified position
+        tot = 0.0
+        for rec in recs:
+            st = c.observe(st, rec)
+            sc = _np_scores(rec, np.asarray(c.candidates))
+            cnt = np.asarray(rec.draft_known) & (np.arange(P)[None] <= np.asarray(rec.accepted)[:, None])
+            tot = tot + np.where(cnt[..., None, None], sc, 0).sum(1)
+        if name == "window":
+            continue
+        kl, tvd, match = tot[:, 0], tot[:, 1], tot[:, 2]
+        got = np.asarray(c.plan(st, None).weights)
+        cand = np.asarray(c.candidates)
+        if name == "kld":
+            want = cand[kl.argmin(1)]
+        elif name == "tvd":
+            want = cand[tvd.argmin(1)]
+        elif name == "num-accepted":
+            want = cand[match.argmax(1)]
+        elif name == "num-accepted-kld":
+            want = cand[np.where(match >= match.max(1, keepdims=True), kl, np.inf).argmin(1)]
+        elif name == "inverse":
+            inv = (1 / kl) ** (1 / 0.5)
+            want = inv / inv.sum(1, keepdims=True)
+        else:
+            z = (1 / kl) / 0.5
+            want = np.exp(z - z.max(1, keepdims=True)) / np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(np.asarray(st["sums"]), tot, rtol=2e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_finite_window_sums_the_last_positions():
+    rng = np.random.default_rng(4)
+    B, P, m, Vv, h = 2, 4, 2, 7, 3
+    c = EnsembleWeights.make(m, "grid", 4, "kld", window=h)
+    st = c.init(B, P - 1)
+    rows = [[] for _ in range(B)]
+    for acc in ([3, 0], [0, 2], [1, 1], [3, 3]):
+        rec = _record(rng, B, P, m, Vv, acc)
+        st = c.observe(st, rec)
+        sc = _np_scores(rec, np.asarray(c.candidates))
+        cnt = np.asarray(rec.draft_known) & (np.arange(P)[None] <= np.asarray(rec.accepted)[:, None])
+        for b in range(B):
+            rows[b] += [sc[b, j] for j in range(P) if cnt[b, j]]
+    want = np.stack([np.sum(r[-h:], axis=0) for r in rows])
+    np.testing.assert_allclose(np.asarray(c._totals(st)), want, rtol=2e-4, atol=1e-5)
+
+
+def test_greedy_equals_ar_for_adaptive_ensembles(zoo):
+    pair, prompt = zoo
+    ar = _ar(pair, prompt)
+    cap = zoo_captioner(pair)
+    for name in ("MT*", "MTCP*"):
+        strat = TABED.method(name, pair.draft, newline_id=ZOO_NEWLINE, captioner=cap)
+        out = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=24)
+        assert _same(out, ar), name
+        m = len(METHODS[name][0])
+        w = out.stats["weights"]
+        assert w.shape[0] == 3 and w.shape[2] == m
+        np.testing.assert_allclose(w[:, 0], 1.0 / m)  # the first block is uniform
+        np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-5)
+        assert block_efficiency(out) > 1.0
+    assert out.stats["caption_s"] > 0
+    s = api.start(pair.target, prompt, TABED(pair.draft, views=("M", "T"), newline_id=ZOO_NEWLINE),
+                  max_new_tokens=8)
+    assert s.state.aux.draft.cache.batch == 2 * 3  # the views are rows of one draft batch
+
+
+@pytest.mark.slow
+def test_greedy_equals_ar_every_method_and_under_trees(zoo):
+    pair, prompt = zoo
+    ar = _ar(pair, prompt)
+    cap = zoo_captioner(pair)
+    for name in METHODS:
+        out = jspec.decode(pair.target, prompt, max_new_tokens=24,
+                           strategy=TABED.method(name, pair.draft, newline_id=ZOO_NEWLINE, captioner=cap))
+        assert _same(out, ar), name
+    for kw in (dict(window=4), dict(criterion="tvd"), dict(weights="inverse", inverse="softmax"),
+               dict(tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]])):
+        out = jspec.decode(pair.target, prompt, max_new_tokens=24,
+                           strategy=TABED(pair.draft, newline_id=ZOO_NEWLINE, **kw))
+        assert _same(out, ar), kw
+
+
+def test_under_a_sage_tree(zoo):
+    pair, prompt = zoo
+    drafter = TABED(pair.draft, views=("M", "T"), weights=(0.7, 0.3), newline_id=ZOO_NEWLINE).drafter()
+    sage = jspec.SAGE(drafter, d_min=2, d_max=4, w_min=2, w_max=4, k=4, n_max=12,
+                      init_tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]], window=2)
+    assert _same(jspec.decode(pair.target, prompt, strategy=sage, max_new_tokens=24), _ar(pair, prompt))
+
+
+def test_sampling_is_exact_with_images_for_fixed_and_adaptive_weights():
+    target, draft = tiny_llava(10, 0.4), tiny_llava(11, 0.6)
+    p = exact_joint_with_image(target)
+    rows = 8000
+    prompt = {"input_ids": np.tile(IMAGE_PROMPT, (rows, 1)), "pixel_values": np.repeat(PIXELS, rows, 0)}
+    for strat in (TABED(draft, views=("M", "T", "P"), weights=(0.2, 0.5, 0.3), newline_id=3, gamma=3),
+                  TABED(draft, views=("M", "T"), weights="grid", newline_id=3, gamma=3)):
+        out = jspec.decode(target, prompt, strategy=strat, max_new_tokens=3, temperature=1.0, eos_token_id=(),
+                           key=jax.random.key(5))
+        idx = out.tokens[:, 0] * V * V + out.tokens[:, 1] * V + out.tokens[:, 2]
+        counts = np.bincount(idx, minlength=V ** 3)
+        tv = 0.5 * np.abs(counts / counts.sum() - p).sum()
+        assert chi2_pvalue(counts, p) > 1e-3, (strat.weights, tv)
+        assert tv < 0.08
+        assert out.stats["mean_accepted"].mean() > 1.1  # drafts were accepted and rejected
+        assert out.stats["mean_accepted"].mean() < 2.9
+
+
+def test_new_weights_do_not_recompile(zoo):
+    pair, prompt = zoo
+    a = jspec.decode(pair.target, prompt, max_new_tokens=16,
+                     strategy=TABED(pair.draft, weights=(0.9, 0.1), newline_id=ZOO_NEWLINE))
+    n = api._decode_sd._cache_size()
+    b = jspec.decode(pair.target, prompt, max_new_tokens=16,
+                     strategy=TABED(pair.draft, weights=(0.1, 0.9), newline_id=ZOO_NEWLINE))
+    assert api._decode_sd._cache_size() == n
+    assert _same(a, b)
+    np.testing.assert_allclose(a.stats["weights"][0, 0], [0.9, 0.1])
+
+
+def test_drafts_in_the_llava_hf_layout(tmp_path):
+    """The paper's drafts are LlavaForConditionalGeneration checkpoints (a small LLaMA LM, a CLIP tower, an MLP
+    projector): one in that layout loads and drafts every view; greedy == AR."""
+    from test_llava import image_prompt, pair
+
+    _, target, draft = pair(str(tmp_path))
+    a, pa = image_prompt(1, seed=1)
+    b, pb = image_prompt(2, seed=2)
+    prompt = {"input_ids": [a, b], "pixel_values": np.concatenate([pa, pb])}
+    ar = jspec.decode(target, prompt, max_new_tokens=12, eos_token_id=())
+    fake = lambda images: [[5, 6 + i] for i in range(images["pixel_values"].shape[0])]  # noqa: E731
+    out = jspec.decode(target, prompt, max_new_tokens=12, eos_token_id=(),
+                       strategy=TABED.method("MTCP*", draft, newline_id=13, captioner=fake))
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+
+
+def test_metrics():
+    class Out:
+        def __init__(self, acc):
+            self.stats = {"accepted": np.asarray(acc)}
+
+    assert block_efficiency([Out([[3, 1, 0]]), Out([[2, 0, 0]])]) == pytest.approx(2.0)
+    assert expected_speedup(2.292, 5, 0.063) == pytest.approx(1.743, abs=1e-3)  # the paper's MT* average
+
+
+def test_clear_errors(zoo):
+    pair, prompt = zoo
+    text_prompt = [np.array([1, 4, 20, 30])]
+    with pytest.raises(ValueError, match="unknown weight policy"):
+        TABED(pair.draft, weights="best")
+    with pytest.raises(ValueError, match="views must be distinct"):
+        TABED(pair.draft, views=("M", "X"))
+    with pytest.raises(ValueError, match="unknown criterion"):
+        TABED(pair.draft, criterion="bleu")
+    with pytest.raises(ValueError, match="one entry per view|fixed weights"):
+        jspec.decode(pair.target, prompt, strategy=TABED(pair.draft, weights=(1.0, 0.0, 0.0), newline_id=1))
+    with pytest.raises(ValueError, match="newline_id"):
+        jspec.decode(pair.target, prompt, strategy=TABED(pair.draft))
+    with pytest.raises(ValueError, match="captioner"):
+        jspec.decode(pair.target, prompt, strategy=TABED(pair.draft, views=("M", "C")))
+    with pytest.raises(ValueError, match="has none"):
+        jspec.decode(pair.target, text_prompt, strategy=TABED(pair.draft, newline_id=ZOO_NEWLINE))
+    from jspec import zoo as Z
+
+    text_draft = Z.load("text-draft")
+    with pytest.raises(ValueError, match="text-only"):
+        jspec.decode(pair.target, prompt, strategy=TABED(text_draft, newline_id=ZOO_NEWLINE))
