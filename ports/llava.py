@@ -44,15 +44,14 @@ class LlavaConfig(C.TextFields):
         return VZ.num_feature_tokens(self.vision, self.feature_strategy)
 
     def pooled(self, pool: int) -> "LlavaConfig":
-        """This config with its image features pooled `pool` x `pool` before the projector (a shorter image slot)."""
+        """This config with its image features pooled `pool` x `pool` before the projector (a shorter image slot;
+        for anyres models every tile is pooled and the layout is computed on the pooled grid)."""
         if isinstance(pool, bool) or not isinstance(pool, (int, np.integer)) or pool < 1:
             raise ValueError(f"pool must be a positive integer, got {pool!r}")
-        if pool > 1 and self.model_type != "llava":
-            raise ValueError(f"pooled image features need a LLaVA-1.5-style draft (one square grid per image); "
-                             f"{self.model_type} lays its images out in tiles")
-        if pool > 1 and self.feature_strategy != "default":
-            raise ValueError(f"pooling reads a square patch grid; vision_feature_select_strategy "
-                             f"{self.feature_strategy!r} keeps the CLS token")
+        g = self.vision.grid
+        if pool > 1 and VZ.num_feature_tokens(self.vision, self.feature_strategy) != g * g:
+            raise ValueError(f"pooling reads a square {g} x {g} patch grid; vision_feature_select_strategy "
+                             f"{self.feature_strategy!r} of this {self.vision.model_type} tower keeps a class token")
         return dataclasses.replace(self, image_pool=int(pool))
 
 

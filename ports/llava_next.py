@@ -70,8 +70,13 @@ class LlavaNextConfig(llava.LlavaConfig):
 
     def image_taps(self, size_hw, tiled: bool = True):
         """(taps, weights) of one image's placeholder vectors (see `ports.anyres.image_taps`)."""
-        return A.image_taps(size_hw, self.grid_pinpoints, self.vision.image_size, self.vision.grid, tiled,
+        return A.image_taps(size_hw, self.grid_pinpoints, self.vision.image_size, self.feature_grid, tiled,
                             self.max_tiles)
+
+    @property
+    def feature_grid(self) -> int:
+        """Side of one tile's feature grid (the tower's patch grid, pooled when `image_pool` > 1)."""
+        return llava.pooled_side(self.vision.grid, self.image_pool) if self.image_pool > 1 else self.vision.grid
 
     def num_image_tokens(self, size_hw, tiled: bool = True) -> int:
         """Placeholder tokens one image of size (h, w) takes in the prompt (what HF's processor inserts)."""
@@ -157,7 +162,7 @@ def _pixels(cfg, arr, name: str, what: str) -> np.ndarray:
 
 
 def _check_square_tiles(cfg):
-    g, P = cfg.vision.grid, cfg.tokens_per_image
+    g, P = cfg.feature_grid, cfg.tokens_per_image
     if P != g * g:
         raise ValueError(f"{cfg.model_type}: anyres needs {g} x {g} = {g * g} features per tile, but the "
                          f"{cfg.vision.model_type} tower with vision_feature_select_strategy="
@@ -233,6 +238,9 @@ def _videos(cfg: LlavaNextConfig, inputs: Mapping[str, Any], n_tok: int):
         if n_tok:
             raise ValueError(f"prompt has {n_tok} video tokens (id {cfg.video_token_id}) but no pixel_values_videos")
         return [], [], [], []
+    if cfg.image_pool > 1:
+        raise ValueError(f"{cfg.model_type} with pooled image features (image_pool={cfg.image_pool}) reads images, "
+                         "not videos")
     pvv = _pixels(cfg, pvv, "pixel_values_videos", "(num_videos, frames, C, H, W)")
     if pvv.ndim != 5:
         raise ValueError(f"pixel_values_videos has shape {pvv.shape}: expected (num_videos, frames, C, H, W)")

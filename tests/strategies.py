@@ -100,3 +100,6 @@ SAGE_SMALL = dict(d_min=2, d_max=4, w_min=2, w_max=4, k=4, n_max=12, init_tree=[
                   window=2)
 register("sage", lambda t, d: jspec.SAGE(d, **SAGE_SMALL), exact=True)
 register("sage_residual", lambda t, d: jspec.SAGE(d, rule="residual", **SAGE_SMALL), exact=True, slow=True)
+# TABED's drafter and weight policy on text prompts: one view (the prompt as is), the grid policy over it; the
+# multi-view settings are proven on image prompts in tests/test_tabed.py
+register("tabed_one_view", lambda t, d: jspec.TABED(d, views=("M",), weights="grid", gamma=3), exact=True)

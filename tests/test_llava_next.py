@@ -457,3 +457,23 @@ def test_bad_inputs_fail_early_with_clear_errors(jx_models):
         jspec.decode(nxt, batch, strategy=jspec.Chain(jx_models["llava_draft"], gamma=2), max_new_tokens=2)
     with pytest.raises(ValueError, match="prepared for another model.*draft_prompt"):
         NX.prompt_embeds(nxt.config, nxt.params, ids, {"pixel_values": pv[:, 0]})
+
+
+@pytest.mark.parametrize("kind, target, draft, case", [("next", "next", "next_draft", "batch_of_two_sizes"),
+                                                        ("ov", "ov", "ov", "batch_of_two_sizes")])
+def test_tabed_views_over_anyres_drafts(jx_models, kind, target, draft, case):
+    """TABED's four views with a LLaVA-NeXT / OneVision draft (the P view pools every tile and lays the image out
+    on the pooled grid): shorter image slots, and greedy == AR on a ragged batch with one and two images per row."""
+    from jspec.drafters.views import build_views
+    from jspec.methods.tabed import TABED
+
+    texts, images = (NEXT_CASES if kind == "next" else OV_CASES)[case]
+    batch = process(kind, texts, images)
+    t, d = jx_models[target], jx_models[draft]
+    fake = lambda ims: [[5, 6 + i] for i in range(ims["pixel_values"].shape[0])]  # noqa: E731
+    (_, m_len, _), (_, p_len, p_in) = build_views(d, t, batch, ("M", "P"), None, 2, None)[0]
+    assert np.all(p_len < m_len) and "vision_tiles" in p_in
+    ar = jspec.decode(t, batch, max_new_tokens=8, eos_token_id=())
+    out = jspec.decode(t, batch, strategy=TABED.method("MTCP*", d, gamma=3, newline_id=3, captioner=fake),
+                       max_new_tokens=8, eos_token_id=())
+    np.testing.assert_array_equal(out.tokens, ar.tokens)

@@ -12,6 +12,7 @@ import ports
 from jspec import api
 from jspec import cache as kvc
 from jspec.controllers import Record
+from jspec.controllers.combined import Both
 from jspec.controllers.ensemble import EnsembleWeights, simplex_grid
 from jspec.drafters.views import build_views, image_runs
 from jspec.methods.tabed import METHODS, TABED, block_efficiency, expected_speedup
@@ -123,7 +124,7 @@ def test_views_rewrite_each_image_in_order(zoo):
     assert not ti and not ci and pi["pixel_values"].shape[0] == 4 and "caption_s" in stats
     for b in range(3):
         m_row = mt[b, :ml[b]]
-        runs = image_runs(m_row, pair.draft.config.image_token_id, per)
+        runs = image_runs(m_row, pair.draft.config.image_token_id, [per] * n_img[b])
         assert len(runs) == n_img[b]
         t_row = list(tt[b, :tl[b]])
         assert t_row.count(ZOO_NEWLINE) >= n_img[b] and pair.draft.config.image_token_id not in t_row
@@ -250,12 +251,18 @@ def test_greedy_equals_ar_every_method_and_under_trees(zoo):
         assert _same(out, ar), kw
 
 
-def test_under_a_sage_tree(zoo):
+def test_under_a_sage_tree_with_adaptive_weights(zoo):
+    """The multi-view drafter under SAGE's per-row trees, SAGE's controller and the weight policy side by side."""
     pair, prompt = zoo
-    drafter = TABED(pair.draft, views=("M", "T"), weights=(0.7, 0.3), newline_id=ZOO_NEWLINE).drafter()
-    sage = jspec.SAGE(drafter, d_min=2, d_max=4, w_min=2, w_max=4, k=4, n_max=12,
+    tab = TABED(pair.draft, views=("M", "T"), newline_id=ZOO_NEWLINE)
+    sage = jspec.SAGE(tab.drafter(), d_min=2, d_max=4, w_min=2, w_max=4, k=4, n_max=12,
                       init_tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]], window=2)
-    assert _same(jspec.decode(pair.target, prompt, strategy=sage, max_new_tokens=24), _ar(pair, prompt))
+    strat = sage.parts().replace(controller=Both(sage.controller(), tab.controller()))
+    out = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=24)
+    assert _same(out, _ar(pair, prompt))
+    w = out.stats["weights"]
+    assert w.shape[2] == 2 and not np.allclose(w[0, 1:out.stats["steps"][0]], 0.5)  # the policy decided
+    assert out.stats["nodes"].shape == w.shape[:2]  # SAGE's own decisions are kept beside the weights
 
 
 def test_sampling_is_exact_with_images_for_fixed_and_adaptive_weights():

@@ -32,28 +32,47 @@ from jspec.drafters.model import DraftState, ModelDrafter, check_vocab, draft_lo
 from jspec.prompts import model_prompt, normalize_prompt
 
 VIEWS = ("M", "T", "P", "C")
-IMAGE_VIEWS = ("M", "P")  # views the draft's own tower reads
 
 
 def reads_images(model) -> bool:
     return model.family.prompt_embeds is not None
 
 
-def image_runs(row: np.ndarray, image_id: int, per_image: int | None = None) -> list[tuple[int, int]]:
-    """[(start, end)] of each image's placeholder run in a token row, in order. Adjacent images (one long run) are
-    told apart by `per_image` (a fixed count per image, LLaVA-1.5); without it each contiguous run is one image."""
+def image_runs(row: np.ndarray, image_id: int, counts: list[int]) -> list[tuple[int, int]]:
+    """[(start, end)] of each image's placeholder run in a token row, in order. `counts` holds the placeholder
+    counts of the images still to place (the row's come first); the row's runs consume them (adjacent images
+    share one contiguous run)."""
     is_img = np.concatenate([[False], row == image_id, [False]])
     edges = np.flatnonzero(is_img[1:] != is_img[:-1])
     runs = []
     for s, e in zip(edges[::2], edges[1::2]):
-        if per_image is None:
-            runs.append((int(s), int(e)))
-            continue
-        if (e - s) % per_image:
-            raise ValueError(f"a run of {e - s} image tokens (id {image_id}) is not a whole number of images of "
-                             f"{per_image} tokens: build the prompt with the draft's processor")
-        runs += [(int(a), int(a + per_image)) for a in range(s, e, per_image)]
+        at = int(s)
+        while at < e:
+            if not counts:
+                raise ValueError(f"the prompt has more image tokens (id {image_id}) than its images take")
+            n = counts.pop(0)
+            if at + n > e:
+                raise ValueError(f"a run of {e - s} image tokens (id {image_id}) does not split into whole images "
+                                 f"(next image: {n} tokens): build the prompt with the draft's processor")
+            runs.append((at, at + n))
+            at += n
     return runs
+
+
+def image_counts(cfg, extra: dict) -> list[int]:
+    """Placeholder tokens each image of a processor mapping takes for a model config, in order."""
+    if "pixel_values" not in extra:
+        return []
+    pv = np.asarray(extra["pixel_values"])
+    if hasattr(cfg, "num_image_tokens"):  # anyres (LLaVA-NeXT / OneVision): per image size, tiled or not
+        sizes = np.asarray(extra.get("image_sizes", np.zeros((0, 2))))
+        if sizes.shape[0] == 0:
+            raise ValueError(f"{cfg.model_type} needs image_sizes with pixel_values")
+        tiled = [True] * sizes.shape[0]
+        if "batch_num_images" in extra:  # a row's single image is tiled, several are not (HF)
+            tiled = [int(n) == 1 for n in np.asarray(extra["batch_num_images"]).reshape(-1) for _ in range(int(n))]
+        return [int(cfg.num_image_tokens(tuple(int(x) for x in hw), t)) for hw, t in zip(sizes, tiled)]
+    return [int(cfg.tokens_per_image)] * pv.shape[0]
 
 
 def _rewrite(rows: Sequence[np.ndarray], runs: list[list[tuple[int, int]]], fill: Callable[[int], Sequence[int]]):
@@ -68,19 +87,10 @@ def _rewrite(rows: Sequence[np.ndarray], runs: list[list[tuple[int, int]]], fill
     return out
 
 
-def image_inputs(inputs: dict, n_images: int) -> dict:
-    """The per-image arrays of a processor mapping (pixel_values, image_sizes), checked against the image count."""
-    pv = inputs.get("pixel_values")
-    if pv is None:
-        raise ValueError(f"the prompt has {n_images} image placeholder runs but no pixel_values")
-    pv = np.asarray(pv)
-    if pv.shape[0] != n_images:
-        raise ValueError(f"the prompt has {n_images} image placeholder runs but pixel_values holds {pv.shape[0]} "
-                         "images (one run per image)")
-    out = {"pixel_values": pv}
-    if "image_sizes" in inputs:
-        out["image_sizes"] = np.asarray(inputs["image_sizes"])
-    return out
+def image_inputs(extra: dict) -> dict:
+    """The per-image arrays of a processor mapping (pixel_values and, for anyres models, image_sizes): what a
+    captioner reads."""
+    return {k: np.asarray(extra[k]) for k in ("pixel_values", "image_sizes") if k in extra}
 
 
 def build_views(draft, target, source, views: Sequence[str], newline_id: int | None = None, pool: int = 2,
@@ -93,13 +103,16 @@ def build_views(draft, target, source, views: Sequence[str], newline_id: int | N
     image_id = getattr(img_model.config, "image_token_id", None)
     tokens, lengths, extra = normalize_prompt(source, img_model.config.vocab_size)
     rows = [tokens[b, :lengths[b]] for b in range(tokens.shape[0])]
-    per_image = img_model.config.tokens_per_image if img_model.config.model_type == "llava" else None
-    runs = [image_runs(r, image_id, per_image) if image_id is not None else [] for r in rows]
-    n_images = sum(len(r) for r in runs)
+    counts = image_counts(img_model.config, extra) if image_id is not None else []
+    n_images, todo = len(counts), list(counts)
+    runs = [image_runs(r, image_id, todo) if image_id is not None else [] for r in rows]
+    if todo or sum(len(r) for r in runs) != n_images:
+        raise ValueError(f"the prompt's image tokens (id {image_id}) do not match its {n_images} image(s) taking "
+                         f"{counts} tokens: build the prompt with the draft's processor")
     if n_images == 0 and any(v != "M" for v in views):
         raise ValueError(f"views {tuple(views)} rewrite the prompt's images, and it has none (no run of image "
                          f"token {image_id}): decode text-only prompts with views=('M',) or a plain Chain")
-    images = image_inputs(extra, n_images) if n_images else {}
+    images = image_inputs(extra)
     out = []
     for v in views:
         if v == "M":
@@ -116,9 +129,9 @@ def build_views(draft, target, source, views: Sequence[str], newline_id: int | N
             if not reads_images(draft):
                 raise ValueError(f"view 'P' needs a draft that reads images; {draft.config.model_type!r} is text-only")
             pooled = pooled_model(draft, pool)
-            n = pooled.config.tokens_per_image
-            p_rows = _rewrite(rows, runs, lambda i: [image_id] * n)
-            out.append(model_prompt(pooled, {"input_ids": p_rows, **images}, "draft (pooled view) "))
+            n = image_counts(pooled.config, extra)
+            p_rows = _rewrite(rows, runs, lambda i: [image_id] * n[i])
+            out.append(model_prompt(pooled, {"input_ids": p_rows, **extra}, "draft (pooled view) "))
         elif v == "C":
             if captioner is None:
                 raise ValueError("view 'C' needs a captioner= (e.g. jspec.ModelCaptioner over a model that reads "
@@ -183,9 +196,9 @@ class MultiViewDrafter:
         views = tuple(self.views)
         if not views or len(set(views)) != len(views) or any(v not in VIEWS for v in views):
             raise ValueError(f"views must be distinct entries of {VIEWS}, got {views!r}")
-        if not reads_images(self.model) and any(v in IMAGE_VIEWS for v in views):
-            raise ValueError(f"views {[v for v in views if v in IMAGE_VIEWS]} need a draft that reads images; the "
-                             f"draft {self.model.config.model_type!r} is text-only (use views T / C)")
+        if not reads_images(self.model) and "P" in views:
+            raise ValueError(f"view 'P' needs a draft that reads images; the draft {self.model.config.model_type!r} "
+                             "is text-only (use views T / C)")
         if "P" in views:
             pooled_model(self.model, self.pool)
         if "T" in views and self.newline_id is None:

@@ -1,0 +1,77 @@
+"""Two controllers as one, each deciding its own fields of the step's `Decision` (e.g. SAGE's per-row trees and
+TABED's ensemble weights on the same steps)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import struct
+
+from jspec.controllers import Asks, Controller, Decision, Record, asks_of
+
+_OPTIONAL = ("start", "stop", "check")
+
+
+@struct.dataclass
+class Both(Controller):
+    """Runs `a` and `b` side by side: their states are a pair, their decisions are merged (a field decided by both,
+    e.g. two depth limits, is an error; `info` entries are united), both observe every step, and `start`, `stop`
+    and `check` are those of whichever has them (both, in order, where both do)."""
+
+    a: Any
+    b: Any
+
+    @property
+    def asks(self) -> Asks:
+        x, y = asks_of(self.a), asks_of(self.b)
+        return Asks(**{f.name: max(getattr(x, f.name), getattr(y, f.name)) for f in dataclasses.fields(Asks)})
+
+    def __getattr__(self, name):
+        if name in _OPTIONAL:
+            parts = [(i, getattr(c, name)) for i, c in enumerate((self.a, self.b)) if hasattr(c, name)]
+            if parts:
+                return getattr(self, "_" + name)(parts)
+        raise AttributeError(name)
+
+    def init(self, batch: int, max_depth: int):
+        return self.a.init(batch, max_depth), self.b.init(batch, max_depth)
+
+    def plan(self, state, key) -> Decision:
+        ka, kb = jax.random.split(key) if key is not None else (None, None)
+        da, db = self.a.plan(state[0], ka), self.b.plan(state[1], kb)
+        merged = {}
+        for f in Decision._fields:
+            x, y = getattr(da, f), getattr(db, f)
+            if f == "info":
+                merged[f] = {**(x or {}), **(y or {})} or None
+            elif x is not None and y is not None:
+                raise ValueError(f"both controllers decide {f!r}: {type(self.a).__name__} and {type(self.b).__name__}")
+            else:
+                merged[f] = x if x is not None else y
+        return Decision(**merged)
+
+    def observe(self, state, record: Record):
+        return self.a.observe(state[0], record), self.b.observe(state[1], record)
+
+    # the optional hooks, bound to the parts that have them
+    def _start(self, parts):
+        def start(state, prefill):
+            state = list(state)
+            for i, fn in parts:
+                state[i] = fn(state[i], prefill)
+            return tuple(state)
+        return start
+
+    def _stop(self, parts):
+        def stop(state, level, aux, limit, key):
+            for i, fn in parts:
+                limit = fn(state[i], level, aux, limit, jax.random.fold_in(key, i))
+            return limit
+        return stop
+
+    def _check(self, parts):
+        def check(target, drafter):
+            for _, fn in parts:
+                fn(target, drafter)
+        return check
