@@ -66,6 +66,14 @@ def step_ratio(pair, prompt, max_new: int, runs: int) -> float:
     return per["q"] / per["p"]
 
 
+def phase_ms(pair, prompt, strategy, max_new: int) -> dict:
+    """Draft and verify time per step (ms; the loop run phase by phase, host-synced, after a compile run)."""
+    jspec.decode(pair.target, prompt, strategy, max_new_tokens=max_new, profile=True)
+    out = jspec.decode(pair.target, prompt, strategy, max_new_tokens=max_new, profile=True)
+    steps = max(int(out.stats["steps"].max()), 1)
+    return {k: 1e3 * out.stats[f"{k}_s"] / steps for k in ("draft", "verify", "other")}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts per scenario")
@@ -105,6 +113,7 @@ def main(argv=None) -> None:
             r = rows[n][sc]
             print(f"  {n:6s} tau {r['tau']:.2f}  x{r['speedup']:.2f} wall{'' if same else '  DIFFERS FROM AR'}")
     ratio = step_ratio(pair, prompts["first turn"], 32, args.runs)
+    phases = {n: phase_ms(pair, prompts["first turn"], strategies[n], args.max_new) for n in ("M", "MT", "MTCP")}
     for n, per in rows.items():
         per["average"] = {"tau": float(np.mean([per[s]["tau"] for s in SCENARIOS]))}
         for v in per.values():
@@ -115,8 +124,9 @@ def main(argv=None) -> None:
             "gamma": args.gamma, "tq_tp_here": ratio, "tq_tp_paper": TQ_TP[("7b", "68m")],
             "wall_s": time.perf_counter() - t0}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows, "claims": claims}, indent=1))
-    Path(args.out + ".md").write_text(markdown(meta, rows, claims))
+    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows, "claims": claims, "phases": phases},
+                                                   indent=1))
+    Path(args.out + ".md").write_text(markdown(meta, rows, claims, phases))
     plot(rows, args.out + ".png")
     print(Path(args.out + ".md").read_text())
 
@@ -143,7 +153,7 @@ def orderings(rows) -> list[tuple[str, bool, str]]:
     ]
 
 
-def markdown(meta, rows, claims) -> str:
+def markdown(meta, rows, claims, phases) -> str:
     head = (f"TABED on the zoo image pair ({meta['prompts']} held-out prompts per scenario in one ragged batch, up to "
             f"{meta['max_new']} new tokens, greedy, gamma {meta['gamma']}; {meta['date']}, {meta['device']}, jax "
             f"{meta['jax']}, median of {meta['runs']} runs). tau: tokens per target step (1 + accepted drafts), "
@@ -167,6 +177,11 @@ def markdown(meta, rows, claims) -> str:
         cap = max(per[s]["caption_s"] for s in SCENARIOS)
         lines.append(f"| {n} | {per['average']['eq1_here']:.2f} | {per['average']['eq1_paper']:.2f} | " +
                      " | ".join(f"{per[s]['speedup']:.2f}x" for s in SCENARIOS) + f" | {cap:.2f} |")
+    lines += ["", "Per decode step on the first-turn batch (ms; phase by phase, host-synced): what 1, 2 and 4 views "
+              "cost the draft here (the paper's Remark 3 has them cost about one view on its GPU):", "",
+              "| views | draft | verify | other |", "|---|---|---|---|"]
+    for n, p in phases.items():
+        lines.append(f"| {n} | {p['draft']:.2f} | {p['verify']:.2f} | {p['other']:.2f} |")
     lines += ["", "Mean weights the adaptive policies chose after the first block (views in order):", ""]
     for n in ("MT*", "MTCP*"):
         lines.append(f"- {n}: " + "; ".join(f"{s}: " + ", ".join(f"{w:.2f}" for w in rows[n][s]["mean_weights"])

@@ -342,3 +342,29 @@ def test_clear_errors(zoo):
     text_draft = Z.load("text-draft")
     with pytest.raises(ValueError, match="text-only"):
         jspec.decode(pair.target, prompt, strategy=TABED(text_draft, newline_id=ZOO_NEWLINE))
+
+
+@pytest.mark.slow
+def test_on_an_8_device_mesh():
+    """Two views of the zoo draft on a (data=2, tensor=2) mesh of forced CPU devices: the tokens of one device."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import numpy as np, jspec
+from jspec.zoo import evaluate as E
+pair = E.load_pair("image")
+exs = E.scenario_examples("image", 2)
+prompt = E.batch_prompt(pair.encoder, [exs["caption"][0], exs["two_image"][0], exs["vqa"][1], exs["caption"][1]])
+ar = jspec.decode(pair.target, prompt, max_new_tokens=16)
+strat = jspec.TABED.method("MT*", pair.draft, newline_id=204)
+out = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=16, mesh=jspec.make_mesh(data=2, tensor=2))
+assert np.array_equal(out.tokens, ar.tokens)
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
