@@ -49,14 +49,6 @@ def scenario_prompts(pair, n: int) -> dict:
     return {k: E.batch_prompt(pair.encoder, v) for k, v in groups.items()}
 
 
-def captioner(pair):
-    from jspec.zoo import tokenizer as TK
-
-    ids = pair.encoder.text_ids
-    return jspec.ModelCaptioner(pair.draft, [TK.BOS_ID, TK.USER_ID], ids("\nGive a short caption.") + [TK.ASSISTANT_ID],
-                                prefix=ids("image: "), max_new_tokens=48, eos_token_id=TK.EOS_ID)
-
-
 def step_ratio(pair, prompt, max_new: int, runs: int) -> float:
     """T_q / T_p on this machine: the draft's decode time per token over the target's (AR, same prompts)."""
     per = {}
@@ -86,7 +78,7 @@ def main(argv=None) -> None:
 
     pair = E.load_pair("image")
     newline = pair.encoder.text_ids(NEWLINE)[0]
-    cap = captioner(pair)
+    cap = E.captioner(pair)
     prompts = scenario_prompts(pair, args.prompts)
     t0 = time.perf_counter()
     strategies = {name: TABED.method(name, pair.draft, gamma=args.gamma, newline_id=newline, captioner=cap)

@@ -15,6 +15,7 @@ from jspec.controllers import Record
 from jspec.controllers.combined import Both
 from jspec.controllers.ensemble import EnsembleWeights, simplex_grid
 from jspec.drafters.views import build_views, image_runs
+from jspec.zoo import evaluate as E
 from jspec.methods.tabed import METHODS, TABED, block_efficiency, expected_speedup
 from ports import llava
 from ports import vision as VZ
@@ -65,20 +66,10 @@ def exact_joint_with_image(target, n=3):
 
 @pytest.fixture(scope="module")
 def zoo():
-    from jspec.zoo import evaluate as E
-
     pair = E.load_pair("image")
     exs = E.scenario_examples("image", 2)
     batch = [exs["caption"][0], exs["two_image"][0], exs["vqa"][1]]  # 1, 2 and 1 images; ragged
     return pair, E.batch_prompt(pair.encoder, batch)
-
-
-def zoo_captioner(pair):
-    from jspec.zoo import tokenizer as TK
-
-    ids = pair.encoder.text_ids
-    return jspec.ModelCaptioner(pair.draft, [TK.BOS_ID, TK.USER_ID], ids("\nGive a short caption.") + [TK.ASSISTANT_ID],
-                                prefix=ids("image: "), max_new_tokens=24, eos_token_id=TK.EOS_ID)
 
 
 def _ar(pair, prompt, n=24):
@@ -218,7 +209,7 @@ def test_a_finite_window_sums_the_last_positions():
 def test_greedy_equals_ar_for_adaptive_ensembles(zoo):
     pair, prompt = zoo
     ar = _ar(pair, prompt)
-    cap = zoo_captioner(pair)
+    cap = E.captioner(pair, 24)
     for name in ("MT*", "MTCP*"):
         strat = TABED.method(name, pair.draft, newline_id=ZOO_NEWLINE, captioner=cap)
         out = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=24)
@@ -239,7 +230,7 @@ def test_greedy_equals_ar_for_adaptive_ensembles(zoo):
 def test_greedy_equals_ar_every_method_and_under_trees(zoo):
     pair, prompt = zoo
     ar = _ar(pair, prompt)
-    cap = zoo_captioner(pair)
+    cap = E.captioner(pair, 24)
     for name in METHODS:
         out = jspec.decode(pair.target, prompt, max_new_tokens=24,
                            strategy=TABED.method(name, pair.draft, newline_id=ZOO_NEWLINE, captioner=cap))

@@ -86,6 +86,17 @@ def answer_text(tokenizer, ids) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def captioner(pair: Pair, max_new_tokens: int = 48):
+    """The image pair's draft as a captioner (TABED's C view): asked for a short caption of each image, its answer
+    put after "image: "."""
+    import jspec
+    from jspec.zoo import tokenizer as TK
+
+    ids = pair.encoder.text_ids
+    return jspec.ModelCaptioner(pair.draft, [TK.BOS_ID, TK.USER_ID], ids("\nGive a short caption.") + [TK.ASSISTANT_ID],
+                                prefix=ids("image: "), max_new_tokens=max_new_tokens, eos_token_id=TK.EOS_ID)
+
+
 def batch_prompt(enc: D.Encoder, examples: Sequence[W.Example], view: str | None = None) -> dict:
     """One ragged batch prompt for `jspec.decode`: input_ids rows and the rows' images in row order."""
     ps = [enc.prompt(ex, view=view) for ex in examples]
