@@ -295,7 +295,7 @@ def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positi
     llama.check_fresh(fresh, write_offset)
     x = embed(cfg, params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
-    visible = kvc.cache_visibility(cache, T, new_mask, write_offset)
+    visible = L.prefill_visibility(cache, T, new_mask, write_offset, fresh)
     start = cache.length + write_offset
     cos, sin = L.rope_tables(cfg, positions)
     want = set(hidden_layers)

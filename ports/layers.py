@@ -1,11 +1,14 @@
 """Building blocks shared by every port: RMSNorm, rotary embeddings, masked attention over a KV cache, SwiGLU."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec import cache as kvc
+from ports import blockwise as BW
 from ports.config import TextConfig, rope_inv_freq
 
 
@@ -138,6 +141,24 @@ def project_qkv(cfg: TextConfig, p: dict, x: jax.Array) -> tuple[jax.Array, jax.
     return y[:, :, :, :G].reshape(B, T, H, Dh), y[:, :, :, G], y[:, :, :, G + 1]
 
 
+BLOCKWISE_MIN = 1024  # fresh prefills of at least this many tokens attend blockwise (`ports.blockwise`)
+
+
+class Causal(NamedTuple):
+    """A fresh prefill's visibility by its structure: query t of row b sees key j when start[b] <= j <= t (what
+    `jspec.cache.visibility` gives for an empty cache without a tree mask), without a [B, T, S] boolean."""
+
+    start: jax.Array  # [B]
+
+
+def prefill_visibility(cache, num_new: int, new_mask, write_offset: int, fresh: bool):
+    """The visibility a forward attends under: `Causal` for a fresh prefill long enough to take the blockwise path,
+    else the [B, T, S] boolean of `jspec.cache.cache_visibility`."""
+    if fresh and new_mask is None and write_offset == 0 and num_new >= BLOCKWISE_MIN:
+        return Causal(cache.start)
+    return kvc.cache_visibility(cache, num_new, new_mask, write_offset)
+
+
 def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.Array | None = None,
                      fresh: bool = False):
     """Write the new keys / values k, v [B, T, KVH, Dh] at slots start[b].. of k_buf, v_buf and attend over the
@@ -147,8 +168,17 @@ def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.A
     fresh: the cache holds nothing yet (every row's length is 0, the writes start at slot 0), as in a prefill. Then
     only slots < T can be visible, so attention runs over the new keys alone and the buffers are the new rows padded
     to S: the same result without reading, masking or copying the S - T empty slots (a prefill's cost no longer
-    grows with the cache length).
+    grows with the cache length). A `Causal` visibility (a long fresh prefill) attends blockwise: no [T, T] scores.
     """
+    if isinstance(visible, Causal):
+        if not fresh:
+            raise ValueError("a Causal (structural) visibility is for fresh prefills")
+        T, S = q.shape[1], k_buf.shape[1]
+        out = _as_tuple(BW.causal_attention(q, k, v, visible.start, score_weights))
+        if score_weights is not None:
+            out = (out[0], jnp.pad(out[1], ((0, 0), (0, S - T))))
+        pad = ((0, 0), (0, S - T), (0, 0))
+        return (*out, jnp.pad(kv_rows(k).astype(k_buf.dtype), pad), jnp.pad(kv_rows(v).astype(v_buf.dtype), pad))
     if not fresh:
         k_buf, v_buf = kvc.write_layer(k_buf, v_buf, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)
         return (*_as_tuple(attention(q, k_buf, v_buf, visible, score_weights)), k_buf, v_buf)

@@ -89,7 +89,7 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     check_fresh(fresh, write_offset)
     x = embed(params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
-    visible = kvc.cache_visibility(cache, T, new_mask, write_offset)
+    visible = L.prefill_visibility(cache, T, new_mask, write_offset, fresh)
     start = cache.length + write_offset
     cos, sin = L.rope_tables(cfg, positions) if rope is None else rope
     want = set(hidden_layers)

@@ -102,4 +102,5 @@ register("sage", lambda t, d: jspec.SAGE(d, **SAGE_SMALL), exact=True)
 register("sage_residual", lambda t, d: jspec.SAGE(d, rule="residual", **SAGE_SMALL), exact=True, slow=True)
 # TABED's drafter and weight policy on text prompts: one view (the prompt as is), the grid policy over it; the
 # multi-view settings are proven on image prompts in tests/test_tabed.py
-register("tabed_one_view", lambda t, d: jspec.TABED(d, views=("M",), weights="grid", gamma=3), exact=True)
+register("tabed_one_view", lambda t, d: jspec.TABED(d, views=("M",), weights="grid", gamma=3), exact=True,
+         slow=True)

@@ -460,7 +460,8 @@ def test_bad_inputs_fail_early_with_clear_errors(jx_models):
 
 
 @pytest.mark.parametrize("kind, target, draft, case", [("next", "next", "next_draft", "batch_of_two_sizes"),
-                                                        ("ov", "ov", "ov", "batch_of_two_sizes")])
+                                                        pytest.param("ov", "ov", "ov", "batch_of_two_sizes",
+                                                                     marks=pytest.mark.slow)])
 def test_tabed_views_over_anyres_drafts(jx_models, kind, target, draft, case):
     """TABED's four views with a LLaVA-NeXT / OneVision draft (the P view pools every tile and lays the image out
     on the pooled grid): shorter image slots, and greedy == AR on a ragged batch with one and two images per row."""

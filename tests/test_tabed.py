@@ -210,7 +210,7 @@ def test_greedy_equals_ar_for_adaptive_ensembles(zoo):
     pair, prompt = zoo
     ar = _ar(pair, prompt)
     cap = E.captioner(pair, 24)
-    for name in ("MT*", "MTCP*"):
+    for name in ("MTCP*",):  # all four views, the inverse policy (MT*'s grid: the SAGE and sampling tests)
         strat = TABED.method(name, pair.draft, newline_id=ZOO_NEWLINE, captioner=cap)
         out = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=24)
         assert _same(out, ar), name
