@@ -1,4 +1,10 @@
 """jspec: speculative decoding for LLMs, LVLMs and visual AR generators in JAX."""
+import os
+
+# jspec reads tokenizers and processors with transformers, never its PyTorch models: without PyTorch installed,
+# transformers' "PyTorch was not found" advisory would read as an error
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from jspec.api import DecodeOutput, decode
 from jspec.controllers.calibration import CaliTS
 from jspec.controllers.draft_length import BetaTS, FixedK

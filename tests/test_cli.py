@@ -1,5 +1,6 @@
 """The `jspec` command line: demo, convert (orbax), decode from HF and converted dirs."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -71,3 +72,19 @@ def test_demo_video_runs(tmp_path):
     for name, r in res["results"].items():
         assert r["same_as_ar"], name
         assert name == "AR" or r["mean_accepted"] > 1.5, (name, r["mean_accepted"])
+
+
+def test_no_pytorch_advisory_without_pytorch():
+    """Without PyTorch, transformers announces "PyTorch was not found" on import; jspec does not need it for the
+    tokenizers and processors it reads, and silences it (the control run, without jspec, shows the notice)."""
+    import subprocess
+    import sys
+
+    def stderr(first: str) -> str:
+        code = f"import sys; sys.modules['torch'] = None\n{first}\nimport transformers\n"
+        quiet = ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "TRANSFORMERS_VERBOSITY")  # conftest sets the latter
+        env = {k: v for k, v in os.environ.items() if k not in quiet}
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stderr
+
+    assert "PyTorch was not found" in stderr("pass")
+    assert "PyTorch was not found" not in stderr("import jspec")
