@@ -474,6 +474,10 @@ def test_tabed_views_over_anyres_drafts(jx_models, kind, target, draft, case):
     fake = lambda ims: [[5, 6 + i] for i in range(ims["pixel_values"].shape[0])]  # noqa: E731
     (_, m_len, _), (_, p_len, p_in) = build_views(d, t, batch, ("M", "P"), None, 2, None)[0]
     assert np.all(p_len < m_len) and "vision_tiles" in p_in
+    flat = {"pixel_values": batch["pixel_values"].reshape((-1,) + batch["pixel_values"].shape[2:]),
+            "image_sizes": batch["image_sizes"]}
+    with pytest.raises(ValueError, match="per image"):  # tiles of all images in one axis cannot be sliced per image
+        jspec.ModelCaptioner(d, [1], [2])(flat)
     ar = jspec.decode(t, batch, max_new_tokens=8, eos_token_id=())
     out = jspec.decode(t, batch, strategy=TABED.method("MTCP*", d, gamma=3, newline_id=3, captioner=fake),
                        max_new_tokens=8, eos_token_id=())

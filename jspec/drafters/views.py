@@ -307,7 +307,11 @@ class ModelCaptioner:
         if not reads_images(self.model):
             raise ValueError(f"the captioner's model {self.model.config.model_type!r} does not read images")
         eos = set(_eos_ids(self.model, self.eos_token_id))
-        n = images["pixel_values"].shape[0]
+        pv = images["pixel_values"]
+        if "image_sizes" in images and pv.ndim != 5:
+            raise ValueError(f"the captioner slices pixel_values per image: an anyres model's must be (num_images, "
+                             f"num_tiles, C, H, W) as its processor returns them, got shape {pv.shape}")
+        n = pv.shape[0]
         out: list[list[int]] = []
         for s in range(0, n, self.batch):
             idx = range(s, min(n, s + self.batch))
