@@ -125,21 +125,29 @@ class Guided:
         return x if self.constraint is None else self.constraint.apply(x, g)
 
     def forward(self, tokens, positions, cache, new_mask=None, *, logits_at=None, write_offset: int = 0,
-                **unsupported) -> ForwardOut:
-        """The engine's forward contract (`ports.llama.forward`) on both streams; positions are slots."""
+                hidden_layers=(), **unsupported) -> ForwardOut:
+        """The engine's forward contract (`ports.llama.forward`) on both streams; positions are slots. Hidden
+        states asked for come back per stream: [B, T, D] with one stream, [B, T, streams, D] with CFG."""
         if unsupported:
             raise ValueError(f"guided decoding does not support forward options {sorted(unsupported)}")
         rep = lambda x: None if x is None else jnp.repeat(x, self.streams, axis=0)
         fo = self.model.forward(rep(tokens), rep(positions) - self.starts[:, None], self._inner(cache),
-                                rep(new_mask), logits_at=rep(logits_at), write_offset=write_offset)
+                                rep(new_mask), logits_at=rep(logits_at), write_offset=write_offset,
+                                hidden_layers=tuple(hidden_layers))
         at = positions if logits_at is None else jnp.take_along_axis(positions, logits_at, axis=1)
         logits = self._process(fo.logits, at + 1 - self.prompt_end[:, None])
-        return ForwardOut(logits, (), self._outer(fo.cache, cache))
+        return ForwardOut(logits, tuple(self._per_row(h) for h in fo.hidden), self._outer(fo.cache, cache))
 
-    def prefill(self, tokens, lengths, cache, inputs=None, **unsupported):
-        """`loop.prefill` for both streams: each prompt right-aligned to end at slot prompt_end[b]."""
-        if inputs or unsupported:
-            raise ValueError("guided decoding takes token prompts only (no images or forward options)")
+    def _per_row(self, h: jax.Array) -> jax.Array:
+        """Inner rows [B * streams, T, D] -> [B, T, D] (one stream) or [B, T, streams, D]."""
+        if self.streams == 1:
+            return h
+        B = h.shape[0] // self.streams
+        return h.reshape(B, self.streams, *h.shape[1:]).swapaxes(1, 2)
+
+    def inner_prompt(self, tokens, lengths) -> jax.Array:
+        """The streams' prompts as the prefill lays them out: [B * streams, W] ids, row b * streams + s holding
+        stream s of row b right-aligned to end at slot prompt_end[b] (slots before `starts` are 0)."""
         B, T = tokens.shape
         W = max(T, self.uncond.shape[1])
         j = jnp.arange(W)[None]
@@ -152,13 +160,23 @@ class Guided:
         rows = [place(tokens, lengths)]
         if self.streams == 2:
             rows.append(place(self.uncond, self.uncond_len))
-        inner_tokens = jnp.stack(rows, axis=1).reshape(B * self.streams, W)
-        positions = jnp.maximum(j - self.starts[:, None], 0)
+        return jnp.stack(rows, axis=1).reshape(B * self.streams, W)
+
+    def prefill(self, tokens, lengths, cache, inputs=None, hidden_layers=(), **unsupported):
+        """`loop.prefill` for both streams: each prompt right-aligned to end at slot prompt_end[b]
+        (`inner_prompt`). Hidden states asked for come back per inner row, [B * streams, W, D] in that layout."""
+        if inputs or unsupported:
+            raise ValueError("guided decoding takes token prompts only (no images or forward options)")
+        B = tokens.shape[0]
+        inner_tokens = self.inner_prompt(tokens, lengths)
+        W = inner_tokens.shape[1]
+        positions = jnp.maximum(jnp.arange(W)[None] - self.starts[:, None], 0)
         last = jnp.repeat(self.prompt_end - 1, self.streams)[:, None]
-        fo = self.model.forward(inner_tokens, positions, self._inner(cache), logits_at=last, fresh=True)
+        fo = self.model.forward(inner_tokens, positions, self._inner(cache), logits_at=last, fresh=True,
+                                hidden_layers=tuple(hidden_layers))
         logits = self._process(fo.logits, jnp.zeros((B, 1), jnp.int32))
         out_cache = self._outer(fo.cache, cache).replace(length=self.prompt_end)
-        return logits[:, 0], ForwardOut(logits, (), out_cache), out_cache
+        return logits[:, 0], ForwardOut(logits, fo.hidden, out_cache), out_cache
 
 
 def guide(model, lengths: np.ndarray, guidance: CFG | None, constraint=None) -> Guided:

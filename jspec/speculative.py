@@ -35,7 +35,7 @@ class SDAux:
 
 class Verified(NamedTuple):
     logits: jax.Array  # [B, N, V] the target's logits after each node
-    hidden: jax.Array | None = None  # [B, N, D] the target's last hidden states, when the controller asks
+    hidden: jax.Array | None = None  # [B, N, (streams,) D] the target's last hidden states, when a part asks
 
 
 def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, prefill: TargetPrefill, prompt,
@@ -47,7 +47,8 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
         prompt = parts.prefill.draft_prompt(prefill, prompt)
         if hasattr(parts.prefill, "draft_len"):  # a hook that shortens the draft's prompt shortens its cache
             d_len = parts.prefill.draft_len(max_len)
-    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, plan_scratch=parts.plan.scratch)
+    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, plan_scratch=parts.plan.scratch,
+                   plan_depth=parts.plan.max_depth)
     ds = parts.drafter.init(env, prefill, prompt, d_len, parts.plan.pending_width)
     B = state.last.shape[0]
     ctrl, decided = None, {}
@@ -93,7 +94,7 @@ def sd_verify(ctx, parts, target, carry):
     state, prop, _ = carry
     tc = state.cache
     pos = kvc.positions(tc, prop.tree.depth)
-    hidden = asks_of(parts.controller).hidden
+    hidden = asks_of(parts.controller).hidden or _drafter_reads_hidden(parts)
     N = prop.tokens.shape[1]
 
     def forward(n):
@@ -110,6 +111,10 @@ def sd_verify(ctx, parts, target, carry):
     else:  # verify only what some row drafted: the smallest static width that holds every row's tree
         tc, logits, hid = jax.lax.switch(pick, [forward(n) for n in sizes], tc)
     return state.replace(cache=tc), prop, Verified(logits, hid)
+
+
+def _drafter_reads_hidden(parts) -> bool:
+    return bool(getattr(parts.drafter, "verify_hidden", False))
 
 
 def _along(x: jax.Array, path: jax.Array) -> jax.Array:
@@ -163,7 +168,8 @@ def sd_accept(ctx, parts, target, carry):
     state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
     env = DraftEnv(ctx, state.sp, target, tc, state.last, prop.decision)
-    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain))
+    hid = _along(ver.hidden, verdict.path) if _drafter_reads_hidden(parts) else None
+    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid))
     drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
     ctrl, decided = aux.ctrl, aux.decided
     if parts.controller is not None:

@@ -18,6 +18,8 @@ once per decode (`check`, `prepare`) and on the device inside the jitted step:
   written at scratch offsets offset.. past the committed tokens, each seeing the committed tokens and the scratch
   slots its `mask` row allows; `run` (a traced bool or None) lets a level no row needs be skipped.
 - `commit(env, state, catchup: Catchup) -> state`: the state after verification accepted a path.
+- optional class attribute `verify_hidden = True`: the drafter reads the target's last-layer hidden states at the
+  accepted path's nodes from verification (`Catchup.hidden`; an EAGLE feature head).
 
 logp is the log of the distribution the plan ranks and draws children from (the sampler's processed distribution
 when sampling, the plain softmax when greedy); aux is a per-node pytree [B, K, ...] of the drafter's own
@@ -40,6 +42,7 @@ class DraftEnv(NamedTuple):
     last: jax.Array  # [B] the newest committed token (the tree's root)
     decision: Any = None  # controllers.Decision of this step
     plan_scratch: int = 0  # the plan's draft scratch slots (set for `init`: a drafter may size buffers by it)
+    plan_depth: int = 0  # the plan's deepest draft level (set for `init`)
 
 
 class Setup(NamedTuple):
@@ -91,6 +94,8 @@ class Catchup(NamedTuple):
     accepted: jax.Array  # [B] drafts accepted (bonus excluded)
     active: jax.Array  # [B] the row was decoding this step
     is_chain: bool  # the plan's nodes sit in depth order (accepted scratch entries are already a prefix)
+    hidden: jax.Array | None = None  # [B, D+1, (streams,) D_model] the target's last-layer residual stream at the
+    # accepted path's nodes (root first), for a drafter with `verify_hidden = True`
 
 
 from jspec.drafters.model import ModelDrafter  # noqa: E402
