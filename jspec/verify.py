@@ -9,12 +9,16 @@ compared with (`draft_mass`), and the residual after a rejection (`reject`). A c
 have one child, so one walk serves both.
 
 `Residual` is exact multi-draft speculative sampling (children drawn without replacement, `draws = True`);
-`Q1` is EAGLE-2's q = 1 rule (exact whatever tokens are offered). A relaxed rule (LANTERN's delta, LANTERN++'s
-lambda over latent neighbours) overrides `target_mass` and `reject` and reads its table from its own fields.
+`Q1` is EAGLE-2's q = 1 rule (exact whatever tokens are offered). The relaxed rules `Lantern` (additive delta) and
+`LanternPP` (LANTERN++'s multiplicative lambda) accept a drafted image token for the target mass of its latent
+neighbours too (a `jspec.neighbours.NeighbourTable` in their fields): they override `target_mass` and `reject`,
+are lossy by design (`exact = False`; delta = 0, lambda = 1 or k = 0 give the target back) and come with sampled
+drafts (static trees) or deterministic ones (`drafts="deterministic"`: the q = 1 form for EAGLE-2 dynamic trees).
+Greedy decoding ignores the relaxation (it stays equal to AR).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +127,195 @@ class Q1(Rule):
         return _renorm(resid.at[jnp.arange(x.shape[0]), x].set(0.0), resid), q
 
 
-RULES = {"residual": Residual, "q1": Q1}
+RESIDUAL_MODES = ("principled", "lumina_code", "llamagen_code")
+DRAFT_MODES = ("sampled", "deterministic")
+
+
+def _zero_at(a: jax.Array, ids: jax.Array, mask: jax.Array) -> jax.Array:
+    """a [B, V] with a[b, ids[b, j]] = 0 wherever mask[b, j]."""
+    B, V = a.shape
+    idx = jnp.where(mask, ids, V)  # V is out of range: dropped
+    return a.at[jnp.arange(B)[:, None], idx].set(0.0, mode="drop")
+
+
+def _prefix(ok: jax.Array) -> jax.Array:
+    """[B, K] bool: the leading run of True in each row of ok."""
+    return jnp.cumprod(ok.astype(jnp.int32), axis=1).astype(bool)
+
+
+class _Relaxed(Rule):
+    """Latent-neighbour relaxation (LANTERN and LANTERN++; shared by `Lantern` and `LanternPP`).
+
+    For a candidate x against the current target residual r [B, V] (in jspec's notation r is the TARGET's and q
+    the draft's; the paper writes them the other way round): nb = the first k entries of table.ids[x] (entries
+    that are -1 end the list: non-image tokens have none, so they are never relaxed), S_m = r(nb_1) + ... +
+    r(nb_m), m* = the largest m <= k with S_m <= bound (a prefix: S is non-decreasing; m* = 0 when S_1 > bound),
+    A = {x} u nb_{1..m*}, and the relaxed target mass q~(x) = r(x) + S_m*. The subclass gives the bound.
+
+    Sampled drafts (`drafts="sampled"`, `draws = True`: EAGLE-1 / LANTERN++ static trees): accept x when
+    u * q'(x) <= q~(x), q' the draft distribution renormalised without the siblings tried before (as `Residual`).
+    After a rejection q' loses x and is renormalised (as `Residual`); the target residual follows `residual`:
+      "principled":    norm(max(q~ - q', 0)), the residual of q~, the distribution that moved A's mass onto x:
+                       r zeroed on A - {x} with r(x) raised to q~(x). Rejection implies q~(x) < q'(x), so this is
+                       also norm(max(r' - q', 0)) with r' = r zeroed on A - {x}.
+      "lumina_code":   LANTERN's Lumina-mGPT code (jadohu/LANTERN@3a56e45 models/ea_model_lumina_mgpt.py,
+                       `evaluate_posterior`, lines 705-713: `if (indices != -1): gtp[nearest_latents[xi - offset,
+                       :lantern_k+1] + offset] = 0`, then `gtp = gtp - q; gtp[gtp < 0] = 0`): when m* >= 1, r is
+                       zeroed on the first k + 1 neighbours of x, then norm(max(r - q', 0)).
+      "llamagen_code": LANTERN's LlamaGen / Anole code (models/ea_model_llamagen.py `evaluate_posterior_v1`, lines
+                       646-656: q' rebuilt with the earlier siblings zeroed and renormalised, then `if (indices !=
+                       -1): q[nearest_latents[xi, :lantern_k + 1]] = 0`, `gtp = gtp - q`; ea_model_anole.py the
+                       same at line 654): when m* >= 1, the SUBTRACTED draft distribution is zeroed on the first
+                       k + 1 neighbours (not renormalised) and r is untouched: norm(max(r - q'_0, 0)). The draft's
+                       own q' for the next sibling is not affected.
+    In both code modes "the first k + 1 neighbours" are k + 1 OTHER codes, self not among them: the code zeroes
+    `nearest_latents[x, :lantern_k + 1]`, and its table (entrypoints/generate_codebook.py lines 56-59) is
+    `torch.topk(distances, L - 1, largest=False)` of the cdist matrix after `fill_diagonal_(inf)`, so self ranks
+    last (column L - 1, cut off) and never enters the first k + 1. The spec's "N_{1..k+1}" is therefore k + 1
+    neighbours, not self + k; `indices != -1` is m* >= 1. Zeroing covers all k + 1 once m* >= 1 (not only A), and
+    x itself is not zeroed there (in the sampled form its mass leaves through the subtraction: r(x) <= q~(x) <
+    q'(x)). These modes need a table with kmax >= k + 1. At m* = 0 the three modes coincide (plain `Residual`).
+    Where a residual sums to 0, every mode falls back to the residual before the rejection, as `Residual` does
+    (the code falls back to uniform).
+
+    Deterministic drafts (`drafts="deterministic"`, `draws = False`: EAGLE-2 dynamic trees, spec 2.6): accept x
+    with probability min(1, q~(x)) (q' = 1); on rejection r(x) = 0 and, "principled", r = 0 on A - {x} (the q = 1
+    rule applied to q~), or, in both code modes (their q = 1 paths agree: `gtp[xi] = 0` and, when m* >= 1,
+    `gtp[nearest_latents[x, :lantern_k + 1]] = 0`: ea_model_llamagen.py `evaluate_posterior` lines 769-773,
+    ea_model_lumina_mgpt.py with eagle_version 2, lines 705-712), r = 0 on the first k + 1 neighbours when
+    m* >= 1; then renormalised.
+
+    Lossless only where nothing is relaxed (m* = 0 everywhere: lambda = 1, delta = 0 or k = 0, on targets with no
+    zero-mass neighbour; under a top-k or grammar mask neighbours of mass 0 give m* >= 1 with S = 0, which leaves
+    q~ = r and the principled residual exact but lets the code modes zero k + 1 neighbours). Greedy decoding does
+    not relax (jspec keeps greedy == AR; LANTERN's LlamaGen code relaxes its greedy matching too).
+    The fields `table` (its ids), `k` and the bound are pytree leaves: new values do not recompile.
+    """
+
+    exact = False
+
+    @property
+    def draws(self) -> bool:
+        return self.drafts == "sampled"
+
+    def bound(self, rx: jax.Array) -> jax.Array:
+        """[B] the bound on S_m given r(x) [B]."""
+        raise NotImplementedError
+
+    def relax(self, resid: jax.Array, x: jax.Array):
+        """(nb [B, kmax] neighbour ids, in_a [B, kmax] the neighbours in A, m* [B], q~(x) [B]) of candidates x."""
+        ids = self.table.ids
+        if ids.shape[0] != resid.shape[-1]:
+            raise ValueError(f"the neighbour table is for a vocabulary of {ids.shape[0]} tokens, the target's "
+                             f"distribution has {resid.shape[-1]}: build the table for this model")
+        nb = jnp.take(ids, x, axis=0)  # [B, kmax]
+        j = jnp.arange(nb.shape[1])[None]
+        win = _prefix((nb >= 0) & (j < self.k))
+        mass = jnp.where(win, jnp.take_along_axis(resid, jnp.maximum(nb, 0), axis=1), 0.0)
+        s = jnp.cumsum(mass, axis=1)
+        rx = _at(resid, x)
+        in_a = win & (s <= self.bound(rx)[:, None])
+        m = jnp.sum(in_a, axis=1).astype(jnp.int32)
+        s_m = jnp.where(m > 0, jnp.take_along_axis(s, jnp.maximum(m - 1, 0)[:, None], axis=1)[:, 0], 0.0)
+        return nb, in_a, m, rx + s_m
+
+    def target_mass(self, resid, x):
+        return self.relax(resid, x)[3]
+
+    def draft_mass(self, q, x):
+        return _at(q, x) if self.draws else jnp.ones(x.shape, jnp.float32)
+
+    def _code_window(self, nb: jax.Array, m: jax.Array) -> jax.Array:
+        """[B, kmax]: the first k + 1 neighbours where m* >= 1 (what the official code zeroes)."""
+        j = jnp.arange(nb.shape[1])[None]
+        return _prefix((nb >= 0) & (j < self.k + 1)) & (m >= 1)[:, None]
+
+    def reject(self, resid, q, x):
+        rows = jnp.arange(x.shape[0])
+        nb, in_a, m, qt = self.relax(resid, x)
+        if not self.draws:
+            zap = in_a if self.residual == "principled" else self._code_window(nb, m)
+            return _renorm(_zero_at(resid, nb, zap).at[rows, x].set(0.0), resid), q
+        new_q = _renorm(q.at[rows, x].set(0.0), q)
+        if self.residual == "principled":
+            base, sub = _zero_at(resid, nb, in_a).at[rows, x].set(qt), q
+        elif self.residual == "lumina_code":
+            base, sub = _zero_at(resid, nb, self._code_window(nb, m)), q
+        else:  # "llamagen_code"
+            base, sub = resid, _zero_at(q, nb, self._code_window(nb, m))
+        return _renorm(jnp.maximum(base - sub, 0.0), resid), new_q
+
+    def _check_common(self, vocab_size, codebook) -> None:
+        from jspec.neighbours import NeighbourTable
+
+        name = type(self).__name__
+        if not isinstance(self.table, NeighbourTable):
+            raise ValueError(f"{name}: table must be a jspec.neighbours.NeighbourTable, "
+                             f"got {type(self.table).__name__}")
+        if self.residual not in RESIDUAL_MODES:
+            raise ValueError(f"{name}: unknown residual mode {self.residual!r}; use one of {RESIDUAL_MODES}")
+        if self.drafts not in DRAFT_MODES:
+            raise ValueError(f"{name}: unknown drafts {self.drafts!r}; use one of {DRAFT_MODES}")
+        k = float(jnp.asarray(self.k))
+        if k != int(k) or k < 0:
+            raise ValueError(f"{name}: k (neighbours) must be a non-negative integer, got {self.k!r}")
+        k = int(k)
+        if k > self.table.kmax:
+            raise ValueError(f"{name}: k={k} neighbours but the table holds {self.table.kmax} per token: build it "
+                             f"with k >= {k}")
+        if self.residual != "principled" and k >= 1 and k + 1 > self.table.kmax:
+            raise ValueError(f"{name}: residual={self.residual!r} zeroes the first k + 1 = {k + 1} neighbours, but "
+                             f"the table holds {self.table.kmax}: build it with k >= {k + 1}")
+        if vocab_size is not None or codebook is not None:
+            self.table.check(self.table.vocab_size if vocab_size is None else vocab_size, codebook)
+
+
+@struct.dataclass
+class LanternPP(_Relaxed):
+    """LANTERN++: the relaxation of `_Relaxed` with the multiplicative bound S_m <= (lam - 1) r(x), so that
+    q~(x) <= lam * r(x). lam = 1 is exact. Paper settings: k = 10, lam in {2, 3}."""
+
+    table: Any  # jspec.neighbours.NeighbourTable
+    k: Any  # neighbours considered (<= table.kmax)
+    lam: Any  # lambda >= 1
+    residual: str = struct.field(pytree_node=False, default="principled")
+    drafts: str = struct.field(pytree_node=False, default="sampled")
+
+    def bound(self, rx):
+        return (self.lam - 1.0) * rx
+
+    def check(self, vocab_size: int | None = None, codebook=None) -> None:
+        """ValueError for lam < 1, k out of [0, table.kmax], an unknown mode; with `vocab_size` / `codebook` also
+        for a table made for another vocabulary or codebook."""
+        if not float(jnp.asarray(self.lam)) >= 1.0:
+            raise ValueError(f"LanternPP: lam must be >= 1 (lam = 1 is the exact rule), got {self.lam!r}")
+        self._check_common(vocab_size, codebook)
+
+
+@struct.dataclass
+class Lantern(_Relaxed):
+    """LANTERN: the relaxation of `_Relaxed` with the additive bound S_m <= delta (the total variation between r
+    and q~ is S_m*). delta = 0 is exact. LANTERN's default: k = 1000, delta = 0.1; LANTERN++'s ablation: delta in
+    {1e-4, 2e-4, 5e-4}."""
+
+    table: Any
+    k: Any
+    delta: Any  # >= 0
+    residual: str = struct.field(pytree_node=False, default="principled")
+    drafts: str = struct.field(pytree_node=False, default="sampled")
+
+    def bound(self, rx):
+        return jnp.broadcast_to(jnp.asarray(self.delta, jnp.float32), rx.shape)
+
+    def check(self, vocab_size: int | None = None, codebook=None) -> None:
+        """ValueError for delta < 0, k out of [0, table.kmax], an unknown mode; with `vocab_size` / `codebook` also
+        for a table made for another vocabulary or codebook."""
+        if not float(jnp.asarray(self.delta)) >= 0.0:
+            raise ValueError(f"Lantern: delta must be >= 0 (delta = 0 is the exact rule), got {self.delta!r}")
+        self._check_common(vocab_size, codebook)
+
+
+RULES = {"residual": Residual, "q1": Q1}  # the relaxed rules need a neighbour table: build them, no names
 
 
 def as_rule(rule) -> Rule:

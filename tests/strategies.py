@@ -21,6 +21,7 @@ from jspec.trees import Layout, build_tree, chain
 from toy_parts import CycleDepth, FixedTrees, TwoViews, per_row_trees
 from jspec.controllers.calibration import CaliTS, init_predictor
 from jspec.drafters.early_exit import init_head
+from jspec.drafters import eagle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,3 +105,17 @@ register("sage_residual", lambda t, d: jspec.SAGE(d, rule="residual", **SAGE_SMA
 # multi-view settings are proven on image prompts in tests/test_tabed.py
 register("tabed_one_view", lambda t, d: jspec.TABED(d, views=("M",), weights="grid", gamma=3), exact=True,
          slow=True)
+
+def eagle_head(target):
+    """An untrained EAGLE head that still drafts some accepted tokens: the target's first layer over the token
+    embedding alone (fc = [I; 0]), which is close to the target on the tiny pairs (their later layers are damped)."""
+    head = eagle.init_head(target, jax.random.key(3))
+    D = target.config.hidden_size
+    fc = jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))], 0).astype(head.params["fc"].dtype)
+    return head.replace(params=dict(head.params, fc=fc, layer=dict(target.params["layers"][0])))
+
+
+# EAGLE-1's feature head over the target's own features (LANTERN++'s drafter), on a small static tree
+register("eagle_head", lambda t, d: jspec.Speculative(
+    eagle.EagleDrafter(eagle_head(t)), StaticPlan.of(build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]]))),
+    exact=True, separate_draft=False)

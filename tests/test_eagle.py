@@ -32,28 +32,57 @@ def eagle(head, tree, rule="residual", controller=None):
     return jspec.Speculative(E.EagleDrafter(head), StaticPlan.of(build_tree(tree)), rule, controller)
 
 
-def _features(target, seq):
+NMAX = 64  # reference sequences are padded to this length: under causal attention padding never changes a prefix
+
+
+@jax.jit
+def _features_padded(target, seq):
     cfg, lm = E.text_parts(target)
-    cache = kvc.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, len(seq), cfg.head_dim, jnp.float32)
-    fo = target.forward(jnp.asarray(seq)[None], jnp.arange(len(seq))[None], cache, fresh=True,
-                        hidden_layers=(cfg.num_layers,))
+    cache = kvc.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, NMAX, cfg.head_dim, jnp.float32)
+    fo = target.forward(seq[None], jnp.arange(NMAX)[None], cache, fresh=True, hidden_layers=(cfg.num_layers,))
     return E.features(cfg, lm, fo.hidden[0])[0]
 
 
-def _head_logp(target, head, seq, root: int, k: int) -> np.ndarray:
-    """log q of the token after seq[root + k] as EAGLE drafts it: true entries (seq[j], f[j - 1]) up to the root,
-    then k drafted entries, each paired with the f-hat of the entry before it."""
+@jax.jit
+def _head_padded(target, head, tokens, feats):
+    """f-hat [NMAX, D] of entries (tokens[j], feats[j]), causal."""
     cfg, lm = E.text_parts(target)
-    f = _features(target, seq)
-    emb = lm["embed"][jnp.asarray(seq[1:root + k + 1])]
-    feats = [f[j - 1] for j in range(1, root + 1)]
+    cache = kvc.init_cache(1, 1, cfg.num_kv_heads, NMAX, cfg.head_dim, jnp.float32)
+    x, _ = E.head_forward(cfg, head, lm["embed"][tokens][None], feats[None], jnp.arange(1, NMAX + 1)[None], cache,
+                          fresh=True)
+    return x[0], E.lm_logits(cfg, lm, x)[0]
+
+
+def _pad(seq):
+    assert len(seq) <= NMAX
+    return jnp.asarray(np.pad(np.asarray(seq, np.int32), (0, NMAX - len(seq))))
+
+
+def _head_logits(target, head, seq, root: int, k: int) -> np.ndarray:
+    """The head's logits for the token after seq[root + k] as EAGLE drafts it: true entries (seq[j], f[j - 1]) up
+    to the root, then k drafted entries, each paired with the f-hat of the entry before it."""
+    f = _features_padded(target, _pad(seq))
+    tokens = _pad(seq[1:])  # entry i holds seq[i + 1]
+    feats = f  # entry i pairs with f[i]
     for i in range(k + 1):
-        n = root + i
-        cache = kvc.init_cache(1, 1, cfg.num_kv_heads, n, cfg.head_dim, jnp.float32)
-        x, _ = E.head_forward(cfg, head, emb[None, :n], jnp.stack(feats)[None], jnp.arange(1, n + 1)[None], cache,
-                              fresh=True)
-        feats.append(x[0, -1])
-    return np.asarray(jax.nn.log_softmax(E.lm_logits(cfg, lm, x[:, -1:]))[0, 0])
+        x, logits = _head_padded(target, head, tokens, feats)
+        n = root + i  # entries 0 .. n - 1 are final
+        feats = feats.at[n].set(x[n - 1])
+    return np.asarray(logits[root + k - 1])
+
+
+def _head_logp(target, head, seq, root: int, k: int) -> np.ndarray:
+    return np.asarray(jax.nn.log_softmax(_head_logits(target, head, seq, root, k)))
+
+
+def _steps(acc_row, n_gen):
+    """(generated index t, its step's root index c - 1 in the generated tokens, depth k - 1) per committed token."""
+    c = 1
+    for n in acc_row:
+        for k in range(n):
+            if c + k < n_gen:
+                yield c + k, c - 1, k
+        c += n
 
 
 def test_draft_distributions_are_the_teacher_forced_heads(pair):
@@ -71,23 +100,18 @@ def test_draft_distributions_are_the_teacher_forced_heads(pair):
         checked = 0
         for b, prompt in enumerate(PROMPTS):
             seq = np.concatenate([prompt, out[b, :16]])
-            c = 1
-            for n in acc[b]:
-                for k in range(n):
-                    t = c + k  # generated index of the token; drafted at depth k + 1 below the root gen[c - 1]
-                    if t >= 16 or not rec["q_known"][b, t - 1]:
-                        continue
-                    ref = _head_logp(target, head, seq, len(prompt) + c - 1, k)
+            for t, root, k in _steps(acc[b], 16):
+                if rec["q_known"][b, t - 1]:
+                    ref = _head_logp(target, head, seq, len(prompt) + root, k)
                     np.testing.assert_allclose(rec["q"][b, t - 1], ref[seq[len(prompt) + t]], atol=2e-4)
                     checked += 1
-                c += n
         assert checked >= 20
 
 
 def test_greedy_equals_ar_on_trees(pair):
     target, head = pair
     ar = jspec.decode(target, PROMPTS, max_new_tokens=20, eos_token_id=())
-    for tree in ("mc_sim_7b_63", "naive_extend_57"):
+    for tree in ("mc_sim_7b_63",):  # naive_extend_57 runs under CFG below
         out = jspec.decode(target, PROMPTS, eagle(head, tree), max_new_tokens=20, eos_token_id=())
         np.testing.assert_array_equal(out.tokens, ar.tokens)
 
@@ -125,3 +149,43 @@ def test_errors(pair):
         jspec.decode(same_shape, PROMPTS, eagle(head, chain(2)), max_new_tokens=4)
     with pytest.raises(ValueError, match="draft_prompt"):
         jspec.decode(target, PROMPTS, eagle(head, chain(2)), max_new_tokens=4, draft_prompt=PROMPTS)
+
+
+def test_cfg_streams_and_the_image_grammar():
+    """Under CFG and the image grammar, each committed token's draft log-prob is the two streams' teacher-forced
+    head logits combined (uncond + s (cond - uncond)) and constrained; greedy SD == AR image generation."""
+    from jspec import imagegen as IG
+    from jspec.guidance import CFG
+    from test_imagegen import COLS, PREFIX, ROWS, make_model, prompts
+
+    target = IG._generating(make_model(0))
+    head = E.init_head(target, jax.random.key(4), noise=0.3)
+    gram = IG.grammar(target.config, ROWS, COLS)
+    conds = [np.concatenate([p, PREFIX]) for p in prompts()]
+    scale = 3.0
+    s = api.start(target, conds, eagle(head, chain(3), controller=RecordingController()),
+                  max_new_tokens=gram.length, eos_token_id=(gram.eoi,), guidance=CFG(scale, PREFIX), constraint=gram)
+    state = s.run()
+    rec, out, acc = jax.device_get((state.aux.ctrl, state.out, state.accepted))
+    n = gram.length
+    ar = jspec.generate_image(target, prompts(), ROWS, COLS, temperature=0.0, image_prefix_ids=PREFIX)
+    np.testing.assert_array_equal(out[:, :n], ar.tokens)
+    checked = 0
+    for b, cond in enumerate(conds):
+        gen = out[b, :n]
+        for t, root, k in _steps(acc[b], n):
+            if not rec["q_known"][b, t - 1] or t % (COLS + 1) == COLS:
+                continue  # forced end-of-row tokens have log-prob 0 under any logits
+            lc = _head_logits(target, head, np.concatenate([cond, gen]), len(cond) + root, k)
+            lu = _head_logits(target, head, np.concatenate([PREFIX, gen]), len(PREFIX) + root, k)
+            g = gram.apply(jnp.asarray(lu + scale * (lc - lu))[None, None], jnp.asarray([[t]]))[0, 0]
+            ref = float(jax.nn.log_softmax(g)[gen[t]])
+            if ref < -60:  # the recorded probability underflows float32
+                assert rec["q"][b, t - 1] < -60
+                continue
+            np.testing.assert_allclose(rec["q"][b, t - 1], ref, atol=1e-3)
+            checked += 1
+    assert checked >= 8
+    sd = jspec.generate_image(target, prompts(), ROWS, COLS, strategy=eagle(head, "naive_extend_57"),
+                              temperature=0.0, image_prefix_ids=PREFIX)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
