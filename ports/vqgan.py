@@ -18,7 +18,6 @@ h = H / f, w = W / f, f = 2 ** (len(channel_multiplier) - 1), row-major as HF fl
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import re
 from typing import Any, Mapping, Sequence
@@ -410,43 +409,6 @@ def to_uint8(images) -> np.ndarray:
     """Images [B, C, H, W] in [-1, 1] -> uint8 [B, H, W, C] (clamped, then truncated as Chameleon's tokenizer does)."""
     x = np.clip(np.asarray(images, np.float32), -1.0, 1.0)
     return ((x + 1.0) / 2.0 * 255.0).astype(np.uint8).transpose(0, 2, 3, 1)
-
-
-# --------------------------------------------------------------------------------------------------- neighbours
-
-
-def neighbour_table(codebook, k: int, chunk: int = 512) -> jax.Array:
-    """For each codebook row, the indices of its k nearest other rows: int32 [K, k].
-
-    L2 distance (|a|^2 + |b|^2 - 2 a.b in float32 at full precision), self excluded (a duplicate row at distance 0
-    is a neighbour), ties broken by the lower index, nearest first. Rows are processed `chunk` at a time, so memory
-    is O(chunk * K) (a 8192 x 256 codebook needs ~16 MB of distances per chunk of 512)."""
-    cb = jnp.asarray(codebook, jnp.float32)
-    if cb.ndim != 2:
-        raise ValueError(f"codebook has shape {tuple(cb.shape)}; expected (K, D)")
-    K = cb.shape[0]
-    if not 1 <= k < K:
-        raise ValueError(f"neighbour_table: k={k} must be in [1, K-1] = [1, {K - 1}] (self is excluded)")
-    chunk = max(1, min(int(chunk), K))
-    return _neighbours(cb, k, chunk)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _neighbours(cb: jax.Array, k: int, chunk: int) -> jax.Array:
-    K = cb.shape[0]
-    n_chunks = -(-K // chunk)
-    sq = jnp.sum(cb * cb, axis=1)
-    rows = jnp.arange(n_chunks * chunk).reshape(n_chunks, chunk)
-
-    def one(idx):
-        safe = jnp.minimum(idx, K - 1)
-        a = cb[safe]
-        d = sq[safe][:, None] + sq[None, :] - 2.0 * jnp.dot(a, cb.T, precision=PRECISION)
-        d = jnp.where(safe[:, None] == jnp.arange(K)[None, :], jnp.inf, d)
-        # top_k of -d: equal values keep the lower index first
-        return jax.lax.top_k(-d, k)[1].astype(jnp.int32)
-
-    return jax.lax.map(one, rows).reshape(n_chunks * chunk, k)[:K]
 
 
 # --------------------------------------------------------------------------------------------------- checkpoints

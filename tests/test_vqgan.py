@@ -13,6 +13,7 @@ import torch
 import transformers
 from safetensors.numpy import save_file
 
+from jspec.neighbours import neighbour_codes
 from ports import vqgan as VQ
 from conftest import perturb
 
@@ -277,15 +278,15 @@ def test_neighbour_table_equals_brute_force():
     cb = rng.integers(-2, 3, (300, 4)).astype(np.float32)
     cb[7] = cb[3]
     want = brute_neighbours(cb, 12)
-    for chunk in (64, 77, 300, 1000):
-        got = np.asarray(VQ.neighbour_table(cb, 12, chunk=chunk))
+    for block in (64, 77, 300, 1000):
+        got = neighbour_codes(cb, 12, block=block)
         assert got.dtype == np.int32 and got.shape == (300, 12)
         np.testing.assert_array_equal(got, want)
     assert got[3, 0] == 7 and got[7, 0] == 3  # a duplicate is a neighbour at distance 0; self never is
     assert not (got == np.arange(300)[:, None]).any()
     # a Chameleon-sized codebook (8192 x 256) in chunks; spot-check rows against float64 brute force
     big = rng.normal(size=(8192, 256)).astype(np.float32)
-    table = np.asarray(VQ.neighbour_table(big, 10))
+    table = neighbour_codes(big, 10)
     assert table.shape == (8192, 10)
     for r in (0, 4097, 8191):
         d = ((big.astype(np.float64) - big[r]) ** 2).sum(1)
@@ -304,10 +305,10 @@ def test_bad_inputs_fail_clearly():
         VQ.encode(cfg, params, np.zeros((1, 1, 16, 16), np.float32))
     with pytest.raises(ValueError, match=r"decode expects a grid \(B, h, w\)"):
         VQ.decode(cfg, params, np.zeros((4, 4), np.int32))
-    with pytest.raises(ValueError, match=r"k=0 must be in \[1, K-1\]"):
-        VQ.neighbour_table(np.zeros((5, 2)), 0)
-    with pytest.raises(ValueError, match=r"k=5 must be in \[1, K-1\] = \[1, 4\]"):
-        VQ.neighbour_table(np.zeros((5, 2)), 5)
+    with pytest.raises(ValueError, match=r"k must be an integer in \[1, 4\]"):
+        neighbour_codes(np.zeros((5, 2)), 0)
+    with pytest.raises(ValueError, match=r"k must be an integer in \[1, 4\]"):
+        neighbour_codes(np.zeros((5, 2)), 5)
     with pytest.raises(ValueError, match="multiples of 32"):
         VQ.VQConfig(base_channels=48)
     with pytest.raises(ValueError, match="double_latent"):
