@@ -1,0 +1,117 @@
+"""LANTERN and LANTERN++: relaxed speculative decoding for visual AR models over latent-neighbour image tokens.
+
+A strategy here is the engine's parts: a drafter (an EAGLE-1 feature head, `jspec.drafters.eagle`, or a separate
+draft model), a tree plan (the static EAGLE-1 trees with drafts sampled without replacement, or EAGLE-2's dynamic
+tree with deterministic drafts) and a relaxed acceptance rule (`jspec.verify.LanternPP`: the neighbours' target
+mass may raise a draft's up to lambda times its own; `jspec.verify.Lantern`: by at most delta). The neighbour
+table (`jspec.neighbours.NeighbourTable`, from the VQ codebook) and lambda, delta and k are data: new values do not
+recompile. lambda = 1 or delta = 0 (or k = 0) is exact speculative sampling; greedy decoding is never relaxed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jspec.drafters import ModelDrafter
+from jspec.drafters.eagle import EagleDrafter, EagleHead
+from jspec.methods import preset
+from jspec.neighbours import NeighbourTable
+from jspec.plans import DynamicPlan, StaticPlan
+from jspec.strategy import Speculative, Strategy, _cached_tree, _paths_key
+from jspec.verify import RESIDUAL_MODES, Lantern as LanternRule, LanternPP as LanternPPRule
+
+# EAGLE-2's dynamic tree as LANTERN++'s baseline runs it (spec 2.6): top_k 10, 5 levels, 58 drafts kept
+DYNAMIC = dict(depth=5, top_k=10, total=58)
+
+# Lumina-mGPT-7B-768 as LANTERN++ runs it (Table 2): k = 10, lambda = 3, CFG 3, top-k 2000, the extended tree; a
+# 768 px image is 48 x 48 codes (Chameleon's VQGAN downsamples 16x), each row followed by an end-of-row token
+PRESETS = {
+    "lumina-mgpt-7b-768": dict(k=10, lam=3.0, tree="naive_extend_57", cfg_scale=3.0, top_k=2000, temperature=1.0,
+                               rows=48, cols=48, prompt=("Generate an image of 768x768 according to the following "
+                                                         "prompt:\n{caption}")),
+}
+
+
+def lumina_preset(name: str = "lumina-mgpt-7b-768") -> dict:
+    """LANTERN++'s settings for a shipped config name (ValueError for one without a preset)."""
+    return dict(preset(PRESETS, name, "LANTERN++", "pass k=, lam=, tree= yourself"))
+
+
+def _drafter(draft):
+    if isinstance(draft, EagleHead):
+        return EagleDrafter(draft)
+    if isinstance(draft, (EagleDrafter, ModelDrafter)):
+        return draft
+    if hasattr(draft, "config") and hasattr(draft, "params"):
+        return ModelDrafter(draft)
+    raise ValueError(f"draft must be an EagleHead (jspec.drafters.eagle_io.load_head), a draft model or a drafter, "
+                     f"got {type(draft).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Relaxed(Strategy):
+    draft: Any
+    table: NeighbourTable | None
+    k: int
+    tree: Any
+    residual: str
+
+    def _rule(self, drafts: str):
+        raise NotImplementedError
+
+    def _checked_table(self) -> NeighbourTable:
+        if not isinstance(self.table, NeighbourTable):
+            raise ValueError(f"{type(self).__name__} needs table= a jspec.neighbours.NeighbourTable built from the "
+                             "target's VQ codebook (NeighbourTable.for_chameleon(cfg, codebook, k)); got "
+                             f"{type(self.table).__name__}")
+        return self.table
+
+    def parts(self) -> Speculative:
+        self._checked_table()
+        drafter = _drafter(self.draft)
+        if self.tree == "dynamic":
+            return Speculative(drafter, DynamicPlan(**DYNAMIC), self._rule("deterministic"))
+        return Speculative(drafter, StaticPlan.of(_cached_tree(_paths_key(self.tree), None)), self._rule("sampled"))
+
+    def check(self, target) -> None:
+        if self.residual not in RESIDUAL_MODES:
+            raise ValueError(f"unknown residual mode {self.residual!r}; use one of {RESIDUAL_MODES}")
+        parts = self.parts()
+        parts.rule.check(vocab_size=target.config.vocab_size)
+        parts.check(target)
+
+
+@dataclasses.dataclass(frozen=True)
+class LanternPP(_Relaxed):
+    """LANTERN++: accept a drafted image token x with probability min(1, q~(x) / p~(x)), where q~(x) adds to the
+    target's q(x) the mass of x's nearest latent neighbours (a prefix of its k nearest) while the sum stays within
+    lam * q(x). draft: an `EagleHead` (the paper's drafter) or a draft model of the target's vocabulary. table: the
+    neighbour table of the target's VQ codebook. tree: "naive_extend_57" (the paper's), "mc_sim_7b_63", any
+    child-rank paths, or "dynamic" (EAGLE-2's tree with deterministic drafts). residual: "principled" (the residual
+    of q~), "lumina_code" or "llamagen_code" (the authors' code; see `jspec.verify`). lam = 1 is exact."""
+
+    draft: Any
+    table: NeighbourTable | None = None
+    k: int = 10
+    lam: float = 3.0
+    tree: Any = "naive_extend_57"
+    residual: str = "principled"
+
+    def _rule(self, drafts: str):
+        return LanternPPRule(self.table, self.k, float(self.lam), self.residual, drafts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lantern(_Relaxed):
+    """LANTERN: `LanternPP`'s relaxation with an additive bound, the neighbours' mass at most `delta` (the total
+    variation it moves). delta = 0 is exact."""
+
+    draft: Any
+    table: NeighbourTable | None = None
+    k: int = 10
+    delta: float = 0.1
+    tree: Any = "naive_extend_57"
+    residual: str = "principled"
+
+    def _rule(self, drafts: str):
+        return LanternRule(self.table, self.k, float(self.delta), self.residual, drafts)
