@@ -77,8 +77,14 @@ def cmd_plan(args) -> int:
         target = PL.load_config(args.config)
         draft_name, tree_nodes, sage_note = args.draft, args.tree_nodes, None
         draft_max_len, self_draft = None, draft_name == "self"
-        if args.sage and args.specvlm:
-            raise ValueError("--sage and --specvlm size different verify widths: pick one")
+        if sum(map(bool, (args.sage, args.specvlm, args.lantern))) > 1:
+            raise ValueError("--sage, --specvlm and --lantern size different verify widths: pick one")
+        streams, eagle = 1, False
+        if args.lantern:
+            from jspec.methods.lantern import lantern_budget
+
+            tree_nodes, streams, sage_note = lantern_budget(args.config)
+            eagle = draft_name is None
         if args.specvlm:
             from jspec.methods.specvlm import specvlm_budget
 
@@ -100,7 +106,7 @@ def cmd_plan(args) -> int:
             eesd = (n, args.eesd_layers, args.cali)
         p = PL.plan(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
                     tree_nodes=tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd,
-                    draft_max_len=draft_max_len, self_draft=self_draft)
+                    draft_max_len=draft_max_len, self_draft=self_draft, streams=streams, eagle=eagle)
         if sage_note:
             p["notes"].append(sage_note)
     except ValueError as e:
@@ -178,6 +184,9 @@ def main(argv=None) -> int:
     pl.add_argument("--specvlm", action="store_true", help="SpecVLM: the 25-node tree (26 verified), the draft's "
                                                            "cache less the pruned video tokens and, for a target "
                                                            "with a preset, the paper's draft unless --draft")
+    pl.add_argument("--lantern", action="store_true", help="LANTERN++: an EAGLE-1 head (or --draft) verified on the "
+                                                           "preset's tree (58 nodes for naive_extend_57) under CFG "
+                                                           "(two streams per row)")
     pl.add_argument("--video-tokens", type=int, help="--specvlm: video tokens per prompt (default: the preset's clip)")
     pl.add_argument("--prune-ratio", type=float, help="--specvlm: share of video tokens the draft drops (default: "
                                                       "the preset's, else 0.9)")

@@ -438,10 +438,23 @@ def eesd_components(target: _Planned, exit_layer: int, layers: int, calibration:
     return out
 
 
+def eagle_components(target: _Planned, batch: int, max_len: int, dt) -> dict:
+    """An EAGLE-1 feature head's own bytes (replicated, as `EagleDrafter.prepare` places it): fc [2D, D] + bias and
+    one decoder layer of the target's shape (the embedding and LM head are the target's), and its one-layer KV
+    cache for `batch` stream rows (CFG doubles them)."""
+    text = target.text
+    per_layer = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(target.model.params["layers"][0]))
+    D = text.hidden_size
+    n = 2 * D * D + D + per_layer
+    cache = 2 * batch * text.num_kv_heads * text.head_dim * dt.itemsize * max_len
+    return {"eagle_head": dict(total=n * dt.itemsize, per_device=n * dt.itemsize, count=n, replicated=True),
+            "eagle_cache": dict(total=cache, per_device=cache, replicated=True)}
+
+
 def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, dtype="bfloat16",
          draft_config: dict | None = None, tree_nodes: int = 64, prompt_len: int | None = None, rules=None,
          images: int | None = None, eesd: tuple[int, int, bool] | None = None, draft_max_len: int | None = None,
-         self_draft: bool = False) -> Plan:
+         self_draft: bool = False, streams: int = 1, eagle: bool = False) -> Plan:
     """Bytes per device of decoding `config` (an HF config dict) on a mesh of `mesh_shape`
     ({"data":, "fsdp":, "tensor":}) with a `max_len`-slot cache for `batch` rows, params in `dtype`, optionally
     with a replicated draft. Nothing is allocated and no devices are needed.
@@ -451,9 +464,11 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     row); eesd: (exit layer N, head layers, with Cali-TS's predictor) sizes an EESD early-exit drafter
     (`eesd_components`); draft_max_len: the draft's cache slots when they differ from the target's (SpecVLM's
     pruned draft prompt); self_draft: the target drafts for itself from a second cache of its own, sharded like
-    the target's (SpecVLM's Self-SD). Returns a `Plan`: per component {"total", "per_device"} bytes ("total" is one logical
+    the target's (SpecVLM's Self-SD); streams: sequences per row (2 under classifier-free guidance: every cache
+    and activation holds batch * streams rows); eagle: an EAGLE-1 feature head drafts (`eagle_components`,
+    LANTERN++'s drafter). Returns a `Plan`: per component {"total", "per_device"} bytes ("total" is one logical
     copy), their sums, and notes; `plan(...).fits(device_bytes)` gives the verdict."""
-    for name, v in (("batch", batch), ("max_len", max_len), ("tree_nodes", tree_nodes)):
+    for name, v in (("batch", batch), ("max_len", max_len), ("tree_nodes", tree_nodes), ("streams", streams)):
         if int(v) < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     prompt_len = max_len if prompt_len is None else int(prompt_len)
@@ -472,7 +487,8 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     total, per = param_bytes(target.model, mesh, table)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(target.model.params))
     comps["params"] = dict(total=total, per_device=per, count=n_params)
-    total, per, cache = cache_bytes(target.model, batch, max_len, placement)
+    rows = batch * int(streams)  # CFG runs a conditional and an unconditional sequence per row
+    total, per, cache = cache_bytes(target.model, rows, max_len, placement)
     comps["kv_cache"] = dict(total=total, per_device=per, spec=str(placement.cache_spec(cache)))
     d_len = max_len if draft_max_len is None else int(draft_max_len)
     if not 1 <= d_len <= max_len:
@@ -482,7 +498,7 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     if draft is not None:
         n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft.model.params))
         comps["draft_params"] = dict(total=n * dt.itemsize, per_device=n * dt.itemsize, count=n, replicated=True)
-        total, per, _ = cache_bytes(draft.model, batch, d_len, placement, replicated=True)
+        total, per, _ = cache_bytes(draft.model, rows, d_len, placement, replicated=True)
         assert total == per
         comps["draft_cache"] = dict(total=total, per_device=per, replicated=True, slots=d_len)
     if self_draft:
@@ -498,12 +514,21 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
         notes.append(f"EESD: exits after layer {eesd[0]} of {target.text.num_layers} (shared with the target), "
                      f"{eesd[1]} head layer(s) + norm + LM head = {comps['eesd_head']['count'] / 1e9:.3f}B params"
                      + (f", Cali-TS predictor {comps['eesd_calibration']['count'] / 1e9:.3f}B" if eesd[2] else ""))
+    if eagle:
+        if draft is not None or eesd is not None or self_draft:
+            raise ValueError("plan one drafter: a separate draft, an early-exit head or an EAGLE head")
+        comps.update(eagle_components(target, rows, max_len, dt))
+        notes.append(f"EAGLE-1 head: fc + one decoder layer = {comps['eagle_head']['count'] / 1e9:.3f}B params "
+                     "(the target's embedding and LM head shared), its one-layer cache replicated")
+    if streams > 1:
+        notes.append(f"{streams} streams per row (classifier-free guidance): caches and activations hold "
+                     f"{rows} sequences")
     vlm = target.vit is not None or target.analytic_vision is not None
     n_img = (batch if vlm else 0) if images is None else int(images)
     one = abstract_mesh({})
-    act = activation_estimate(target, draft, mesh, table, batch, max_len, prompt_len, tree_nodes, n_img,
+    act = activation_estimate(target, draft, mesh, table, rows, max_len, prompt_len, tree_nodes, n_img,
                               dt.itemsize, d_len)
-    act_one = activation_estimate(target, draft, one, table, batch, max_len, prompt_len, tree_nodes, n_img,
+    act_one = activation_estimate(target, draft, one, table, rows, max_len, prompt_len, tree_nodes, n_img,
                                   dt.itemsize, d_len)
     comps["activations"] = dict(total=act_one["peak"], per_device=act["peak"], estimate=True, phase=act["phase"],
                                 prefill=act["prefill"], decode=act["decode"], detail=act)
@@ -528,6 +553,7 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
 
 LABELS = {"params": "params", "kv_cache": "KV cache", "eesd_head": "EESD head (replicated)",
           "eesd_cache": "EESD head cache + scratch", "eesd_calibration": "Cali-TS predictor (f32)",
+          "eagle_head": "EAGLE head (replicated)", "eagle_cache": "EAGLE head cache (replicated)",
           "draft_params": "draft params (replicated)", "draft_cache": "draft KV cache (replicated)",
           "activations": "activations (estimate)"}
 

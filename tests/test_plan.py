@@ -285,3 +285,31 @@ def test_specvlm_presets_plan_a_pruned_draft_cache(name, capsys):
     assert js_self["components"]["draft_cache"]["replicated"] is False
     with pytest.raises(SystemExit, match="--video-tokens"):
         cli.main(["plan", "--config", "llama-2-7b", "--specvlm", "--max-len", "512"])
+
+
+def test_lantern_plans_an_eagle_head_and_cfg_streams(capsys):
+    """`jspec plan --lantern`: the EAGLE head's count equals a real head's on a tiny target; CFG doubles the KV
+    cache; Lumina-mGPT-7B-768 with LANTERN++'s preset (58 verified nodes, ~0.24B head) fits an 80 GB device."""
+    import jax
+    import ports
+    from jspec.drafters import eagle as E
+
+    tiny = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    target = ports.random_model(ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64,
+                                                 intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                                                 head_dim=16), key=0)
+    one = PL.plan(tiny, {}, 1, 64, dtype="float32", eagle=True)
+    two = PL.plan(tiny, {}, 1, 64, dtype="float32", eagle=True, streams=2)
+    assert one["components"]["eagle_head"]["count"] == E.init_head(target, jax.random.key(0)).num_params
+    assert two["components"]["kv_cache"]["total"] == 2 * one["components"]["kv_cache"]["total"]
+    assert two["components"]["eagle_cache"]["total"] == 2 * one["components"]["eagle_cache"]["total"]
+    assert cli.main(["plan", "--config", "lumina-mgpt-7b-768", "--max-len", "2500", "--lantern",
+                     "--device-memory", "80GB", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["tree_nodes"] == 58 and js["fit"]["fits"]
+    assert abs(js["components"]["eagle_head"]["count"] / 0.236e9 - 1) < 0.01
+    assert any("naive_extend_57" in n and "2 streams" in n for n in js["notes"])
+    with pytest.raises(SystemExit, match="pick one"):
+        cli.main(["plan", "--config", "lumina-mgpt-7b-768", "--max-len", "64", "--lantern", "--sage"])

@@ -37,6 +37,22 @@ def lumina_preset(name: str = "lumina-mgpt-7b-768") -> dict:
     return dict(preset(PRESETS, name, "LANTERN++", "pass k=, lam=, tree= yourself"))
 
 
+def lantern_budget(config_name: str) -> tuple[int, int, str]:
+    """(verify width, streams per row, a note) of LANTERN++ on `config_name` for `jspec plan`: its preset's tree
+    and CFG (the extended tree and two streams without a preset)."""
+    from jspec.trees import build_tree
+
+    try:
+        p = lumina_preset(config_name)
+    except ValueError:
+        p = dict(tree="naive_extend_57", cfg_scale=3.0, rows=None)
+    n = int(build_tree(p["tree"]).valid.sum())
+    streams = 2 if p.get("cfg_scale") else 1
+    grid = f", a {p['rows']} x {p['cols']} grid = {p['rows'] * (p['cols'] + 1) + 1} generated tokens" if p["rows"] else ""
+    return n, streams, (f"LANTERN++: tree {p['tree']} ({n} nodes verified per step), CFG {p['cfg_scale']} "
+                        f"({streams} streams){grid}")
+
+
 def _drafter(draft):
     if isinstance(draft, EagleHead):
         return EagleDrafter(draft)
