@@ -1,0 +1,177 @@
+"""Train an EAGLE-1 feature head (the LANTERN++ drafter) on a frozen target, and export it.
+
+    python scripts/train_eagle_head.py --target text-target --out build/eagle/text-target --steps 600
+    python scripts/train_eagle_head.py --target text-target --out build/eagle/text-target --minutes 20
+    python scripts/train_eagle_head.py --target DIR --texts chats.jsonl --out OUT --steps 2000 --lr 1e-4
+
+The head (`jspec.drafters.eagle.EagleHead`): fc [2D -> D] with bias over [token embedding; target feature] and one
+decoder layer of the target's family, initialised from the target's last layer (`eagle.init_head`); the target's
+embedding and LM head are used frozen, never copied. The loss is LANTERN++ 2.2 / EAGLE-1's
+(`jspec.methods.eagle_train`): SmoothL1 between the predicted and the target's next feature + 0.1 x the
+cross-entropy of the target's LM head over both, on the generated tokens only, with EAGLE's uniform feature noise
+(--noise 0.2; its scale 512 / L assumes long rows, 0 disables). AdamW (0.9, 0.95) after a per-value gradient
+clip of 0.5, warmup (3% of --steps) then decay. The paper's lr 1e-4 is for 7B targets: small ones want ~1e-3.
+
+Data: a zoo target (`jspec.zoo.available()`: text-target, image-target's language model) trains on the zoo's
+text chats (the tasks the zoo's text pair is trained on, T view, packed rows), weighted on the answers (the zoo's
+`target_mask`), with 4 held-out batches evaluated at each checkpoint. Another target (an HF checkpoint directory)
+needs --texts: JSON lines of {"text": ...} (every token weighted) or {"prompt": ..., "answer": ...} (the answer's
+tokens weighted), tokenized with the directory's tokenizer; the last 5% are held out. Text-to-image data (the
+target's own images under CFG pairs, `eagle_train.cfg_item`) is fed through `eagle_train.fit_head` directly.
+
+Everything goes to --out: orbax checkpoints (ckpt/, every --ckpt-minutes and on Ctrl-C / SIGTERM), the log
+(log.jsonl: loss, vloss, ploss, top1 = the head's argmax agreeing with the target's, per --log-every window), a
+loss plot (loss.png) and, at the end, the head (`eagle_io.save_head`: model.safetensors in the PyTorch EAGLE /
+LANTERN layout + eagle_head.json; `eagle_io.load_head(out, target)` reads it back). A rerun with the same --out
+continues from the checkpoint bit-identically (--no-resume starts over); a run stopped by its time budget or a
+signal exports the head it has and says how to continue.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from jspec import train as jt  # noqa: E402
+from jspec.drafters import eagle as E  # noqa: E402
+from jspec.drafters import eagle_io as IO  # noqa: E402
+from jspec.methods import eagle_train as ET  # noqa: E402
+
+
+def load_target(spec: str):
+    """(target, is_zoo): a shipped zoo model by name, else an HF checkpoint directory."""
+    from jspec import zoo
+
+    if spec in zoo.available():
+        return zoo.load(spec), True
+    if spec in zoo.MODEL_NAMES:
+        zoo.model_dir(spec)  # raises: named but not shipped
+    import ports
+
+    if not os.path.isdir(spec):
+        raise SystemExit(f"--target {spec!r} is neither a zoo model ({', '.join(zoo.available())}) nor a directory")
+    return ports.load_hf(spec), False
+
+
+def zoo_text_stream(batch: int, seq_len: int, seed: int, split: str = "train"):
+    """start -> `fit` batches of the zoo's text chats (packed, answers weighted: the zoo's target_mask, whose
+    convention is the head's: entry j counts when token j + 1 is an answer token)."""
+    from jspec.zoo import data as D
+
+    D.register_described_tasks()
+
+    def stream(start: int):
+        for b in D.batches(split, batch, seq_len, seed, tasks=D.TEXT_PAIR_TASKS, view="T", pack=True, start=start):
+            yield ({"input_ids": b["input_ids"], "positions": b["positions"], "segment_ids": b["segment_ids"],
+                    "mask": b["target_mask"].astype(np.float32)}, int(b["next_index"]),
+                   int((b["segment_ids"] > 0).sum()))
+    return stream
+
+
+def file_items(path: str, target_dir: str) -> list:
+    """Training items of a JSON-lines file ({"text"} or {"prompt", "answer"}), tokenized by the target's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    items = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            if "text" in d:
+                ids = np.asarray(tok(d["text"])["input_ids"], np.int32)
+                if len(ids) >= 2:
+                    items.append(ids)
+            else:
+                p = tok(d["prompt"])["input_ids"]
+                a = tok(d["answer"], add_special_tokens=False)["input_ids"]
+                ids = np.asarray(p + a, np.int32)
+                items.append((ids, ET.generated_mask(len(ids), len(p))))
+    if not items:
+        raise SystemExit(f"{path} holds no training text")
+    return items
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--target", required=True, help="a zoo model name or an HF checkpoint directory")
+    ap.add_argument("--out", required=True, help="the run's directory: checkpoints, log, plot and the exported head")
+    ap.add_argument("--texts", default=None, help="JSON lines of training text (targets outside the zoo)")
+    ap.add_argument("--steps", type=int, default=None, help="the schedule's length")
+    ap.add_argument("--minutes", type=float, default=None, help="time budget (sizes the schedule without --steps)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=None, help="warmup steps (default 3%% of --steps)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--noise", type=float, default=0.2, help="EAGLE's feature noise scale (0: none)")
+    ap.add_argument("--p-w", type=float, default=0.1, help="weight of the LM-head cross-entropy term")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--input-norm", choices=("auto", "on", "off"), default="auto",
+                    help="the head's layer normalises its input (auto: Chameleon yes, as LANTERN; LLaMA no, as EAGLE)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                    help="continue from the checkpoint in --out (default); --no-resume starts over")
+    ap.add_argument("--ckpt-minutes", type=float, default=3.0)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--export-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="dtype of the exported weights (default: the head's, float32)")
+    args = ap.parse_args(argv)
+    if args.steps is None and args.minutes is None:
+        args.minutes = 20.0
+
+    target, is_zoo = load_target(args.target)
+    E.text_parts(target)  # a clear error for targets a feature head cannot serve
+    if not is_zoo and not args.texts:
+        raise SystemExit("a target outside the zoo needs --texts (JSON lines of training text)")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"eagle-{Path(args.target).name}"
+    input_norm = {"auto": None, "on": True, "off": False}[args.input_norm]
+
+    if is_zoo:
+        data = zoo_text_stream(args.batch, args.seq_len, args.seed)
+        held_stream = zoo_text_stream(args.batch, args.seq_len, args.seed, "heldout")(0)
+        heldout = [next(held_stream)[0] for _ in range(4)]
+    else:
+        items = file_items(args.texts, args.target)
+        cut = max(1, len(items) // 20)
+        held_it = ET.batches(items[:cut], args.batch, args.seq_len, pack=True)
+        heldout = [next(held_it)[0] for _ in range(min(4, cut))]
+        train_items = items[cut:] or items
+        data = lambda start: ET.batches(train_items, args.batch, args.seq_len, start, pack=True)  # noqa: E731
+    cfg, _ = E.text_parts(target)
+    print(f"{name}: {cfg.model_type} target, hidden {cfg.hidden_size}, {cfg.num_layers} layers; out {out}")
+
+    opts = ET.LossOptions(p_w=args.p_w, noise=args.noise)
+    head, meta = ET.fit_head(target, data, out, steps=args.steps, minutes=args.minutes, lr=args.lr,
+                             warmup=args.warmup, seed=args.seed, resume=args.resume, opts=opts,
+                             weight_decay=args.weight_decay, input_norm=input_norm, heldout=heldout,
+                             log_every=args.log_every, ckpt_minutes=args.ckpt_minutes, name=name,
+                             argv=sys.argv[1:] if argv is None else argv)
+    jt.plot_log(out / "log.jsonl", out / "loss.png", name, ylabel="loss (SmoothL1 + 0.1 CE)")
+    evals = [r for r in jt.read_log(out / "log.jsonl") if "heldout_loss" in r]
+    last = {k: round(v, 4) for k, v in evals[-1].items() if k.startswith("heldout")} if evals else {}
+    done = jt.finished(meta)
+    IO.save_head(head, str(out), target=target, dtype=args.export_dtype, extra={
+        "steps": meta["step"], "total_steps": meta["total_steps"], "finished": done,
+        "train_minutes": round(meta["elapsed_s"] / 60, 1), "lr": args.lr, "noise": args.noise, "heldout": last,
+        "command": "python scripts/train_eagle_head.py " + " ".join(sys.argv[1:] if argv is None else argv)})
+    print(f"saved the head ({head.num_params / 1e6:.2f}M params, step {meta['step']} of {meta['total_steps']}) to "
+          f"{out}: held-out {last}")
+    if not done:
+        print("the schedule is not finished: rerun the same command to continue")
+
+
+if __name__ == "__main__":
+    main()
