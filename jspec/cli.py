@@ -61,6 +61,8 @@ def cmd_demo(args) -> int:
     try:
         if args.what == "video":
             demo.run_video(seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens or 96)
+        elif args.what == "image-gen":
+            demo.run_image_gen(seed=args.seed, out_dir=args.out)
         else:
             demo.run(seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens or 48)
     except ValueError as e:
@@ -157,8 +159,9 @@ def main(argv=None) -> int:
     demo_help = ("the shipped zoo pair answers a question about a fresh image with AR, Chain and Tree SD: answers, "
                  "mean accepted length, speedup; writes the images and a plot")
     m = sub.add_parser("demo", help=demo_help, description=demo_help)
-    m.add_argument("what", nargs="?", default="image", choices=("image", "video"),
-                   help="image (default): the image pair; video: the video pair with SpecVLM's pruning")
+    m.add_argument("what", nargs="?", default="image", choices=("image", "video", "image-gen"),
+                   help="image (default): the image pair; video: the video pair with SpecVLM's pruning; image-gen: "
+                        "the text-to-image pair, AR beside LANTERN++")
     m.add_argument("--max-new-tokens", type=int, default=None, help="default 48 (image), 96 (video)")
     m.add_argument("--seed", type=int, default=None, help="scene seed (default: a fresh one, printed)")
     m.add_argument("--out", default="jspec-demo", help="directory for the image and the plot")

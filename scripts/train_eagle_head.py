@@ -3,6 +3,7 @@
     python scripts/train_eagle_head.py --target text-target --out build/eagle/text-target --steps 600
     python scripts/train_eagle_head.py --target text-target --out build/eagle/text-target --minutes 20
     python scripts/train_eagle_head.py --target DIR --texts chats.jsonl --out OUT --steps 2000 --lr 1e-4
+    python scripts/train_eagle_head.py --target t2i-target --out jspec/zoo/t2i-eagle --seq-len 112 --batch 16
 
 The head (`jspec.drafters.eagle.EagleHead`): fc [2D -> D] with bias over [token embedding; target feature] and one
 decoder layer of the target's family, initialised from the target's last layer (`eagle.init_head`); the target's
@@ -16,8 +17,11 @@ Data: a zoo target (`jspec.zoo.available()`: text-target, image-target's languag
 text chats (the tasks the zoo's text pair is trained on, T view, packed rows), weighted on the answers (the zoo's
 `target_mask`), with 4 held-out batches evaluated at each checkpoint. Another target (an HF checkpoint directory)
 needs --texts: JSON lines of {"text": ...} (every token weighted) or {"prompt": ..., "answer": ...} (the answer's
-tokens weighted), tokenized with the directory's tokenizer; the last 5% are held out. Text-to-image data (the
-target's own images under CFG pairs, `eagle_train.cfg_item`) is fed through `eagle_train.fit_head` directly.
+tokens weighted), tokenized with the directory's tokenizer; the last 5% are held out. The zoo's text-to-image
+target (`--target t2i-target`) trains on its own images, generated from the training scenes' captions under CFG 3,
+T = 1, top-k 128 and cached (LANTERN++ trains its drafters on self-generated images), each as a conditional and an
+unconditional row (`eagle_train.cfg_item`, 10% unconditional), the loss on the image tokens; the neighbour table of
+the zoo VQ tokenizer's codebook is saved beside the head (`neighbours.npz`).
 
 Everything goes to --out: orbax checkpoints (ckpt/, every --ckpt-minutes and on Ctrl-C / SIGTERM), the log
 (log.jsonl: loss, vloss, ploss, top1 = the head's argmax agreeing with the target's, per --log-every window), a
@@ -51,6 +55,10 @@ def load_target(spec: str):
     """(target, is_zoo): a shipped zoo model by name, else an HF checkpoint directory."""
     from jspec import zoo
 
+    if spec == "t2i-target":
+        from jspec.zoo import t2i
+
+        return t2i.load_target(), True
     if spec in zoo.available():
         return zoo.load(spec), True
     if spec in zoo.MODEL_NAMES:
@@ -75,6 +83,37 @@ def zoo_text_stream(batch: int, seq_len: int, seed: int, split: str = "train"):
                     "mask": b["target_mask"].astype(np.float32)}, int(b["next_index"]),
                    int((b["segment_ids"] > 0).sum()))
     return stream
+
+
+T2I_SAMPLING = dict(cfg_scale=3.0, temperature=1.0, top_k=128)  # LANTERN++'s CFG 3, T = 1; top-k a quarter of
+# the 512 codes (Lumina-mGPT's 2000 of 8192)
+
+
+def t2i_items(target, n: int, seed: int, split: str, cache_dir: Path, batch: int = 64) -> list:
+    """CFG training items of the zoo's text-to-image target from its own images (as LANTERN++ trains its drafters:
+    images the target generated from captions, under the sampling it decodes with): [<s> caption] + prefix +
+    image tokens, and the prefix alone + the same image tokens. Generated once and cached in `cache_dir`."""
+    import jax
+
+    import jspec
+    from jspec.zoo import t2i as T
+
+    path = cache_dir / f"selfgen-{split}-{seed}-{n}.npz"
+    caps = [T.caption_ids(T.caption(T.scene(split, i, seed))) for i in range(n)]
+    if path.exists():
+        toks = np.load(path)["tokens"]
+    else:
+        out = []
+        for i in range(0, n, batch):
+            o = jspec.generate_image(target, caps[i:i + batch], T.GRID, T.GRID, key=jax.random.key(seed * 100003 + i),
+                                     image_prefix_ids=T.image_prefix(), **T2I_SAMPLING)
+            out.append(o.tokens)
+            print(f"self-generated {min(i + batch, n)}/{n} {split} images", flush=True)
+        toks = np.concatenate(out)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        np.savez(path, tokens=toks)
+    prefix = T.image_prefix()
+    return [ET.cfg_item(list(c) + prefix, prefix, t) for c, t in zip(caps, toks)]
 
 
 def file_items(path: str, target_dir: str) -> list:
@@ -108,6 +147,10 @@ def main(argv=None) -> None:
     ap.add_argument("--target", required=True, help="a zoo model name or an HF checkpoint directory")
     ap.add_argument("--out", required=True, help="the run's directory: checkpoints, log, plot and the exported head")
     ap.add_argument("--texts", default=None, help="JSON lines of training text (targets outside the zoo)")
+    ap.add_argument("--t2i-images", type=int, default=2048, help="t2i-target: self-generated training images")
+    ap.add_argument("--neighbours", type=int, default=51, help="t2i-target: neighbours per code in the table saved "
+                                                              "with the head (LANTERN's k up to this; its code "
+                                                              "residual modes read k + 1)")
     ap.add_argument("--steps", type=int, default=None, help="the schedule's length")
     ap.add_argument("--minutes", type=float, default=None, help="time budget (sizes the schedule without --steps)")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -139,7 +182,23 @@ def main(argv=None) -> None:
     name = f"eagle-{Path(args.target).name}"
     input_norm = {"auto": None, "on": True, "off": False}[args.input_norm]
 
-    if is_zoo:
+    table = None
+    if args.target == "t2i-target":
+        from jspec.neighbours import NeighbourTable
+        from jspec.zoo import t2i as T
+        from ports import vqgan as VQ
+
+        from jspec import imagegen as IG
+
+        target = IG._generating(target)
+        items = t2i_items(target, args.t2i_images, args.seed, "train", out / "data")
+        held = t2i_items(target, 4 * args.batch, args.seed, "heldout", out / "data")
+        held_it = ET.batches(held, args.batch, args.seq_len)
+        heldout = [next(held_it)[0] for _ in range(4)]
+        data = lambda start: ET.batches(items, args.batch, args.seq_len, start)  # noqa: E731
+        _, vq_params = T.load_vq()
+        table = NeighbourTable.for_chameleon(target.config, VQ.codebook(vq_params), args.neighbours)
+    elif is_zoo:
         data = zoo_text_stream(args.batch, args.seq_len, args.seed)
         held_stream = zoo_text_stream(args.batch, args.seq_len, args.seed, "heldout")(0)
         heldout = [next(held_stream)[0] for _ in range(4)]
@@ -163,7 +222,7 @@ def main(argv=None) -> None:
     evals = [r for r in jt.read_log(out / "log.jsonl") if "heldout_loss" in r]
     last = {k: round(v, 4) for k, v in evals[-1].items() if k.startswith("heldout")} if evals else {}
     done = jt.finished(meta)
-    IO.save_head(head, str(out), target=target, dtype=args.export_dtype, extra={
+    IO.save_head(head, str(out), table=table, target=target, dtype=args.export_dtype, extra={
         "steps": meta["step"], "total_steps": meta["total_steps"], "finished": done,
         "train_minutes": round(meta["elapsed_s"] / 60, 1), "lr": args.lr, "noise": args.noise, "heldout": last,
         "command": "python scripts/train_eagle_head.py " + " ".join(sys.argv[1:] if argv is None else argv)})

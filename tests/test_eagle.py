@@ -108,6 +108,7 @@ def test_draft_distributions_are_the_teacher_forced_heads(pair):
         assert checked >= 20
 
 
+@pytest.mark.slow  # the conformance entry "eagle_head" and the CFG test below prove greedy == AR by default
 def test_greedy_equals_ar_on_trees(pair):
     target, head = pair
     ar = jspec.decode(target, PROMPTS, max_new_tokens=20, eos_token_id=())
@@ -116,6 +117,7 @@ def test_greedy_equals_ar_on_trees(pair):
         np.testing.assert_array_equal(out.tokens, ar.tokens)
 
 
+@pytest.mark.slow  # the conformance entry "eagle_head" runs the same exactness check by default
 def test_sampling_is_exact():
     target, _ = tiny_vocab_pair()
     head = E.init_head(target, jax.random.key(2), noise=0.5)
@@ -124,6 +126,7 @@ def test_sampling_is_exact():
     assert out.stats["mean_accepted"].mean() > 1.05
 
 
+@pytest.mark.slow  # tests/test_eagle_train.py shows a trained head accepted more in the default suite
 def test_a_trained_like_head_is_accepted_more(pair):
     """A head whose layer equals the target's last layer on a 1-layer target, fed its own features, predicts much
     better than a random one (a sanity check that features, not noise, drive it)."""
