@@ -214,18 +214,25 @@ def test_other_bad_input():
         PL.plan(cfg, {"pipeline": 2}, 1, 64)
 
 
+def tiny_target():
+    """(HF config dict, random jspec model) of one tiny LLaMA: a drafter's planned count vs a real one's."""
+    import ports
+
+    tiny = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    return tiny, ports.random_model(ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64,
+                                                     intermediate_size=96, num_layers=3, num_heads=4,
+                                                     num_kv_heads=2, head_dim=16), key=0)
+
+
 def test_eesd_drafter_sizes():
     """The early-exit head's count equals a real head's on a tiny target, and the paper's sizes on LLaMA-2 (EESD
     Table 1: 481M / 13B, 1.12B / 70B; Cali-TS's predictor 262M / 0.67B); the presets' N; bad N refused."""
     import ports
     from jspec.drafters import early_exit as EE
 
-    tiny = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
-            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-            "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
-    target = ports.random_model(ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64,
-                                                 intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
-                                                 head_dim=16), key=0)
+    tiny, target = tiny_target()
     for k in (0, 1, 2):
         p = PL.plan(tiny, {}, 1, 64, dtype="float32", eesd=(1, k, False))
         assert p["components"]["eesd_head"]["count"] == EE.init_head(target, 1, k).num_params
@@ -294,12 +301,7 @@ def test_lantern_plans_an_eagle_head_and_cfg_streams(capsys):
     import ports
     from jspec.drafters import eagle as E
 
-    tiny = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
-            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-            "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
-    target = ports.random_model(ports.TextConfig(model_type="llama", vocab_size=97, hidden_size=64,
-                                                 intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
-                                                 head_dim=16), key=0)
+    tiny, target = tiny_target()
     one = PL.plan(tiny, {}, 1, 64, dtype="float32", eagle=True)
     two = PL.plan(tiny, {}, 1, 64, dtype="float32", eagle=True, streams=2)
     assert one["components"]["eagle_head"]["count"] == E.init_head(target, jax.random.key(0)).num_params
