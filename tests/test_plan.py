@@ -229,7 +229,6 @@ def tiny_target():
 def test_eesd_drafter_sizes():
     """The early-exit head's count equals a real head's on a tiny target, and the paper's sizes on LLaMA-2 (EESD
     Table 1: 481M / 13B, 1.12B / 70B; Cali-TS's predictor 262M / 0.67B); the presets' N; bad N refused."""
-    import ports
     from jspec.drafters import early_exit as EE
 
     tiny, target = tiny_target()
@@ -298,7 +297,6 @@ def test_lantern_plans_an_eagle_head_and_cfg_streams(capsys):
     """`jspec plan --lantern`: the EAGLE head's count equals a real head's on a tiny target; CFG doubles the KV
     cache; Lumina-mGPT-7B-768 with LANTERN++'s preset (58 verified nodes, ~0.24B head) fits an 80 GB device."""
     import jax
-    import ports
     from jspec.drafters import eagle as E
 
     tiny, target = tiny_target()
