@@ -37,6 +37,7 @@ from jspec import cache as kvc
 from jspec import guidance as G
 from jspec import sharding as SH
 from jspec.drafters import Catchup, DraftEnv, Prepared, Setup, TargetPrefill
+from jspec.drafters.early_exit import _VocabOf
 from jspec.drafters.model import check_vocab, draft_log_probs
 from ports import chameleon as CH
 from ports import fused as FU
@@ -340,11 +341,3 @@ class EagleDrafter:
         cache = ds.cache.replace(length=jnp.where(act_r, ds.cache.length, ds.cache.length - 1))
         return ds.replace(cache=cache, pending=pending, feats_in=feats_in,
                           n_pending=jnp.where(active, c.accepted + 1, 1))
-
-
-class _VocabOf(NamedTuple):
-    vocab_size: int
-
-    @property
-    def config(self):
-        return self

@@ -73,7 +73,8 @@ class _Relaxed(Strategy):
     residual: str
 
     def _rule(self, drafts: str):
-        raise NotImplementedError
+        """The relaxed rule with drafts "sampled" or "deterministic" (each strategy builds its own)."""
+        raise NotImplementedError(f"{type(self).__name__} builds no rule (use LanternPP or Lantern)")
 
     def _checked_table(self) -> NeighbourTable:
         if not isinstance(self.table, NeighbourTable):
