@@ -10,22 +10,42 @@ from jspec import cli
 
 
 def test_demo_runs(tmp_path, capsys):
-    """`jspec demo` answers with the shipped pair: every strategy gives AR's tokens, the drafts are accepted, and the
-    image and the plot are written."""
+    """`jspec demo`'s quick path: long answers on the text pair with AR, Chain and the tree, greedy and sampled; the
+    table has its columns and a row per (strategy, mode), every greedy row gives AR's tokens, the drafts are
+    accepted, and the figure and the table are written."""
     from jspec import demo
 
     lines = []
-    res = demo.run(seed=3, out_dir=str(tmp_path), max_new_tokens=16, print_fn=lines.append)
+    res = demo.run(seed=3, out_dir=str(tmp_path), max_new_tokens=24, rounds=1, cache="off", print_fn=lines.append)
     out = "\n".join(lines)
-    assert out.count("Q: ") == 2 and "reference: " in out and "Chain gamma=5" in out and "Tree (9 drafts)" in out
-    assert {p.name for p in tmp_path.iterdir()} == {"scenes-3.png", "accepted-3.png"}
-    r = res["results"]
+    assert out.count("Q: ") == 4 and "reference: " in out
+    head = "| " + " | ".join(demo.COLUMNS) + " |"
+    assert head == "| strategy | mode | tokens/s | tokens/step | speedup | same as AR | compile s |" and head in out
+    (sec,) = res["sections"]
+    r = sec["results"]
+    assert {(n, m) for n in r for m in r[n]} == {("AR", "greedy"), ("AR", "sampled"), ("Chain gamma=5", "greedy"),
+                                                  ("Chain gamma=5", "sampled"), ("Tree (9 drafts)", "greedy")}
     for name in ("Chain gamma=5", "Tree (9 drafts)"):
-        assert r[name]["same_as_ar"] and r[name]["mean_accepted"] > 1.5, (name, r[name])
-    assert r["AR"]["answers"] == r["Chain gamma=5"]["answers"] and all(r["AR"]["answers"])
+        g = r[name]["greedy"]
+        assert g["same_as_ar"] and g["tau"] > 2.0, (name, g["tau"])
+        assert f"| {name} | greedy |" in out and out.count(f"| {name} |") == len(r[name])
+    assert r["Chain gamma=5"]["sampled"]["same_as_ar"] is None and r["Chain gamma=5"]["sampled"]["tau"] > 2.0
+    assert r["AR"]["greedy"]["lengths"].min() >= 20  # long answers: every row runs to the 24-token cap or near it
+    assert {p.name for p in tmp_path.iterdir()} == {"demo-3.png", "demo-3.md"}
+    assert head in (tmp_path / "demo-3.md").read_text()
     with pytest.raises(SystemExit) as e:  # the command is wired
         cli.main(["demo", "--help"])
     assert e.value.code == 0 and "--seed" in capsys.readouterr().out
+
+
+def test_drafted_mask():
+    """The figure's strip: the prefill's token and each step's last token are the target's, the rest drafts."""
+    from jspec.demo import drafted_mask
+
+    assert drafted_mask([3, 1, 2], 7).tolist() == [False, True, True, False, False, True, False]
+    assert drafted_mask([3, 1, 2], 4).tolist() == [False, True, True, False]
+    with pytest.raises(ValueError, match="account for 7 tokens"):
+        drafted_mask([3, 1, 2], 8)
 
 
 def test_convert_then_decode(llama_pair, tmp_path, capsys):
@@ -62,16 +82,18 @@ def test_decode_text_prompt_with_tokenizer(llama_pair, tmp_path, capsys):
 @pytest.mark.slow
 def test_demo_video_runs(tmp_path):
     """`jspec demo video`: the video pair with AR, the unpruned tree, SpecVLM and Self-SD at 90% pruning; every
-    strategy gives AR's tokens, and the frame strips and the plot are written."""
+    strategy gives AR's tokens greedy, and the frame strips and the figure are written."""
     from jspec import demo
 
     lines = []
-    res = demo.run_video(seed=5, out_dir=str(tmp_path), max_new_tokens=24, print_fn=lines.append)
+    res = demo.run_video(seed=5, out_dir=str(tmp_path), max_new_tokens=24, rounds=1, cache="off",
+                         print_fn=lines.append)
     assert "\n".join(lines).count("Q: ") == 2
-    assert {p.name for p in tmp_path.iterdir()} == {"clips-5.png", "video-accepted-5.png"}
-    for name, r in res["results"].items():
-        assert r["same_as_ar"], name
-        assert name == "AR" or r["mean_accepted"] > 1.5, (name, r["mean_accepted"])
+    assert {p.name for p in tmp_path.iterdir()} == {"clips-5.png", "video-5.png"}
+    for name, by_mode in res["results"].items():
+        g = by_mode["greedy"]
+        assert g["same_as_ar"], name
+        assert name == "AR" or g["tau"] > 1.5, (name, g["tau"])
 
 
 def test_no_pytorch_advisory_without_pytorch():
