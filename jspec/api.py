@@ -50,9 +50,24 @@ def _pad_id(target, eos: tuple[int, ...]) -> int:
     return eos[0] if eos else 0
 
 
+DEFAULT_PREFILL_CHUNK = 4096  # prompts longer than this are prefilled in chunks of it (activations bounded by it)
+
+
+def check_prefill_chunk(chunk) -> int | None:
+    """The prefill chunk `decode` takes ("auto", None or a positive int) as an int or None."""
+    if isinstance(chunk, str) and chunk == "auto":
+        return DEFAULT_PREFILL_CHUNK
+    if chunk is None:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive number of tokens, 'auto' or None, got {chunk!r}")
+    return int(chunk)
+
+
 def _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks=None):
     cache = SH.constrain(ctx.placement, loop.new_cache_for(target, tokens.shape[0], max_len))
-    logits, fo, cache = loop.prefill(target, tokens, lengths, cache, inputs, **(asks or {}))
+    logits, fo, cache = loop.prefill(target, tokens, lengths, cache, inputs, chunk=ctx.prefill_chunk,
+                                     **(asks or {}))
     cache = SH.constrain(ctx.placement, cache)
     k_first, k_loop = jax.random.split(key)
     first = S.sample(k_first, logits, ctx.sampling, sp)
@@ -134,10 +149,12 @@ class Started(NamedTuple):
 
 def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
-          guidance: G.CFG | None = None, constraint=None, mesh=None, rules=None) -> Started:
+          guidance: G.CFG | None = None, constraint=None, mesh=None, rules=None,
+          prefill_chunk: int | None = "auto") -> Started:
     """`decode`'s checks, setup and prefill (same arguments): the state its loop starts from, for tools that time
     or step the loop themselves (`jspec.profiling`)."""
     strategy = AR() if strategy is None else strategy
+    prefill_chunk = check_prefill_chunk(prefill_chunk)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not isinstance(strategy, (Strategy, Speculative)):
@@ -178,7 +195,8 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
                          f"scratch slots needs a cache of {need}, longer than max_cache_len={max_cache_len}")
     max_len = max(round_up(width + max_new_tokens + per_step, 64), need)
     ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
-                           out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg, placement=placement)
+                           out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg, placement=placement,
+                           prefill_chunk=prefill_chunk if prefill_chunk and tokens.shape[1] > prefill_chunk else None)
     key = _default_key() if key is None else key
     t0 = time.perf_counter()
     # host arrays go to the jitted prefill as they are: it moves them in one go (a jnp.asarray each costs a dispatch)
@@ -196,7 +214,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
            top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
            profile: bool | str = False, guidance: G.CFG | None = None, constraint=None, mesh=None,
-           rules=None) -> DecodeOutput:
+           rules=None, prefill_chunk: int | None = "auto") -> DecodeOutput:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
 
     Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
@@ -214,11 +232,15 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     strategy (see `jspec.guidance`).
     `mesh` (e.g. `jspec.make_mesh(tensor=8)`): shard the target over it by the logical axis `rules` (default
     `jspec.sharding.DEFAULT_RULES`; a dict overrides entries), replicate the draft; same tokens as one device.
+    `prefill_chunk`: the target's prefill fills the cache this many prompt tokens at a time, so that its
+    activations are bounded by the chunk rather than the prompt (same logits and tokens); "auto" (default) is
+    `DEFAULT_PREFILL_CHUNK` tokens, None one pass. Chunks of `ports.layers.BLOCKWISE_MIN` tokens or more attend
+    blockwise. Guided prompts (CFG) are prefilled in one pass.
     """
     if profile not in (False, True, "host", "program"):
         raise ValueError(f"profile must be False, True (or 'host') or 'program', got {profile!r}")
     r = start(target, prompt, strategy, max_new_tokens, temperature, top_k, top_p, key, eos_token_id, max_cache_len,
-              draft_prompt, guidance, constraint, mesh, rules)
+              draft_prompt, guidance, constraint, mesh, rules, prefill_chunk)
     state = r.state
     t1 = time.perf_counter()
     phases, per_step = {}, {}

@@ -87,3 +87,80 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
 
     acc, _ = jax.lax.scan(scores, jnp.zeros((B, nk * kb), jnp.float32), jnp.arange(nq))
     return res, acc[:, :T]
+
+
+def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array, offset: jax.Array,
+                     score_weights: jax.Array | None = None, q_block: int = 512, k_block: int = 512):
+    """Grouped-query attention of a block of new queries q [B, T, H, Dh] over a cache that already holds their
+    keys: the flat cache rows k_buf, v_buf [B * KVH, S, Dh] (`jspec.cache`), query t of row b at slot
+    offset[b] + t, seeing slot j when start[b] <= j <= offset[b] + t (a chunk of a prefill after the earlier
+    chunks). Never holds more than one [q_block, k_block] tile of scores per (row, head); key blocks past a query
+    block's last visible slot are not read. Returns [B, T, H, Dh] in q's dtype, equal to `ports.layers.attention`
+    under `jspec.cache.visibility` of a cache of lengths `offset` and T causal new tokens; with `score_weights`
+    [B, T] also the scores [B, S] of that function (full softmax denominators, from each query's log-sum-exp)."""
+    B, T, H, Dh = q.shape
+    N, S, _ = k_buf.shape
+    KVH = N // B
+    G = H // KVH
+    qb, kb = min(q_block, T), min(k_block, S)
+    nq, nk = -(-T // qb), -(-S // kb)
+    scale = Dh ** -0.5
+    Q = _blocks(q.reshape(B, T, KVH, G, Dh), nq, qb)  # [nq, B, qb, KVH, G, Dh]
+    K, Vv = k_buf.reshape(B, KVH, S, Dh), v_buf.reshape(B, KVH, S, Dh)
+    start, offset = start.astype(jnp.int32), offset.astype(jnp.int32)
+
+    def keys(j):
+        """Key block j [B, KVH, kb, Dh] x2 and its slots [kb]; the last block is read from S - kb (a dynamic slice
+        cannot run past the end) and its slots before j * kb, which the block before holds, are masked."""
+        s0 = jnp.minimum(j * kb, S - kb)
+        kp = s0 + jnp.arange(kb)
+        return (jax.lax.dynamic_slice_in_dim(K, s0, kb, axis=2), jax.lax.dynamic_slice_in_dim(Vv, s0, kb, axis=2),
+                kp, kp >= j * kb)
+
+    def tile(i, j):
+        """Scores [B, KVH, G, qb, kb] (float32) of query block i against key block j, masked; and the values."""
+        kj, vj, kp, fresh_slot = keys(j)
+        s = jnp.einsum("bqkgd,bksd->bkgqs", Q[i], kj, preferred_element_type=jnp.float32) * scale
+        qp = offset[:, None] + i * qb + jnp.arange(qb)[None]  # [B, qb] slots of the queries
+        vis = (kp[None, None, :] <= qp[:, :, None]) & (kp[None, None, :] >= start[:, None, None]) & fresh_slot
+        return jnp.where(vis[:, None, None], s, NEG), vj
+
+    def last_block(i):
+        return jnp.minimum((jnp.max(offset) + i * qb + qb - 1) // kb, nk - 1)
+
+    def forward(i):
+        def body(j, carry):
+            m, l, acc = carry
+            s, vj = tile(i, j)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
+            return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+        m0 = jnp.full((B, KVH, G, qb), NEG, jnp.float32)
+        j0 = jnp.min(start) // kb
+        m, l, acc = jax.lax.fori_loop(j0, last_block(i) + 1, body,
+                                      (m0, jnp.zeros_like(m0), jnp.zeros((B, KVH, G, qb, Dh), jnp.float32)))
+        return acc / l[..., None], m + jnp.log(l)
+
+    out, lse = jax.lax.map(forward, jnp.arange(nq))  # [nq, B, KVH, G, qb, Dh], [nq, B, KVH, G, qb]
+    res = jnp.moveaxis(out, 0, 3).reshape(B, KVH, G, nq * qb, Dh)[:, :, :, :T]
+    res = res.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype)
+    if score_weights is None:
+        return res
+    W = _blocks(score_weights.astype(jnp.float32), nq, qb)  # [nq, B, qb]
+
+    def scores(acc, i):
+        def run(acc):
+            def body(j, acc):
+                s, _ = tile(i, j)
+                part = jnp.einsum("bkgqs,bq->bs", jnp.exp(s - lse[i][..., None]), W[i]) / H
+                s0 = jnp.minimum(j * kb, S - kb)
+                return jax.lax.dynamic_update_slice(acc, jax.lax.dynamic_slice(acc, (0, s0), (B, kb)) + part, (0, s0))
+            return jax.lax.fori_loop(jnp.min(start) // kb, last_block(i) + 1, body, acc)
+
+        return jax.lax.cond(jnp.any(W[i] != 0), run, lambda a: a, acc), None
+
+    acc, _ = jax.lax.scan(scores, jnp.zeros((B, S), jnp.float32), jnp.arange(nq))
+    return res, acc

@@ -141,7 +141,7 @@ def project_qkv(cfg: TextConfig, p: dict, x: jax.Array) -> tuple[jax.Array, jax.
     return y[:, :, :, :G].reshape(B, T, H, Dh), y[:, :, :, G], y[:, :, :, G + 1]
 
 
-BLOCKWISE_MIN = 1024  # fresh prefills of at least this many tokens attend blockwise (`ports.blockwise`)
+BLOCKWISE_MIN = 1024  # prefills (or prefill chunks) of at least this many tokens attend blockwise (`ports.blockwise`)
 
 
 class Causal(NamedTuple):
@@ -151,11 +151,20 @@ class Causal(NamedTuple):
     start: jax.Array  # [B]
 
 
+class Prefix(NamedTuple):
+    """A prefill chunk's visibility by its structure: the cache holds length[b] committed slots and the T new
+    tokens go after them, causally; new token t of row b sees slot j when start[b] <= j <= length[b] + t."""
+
+    start: jax.Array  # [B]
+    length: jax.Array  # [B]
+
+
 def prefill_visibility(cache, num_new: int, new_mask, write_offset: int, fresh: bool):
-    """The visibility a forward attends under: `Causal` for a fresh prefill long enough to take the blockwise path,
-    else the [B, T, S] boolean of `jspec.cache.cache_visibility`."""
-    if fresh and new_mask is None and write_offset == 0 and num_new >= BLOCKWISE_MIN:
-        return Causal(cache.start)
+    """The visibility a forward attends under: `Causal` for a fresh prefill and `Prefix` for a chunk of a prefill
+    (new tokens after the committed ones, no tree mask) when they are long enough to take the blockwise path, else
+    the [B, T, S] boolean of `jspec.cache.cache_visibility`."""
+    if new_mask is None and write_offset == 0 and num_new >= BLOCKWISE_MIN:
+        return Causal(cache.start) if fresh else Prefix(cache.start, cache.length)
     return kvc.cache_visibility(cache, num_new, new_mask, write_offset)
 
 
@@ -168,7 +177,8 @@ def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.A
     fresh: the cache holds nothing yet (every row's length is 0, the writes start at slot 0), as in a prefill. Then
     only slots < T can be visible, so attention runs over the new keys alone and the buffers are the new rows padded
     to S: the same result without reading, masking or copying the S - T empty slots (a prefill's cost no longer
-    grows with the cache length). A `Causal` visibility (a long fresh prefill) attends blockwise: no [T, T] scores.
+    grows with the cache length). A `Causal` visibility (a long fresh prefill) attends blockwise: no [T, T] scores;
+    so does a `Prefix` one (a long chunk of a chunked prefill): no [T, S] scores.
     """
     if isinstance(visible, Causal):
         if not fresh:
@@ -181,7 +191,11 @@ def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.A
         return (*out, jnp.pad(kv_rows(k).astype(k_buf.dtype), pad), jnp.pad(kv_rows(v).astype(v_buf.dtype), pad))
     if not fresh:
         k_buf, v_buf = kvc.write_layer(k_buf, v_buf, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)
-        return (*_as_tuple(attention(q, k_buf, v_buf, visible, score_weights)), k_buf, v_buf)
+        if isinstance(visible, Prefix):
+            out = BW.prefix_attention(q, k_buf, v_buf, visible.start, visible.length, score_weights)
+        else:
+            out = attention(q, k_buf, v_buf, visible, score_weights)
+        return (*_as_tuple(out), k_buf, v_buf)
     T, S = q.shape[1], k_buf.shape[1]
     kr, vr = kv_rows(k).astype(k_buf.dtype), kv_rows(v).astype(v_buf.dtype)
     out = _as_tuple(attention(q, kr, vr, visible[:, :, :T], score_weights))

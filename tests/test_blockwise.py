@@ -76,8 +76,9 @@ def test_long_prefill_takes_the_blockwise_path_with_the_same_logits(direct):
 
 
 def test_video_prompt_and_specvlm_scores_from_the_long_path(monkeypatch):
-    """The zoo's Qwen2.5-VL video pair (M-RoPE positions) with the blockwise path forced on its ~300-token prompts:
-    the prefill logits and SpecVLM's language-to-video scores equal the direct path's, and decoding is unchanged."""
+    """The zoo's Qwen2.5-VL video pair (M-RoPE positions) with the blockwise path forced on its ~300-token prompts,
+    in one pass and in chunks of 100: the prefill logits and SpecVLM's language-to-video scores equal the direct
+    path's, and decoding is unchanged."""
     from jspec import zoo
     from jspec.zoo import video as V
 
@@ -98,5 +99,89 @@ def test_video_prompt_and_specvlm_scores_from_the_long_path(monkeypatch):
     got = _prefill(target, tokens, lengths, inputs, attn_query_weights=w)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), atol=3e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(ref[1]), atol=1e-7, rtol=1e-4)
+    chunked = _prefill(target, tokens, lengths, inputs, attn_query_weights=w, chunk=100)  # M-RoPE ids, in pieces
+    np.testing.assert_allclose(np.asarray(chunked[0]), np.asarray(ref[0]), atol=3e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(chunked[1]), np.asarray(ref[1]), atol=1e-7, rtol=1e-4)
     long_out = jspec.decode(target, prompt, jspec.SpecVLM(draft, ratio=0.8, tree="chain5"), max_new_tokens=12)
     np.testing.assert_array_equal(long_out.tokens, direct_out.tokens)
+    chunk_out = jspec.decode(target, prompt, jspec.SpecVLM(draft, ratio=0.8, tree="chain5"), max_new_tokens=12,
+                             prefill_chunk=100)
+    np.testing.assert_array_equal(chunk_out.tokens, direct_out.tokens)
+
+
+@pytest.mark.parametrize("T, S, qb, kb", [(300, 700, 64, 48), (129, 300, 128, 128), (64, 1000, 32, 96)])
+def test_prefix_attention_equals_direct_attention(T, S, qb, kb):
+    """A chunk of new queries after `length` cached slots (ragged, with hidden starts), blockwise: the direct path's
+    output and SpecVLM-style scores, including a last key block that overlaps the one before it."""
+    rng = np.random.default_rng(T)
+    B, H, KVH, Dh = 3, 6, 2, 8
+    q = jnp.asarray(rng.normal(size=(B, T, H, Dh)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B * KVH, S, Dh)), jnp.float32) for _ in range(2))
+    length, start = jnp.asarray([0, 17, S - T - 5]), jnp.asarray([0, 5, 40])
+    vis = kvc.visibility(length, S, T, None, 0, start)
+    w = np.zeros((B, T), np.float32)
+    w[:, -7:] = 1 / 7
+    ref, ref_s = L.attention(q, k, v, vis, jnp.asarray(w))
+    out, s = BW.prefix_attention(q, k, v, start, length, jnp.asarray(w), q_block=qb, k_block=kb)
+    seen = np.asarray(length)[:, None] + np.arange(T)[None] >= np.asarray(start)[:, None]
+    np.testing.assert_allclose(np.asarray(out)[seen], np.asarray(ref)[seen], atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(ref_s), atol=1e-8, rtol=1e-5)
+
+
+def _tiny_llama():
+    cfg = ports.TextConfig(model_type="llama", vocab_size=101, hidden_size=32, intermediate_size=48, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=4096)
+    return ports.random_model(cfg, key=1, std=0.3)
+
+
+@pytest.mark.parametrize("blockwise", [False, True])
+def test_chunked_prefill_equals_one_pass(blockwise, monkeypatch):
+    """Chunks of 64 (four whole ones and a remainder) on a ragged batch: the same last-token logits, cache, hidden
+    states and attention scores as one pass, on the direct path and with the chunks attending blockwise."""
+    model = _tiny_llama()
+    rng = np.random.default_rng(1)
+    lengths = np.array([300, 170, 257], np.int32)
+    tokens = np.zeros((3, 300), np.int32)
+    for b, n in enumerate(lengths):
+        tokens[b, :n] = rng.integers(0, 101, n)
+    w = np.zeros((3, 300), np.float32)
+    for b, n in enumerate(lengths):
+        w[b, n - 9:n] = 1 / 9
+
+    @functools.partial(jax.jit, static_argnames="chunk")
+    def run(tokens, lengths, w, chunk):
+        cache = loop.new_cache_for(model, 3, 320)
+        logits, fo, cache = loop.prefill(model, tokens, lengths, cache, chunk=chunk, hidden_layers=(1, 2),
+                                         attn_query_weights=w)
+        return logits, fo.hidden, fo.attn, cache
+
+    ref = run(tokens, lengths, w, None)
+    if blockwise:
+        monkeypatch.setattr(L, "BLOCKWISE_MIN", 64)
+    got = run(tokens, lengths, w, 64)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), atol=2e-5, rtol=1e-5)
+    for h, r in zip(got[1], ref[1]):  # activations of a few units to tens (std 0.3 weights): float32 rounding
+        np.testing.assert_allclose(np.asarray(h), np.asarray(r), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), atol=1e-7, rtol=1e-4)
+    np.testing.assert_array_equal(np.asarray(got[3].length), lengths)
+    for layer in range(2):
+        for b, n in enumerate(lengths):
+            rows = slice(b * 2, b * 2 + 2)
+            np.testing.assert_allclose(np.asarray(got[3].k[layer][rows, :n]), np.asarray(ref[3].k[layer][rows, :n]),
+                                       atol=1e-5)
+
+
+def test_decode_with_prefill_chunks_gives_the_same_tokens():
+    """AR and Chain decode the same tokens whatever the prefill chunk; bad chunks are named before any compute."""
+    model = _tiny_llama()
+    draft = ports.Model(dataclasses.replace(model.config, num_layers=1),
+                        {**model.params, "layers": model.params["layers"][:1]})
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 101, n) for n in (150, 97)]
+    for strat in (None, jspec.Chain(draft, gamma=3)):
+        ref = jspec.decode(model, prompts, strat, max_new_tokens=8, eos_token_id=(), prefill_chunk=None)
+        got = jspec.decode(model, prompts, strat, max_new_tokens=8, eos_token_id=(), prefill_chunk=40)
+        np.testing.assert_array_equal(got.tokens, ref.tokens)
+    for bad in (0, -3, 2.5, True, "half"):
+        with pytest.raises(ValueError, match="prefill_chunk must be"):
+            jspec.decode(model, prompts, max_new_tokens=2, prefill_chunk=bad)
