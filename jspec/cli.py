@@ -110,7 +110,8 @@ def cmd_plan(args) -> int:
             eesd = (n, args.eesd_layers, args.cali)
         p = PL.plan(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
                     tree_nodes=tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd,
-                    draft_max_len=draft_max_len, self_draft=self_draft, streams=streams, eagle=eagle)
+                    draft_max_len=draft_max_len, self_draft=self_draft, streams=streams, eagle=eagle,
+                    prefill_chunk=args.prefill_chunk if args.prefill_chunk != "none" else None)
         if sage_note:
             p["notes"].append(sage_note)
     except ValueError as e:
@@ -198,7 +199,10 @@ def main(argv=None) -> int:
     pl.add_argument("--video-tokens", type=int, help="--specvlm: video tokens per prompt (default: the preset's clip)")
     pl.add_argument("--prune-ratio", type=float, help="--specvlm: share of video tokens the draft drops (default: "
                                                       "the preset's, else 0.9)")
-    pl.add_argument("--prompt-len", type=int, help="tokens prefilled at once (default: max-len, the worst case)")
+    pl.add_argument("--prompt-len", type=int, help="prompt tokens prefilled (default: max-len, the worst case)")
+    pl.add_argument("--prefill-chunk", default="auto", type=lambda v: v if v in ("auto", "none") else int(v),
+                    help="tokens through a layer at once in the prefill, as decode(prefill_chunk=) (default auto: "
+                         "4096; none: one pass)")
     pl.add_argument("--images", type=int, help="images in the prefill batch of a VLM (default: one per row)")
     pl.add_argument("--device-memory", help="memory of one device, e.g. 80GB, 16GiB: prints whether it fits "
                                             "(exit status 3 when it does not)")

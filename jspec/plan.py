@@ -286,18 +286,41 @@ def _split(axis: str, units: int, mesh, rules) -> int:
     return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
-def _decoder_terms(text, b: int, T: int, S: int, dt: int, heads: int, kv_heads: int, mlp: int) -> dict:
+def _decoder_terms(text, b: int, T: int, S: int, dt: int, heads: int, kv_heads: int, mlp: int,
+                   blockwise: bool = False) -> dict:
     """Per-device bytes live inside one decoder layer for T new tokens over an S-slot cache (b rows, heads /
     kv_heads / mlp already divided by their splits): the larger of the attention and MLP sub-blocks, plus the
-    residual stream and what lives across all layers (visibility mask, RoPE tables)."""
+    residual stream and what lives across all layers (visibility mask, RoPE tables). blockwise: the attention
+    holds one [q_block, k_block] tile of scores per (row, head) and float32 outputs with their log-sum-exp, and no
+    [T, S] mask (`ports.blockwise`); else the direct path's [T, S] scores and boolean mask."""
     D, Dh = text.hidden_size, text.head_dim
     resid = 3 * b * T * D * dt  # residual stream, its norm, the sub-block output
-    across = b * T * S + 2 * b * T * Dh * 4  # bool visibility [B, T, S], f32 cos / sin
-    scores = b * heads * T * S * (4 + 4 + dt)  # f32 scores, f32 softmax, probabilities in the param dtype
+    rope = 2 * b * T * Dh * 4  # f32 cos / sin
+    if blockwise:
+        tq, tk = min(T, BW_BLOCK), min(S, BW_BLOCK)
+        across = rope
+        scores = b * heads * (tq * tk * (4 + 4 + dt) + T * (Dh + 1) * 4)  # a tile; f32 outputs and log-sum-exp
+    else:
+        across = b * T * S + rope  # bool visibility [B, T, S]
+        scores = b * heads * T * S * (4 + 4 + dt)  # f32 scores, f32 softmax, probabilities in the param dtype
     attn = b * T * (2 * heads + 2 * kv_heads) * Dh * dt + scores  # q, k, v, attention output
     ffn = 3 * b * T * mlp * dt  # gate, up, act(gate) * up
     return dict(resid=resid, across=across, attn=attn, scores=scores, mlp=ffn,
                 layer=resid + across + max(attn, ffn))
+
+
+BW_BLOCK = 512  # `ports.blockwise`'s default query and key block
+
+
+def prefill_shape(prompt_len: int, max_len: int, chunk: int | None) -> tuple[int, int, bool]:
+    """(tokens through a layer at once, key slots they attend over, blockwise?) of a prefill of `prompt_len` tokens
+    with `decode`'s `prefill_chunk` (None: one pass): one pass attends over its own tokens only (a fresh cache), a
+    chunk over the whole cache; `ports.layers.BLOCKWISE_MIN` tokens or more attend blockwise."""
+    from ports.layers import BLOCKWISE_MIN
+
+    if chunk is not None and prompt_len > chunk:
+        return chunk, max_len, chunk >= BLOCKWISE_MIN
+    return prompt_len, prompt_len, prompt_len >= BLOCKWISE_MIN
 
 
 def _vit_terms(n: int, P: int, D: int, F: int, heads: int, dt: int, gated: bool = False) -> int:
@@ -350,9 +373,11 @@ def _fsdp_gather(pl: _Planned, mesh, rules) -> int:
 
 
 def activation_estimate(target: _Planned, draft: _Planned | None, mesh, rules, batch: int, max_len: int,
-                        prompt_len: int, tree_nodes: int, images: int, dt: int, draft_len: int | None = None) -> dict:
+                        prompt_len: int, tree_nodes: int, images: int, dt: int, draft_len: int | None = None,
+                        prefill_chunk: int | None = None) -> dict:
     """Analytic per-device peak of prefill and of one decode step (bytes); see the module docstring. draft_len:
-    the draft's cache slots when a pruned prompt shortens it (its prompt shrinks by as much)."""
+    the draft's cache slots when a pruned prompt shortens it (its prompt shrinks by as much). prefill_chunk: the
+    target's prefill chunk (`prefill_shape`); the draft prefills its prompt in one pass."""
     text = target.text
     cache_spec = SH.spec_for(SH.CACHE_AXES, {"batch": batch, "kv_heads": text.num_kv_heads}, mesh, rules)
     b_split = math.prod(mesh.shape[a] for a in ((cache_spec[0],) if isinstance(cache_spec[0], str)
@@ -364,7 +389,8 @@ def activation_estimate(target: _Planned, draft: _Planned | None, mesh, rules, b
     gather = _fsdp_gather(target, mesh, rules)
     V = text.vocab_size
 
-    pre = _decoder_terms(text, b, prompt_len, max_len, dt, h, kvh, f)
+    T_pre, S_pre, bw = prefill_shape(prompt_len, max_len, prefill_chunk)
+    pre = _decoder_terms(text, b, T_pre, S_pre, dt, h, kvh, f, blockwise=bw)
     vis, vis_what = _vision_peak(target, images, dt)
     prefill = max(pre["layer"], vis) + b * V * 4 + gather
     dec = _decoder_terms(text, b, tree_nodes, max_len, dt, h, kvh, f)
@@ -377,17 +403,20 @@ def activation_estimate(target: _Planned, draft: _Planned | None, mesh, rules, b
         d_max = max_len if draft_len is None else draft_len
         d_prompt = max(1, prompt_len - (max_len - d_max))
 
-        def draft_layer(T):
-            return _decoder_terms(dtext, batch, T, d_max, dt, dtext.num_heads, dtext.num_kv_heads,
-                                  dtext.intermediate_size)["layer"]
+        def draft_layer(T, S, blockwise=False):
+            return _decoder_terms(dtext, batch, T, S, dt, dtext.num_heads, dtext.num_kv_heads,
+                                  dtext.intermediate_size, blockwise)["layer"]
 
-        draft_prefill = max(draft_layer(d_prompt), _vision_peak(draft, images, dt)[0]) + batch * dtext.vocab_size * 4
-        draft_step = draft_layer(tree_nodes)
+        d_T, d_S, d_bw = prefill_shape(d_prompt, d_max, None)
+        draft_prefill = (max(draft_layer(d_T, d_S, d_bw), _vision_peak(draft, images, dt)[0])
+                         + batch * dtext.vocab_size * 4)
+        draft_step = draft_layer(tree_nodes, d_max)
     prefill = max(prefill, draft_prefill)
     decode = max(dec["layer"], draft_step) + logits + gather
     return dict(prefill=prefill, decode=decode, peak=max(prefill, decode),
                 phase="prefill" if prefill >= decode else "decode",
                 prefill_attention_scores=pre["scores"], prefill_mlp=pre["mlp"], vision=vis, vision_what=vis_what,
+                prefill_tokens_at_once=T_pre, prefill_blockwise=bw,
                 draft_prefill=draft_prefill,
                 decode_logits=logits, fsdp_gather=gather, rows_per_device=b, heads_per_device=h)
 
@@ -454,7 +483,8 @@ def eagle_components(target: _Planned, batch: int, max_len: int, dt) -> dict:
 def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, dtype="bfloat16",
          draft_config: dict | None = None, tree_nodes: int = 64, prompt_len: int | None = None, rules=None,
          images: int | None = None, eesd: tuple[int, int, bool] | None = None, draft_max_len: int | None = None,
-         self_draft: bool = False, streams: int = 1, eagle: bool = False) -> Plan:
+         self_draft: bool = False, streams: int = 1, eagle: bool = False, prefill_chunk: int | None | str = "auto"
+         ) -> Plan:
     """Bytes per device of decoding `config` (an HF config dict) on a mesh of `mesh_shape`
     ({"data":, "fsdp":, "tensor":}) with a `max_len`-slot cache for `batch` rows, params in `dtype`, optionally
     with a replicated draft. Nothing is allocated and no devices are needed.
@@ -466,14 +496,19 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     pruned draft prompt); self_draft: the target drafts for itself from a second cache of its own, sharded like
     the target's (SpecVLM's Self-SD); streams: sequences per row (2 under classifier-free guidance: every cache
     and activation holds batch * streams rows); eagle: an EAGLE-1 feature head drafts (`eagle_components`,
-    LANTERN++'s drafter). Returns a `Plan`: per component {"total", "per_device"} bytes ("total" is one logical
-    copy), their sums, and notes; `plan(...).fits(device_bytes)` gives the verdict."""
+    LANTERN++'s drafter); prefill_chunk: `decode`'s (default "auto", its 4,096 tokens; None: one pass), which
+    sets how many tokens go through a layer at once and which attention path they take. Returns a `Plan`: per
+    component {"total", "per_device"} bytes ("total" is one logical copy), their sums, and notes;
+    `plan(...).fits(device_bytes)` gives the verdict."""
     for name, v in (("batch", batch), ("max_len", max_len), ("tree_nodes", tree_nodes), ("streams", streams)):
         if int(v) < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     prompt_len = max_len if prompt_len is None else int(prompt_len)
     if not 1 <= prompt_len <= max_len:
         raise ValueError(f"prompt_len={prompt_len} must be in [1, max_len={max_len}]")
+    from jspec.api import check_prefill_chunk
+
+    chunk = check_prefill_chunk(prefill_chunk)
     dt = _dtype(dtype)
     mesh = abstract_mesh(mesh_shape)
     table = tuple(SH.rules_table(rules).items())
@@ -527,16 +562,18 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     n_img = (batch if vlm else 0) if images is None else int(images)
     one = abstract_mesh({})
     act = activation_estimate(target, draft, mesh, table, rows, max_len, prompt_len, tree_nodes, n_img,
-                              dt.itemsize, d_len)
+                              dt.itemsize, d_len, chunk)
     act_one = activation_estimate(target, draft, one, table, rows, max_len, prompt_len, tree_nodes, n_img,
-                                  dt.itemsize, d_len)
+                                  dt.itemsize, d_len, chunk)
     comps["activations"] = dict(total=act_one["peak"], per_device=act["peak"], estimate=True, phase=act["phase"],
                                 prefill=act["prefill"], decode=act["decode"], detail=act)
+    how = (f"in chunks of {act['prefill_tokens_at_once']}" if act["prefill_tokens_at_once"] < prompt_len
+           else "in one pass") + (", blockwise attention" if act["prefill_blockwise"] else ", [T, S] attention scores")
     notes.append(f"activations are an analytic estimate (peak of the {act['phase']}: prefill of {prompt_len} "
-                 f"tokens = {act['prefill'] / 1e9:.2f} GB"
+                 f"tokens {how} = {act['prefill'] / 1e9:.2f} GB"
                  + (f" (the replicated draft's own prefill: {act['draft_prefill'] / 1e9:.2f} GB)" if draft else "")
                  + f", decode step with {tree_nodes} nodes = {act['decode'] / 1e9:.2f} GB per device; "
-                 f"f32 attention scores materialised per layer)"
+                 "f32 attention scores per layer)"
                  + (f"; prefill counts the {act['vision_what']}" if act["vision_what"] else ""))
     n_dev = math.prod(mesh.shape.values())
     return Plan(

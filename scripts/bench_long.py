@@ -6,7 +6,9 @@ LLaMA of 110M parameters (hidden 768, 12 layers, 12 heads, vocabulary 32000, tie
 
 Each point runs in a fresh process (its peak RSS is the process's); jspec's time includes its compile (a few
 seconds), as a first call does. The blockwise attention path takes prompts of `ports.layers.BLOCKWISE_MIN` tokens
-and more; `--direct` turns it off (the [T, S] score path) to compare.
+and more; `--direct` turns it off (the [T, S] score path) to compare. Prompts longer than the prefill chunk
+(`decode`'s default, 4096 tokens, or `--chunk`) are prefilled a chunk at a time; `--one-pass` adds jspec's one-pass
+prefill to compare.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import json, resource, sys, time, os
 sys.path.insert(0, {root!r})
 os.environ["HF_HUB_OFFLINE"] = "1"
 import numpy as np
-T, which, direct = {T}, {which!r}, {direct}
+T, which, direct, chunk = {T}, {which!r}, {direct}, {chunk!r}
 cfg = {cfg!r}
 ids = np.random.default_rng(0).integers(3, cfg["vocab_size"], T)
 t0 = time.perf_counter()
@@ -37,7 +39,7 @@ if which == "jspec":
         L.BLOCKWISE_MIN = 10 ** 9
     model = ports.random_model(ports.TextConfig(model_type="llama", **cfg), key=0, std=0.02)
     t0 = time.perf_counter()
-    out = jspec.decode(model, ids[None], max_new_tokens=2, eos_token_id=())
+    out = jspec.decode(model, ids[None], max_new_tokens=2, eos_token_id=(), prefill_chunk=chunk)
     toks = out.tokens[0].tolist()
 else:
     import torch, transformers
@@ -54,8 +56,8 @@ print(json.dumps({{"s": time.perf_counter() - t0, "rss_gb": resource.getrusage(r
 """
 
 
-def run(T: int, which: str, direct: bool = False) -> dict:
-    code = CHILD.format(root=str(ROOT), T=T, which=which, direct=direct, cfg=CONFIG)
+def run(T: int, which: str, direct: bool = False, chunk="auto") -> dict:
+    code = CHILD.format(root=str(ROOT), T=T, which=which, direct=direct, cfg=CONFIG, chunk=chunk)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if res.returncode:
         return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"}
@@ -67,6 +69,8 @@ def main(argv=None) -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--direct", action="store_true", help="also run jspec with the blockwise path off")
+    ap.add_argument("--one-pass", action="store_true", help="also run jspec's prefill in one pass (no chunks)")
+    ap.add_argument("--chunk", type=int, default=None, help="jspec's prefill chunk (default: decode's, 4096)")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "long-prompts"))
     args = ap.parse_args(argv)
     import time
@@ -75,17 +79,20 @@ def main(argv=None) -> None:
 
     rows = []
     for T in args.lengths:
-        row = {"tokens": T, "jspec": run(T, "jspec")}
+        row = {"tokens": T, "jspec": run(T, "jspec", chunk=args.chunk or "auto")}
+        if args.one_pass:
+            row["jspec_one_pass"] = run(T, "jspec", chunk=None)
         if args.direct:
             row["jspec_direct"] = run(T, "jspec", direct=True)
         if not args.skip_hf:
             row["transformers"] = run(T, "hf")
         rows.append(row)
         print(json.dumps(row), flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "cpus": os.cpu_count(), "config": CONFIG}
+    meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "cpus": os.cpu_count(), "config": CONFIG,
+            "prefill_chunk": args.chunk or "auto (4096)"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    cols = [c for c in ("jspec", "jspec_direct", "transformers") if c in rows[0]]
+    cols = [c for c in ("jspec", "jspec_one_pass", "jspec_direct", "transformers") if c in rows[0]]
     lines = [f"Prefill + 2 new tokens, batch 1, random LLaMA 110M, f32, {meta['date']}, {meta['cpus']} CPUs, jax "
              f"{meta['jax']} (one run per point, each in a fresh process; jspec's time includes its compile)", "",
              "| prompt tokens | " + " | ".join(f"{c} time / peak RSS" for c in cols) + " |",

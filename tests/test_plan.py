@@ -73,10 +73,11 @@ def test_llama_2_70b_numbers():
     # batch over data: 8 rows on data=2 x tensor=4 -> 4 rows x 2 kv heads per device = the 1-row, 8-head bytes
     pd = PL.plan(cfg, {"data": 2, "tensor": 4}, batch=8, max_len=4096)
     assert kv <= pd["components"]["kv_cache"]["per_device"] < kv + 1024
-    # activations: f32 scores of a 4096-token prefill [1, 8 heads, 4096, 4096] dominate
+    # activations: a 4096-token prefill attends blockwise, one 512 x 512 tile of f32 scores, softmax and bf16
+    # probabilities per head, plus f32 outputs and log-sum-exp for every query
     act = c["activations"]
     assert act["phase"] == "prefill" and act["detail"]["heads_per_device"] == 8
-    assert act["detail"]["prefill_attention_scores"] == 8 * 4096 * 4096 * (4 + 4 + 2)
+    assert act["detail"]["prefill_attention_scores"] == 8 * (512 * 512 * (4 + 4 + 2) + 4096 * (128 + 1) * 4)
     assert p.fits("80GB")["fits"] and not p.fits("16GB")["fits"]
 
 
@@ -313,3 +314,26 @@ def test_lantern_plans_an_eagle_head_and_cfg_streams(capsys):
     assert any("naive_extend_57" in n and "2 streams" in n for n in js["notes"])
     with pytest.raises(SystemExit, match="pick one"):
         cli.main(["plan", "--config", "lumina-mgpt-7b-768", "--max-len", "64", "--lantern", "--sage"])
+
+
+def test_prefill_chunk_and_attention_path_set_the_prefill_activations(capsys):
+    """A 32k prompt: one pass holds activations for all its tokens, chunks of 4,096 (the default) for a chunk's; the
+    blockwise path holds no [T, S] scores (a direct-path chunk of 512 over the cache does); short prompts are not
+    chunked; the CLI takes the chunk."""
+    cfg = PL.load_config("llama-2-7b")
+    act = lambda **kw: PL.plan(cfg, {}, 1, 32768 + 64, prompt_len=32768, tree_nodes=1, **kw)[  # noqa: E731
+        "components"]["activations"]["detail"]
+    one, auto, small = act(prefill_chunk=None), act(), act(prefill_chunk=512)
+    assert one["prefill_tokens_at_once"] == 32768 and one["prefill_blockwise"]
+    assert auto["prefill_tokens_at_once"] == 4096 and auto["prefill_blockwise"]
+    assert small["prefill_tokens_at_once"] == 512 and not small["prefill_blockwise"]
+    assert auto["prefill_mlp"] * 8 == one["prefill_mlp"] and auto["prefill"] < one["prefill"] / 4
+    assert small["prefill_attention_scores"] == 32 * 512 * (32768 + 64) * (4 + 4 + 2)  # [T, S] scores per layer
+    assert auto["prefill_attention_scores"] < small["prefill_attention_scores"] / 30
+    short = PL.plan(cfg, {}, 1, 2048, prompt_len=2000)["components"]["activations"]["detail"]
+    assert short["prefill_tokens_at_once"] == 2000
+    assert cli.main(["plan", "--config", "llama-2-7b", "--max-len", "32832", "--prompt-len", "32768", "--prefill-chunk",
+                     "2048"]) == 0
+    assert "in chunks of 2048, blockwise attention" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="prefill_chunk must be"):
+        PL.plan(cfg, {}, 1, 2048, prefill_chunk=0)
