@@ -225,7 +225,11 @@ def why_slower(res: dict, target_params: int) -> list[str]:
             cost.append((r["decode_s"] / max(r["loop_steps"], 1)) / (ar["decode_s"] / max(ar["loop_steps"], 1)))
             tau.append(r["tau"])
             drafts.append(r["drafts_per_step"])
-        span = lambda v, f: f"{min(v):{f}}" if f"{min(v):{f}}" == f"{max(v):{f}}" else f"{min(v):{f}}-{max(v):{f}}"  # noqa: E731
+
+        def span(v, f):
+            lo, hi = f"{min(v):{f}}", f"{max(v):{f}}"
+            return lo if lo == hi else f"{lo}-{hi}"
+
         out.append(f"why {name} ({', '.join(slow)}) is slower than AR here: one step (draft {span(drafts, '.0f')} "
                    f"tokens, verify them) costs {span(cost, '.1f')} AR steps of this {target_params / 1e6:.0f}M-"
                    f"parameter target on this CPU, mostly fixed per-operation cost, and commits {span(tau, '.2f')} "

@@ -141,6 +141,27 @@ def project_qkv(cfg: TextConfig, p: dict, x: jax.Array) -> tuple[jax.Array, jax.
     return y[:, :, :, :G].reshape(B, T, H, Dh), y[:, :, :, G], y[:, :, :, G + 1]
 
 
+VISION_BATCH = 8  # vision towers encode this many images / frames at a time (`in_batches`): bounded on long videos
+
+
+def in_batches(fn, arrays: tuple, size: int):
+    """fn(*arrays) over their leading axis (the same N for each), `size` items at a time under `lax.map`, so that
+    what fn holds at once is bounded by `size` items, not N. Equal to fn(*arrays) when fn treats the items
+    independently (a vision tower's images or frames). Pads N to a multiple of size with zeros; the padding items'
+    outputs are dropped. fn returns a pytree of arrays with leading axis N."""
+    N = arrays[0].shape[0]
+    if N <= size:
+        return fn(*arrays)
+    n = -(-N // size)
+
+    def split(a):
+        a = jnp.pad(a, [(0, n * size - N)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape((n, size) + a.shape[1:])
+
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in arrays))
+    return jax.tree.map(lambda o: o.reshape((n * size,) + o.shape[2:])[:N], out)
+
+
 BLOCKWISE_MIN = 1024  # prefills (or prefill chunks) of at least this many tokens attend blockwise (`ports.blockwise`)
 
 

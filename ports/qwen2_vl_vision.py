@@ -348,7 +348,14 @@ class VisionOut(NamedTuple):
 
 def forward(cfg: QwenVisionConfig, params: dict, patches: jax.Array, rot: jax.Array, valid: jax.Array,
             window: jax.Array) -> VisionOut:
-    """Encode frames (a `FrameLayout`'s arrays). Padding patches are never attended to; their outputs are junk."""
+    """Encode frames (a `FrameLayout`'s arrays), `ports.layers.VISION_BATCH` frames at a time (frames never attend
+    to each other, so a long video's attention holds a few frames' [L, L] scores, not all of them). Padding
+    patches are never attended to; their outputs are junk."""
+    return L.in_batches(lambda *a: _frames_forward(cfg, params, *a), (patches, rot, valid, window), L.VISION_BATCH)
+
+
+def _frames_forward(cfg: QwenVisionConfig, params: dict, patches: jax.Array, rot: jax.Array, valid: jax.Array,
+                    window: jax.Array) -> VisionOut:
     dt = params["merger"]["w1"].dtype
     F, Lp, K = patches.shape
     kernel = params["patch_embed"].reshape(cfg.width, -1)

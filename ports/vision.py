@@ -313,9 +313,12 @@ def num_feature_tokens(cfg: VisionConfig, strategy: str = "default") -> int:
 
 def image_features(cfg: VisionConfig, params: dict, pixel_values: jax.Array,
                    feature_layer: int | Sequence[int] = -2, strategy: str = "default") -> jax.Array:
-    """Tower features before the projector, as HF LLaVA's get_image_features selects them: [N, T', D * layers]."""
-    out = forward(cfg, params, pixel_values, feature_layers=feature_layer)
-    return select_features(cfg, out.hidden, strategy)
+    """Tower features before the projector, as HF LLaVA's get_image_features selects them: [N, T', D * layers];
+    `ports.layers.VISION_BATCH` images (tiles, frames) at a time, so many frames encode in bounded memory."""
+    def encode(pv):
+        return select_features(cfg, forward(cfg, params, pv, feature_layers=feature_layer).hidden, strategy)
+
+    return L.in_batches(encode, (pixel_values,), L.VISION_BATCH)
 
 
 # --------------------------------------------------------------------------------------------------- projector

@@ -71,8 +71,8 @@ def main(argv=None) -> None:
     targets = {"zoo text-target (trained)": pair.target}
     for w in args.widths:
         heads = max(w // 64, 1)
-        targets[f"random, width {w}"] = B.random_llama(cfg.num_layers, cfg.vocab_size, w, int(round(w * 2.75 / 64) * 64),
-                                                      heads)
+        mlp = int(round(w * 2.75 / 64) * 64)
+        targets[f"random, width {w}"] = B.random_llama(cfg.num_layers, cfg.vocab_size, w, mlp, heads)
     rows = []
     for name, t in targets.items():
         r = step_costs(t, pair.draft, prompt, args.new_tokens, args.gamma, args.runs)
@@ -88,8 +88,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"Chain gamma={args.gamma} with the zoo text draft ({meta['draft_params_m']:.2f}M), batch {meta['batch']}, "
-             f"{args.new_tokens} new tokens, EOS off, medians of {args.runs} runs, {meta['date']}, {meta['cpus']} "
+    lines = [f"Chain gamma={args.gamma} with the zoo text draft ({meta['draft_params_m']:.2f}M), batch "
+             f"{meta['batch']}, {args.new_tokens} new tokens, EOS off, medians of {args.runs} runs, {meta['date']}, {meta['cpus']} "
              f"CPUs, jax {meta['jax']}", "",
              "| target | params | AR step ms | Chain step ms | Chain step / AR step | decode speedup at tau "
              f"{args.tau} |", "|---|---|---|---|---|---|"]

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import jspec
 import ports
 from jspec import loop
+from ports import layers as L
 from ports import qwen2_vl as QW
 from ports import qwen2_vl_vision as QV
 from conftest import assert_masked_parity, perturb, saved_and_loaded
@@ -241,9 +242,10 @@ def test_rope_index_matches_transformers(hf_models, jx_models, model_type):
 
 
 @pytest.mark.parametrize("name", ["q2", "q25"])
-def test_vision_tower_and_features_match_transformers(hf_models, jx_models, name):
+def test_vision_tower_and_features_match_transformers(hf_models, jx_models, name, monkeypatch):
     """Merged features (spliced into the prompt) and the pre-merger hook equal HF's tower on two images of
-    different sizes and a video; Qwen2.5's window layers are real (treating them as full attention breaks it)."""
+    different sizes and a video; Qwen2.5's window layers are real (treating them as full attention breaks it); the
+    frames encoded a few at a time give the same features."""
     hf, m = hf_models[name], jx_models[name]
     cfg = m.config
     batch = build(["w1 <image> w2 <image> w3 <video> w4"], images=[image(40, 90, 4), image(50, 30, 5)],
@@ -273,6 +275,10 @@ def test_vision_tower_and_features_match_transformers(hf_models, jx_models, name
                         prep["vision_window"])
         assert np.abs(np.asarray(vo.hidden).reshape(-1, hidden.shape[-1])[prep["vision_patch_index"][:n]]
                       - hidden).max() > 1e-2
+    monkeypatch.setattr(L, "VISION_BATCH", 3)  # the 4 frames in batches of 3 (one padded): the same features
+    pe3 = jax.jit(lambda p, i: QW.prompt_embeds(cfg, p, ids, i))(m.params, prep)
+    np.testing.assert_allclose(np.asarray(pe3.embeds), np.asarray(pe.embeds), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(pe3.vision_features), np.asarray(pe.vision_features), atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ logits parity

@@ -298,3 +298,17 @@ def test_bad_inputs_fail_clearly(name):
         V.vision_config_from_hf({"model_type": "vit"})
     with pytest.raises(ValueError, match="hidden_act 'swish2'"):
         V.vision_config_from_hf({"model_type": cfg.model_type, "hidden_act": "swish2"})
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_image_features_in_batches_equal_all_at_once(name, monkeypatch):
+    """Many images (frames) are encoded `ports.layers.VISION_BATCH` at a time: 5 images in batches of 2 (the last
+    padded) give the features of all 5 at once."""
+    from ports import layers as L
+
+    _, cfg, params = tower(name)
+    x = pixels(cfg, n=5, seed=7)
+    whole = np.asarray(V.image_features(cfg, params, x, -2, "full"))
+    monkeypatch.setattr(L, "VISION_BATCH", 2)
+    np.testing.assert_allclose(np.asarray(V.image_features(cfg, params, x, -2, "full")), whole, atol=1e-5,
+                               rtol=1e-5)  # float32 rounding of differently batched matmuls
