@@ -335,15 +335,19 @@ def _vit_terms(n: int, P: int, D: int, F: int, heads: int, dt: int, gated: bool 
 def _vision_peak(pl: _Planned, images: int, dt: int) -> tuple[int, str]:
     if images <= 0:
         return 0, ""
+    from ports.layers import VISION_BATCH  # towers encode this many images / tiles / frames at a time
+
     if pl.vit is not None:
         v = pl.vit
         n = images * pl.tiles_per_image
-        return (_vit_terms(n, v.num_positions, v.hidden_size, v.intermediate_size, v.num_heads, dt),
-                f"vision tower on {images} image(s) x {pl.tiles_per_image} tile(s) of {v.num_positions} tokens")
+        return (_vit_terms(min(n, VISION_BATCH), v.num_positions, v.hidden_size, v.intermediate_size, v.num_heads,
+                           dt),
+                f"vision tower on {images} image(s) x {pl.tiles_per_image} tile(s) of {v.num_positions} tokens, "
+                f"{VISION_BATCH} at a time")
     if pl.analytic_vision is not None:
         v = pl.analytic_vision
         patches = QWEN_VL_IMAGE_PIXELS // (v["patch"] ** 2)
-        return (_vit_terms(images, patches, v["hidden"], v["mlp"], v["heads"], dt, v["gated"]),
+        return (_vit_terms(min(images, VISION_BATCH), patches, v["hidden"], v["mlp"], v["heads"], dt, v["gated"]),
                 f"vision tower on {images} image(s) of {QWEN_VL_IMAGE_PIXELS / 1e6:.2f} MP ({patches} patches, "
                 f"full-attention layers)")
     return 0, ""
