@@ -43,6 +43,35 @@ def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
     return tuple(int(e) for e in eos_token_id)
 
 
+def _max_positions(target) -> int | None:
+    """The positions the target was trained for (None where there is no fixed bound: no such field, or dynamic
+    RoPE scaling, which exists to run past it)."""
+    text = getattr(target.config, "text", target.config)
+    rope = getattr(text, "rope", None)
+    if getattr(rope, "rope_type", "default") == "dynamic":
+        return None
+    return getattr(text, "max_position_embeddings", None)
+
+
+def _check_call(target, lengths, max_new_tokens, eos, key) -> None:
+    """Bad arguments named before any compile: positions past the model's, EOS ids outside its vocabulary, a key
+    that is not a JAX PRNG key."""
+    mpe = _max_positions(target)
+    if mpe and int(lengths.max()) + max_new_tokens > mpe:
+        raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens={max_new_tokens} runs past the "
+                         f"model's max_position_embeddings={mpe}")
+    V = getattr(target, "vocab_size", None)
+    bad = [e for e in eos if e < 0 or (V is not None and e >= V)]
+    if bad:
+        raise ValueError(f"eos_token_id {bad} outside the model vocabulary [0, {V})")
+    if key is not None:
+        dt = getattr(key, "dtype", None)
+        legacy = dt == np.uint32 and getattr(key, "shape", None) == (2,)
+        if dt is None or not (jax.dtypes.issubdtype(dt, jax.dtypes.prng_key) or legacy):
+            raise ValueError(f"key must be a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__} "
+                             f"{getattr(key, 'dtype', '')}".rstrip())
+
+
 def _pad_id(target, eos: tuple[int, ...]) -> int:
     pad = getattr(target.config, "pad_token_id", None)
     if pad is not None:
@@ -167,6 +196,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")
     sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
     eos = _eos_ids(target, eos_token_id)
+    _check_call(target, lengths, max_new_tokens, eos, key)
     run_target, placement = target, None
     if mesh is not None:
         placement = SH.Placement(mesh, tuple(SH.rules_table(rules).items()))

@@ -23,6 +23,9 @@ def normalize_prompt(prompt: Any, vocab_size: int, pad_to: int = 16) -> tuple[np
     T_pad is rounded up to a multiple of `pad_to` so nearby prompt lengths share one compilation.
     """
     extra = {}
+    if prompt is None or isinstance(prompt, (str, bytes)):
+        raise ValueError(f"prompt must be token ids (an int array, a list of token lists, or a tokenizer's output), "
+                         f"got {type(prompt).__name__}" + ("; tokenize the text first" if prompt is not None else ""))
     if isinstance(prompt, Mapping):
         if "input_ids" not in prompt:
             raise ValueError(f"prompt mapping has no 'input_ids' (keys: {sorted(prompt)})")
@@ -34,7 +37,18 @@ def normalize_prompt(prompt: Any, vocab_size: int, pad_to: int = 16) -> tuple[np
             ids = np.asarray(raw)
             if ids.ndim == 1:
                 ids = ids[None]
-            mask = np.ones_like(ids) if mask is None else np.asarray(mask).reshape(ids.shape)
+            if ids.ndim != 2:
+                raise ValueError(f"input_ids must be [T] or [B, T] token ids, got shape {ids.shape}")
+            if mask is None:
+                mask = np.ones_like(ids)
+            else:
+                mask = np.asarray(mask)
+                mask = mask[None] if mask.ndim == 1 else mask
+                if mask.shape != ids.shape:
+                    raise ValueError(f"attention_mask has shape {mask.shape}, input_ids {ids.shape}: they must match")
+                if not np.isin(mask, (0, 1)).all():
+                    raise ValueError(f"attention_mask must hold 0 / 1 (or booleans), got values "
+                                     f"{sorted(set(np.unique(mask).tolist()) - {0, 1})[:5]}")
             rows = []
             for b in range(ids.shape[0]):
                 where = np.flatnonzero(mask[b])
@@ -45,6 +59,9 @@ def normalize_prompt(prompt: Any, vocab_size: int, pad_to: int = 16) -> tuple[np
         unknown = [k for k in extra if k not in MODALITY_KEYS]
         if unknown:
             raise ValueError(f"prompt mapping has unsupported keys {unknown}")
+        for k, v in extra.items():
+            if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all():
+                raise ValueError(f"prompt {k} has {int(np.size(v) - np.isfinite(v).sum())} NaN or infinite values")
     elif isinstance(prompt, (list, tuple)) and prompt and not np.isscalar(prompt[0]):
         rows = [np.asarray(r) for r in prompt]
     else:

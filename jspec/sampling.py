@@ -31,12 +31,16 @@ class SamplingParams:
 
 def make_sampling(temperature: float | None, top_k: int | None, top_p: float | None) -> tuple[SamplingConfig, SamplingParams]:
     """Validate the user's sampling arguments; temperature 0 (or None) means greedy."""
-    t = 0.0 if temperature is None else float(temperature)
-    if t < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and (int(top_k) != top_k or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
-    if top_p is not None and not (0.0 < float(top_p) <= 1.0):
+    try:
+        t = 0.0 if temperature is None else float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}") from None
+    if not np.isfinite(t) or t < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer, float))
+                              or not float(top_k).is_integer() or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, (bool, str)) or not 0.0 < float(top_p) <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     greedy = t == 0.0
     cfg = SamplingConfig(greedy=greedy, use_top_k=(top_k is not None and not greedy),

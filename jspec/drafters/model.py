@@ -24,6 +24,9 @@ from jspec.prompts import model_prompt, normalize_prompt
 
 
 def check_vocab(target, model, who: str = "draft") -> None:
+    if not hasattr(model, "config") or not hasattr(model, "params"):
+        raise ValueError(f"the {who} must be a model (ports.load_hf / ports.load / jspec.zoo.load), got "
+                         f"{type(model).__name__}")
     tv, dv = target.config.vocab_size, model.config.vocab_size
     if tv != dv:
         raise ValueError(f"{who} and target vocabularies differ: target vocab_size={tv}, {who} vocab_size={dv}; "
