@@ -372,20 +372,6 @@ def _image_gen_grid(rendered, res: dict, path: Path, scale: int = 3) -> None:
     grid.save(path)
 
 
-def _image_gen_grid(rendered, res: dict, path: Path, scale: int = 3) -> None:
-    from PIL import Image
-
-    cols = [rendered] + [list(r["images"]) for r in res.values()]
-    size = rendered[0].shape[0] * scale
-    pad = 4
-    grid = Image.new("RGB", (len(cols) * (size + pad), len(rendered) * (size + pad)), "white")
-    for c, imgs in enumerate(cols):
-        for r, img in enumerate(imgs):
-            grid.paste(Image.fromarray(np.asarray(img)).resize((size, size), Image.NEAREST),
-                       (c * (size + pad), r * (size + pad)))
-    grid.save(path)
-
-
 def drafted_mask(accepted, length: int) -> np.ndarray:
     """Per generated token of one row: True where the draft proposed it and the target accepted it, False where
     the target produced it (the prefill's token, each step's correction or bonus token)."""
