@@ -24,7 +24,7 @@ from jspec.prompts import model_prompt, normalize_prompt
 
 
 def check_vocab(target, model, who: str = "draft") -> None:
-    if not hasattr(model, "config") or not hasattr(model, "params"):
+    if not hasattr(getattr(model, "config", None), "vocab_size"):
         raise ValueError(f"the {who} must be a model (ports.load_hf / ports.load / jspec.zoo.load), got "
                          f"{type(model).__name__}")
     tv, dv = target.config.vocab_size, model.config.vocab_size
