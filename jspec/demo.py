@@ -5,7 +5,7 @@ for each strategy slower than AR saying why, and writes one figure (speedup and 
 the answer's tokens coloured by whether the draft proposed them).
 
 The default runs AR, Chain and a small tree on the text pair (about a minute on a 2-core CPU the first time;
-compiled programs are kept in a cache directory, `JSPEC_COMPILE_CACHE`, so a rerun takes seconds). `methods="all"`
+compiled programs are kept in a cache directory, `JSPEC_COMPILE_CACHE`, so a rerun takes about 30 s). `methods="all"`
 adds DynamicTree, SAGE and EESD on the text pair, TABED on the image pair (the draft reads the images) and SpecVLM
 on video clips (several minutes). `jspec demo video` runs the video section alone, `jspec demo image-gen` the
 text-to-image pair with LANTERN++. Offline. Times are medians of warm calls taken in interleaved rounds.
