@@ -297,7 +297,9 @@ def _decoder_terms(text, b: int, T: int, S: int, dt: int, heads: int, kv_heads: 
     resid = 3 * b * T * D * dt  # residual stream, its norm, the sub-block output
     rope = 2 * b * T * Dh * 4  # f32 cos / sin
     if blockwise:
-        tq, tk = min(T, BW_BLOCK), min(S, BW_BLOCK)
+        from ports.blockwise import BLOCK
+
+        tq, tk = min(T, BLOCK), min(S, BLOCK)
         across = rope
         scores = b * heads * (tq * tk * (4 + 4 + dt) + T * (Dh + 1) * 4)  # a tile; f32 outputs and log-sum-exp
     else:
@@ -307,9 +309,6 @@ def _decoder_terms(text, b: int, T: int, S: int, dt: int, heads: int, kv_heads: 
     ffn = 3 * b * T * mlp * dt  # gate, up, act(gate) * up
     return dict(resid=resid, across=across, attn=attn, scores=scores, mlp=ffn,
                 layer=resid + across + max(attn, ffn))
-
-
-BW_BLOCK = 512  # `ports.blockwise`'s default query and key block
 
 
 def prefill_shape(prompt_len: int, max_len: int, chunk: int | None) -> tuple[int, int, bool]:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 NEG = jnp.finfo(jnp.float32).min
+BLOCK = 512  # default query and key block: 512 x 512 tiles were the fastest on CPU (docs/performance-notes.md)
 
 
 def _blocks(x: jax.Array, n: int, size: int) -> jax.Array:
@@ -21,7 +22,7 @@ def _blocks(x: jax.Array, n: int, size: int) -> jax.Array:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, score_weights: jax.Array | None = None,
-                     q_block: int = 512, k_block: int = 512):
+                     q_block: int = BLOCK, k_block: int = BLOCK):
     """Grouped-query causal attention of q [B, T, H, Dh] over the same positions' keys / values k, v [B, T, KVH, Dh]
     (row b's keys before start[b] hidden). Returns [B, T, H, Dh] in q's dtype, equal to `ports.layers.attention`
     on the visible queries (a query that sees no key, i.e. one before its row's start, gets a meaningless output in
@@ -42,7 +43,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
 
 
 def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array, offset: jax.Array,
-                     score_weights: jax.Array | None = None, q_block: int = 512, k_block: int = 512):
+                     score_weights: jax.Array | None = None, q_block: int = BLOCK, k_block: int = BLOCK):
     """Grouped-query attention of a block of new queries q [B, T, H, Dh] over a cache that already holds their
     keys: the flat cache rows k_buf, v_buf [B * KVH, S, Dh] (`jspec.cache`), query t of row b at slot
     offset[b] + t, seeing slot j when start[b] <= j <= offset[b] + t (a chunk of a prefill after the earlier
