@@ -27,7 +27,7 @@ from ports import llama
 from ports import llava
 from ports import llava_next
 from ports import qwen2_vl
-from ports.safetensors_io import checkpoint_files, iter_tensors, write_safetensors
+from ports.safetensors_io import FLOAT_DTYPES, SafetensorsFile, checkpoint_files, write_safetensors
 
 
 class Family(NamedTuple):
@@ -163,7 +163,13 @@ def _resolve_dtype(dtype):
 
 def _read_json(path: str) -> dict:
     with open(path) as f:
-        return json.load(f)
+        try:
+            out = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{path}: holds a JSON {type(out).__name__}, not an object")
+    return out
 
 
 def read_hf_config(directory: str) -> dict:
@@ -211,10 +217,13 @@ def _set_path(tree, path, value):
     node[path[-1]] = value
 
 
-def key_mismatch_error(header: str, missing: list, unexpected: list, bad_shape: list) -> ValueError:
-    """One error listing every missing, unexpected and mis-shaped tensor (the first 20 of each)."""
+def key_mismatch_error(header: str, missing: list, unexpected: list, bad_shape: list, bad_dtype: list = (),
+                       duplicated: list = ()) -> ValueError:
+    """One error listing every missing, unexpected, mis-shaped, mis-typed and duplicated tensor (the first 20 of
+    each)."""
     lines = [header]
-    for what, names in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", bad_shape)):
+    for what, names in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", bad_shape),
+                        ("not floating point", bad_dtype), ("in more than one file", duplicated)):
         if names:
             lines.append(f"  {what} ({len(names)}): {names[:20]}{' ...' if len(names) > 20 else ''}")
     return ValueError("\n".join(lines))
@@ -235,10 +244,13 @@ def _empty_like_shapes(shapes):
 
 
 def _stream_hf(directory: str, dtype, progress: bool):
-    """(hf config dict, config, family, iterator of (param path, our-layout numpy array)) of an HF checkpoint.
+    """(hf config dict, config, family, tensors) of an HF checkpoint; `tensors(skip_layers=())` iterates over
+    (param path, our-layout numpy array).
 
-    The iterator reads one tensor at a time, converts it to our layout and dtype, and, once exhausted, raises
-    ValueError listing missing / unexpected / mis-shaped tensors.
+    Every file's header is checked against the architecture first, so a checkpoint with missing, unexpected,
+    mis-shaped, non-float or duplicated tensors (or a truncated file) is a ValueError listing them all before
+    any tensor is read. The iterator then reads one tensor at a time, in our layout and dtype; tensors of the
+    decoder layers in `skip_layers` are not read (a resumed conversion).
     """
     hf = read_hf_config(directory)
     fam = family(hf.get("model_type"))
@@ -249,35 +261,44 @@ def _stream_hf(directory: str, dtype, progress: bool):
     ignored = [re.compile(p) for p in fam.ignored_keys]
     if getattr(cfg, "tie_word_embeddings", False):
         ignored.append(re.compile(r"(^|\.)lm_head\.weight$"))
+    files = [SafetensorsFile(p) for p in checkpoint_files(directory)]
 
-    def tensors():
-        unexpected, bad_shape, seen, bad_names = [], [], set(), set()
-        items = iter_tensors(checkpoint_files(directory))
-        if progress:
-            from tqdm import tqdm
-
-            items = tqdm(items, desc=f"reading {os.path.basename(os.path.normpath(directory))}", unit="tensor")
-        for file_name, f in items:
+    unexpected, bad_shape, bad_dtype, duplicated, seen, plan = [], [], [], [], set(), []
+    for f in files:
+        for file_name in f.keys():
             name = fam.rename_hf_key(file_name)
             if name not in kmap:
                 if not any(p.search(name) for p in ignored):
                     unexpected.append(file_name)
                 continue
+            if name in seen:
+                duplicated.append(file_name)
+                continue
+            seen.add(name)
             path, tr = kmap[name]
-            want = tuple(_get_path(shapes, path))
-            got = f.shape(file_name)
+            want, got = tuple(_get_path(shapes, path)), f.shape(file_name)
             if len(got) != len(want) or hf_shape_to_ours(got, tr) != want:
                 bad_shape.append(f"{name}: checkpoint {tuple(got)}, expected {ours_shape_to_hf(want, tr)}")
-                bad_names.add(name)
-                continue
-            yield path, np.ascontiguousarray(hf_to_ours(f.get(file_name), tr), dtype=dt)
-            seen.add(name)
-        missing = [n for n in kmap if n not in seen and n not in bad_names]
-        if missing or unexpected or bad_shape:
-            raise key_mismatch_error(f"checkpoint {directory} does not match {hf.get('model_type')} params:",
-                                     missing, unexpected, bad_shape)
+            elif f.dtype(file_name) not in FLOAT_DTYPES:
+                bad_dtype.append(f"{name}: {f.dtype(file_name)}")
+            else:
+                plan.append((f, file_name, path, tr))
+    missing = [n for n in kmap if n not in seen]
+    if missing or unexpected or bad_shape or bad_dtype or duplicated:
+        raise key_mismatch_error(f"checkpoint {directory} does not match {hf.get('model_type')} params:",
+                                 missing, unexpected, bad_shape, bad_dtype, duplicated)
+    lp = _layers_path(shapes)
 
-    return hf, cfg, fam, tensors()
+    def tensors(skip_layers=()):
+        items = [row for row in plan if not (row[2][:len(lp)] == lp and row[2][len(lp)] in skip_layers)]
+        if progress:
+            from tqdm import tqdm
+
+            items = tqdm(items, desc=f"reading {os.path.basename(os.path.normpath(directory))}", unit="tensor")
+        for f, file_name, path, tr in items:
+            yield path, np.ascontiguousarray(hf_to_ours(f.get(file_name), tr), dtype=dt)
+
+    return hf, cfg, fam, tensors
 
 
 def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarray], jax.Array] | None = None,
@@ -292,7 +313,7 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
     hf, cfg, fam, tensors = _stream_hf(directory, dtype, progress)
     params = _empty_like_shapes(FU.fused_shapes(cfg, fam.param_shapes(cfg)))
     put = device_put or (lambda path, arr: jnp.asarray(arr))
-    for path, item in _layer_stream(cfg, fam.param_shapes(cfg), tensors):
+    for path, item in _layer_stream(cfg, fam.param_shapes(cfg), tensors()):
         for sub, arr in (_leaf_paths(item) if isinstance(item, dict) else [((), item)]):
             _set_path(params, path + sub, put(path + sub, arr))
     return Model(cfg, params, hf)
@@ -356,18 +377,71 @@ def _orbax_save(path: str, tree) -> None:
     ckpt.wait_until_finished()
 
 
+# A jspec checkpoint directory is complete when COMPLETE exists: `save` and `convert_hf` write it last (and remove
+# it first), so a directory an interrupted write left behind never loads as a model. CONVERTING records an
+# unfinished conversion (its source, dtype and config) so that running the same conversion again resumes it.
+COMPLETE = "jspec-checkpoint.json"
+CONVERTING = "jspec-converting.json"
+
+
+def _json_dump(obj, path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def _start_writing(directory: str, job: dict | None = None) -> set[int]:
+    """Prepare `directory` for a checkpoint write; the layers already written, when `job` (a conversion's
+    source, dtype and config) is the unfinished conversion recorded there. Anything else jspec wrote there
+    before (a complete or a stale checkpoint) is removed, so nothing old mixes into the new one."""
+    import shutil
+
+    os.makedirs(directory, exist_ok=True)
+    progress, layers_dir = os.path.join(directory, CONVERTING), os.path.join(directory, "layers")
+    if os.path.exists(os.path.join(directory, COMPLETE)):
+        os.remove(os.path.join(directory, COMPLETE))
+    resumed = job is not None and os.path.exists(progress) and _read_json(progress) == job
+    if not resumed:
+        for name in ("layers", "params"):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        if job is not None:
+            _json_dump(job, progress)
+        return set()
+    done = set()
+    for name in os.listdir(layers_dir) if os.path.isdir(layers_dir) else ():
+        if name.isdigit():  # orbax renames a layer's temporary directory to this name once it is fully written
+            done.add(int(name))
+        else:
+            shutil.rmtree(os.path.join(layers_dir, name), ignore_errors=True)
+    return done
+
+
+def _finish_writing(directory: str, cfg, num_layers: int, dtype: str) -> None:
+    _json_dump({"format": 1, "model_type": cfg.model_type, "num_layers": num_layers, "dtype": dtype},
+               os.path.join(directory, COMPLETE))
+    if os.path.exists(os.path.join(directory, CONVERTING)):
+        os.remove(os.path.join(directory, CONVERTING))
+
+
 def convert_hf(hf_dir: str, out_dir: str, dtype=None, progress: bool = False) -> tuple[Any, int]:
     """HF checkpoint -> jspec checkpoint (what `save` writes), streaming: each decoder layer is written as soon as
     its tensors are read, so host memory holds one layer plus the non-layer params (embeddings, head), never the
-    model. Returns (config, number of parameters)."""
-    hf, cfg, fam, tensors = _stream_hf(hf_dir, dtype, progress)
+    model. An interrupted conversion resumes when run again with the same source, dtype and config (the layers it
+    wrote are kept and not read again); `load` refuses the directory until the conversion completes. Returns
+    (config, number of parameters)."""
+    out_dir = os.path.abspath(out_dir)
+    hf, cfg, fam, tensors = _stream_hf(hf_dir, dtype, progress)  # checks every header before anything is written
+    job = {"source": os.path.abspath(hf_dir), "dtype": np.dtype(_resolve_dtype(dtype)).name, "config": hf}
+    done = _start_writing(out_dir, job)
+    if done and progress:
+        print(f"resuming: {len(done)} layers of {out_dir} already written")
     shapes = fam.param_shapes(cfg)
     lp = _layers_path(shapes)
-    out_dir = os.path.abspath(out_dir)
     _write_config(hf, out_dir)
     rest = _without_layers(_empty_like_shapes(shapes), lp)
-    n_params = 0
-    for path, item in _layer_stream(cfg, shapes, tensors):
+    is_shape = lambda x: isinstance(x, tuple)
+    n_params = sum(int(np.prod(s)) for i in done for s in jax.tree.leaves(_get_path(shapes, lp)[i], is_leaf=is_shape))
+    for path, item in _layer_stream(cfg, shapes, tensors(done)):
         if isinstance(item, dict):
             n_params += sum(a.size for a in jax.tree.leaves(item))
             _orbax_save(os.path.join(out_dir, "layers", f"{path[-1]:05d}"), item)
@@ -375,6 +449,7 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, progress: bool = False) ->
             n_params += item.size
             _set_path(rest, path, item)
     _orbax_save(os.path.join(out_dir, "params"), rest)
+    _finish_writing(out_dir, cfg, len(_get_path(shapes, lp)), job["dtype"])
     return cfg, n_params
 
 
@@ -431,12 +506,33 @@ def save(model: Model, directory: str) -> None:
     """A jspec checkpoint (what `jspec convert` writes): config.json, an orbax checkpoint `params/` of everything
     but the decoder layers, and one orbax checkpoint per layer under `layers/`, so conversion can stream."""
     directory = os.path.abspath(directory)
+    _start_writing(directory)
     _write_config(model.hf_config or model.family.config_to_hf(model.config), directory)
     lp = _layers_path(model.params)
-    for i, layer in enumerate(_get_path(model.params, lp)):  # in the run layout `load` restores, however sharded
+    layers = _get_path(model.params, lp)
+    for i, layer in enumerate(layers):  # in the run layout `load` restores, however sharded
         fused = FU.fuse_layer(model.config, layer) if FU.has_decoder(model.config) else layer
         _orbax_save(os.path.join(directory, "layers", f"{i:05d}"), fused)
     _orbax_save(os.path.join(directory, "params"), _without_layers(model.params, lp))
+    _finish_writing(directory, model.config, len(layers), np.dtype(model.dtype).name)
+
+
+def check_complete(directory: str) -> None:
+    """FileNotFoundError unless `directory` holds a complete jspec checkpoint, saying what it holds instead."""
+    if os.path.exists(os.path.join(directory, COMPLETE)):
+        return
+    progress = os.path.join(directory, CONVERTING)
+    if os.path.exists(progress):
+        job = _read_json(progress)
+        layers_dir = os.path.join(directory, "layers")
+        n = sum(name.isdigit() for name in os.listdir(layers_dir)) if os.path.isdir(layers_dir) else 0
+        raise FileNotFoundError(
+            f"{directory}: an unfinished conversion ({n} layers written, no {COMPLETE}); run `jspec convert "
+            f"{job['source']} {directory}` again to finish it")
+    if os.path.isdir(os.path.join(directory, "layers")):
+        raise FileNotFoundError(f"{directory}: an incomplete jspec checkpoint (no {COMPLETE}: its writing was "
+                                "interrupted); save or convert it again")
+    raise FileNotFoundError(f"{directory} is not a jspec checkpoint (no layers/); write one with `jspec convert`")
 
 
 def load(directory: str, dtype=None, shardings=None) -> Model:
@@ -445,6 +541,7 @@ def load(directory: str, dtype=None, shardings=None) -> Model:
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
+    check_complete(directory)
     hf = read_hf_config(directory)
     fam = family(hf.get("model_type"))
     cfg = fam.config_from_hf(hf)
@@ -459,8 +556,6 @@ def load(directory: str, dtype=None, shardings=None) -> Model:
     lp = _layers_path(shapes)
     layers_dir = os.path.join(directory, "layers")
     ckpt = ocp.StandardCheckpointer()
-    if not os.path.isdir(layers_dir):
-        raise FileNotFoundError(f"{directory} is not a jspec checkpoint (no layers/); write one with `jspec convert`")
     params = ckpt.restore(os.path.join(directory, "params"), _without_layers(abstract, lp))
     layers = [ckpt.restore(os.path.join(layers_dir, f"{i:05d}"), a) for i, a in enumerate(_get_path(abstract, lp))]
     if len(lp) == 2:

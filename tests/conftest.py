@@ -1,10 +1,33 @@
 """Shared fixtures: tiny random HF models saved to disk, loaded through ports.load_hf."""
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _compile_less():
+    """The suite compiles hundreds of small programs, so compiling dominates it. Two settings, made before JAX is
+    imported and inherited by pytest-xdist workers and test subprocesses:
+    - LLVM's expensive passes are skipped (`JAX_DISABLE_MOST_OPTIMIZATIONS`): the HLO program, and with it every
+      number a test compares, is the one users run; only the machine code is less tuned.
+    - One compile cache for the whole run, so a program that several tests build (the same tiny model under the
+      same strategy) compiles once across tests and workers. The directory is removed when the run ends; set
+      `JAX_COMPILATION_CACHE_DIR` yourself to keep one across runs."""
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        path = tempfile.mkdtemp(prefix="jspec-tests-xla-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+_compile_less()
 
 import numpy as np
 import pytest
@@ -58,6 +81,26 @@ def hf_greedy(hf_model, prompt: np.ndarray, max_new: int, eos=None) -> np.ndarra
         out = hf_model.generate(torch.tensor(prompt[None]), max_new_tokens=max_new, do_sample=False,
                                 eos_token_id=eos, pad_token_id=0 if eos is None else eos)
     return out[0, len(prompt):].numpy()
+
+
+def write_layered_checkpoint(directory, layers: int) -> int:
+    """An HF LLaMA checkpoint of random tensors written one at a time; returns its size in bytes."""
+    cfg = ports.TextConfig(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=688,
+                           num_layers=layers, num_heads=4, num_kv_heads=4, head_dim=64, eos_token_ids=())
+    directory.mkdir()
+    fam = ports.FAMILIES["llama"]
+    shapes = fam.param_shapes(cfg)
+    from ports.model import _get_path, ours_shape_to_hf
+    from ports.safetensors_io import write_safetensors
+
+    table = {n: (ours_shape_to_hf(tuple(_get_path(shapes, p)), tr), np.dtype(np.float32))
+             for n, p, tr in fam.hf_key_map(cfg)}
+    rng = np.random.default_rng(0)
+    write_safetensors(str(directory / "model.safetensors"), table,
+                      lambda n: rng.normal(0, 0.02, table[n][0]).astype(np.float32))
+    with open(directory / "config.json", "w") as f:
+        json.dump(ports.text_config_to_hf(cfg), f)
+    return sum(int(np.prod(s)) * 4 for s, _ in table.values())
 
 
 def saved_and_loaded(hf_models: dict, root) -> tuple[dict, dict]:

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import ports
-from conftest import hf_logits, save_and_load, tiny_hf
+from conftest import hf_logits, save_and_load, tiny_hf, write_layered_checkpoint
 from ports.safetensors_io import SafetensorsFile, write_safetensors
 
 TOKENS = np.random.default_rng(0).integers(0, 101, (2, 12))
@@ -112,24 +112,6 @@ def test_safetensors_writer_is_read_by_the_reference_library(tmp_path):
         np.testing.assert_array_equal(back[k], arrs[k])
 
 
-def _write_layered_checkpoint(directory, layers: int) -> int:
-    """An HF LLaMA checkpoint of random tensors written one at a time; returns its size in bytes."""
-    cfg = ports.TextConfig(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=688,
-                           num_layers=layers, num_heads=4, num_kv_heads=4, head_dim=64, eos_token_ids=())
-    directory.mkdir()
-    fam = ports.FAMILIES["llama"]
-    shapes = fam.param_shapes(cfg)
-    from ports.model import _get_path, ours_shape_to_hf
-    table = {n: (ours_shape_to_hf(tuple(_get_path(shapes, p)), tr), np.dtype(np.float32))
-             for n, p, tr in fam.hf_key_map(cfg)}
-    rng = np.random.default_rng(0)
-    write_safetensors(str(directory / "model.safetensors"), table,
-                      lambda n: rng.normal(0, 0.02, table[n][0]).astype(np.float32))
-    with open(directory / "config.json", "w") as f:
-        json.dump(ports.text_config_to_hf(cfg), f)
-    return sum(int(np.prod(s)) * 4 for s, _ in table.values())
-
-
 def _convert_peak_growth(hf_dir, out_dir) -> int:
     import subprocess
     import sys
@@ -146,8 +128,8 @@ def test_streaming_convert_holds_a_layer_not_the_model(tmp_path):
     """`jspec convert`'s peak RSS growth does not grow with the number of layers: a 64-layer checkpoint (~220 MB,
     3.2 MB per layer) costs about what a 16-layer one does, and the result loads to the same params as
     `load_hf`."""
-    small = _write_layered_checkpoint(tmp_path / "hf16", 16)
-    big = _write_layered_checkpoint(tmp_path / "hf64", 64)
+    small = write_layered_checkpoint(tmp_path / "hf16", 16)
+    big = write_layered_checkpoint(tmp_path / "hf64", 64)
     g_small = _convert_peak_growth(tmp_path / "hf16", tmp_path / "out16")
     g_big = _convert_peak_growth(tmp_path / "hf64", tmp_path / "out64")
     print(f"streaming convert: peak RSS +{g_small / 1e6:.0f} MB for {small / 1e6:.0f} MB, "

@@ -237,19 +237,20 @@ def test_draft_prompt_view(pair):
         jspec.decode(target, PROMPTS, draft_prompt=PROMPTS)
 
 
-def test_profile_mode_times_phases_and_keeps_tokens(pair):
+@pytest.mark.parametrize("kind", ["chain", pytest.param("dynamic", marks=pytest.mark.slow)])
+def test_profile_mode_times_phases_and_keeps_tokens(pair, kind):
     target, draft = pair
-    for strat in (jspec.Chain(draft, gamma=3), jspec.DynamicTree(draft, depth=3, top_k=2, total=6)):
-        fast = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=12)
-        for mode in (True, "program"):  # host-synced phases; phases repeated inside one program (from the state
-            # that the fused loop then decodes: it must be left as it was)
-            prof = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=12, profile=mode)
-            np.testing.assert_array_equal(prof.tokens, fast.tokens)
-            np.testing.assert_array_equal(prof.stats["accepted"], fast.stats["accepted"])
-            phases = [prof.stats[k] for k in ("draft_s", "verify_s")]      # in-program: slopes, clamped at 0
-            assert all(np.isfinite(t) and t >= 0 for t in phases) and sum(phases) > 0, mode
-            assert np.isfinite(prof.stats["other_s"]) and prof.stats["other_s"] >= 0
-        assert "draft_s" not in fast.stats
+    strat = {"chain": jspec.Chain(draft, gamma=3), "dynamic": jspec.DynamicTree(draft, depth=3, top_k=2, total=6)}[kind]
+    fast = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=12)
+    for mode in (True, "program"):  # host-synced phases; phases repeated inside one program (from the state that
+        # the fused loop then decodes: it must be left as it was)
+        prof = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=12, profile=mode)
+        np.testing.assert_array_equal(prof.tokens, fast.tokens)
+        np.testing.assert_array_equal(prof.stats["accepted"], fast.stats["accepted"])
+        phases = [prof.stats[k] for k in ("draft_s", "verify_s")]      # in-program: slopes, clamped at 0
+        assert all(np.isfinite(t) and t >= 0 for t in phases) and sum(phases) > 0, mode
+        assert np.isfinite(prof.stats["other_s"]) and prof.stats["other_s"] >= 0
+    assert "draft_s" not in fast.stats
     fast = jspec.decode(target, PROMPTS, max_new_tokens=12)
     for mode in (True, "program"):                                            # AR: timed step by step alike
         prof = jspec.decode(target, PROMPTS, max_new_tokens=12, profile=mode)

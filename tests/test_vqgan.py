@@ -120,24 +120,102 @@ def test_decoder_has_the_taming_layout():
     assert chameleon["decoder"]["conv_out"]["weight"] == (3, 128, 3, 3)
 
 
-def test_decoder_matches_taming_reference():
-    """Parity with taming-transformers' Decoder when it is importable (it is not a dependency: the
-    taming-transformers-rom1504 wheel pulls pytorch-lightning and another torch; it is pure torch otherwise)."""
-    ref = pytest.importorskip("taming.modules.diffusionmodules.model",
-                              reason="optional reference: the taming-transformers source is not installed (its "
-                                     "package would replace the pinned torch)")
-    cfg = VQ.VQConfig(embed_dim=8, num_embeddings=32, latent_channels=32, resolution=16, base_channels=32,
-                      channel_multiplier=(1, 1, 2), num_res_blocks=2, attn_resolutions=(8,))
+JANUS = transformers.models.janus.modeling_janus
+
+
+class TamingDecoder(torch.nn.Module):
+    """taming-transformers' Decoder written out from its architecture over transformers' Janus VQ blocks (the same
+    ResnetBlock, AttnBlock, mid block and nearest-x2 upsample taming uses): `up[level]` indexed by level and run
+    from the lowest resolution up, attention after each block of a level whose resolution is in
+    `attn_resolutions`. An independent PyTorch reference for our decoder, at any attention placement."""
+
+    def __init__(self, janus_cfg, resolution: int, attn_resolutions: tuple):
+        super().__init__()
+        mult, base = janus_cfg.channel_multiplier, janus_cfg.base_channels
+        block_in = base * mult[-1]
+        self.conv_in = torch.nn.Conv2d(janus_cfg.latent_channels, block_in, 3, padding=1)
+        self.mid = JANUS.JanusVQVAEMidBlock(janus_cfg, block_in)
+        self.up = torch.nn.ModuleList([torch.nn.Module() for _ in mult])
+        for level in reversed(range(len(mult))):
+            blocks, attn, out = torch.nn.ModuleList(), torch.nn.ModuleList(), base * mult[level]
+            for _ in range(janus_cfg.num_res_blocks + 1):
+                blocks.append(JANUS.JanusVQVAEResnetBlock(janus_cfg, block_in, out))
+                block_in = out
+                if resolution // 2 ** level in attn_resolutions:
+                    attn.append(JANUS.JanusVQVAEAttnBlock(out))
+            self.up[level].block, self.up[level].attn = blocks, attn
+            if level:
+                self.up[level].upsample = JANUS.JanusVQVAEConvUpsample(out)
+        self.norm_out = torch.nn.GroupNorm(32, block_in, eps=1e-6)
+        self.conv_out = torch.nn.Conv2d(block_in, janus_cfg.out_channels, 3, padding=1)
+
+    def forward(self, z):
+        h = self.mid(self.conv_in(z))
+        for level in reversed(range(len(self.up))):
+            up = self.up[level]
+            for i, block in enumerate(up.block):
+                h = block(h)
+                if len(up.attn):
+                    h = up.attn[i](h)
+            if level:
+                h = up.upsample(h)
+        h = self.norm_out(h)
+        return self.conv_out(h * torch.sigmoid(h))
+
+
+def janus_config(**kw):
+    base = dict(embed_dim=8, num_embeddings=32, latent_channels=32, base_channels=32, channel_multiplier=[1, 1, 2],
+                num_res_blocks=2, out_channels=3, dropout=0.0)
+    base.update(kw)
+    return transformers.models.janus.configuration_janus.JanusVQVAEConfig(**base)
+
+
+def _decoded(cfg, params, z):
+    got = VQ.decoder_forward(cfg, params["decoder"], jnp.asarray(z).transpose(0, 2, 3, 1))
+    return np.asarray(got.transpose(0, 3, 1, 2))
+
+
+def test_decoder_matches_transformers_janus_decoder():
+    """transformers' JanusVQVAE decoder is a taming decoder with attention at the lowest resolution, its `up` list
+    stored from the lowest resolution up (taming's in reverse): post_quant_conv + decoder agree with ours on
+    perturbed weights, through our state-dict loader."""
+    jcfg = janus_config()
     torch.manual_seed(3)
-    dec = perturb(ref.Decoder(ch=32, out_ch=3, ch_mult=(1, 1, 2), num_res_blocks=2, attn_resolutions=[8],
-                              in_channels=3, resolution=16, z_channels=32).eval(), seed=4, scale=0.1)
+    vq = perturb(JANUS.JanusVQVAE(jcfg).eval(), seed=4, scale=0.1)
+    n = len(jcfg.channel_multiplier)
+    sd = {}
+    for k, v in vq.state_dict().items():
+        if k.startswith("decoder.up."):
+            j, rest = k[len("decoder.up."):].split(".", 1)
+            k = f"decoder.up.{n - 1 - int(j)}.{rest}"
+        sd[k] = v
+    cfg = VQ.VQConfig(embed_dim=8, num_embeddings=32, latent_channels=32, resolution=16, base_channels=32,
+                      channel_multiplier=(1, 1, 2), num_res_blocks=2, attn_resolutions=(16 // 2 ** (n - 1),))
+    params = VQ.params_from_state_dict(cfg, sd, parts=("post_quant_conv", "decoder"))
+    zq = np.random.default_rng(5).normal(size=(2, 8, 4, 6)).astype(np.float32)
+    with torch.no_grad():
+        want = vq.decoder(vq.post_quant_conv(torch.tensor(zq))).numpy()
+    got = VQ.decode_latents(cfg, params, jnp.asarray(zq).transpose(0, 2, 3, 1))
+    assert got.shape == want.shape == (2, 3, 16, 24)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attn_resolutions", [(8,), ()], ids=["attn_mid_level", "chameleon_layout"])
+def test_decoder_matches_a_taming_reference(attn_resolutions):
+    """Parity with a taming Decoder (`TamingDecoder`) where attention sits in a middle level, and in Chameleon's
+    layout (attention in the mid block only); the reference's state dict loads through our taming key map."""
+    jcfg = janus_config()
+    torch.manual_seed(3)
+    dec = perturb(TamingDecoder(jcfg, 16, attn_resolutions).eval(), seed=4, scale=0.1)
+    cfg = VQ.VQConfig(embed_dim=8, num_embeddings=32, latent_channels=32, resolution=16, base_channels=32,
+                      channel_multiplier=(1, 1, 2), num_res_blocks=2, attn_resolutions=attn_resolutions)
     params = VQ.params_from_state_dict(cfg, {"decoder." + k: v for k, v in dec.state_dict().items()},
                                        parts=("decoder",))
+    assert sum(bool(level["attn"]) for level in params["decoder"]["up"]) == len(attn_resolutions)
     z = np.random.default_rng(5).normal(size=(2, 32, 4, 6)).astype(np.float32)
     with torch.no_grad():
         want = dec(torch.tensor(z)).numpy()
-    got = VQ.decoder_forward(cfg, params["decoder"], jnp.asarray(z).transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(_decoded(cfg, params, z), want, rtol=1e-4, atol=1e-4)
 
 
 def squares(n: int, rng, size: int = 8) -> np.ndarray:
@@ -152,6 +230,7 @@ def squares(n: int, rng, size: int = 8) -> np.ndarray:
     return x
 
 
+@pytest.mark.slow  # training; the zoo tokenizer is trained and its round trip measured in tests/test_zoo_t2i.py
 def test_trained_tokenizer_round_trip():
     """A tiny VQGAN trained through our encoder, quantizer (straight-through) and decoder for 300 Adam steps
     reconstructs held-out images far better than untrained, and better than each image's mean colour."""
