@@ -13,6 +13,7 @@ import numpy as np
 from jspec import guidance as G
 from jspec import loop
 from jspec import profiling as P
+from jspec import rowkeys as RK
 from jspec import sampling as S
 from jspec import sharding as SH
 from jspec import speculative as SD
@@ -65,11 +66,16 @@ def _check_call(target, lengths, max_new_tokens, eos, key) -> None:
     if bad:
         raise ValueError(f"eos_token_id {bad} outside the model vocabulary [0, {V})")
     if key is not None:
-        dt = getattr(key, "dtype", None)
-        legacy = dt == np.uint32 and getattr(key, "shape", None) == (2,)
-        if dt is None or not (jax.dtypes.issubdtype(dt, jax.dtypes.prng_key) or legacy):
+        dt, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+        typed = dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+        legacy = dt == np.uint32 and shape is not None and shape[-1:] == (2,)
+        if not (typed or legacy):
             raise ValueError(f"key must be a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__} "
                              f"{getattr(key, 'dtype', '')}".rstrip())
+        B = len(lengths)
+        if (shape if typed else shape[:-1]) not in ((), (B,)):
+            raise ValueError(f"key must be one PRNG key or one per row ({B} rows), got keys of shape "
+                             f"{tuple(shape if typed else shape[:-1])}")
 
 
 def _pad_id(target, eos: tuple[int, ...]) -> int:
@@ -98,8 +104,9 @@ def _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks
     logits, fo, cache = loop.prefill(target, tokens, lengths, cache, inputs, chunk=ctx.prefill_chunk,
                                      **(asks or {}))
     cache = SH.constrain(ctx.placement, cache)
-    k_first, k_loop = jax.random.split(key)
-    first = S.sample(k_first, logits, ctx.sampling, sp)
+    keys = RK.split(RK.for_rows(key, tokens.shape[0]), 2)  # one key per row from here on
+    first = S.sample(keys[:, 0], logits, ctx.sampling, sp)
+    k_loop = keys[:, 1]
     return loop.start_state(ctx, first, cache, k_loop, sp), logits, fo
 
 
@@ -228,6 +235,8 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
                            out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg, placement=placement,
                            prefill_chunk=prefill_chunk if prefill_chunk and tokens.shape[1] > prefill_chunk else None)
     key = _default_key() if key is None else key
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)  # a raw uint32 key (jax.random.PRNGKey)
     t0 = time.perf_counter()
     # host arrays go to the jitted prefill as they are: it moves them in one go (a jnp.asarray each costs a dispatch)
     static = dyn = None
@@ -248,6 +257,9 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
 
     Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
+    `key`: one PRNG key (row b draws from fold_in(key, b)) or one key per row ([B] keys): every random draw of a
+    row (its samples, drafts, acceptance tests, controller choices) comes from its own key, so a row's sampled
+    tokens stay the same when other rows are added to or removed from its batch.
     `max_cache_len` caps the KV cache; a prompt that does not fit with the new tokens raises ValueError.
     `draft_prompt` (speculative strategies): the draft's own view of each row's prompt (same batch size, e.g. a
     pruned or text-only version); the draft continues it with the committed tokens. Default: the target's prompt.

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jspec import rowkeys as RK
 from jspec import cache as kvc
 from jspec import sampling as S
 from jspec import sharding as SH
@@ -185,7 +186,8 @@ def start_state(ctx: StepContext, first: jax.Array, cache: kvc.KVCache, key: jax
 
 
 def step_key(state: DecodeState) -> jax.Array:
-    return jax.random.fold_in(state.key, state.step)
+    """[B] keys of this step, one per row."""
+    return RK.fold(state.key, state.step)
 
 
 def running(ctx: StepContext, state: DecodeState) -> jax.Array:

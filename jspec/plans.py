@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec import rowkeys as RK
 from jspec.trees import Layout, StaticTree, TreeArrays, layered_arrays, tree_from_pool
 
 
@@ -172,7 +173,7 @@ class StaticPlan:
         aux_all = None
         top_all = jnp.zeros((B, N, topk), jnp.float32) if topk else None
         fed = jnp.full((B, N), -1, jnp.int32)
-        keys = jax.random.split(key, D)
+        keys = RK.split(key, D)
         for d in range(D):
             (s, e), (cs, ce) = layout.levels[d], layout.levels[d + 1]
             m = layout.children[d]
@@ -184,7 +185,7 @@ class StaticPlan:
                 if aux_all is None:
                     aux_all = jax.tree.map(lambda a: jnp.zeros((B, N) + a.shape[2:], a.dtype), aux)
                 aux_all = jax.tree.map(lambda acc, a: acc.at[:, s:e].set(a), aux_all, aux)
-            choice_logp = logp + jax.random.gumbel(keys[d], logp.shape) if sample else logp
+            choice_logp = logp + RK.gumbel(keys[:, d], logp.shape[1:]) if sample else logp
             choice = jax.lax.top_k(choice_logp, m)[1].astype(jnp.int32)  # [B, e - s, m]
             par = jnp.clip(parent[:, cs:ce] - s, 0, e - s - 1)
             rk = jnp.clip(rank[:, cs:ce], 0, m - 1)

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec import rowkeys as RK
+
 NEG_INF = -jnp.inf
 
 
@@ -93,8 +95,11 @@ def probs(logits: jax.Array, cfg: SamplingConfig, params: SamplingParams) -> jax
 
 
 def sample(key: jax.Array, logits: jax.Array, cfg: SamplingConfig, params: SamplingParams) -> jax.Array:
-    """One token per leading index: argmax when greedy, else a categorical draw from the processed logits."""
+    """One token per leading index: argmax when greedy, else a categorical draw from the processed logits. With
+    one key per row (`key` [B], logits [B, ..., V]) each row draws from its own key (`jspec.rowkeys`)."""
     x = process_logits(logits, cfg, params)
     if cfg.greedy:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if key.ndim == 1:
+        return RK.categorical(key, x).astype(jnp.int32)
     return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jspec import rowkeys as RK
 from jspec import cache as kvc
 from jspec import loop
 from jspec.controllers import Decision, Record, asks_of
@@ -67,7 +68,8 @@ def sd_draft(ctx, parts, target, carry):
     """Phase 1: the controller's decision, then the drafted tree."""
     state = carry[0]
     aux: SDAux = state.aux
-    k_draft, k_ctrl, k_stop = jax.random.split(jax.random.fold_in(loop.step_key(state), 1), 3)
+    ks = RK.split(RK.fold(loop.step_key(state), 1), 3)
+    k_draft, k_ctrl, k_stop = ks[:, 0], ks[:, 1], ks[:, 2]
     ctrl = parts.controller
     decision = Decision() if ctrl is None else ctrl.plan(aux.ctrl, k_ctrl)
     limit = decision.depth
@@ -78,7 +80,7 @@ def sd_draft(ctx, parts, target, carry):
     asks = asks_of(ctrl)
     stop = None
     if hasattr(ctrl, "stop"):  # the controller may end a row's draft after any level (from what drafted it)
-        stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, jax.random.fold_in(k_stop, level))  # noqa: E731
+        stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, RK.fold(k_stop, level))  # noqa: E731
     kw = {} if stop is None else {"stop": stop}
     if asks.node_topk:
         kw["topk"] = asks.node_topk
@@ -154,7 +156,7 @@ def sd_accept(ctx, parts, target, carry):
     plan = parts.plan
     B = state.last.shape[0]
     D = plan.max_depth
-    k_verify = jax.random.fold_in(loop.step_key(state), 2)
+    k_verify = RK.fold(loop.step_key(state), 2)
     verdict = parts.rule.verify(k_verify, prop.tokens, ver.logits, prop.q, prop.valid, prop.tree, D, ctx.sampling,
                                 state.sp)
     a = verdict.accepted

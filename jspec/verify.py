@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jspec import rowkeys as RK
 from jspec import sampling as S
 from jspec.trees import TreeArrays
 
@@ -348,7 +349,7 @@ def stochastic(key: jax.Array, tokens: jax.Array, p: jax.Array, q: jax.Array | N
     resid = p[:, 0]
     alive = jnp.ones((B,), bool)
     accepted = jnp.zeros((B,), jnp.int32)
-    keys = jax.random.split(key, max_depth * M + 1)
+    keys = RK.split(key, max_depth * M + 1)  # [B, n]: each row draws from its own key
     for d in range(max_depth):
         qd = None if q is None else q[rows, cur]  # [B, V]
         moved = jnp.zeros((B,), bool)
@@ -358,7 +359,7 @@ def stochastic(key: jax.Array, tokens: jax.Array, p: jax.Array, q: jax.Array | N
             cc = jnp.maximum(c, 0)
             live = alive & ~moved & (c >= 0) & node_valid[rows, cc]
             x = tokens[rows, cc]
-            u = jax.random.uniform(keys[d * M + k], (B,))
+            u = RK.uniform(keys[:, d * M + k])
             acc = live & (u * rule.draft_mass(qd, x) <= rule.target_mass(resid, x))
             rej = live & ~acc
             rej_resid, rej_q = rule.reject(resid, qd, x)
@@ -371,5 +372,5 @@ def stochastic(key: jax.Array, tokens: jax.Array, p: jax.Array, q: jax.Array | N
         cur = new_cur
         accepted = accepted + moved.astype(jnp.int32)
         alive = alive & moved
-    bonus = jax.random.categorical(keys[-1], jnp.log(jnp.maximum(resid, 0.0)), axis=-1).astype(jnp.int32)
+    bonus = RK.categorical(keys[:, -1], jnp.log(jnp.maximum(resid, 0.0))).astype(jnp.int32)
     return Verdict(_path_of(cur, t, max_depth), accepted, bonus)

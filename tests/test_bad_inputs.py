@@ -65,6 +65,8 @@ ARGS = [  # (what, decode keyword arguments, message)
     ("top_p > 1", dict(temperature=1.0, top_p=1.5), r"top_p must be in \(0, 1\]"),
     ("an EOS id past the vocabulary", dict(eos_token_id=500), r"eos_token_id \[500\] outside"),
     ("an int as the key", dict(temperature=1.0, key=3), "key must be a JAX PRNG key"),
+    ("keys for another batch size", dict(temperature=1.0, key=np.zeros((3, 2), np.uint32)),
+     r"key must be one PRNG key or one per row \(1 rows\), got keys of shape \(3,\)"),
     ("a cache too short", dict(max_cache_len=4), "needs a cache of 7, longer than max_cache_len=4"),
     ("new tokens past the model's positions", dict(max_new_tokens=254), "max_position_embeddings=256"),
     ("a prefill chunk of 0", dict(prefill_chunk=0), "prefill_chunk must be"),

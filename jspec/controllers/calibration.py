@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec import rowkeys as RK
 from jspec.controllers import Asks, Controller, Decision, Record
 
 CALI_WEIGHTS = "calibration.safetensors"
@@ -126,9 +127,9 @@ class CaliTS(Controller):
         h_draft = aux["hidden"][:, 0]  # the level's first node: the top-ranked path in a tree
         theta_m = self.predictor.theta(level, state.h_target, h_draft)
         mu, var = blend(theta_m, state.n, state.theta_hat, self.sigma_m, self.sigma_s)
-        k_theta, k_chi = jax.random.split(key)
-        theta = jnp.clip(mu + jnp.sqrt(var) * jax.random.normal(k_theta, mu.shape), 0.0, 1.0)
-        go_on = jax.random.uniform(k_chi, mu.shape) < theta
+        ks = RK.split(key, 2)
+        theta = jnp.clip(mu + jnp.sqrt(var) * RK.normal(ks[:, 0], mu.shape[1:]), 0.0, 1.0)
+        go_on = RK.uniform(ks[:, 1], mu.shape[1:]) < theta
         return jnp.where((limit > level) & ~go_on, level, limit).astype(limit.dtype)
 
     def observe(self, state: CaliState, record: Record) -> CaliState:

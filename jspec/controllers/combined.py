@@ -8,6 +8,7 @@ from typing import Any
 import jax
 from flax import struct
 
+from jspec import rowkeys as RK
 from jspec.controllers import Asks, Controller, Decision, Record, asks_of
 
 _OPTIONAL = ("start", "stop", "check")
@@ -38,7 +39,8 @@ class Both(Controller):
         return self.a.init(batch, max_depth), self.b.init(batch, max_depth)
 
     def plan(self, state, key) -> Decision:
-        ka, kb = jax.random.split(key) if key is not None else (None, None)
+        ks = None if key is None else RK.split(key, 2)
+        ka, kb = (None, None) if ks is None else (ks[:, 0], ks[:, 1])
         da, db = self.a.plan(state[0], ka), self.b.plan(state[1], kb)
         merged = {}
         for f in Decision._fields:
@@ -66,7 +68,7 @@ class Both(Controller):
     def _stop(self, parts):
         def stop(state, level, aux, limit, key):
             for i, fn in parts:
-                limit = fn(state[i], level, aux, limit, jax.random.fold_in(key, i))
+                limit = fn(state[i], level, aux, limit, RK.fold(key, i))
             return limit
         return stop
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jspec import rowkeys as RK
 from jspec.controllers import Controller, Decision, Record
 
 
@@ -58,9 +59,9 @@ class BetaTS(Controller):
 
     def plan(self, state: BetaState, key) -> Decision:
         B, K = state.alpha.shape[0], state.max_depth
-        k_theta, k_chi = jax.random.split(key)
-        theta = jax.random.beta(k_theta, state.alpha[:, None], state.beta[:, None], (B, K))
-        go_on = jax.random.uniform(k_chi, (B, K)) < theta  # chi_i = 1: draft token i + 1 too
+        ks = RK.split(key, 2)
+        theta = RK.beta(ks[:, 0], state.alpha, state.beta, (K,))
+        go_on = RK.uniform(ks[:, 1], (K,)) < theta  # chi_i = 1: draft token i + 1 too
         return Decision(depth=jnp.minimum(1 + leading_ones(go_on[:, :K - 1]), K).astype(jnp.int32))
 
     def observe(self, state: BetaState, record: Record) -> BetaState:
