@@ -19,6 +19,11 @@ MANY = settings(max_examples=40, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
+def twins(body, **drawn):
+    """`body`'s default-suite test (a few derandomized examples) and its `slow` twin (many random ones)."""
+    return FEW(given(**drawn)(body)), pytest.mark.slow(MANY(given(**drawn)(body)))
+
+
 @pytest.fixture(scope="module")
 def pair():
     return tiny_pair()
@@ -80,17 +85,8 @@ case = dict(spec=strategies_, prompts=batches, max_new=st.integers(1, 20), eos_a
             keep=st.lists(st.integers(0, 3), min_size=1, max_size=3))
 
 
-@FEW
-@given(**case)
-def test_greedy_sd_equals_ar_and_rows_are_alone(pair, spec, prompts, max_new, eos_at, keep):
-    greedy_sd_equals_ar_and_rows_are_alone(pair, spec, prompts, max_new, eos_at, keep)
-
-
-@pytest.mark.slow
-@MANY
-@given(**case)
-def test_greedy_sd_equals_ar_and_rows_are_alone_many(pair, spec, prompts, max_new, eos_at, keep):
-    greedy_sd_equals_ar_and_rows_are_alone(pair, spec, prompts, max_new, eos_at, keep)
+test_greedy_sd_equals_ar_and_rows_are_alone, test_greedy_sd_equals_ar_and_rows_are_alone_many = twins(
+    greedy_sd_equals_ar_and_rows_are_alone, **case)
 
 
 def same_key_same_tokens(pair, spec, prompts, seed, temperature):
@@ -126,31 +122,9 @@ def sampled_rows_are_alone(pair, spec, prompts, seed, temperature, keep):
 
 sampled = dict(spec=strategies_, prompts=batches, seed=st.integers(0, 2 ** 20), temperature=st.floats(0.5, 2.0))
 
-
-@FEW
-@given(**sampled)
-def test_same_key_same_tokens(pair, spec, prompts, seed, temperature):
-    same_key_same_tokens(pair, spec, prompts, seed, temperature)
-
-
-@pytest.mark.slow
-@MANY
-@given(**sampled)
-def test_same_key_same_tokens_many(pair, spec, prompts, seed, temperature):
-    same_key_same_tokens(pair, spec, prompts, seed, temperature)
+test_same_key_same_tokens, test_same_key_same_tokens_many = twins(same_key_same_tokens, **sampled)
 
 
 rows_case = dict(sampled, keep=st.lists(st.integers(0, 3), min_size=1, max_size=3))
 
-
-@FEW
-@given(**rows_case)
-def test_sampled_rows_are_alone(pair, spec, prompts, seed, temperature, keep):
-    sampled_rows_are_alone(pair, spec, prompts, seed, temperature, keep)
-
-
-@pytest.mark.slow
-@MANY
-@given(**rows_case)
-def test_sampled_rows_are_alone_many(pair, spec, prompts, seed, temperature, keep):
-    sampled_rows_are_alone(pair, spec, prompts, seed, temperature, keep)
+test_sampled_rows_are_alone, test_sampled_rows_are_alone_many = twins(sampled_rows_are_alone, **rows_case)
