@@ -152,7 +152,7 @@ def _accepted(keys, rule, x):
     p = jnp.stack([jnp.asarray(R_ROOT), jnp.full(HAND_V, 1.0 / HAND_V)])[None]
     q = jnp.stack([jnp.asarray(Q_ROOT), jnp.full(HAND_V, 1.0 / HAND_V)])[None]
     valid = jnp.ones((1, 2), bool)
-    return jax.vmap(lambda key: Vf.stochastic(key, tokens, p, q, valid, t, 1, rule).accepted[0])(keys)
+    return jax.vmap(lambda key: Vf.stochastic(key[None], tokens, p, q, valid, t, 1, rule).accepted[0])(keys)
 
 
 def acceptance_rate(rule, x=3, n=20000):
