@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jspec import rowkeys as RK
 from jspec import cache as kvc
+from jspec import rowkeys as RK
 from jspec import sampling as S
 from jspec import sharding as SH
+from ports import layers as L
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,9 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, in
         fwd_kwargs["embeds"] = pe.embeds
         if getattr(pe, "positions", None) is not None:  # e.g. M-RoPE [3, B, T] ids and their rope deltas
             positions, offset = pe.positions, pe.position_offset
+    text = getattr(model.config, "text", model.config)
+    if getattr(getattr(text, "rope", None), "rope_type", None) == "dynamic" and positions.ndim == 2:
+        fwd_kwargs["rope"] = L.rope_tables(text, positions, lengths)  # prompt tokens scaled by their row's length
     if chunk is not None and T > chunk:
         logits, fo, cache = prefill_chunked(model, tokens, positions, lengths, cache, chunk, **fwd_kwargs)
     else:
@@ -86,7 +90,7 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, in
     return logits, fo, cache
 
 
-CHUNKED_OPTIONS = ("embeds", "hidden_layers", "attn_query_weights")
+CHUNKED_OPTIONS = ("embeds", "hidden_layers", "attn_query_weights", "rope")
 
 
 def prefill_chunked(model, tokens, positions, lengths, cache: kvc.KVCache, chunk: int, **fwd_kwargs):
@@ -105,6 +109,7 @@ def prefill_chunked(model, tokens, positions, lengths, cache: kvc.KVCache, chunk
     hidden_layers = tuple(fwd_kwargs.get("hidden_layers", ()))
     weights = fwd_kwargs.get("attn_query_weights")
     embeds = fwd_kwargs.get("embeds")
+    rope = fwd_kwargs.get("rope")
 
     def piece(x, at, size, axis):
         return None if x is None else jax.lax.dynamic_slice_in_dim(x, at, size, axis=axis)
@@ -116,6 +121,8 @@ def prefill_chunked(model, tokens, positions, lengths, cache: kvc.KVCache, chunk
             kw["embeds"] = piece(embeds, at, size, 1)
         if weights is not None:
             kw["attn_query_weights"] = piece(weights, at, size, 1)
+        if rope is not None:
+            kw["rope"] = tuple(piece(t, at, size, 1) for t in rope)
         fo = model.forward(piece(tokens, at, size, 1), piece(positions, at, size, positions.ndim - 1), cache,
                            logits_at=jnp.clip(last - at, 0, size - 1)[:, None], **kw)
         inside = (last >= at) & (last < at + size)

@@ -289,15 +289,16 @@ def attention_block(cfg: ChameleonConfig, p: dict, x: jax.Array, cos, sin, k_buf
 def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,
             new_mask: jax.Array | None = None, *, embeds: jax.Array | None = None,
             hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
-            compute_logits: bool = True, write_offset: int = 0, fresh: bool = False) -> ForwardOut:
+            compute_logits: bool = True, write_offset: int = 0, fresh: bool = False,
+            rope: tuple | None = None) -> ForwardOut:
     """Run T new tokens per row against the cache: the contract of `ports.llama.forward` (cache slots, new_mask,
-    hidden_layers, logits_at, write_offset, fresh all mean the same)."""
+    hidden_layers, logits_at, write_offset, fresh, rope all mean the same)."""
     llama.check_fresh(fresh, write_offset)
     x = embed(cfg, params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
     visible = L.prefill_visibility(cache, T, new_mask, write_offset, fresh)
     start = cache.length + write_offset
-    cos, sin = L.rope_tables(cfg, positions)
+    cos, sin = L.rope_tables(cfg, positions, L.whole_sequence_len(cfg, positions, fresh)) if rope is None else rope
     want = set(hidden_layers)
     hidden = {0: x} if 0 in want else {}
     ks, vs = [], []

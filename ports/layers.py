@@ -29,22 +29,38 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def rope_tables(cfg: TextConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, rot_dim] in HF's half-rotation layout for integer positions [B, T]."""
+def rope_tables(cfg: TextConfig, positions: jax.Array, prompt_len: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, rot_dim] in HF's half-rotation layout for integer positions [B, T].
+
+    Dynamic-NTK RoPE grows its base with the sequence length a token is computed at, per token: a prompt token
+    takes its row's prompt length `prompt_len` [B] (transformers' prefill of that row), a later token its own
+    position + 1 (transformers' cached generate, one token per forward). So a multi-token verification rotates
+    each token as token-by-token decoding did, a chunked prefill as a one-pass one, and no row reads another's
+    length (transformers' batched forward takes the batch's longest)."""
     inv, scale = rope_inv_freq(cfg)
     inv = jnp.asarray(inv)
     r = cfg.rope
     if r.rope_type == "dynamic":
-        # HF grows the NTK base with the longest sequence seen (max position + 1 over the batch).
         dim = inv.shape[0] * 2
         orig = cfg.max_position_embeddings
-        seq_len = jnp.maximum(jnp.max(positions) + 1, orig).astype(jnp.float32)
+        seq = positions + 1 if prompt_len is None else jnp.maximum(positions + 1, prompt_len[:, None])
+        seq_len = jnp.maximum(seq, orig).astype(jnp.float32)[..., None]  # [B, T, 1]
         base = r.theta * ((r.factor * seq_len / orig) - (r.factor - 1)) ** (dim / (dim - 2))
         exps = jnp.asarray(np.arange(0, dim, 2, dtype=np.float32) / dim)
-        inv = 1.0 / (base ** exps)
+        inv = 1.0 / (base ** exps)  # [B, T, dim / 2]
     freqs = positions.astype(jnp.float32)[..., None] * inv
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def whole_sequence_len(cfg: TextConfig, positions: jax.Array, fresh: bool) -> jax.Array | None:
+    """The `prompt_len` of a forward over whole sequences (into an empty cache, e.g. `ports.logits`): each row's
+    last position + 1, so that dynamic-NTK RoPE scales every token by the sequence length as transformers' forward
+    does. None otherwise."""
+    if not fresh or cfg.rope.rope_type != "dynamic":
+        return None
+    return jnp.max(positions, axis=-1) + 1
 
 
 def mrope_tables(cfg: TextConfig, positions: jax.Array, section) -> tuple[jax.Array, jax.Array]:

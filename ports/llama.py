@@ -91,7 +91,7 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     B, T, _ = x.shape
     visible = L.prefill_visibility(cache, T, new_mask, write_offset, fresh)
     start = cache.length + write_offset
-    cos, sin = L.rope_tables(cfg, positions) if rope is None else rope
+    cos, sin = L.rope_tables(cfg, positions, L.whole_sequence_len(cfg, positions, fresh)) if rope is None else rope
     want = set(hidden_layers)
     hidden = {0: x} if 0 in want else {}
     ks, vs = [], []

@@ -599,4 +599,4 @@ def _logits_jit(model: Model, tokens: jax.Array, inputs: dict) -> jax.Array:
         embeds = pe.embeds
         if getattr(pe, "positions", None) is not None:  # e.g. Qwen2-VL's M-RoPE ids [3, B, T]
             positions = pe.positions
-    return model.forward(tokens, positions, cache, embeds=embeds).logits
+    return model.forward(tokens, positions, cache, embeds=embeds, fresh=True).logits

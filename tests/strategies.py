@@ -66,7 +66,8 @@ register("per_row_trees", lambda t, d: jspec.Speculative(
                                              [(1, 0, 0), (2, 0, 1), (4, 1, 0), (5, 1, 1), (6, 2, 0)]]))),
     exact=True, slow=True)  # tests/test_parts.py proves per-row trees in the default suite
 register("two_views", lambda t, d: jspec.Speculative(TwoViews(ModelDrafter(d), ModelDrafter(d), jnp.asarray([.4, .6])),
-                                                     StaticPlan.of(build_tree(chain(3)))), exact=True)
+                                                     StaticPlan.of(build_tree(chain(3)))), exact=True,
+         slow=True)  # tests/test_parts.py proves the two-view drafter greedy and exact in the default suite
 
 
 def eesd_head(target, num_layers=1):

@@ -31,8 +31,7 @@ SETTINGS = {
     "topp0.8": dict(top_p=0.8),
     "T0.8_topk4_topp0.9": dict(temperature=0.8, top_k=4, top_p=0.9),
 }
-DEFAULT = {("chain3", "T1"), ("chain3", "topp0.8"), ("tree_depth3", "T0.6"), ("tree_depth3", "T0.8_topk4_topp0.9"),
-           ("dynamic_depth3", "T1.5_topk3"), ("dynamic_depth3", "T0.8_topk4_topp0.9")}
+DEFAULT = {("chain3", "topp0.8"), ("tree_depth3", "T0.8_topk4_topp0.9"), ("dynamic_depth3", "T1.5_topk3")}
 CASES = [pytest.param(s, w, marks=() if (s, w) in DEFAULT else pytest.mark.slow, id=f"{s}-{w}")
          for s in STRATEGIES for w in SETTINGS]
 

@@ -13,7 +13,7 @@ import jspec
 from tiny_pairs import CFG, tiny_pair
 
 V = CFG.vocab_size
-FEW = settings(max_examples=4, deadline=None, derandomize=True, database=None,
+FEW = settings(max_examples=3, deadline=None, derandomize=True, database=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 MANY = settings(max_examples=40, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
