@@ -13,15 +13,16 @@ import jspec
 from tiny_pairs import CFG, tiny_pair
 
 V = CFG.vocab_size
-FEW = settings(max_examples=3, deadline=None, derandomize=True, database=None,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FEW = dict(deadline=None, derandomize=True, database=None,
+           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 MANY = settings(max_examples=40, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-def twins(body, **drawn):
-    """`body`'s default-suite test (a few derandomized examples) and its `slow` twin (many random ones)."""
-    return FEW(given(**drawn)(body)), pytest.mark.slow(MANY(given(**drawn)(body)))
+def twins(body, examples=2, **drawn):
+    """`body`'s default-suite test (`examples` derandomized examples) and its `slow` twin (many random ones)."""
+    few = settings(max_examples=examples, **FEW)
+    return few(given(**drawn)(body)), pytest.mark.slow(MANY(given(**drawn)(body)))
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ case = dict(spec=strategies_, prompts=batches, max_new=st.integers(1, 20), eos_a
 
 
 test_greedy_sd_equals_ar_and_rows_are_alone, test_greedy_sd_equals_ar_and_rows_are_alone_many = twins(
-    greedy_sd_equals_ar_and_rows_are_alone, **case)
+    greedy_sd_equals_ar_and_rows_are_alone, examples=3, **case)
 
 
 def same_key_same_tokens(pair, spec, prompts, seed, temperature):
