@@ -75,11 +75,13 @@ def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
         return hf_model(torch.tensor(tokens)).logits.float().numpy()
 
 
-def hf_greedy(hf_model, prompt: np.ndarray, max_new: int, eos=None) -> np.ndarray:
-    """transformers' greedy generate for one 1-D prompt; returns the new tokens (EOS included, no padding)."""
+def hf_greedy(hf_model, prompt: np.ndarray, max_new: int, eos=None, **generate_kwargs) -> np.ndarray:
+    """transformers' greedy generate for one 1-D prompt; returns the new tokens (EOS included, no padding). The
+    attention mask is explicit: transformers would otherwise take prompt tokens equal to the pad id for padding."""
+    x = torch.tensor(prompt[None])
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor(prompt[None]), max_new_tokens=max_new, do_sample=False,
-                                eos_token_id=eos, pad_token_id=0 if eos is None else eos)
+        out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                                eos_token_id=eos, pad_token_id=0 if eos is None else eos, **generate_kwargs)
     return out[0, len(prompt):].numpy()
 
 
