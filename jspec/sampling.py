@@ -94,12 +94,10 @@ def probs(logits: jax.Array, cfg: SamplingConfig, params: SamplingParams) -> jax
     return jax.nn.softmax(x, axis=-1)
 
 
-def sample(key: jax.Array, logits: jax.Array, cfg: SamplingConfig, params: SamplingParams) -> jax.Array:
-    """One token per leading index: argmax when greedy, else a categorical draw from the processed logits. With
-    one key per row (`key` [B], logits [B, ..., V]) each row draws from its own key (`jspec.rowkeys`)."""
+def sample(keys: jax.Array, logits: jax.Array, cfg: SamplingConfig, params: SamplingParams) -> jax.Array:
+    """One token per leading index of logits [B, ..., V]: argmax when greedy, else a categorical draw from the
+    processed logits, row b from its own key `keys[b]` (`jspec.rowkeys`)."""
     x = process_logits(logits, cfg, params)
     if cfg.greedy:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    if key.ndim == 1:
-        return RK.categorical(key, x).astype(jnp.int32)
-    return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+    return RK.categorical(keys, x).astype(jnp.int32)

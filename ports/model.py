@@ -390,6 +390,12 @@ def _json_dump(obj, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _written_layers(layers_dir: str) -> set[int]:
+    """The layers whose orbax checkpoint is complete (orbax renames a layer's temporary directory to its index
+    once it is fully written)."""
+    return {int(n) for n in os.listdir(layers_dir) if n.isdigit()} if os.path.isdir(layers_dir) else set()
+
+
 def _start_writing(directory: str, job: dict | None = None) -> set[int]:
     """Prepare `directory` for a checkpoint write; the layers already written, when `job` (a conversion's
     source, dtype and config) is the unfinished conversion recorded there. Anything else jspec wrote there
@@ -407,11 +413,9 @@ def _start_writing(directory: str, job: dict | None = None) -> set[int]:
         if job is not None:
             _json_dump(job, progress)
         return set()
-    done = set()
+    done = _written_layers(layers_dir)
     for name in os.listdir(layers_dir) if os.path.isdir(layers_dir) else ():
-        if name.isdigit():  # orbax renames a layer's temporary directory to this name once it is fully written
-            done.add(int(name))
-        else:
+        if not name.isdigit():  # a temporary directory an interrupted write left
             shutil.rmtree(os.path.join(layers_dir, name), ignore_errors=True)
     return done
 
@@ -524,8 +528,7 @@ def check_complete(directory: str) -> None:
     progress = os.path.join(directory, CONVERTING)
     if os.path.exists(progress):
         job = _read_json(progress)
-        layers_dir = os.path.join(directory, "layers")
-        n = sum(name.isdigit() for name in os.listdir(layers_dir)) if os.path.isdir(layers_dir) else 0
+        n = len(_written_layers(os.path.join(directory, "layers")))
         raise FileNotFoundError(
             f"{directory}: an unfinished conversion ({n} layers written, no {COMPLETE}); run `jspec convert "
             f"{job['source']} {directory}` again to finish it")
