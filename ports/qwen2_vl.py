@@ -285,7 +285,7 @@ def rope_index(cfg: QwenVLConfig, rows: list[np.ndarray], items: _Items) -> tupl
             want = cfg.tokens_per_item(items.grids[i])
             if e - s != want:
                 raise ValueError(f"prompt row {b}: a run of {e - s} {what} tokens (id {tok}) where {what} "
-                                 f"{list(items.grids[i])} of {key} takes {want}; build the prompt with the model's "
+                                 f"{items.grids[i].tolist()} of {key} takes {want}; build the prompt with the model's "
                                  f"processor")
             pos.append(_vision_ids(cfg, items.grids[i], cur, items.interval[i]))
             cur += int(max(items.grids[i][1], items.grids[i][2])) // m

@@ -48,32 +48,42 @@ def warped_logprobs(logits: np.ndarray, temperature=1.0, top_k=None, top_p=None)
     return torch.log_softmax(x.double(), dim=-1).numpy().reshape(shape)
 
 
-def close_pair():
-    """(target, draft) over the 6-token vocabulary where the draft is the target plus noise of the weights' own
-    scale: close enough that whole depth-3 paths are accepted under every warper, far enough that every depth also
+def noisy_copy(model, scale=0.4, seed=5):
+    """`model` with Gaussian noise of std `scale` added to every weight: a draft close to its target."""
+    leaves, tree = jax.tree.flatten(model.params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [a + scale * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)]
+    return dataclasses.replace(model, params=jax.tree.unflatten(tree, noisy))
+
+
+def close_pair(cfg=T_CFG):
+    """(target, draft) over a tiny vocabulary where the draft is the target plus noise of the weights' own scale:
+    close enough that whole depth-3 paths are accepted under every warper, far enough that every depth also
     rejects."""
-    target = ports.random_model(T_CFG, key=10, std=0.4)
-    leaves, tree = jax.tree.flatten(target.params)
-    keys = jax.random.split(jax.random.key(5), len(leaves))
-    noisy = [a + 0.4 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)]
-    return target, dataclasses.replace(target, params=jax.tree.unflatten(tree, noisy))
+    target = ports.random_model(cfg, key=10, std=0.4)
+    return target, noisy_copy(target)
+
+
+def joint_from_logprobs(logp: np.ndarray, seqs: np.ndarray, first: int) -> np.ndarray:
+    """P(seqs) from log-probabilities [N, T, V] of full sequences whose continuation `seqs` [N, n] starts at
+    position `first` (the conditional of token i is read at first - 1 + i), normalised over the enumerated rows."""
+    n = seqs.shape[1]
+    lp = sum(np.take_along_axis(logp[:, first - 1 + i], seqs[:, i:i + 1], axis=1)[:, 0] for i in range(n))
+    p = np.exp(lp)
+    return p / p.sum()
 
 
 def exact_joint(target, n=3, prompt=PROMPT, **warpers):
     """P(t1..tn | prompt) by enumeration over all V^n continuations, under `warpers` (temperature, top_k, top_p)
     applied to every conditional."""
-    seqs = np.array(list(itertools.product(range(V), repeat=n)))
+    seqs = np.array(list(itertools.product(range(target.vocab_size), repeat=n)))
     full = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
-    logp = warped_logprobs(np.asarray(ports.logits(target, full)), **warpers)
-    L = len(prompt)
-    lp = sum(np.take_along_axis(logp[:, L - 1 + i], seqs[:, i:i + 1], axis=1)[:, 0] for i in range(n))
-    p = np.exp(lp)
-    return p / p.sum()
+    return joint_from_logprobs(warped_logprobs(np.asarray(ports.logits(target, full)), **warpers), seqs, len(prompt))
 
 
-def joint_index(tokens: np.ndarray, n: int) -> np.ndarray:
-    """Each row's first n tokens as one cell index of the V^n joint (first token most significant)."""
-    return sum(tokens[:, i] * V ** (n - 1 - i) for i in range(n))
+def joint_index(tokens: np.ndarray, n: int, vocab: int = V) -> np.ndarray:
+    """Each row's first n tokens as one cell index of the vocab^n joint (first token most significant)."""
+    return sum(tokens[:, i] * vocab ** (n - 1 - i) for i in range(n))
 
 
 def empirical(target, strategy, key, n=3, rows=ROWS, **sampling):
@@ -97,9 +107,115 @@ def total_variation(counts, p) -> float:
     return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
 
 
+def tv_bound(p, rows: int, seed: int = 0) -> float:
+    """The 99.5th percentile of the total variation between `p` and the histogram of `rows` exact draws from it:
+    what an exact sampler of this size shows."""
+    draws = np.random.default_rng(seed).multinomial(rows, p, size=400)
+    return float(np.quantile(0.5 * np.abs(draws / rows - p).sum(1), 0.995))
+
+
+def check(counts, p, exact=True):
+    """Assert (or, exact=False, refute) that `counts` are draws from `p`: p-value and total variation. Returns
+    (p-value, total variation, its bound)."""
+    pval, tv, bound = chi2_pvalue(counts, p), total_variation(counts, p), tv_bound(p, int(counts.sum()))
+    if exact:
+        assert pval > 1e-3 and tv <= bound, (pval, tv, bound)
+        assert counts[p == 0].sum() == 0  # nothing the warpers filter out is ever drawn
+    else:
+        assert pval < 1e-6 and tv > bound, (pval, tv, bound)
+    return pval, tv, bound
+
+
 def exactness(target, strategy, key=jax.random.key(0), n=3, rows=ROWS, **sampling):
     """(chi-square p-value, total variation, decode output) of `strategy`'s first n sampled tokens against the
     target's exact joint distribution under the same sampling settings (temperature, top_k, top_p)."""
     p = exact_joint(target, n, **sampling)
     counts, out = empirical(target, strategy, key, n, rows, **sampling)
     return chi2_pvalue(counts, p), total_variation(counts, p), out
+
+
+CH_IMAGE_PREFIX = [4, 8, 8]  # a tiny Chameleon's image start and size tokens
+
+
+def tiny_chameleon_config(V=48, img0=16, K=8, **over):
+    """A dict for ports.chameleon.config_from_hf: K image codes at token ids img0.., Lumina-mGPT's grammar tokens."""
+    from ports import chameleon as CH
+
+    vm = {f"tok{i}": i for i in range(V)}
+    for name, i in (("<image>", 3), ("<racm3:break>", 4), ("<eoss>", 5), ("<reserved08799>", 6),
+                    ("<reserved08800>", 7)):
+        del vm[f"tok{i}"]
+        vm[name] = i
+    for c in range(K):
+        del vm[f"tok{img0 + c}"]
+        vm[CH.code_name(c)] = img0 + c
+    d = dict(model_type="chameleon", vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mask_image_logits=False,
+             vq_config=dict(embed_dim=4, num_embeddings=K, latent_channels=32, resolution=16, base_channels=32,
+                            channel_multiplier=[1, 1, 2], num_res_blocks=1, attn_resolutions=[]),
+             vocabulary_map=vm)
+    d.update(over)
+    return d
+
+
+def guided_joint(target, cond, uncond, scale, gram, n=3, **warpers):
+    """(seqs [N, n], P(seqs)) of the guided, grammar-constrained target over the continuations the grammar allows,
+    by enumeration from full-sequence forwards of both streams: logits uncond + scale * (cond - uncond), the
+    grammar's mask, then `warpers` (temperature, top_k, top_p) as transformers applies them."""
+    import jax.numpy as jnp
+
+    probe = np.asarray(gram.apply(jnp.zeros((1, n, target.vocab_size)), jnp.arange(n)[None]))[0]
+    allowed = [np.flatnonzero(probe[g] > -np.inf) for g in range(n)]
+    seqs = np.array(list(itertools.product(*allowed)))
+    width = max(len(cond), len(uncond)) + n
+    batch = np.zeros((2 * len(seqs), width), np.int64)
+    batch[0::2, :len(cond) + n] = np.concatenate([np.tile(cond, (len(seqs), 1)), seqs], 1)
+    batch[1::2, :len(uncond) + n] = np.concatenate([np.tile(uncond, (len(seqs), 1)), seqs], 1)
+    lg = np.asarray(ports.logits(target, batch), np.float64)  # right padding: causal, so never read
+    c = lg[0::2, len(cond) - 1:len(cond) - 1 + n]
+    u = lg[1::2, len(uncond) - 1:len(uncond) - 1 + n]
+    x = np.where(probe[None] > -np.inf, u + scale * (c - u), -np.inf)  # [N, n, V], token i's conditional at i
+    logp = warped_logprobs(x, **warpers)
+    return seqs, joint_from_logprobs(logp, seqs, 1)
+
+
+VLM_V, IMG = 8, 7  # a tiny LLaVA's vocabulary and image token id
+IMAGE_PROMPT = np.array([1, IMG, IMG, IMG, IMG, 4, 2])  # four patch features of one 14 x 14 image
+PIXELS = np.random.default_rng(0).normal(size=(1, 3, 14, 14)).astype(np.float32)
+
+
+def tiny_llava(key: int, std: float, pool_grid: int = 2) -> ports.Model:
+    """A LLaVA-1.5 of one text layer over an 8-token vocabulary (image token 7), a one-layer CLIP tower of
+    pool_grid^2 patches."""
+    from ports import llava
+    from ports import vision as VZ
+
+    text = ports.TextConfig(model_type="llama", vocab_size=VLM_V, hidden_size=16, intermediate_size=24,
+                            num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    vis = VZ.VisionConfig("clip_vision_model", hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+                          image_size=7 * pool_grid, patch_size=7)
+    cfg = llava.LlavaConfig("llava", text, vis, VZ.ProjectorConfig(16, 16), IMG, feature_layer=-1)
+    return ports.random_model(cfg, key=key, std=std)
+
+
+def image_joint(target, prompt=IMAGE_PROMPT, pixels=PIXELS, n=3, **warpers):
+    """P(t1..tn | prompt with its image) of a LLaVA target by enumeration over all V^n continuations, from
+    full-sequence forwards: the prompt's image run gets the image's features, and a generated image-token id is
+    text (as in decoding)."""
+    import jax.numpy as jnp
+
+    from jspec import cache as kvc
+    from ports import llava
+
+    seqs = np.array(list(itertools.product(range(target.vocab_size), repeat=n)))
+    full = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
+    N, T = full.shape
+    pe = llava.prompt_embeds(target.config, target.params, jnp.asarray(prompt[None]),
+                             {"pixel_values": jnp.asarray(pixels)}).embeds
+    emb = jnp.concatenate([jnp.broadcast_to(pe, (N,) + pe.shape[1:]),
+                           llava.embed(target.config, target.params, jnp.asarray(seqs))], axis=1)
+    layers, kvh, hd = target.kv_layout
+    cache = kvc.init_cache(layers, N, kvh, T, hd, jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
+    logits = target.forward(jnp.asarray(full), pos, cache, embeds=emb).logits
+    return joint_from_logprobs(warped_logprobs(np.asarray(logits), **warpers), seqs, len(prompt))

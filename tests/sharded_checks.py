@@ -96,12 +96,36 @@ def check_orbax(target, tmp):
     return 1
 
 
+def check_distribution():
+    """Exact sampling on a (2, 4) mesh (rows over data, heads and vocabulary over tensor): the first four tokens of
+    20k rows of a depth-3 tree at T 0.8 + top-k 4 follow the target's exact joint; the same counts do not fit the
+    joint without top-k (the negative control)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from sampling_check import check, close_pair, exact_joint, joint_index
+
+    cfg = ports.TextConfig(model_type="llama", vocab_size=8, hidden_size=32, intermediate_size=32, num_layers=1,
+                           num_heads=4, num_kv_heads=4, head_dim=8)
+    target, draft = close_pair(cfg)
+    n, rows, warpers = 4, 20000, dict(temperature=0.8, top_k=4)
+    mesh = SH.make_mesh(data=2, tensor=4)
+    tree = jspec.Tree(draft, tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    out = jspec.decode(target, np.tile([1, 4, 2], (rows, 1)), tree, max_new_tokens=n, key=jax.random.key(2),
+                       eos_token_id=(), mesh=mesh, **warpers)
+    depth = np.asarray(out.stats["accepted"])[:, 0]
+    assert (depth >= 3).sum() >= 200 and (depth == 1).sum() >= 200, np.bincount(depth)
+    counts = np.bincount(joint_index(out.tokens, n, 8), minlength=8 ** n)
+    pval, tv, bound = check(counts, exact_joint(target, n, np.array([1, 4, 2]), **warpers))
+    check(counts, exact_joint(target, n, np.array([1, 4, 2]), temperature=0.8), exact=False)
+    return {"pvalue": round(pval, 4), "tv": round(tv, 4), "tv_bound": round(bound, 4)}
+
+
 def main(tmp, slow=False):
     assert jax.device_count() == 8, jax.devices()
     target = tiny(2, 64, 8, 4, 0)
     draft = tiny(1, 32, 4, 2, 1)
     results = {"decode_cases": check_decode(target, draft, MESHES + (SLOW_MESHES if slow else ())),
-               "placement": check_placement(target), "orbax": check_orbax(target, os.path.join(tmp, "ckpt"))}
+               "placement": check_placement(target), "orbax": check_orbax(target, os.path.join(tmp, "ckpt")),
+               "distribution": check_distribution()}
     print(json.dumps(results))
 
 

@@ -117,3 +117,88 @@ def test_bad_strategies(model, other, no_compiles):
         with pytest.raises(ValueError, match=message):
             make()
     assert not no_compiles, no_compiles
+
+
+# ------------------------------------------------------------------------- Qwen2.5-VL processor mappings
+
+VS, VE, IMG, VID = 93, 94, 95, 96
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """A tiny random Qwen2.5-VL: patch 7, merge 2, so a (1, 4, 4) image grid is 16 patch rows and 4 tokens."""
+    import transformers
+    from ports import qwen2_vl as QW
+
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=100, max_position_embeddings=512, eos_token_id=None,
+                bos_token_id=None, pad_token_id=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    vision = dict(depth=1, hidden_size=16, out_hidden_size=32, intermediate_size=24, num_heads=2, patch_size=7,
+                  window_size=28, fullatt_block_indexes=[0])
+    hf = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMG,
+                                       video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
+    return ports.random_model(QW.config_from_hf(hf.to_dict()), key=2)
+
+
+PATCH_DIM = 3 * 2 * 7 * 7  # channels x temporal patch x patch^2
+GRID = np.array([[1, 4, 4]])
+IMAGE_IDS = np.array([[1, VS, IMG, IMG, IMG, IMG, VE, 2]])
+ROWS = np.ones((16, PATCH_DIM), np.float32)
+
+
+def image_inputs(ids=IMAGE_IDS, **over):
+    d = {"input_ids": ids, "pixel_values": ROWS, "image_grid_thw": GRID}
+    d.update(over)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+QWEN = [  # (what, prompt, message)
+    ("a grid that is not [N, 3]", image_inputs(image_grid_thw=np.array([1, 4, 4])),
+     r"image_grid_thw must be an integer array \[num, 3\]"),
+    ("a float grid", image_inputs(image_grid_thw=GRID.astype(np.float32)), "must be an integer array"),
+    ("a zero in the grid", image_inputs(image_grid_thw=np.array([[0, 4, 4]])), "must be positive"),
+    ("a height not a multiple of the merge", image_inputs(image_grid_thw=np.array([[1, 3, 4]])),
+     "multiples of spatial_merge_size=2"),
+    ("fewer pixel rows than the grid", image_inputs(pixel_values=ROWS[:15]),
+     r"pixel_values holds 15 patches but image_grid_thw \[\[1, 4, 4\]\] describes 16"),
+    ("pixel rows of another patch size", image_inputs(pixel_values=np.ones((16, 147), np.float32)),
+     r"expects \(num_patches, 294\) rows"),
+    ("pixels without a grid", image_inputs(image_grid_thw=None), "pixel_values given without image_grid_thw"),
+    ("a grid without pixels", image_inputs(pixel_values=None), "image_grid_thw given without pixel_values"),
+    ("a grid of another image size", image_inputs(image_grid_thw=np.array([[1, 4, 8]]),
+                                                   pixel_values=np.ones((32, PATCH_DIM), np.float32)),
+     r"prompt has 4 image tokens \(id 95\) but image_grid_thw \[\[1, 4, 8\]\] take 8"),
+    ("two grids for one image run", image_inputs(image_grid_thw=np.array([[1, 4, 4], [1, 4, 4]]),
+                                                  pixel_values=np.ones((32, PATCH_DIM), np.float32)),
+     r"prompt has 4 image tokens \(id 95\) but image_grid_thw \[\[1, 4, 4\], \[1, 4, 4\]\] take 8"),
+    ("grids in another order than the runs",
+     image_inputs(np.array([[1, VS] + [IMG] * 4 + [VE, VS] + [IMG] * 8 + [VE]]),
+                  image_grid_thw=np.array([[1, 4, 8], [1, 4, 4]]), pixel_values=np.ones((48, PATCH_DIM), np.float32)),
+     r"prompt row 0: a run of 4 image tokens \(id 95\) where image \[1, 4, 8\] of image_grid_thw takes 8"),
+    ("image tokens without pixels", {"input_ids": IMAGE_IDS},
+     r"prompt has 4 image tokens \(id 95\) but no image_grid_thw"),
+    ("NaN pixels", image_inputs(pixel_values=np.full((16, PATCH_DIM), np.nan, np.float32)), "NaN or infinite"),
+    ("a video grid that does not match its run",
+     {"input_ids": np.array([[1, VS] + [VID] * 4 + [VE]]), "pixel_values_videos": np.ones((32, PATCH_DIM)),
+      "video_grid_thw": np.array([[2, 4, 4]])}, r"prompt has 4 video tokens \(id 96\) but video_grid_thw \[\[2, 4, 4\]\] take 8"),
+    ("seconds per grid for another video count",
+     {"input_ids": np.array([[1, VS] + [VID] * 8 + [VE]]), "pixel_values_videos": np.ones((32, PATCH_DIM)),
+      "video_grid_thw": np.array([[2, 4, 4]]), "second_per_grid_ts": [1.0, 1.0]},
+     "second_per_grid_ts has 2 entries for 1 video"),
+    ("prepared inputs passed as raw", image_inputs(mrope_positions=np.zeros((3, 1, 8))),
+     r"unsupported keys \['mrope_positions'\]"),
+]
+
+
+@pytest.mark.parametrize("what, prompt, message", QWEN, ids=[c[0] for c in QWEN])
+def test_bad_qwen_inputs(qwen, no_compiles, what, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        jspec.decode(qwen, prompt, max_new_tokens=3)
+    assert not no_compiles, no_compiles
+
+
+def test_a_good_qwen_prompt_passes_the_same_checks(qwen):
+    """The control: the mapping every case above damages decodes."""
+    out = jspec.decode(qwen, image_inputs(), max_new_tokens=2)
+    assert out.tokens.shape == (1, 2)

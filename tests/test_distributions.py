@@ -3,16 +3,20 @@
 The first generated token is drawn at prefill from the target alone, so these tests count the joint of the first
 four tokens: tokens 2-4 are decided by speculative verification, whole depth-3 paths of chains, static and dynamic
 trees accepted or rejected, under temperature, top-k and top-p (the reference warps with transformers' own
-warpers). Each check asserts a chi-square p-value and a total-variation distance within what exact sampling of the
-same size gives; each family has a negative control that the same check rejects.
+warpers). The same holds under classifier-free guidance with Lumina-mGPT's image grammar, and for a LLaVA target reading an
+image; the sharded mesh's case runs in tests/sharded_checks.py. Each check asserts a chi-square p-value and a
+total-variation distance within what exact sampling of the same size gives; each family has a negative control
+that the same check rejects.
 """
 import jax
 import numpy as np
 import pytest
 
 import jspec
-from sampling_check import (PROMPT, V, chi2_pvalue, close_pair, empirical, exact_joint, joint_index,
-                            total_variation)
+import ports
+from sampling_check import (CH_IMAGE_PREFIX, IMAGE_PROMPT, PIXELS, PROMPT, V, VLM_V, check, close_pair, empirical,
+                            exact_joint, guided_joint, image_joint, joint_index, noisy_copy, tiny_chameleon_config,
+                            tiny_llava)
 from toy_parts import ResampleFromTarget
 
 N = 4  # tokens counted: the prefill's, then three or more decided by speculative verification
@@ -39,24 +43,6 @@ CASES = [pytest.param(s, w, marks=() if (s, w) in DEFAULT else pytest.mark.slow,
 @pytest.fixture(scope="module")
 def models():
     return close_pair()
-
-
-def tv_bound(p, rows: int, seed: int = 0) -> float:
-    """The 99.5th percentile of the total variation between `p` and the histogram of `rows` exact draws from it:
-    what an exact sampler of this size shows."""
-    draws = np.random.default_rng(seed).multinomial(rows, p, size=400)
-    return float(np.quantile(0.5 * np.abs(draws / rows - p).sum(1), 0.995))
-
-
-def check(counts, p, exact=True):
-    """Assert (or, exact=False, refute) that `counts` are draws from `p`: p-value and total variation."""
-    pval, tv, bound = chi2_pvalue(counts, p), total_variation(counts, p), tv_bound(p, int(counts.sum()))
-    if exact:
-        assert pval > 1e-3 and tv <= bound, (pval, tv, bound)
-        assert counts[p == 0].sum() == 0  # nothing the warpers filter out is ever drawn
-    else:
-        assert pval < 1e-6 and tv > bound, (pval, tv, bound)
-    return pval, tv
 
 
 def _verified_depth(out) -> np.ndarray:
@@ -104,3 +90,67 @@ def test_ragged_batch_every_row_is_exact(models):
         check(counts, exact_joint(target, N, prompt=prompt, **warpers))
     # and a row's draws are not another prompt's: row 0's prompt against row 1's joint is rejected
     check(np.bincount(idx[0::3], minlength=V ** N), exact_joint(target, N, prompt=prompts[1], **warpers), exact=False)
+
+
+# ------------------------------------------------------------- CFG + the image grammar (Lumina-mGPT's default)
+
+
+@pytest.fixture(scope="module")
+def guided_pair():
+    from ports import chameleon as CH
+
+    d = tiny_chameleon_config()
+    cfg = CH.config_from_hf(d)
+    target = ports.Model(cfg, CH.init_params(cfg, jax.random.key(0), std=0.15), d)
+    return target, noisy_copy(target, 0.05)
+
+
+def test_cfg_and_image_grammar_are_exact(guided_pair):
+    """CFG 3 over a 2 x 2 image grid (image, image, end-of-row, image: the forced token in the middle of a verified
+    path), T = 1 with top-k 5 as Lumina-mGPT samples: a depth-3 tree's tokens follow the guided, constrained,
+    warped target exactly; a residual that resamples from the target does not."""
+    target, draft = guided_pair
+    gram = jspec.imagegen.grammar(target.config, 2, 2)
+    cond = np.array([9, 12, 30, 11] + CH_IMAGE_PREFIX)
+    seqs, p = guided_joint(target, cond, np.array(CH_IMAGE_PREFIX), 3.0, gram, N, top_k=5)
+    cells = joint_index(seqs, N, target.vocab_size)  # the grammar's support, ascending
+
+    def counts(rule):
+        out = jspec.decode(target, np.tile(cond, (ROWS, 1)), jspec.Tree(draft, tree=DEEP_TREE, rule=rule),
+                           max_new_tokens=N, temperature=1.0, top_k=5, key=jax.random.key(4), eos_token_id=(),
+                           guidance=jspec.CFG(3.0, CH_IMAGE_PREFIX), constraint=gram)
+        drawn = joint_index(out.tokens, N, target.vocab_size)
+        assert np.isin(drawn, cells).all()  # every draw follows the grammar
+        return np.bincount(np.searchsorted(cells, drawn), minlength=len(cells)), out
+
+    got, out = counts("residual")
+    depth = _verified_depth(out)
+    assert (depth >= 3).sum() >= 200 and (depth == 1).sum() >= 200, np.bincount(depth)
+    check(got, p)
+    check(counts(ResampleFromTarget())[0], p, exact=False)
+
+
+# ------------------------------------------------------------------------------------ a VLM target with an image
+
+
+def test_vlm_target_with_an_image_is_exact():
+    """A LLaVA target and a close LLaVA draft, both reading the image: chain gamma 3 at T 0.9 + top-k 4 samples the
+    image-conditioned joint exactly; the wrong residual does not, and neither do the exact draws against the
+    joint of the text prompt without its image."""
+    target = tiny_llava(10, 0.4)
+    draft = noisy_copy(target, 0.15)
+    warpers = dict(temperature=0.9, top_k=4)
+    p = image_joint(target, IMAGE_PROMPT, PIXELS, N, **warpers)
+    prompt = {"input_ids": np.tile(IMAGE_PROMPT, (ROWS, 1)), "pixel_values": np.repeat(PIXELS, ROWS, 0)}
+
+    def counts(rule):
+        out = jspec.decode(target, prompt, jspec.Chain(draft, gamma=3, rule=rule), max_new_tokens=N,
+                           key=jax.random.key(6), eos_token_id=(), **warpers)
+        return np.bincount(joint_index(out.tokens, N, VLM_V), minlength=VLM_V ** N), out
+
+    got, out = counts("residual")
+    depth = _verified_depth(out)
+    assert (depth >= 3).sum() >= 200 and (depth == 1).sum() >= 200, np.bincount(depth)
+    check(got, p)
+    check(counts(ResampleFromTarget())[0], p, exact=False)
+    check(got, image_joint(target, IMAGE_PROMPT, np.zeros_like(PIXELS), N, **warpers), exact=False)

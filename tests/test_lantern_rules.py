@@ -16,7 +16,7 @@ from jspec import verify as Vf
 from jspec.neighbours import NeighbourTable, codebook_fingerprint, neighbour_codes
 from jspec.strategy import split
 from jspec.trees import build_tree, chain, device_tree
-from sampling_check import V as TV, exactness, tiny_vocab_pair
+from sampling_check import CH_IMAGE_PREFIX, V as TV, exactness, guided_joint, tiny_chameleon_config, tiny_vocab_pair
 
 SMALL_TREE = [[0], [1], [0, 0], [1, 0]]
 
@@ -50,27 +50,6 @@ def test_neighbour_ties_go_to_the_lower_index():
     nb = neighbour_codes(cb, 12, "l2", block=32)
     np.testing.assert_array_equal(nb, brute_neighbours(cb, 12, "l2"))
     assert not np.any(nb == np.arange(70)[:, None])
-
-
-def tiny_chameleon_config(V=48, img0=16, K=8, **over):
-    """A dict for ports.chameleon.config_from_hf: K image codes at token ids img0.., Lumina-mGPT's grammar tokens."""
-    from ports import chameleon as CH
-
-    vm = {f"tok{i}": i for i in range(V)}
-    for name, i in (("<image>", 3), ("<racm3:break>", 4), ("<eoss>", 5), ("<reserved08799>", 6),
-                    ("<reserved08800>", 7)):
-        del vm[f"tok{i}"]
-        vm[name] = i
-    for c in range(K):
-        del vm[f"tok{img0 + c}"]
-        vm[CH.code_name(c)] = img0 + c
-    d = dict(model_type="chameleon", vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mask_image_logits=False,
-             vq_config=dict(embed_dim=4, num_embeddings=K, latent_channels=32, resolution=16, base_channels=32,
-                            channel_multiplier=[1, 1, 2], num_res_blocks=1, attn_resolutions=[]),
-             vocabulary_map=vm)
-    d.update(over)
-    return d
 
 
 def test_chameleon_table_puts_neighbours_at_token_ids(tmp_path):
@@ -487,7 +466,7 @@ def test_clear_errors(models):
 
 
 CH_ROWS, CH_COLS = 2, 2
-CH_PREFIX = [4, 8, 8]  # image start, size tokens
+CH_PREFIX = CH_IMAGE_PREFIX
 
 
 @pytest.fixture(scope="module")
@@ -501,34 +480,6 @@ def chameleon_pair():
     dcfg = CH.config_from_hf(dd)
     draft = ports.Model(dcfg, CH.init_params(dcfg, jax.random.key(1), std=0.3), dd)
     return target, draft
-
-
-def guided_joint(target, cond, uncond, scale, gram, n=3):
-    """P(g_0..g_{n-1}) of the guided, grammar-constrained target by enumeration over the sequences the grammar
-    allows, from full-sequence forwards of both streams."""
-    import itertools
-
-    allowed = [np.flatnonzero(np.asarray(gram.apply(jnp.zeros((1, 1, target.vocab_size)), jnp.array([[g]])))[0, 0]
-                              > -np.inf) for g in range(n)]
-    seqs = np.array(list(itertools.product(*allowed)))
-    logp = np.zeros(len(seqs))
-    width = max(len(cond), len(uncond)) + n
-    batch = np.zeros((2 * len(seqs), width), np.int64)
-    for i, s in enumerate(seqs):
-        batch[2 * i, :len(cond) + n] = np.concatenate([cond, s])
-        batch[2 * i + 1, :len(uncond) + n] = np.concatenate([uncond, s])
-    lg = np.asarray(ports.logits(target, batch), np.float64)
-    for g in range(n):
-        c = lg[0::2, len(cond) - 1 + g]
-        u = lg[1::2, len(uncond) - 1 + g]
-        x = u + scale * (c - u)
-        mask = np.full(x.shape[-1], -np.inf)
-        mask[allowed[g]] = 0.0
-        x = x + mask
-        x = x - x.max(-1, keepdims=True)
-        lp = x - np.log(np.exp(x).sum(-1, keepdims=True))
-        logp += lp[np.arange(len(seqs)), seqs[:, g]]
-    return seqs, np.exp(logp)
 
 
 @pytest.mark.slow

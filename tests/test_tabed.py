@@ -1,16 +1,12 @@
 """TABED: the prompt views, the pooled tower features, the weight policies against a numpy reference, greedy == AR
 on the zoo image pair and on drafts in the llava-hf layout, exact sampling with images, and clear errors."""
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jspec
-import ports
 from jspec import api
-from jspec import cache as kvc
 from jspec.controllers import Record
 from jspec.controllers.combined import Both
 from jspec.controllers.ensemble import EnsembleWeights, simplex_grid
@@ -18,47 +14,14 @@ from jspec.drafters.views import build_views, image_runs
 from jspec.zoo import evaluate as E
 from jspec.methods.tabed import METHODS, TABED, block_efficiency, expected_speedup
 from ports import llava
-from ports import vision as VZ
-from sampling_check import chi2_pvalue
+from sampling_check import IMAGE_PROMPT, PIXELS, VLM_V, chi2_pvalue, image_joint, tiny_llava
 
 ZOO_NEWLINE = 204  # the zoo tokenizer's "\n"
 
 
 # ----------------------------------------------------------------------------------------- tiny LLaVA pairs
 
-V, IMG = 8, 7
-
-
-def tiny_llava(key: int, std: float, pool_grid: int = 2) -> ports.Model:
-    text = ports.TextConfig(model_type="llama", vocab_size=V, hidden_size=16, intermediate_size=24, num_layers=1,
-                            num_heads=2, num_kv_heads=1, head_dim=8)
-    vis = VZ.VisionConfig("clip_vision_model", hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
-                          image_size=7 * pool_grid, patch_size=7)
-    cfg = llava.LlavaConfig("llava", text, vis, VZ.ProjectorConfig(16, 16), IMG, feature_layer=-1)
-    return ports.random_model(cfg, key=key, std=std)
-
-
-IMAGE_PROMPT = np.array([1, IMG, IMG, IMG, IMG, 4, 2])
-PIXELS = np.random.default_rng(0).normal(size=(1, 3, 14, 14)).astype(np.float32)
-
-
-def exact_joint_with_image(target, n=3):
-    seqs = np.array(list(itertools.product(range(V), repeat=n)))
-    full = np.concatenate([np.tile(IMAGE_PROMPT, (len(seqs), 1)), seqs], axis=1)
-    N, T = full.shape
-    # the prompt's image run gets the image; a generated image-token id is text (as in decoding)
-    pe = llava.prompt_embeds(target.config, target.params, jnp.asarray(IMAGE_PROMPT[None]),
-                             {"pixel_values": jnp.asarray(PIXELS)}).embeds
-    emb = jnp.concatenate([jnp.broadcast_to(pe, (N,) + pe.shape[1:]),
-                           llava.embed(target.config, target.params, jnp.asarray(seqs))], axis=1)
-    layers, kvh, hd = target.kv_layout
-    cache = kvc.init_cache(layers, N, kvh, T, hd, jnp.float32)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
-    logp = jax.nn.log_softmax(target.forward(jnp.asarray(full), pos, cache, embeds=emb).logits, axis=-1)
-    L = len(IMAGE_PROMPT)
-    lp = sum(np.take_along_axis(np.asarray(logp[:, L - 1 + i]), seqs[:, i:i + 1], axis=1)[:, 0] for i in range(n))
-    p = np.exp(lp.astype(np.float64))
-    return p / p.sum()
+V = VLM_V
 
 
 # ------------------------------------------------------------------------------------------------- zoo pair
@@ -258,7 +221,7 @@ def test_under_a_sage_tree_with_adaptive_weights(zoo):
 
 def test_sampling_is_exact_with_images_for_fixed_and_adaptive_weights():
     target, draft = tiny_llava(10, 0.4), tiny_llava(11, 0.6)
-    p = exact_joint_with_image(target)
+    p = image_joint(target, IMAGE_PROMPT, PIXELS)
     rows = 8000
     prompt = {"input_ids": np.tile(IMAGE_PROMPT, (rows, 1)), "pixel_values": np.repeat(PIXELS, rows, 0)}
     for strat in (TABED(draft, views=("M", "T", "P"), weights=(0.2, 0.5, 0.3), newline_id=3, gamma=3),
