@@ -105,6 +105,7 @@ def guided_pair():
     return target, noisy_copy(target, 0.05)
 
 
+@pytest.mark.slow
 def test_cfg_and_image_grammar_are_exact(guided_pair):
     """CFG 3 over a 2 x 2 image grid (image, image, end-of-row, image: the forced token in the middle of a verified
     path), T = 1 with top-k 5 as Lumina-mGPT samples: a depth-3 tree's tokens follow the guided, constrained,
