@@ -9,8 +9,10 @@ language model alone; images and videos enter once, at prefill, in two steps:
    `second_per_grid_ts` [N_vid], `mm_token_type_ids`) against the prompt, and computes what HF computes from them
    with data-dependent shapes: the tower's frame layout (`qwen2_vl_vision.frame_layout`) and the M-RoPE position
    ids of every prompt token (HF's `get_rope_index`, transformers 5.23 rules), returning the device inputs
-       vision_patches [F, L, patch_dim], vision_rot [F, L, 2], vision_valid [F, L], vision_window [F, L]
+       vision_patches [F, L, patch_dim], vision_rot [F, L, 2], vision_valid [F, L]
                                      the tower's frames (see `qwen2_vl_vision`), F and L bucketed
+       vision_window_index [F, NW, W], vision_window_slot [F, L]
+                                     Qwen2.5-VL's windows: each window's patches, each patch's window place
        vision_patch_index [N_pad]    flat slot of each patch in HF's order (for `vision_features`)
        vision_src [B, T] int32       per prompt position, the row of the merged-feature table [F * L/4] it reads
        vision_mask [B, T] bool       image and video placeholder positions
@@ -187,8 +189,8 @@ def forward(cfg: QwenVLConfig, params: dict, tokens, positions: jax.Array, cache
 
 RAW_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
             "mm_token_type_ids", "vision_keep", "position_ids", "rope_deltas")
-PREPARED_KEYS = ("vision_patches", "vision_rot", "vision_valid", "vision_window", "vision_patch_index",
-                 "vision_src", "vision_mask", "vision_grid_pos", "mrope_positions", "mrope_offset", "vision_layout")
+PREPARED_KEYS = ("vision_patches", "vision_rot", "vision_valid", "vision_window_index", "vision_window_slot",
+                 "vision_patch_index", "vision_src", "vision_mask", "vision_grid_pos", "mrope_positions", "mrope_offset", "vision_layout")
 
 
 def layout_key(cfg: QwenVLConfig) -> int:
@@ -400,7 +402,8 @@ def _layout(cfg: QwenVLConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: 
         gp = np.full((B, T, 4), -1, np.int32)
         gp[on] = grid_pos[feat_of_token[on]]
         prepared.update(vision_patches=lay.patches, vision_rot=lay.rot, vision_valid=lay.valid,
-                        vision_window=lay.window, vision_patch_index=lay.patch_index, vision_src=src,
+                        vision_window_index=lay.window_index, vision_window_slot=lay.window_slot,
+                        vision_patch_index=lay.patch_index, vision_src=src,
                         vision_mask=on, vision_grid_pos=gp)
     if prepared or inputs.get("position_ids") is not None:
         prepared.update(mrope_positions=positions.astype(np.int32), mrope_offset=offset.astype(np.int32),
@@ -447,7 +450,7 @@ def prompt_embeds(cfg: QwenVLConfig, params: dict, tokens: jax.Array, inputs: Ma
     if "vision_patches" not in inputs:
         return PromptEmbeds(x, jnp.zeros((B, T), bool), empty, pos, inputs["mrope_offset"], no_grid)
     vo = QV.forward(cfg.vision, params["vision"], inputs["vision_patches"], inputs["vision_rot"],
-                    inputs["vision_valid"], inputs["vision_window"])
+                    inputs["vision_valid"], inputs["vision_window_index"], inputs["vision_window_slot"])
     table = vo.merged.reshape(-1, vo.merged.shape[-1]).astype(x.dtype)
     mask = inputs["vision_mask"]
     x = jnp.where(mask[..., None], jnp.take(table, inputs["vision_src"], axis=0), x)

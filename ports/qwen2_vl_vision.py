@@ -5,8 +5,10 @@ HF runs the tower over one flat sequence of patches (every image and video conca
 Qwen2.5-VL's window layers only inside windows of `window_size` pixels. Every other op is per patch, and the
 patch merger joins 4 consecutive patches (the processor orders them block-major), which never cross a frame. So
 here the tower runs on a frame-major layout `[F, L, ...]`: frame f holds its patches in the processor's order,
-padded to L; attention is one masked `[L, L]` product per frame (window ids decide Qwen2.5's window layers);
-nothing has a data-dependent shape, and memory grows with frames x L^2, not with (all patches)^2.
+padded to L; full-attention layers take one masked `[L, L]` product per frame, and Qwen2.5-VL's window layers
+gather each window's patches into `[windows, W]` rows (W = the most patches a window holds) and attend inside
+them, so a window layer's scores are windows x W^2, not L^2; nothing has a data-dependent shape, and memory grows
+with frames x L^2, not with (all patches)^2.
 `frame_layout` (host, numpy) builds that layout from the processor's `pixel_values` / `image_grid_thw`.
 
 Params (a plain pytree):
@@ -211,7 +213,9 @@ class FrameLayout(NamedTuple):
     patches: np.ndarray  # [F, L, patch_dim] float32: frame f's patches in the processor's (block-major) order
     rot: np.ndarray  # [F, L, 2] int32: (row, column) of each patch in its frame (2-D rotary positions)
     valid: np.ndarray  # [F, L] bool
-    window: np.ndarray  # [F, L] int32: Qwen2.5-VL window id inside the frame (0 for Qwen2-VL; -1 padding)
+    window_index: np.ndarray  # [F, NW, W] int32: the frame slots of each window's patches (-1 padding; NW = 0
+    #                           for Qwen2-VL, which has no window layers)
+    window_slot: np.ndarray  # [F, L] int32: where each patch sits in its frame's windows, flat (w * W + i)
     patch_index: np.ndarray  # [N_pad] int32: flat slot f * L + l of every patch in HF's order (pad: 0)
     frame_start: np.ndarray  # [num_items + 1] int32: first frame of each item (images, then videos)
     merged_per_frame: int  # L / merge_unit: merged tokens per padded frame
@@ -262,6 +266,29 @@ def frame_windows(cfg: QwenVisionConfig, rot: np.ndarray, w: int) -> np.ndarray:
     return (r // ws) * n_w + c // ws
 
 
+def window_gather(cfg: QwenVisionConfig, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(window_index [F, NW, W], window_slot [F, L]) of window ids [F, L] (-1: padding): each window's patch slots
+    in frame order, W = window_blocks^2 merged patches of merge_unit patches, NW the most windows in a frame
+    (`anyres.bucket`ed); padding patches get slot 0, which nothing reads back. Qwen2-VL: NW = 0."""
+    F, Lp = window.shape
+    W = cfg.window_blocks ** 2 * cfg.merge_unit if cfg.windowed else 1
+    NW = A.bucket(int(window.max()) + 1) if cfg.windowed and window.size and window.max() >= 0 else 0
+    index = np.full((F, NW, W), -1, np.int32)
+    slot = np.zeros((F, Lp), np.int32)
+    for f in range(F if NW else 0):
+        on = np.flatnonzero(window[f] >= 0)
+        wid = window[f, on]
+        order = np.argsort(wid, kind="stable")
+        counts = np.bincount(wid, minlength=NW)
+        if counts.max() > W:
+            raise ValueError(f"a window of {counts.max()} patches; window_size={cfg.window_size} holds at most {W}")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(on.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        index[f, wid, rank] = on
+        slot[f, on] = wid * W + rank
+    return index, slot
+
+
 def frame_layout(cfg: QwenVisionConfig, items: list[tuple[np.ndarray, tuple[int, int, int]]]) -> FrameLayout:
     """Lay out items [(pixel rows [t*h*w, patch_dim], (t, h, w)), ...] frame by frame; F and L are padded to
     `anyres.bucket` sizes (L a multiple of the merge unit) so nearby inputs share one compilation."""
@@ -289,7 +316,7 @@ def frame_layout(cfg: QwenVisionConfig, items: list[tuple[np.ndarray, tuple[int,
     patch_index = np.zeros(n_pad, np.int32)
     patch_index[:index.size] = index
     starts = np.cumsum([0] + [t for _, (t, _, _) in items]).astype(np.int32)
-    return FrameLayout(patches, rot, valid, window, patch_index, starts, Lp // unit)
+    return FrameLayout(patches, rot, valid, *window_gather(cfg, window), patch_index, starts, Lp // unit)
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -312,8 +339,22 @@ def _norm(cfg: QwenVisionConfig, x, w, b):
     return VZ.layer_norm(x, w, b, NORM_EPS)
 
 
-def block(cfg: QwenVisionConfig, p: dict, x: jax.Array, cos, sin, visible: jax.Array) -> jax.Array:
-    """One tower block on frames x [F, L, D]; visible [F, L, L] says which patches each patch attends to."""
+def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, window_index: jax.Array,
+                     window_slot: jax.Array) -> jax.Array:
+    """Attention of frames' patches q, k, v [F, L, H, Dh] inside their windows (`window_gather`'s arrays): each
+    window's patches gathered into one row of W, attended among themselves, and put back in frame order."""
+    F, Lp, H, Dh = q.shape
+    _, NW, W = window_index.shape
+    at = jnp.maximum(window_index, 0).reshape(F, NW * W, 1, 1)
+    rows = lambda t: jnp.take_along_axis(t, at, axis=1).reshape(F * NW, W, H, Dh)  # noqa: E731
+    on = (window_index >= 0).reshape(F * NW, 1, W)
+    o = L.attention(rows(q), L.kv_rows(rows(k)), L.kv_rows(rows(v)), jnp.broadcast_to(on, (F * NW, W, W)))
+    return jnp.take_along_axis(o.reshape(F, NW * W, H, Dh), window_slot[:, :, None, None], axis=1)
+
+
+def block(cfg: QwenVisionConfig, p: dict, x: jax.Array, cos, sin, visible) -> jax.Array:
+    """One tower block on frames x [F, L, D]; visible is a [F, L, L] mask of which patches each patch attends to,
+    or a (window_index, window_slot) pair for attention inside windows."""
     F, Lp, D = x.shape
     H, Dh = cfg.num_heads, cfg.head_dim
     h = _norm(cfg, x, p["norm1"], p.get("norm1_b"))
@@ -322,7 +363,10 @@ def block(cfg: QwenVisionConfig, p: dict, x: jax.Array, cos, sin, visible: jax.A
     dt = q.dtype
     q = L.apply_rope(q.astype(jnp.float32), cos, sin).astype(dt)
     k = L.apply_rope(k.astype(jnp.float32), cos, sin).astype(dt)
-    o = L.attention(q, L.kv_rows(k), L.kv_rows(v), visible)
+    if isinstance(visible, tuple):
+        o = window_attention(q, k, v, *visible)
+    else:
+        o = L.attention(q, L.kv_rows(k), L.kv_rows(v), visible)
     x = x + L.linear(o.reshape(F, Lp, D), p["wo"], p["bo"])
     h = _norm(cfg, x, p["norm2"], p.get("norm2_b"))
     if cfg.windowed:
@@ -347,23 +391,23 @@ class VisionOut(NamedTuple):
 
 
 def forward(cfg: QwenVisionConfig, params: dict, patches: jax.Array, rot: jax.Array, valid: jax.Array,
-            window: jax.Array) -> VisionOut:
+            window_index: jax.Array, window_slot: jax.Array) -> VisionOut:
     """Encode frames (a `FrameLayout`'s arrays), `ports.layers.VISION_BATCH` frames at a time (frames never attend
     to each other, so a long video's attention holds a few frames' [L, L] scores, not all of them). Padding
     patches are never attended to; their outputs are junk."""
-    return L.in_batches(lambda *a: _frames_forward(cfg, params, *a), (patches, rot, valid, window), L.VISION_BATCH)
+    return L.in_batches(lambda *a: _frames_forward(cfg, params, *a), (patches, rot, valid, window_index, window_slot),
+                        L.VISION_BATCH)
 
 
 def _frames_forward(cfg: QwenVisionConfig, params: dict, patches: jax.Array, rot: jax.Array, valid: jax.Array,
-                    window: jax.Array) -> VisionOut:
+                    window_index: jax.Array, window_slot: jax.Array) -> VisionOut:
     dt = params["merger"]["w1"].dtype
     F, Lp, K = patches.shape
     kernel = params["patch_embed"].reshape(cfg.width, -1)
     x = L.einsum_f32("flk,dk->fld", patches.astype(dt), kernel).astype(dt)
     cos, sin = rotary(cfg, rot)
-    keys = valid[:, None, :]
-    full = jnp.broadcast_to(keys, (F, Lp, Lp))
-    local = full & (window[:, :, None] == window[:, None, :]) if cfg.windowed else full
+    full = jnp.broadcast_to(valid[:, None, :], (F, Lp, Lp))
+    local = (window_index, window_slot) if cfg.windowed else full
     for i, p in enumerate(params["layers"]):
         vis = full if (not cfg.windowed or i in cfg.fullatt_blocks) else local
         x = block(cfg, p, x, cos, sin, vis)

@@ -587,8 +587,10 @@ def video_tokens(vcfg: QV.QwenVisionConfig, vparams: dict, frames: jax.Array) ->
     n, Lp = patches.shape[:2]
     rot = QV.frame_rot(vcfg, VID.GRID_PATCHES, VID.GRID_PATCHES)
     window = QV.frame_windows(vcfg, rot, VID.GRID_PATCHES) if vcfg.windowed else np.zeros(Lp, np.int32)
+    index, slot = QV.window_gather(vcfg, window[None])
     vo = QV.forward(vcfg, vparams, patches, jnp.broadcast_to(jnp.asarray(rot, jnp.int32), (n, Lp, 2)),
-                    jnp.ones((n, Lp), bool), jnp.broadcast_to(jnp.asarray(window, jnp.int32), (n, Lp)))
+                    jnp.ones((n, Lp), bool), jnp.broadcast_to(jnp.asarray(index), (n,) + index.shape[1:]),
+                    jnp.broadcast_to(jnp.asarray(slot), (n, Lp)))
     return vo.merged.reshape(B, VID.VIDEO_TOKENS, -1)
 
 

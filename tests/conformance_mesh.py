@@ -1,6 +1,6 @@
 """Every registered strategy (tests/strategies.py) decodes on a (data=2, tensor=4) mesh of 8 forced CPU devices to
 the tokens of one device. Run by tests/test_conformance.py in a subprocess: the default entries, or with `--slow`
-the entries marked slow; prints {"passed": [names]}."""
+the entries marked slow (and the two tests/sharded_checks.py covers by default); prints {"passed": [names]}."""
 import json
 import os
 import sys
@@ -12,7 +12,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from strategies import REGISTRY  # noqa: E402
+from strategies import REGISTRY, mesh_entries  # noqa: E402
 from tiny_pairs import PROMPTS, tiny_pair  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def main():
     ar = jspec.decode(target, prompts, max_new_tokens=12, eos_token_id=()).tokens
     passed = []
     slow = "--slow" in sys.argv
-    for name in sorted(n for n, e in REGISTRY.items() if e.slow == slow):
+    for name in mesh_entries(slow):
         strat = REGISTRY[name].make(target, draft)
         out = jspec.decode(target, prompts, strategy=strat, max_new_tokens=12, eos_token_id=(), mesh=mesh)
         assert np.array_equal(out.tokens, ar), name

@@ -120,3 +120,12 @@ def eagle_head(target):
 register("eagle_head", lambda t, d: jspec.Speculative(
     eagle.EagleDrafter(eagle_head(t)), StaticPlan.of(build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]]))),
     exact=True, separate_draft=False)
+
+
+SHARDED_CHECKS = {"chain", "tree"}  # tests/sharded_checks.py decodes these on two meshes in the default suite
+
+
+def mesh_entries(slow: bool) -> list[str]:
+    """The entries tests/conformance_mesh.py runs: the default ones without those tests/sharded_checks.py already
+    decodes on a mesh, or with `slow` the slow ones and those."""
+    return sorted(n for n, e in REGISTRY.items() if (e.slow or n in SHARDED_CHECKS) == slow)

@@ -134,6 +134,7 @@ def test_cfg_and_image_grammar_are_exact(guided_pair):
 # ------------------------------------------------------------------------------------ a VLM target with an image
 
 
+@pytest.mark.slow
 def test_vlm_target_with_an_image_is_exact():
     """A LLaVA target and a close LLaVA draft, both reading the image: chain gamma 3 at T 0.9 + top-k 4 samples the
     image-conditioned joint exactly; the wrong residual does not, and neither do the exact draws against the

@@ -35,7 +35,7 @@ def test_a_head_that_copies_the_rest_of_the_target_drafts_what_the_target_says(p
     head = EE.init_head(target, exit_layer=1, num_layers=2)
     ar = jspec.decode(target, PROMPTS, max_new_tokens=20, eos_token_id=())
     for tree in (None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]])[:1 if fast else 2]:
-        strat = jspec.EESD(head, controller=4, k_max=6, tree=tree)
+        strat = jspec.EESD(head, controller=4, k_max=4, tree=tree)
         out = jspec.decode(target, PROMPTS, strat, max_new_tokens=20, eos_token_id=())
         np.testing.assert_array_equal(out.tokens, ar.tokens)
         full = 5 if tree is None else 4     # depth 4 (chain, FixedK(4)) or the tree's depth 3, + the bonus
@@ -183,7 +183,7 @@ def test_exit_layer_hidden_states_come_from_the_target_prefill(pair):
     its own beside them."""
     target, _ = pair
     head = EE.init_head(target, 2, 1)
-    parts = dataclasses.replace(jspec.EESD(head).parts(), prefill=_AsksLayer1())
+    parts = dataclasses.replace(jspec.EESD(head, k_max=4).parts(), prefill=_AsksLayer1())
     assert api._prefill_asks(parts, None, None, None, 2) == {"hidden_layers": (1, 2)}
     out = jspec.decode(target, PROMPTS, parts, max_new_tokens=8, eos_token_id=())
     np.testing.assert_array_equal(out.tokens, jspec.decode(target, PROMPTS, max_new_tokens=8, eos_token_id=()).tokens)
@@ -252,7 +252,7 @@ def test_cali_ts_ends_drafts_where_the_predictor_says_and_keeps_the_output(pair)
     depths = {}
     for name, bias in (("never", [8.0, -8.0]), ("always", [-8.0, 8.0])):
         out = jspec.decode(target, PROMPTS, jspec.EESD(head, controller=_cali(target, bias, sigma_m=0.01, sigma_s=50.0),
-                                                         k_max=6),
+                                                         k_max=4),
                            max_new_tokens=24, eos_token_id=())
         np.testing.assert_array_equal(out.tokens, ar.tokens)
         depths[name] = out.stats["depth"]
@@ -260,8 +260,8 @@ def test_cali_ts_ends_drafts_where_the_predictor_says_and_keeps_the_output(pair)
             n = api._decode_sd._cache_size()
     assert api._decode_sd._cache_size() == n
     assert (depths["never"] == 1).mean() > 0.9
-    assert (depths["always"] == 6).mean() > 0.9
-    tree = jspec.EESD(head, controller=_cali(target, [0.0, 0.0]), k_max=6, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    assert (depths["always"] == 4).mean() > 0.9
+    tree = jspec.EESD(head, controller=_cali(target, [0.0, 0.0]), k_max=4, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     np.testing.assert_array_equal(jspec.decode(target, PROMPTS, tree, max_new_tokens=24, eos_token_id=()).tokens,
                                   ar.tokens)
 

@@ -9,6 +9,7 @@ torchvision, which is not installed: video pixels are patchified here by hand ex
 `Qwen2VLVideoProcessor.patchify` does (checked against the image processor on a still video), with the token
 count t * h * w / merge^2 of HF's `replace_video_token`, and `mm_token_type_ids` from the processor's own helper.
 """
+import dataclasses
 import functools
 import os
 
@@ -272,13 +273,42 @@ def test_vision_tower_and_features_match_transformers(hf_models, jx_models, name
         import dataclasses
         full = dataclasses.replace(cfg.vision, fullatt_blocks=tuple(range(cfg.vision.depth)))
         vo = QV.forward(full, m.params["vision"], prep["vision_patches"], prep["vision_rot"], prep["vision_valid"],
-                        prep["vision_window"])
+                        prep["vision_window_index"], prep["vision_window_slot"])
         assert np.abs(np.asarray(vo.hidden).reshape(-1, hidden.shape[-1])[prep["vision_patch_index"][:n]]
                       - hidden).max() > 1e-2
     monkeypatch.setattr(L, "VISION_BATCH", 3)  # the 4 frames in batches of 3 (one padded): the same features
     pe3 = jax.jit(lambda p, i: QW.prompt_embeds(cfg, p, ids, i))(m.params, prep)
     np.testing.assert_allclose(np.asarray(pe3.embeds), np.asarray(pe.embeds), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(pe3.vision_features), np.asarray(pe.vision_features), atol=1e-5, rtol=1e-5)
+
+
+def test_window_layers_attend_inside_gathered_windows():
+    """Qwen2.5-VL's window layers gather each window's patches and attend inside them: the same output as one
+    masked [L, L] product per frame (query and key in the same window), on frames of other sizes, with padding,
+    with windows cut at the frame's edges; a 112-pixel window (8 x 8 patches) holds at most 64 patches."""
+    cfg = QV.QwenVisionConfig("qwen2_5_vl", depth=1, width=16, mlp_dim=24, num_heads=2, out_dim=16,
+                              hidden_act="silu", patch_size=PATCH, merge_size=MERGE, window_size=28)
+    assert cfg.window_blocks == 2
+    sizes = [(6, 12), (10, 10), (4, 2)]  # 2 x 3 windows; 3 x 3 with 16-, 8- and 4-patch ones; one window
+    lay = QV.frame_layout(cfg, [(np.zeros((h * w, cfg.patch_dim), np.float32), (1, h, w)) for h, w in sizes])
+    F, Lp = lay.valid.shape
+    ids = np.full((F, Lp), -1)
+    for f, (h, w) in enumerate(sizes):
+        ids[f, :h * w] = QV.frame_windows(cfg, QV.frame_rot(cfg, h, w), w)
+    assert lay.window_index.shape[1:] == (QV.A.bucket(9), 16)  # 9 windows, bucketed
+    # every patch is in exactly one window slot, and reads itself back
+    flat = lay.window_index.reshape(F, -1)
+    np.testing.assert_array_equal(np.take_along_axis(flat, lay.window_slot, 1)[lay.valid],
+                                  np.broadcast_to(np.arange(Lp), (F, Lp))[lay.valid])
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(F, Lp, 2, 8)), jnp.float32) for _ in range(3))
+    got = QV.window_attention(q, k, v, jnp.asarray(lay.window_index), jnp.asarray(lay.window_slot))
+    mask = (ids[:, :, None] == ids[:, None, :]) & (ids[:, None, :] >= 0)
+    want = L.attention(q, L.kv_rows(k), L.kv_rows(v), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got)[lay.valid], np.asarray(want)[lay.valid], atol=1e-6, rtol=1e-6)
+    big = dataclasses.replace(cfg, patch_size=14, window_size=112)
+    assert QV.frame_layout(big, [(np.zeros((52 * 92, big.patch_dim), np.float32), (1, 52, 92))]
+                           ).window_index.shape[1:] == (QV.A.bucket(7 * 12), 64)
 
 
 # ------------------------------------------------------------------------------------------ logits parity
@@ -333,12 +363,12 @@ SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0
 
 def test_greedy_chain_and_tree_sd_equal_ar(jx_models):
     """A Qwen2.5-VL target with a smaller Qwen2.5-VL draft (its own tower, its own M-RoPE sections) on a ragged
-    image / video batch: Chain, Tree and SAGE give greedy AR's tokens; per-row prompts alone give the same."""
+    image / video batch: Chain and Tree give greedy AR's tokens (SAGE too, under -m slow); per-row prompts alone
+    give the same."""
     target, draft = jx_models["q25"], jx_models["q25_draft"]
     batch = sd_batch()
     ar = jspec.decode(target, batch, max_new_tokens=12)
-    for strategy in (jspec.Chain(draft, gamma=3), jspec.Tree(draft, tree=SMALL_TREE),
-                     jspec.SAGE(draft, d_max=5, n_max=30, k=6, w_max=6)):
+    for strategy in (jspec.Chain(draft, gamma=3), jspec.Tree(draft, tree=SMALL_TREE)):
         sd = jspec.decode(target, batch, strategy=strategy, max_new_tokens=12)
         np.testing.assert_array_equal(sd.tokens, ar.tokens)
     # the self-draft (target as its own draft) accepts everything: tree positions are right in the target cache
@@ -348,6 +378,16 @@ def test_greedy_chain_and_tree_sd_equal_ar(jx_models):
     video_row = build(["w3 w4 <video> w5 w6 w8"], videos=[frames(8, seed=14)], seconds=[0.75])
     alone = jspec.decode(target, video_row, max_new_tokens=12)
     np.testing.assert_array_equal(alone.tokens[0], ar.tokens[1])
+
+
+@pytest.mark.slow
+def test_greedy_sage_equals_ar(jx_models):
+    """SAGE's per-row trees over the same Qwen2.5-VL pair and ragged image / video batch give greedy AR's tokens."""
+    target, draft = jx_models["q25"], jx_models["q25_draft"]
+    batch = sd_batch()
+    ar = jspec.decode(target, batch, max_new_tokens=12)
+    sd = jspec.decode(target, batch, strategy=jspec.SAGE(draft, d_max=5, n_max=30, k=6, w_max=6), max_new_tokens=12)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
 
 
 # ------------------------------------------------------------------------------------------ pruned drafts

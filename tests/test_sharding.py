@@ -1,8 +1,8 @@
 """Sharded decoding on 8 forced CPU devices (a subprocess: the device count is fixed at jax import): meshes
 (2,4) and (8,1) give the unsharded greedy tokens for AR, Chain and Tree, and under `-m slow` (1,8) too; params and
 the decode cache are really split; an orbax checkpoint saved from one mesh restores onto another with the same
-logits; sampling on the (2, 4) mesh is exact (the first four tokens of a depth-3 tree against exact
-enumeration, with a negative control)."""
+logits; under `-m slow` sampling on the (2, 4) mesh is exact too (the first four tokens of a depth-3 tree against
+exact enumeration, with a negative control)."""
 import json
 import os
 import subprocess
@@ -20,6 +20,7 @@ def test_sharded_checks(tmp_path, slow):
                           cwd=os.path.dirname(here))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    dist = results.pop("distribution")
+    dist = results.pop("distribution", None)
     assert results == {"decode_cases": 9 if slow else 6, "placement": 1, "orbax": 1}
-    assert dist["pvalue"] > 1e-3 and dist["tv"] <= dist["tv_bound"], dist
+    if slow:
+        assert dist["pvalue"] > 1e-3 and dist["tv"] <= dist["tv_bound"], dist

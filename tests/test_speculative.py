@@ -38,15 +38,14 @@ def pair():
 def test_greedy_sd_equals_greedy_ar(pair, make):
     target, draft = pair
     strat = make(draft)
-    for max_new in (23, 8):  # not a multiple of the step
-        ar = jspec.decode(target, PROMPTS, max_new_tokens=max_new)
-        sd = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=max_new)
-        np.testing.assert_array_equal(sd.tokens, ar.tokens)
-        np.testing.assert_array_equal(sd.lengths, ar.lengths)
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=23)  # not a multiple of the step
+    sd = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=23)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    np.testing.assert_array_equal(sd.lengths, ar.lengths)
     assert np.all(sd.stats["mean_accepted"] >= 1.0)
-    # each row alone gives the same as in the batch
+    # each row alone gives the same as in the batch, and a shorter budget its prefix
     alone = jspec.decode(target, PROMPTS[1], strategy=strat, max_new_tokens=8)
-    np.testing.assert_array_equal(alone.tokens[0], sd.tokens[1])
+    np.testing.assert_array_equal(alone.tokens[0], sd.tokens[1, :8])
 
 
 def test_truncated_draft_is_partly_accepted(pair):
@@ -349,13 +348,12 @@ def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
     # an EOS that ends row 0 early, so finished rows sit beside running ones for some steps
     ar = jspec.decode(target, PROMPTS, max_new_tokens=40, eos_token_id=())
     eos = int(ar.tokens[0, 6])
-    for e in ((), (eos,)):
-        a = jspec.decode(target, PROMPTS, strategy=reuse, max_new_tokens=40, eos_token_id=e)
-        b = jspec.decode(target, PROMPTS, strategy=refeed, max_new_tokens=40, eos_token_id=e)
-        np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_array_equal(a.stats["steps"], b.stats["steps"])
-        np.testing.assert_array_equal(a.stats["accepted"], b.stats["accepted"])
-        assert 1.5 < np.mean(a.stats["accepted"][a.stats["accepted"] > 0]) < 5  # partly accepted: it can fail
+    a = jspec.decode(target, PROMPTS, strategy=reuse, max_new_tokens=40, eos_token_id=(eos,))
+    b = jspec.decode(target, PROMPTS, strategy=refeed, max_new_tokens=40, eos_token_id=(eos,))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.stats["steps"], b.stats["steps"])
+    np.testing.assert_array_equal(a.stats["accepted"], b.stats["accepted"])
+    assert 1.5 < np.mean(a.stats["accepted"][a.stats["accepted"] > 0]) < 5  # partly accepted: it can fail
     assert a.lengths[0] <= 7 and a.lengths.max() > a.lengths[0]
 
 
