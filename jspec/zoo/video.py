@@ -391,16 +391,19 @@ def render_clip_reference(clip: Clip, frames: int = FRAMES, size: int = FRAME_SI
 
 
 VARIANTS = ("clip", "shuffled", "blank")
+ORDER_CONTROL = "reversed"  # the clip played backwards: what a model that reads the order answers differently
 
 
 def frames_of(clip: Clip, variant: str = "clip", seed: int = 0) -> np.ndarray:
     """The clip's frames ("clip"), the same frames in a random order ("shuffled", seeded by the clip's content and
-    `seed`), or empty frames ("blank": background and border, no shapes): the controls for a model that must
-    read the video."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    `seed`), empty frames ("blank": background and border, no shapes), or the frames backwards ("reversed"): the
+    controls for a model that must read the video."""
+    if variant not in VARIANTS + (ORDER_CONTROL,):
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS + (ORDER_CONTROL,)}")
     fr = render_clip(clip)
-    if variant == "shuffled":
+    if variant == ORDER_CONTROL:
+        fr = fr[::-1]
+    elif variant == "shuffled":
         rng = np.random.default_rng(int.from_bytes(hashlib.blake2b(f"{seed}/{clip.key()}".encode(),
                                                                    digest_size=8).digest(), "little"))
         fr = fr[rng.permutation(len(fr))]
