@@ -190,8 +190,8 @@ def forward(cfg: QwenVLConfig, params: dict, tokens, positions: jax.Array, cache
 RAW_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
             "mm_token_type_ids", "vision_keep", "position_ids", "rope_deltas")
 PREPARED_KEYS = ("vision_patches", "vision_rot", "vision_valid", "vision_window_index", "vision_window_slot",
-                 "vision_patch_index", "vision_src", "vision_mask", "vision_grid_pos", "mrope_positions", "mrope_offset",
-                 "vision_layout")
+                 "vision_patch_index", "vision_src", "vision_mask", "vision_grid_pos", "mrope_positions",
+                 "mrope_offset", "vision_layout")
 
 
 def layout_key(cfg: QwenVLConfig) -> int:

@@ -1,13 +1,12 @@
 """Exact sampling through the engine's deep paths, against exact enumeration.
 
-The first generated token is drawn at prefill from the target alone, so these tests count the joint of the first
-four tokens: tokens 2-4 are decided by speculative verification, whole depth-3 paths of chains, static and dynamic
-trees accepted or rejected, under temperature, top-k and top-p (the reference warps with transformers' own
-warpers). The same holds under classifier-free guidance with Lumina-mGPT's image grammar, and for a LLaVA target reading an
-image; the sharded mesh's case runs in tests/sharded_checks.py. Each check asserts a chi-square p-value and a
-total-variation distance within what exact sampling of the same size gives; each family has a negative control
-that the same check rejects.
-"""
+The first generated token is drawn at prefill from the target alone, so these tests count the joint of the first four
+tokens: tokens 2-4 are decided by speculative verification, whole depth-3 paths of chains, static and dynamic trees
+accepted or rejected, under temperature, top-k and top-p (the reference warps with transformers' own warpers). The same
+holds under classifier-free guidance with Lumina-mGPT's image grammar, and for a LLaVA target reading an image; the
+sharded mesh's case runs in tests/sharded_checks.py. Each check asserts a chi-square p-value and a total-variation
+distance within what exact sampling of the same size gives; each family has a negative control that the same check
+rejects."""
 import jax
 import numpy as np
 import pytest

@@ -174,7 +174,8 @@ def test_alpha_and_the_proxy_come_from_the_rounds_root_distribution():
     assert sorted(paths_of(first.tree, 0)) == sorted(INIT) and first.depth.tolist() == [5, 5]
 
 
-@pytest.mark.parametrize("alpha", [pytest.param(0.0, marks=pytest.mark.slow), pytest.param(0.35, marks=pytest.mark.slow), 1.0,
+@pytest.mark.parametrize("alpha", [pytest.param(0.0, marks=pytest.mark.slow),
+                                   pytest.param(0.35, marks=pytest.mark.slow), 1.0,
                                    pytest.param(None, marks=pytest.mark.slow)],
                          ids=["a0", "a035", "a1", "adaptive"])
 def test_greedy_sage_equals_ar_at_every_alpha(pair, alpha):
