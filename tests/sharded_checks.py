@@ -16,8 +16,8 @@ from jspec import api, loop  # noqa: E402
 from jspec import sampling as S  # noqa: E402
 from jspec import sharding as SH  # noqa: E402
 
-MESHES = ((2, 4), (8, 1))  # (data, tensor)
-SLOW_MESHES = ((1, 8),)  # with --slow: eight-way tensor parallel too
+MESHES = ((2, 4),)  # (data, tensor)
+SLOW_MESHES = ((8, 1), (1, 8))  # with --slow: eight-way data and tensor parallel too
 
 
 def tiny(layers, hidden, heads, kv_heads, seed):

@@ -82,7 +82,11 @@ def test_draft_of_another_vocabulary_is_refused(pair, name):
         jspec.decode(target, PROMPTS, strategy=REGISTRY[name].make(target, other), max_new_tokens=4)
 
 
-@pytest.mark.parametrize("name", params(n for n in NAMES if REGISTRY[n].exact))
+DEEPER = {"chain", "tree", "dynamic"}  # tests/test_distributions.py proves these deeper in the default suite
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if REGISTRY[n].slow or n in DEEPER else n
+                                  for n in NAMES if REGISTRY[n].exact])
 def test_sampling_is_exact(name):
     target, draft = tiny_vocab_pair(REGISTRY[name].target_layers)
     pval, tv, out = exactness(target, REGISTRY[name].make(target, draft))

@@ -601,6 +601,24 @@ def test_shipped_video_target_reads_the_video(enc):
     assert em["clip"] - em["shuffled"] >= MIN_SHUFFLED_DROP, em
 
 
+@needs_video_target
+@pytest.mark.slow
+def test_shipped_video_target_needs_the_order_where_the_question_does():
+    """On questions whose answer changes when the clip runs backwards, shuffled frames leave the target at chance
+    between the two stories (the forward answer no more often than the backward one, and at most half the time);
+    questions shuffled frames still answer (does a shape move, which one) stay right."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_video_order", ROOT / "scripts" / "eval_video_order.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.measure(120)
+    assert r["order_sensitive"] >= 40 and r["order_free"] >= 40, r
+    sh = r["shuffled"]
+    assert sh["sensitive_forward"] <= 0.5 and sh["sensitive_forward"] <= sh["sensitive_backward"] + 0.1, sh
+    assert sh["free_forward"] >= 0.8, sh
+
+
 @needs_video_pair
 @pytest.mark.slow
 def test_shipped_video_pair_loads_in_transformers_and_drafts(enc):
