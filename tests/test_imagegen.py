@@ -130,7 +130,8 @@ def test_sampling_respects_grammar_and_scale_one_equals_no_cfg(target):
 @pytest.mark.parametrize("make", [lambda d: jspec.Chain(d, gamma=3),
                                   pytest.param(lambda d: jspec.Tree(d, tree="chain5"), marks=pytest.mark.slow),
                                   lambda d: jspec.Tree(d, tree=[[0], [1], [0, 0], [0, 1], [1, 0]]),
-                                  lambda d: jspec.DynamicTree(d, depth=3, top_k=3, total=8)])
+                                  pytest.param(lambda d: jspec.DynamicTree(d, depth=3, top_k=3, total=8),
+                                               marks=pytest.mark.slow)])  # test_lantern: dynamic trees under CFG
 def test_greedy_speculative_equals_greedy_ar_under_cfg(target, draft, make):
     ar = jspec.generate_image(target, prompts(), ROWS, COLS, temperature=0.0, image_prefix_ids=PREFIX)
     sd = jspec.generate_image(target, prompts(), ROWS, COLS, strategy=make(draft), temperature=0.0,

@@ -153,7 +153,8 @@ def test_processor_style_padded_batch(models):
 CHAIN, TREE = (lambda d: jspec.Chain(d, gamma=3)), (lambda d: jspec.Tree(d, tree="mc_sim_7b_63"))
 
 
-@pytest.mark.parametrize("make, draft_kind", [(CHAIN, "vlm"), (CHAIN, "text"), (TREE, "vlm"),
+@pytest.mark.parametrize("make, draft_kind", [(CHAIN, "vlm"), (CHAIN, "text"),  # trees: test_qwen2_vl (default)
+                                              pytest.param(TREE, "vlm", marks=pytest.mark.slow),
                                               pytest.param(TREE, "text", marks=pytest.mark.slow)],
                          ids=["chain-vlm", "chain-text", "tree-vlm", "tree-text"])
 def test_greedy_sd_with_vlm_target_equals_ar(models, draft_kind, make):
