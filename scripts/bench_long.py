@@ -56,12 +56,17 @@ print(json.dumps({{"s": time.perf_counter() - t0, "rss_gb": resource.getrusage(r
 """
 
 
-def run(T: int, which: str, direct: bool = False, chunk="auto") -> dict:
-    code = CHILD.format(root=str(ROOT), T=T, which=which, direct=direct, cfg=CONFIG, chunk=chunk)
+def run_child(code: str) -> dict:
+    """Run `code` in a fresh Python process (its peak RSS is its own); its last stdout line, parsed as JSON, or
+    {"error": its last stderr line}."""
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if res.returncode:
         return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"}
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run(T: int, which: str, direct: bool = False, chunk="auto") -> dict:
+    return run_child(CHILD.format(root=str(ROOT), T=T, which=which, direct=direct, cfg=CONFIG, chunk=chunk))
 
 
 def main(argv=None) -> None:
