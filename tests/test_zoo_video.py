@@ -311,8 +311,9 @@ def test_shuffled_and_blank_frames():
     assert not {tuple(p) for p in bl.reshape(-1, 3)} & {tuple(c) for c in W.COLOURS.values()}
     np.testing.assert_array_equal(bl[:, 1:-1, 1:-1], np.broadcast_to(np.asarray(W.BACKGROUND, np.uint8),
                                                                       bl[:, 1:-1, 1:-1].shape))
+    np.testing.assert_array_equal(V.frames_of(clip, V.ORDER_CONTROL), fr[::-1])  # the clip played backwards
     with pytest.raises(ValueError, match="unknown variant"):
-        V.frames_of(clip, "reversed")
+        V.frames_of(clip, "mirrored")
 
 
 # ---------------------------------------------------------------------------------------------- training rows
