@@ -158,6 +158,15 @@ def tiny_chameleon_config(V=48, img0=16, K=8, **over):
     return d
 
 
+def tiny_chameleon(key: int = 0, std: float = 0.15, **over) -> ports.Model:
+    """A random Chameleon of `tiny_chameleon_config(**over)`; std 0.15 spreads a guided target's distribution."""
+    from ports import chameleon as CH
+
+    d = tiny_chameleon_config(**over)
+    cfg = CH.config_from_hf(d)
+    return ports.Model(cfg, CH.init_params(cfg, jax.random.key(key), std=std), d)
+
+
 def guided_joint(target, cond, uncond, scale, gram, n=3, **warpers):
     """(seqs [N, n], P(seqs)) of the guided, grammar-constrained target over the continuations the grammar allows,
     by enumeration from full-sequence forwards of both streams: logits uncond + scale * (cond - uncond), the

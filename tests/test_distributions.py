@@ -12,10 +12,8 @@ import numpy as np
 import pytest
 
 import jspec
-import ports
 from sampling_check import (CH_IMAGE_PREFIX, IMAGE_PROMPT, PIXELS, PROMPT, V, VLM_V, check, close_pair, empirical,
-                            exact_joint, guided_joint, image_joint, joint_index, noisy_copy, tiny_chameleon_config,
-                            tiny_llava)
+                            exact_joint, guided_joint, image_joint, joint_index, noisy_copy, tiny_chameleon, tiny_llava)
 from toy_parts import ResampleFromTarget
 
 N = 4  # tokens counted: the prefill's, then three or more decided by speculative verification
@@ -96,11 +94,7 @@ def test_ragged_batch_every_row_is_exact(models):
 
 @pytest.fixture(scope="module")
 def guided_pair():
-    from ports import chameleon as CH
-
-    d = tiny_chameleon_config()
-    cfg = CH.config_from_hf(d)
-    target = ports.Model(cfg, CH.init_params(cfg, jax.random.key(0), std=0.15), d)
+    target = tiny_chameleon()
     return target, noisy_copy(target, 0.05)
 
 
@@ -136,8 +130,8 @@ def test_cfg_and_image_grammar_are_exact(guided_pair):
 @pytest.mark.slow
 def test_vlm_target_with_an_image_is_exact():
     """A LLaVA target and a close LLaVA draft, both reading the image: chain gamma 3 at T 0.9 + top-k 4 samples the
-    image-conditioned joint exactly; the wrong residual does not, and neither do the exact draws against the
-    joint of the text prompt without its image."""
+    image-conditioned joint exactly; the wrong residual does not, and the exact draws do not fit the joint of the
+    same prompt with a blank image."""
     target = tiny_llava(10, 0.4)
     draft = noisy_copy(target, 0.15)
     warpers = dict(temperature=0.9, top_k=4)

@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import pytest
 
 import jspec
-import ports
 from jspec import verify as Vf
 from jspec.neighbours import NeighbourTable, codebook_fingerprint, neighbour_codes
 from jspec.strategy import split
 from jspec.trees import build_tree, chain, device_tree
-from sampling_check import CH_IMAGE_PREFIX, V as TV, exactness, guided_joint, tiny_chameleon_config, tiny_vocab_pair
+from sampling_check import CH_IMAGE_PREFIX, V as TV, exactness, guided_joint, tiny_chameleon, tiny_chameleon_config, tiny_vocab_pair
 
 SMALL_TREE = [[0], [1], [0, 0], [1, 0]]
 
@@ -471,15 +470,7 @@ CH_PREFIX = CH_IMAGE_PREFIX
 
 @pytest.fixture(scope="module")
 def chameleon_pair():
-    from ports import chameleon as CH
-
-    d = tiny_chameleon_config()
-    cfg = CH.config_from_hf(d)
-    target = ports.Model(cfg, CH.init_params(cfg, jax.random.key(0), std=0.15), d)  # a spread-out guided target
-    dd = tiny_chameleon_config(hidden_size=16, num_hidden_layers=1)
-    dcfg = CH.config_from_hf(dd)
-    draft = ports.Model(dcfg, CH.init_params(dcfg, jax.random.key(1), std=0.3), dd)
-    return target, draft
+    return tiny_chameleon(0, 0.15), tiny_chameleon(1, 0.3, hidden_size=16, num_hidden_layers=1)
 
 
 @pytest.mark.slow
