@@ -113,7 +113,7 @@ def resize_taps(h: int, w: int, oh: int, ow: int) -> tuple[np.ndarray, np.ndarra
     return R, C, W.astype(np.float32)
 
 
-def _identity(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def identity_taps(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Taps that copy vectors idx [n] as they are."""
     taps = np.zeros((idx.size, TAPS), np.int64)
     taps[:, 0] = idx
@@ -125,7 +125,7 @@ def _identity(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _with_newlines(taps: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[rows, cols, 4] taps -> [rows * (cols + 1), 4]: a newline after every row."""
     rows = taps.shape[0]
-    nl, nlw = _identity(np.full(rows, NEWLINE))
+    nl, nlw = identity_taps(np.full(rows, NEWLINE))
     taps = np.concatenate([taps, nl[:, None]], axis=1).reshape(-1, TAPS)
     w = np.concatenate([w, nlw[:, None]], axis=1).reshape(-1, TAPS)
     return taps, w
@@ -140,9 +140,9 @@ def image_taps(size_hw, pinpoints, tile: int, grid: int, tiled: bool = True,
     max_tiles: OneVision's anyres_max_N (None: LLaVA-NeXT, no shrinking).
     """
     P = grid * grid
-    base_idx, base_w = _identity(np.arange(P))
+    base_idx, base_w = identity_taps(np.arange(P))
     if not tiled:
-        nl, nlw = _identity(np.array([NEWLINE]))
+        nl, nlw = identity_taps(np.array([NEWLINE]))
         return np.concatenate([base_idx, nl]), np.concatenate([base_w, nlw])
     rows, cols = tile_grid(size_hw, pinpoints, tile)
     r0, r1, c0, c1 = unpad_box(size_hw, rows * grid, cols * grid)
@@ -164,7 +164,7 @@ def video_taps(frames: int, grid: int) -> tuple[np.ndarray, np.ndarray]:
     one = (R * grid + C).reshape(-1, TAPS)
     idx = np.concatenate([one + f * grid * grid for f in range(frames)])
     w = np.tile(W.reshape(-1, TAPS), (frames, 1))
-    nl, nlw = _identity(np.array([NEWLINE]))
+    nl, nlw = identity_taps(np.array([NEWLINE]))
     return np.concatenate([idx, nl]), np.concatenate([w, nlw])
 
 

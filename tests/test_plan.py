@@ -15,7 +15,7 @@ GB = 1e9
 
 # Public parameter counts of the shipped checkpoints (their model cards / safetensors metadata), +-1.5%.
 PUBLIC_PARAMS = {"llama-2-7b": 6.74e9, "llama-2-13b": 13.0e9, "llama-2-70b": 69.0e9, "llama-68m": 68e6,
-                 "llava-1.5-7b": 7.06e9, "llava-onevision-qwen2-72b": 73.2e9, "llava-onevision-qwen2-7b": 8.03e9,
+                 "llava-1.5-7b": 7.06e9, "llava-next-video-7b": 7.07e9, "llava-onevision-qwen2-72b": 73.2e9, "llava-onevision-qwen2-7b": 8.03e9,
                  "qwen2.5-vl-72b": 73.4e9, "qwen2.5-vl-7b": 8.29e9, "lumina-mgpt-7b-768": 7.0e9}
 
 

@@ -20,6 +20,7 @@ from jspec.prompts import model_prompt
 from ports import qwen2_vl as QW
 
 import test_llava_next as LN
+import test_llava_next_video as NV
 from test_qwen2_vl import IMG, VID, build, frames, image, torch_batch
 from test_qwen2_vl import built, hf_models, jx_models  # noqa: F401  (module fixtures: tiny Qwen2.5-VL pair)
 
@@ -164,6 +165,55 @@ def test_greedy_specvlm_equals_ar_onevision(ov_models, ratio, std):
     np.testing.assert_array_equal(sd.tokens, ar.tokens)
     with pytest.raises(ValueError, match="renumbered"):
         jspec.decode(target, batch, strategy=SpecVLM(None, positions="original"), max_new_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def nv_models(tmp_path_factory):
+    """LLaVA-NeXT-Video: a target and a smaller draft of the same vocabulary, each with its own tower and pooler."""
+    from conftest import saved_and_loaded
+
+    return saved_and_loaded({"nv": NV.tiny_nv(40), "nv_draft": NV.tiny_nv(43, layers=1, hidden=32)},
+                            tmp_path_factory.mktemp("nv"))
+
+
+def test_nextvideo_scores_equal_mean_attention_of_an_explicit_forward(nv_models):
+    """NeXT-Video (pooled frames, no newline): a_j == the mean over layers, heads and post-video text queries of
+    transformers' eager attention probabilities on each video token, per ragged row."""
+    hf_all, jx = nv_models
+    hf = hf_all["nv"]
+    batch = NV.nv_batch(["w1 w2 <video> w3 w4 w5", "w6 <video> w7"], frames=3, seed=1)
+    hook, (tokens, lengths, inputs), _ = prepared_hook(jx["nv"], jx["nv_draft"], batch, ratio=0.5)
+    a, n = hook.scores(target_prefill(jx["nv"], hook, tokens, lengths, inputs))
+    hf.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            att = hf(**{k: torch.tensor(v) for k, v in batch.items()}, output_attentions=True).attentions
+    finally:
+        hf.set_attn_implementation("sdpa")
+    probs = np.mean(np.stack([x.numpy() for x in att]), axis=(0, 2))
+    for b in range(2):
+        vid = np.flatnonzero(tokens[b, :lengths[b]] == LN.VID)
+        want = probs[b][np.arange(vid[-1] + 1, lengths[b])][:, vid].mean(axis=0)
+        assert int(n[b]) == len(vid) == 12
+        np.testing.assert_allclose(np.asarray(a[b, :len(vid)]), want, rtol=2e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("ratio,std", [(0.9, True), (0.0, False), pytest.param(0.95, False, marks=pytest.mark.slow),
+                                       pytest.param(0.5, True, marks=pytest.mark.slow)])
+def test_greedy_specvlm_equals_ar_nextvideo(nv_models, ratio, std):
+    """LLaVA-NeXT-Video, ragged rows with an image before the clip in one: greedy SpecVLM (a NeXT-Video draft with
+    its own tower and pooler, or Self-SD) gives greedy AR's tokens; the frames selector reads its 4 tokens per
+    frame from the config."""
+    target = nv_models[1]["nv"]
+    batch = NV.nv_batch(["w1 <video> w2 w3", "w4 <image> w5 <video> w6 w7 w8 w9"], frames=4,
+                        images=[LN.image(40, 90, 7)], seed=3)
+    ar = jspec.decode(target, batch, max_new_tokens=10)
+    draft = nv_models[1]["nv_draft"] if std else None
+    sd = jspec.decode(target, batch, strategy=SpecVLM(draft, ratio=ratio, tree=SMALL_TREE), max_new_tokens=10)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    if ratio == 0.9:
+        hook, _, _ = prepared_hook(target, nv_models[1]["nv_draft"], batch, ratio=0.5, select="frames")
+        assert hook.frame_tokens == NV.FRAME_TOKENS
 
 
 @pytest.mark.slow

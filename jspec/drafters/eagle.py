@@ -57,7 +57,7 @@ def text_parts(target) -> tuple[Any, dict]:
     kind = getattr(cfg, "model_type", None)
     if kind in FAMILIES:
         return cfg, params
-    if kind in ("llava", "llava_next", "llava_onevision"):
+    if kind in ("llava", "llava_next", "llava_next_video", "llava_onevision"):
         return cfg.text, params["lm"]
     raise ValueError(f"an EAGLE feature head needs a LLaMA, Qwen2, Chameleon or LLaVA target; the target is "
                      f"{kind or type(target).__name__!r}")

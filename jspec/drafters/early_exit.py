@@ -58,7 +58,7 @@ def text_model(target) -> tuple[Any, dict]:
     cfg, params = model.config, model.params
     if getattr(cfg, "model_type", None) in ("llama", "qwen2"):
         return cfg, params
-    if getattr(cfg, "model_type", None) in ("llava", "llava_next", "llava_onevision"):
+    if getattr(cfg, "model_type", None) in ("llava", "llava_next", "llava_next_video", "llava_onevision"):
         return cfg.text, params["lm"]
     raise ValueError(f"an early-exit head needs a LLaMA-family language model (llama, qwen2, llava*); the target is "
                      f"{getattr(cfg, 'model_type', type(target).__name__)!r}")

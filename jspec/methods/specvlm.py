@@ -82,8 +82,8 @@ def _frame_tokens(model, prompt, modality: str) -> int | None:
             else np.zeros((0, 3))
         per = {int(g[1] * g[2]) // cfg.vision.merge_size ** 2 for g in grids}
         return per.pop() if len(per) == 1 else None
-    if getattr(cfg, "onevision", False):
-        return (-(-cfg.vision.grid // 2)) ** 2
+    if getattr(cfg, "onevision", False) or getattr(cfg, "next_video", False):
+        return cfg.frame_tokens
     return None
 
 
