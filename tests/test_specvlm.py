@@ -12,8 +12,7 @@ import torch
 import jspec
 import ports
 from jspec import loop
-from jspec import pruning as PR
-from jspec.drafters import Prepared, Setup, TargetPrefill
+from jspec.drafters import Setup, TargetPrefill
 from jspec.drafters.model import ModelDrafter
 from jspec.methods.specvlm import SpecVLM, VisionPruning
 from jspec.prompts import model_prompt
