@@ -7,6 +7,8 @@ and j >= start[b] (a right-aligned row's padding is never seen). This is the fre
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -57,8 +59,12 @@ def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: ja
     G = H // KVH
     qb, kb = min(q_block, T), min(k_block, S)
     nq, nk = -(-T // qb), -(-S // kb)
+    # queries laid out per block as [B, KVH, G, qb, Dh] (each tile is one batched matmul per kv head) and scaled
+    # before the matmul where that is exact (float32, or a power-of-two scale); else the float32 scores are scaled
+    pre_scale = q.dtype == jnp.float32 or math.log2(Dh) % 2 == 0
     scale = Dh ** -0.5
-    Q = _blocks(q.reshape(B, T, KVH, G, Dh), nq, qb)  # [nq, B, qb, KVH, G, Dh]
+    Q = _blocks((q * jnp.asarray(scale, q.dtype) if pre_scale else q).reshape(B, T, KVH, G, Dh), nq, qb)
+    Q = Q.transpose(0, 1, 3, 4, 2, 5)  # [nq, B, KVH, G, qb, Dh]
     K, Vv = k_buf.reshape(B, KVH, S, Dh), v_buf.reshape(B, KVH, S, Dh)
     start, offset = start.astype(jnp.int32), offset.astype(jnp.int32)
 
@@ -70,10 +76,14 @@ def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: ja
         return (jax.lax.dynamic_slice_in_dim(K, s0, kb, axis=2), jax.lax.dynamic_slice_in_dim(Vv, s0, kb, axis=2),
                 kp, kp >= j * kb)
 
-    def tile(i, j):
-        """Scores [B, KVH, G, qb, kb] (float32) of query block i against key block j, masked; and the values."""
+    def tile(i, j, masked: bool = True):
+        """Scores [B, KVH, G, qb, kb] (float32) of query block i against key block j, masked unless the caller
+        knows every query of the block sees every key of it in every row; and the values."""
         kj, vj, kp, fresh_slot = keys(j)
-        s = jnp.einsum("bqkgd,bksd->bkgqs", Q[i], kj, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("bkgqd,bksd->bkgqs", Q[i], kj, preferred_element_type=jnp.float32)
+        s = s if pre_scale else s * scale
+        if not masked:
+            return s, vj
         qp = offset[:, None] + i * qb + jnp.arange(qb)[None]  # [B, qb] slots of the queries
         vis = (kp[None, None, :] <= qp[:, :, None]) & (kp[None, None, :] >= start[:, None, None]) & fresh_slot
         return jnp.where(vis[:, None, None], s, NEG), vj
@@ -82,19 +92,27 @@ def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: ja
         return jnp.minimum((jnp.max(offset) + i * qb + qb - 1) // kb, nk - 1)
 
     def forward(i):
-        def body(j, carry):
-            m, l, acc = carry
-            s, vj = tile(i, j)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.exp(s - m_new[..., None])
-            corr = jnp.exp(m - m_new)
-            pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
-            return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+        def body(masked):
+            def run(j, carry):
+                m, l, acc = carry
+                s, vj = tile(i, j, masked)
+                m_new = jnp.maximum(m, s.max(-1))
+                p = jnp.exp(s - m_new[..., None])
+                corr = jnp.exp(m - m_new)
+                pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
+                return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+            return run
 
+        # key blocks [j0, end): those every row and query of the block sees whole, [a, b), skip the mask (most of
+        # a long prefill's tiles); the ones before (a row's start inside them) and after (the causal edge) keep it
+        j0, end = jnp.min(start) // kb, last_block(i) + 1
+        a = jnp.clip(-(-jnp.max(start) // kb), j0, end)
+        b = jnp.clip((jnp.min(offset) + i * qb + 1) // kb, a, end)
         m0 = jnp.full((B, KVH, G, qb), NEG, jnp.float32)
-        j0 = jnp.min(start) // kb
-        m, l, acc = jax.lax.fori_loop(j0, last_block(i) + 1, body,
-                                      (m0, jnp.zeros_like(m0), jnp.zeros((B, KVH, G, qb, Dh), jnp.float32)))
+        carry = (m0, jnp.zeros_like(m0), jnp.zeros((B, KVH, G, qb, Dh), jnp.float32))
+        carry = jax.lax.fori_loop(j0, a, body(True), carry)
+        carry = jax.lax.fori_loop(a, b, body(False), carry)
+        m, l, acc = jax.lax.fori_loop(b, end, body(True), carry)
         return acc / l[..., None], m + jnp.log(l)
 
     out, lse = jax.lax.map(forward, jnp.arange(nq))  # [nq, B, KVH, G, qb, Dh], [nq, B, KVH, G, qb]

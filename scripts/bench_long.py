@@ -65,6 +65,15 @@ def run_child(code: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The median time and the largest peak RSS of a case's runs (an error if any run failed)."""
+    bad = [r for r in runs if "s" not in r]
+    if bad:
+        return bad[0]
+    times = sorted(r["s"] for r in runs)
+    return {"s": times[len(times) // 2], "rss_gb": max(r["rss_gb"] for r in runs), "runs_s": [r["s"] for r in runs]}
+
+
 def run(T: int, which: str, direct: bool = False, chunk="auto") -> dict:
     return run_child(CHILD.format(root=str(ROOT), T=T, which=which, direct=direct, cfg=CONFIG, chunk=chunk))
 
@@ -76,6 +85,7 @@ def main(argv=None) -> None:
     ap.add_argument("--direct", action="store_true", help="also run jspec with the blockwise path off")
     ap.add_argument("--one-pass", action="store_true", help="also run jspec's prefill in one pass (no chunks)")
     ap.add_argument("--chunk", type=int, default=None, help="jspec's prefill chunk (default: decode's, 4096)")
+    ap.add_argument("--runs", type=int, default=1, help="fresh processes per point and case: median time, max RSS")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "long-prompts"))
     args = ap.parse_args(argv)
     import time
@@ -84,26 +94,36 @@ def main(argv=None) -> None:
 
     rows = []
     for T in args.lengths:
-        row = {"tokens": T, "jspec": run(T, "jspec", chunk=args.chunk or "auto")}
-        if args.one_pass:
-            row["jspec_one_pass"] = run(T, "jspec", chunk=None)
-        if args.direct:
-            row["jspec_direct"] = run(T, "jspec", direct=True)
-        if not args.skip_hf:
-            row["transformers"] = run(T, "hf")
+        runs = {}
+        for rep in range(args.runs):  # the cases interleaved, so that each repeat sees the same machine load
+            runs.setdefault("jspec", []).append(run(T, "jspec", chunk=args.chunk or "auto"))
+            if args.one_pass:
+                runs.setdefault("jspec_one_pass", []).append(run(T, "jspec", chunk=None))
+            if args.direct:
+                runs.setdefault("jspec_direct", []).append(run(T, "jspec", direct=True))
+            if not args.skip_hf:
+                runs.setdefault("transformers", []).append(run(T, "hf"))
+            print(f"{T} tokens, run {rep + 1}/{args.runs}: "
+                  + ", ".join(f"{c} {r[-1].get('s', float('nan')):.1f} s" for c, r in runs.items()), flush=True)
+        row = {"tokens": T, **{c: median_run(r) for c, r in runs.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "cpus": os.cpu_count(), "config": CONFIG,
-            "prefill_chunk": args.chunk or "auto (4096)"}
+            "prefill_chunk": args.chunk or "auto (4096)", "runs": args.runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     cols = [c for c in ("jspec", "jspec_one_pass", "jspec_direct", "transformers") if c in rows[0]]
     lines = [f"Prefill + 2 new tokens, batch 1, random LLaMA 110M, f32, {meta['date']}, {meta['cpus']} CPUs, jax "
-             f"{meta['jax']} (one run per point, each in a fresh process; jspec's time includes its compile)", "",
-             "| prompt tokens | " + " | ".join(f"{c} time / peak RSS" for c in cols) + " |",
-             "|---" * (len(cols) + 1) + "|"]
+             f"{meta['jax']} ({'one run' if args.runs == 1 else f'median of {args.runs} runs'} per point, each in a fresh "
+             "process; jspec's time includes its compile)", "",
+             "| prompt tokens | " + " | ".join(f"{c} time / peak RSS" for c in cols) + " |"
+             + (" jspec / transformers time |" if "transformers" in cols else ""),
+             "|---" * (len(cols) + 1 + ("transformers" in cols)) + "|"]
     for r in rows:
         cells = [f"{r[c]['s']:.1f} s / {r[c]['rss_gb']:.2f} GB" if "s" in r[c] else r[c]["error"][:60] for c in cols]
+        if "transformers" in cols:
+            ok = "s" in r["jspec"] and "s" in r["transformers"]
+            cells.append(f"{r['jspec']['s'] / r['transformers']['s']:.2f}x" if ok else "-")
         lines.append(f"| {r['tokens']:,} | " + " | ".join(cells) + " |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     plot(rows, cols, args.out + ".png")
