@@ -92,9 +92,17 @@ def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: ja
         return jnp.minimum((jnp.max(offset) + i * qb + qb - 1) // kb, nk - 1)
 
     def forward(i):
+        # key blocks [j0, end): those every row and query of the block sees whole, [a, b), skip the mask (most of
+        # a long prefill's tiles); the ones before (a row's start inside them) and after (the causal edge) keep it
+        # and run in one loop, its k-th block a + ... mapped past [a, b)
+        j0, end = jnp.min(start) // kb, last_block(i) + 1
+        a = jnp.clip(-(-jnp.max(start) // kb), j0, end)
+        b = jnp.clip((jnp.min(offset) + i * qb + 1) // kb, a, end)
+
         def body(masked):
             def run(j, carry):
                 m, l, acc = carry
+                j = jnp.where(j < a, j, j - a + b) if masked else j
                 s, vj = tile(i, j, masked)
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.exp(s - m_new[..., None])
@@ -103,16 +111,10 @@ def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: ja
                 return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
             return run
 
-        # key blocks [j0, end): those every row and query of the block sees whole, [a, b), skip the mask (most of
-        # a long prefill's tiles); the ones before (a row's start inside them) and after (the causal edge) keep it
-        j0, end = jnp.min(start) // kb, last_block(i) + 1
-        a = jnp.clip(-(-jnp.max(start) // kb), j0, end)
-        b = jnp.clip((jnp.min(offset) + i * qb + 1) // kb, a, end)
         m0 = jnp.full((B, KVH, G, qb), NEG, jnp.float32)
         carry = (m0, jnp.zeros_like(m0), jnp.zeros((B, KVH, G, qb, Dh), jnp.float32))
-        carry = jax.lax.fori_loop(j0, a, body(True), carry)
         carry = jax.lax.fori_loop(a, b, body(False), carry)
-        m, l, acc = jax.lax.fori_loop(b, end, body(True), carry)
+        m, l, acc = jax.lax.fori_loop(j0, a + end - b, body(True), carry)
         return acc / l[..., None], m + jnp.log(l)
 
     out, lse = jax.lax.map(forward, jnp.arange(nq))  # [nq, B, KVH, G, qb, Dh], [nq, B, KVH, G, qb]
