@@ -140,7 +140,24 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def bench_long(argv) -> int:
+    """`jspec bench long ...`: the long-prompt benchmark (its own options: `jspec.bench_long`)."""
+    from jspec import bench_long as BL
+
+    ap = argparse.ArgumentParser(prog="jspec bench long", description=BL.__doc__.split("\n")[0])
+    BL.add_arguments(ap)
+    try:
+        result = BL.run_bench(ap.parse_args(argv))
+    except ValueError as e:
+        raise SystemExit(f"jspec bench long: {e}")
+    print("wrote " + ", ".join(result["files"]))
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "long"]:
+        return bench_long(argv[2:])
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("decode", help="generate from a checkpoint (HF dir or `jspec convert` output)")
@@ -209,8 +226,9 @@ def main(argv=None) -> int:
     pl.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(fn=cmd_plan)
-    b = sub.add_parser("bench", help="benchmark suites (ar, sd, gpu): JSON, markdown table and PNG per run")
-    b.add_argument("suite", help="ar | sd | gpu")
+    b = sub.add_parser("bench", help="benchmark suites (ar, sd, gpu; long: `jspec bench long --help`): JSON, "
+                                     "markdown table and PNG per run")
+    b.add_argument("suite", help="ar | sd | gpu | long")
     b.add_argument("--runs", type=int, default=3, help="timed runs per case (median), after a warm-up")
     b.add_argument("--quick", action="store_true", help="tiny sizes, finishes in well under 3 minutes")
     b.add_argument("--out", default="scripts/results", help="output directory")

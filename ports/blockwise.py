@@ -4,6 +4,9 @@ holds more than one [q_block, k_block] tile of scores per (row, head), in plain 
 The mask is described by its structure, not a [B, T, S] boolean: query t of row b sees key j when j <= t (causal)
 and j >= start[b] (a right-aligned row's padding is never seen). This is the fresh prefill's visibility
 (`jspec.cache.visibility` with an empty cache and no tree mask).
+
+On a GPU a fresh prefill in bfloat16 / float16 whose rows all start at slot 0 (the causal mask alone) runs cuDNN's
+flash attention (`jax.nn.dot_product_attention`) instead; `FUSED` says when (see `fused_attention`).
 """
 from __future__ import annotations
 
@@ -14,6 +17,31 @@ import jax.numpy as jnp
 
 NEG = jnp.finfo(jnp.float32).min
 BLOCK = 512  # default query and key block: 512 x 512 tiles were the fastest on CPU (docs/performance-notes.md)
+FUSED_MODES = ("auto", "off", "cudnn", "xla")
+# "auto": cuDNN on a GPU for bfloat16 / float16; "off": always blockwise; "cudnn" / "xla": that implementation of
+# jax.nn.dot_product_attention wherever it traces ("xla" builds [T, T] scores: for tests on small prompts)
+FUSED = "auto"
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array):
+    """Causal attention of q [B, T, H, Dh] over k, v [B, T, KVH, Dh] (every key from slot 0 visible) by
+    `jax.nn.dot_product_attention` with the implementation `FUSED` picks, or None where none applies: "auto" off a
+    GPU or in float32, or an implementation that cannot take these shapes (cuDNN's limits on head size, dtype and
+    version are checked as it traces)."""
+    mode = FUSED
+    if mode not in FUSED_MODES:
+        raise ValueError(f"ports.blockwise.FUSED must be one of {FUSED_MODES}, got {mode!r}")
+    if mode == "auto":
+        if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
+            return None
+        mode = "cudnn"
+    if mode == "off":
+        return None
+    try:
+        return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), is_causal=True,
+                                            implementation=mode)
+    except (NotImplementedError, RuntimeError, ValueError, TypeError):
+        return None
 
 
 def _blocks(x: jax.Array, n: int, size: int) -> jax.Array:
@@ -28,7 +56,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
     """Grouped-query causal attention of q [B, T, H, Dh] over the same positions' keys / values k, v [B, T, KVH, Dh]
     (row b's keys before start[b] hidden). Returns [B, T, H, Dh] in q's dtype, equal to `ports.layers.attention`
     on the visible queries (a query that sees no key, i.e. one before its row's start, gets a meaningless output in
-    both). Scores and softmax run in float32.
+    both). Scores and softmax run in float32 (in cuDNN's kernel too, when `fused_attention` applies).
 
     With `score_weights` [B, T] it returns (out, scores [B, T]): the attention probabilities averaged over heads and
     summed over queries with those weights, with the full softmax denominators (a second pass over the query
@@ -40,8 +68,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
     def rows(x):  # the flat cache rows [B * KVH, T, Dh]
         return x.transpose(0, 2, 1, 3).reshape(B * KVH, T, Dh)
 
-    return prefix_attention(q, rows(k), rows(v), start, jnp.zeros((B,), jnp.int32), score_weights, q_block,
-                            k_block)
+    def blockwise(q, k, v, start):
+        return prefix_attention(q, rows(k), rows(v), start, jnp.zeros((B,), jnp.int32), score_weights, q_block,
+                                k_block)
+
+    fused = None if score_weights is not None else fused_attention(q, k, v)
+    if fused is None:
+        return blockwise(q, k, v, start)
+    # the fused kernels know causality but not a per-row first slot: a row that starts later attends blockwise
+    return jax.lax.cond(jnp.all(start == 0), lambda q, k, v, start: fused_attention(q, k, v), blockwise, q, k, v,
+                        start)
 
 
 def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array, offset: jax.Array,

@@ -121,6 +121,18 @@ def assert_masked_parity(hf_model, model, batch: dict, atol: float, rtol: float)
     np.testing.assert_allclose(ours[mask], ref[mask], atol=atol, rtol=rtol)
 
 
+def eager_attentions(hf_model, batch: dict) -> np.ndarray:
+    """[layers, B, H, T, T] attention probabilities of an HF forward on `batch` (numpy arrays) under its eager
+    attention; the model goes back to SDPA after."""
+    hf_model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            att = hf_model(**{k: torch.tensor(v) for k, v in batch.items()}, output_attentions=True).attentions
+    finally:
+        hf_model.set_attn_implementation("sdpa")
+    return np.stack([a.numpy() for a in att])
+
+
 @pytest.fixture(scope="session")
 def llama_pair(tmp_path_factory):
     """(hf_model, jspec model) for a tiny GQA LLaMA."""

@@ -35,6 +35,63 @@ def test_blockwise_equals_direct_attention(T, qb, kb):
                                np.asarray(out)[seen], atol=1e-7)
 
 
+def test_fused_path_is_taken_only_where_its_mask_is_the_prefill_s(monkeypatch):
+    """`jax.nn.dot_product_attention` (its XLA implementation here; cuDNN's on a GPU) equals the blockwise pass on
+    grouped-query rows that all start at slot 0; a batch with a later start, or asking for scores, attends
+    blockwise; "auto" off a GPU and an implementation that cannot trace (cuDNN on this CPU) fall back."""
+    rng = np.random.default_rng(1)
+    B, T, H, KVH, Dh = 2, 200, 6, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, h, Dh)), jnp.float32) for h in (H, KVH, KVH))
+    zero, later = jnp.zeros((B,), jnp.int32), jnp.asarray([0, 9])
+    monkeypatch.setattr(BW, "FUSED", "off")
+    want = {name: np.asarray(BW.causal_attention(q, k, v, s, q_block=64, k_block=64))
+            for name, s in (("zero", zero), ("later", later))}
+    monkeypatch.setattr(BW, "FUSED", "xla")
+    run = jax.jit(lambda q, k, v, s: BW.causal_attention(q, k, v, s, q_block=64, k_block=64))
+    np.testing.assert_allclose(np.asarray(run(q, k, v, zero)), want["zero"], atol=2e-6, rtol=1e-5)
+    # which branch ran, decided on the device: a stand-in kernel that returns zeros
+    calls = []
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, *a, **kw: calls.append(kw) or jnp.zeros_like(q))
+    run = jax.jit(lambda q, k, v, s: BW.causal_attention(q, k, v, s, q_block=64, k_block=64))
+    assert not np.any(np.asarray(run(q, k, v, zero)))
+    seen = np.arange(T)[None] >= np.asarray(later)[:, None]
+    np.testing.assert_allclose(np.asarray(run(q, k, v, later))[seen], want["later"][seen], atol=1e-7)
+    assert calls and all(c["is_causal"] and c["implementation"] == "xla" for c in calls)
+    n = len(calls)
+    out, _ = BW.causal_attention(q, k, v, zero, jnp.ones((B, T)), q_block=64, k_block=64)
+    assert len(calls) == n and np.any(np.asarray(out))  # scores need the blockwise pass's log-sum-exp
+    for mode in ("auto", "off"):
+        monkeypatch.setattr(BW, "FUSED", mode)
+        assert BW.fused_attention(q, k, v) is None and len(calls) == n
+    monkeypatch.undo()
+    monkeypatch.setattr(BW, "FUSED", "cudnn")
+    if jax.default_backend() != "gpu":
+        assert BW.fused_attention(q.astype(jnp.bfloat16), k, v) is None  # "cuDNN is not detected": blockwise
+    monkeypatch.setattr(BW, "FUSED", "flash")
+    with pytest.raises(ValueError, match="FUSED must be one of"):
+        BW.causal_attention(q, k, v, zero)
+
+
+def test_prefill_through_the_fused_path_gives_the_same_logits(monkeypatch):
+    """A long prefill's layers through `jax.nn.dot_product_attention` (XLA's, standing in for cuDNN's): the same
+    logits and cache as the blockwise pass."""
+    cfg = ports.TextConfig(model_type="llama", vocab_size=101, hidden_size=32, intermediate_size=48, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=4096)
+    model = ports.random_model(cfg, key=2, std=0.3)
+    tokens = np.random.default_rng(2).integers(0, 101, (2, L.BLOCKWISE_MIN + 5)).astype(np.int32)
+    lengths = np.array([L.BLOCKWISE_MIN + 5, L.BLOCKWISE_MIN - 40], np.int32)
+    calls = []
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(BW, "FUSED", "xla")
+    fused_logits, _, fused_k = _prefill(model, tokens, lengths)
+    assert len(calls) >= cfg.num_layers
+    monkeypatch.setattr(BW, "FUSED", "off")
+    logits, _, k = _prefill(model, tokens, lengths)
+    np.testing.assert_allclose(np.asarray(fused_logits), np.asarray(logits), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(fused_k), np.asarray(k), atol=1e-6)
+
+
 def _prefill(model, tokens, lengths, inputs=None, **kw):
     """A fresh jitted prefill (the attention path is picked when it is traced)."""
     @jax.jit

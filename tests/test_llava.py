@@ -11,7 +11,7 @@ import transformers
 
 import jspec
 import ports
-from conftest import perturb
+from conftest import eager_attentions, perturb
 
 V = 96
 IMG = V - 1  # image placeholder id
@@ -227,13 +227,8 @@ def test_attention_score_hook_matches_hf_eager(models):
     fo = target.forward(ids[None], np.arange(T)[None], cache, embeds=pe.embeds, attn_query_weights=weights[None])
     assert fo.attn.shape == (1, 64)
     np.testing.assert_array_equal(np.asarray(pe.image_mask[0]), ids == IMG)  # the image-position hook
-    hf.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            att = hf(input_ids=torch.tensor(ids[None]), pixel_values=torch.tensor(pix), output_attentions=True).attentions
-    finally:
-        hf.set_attn_implementation("sdpa")
-    want = np.mean([a[0].numpy().mean(0) for a in att], axis=0)  # [T, T], layers and heads averaged
+    att = eager_attentions(hf, {"input_ids": ids[None], "pixel_values": pix})
+    want = att[:, 0].mean(axis=(0, 1))  # [T, T], layers and heads averaged
     want = weights @ want
     np.testing.assert_allclose(np.asarray(fo.attn[0, :T]), want, atol=1e-5)
     assert np.all(np.asarray(fo.attn[0, T:]) == 0)  # unused cache slots get nothing

@@ -21,7 +21,7 @@ import jspec
 import ports
 from ports import anyres as A
 from ports import llava_next as NX
-from conftest import assert_masked_parity, perturb, saved_and_loaded
+from conftest import assert_masked_parity, eager_attentions, perturb, saved_and_loaded
 
 V, IMG, VID = 96, 92, 93
 # NeXT: CLIP 28 px / patch 7 -> 4 x 4 features per tile ("default" drops the class token).
@@ -408,13 +408,7 @@ def test_hooks_image_positions_tile_features_attention(hf_models, jx_models):
     weights /= weights.sum()
     cache = loop.new_cache_for(m, 1, T + 16)
     fo = m.forward(ids, np.arange(T)[None], cache, embeds=pe.embeds, attn_query_weights=weights[None])
-    hf.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            att = hf(**{k: torch.tensor(v) for k, v in batch.items()}, output_attentions=True).attentions
-    finally:
-        hf.set_attn_implementation("sdpa")
-    ref = weights @ np.mean([a[0].numpy().mean(0) for a in att], axis=0)
+    ref = weights @ eager_attentions(hf, batch)[:, 0].mean(axis=(0, 1))
     np.testing.assert_allclose(np.asarray(fo.attn[0, :T]), ref, atol=1e-5)
 
 

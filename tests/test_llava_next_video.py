@@ -81,18 +81,9 @@ def nv_batch(texts, frames: int, images=(), seed: int = 0) -> dict:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    """({name: HF model}, {name: jspec model loaded from its checkpoint})."""
     return saved_and_loaded({"nv": tiny_nv(40), "nv_conv": tiny_nv(42, "conv"), "nv_max": tiny_nv(40, "max")},
                             tmp_path_factory.mktemp("llava_next_video"))
-
-
-@pytest.fixture(scope="module")
-def hf_models(built):
-    return built[0]
-
-
-@pytest.fixture(scope="module")
-def jx_models(built):
-    return built[1]
 
 
 # ------------------------------------------------------------------------------------------ config and geometry
@@ -152,23 +143,26 @@ def test_pool_frames_matches_torch_pooling():
 
 
 @pytest.mark.parametrize("name", ["nv", "nv_max", "nv_conv"])
-def test_video_logits_match_transformers(hf_models, jx_models, name):
+def test_video_logits_match_transformers(built, name):
+    hf_models, jx_models = built
     batch = nv_batch(["w1 w2 <video> w3 w4 w5", "w6 <video> w7"], frames=3, seed=1)
     assert_masked_parity(hf_models[name], jx_models[name], batch, atol=1e-4, rtol=1e-4)
 
 
-def test_image_and_video_logits_match_transformers(hf_models, jx_models):
+def test_image_and_video_logits_match_transformers(built):
     """Ragged rows, each with an anyres image (unpadded, newlines) before its clip: images and frames in one
     prompt, the frames pooled and the tiles not."""
+    hf_models, jx_models = built
     batch = nv_batch(["w1 <image> w2 <video> w3", "w4 w5 <video> w6 <image> w7 w8 w9"], frames=2,
                      images=[LN.image(40, 90, 1), LN.image(70, 20, 2)], seed=2)
     assert batch["pixel_values"].ndim == 5
     assert_masked_parity(hf_models["nv"], jx_models["nv"], batch, atol=1e-4, rtol=1e-4)
 
 
-def test_prepared_layout(jx_models):
+def test_prepared_layout(built):
     """Frames go to their own section (pooled rows after the tiles' rows), no newline row for a video, sources
     name each frame's video; vision_features are the tower's, tiles then frames."""
+    jx_models = built[1]
     m = jx_models["nv"]
     batch = nv_batch(["w1 <image> w2 <video> w3"], frames=3, images=[LN.image(40, 90, 3)])
     ids = batch["input_ids"]
@@ -196,9 +190,10 @@ def _legacy(key: str) -> str:
     return key[len("model."):] if key.startswith("model.vision_resampler.") else key
 
 
-def test_checkpoint_layouts_and_save_hf_round_trip(hf_models, jx_models, tmp_path):
+def test_checkpoint_layouts_and_save_hf_round_trip(built, tmp_path):
     """The conv pooler's kernel loads from transformers 5's layout (the fixture) and without the model. prefix;
     save_hf writes a checkpoint transformers loads with the same logits."""
+    hf_models, jx_models = built
     hf, m = hf_models["nv_conv"], jx_models["nv_conv"]
     hf.save_pretrained(str(tmp_path / "mem"))
     path = os.path.join(tmp_path, "mem", "model.safetensors")
@@ -220,7 +215,8 @@ def test_checkpoint_layouts_and_save_hf_round_trip(hf_models, jx_models, tmp_pat
 # ------------------------------------------------------------------------------------------ decoding
 
 
-def test_greedy_decode_equals_hf_generate(hf_models, jx_models):
+def test_greedy_decode_equals_hf_generate(built):
+    hf_models, jx_models = built
     batch = nv_batch(["w3 w1 <video> w2 w7"], frames=3, seed=6)
     with torch.no_grad():
         ref = hf_models["nv"].generate(**{k: torch.tensor(v) for k, v in batch.items()}, max_new_tokens=10,
@@ -228,7 +224,8 @@ def test_greedy_decode_equals_hf_generate(hf_models, jx_models):
     np.testing.assert_array_equal(jspec.decode(jx_models["nv"], batch, max_new_tokens=10).tokens[0], ref)
 
 
-def test_bad_inputs_fail_early_with_clear_errors(jx_models):
+def test_bad_inputs_fail_early_with_clear_errors(built):
+    jx_models = built[1]
     m = jx_models["nv"]
     batch = nv_batch(["w1 <video> w2"], frames=3)
     ids, pvv = batch["input_ids"], batch["pixel_values_videos"]

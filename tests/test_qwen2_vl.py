@@ -30,7 +30,7 @@ from jspec import loop
 from ports import layers as L
 from ports import qwen2_vl as QW
 from ports import qwen2_vl_vision as QV
-from conftest import assert_masked_parity, perturb, saved_and_loaded
+from conftest import assert_masked_parity, eager_attentions, perturb, saved_and_loaded
 
 V = 100
 VS, VE, IMG, VID = 93, 94, 95, 96
@@ -506,12 +506,7 @@ def test_hooks_grid_table_and_attention_scores(hf_models, jx_models):
     weights /= weights.sum()
     cache = loop.new_cache_for(m, 1, T + 16)
     fo = m.forward(tokens, pe.positions, cache, embeds=pe.embeds, attn_query_weights=jnp.asarray(weights[None]))
-    hf.set_attn_implementation("eager")
-    try:
-        att = hf_forward(hf, batch, output_attentions=True).attentions
-    finally:
-        hf.set_attn_implementation("sdpa")
-    ref = weights @ np.mean([a[0].numpy().mean(0) for a in att], axis=0)
+    ref = weights @ eager_attentions(hf, batch)[:, 0].mean(axis=(0, 1))
     np.testing.assert_allclose(np.asarray(fo.attn[0, :T]), ref, atol=1e-5)
 
 

@@ -20,6 +20,7 @@ from ports import qwen2_vl as QW
 
 import test_llava_next as LN
 import test_llava_next_video as NV
+from conftest import eager_attentions
 from test_qwen2_vl import IMG, VID, build, frames, image, torch_batch
 from test_qwen2_vl import built, hf_models, jx_models  # noqa: F401  (module fixtures: tiny Qwen2.5-VL pair)
 
@@ -183,13 +184,7 @@ def test_nextvideo_scores_equal_mean_attention_of_an_explicit_forward(nv_models)
     batch = NV.nv_batch(["w1 w2 <video> w3 w4 w5", "w6 <video> w7"], frames=3, seed=1)
     hook, (tokens, lengths, inputs), _ = prepared_hook(jx["nv"], jx["nv_draft"], batch, ratio=0.5)
     a, n = hook.scores(target_prefill(jx["nv"], hook, tokens, lengths, inputs))
-    hf.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            att = hf(**{k: torch.tensor(v) for k, v in batch.items()}, output_attentions=True).attentions
-    finally:
-        hf.set_attn_implementation("sdpa")
-    probs = np.mean(np.stack([x.numpy() for x in att]), axis=(0, 2))
+    probs = eager_attentions(hf, batch).mean(axis=(0, 2))
     for b in range(2):
         vid = np.flatnonzero(tokens[b, :lengths[b]] == LN.VID)
         want = probs[b][np.arange(vid[-1] + 1, lengths[b])][:, vid].mean(axis=0)

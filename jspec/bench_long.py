@@ -1,0 +1,195 @@
+"""Long prompts: prefill time and peak memory against prompt length for jspec and transformers (SDPA), on a random
+LLaMA, batch 1, 2 new tokens (`jspec bench long`; `scripts/bench_long.py` is the same).
+
+    jspec bench long                                  # 110M (hidden 768, 12 layers), f32: 1k, 2k, 4k, 8k tokens
+    jspec bench long --lengths 8192 16384 32768 --skip-hf
+    jspec bench long --model 7b --dtype bf16 --lengths 16384 32768 65536    # on a GPU: LLaMA-2-7B's shape
+
+Each point runs in a fresh process (its peak RSS is the process's; on a GPU also the device's peak bytes); jspec's
+time includes its compile, as a first call does. `--runs N` runs every case N times, interleaved, and reports the
+median time. The blockwise attention path takes prompts of `ports.layers.BLOCKWISE_MIN` tokens and more (on a GPU
+in bf16 / f16 a fresh prefill runs cuDNN's flash attention, `ports.blockwise.fused_attention`); `--direct` turns it
+off (the [T, S] score path) to compare. Prompts longer than the prefill chunk (`decode`'s default, 4096 tokens, or
+`--chunk`) are prefilled a chunk at a time; `--one-pass` adds jspec's one-pass prefill to compare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {  # random LLaMAs: the CPU table's 110M, and LLaMA-2-7B's shape for a GPU
+    "110m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
+                 num_kv_heads=12, head_dim=64, max_position_embeddings=65536, tie_word_embeddings=True),
+    "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
+               num_kv_heads=32, head_dim=128, max_position_embeddings=131072, tie_word_embeddings=False),
+}
+DTYPES = ("f32", "bf16")
+
+CHILD = r"""
+import json, resource, sys, time, os
+sys.path.insert(0, {root!r})
+os.environ["HF_HUB_OFFLINE"] = "1"
+import numpy as np
+T, which, direct, chunk, dtype = {T}, {which!r}, {direct}, {chunk!r}, {dtype!r}
+cfg = {cfg!r}
+ids = np.random.default_rng(0).integers(3, cfg["vocab_size"], T)
+device_peak = None
+if which == "jspec":
+    import jax, jax.numpy as jnp
+    import jspec, ports
+    from ports import layers as L
+    if direct:
+        L.BLOCKWISE_MIN = 10 ** 9
+    model = ports.random_model(ports.TextConfig(model_type="llama", **cfg), key=0, std=0.02,
+                               dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+    jax.block_until_ready(model.params)
+    t0 = time.perf_counter()
+    out = jspec.decode(model, ids[None], max_new_tokens=2, eos_token_id=(), prefill_chunk=chunk)
+    toks = out.tokens[0].tolist()
+    stats = jax.devices()[0].memory_stats() or {{}}
+    device_peak = stats.get("peak_bytes_in_use")
+else:
+    import torch, transformers
+    torch.manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hf_cfg = transformers.LlamaConfig(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_layers"],
+        num_attention_heads=cfg["num_heads"], num_key_value_heads=cfg["num_kv_heads"],
+        max_position_embeddings=cfg["max_position_embeddings"], tie_word_embeddings=cfg["tie_word_embeddings"],
+        attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(hf_cfg).to(dev, torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        toks = model.generate(torch.tensor(ids[None], device=dev), max_new_tokens=2, do_sample=False)[0, T:].tolist()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        device_peak = torch.cuda.max_memory_allocated()
+res = {{"s": time.perf_counter() - t0, "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}}
+if device_peak is not None:
+    res["device_gb"] = device_peak / 2**30
+print(json.dumps(res))
+"""
+
+
+def run_child(code: str) -> dict:
+    """Run `code` in a fresh Python process (its peak RSS is its own); its last stdout line, parsed as JSON, or
+    {"error": its last stderr line}."""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if res.returncode:
+        return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The median time and the largest peak RSS of a case's runs (an error if any run failed)."""
+    bad = [r for r in runs if "s" not in r]
+    if bad:
+        return bad[0]
+    times = sorted(r["s"] for r in runs)
+    out = {"s": times[len(times) // 2], "rss_gb": max(r["rss_gb"] for r in runs), "runs_s": [r["s"] for r in runs]}
+    if all("device_gb" in r for r in runs):
+        out["device_gb"] = max(r["device_gb"] for r in runs)
+    return out
+
+
+def run(T: int, which: str, direct: bool = False, chunk="auto", model: str = "110m", dtype: str = "f32") -> dict:
+    return run_child(CHILD.format(root=str(ROOT), T=T, which=which, direct=direct, cfg=MODELS[model], chunk=chunk,
+                                  dtype=dtype))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--model", choices=sorted(MODELS), default="110m", help="the random LLaMA's shape")
+    ap.add_argument("--dtype", choices=DTYPES, default="f32", help="params and activations of both libraries")
+    ap.add_argument("--skip-hf", action="store_true", help="jspec only")
+    ap.add_argument("--direct", action="store_true", help="also run jspec with the blockwise path off")
+    ap.add_argument("--one-pass", action="store_true", help="also run jspec's prefill in one pass (no chunks)")
+    ap.add_argument("--chunk", type=int, default=None, help="jspec's prefill chunk (default: decode's, 4096)")
+    ap.add_argument("--runs", type=int, default=1, help="fresh processes per point and case: median time, max RSS")
+    ap.add_argument("--out", default="scripts/results/long-prompts",
+                    help="writes <out>.json, .md and .png")
+
+
+def run_bench(args) -> dict:
+    """Every (length, case) point, `args.runs` times; writes the JSON, markdown and plot; returns the result."""
+    import time
+
+    import jax
+
+    if args.runs < 1 or any(T < 2 for T in args.lengths):
+        raise ValueError("--runs must be >= 1 and every length >= 2 tokens")
+    kw = dict(model=args.model, dtype=args.dtype)
+    rows = []
+    for T in args.lengths:
+        runs = {}
+        for rep in range(args.runs):  # the cases interleaved, so that each repeat sees the same machine load
+            runs.setdefault("jspec", []).append(run(T, "jspec", chunk=args.chunk or "auto", **kw))
+            if args.one_pass:
+                runs.setdefault("jspec_one_pass", []).append(run(T, "jspec", chunk=None, **kw))
+            if args.direct:
+                runs.setdefault("jspec_direct", []).append(run(T, "jspec", direct=True, **kw))
+            if not args.skip_hf:
+                runs.setdefault("transformers", []).append(run(T, "hf", **kw))
+            print(f"{T} tokens, run {rep + 1}/{args.runs}: "
+                  + ", ".join(f"{c} {r[-1].get('s', float('nan')):.1f} s" for c, r in runs.items()), flush=True)
+        row = {"tokens": T, **{c: median_run(r) for c, r in runs.items()}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    dev = jax.devices()[0]
+    meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "cpus": os.cpu_count(),
+            "device": getattr(dev, "device_kind", dev.platform), "model": args.model, "config": MODELS[args.model],
+            "dtype": args.dtype, "prefill_chunk": args.chunk or "auto (4096)", "runs": args.runs}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    cols = [c for c in ("jspec", "jspec_one_pass", "jspec_direct", "transformers") if c in rows[0]]
+    mem = "device_gb" if all("device_gb" in r[c] for r in rows for c in cols) else "rss_gb"
+    mem_name = "peak device memory" if mem == "device_gb" else "peak RSS"
+    lines = [f"Prefill + 2 new tokens, batch 1, random LLaMA {args.model}, {args.dtype}, {meta['date']}, "
+             f"{meta['device']} ({meta['cpus']} CPUs), jax {meta['jax']} "
+             f"({'one run' if args.runs == 1 else f'median of {args.runs} runs'} per point, each in a fresh "
+             "process; jspec's time includes its compile)", "",
+             "| prompt tokens | " + " | ".join(f"{c} time / {mem_name}" for c in cols) + " |"
+             + (" jspec / transformers time |" if "transformers" in cols else ""),
+             "|---" * (len(cols) + 1 + ("transformers" in cols)) + "|"]
+    for r in rows:
+        cells = [f"{r[c]['s']:.1f} s / {r[c][mem]:.2f} GB" if "s" in r[c] else r[c]["error"][:60] for c in cols]
+        if "transformers" in cols:
+            ok = "s" in r["jspec"] and "s" in r["transformers"]
+            cells.append(f"{r['jspec']['s'] / r['transformers']['s']:.2f}x" if ok else "-")
+        lines.append(f"| {r['tokens']:,} | " + " | ".join(cells) + " |")
+    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    plot(rows, cols, args.out + ".png", mem, mem_name)
+    print("\n".join(lines))
+    return {"meta": meta, "rows": rows, "markdown": "\n".join(lines),
+            "files": [args.out + ext for ext in (".json", ".md", ".png")]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run_bench(ap.parse_args(argv))
+
+
+def plot(rows, cols, path, mem: str = "rss_gb", mem_name: str = "peak RSS") -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for c in cols:
+        pts = [(r["tokens"], r[c]) for r in rows if "s" in r[c]]
+        axes[0].plot([p[0] for p in pts], [p[1]["s"] for p in pts], "o-", label=c)
+        axes[1].plot([p[0] for p in pts], [p[1][mem] for p in pts], "o-", label=c)
+    for ax, y in zip(axes, ("seconds (prefill + 2 tokens)", f"{mem_name} (GB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
