@@ -4,6 +4,7 @@ LLaMA, batch 1, 2 new tokens (`jspec bench long`; `scripts/bench_long.py` is the
     jspec bench long                                  # 110M (hidden 768, 12 layers), f32: 1k, 2k, 4k, 8k tokens
     jspec bench long --lengths 8192 16384 32768 --skip-hf
     jspec bench long --model 7b --dtype bf16 --lengths 16384 32768 65536    # on a GPU: LLaMA-2-7B's shape
+    jspec bench long --video qwen2.5-vl-7b --dtype bf16 --lengths 12544     # a 64-frame video prompt, jspec only
 
 Each point runs in a fresh process (its peak RSS is the process's; on a GPU also the device's peak bytes); jspec's
 time includes its compile, as a first call does. `--runs N` runs every case N times, interleaved, and reports the
@@ -76,6 +77,63 @@ print(json.dumps(res))
 """
 
 
+VIDEO_CHILD = r"""
+import json, resource, sys, time, os
+sys.path.insert(0, {root!r})
+os.environ["HF_HUB_OFFLINE"] = "1"
+import numpy as np
+import jax, jax.numpy as jnp
+import jspec, ports
+d, n_video, grid_hw, dtype, chunk = {config!r}, {n_video}, {grid_hw!r}, {dtype!r}, {chunk!r}
+cfg = ports.model.family(d["model_type"]).config_from_hf(d)
+model = ports.random_model(cfg, key=0, std=0.02, dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+jax.block_until_ready(model.params)
+v = cfg.vision
+h, w = grid_hw                                    # patches per frame side; merged tokens per temporal patch: h w / m^2
+per = h * w // v.merge_size ** 2
+t = max(1, round(n_video / per))
+rng = np.random.default_rng(0)
+text = list(rng.integers(3, 1000, 16))
+ids = np.array([text[:4] + [d["vision_start_token_id"]] + [d["video_token_id"]] * (t * per)
+                + [d["vision_end_token_id"]] + text[4:]], np.int64)
+prompt = {{"input_ids": ids, "attention_mask": np.ones_like(ids),
+          "pixel_values_videos": rng.normal(size=(t * h * w, v.in_channels * v.temporal_patch_size * v.patch_size ** 2))
+          .astype(np.float32),
+          "video_grid_thw": np.array([[t, h, w]]), "second_per_grid_ts": np.array([1.0], np.float32),
+          "mm_token_type_ids": np.where(ids == d["video_token_id"], 2, 0)}}
+t0 = time.perf_counter()
+out = jspec.decode(model, prompt, max_new_tokens=2, eos_token_id=(), prefill_chunk=chunk)
+res = {{"s": time.perf_counter() - t0, "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+       "prompt_tokens": int(ids.shape[1]), "video_tokens": int(t * per), "frames": int(2 * t)}}
+stats = jax.devices()[0].memory_stats() or {{}}
+if stats.get("peak_bytes_in_use") is not None:
+    res["device_gb"] = stats["peak_bytes_in_use"] / 2**30
+print(json.dumps(res))
+"""
+# Qwen2.5-VL video prompts: the 7B checkpoint's shape (392 x 784-pixel frames: 28 x 56 patches, 392 tokens per two
+# frames) and a tiny one of the same architecture for smoke runs
+VIDEO_MODELS = {"qwen2.5-vl-7b": (None, (28, 56)),
+                "qwen2.5-vl-tiny": ({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 152064,
+                                     "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                                     "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                                                       "num_heads": 2, "out_hidden_size": 64,
+                                                       "fullatt_block_indexes": [1]}}, (4, 8))}
+
+
+def video_config(name: str) -> dict:
+    """The HF config dict of a VIDEO_MODELS entry (the shipped qwen2.5-vl-7b config, with the tiny overrides)."""
+    d = json.loads((ROOT / "jspec" / "configs" / "qwen2.5-vl-7b.json").read_text())
+    over = VIDEO_MODELS[name][0] or {}
+    return {**d, **{k: x for k, x in over.items() if k != "vision_config"},
+            "vision_config": {**d["vision_config"], **over.get("vision_config", {})}}
+
+
+def run_video(n_video: int, model: str, dtype: str, chunk="auto") -> dict:
+    return run_child(VIDEO_CHILD.format(root=str(ROOT), config=video_config(model), n_video=n_video,
+                                        grid_hw=VIDEO_MODELS[model][1], dtype=dtype, chunk=chunk))
+
+
 def run_child(code: str) -> dict:
     """Run `code` in a fresh Python process (its peak RSS is its own); its last stdout line, parsed as JSON, or
     {"error": its last stderr line}."""
@@ -105,6 +163,9 @@ def run(T: int, which: str, direct: bool = False, chunk="auto", model: str = "11
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--model", choices=sorted(MODELS), default="110m", help="the random LLaMA's shape")
+    ap.add_argument("--video", choices=sorted(VIDEO_MODELS), default=None,
+                    help="instead: a random Qwen2.5-VL of this shape prefilling a video prompt of --lengths video "
+                         "tokens (jspec only; e.g. 12544 = 64 frames of the 7B's 392 x 784 pixels)")
     ap.add_argument("--dtype", choices=DTYPES, default="f32", help="params and activations of both libraries")
     ap.add_argument("--skip-hf", action="store_true", help="jspec only")
     ap.add_argument("--direct", action="store_true", help="also run jspec with the blockwise path off")
@@ -123,6 +184,8 @@ def run_bench(args) -> dict:
 
     if args.runs < 1 or any(T < 2 for T in args.lengths):
         raise ValueError("--runs must be >= 1 and every length >= 2 tokens")
+    if args.video:
+        return run_video_bench(args)
     kw = dict(model=args.model, dtype=args.dtype)
     rows = []
     for T in args.lengths:
@@ -167,6 +230,40 @@ def run_bench(args) -> dict:
     print("\n".join(lines))
     return {"meta": meta, "rows": rows, "markdown": "\n".join(lines),
             "files": [args.out + ext for ext in (".json", ".md", ".png")]}
+
+
+def run_video_bench(args) -> dict:
+    """`--video`: jspec's time and peak memory to prefill video prompts (+ 2 new tokens) on a random Qwen2.5-VL."""
+    import time
+
+    import jax
+
+    rows = []
+    for n in args.lengths:
+        runs = [run_video(n, args.video, args.dtype, args.chunk or "auto") for _ in range(args.runs)]
+        row = {"video_tokens": n, "jspec": median_run(runs)}
+        row.update({k: runs[0][k] for k in ("prompt_tokens", "video_tokens", "frames") if k in runs[0]})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    dev = jax.devices()[0]
+    meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": getattr(dev, "device_kind",
+            dev.platform), "video_model": args.video, "dtype": args.dtype, "runs": args.runs,
+            "prefill_chunk": args.chunk or "auto (4096)"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    mem = "device_gb" if all("device_gb" in r["jspec"] for r in rows) else "rss_gb"
+    lines = [f"Video prompt prefill + 2 new tokens, batch 1, random {args.video}, {args.dtype}, {meta['date']}, "
+             f"{meta['device']}, jax {meta['jax']} (jspec's time includes its compile and the vision tower)", "",
+             "| video tokens | frames | prompt tokens | time | "
+             + ("peak device memory |" if mem == "device_gb" else "peak RSS |"),
+             "|---|---|---|---|---|"]
+    for r in rows:
+        j = r["jspec"]
+        lines.append(f"| {r['video_tokens']:,} | {r.get('frames', '-')} | {r.get('prompt_tokens', '-')} | "
+                     + (f"{j['s']:.1f} s | {j[mem]:.2f} GB |" if "s" in j else f"{j['error'][:60]} | |"))
+    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return {"meta": meta, "rows": rows, "markdown": "\n".join(lines), "files": [args.out + ".json", args.out + ".md"]}
 
 
 def main(argv=None) -> dict:

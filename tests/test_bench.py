@@ -110,7 +110,8 @@ def test_transformers_baselines_read_image_prompts(tmp_path):
 @pytest.mark.slow  # four fresh processes, each building a 110M model
 def test_long_prompt_bench_writes_its_table(tmp_path, capsys):
     """`jspec bench long`: jspec and transformers at two lengths in fresh processes, medians of the runs, the
-    ratio column, the JSON's device and model; bad options exit with a message."""
+    ratio column, the JSON's device and model; bad options exit with a message; a video prompt on a tiny
+    Qwen2.5-VL (16 frames of 4 x 8 patches: 4 tokens per two frames)."""
     out = tmp_path / "long"
     assert cli.main(["bench", "long", "--lengths", "16", "1100", "--runs", "1", "--out", str(out)]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
@@ -123,3 +124,8 @@ def test_long_prompt_bench_writes_its_table(tmp_path, capsys):
     assert "| 1,100 |" in md and "jspec / transformers time" in md and out.with_suffix(".png").exists()
     with pytest.raises(SystemExit, match="--runs must be >= 1"):
         cli.main(["bench", "long", "--runs", "0", "--out", str(out)])
+    video = tmp_path / "video"
+    assert cli.main(["bench", "long", "--video", "qwen2.5-vl-tiny", "--lengths", "64", "--out", str(video)]) == 0
+    row = json.loads(video.with_suffix(".json").read_text())["rows"][0]
+    assert (row["video_tokens"], row["frames"], row["prompt_tokens"]) == (64, 16, 82)
+    assert finite_positive(row["jspec"]["s"]) and "| 64 | 16 | 82 |" in video.with_suffix(".md").read_text()
