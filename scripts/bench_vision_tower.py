@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from bench_long import run_child
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from jspec.bench_long import run_child  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time
