@@ -84,6 +84,20 @@ def test_vq_loss_decreases_on_a_tiny_tokenizer():
             assert float(m["reset"]) == cfg.num_embeddings  # step 0 seeds the whole codebook from latents
     assert np.mean(losses[-3:]) < 0.6 * losses[0], losses
     assert 1 <= float(m["used"]) <= cfg.num_embeddings
+    # the codebook stays on the unit sphere, so Chameleon's plain L2 lookup picks the training step's codes
+    params = state["params"]
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(VQ.codebook(params)), axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(VQ.encode(cfg, params, images)),
+                                  np.asarray(T.vq_forward(cfg, params, images)["codes"]))
+
+
+def test_foreground_mask_marks_the_objects():
+    s = T.scene("train", 3)
+    img = T.render(s)
+    mask = np.asarray(T.foreground(jnp.asarray(T.to_signed(img[None]))))[0, 0]
+    differs = (np.abs(img.astype(int) - np.array(W.BACKGROUND)).max(-1) > 10)
+    assert mask.shape == img.shape[:2] and 0 < mask.mean() < 0.6
+    assert (mask[~differs] == 0).all() and mask[differs].mean() > 0.9
 
 
 def test_frechet_distance():
@@ -124,9 +138,12 @@ def test_shipped_vq_round_trip_keeps_codes(vq):
     images = jnp.asarray(T.image_batch("heldout", 0, 16))
     codes, rec = T.reconstruct(cfg, params, images)
     again, _ = T.reconstruct(cfg, params, jnp.asarray(T.to_signed(VQ.to_uint8(rec))))
-    assert np.mean(np.asarray(codes) == np.asarray(again)) > 0.5  # measured 0.56 on 256 held-out scenes
-    err = np.abs(VQ.to_uint8(rec).astype(np.float32) - VQ.to_uint8(images).astype(np.float32)).mean()
-    assert err < 12.0, err  # mean absolute error per channel, on the 0..255 scale
+    assert np.mean(np.asarray(codes) == np.asarray(again)) > 0.55  # measured 0.64 on 256 held-out scenes
+    # mean absolute error per channel on the 0..255 scale, over all pixels and over the objects' pixels (their
+    # colours; measured 3.5 and 7.8 on these 16 scenes, where a tokenizer that greys the objects scored 44)
+    err = np.abs(VQ.to_uint8(rec).astype(np.float32) - VQ.to_uint8(images).astype(np.float32))
+    fg = np.asarray(T.foreground(images))[:, 0].astype(bool)
+    assert err.mean() < 6.0 and err[fg].mean() < 15.0, (err.mean(), err[fg].mean())
 
 
 @exported

@@ -3,7 +3,8 @@
 Two models, trained by scripts/train_zoo_t2i.py on the world's shape scenes and shipped under jspec/zoo/:
 
     t2i-vq      a tiny VQGAN image tokenizer of Chameleon's architecture (`ports.vqgan`): 64 px images -> an
-                8 x 8 grid of codes (downsample 8), 512 codes of dimension 32. `load_vq()` gives (VQConfig, params).
+                8 x 8 grid of codes (downsample 8), 512 unit-norm codes of dimension 8. `load_vq()` gives
+                (VQConfig, params).
     t2i-target  a Chameleon decoder (`ports.chameleon`) that writes an image after a caption, in Lumina-mGPT's
                 layout: caption ids, then <racm3:break> <reserved08802> <reserved08802> (64 px = 2 units of 32 px),
                 then 8 rows of 8 code tokens each closed by <reserved08799>, then <eoss>. Its checkpoint holds the
@@ -41,7 +42,7 @@ from jspec.zoo import world as W
 ZOO_DIR = Path(__file__).resolve().parent
 IMAGE_SIZE = 64  # pixels of the images the pair reads and writes
 GRID = 8  # code rows and columns (IMAGE_SIZE / downsample)
-VQ_CONFIG = VQ.VQConfig(embed_dim=32, num_embeddings=512, latent_channels=64, resolution=IMAGE_SIZE,
+VQ_CONFIG = VQ.VQConfig(embed_dim=8, num_embeddings=512, latent_channels=64, resolution=IMAGE_SIZE,
                         base_channels=32, channel_multiplier=(1, 1, 2, 2), num_res_blocks=1, attn_resolutions=(),
                         attn_type="vanilla")
 
@@ -153,27 +154,51 @@ def vq_stream(batch: int, seed: int, start: int, size: int = IMAGE_SIZE) -> Iter
 # ------------------------------------------------------------------------------------------------- VQ training
 
 
+def unit(x: jax.Array) -> jax.Array:
+    """Rows scaled to unit L2 norm (zero rows stay zero)."""
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
+
+
 def vq_forward(cfg: VQ.VQConfig, params: dict, images: jax.Array) -> dict:
-    """Encode, quantise (straight-through) and decode: latents z [B, h, w, D], codes, zq, reconstruction NCHW."""
-    z = VQ.encode_latents(cfg, params, images)
-    cb = VQ.codebook(params)
+    """Encode, quantise (straight-through) and decode: latents z [B, h, w, D], codes, zq, reconstruction NCHW.
+
+    Latents and codes are compared on the unit sphere (a cosine lookup, as ViT-VQGAN's factorised codes). The
+    training step keeps the codebook's rows at unit norm, so Chameleon's plain L2 lookup (`VQ.encode`) picks the
+    same codes from the unnormalised latents, and the decoder reads the same vectors: a shipped tokenizer is an
+    ordinary Chameleon VQGAN."""
+    z = unit(VQ.encode_latents(cfg, params, images))
+    cb = unit(VQ.codebook(params))
     codes = VQ.quantize(jax.lax.stop_gradient(cb), jax.lax.stop_gradient(z))
     zq = VQ.lookup(cb, codes)
     z_st = z + jax.lax.stop_gradient(zq - z)
     return {"z": z, "codes": codes, "zq": zq, "recon": VQ.decode_latents(cfg, params, z_st)}
 
 
+BACKGROUND_SIGNED = np.asarray(W.BACKGROUND, np.float32) / 127.5 - 1.0
+
+
+def foreground(images: jax.Array, tol: float = 0.08) -> jax.Array:
+    """[B, 1, H, W] float mask of the pixels that differ from the world's background colour (NCHW, [-1, 1])."""
+    bg = jnp.asarray(BACKGROUND_SIGNED)[None, :, None, None]
+    return (jnp.max(jnp.abs(images - bg), axis=1, keepdims=True) > tol).astype(jnp.float32)
+
+
 def _grads_xy(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x[:, :, 1:, :] - x[:, :, :-1, :], x[:, :, :, 1:] - x[:, :, :, :-1]
 
 
-def vq_loss(cfg: VQ.VQConfig, params: dict, images: jax.Array, beta: float = 0.25, edge: float = 0.5):
-    """L1 + L2 reconstruction + `edge` x L1 of the image gradients + codebook + beta x commitment losses.
-    Returns (loss, aux: recon_l1, recon_l2, codebook, commit, codes, z)."""
+def vq_loss(cfg: VQ.VQConfig, params: dict, images: jax.Array, beta: float = 0.25, edge: float = 0.5,
+            fg_weight: float = 8.0):
+    """Pixel-weighted L1 + L2 reconstruction + `edge` x L1 of the image gradients + codebook + beta x commitment
+    losses. Object pixels weigh 1 + `fg_weight` against 1 for the background (weights normalised to mean 1): the
+    shapes cover a small part of each image, and an unweighted loss learns the background first and the objects'
+    colours last. Returns (loss, aux: recon_l1, recon_l2, codebook, commit, codes, z)."""
     out = vq_forward(cfg, params, images)
     rec, x = out["recon"].astype(jnp.float32), images.astype(jnp.float32)
-    l1 = jnp.mean(jnp.abs(rec - x))
-    l2 = jnp.mean((rec - x) ** 2)
+    w = 1.0 + fg_weight * foreground(x)
+    w = w / jnp.mean(w)
+    l1 = jnp.mean(w * jnp.abs(rec - x))
+    l2 = jnp.mean(w * (rec - x) ** 2)
     (ry, rx), (xy, xx) = _grads_xy(rec), _grads_xy(x)
     e = jnp.mean(jnp.abs(ry - xy)) + jnp.mean(jnp.abs(rx - xx))
     cb = jnp.mean((out["zq"] - jax.lax.stop_gradient(out["z"])) ** 2)
@@ -188,16 +213,18 @@ def vq_state(cfg: VQ.VQConfig, params: dict, tx) -> dict:
     return {"params": params, "opt_state": tx.init(params), "usage": jnp.zeros((cfg.num_embeddings,), jnp.float32)}
 
 
-def make_vq_step(cfg: VQ.VQConfig, tx, reset_every: int = 100, dead_below: float = 0.05, decay: float = 0.95,
-                 beta: float = 0.25, edge: float = 0.5):
+def make_vq_step(cfg: VQ.VQConfig, tx, reset_every: int = 50, dead_below: float = 0.05, decay: float = 0.95,
+                 beta: float = 0.25, edge: float = 0.5, fg_weight: float = 8.0):
     """A jitted `step(state, images, lr, step) -> (state, metrics)`. Every `reset_every` steps (step 0 included:
     the codebook then starts as a sample of encoder outputs) each code whose use EMA is under `dead_below` is
-    replaced by a random latent of the batch."""
+    replaced by a random latent of the batch. After every step the codebook's rows are put back on the unit
+    sphere (see `vq_forward`)."""
     from jspec import train as jt
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def step(state, images, lr, i):
-        (loss, aux), grads = jax.value_and_grad(functools.partial(vq_loss, cfg, beta=beta, edge=edge),
+        (loss, aux), grads = jax.value_and_grad(functools.partial(vq_loss, cfg, beta=beta, edge=edge,
+                                                                  fg_weight=fg_weight),
                                                 has_aux=True)(state["params"], images)
         updates, opt_state = tx.update(grads, jt.set_lr(state["opt_state"], lr), state["params"])
         params = optax_apply(state["params"], updates)
@@ -211,7 +238,7 @@ def make_vq_step(cfg: VQ.VQConfig, tx, reset_every: int = 100, dead_below: float
         noise = 0.01 * jax.random.normal(jax.random.fold_in(key, 1), (K, cfg.embed_dim))
         dead = ((usage < dead_below) | (i == 0)) & (i % reset_every == 0)
         cb = VQ.codebook(params)
-        new_cb = jnp.where(dead[:, None], flat[pick] + noise, cb)
+        new_cb = unit(jnp.where(dead[:, None], flat[pick] + noise, cb))
         params = {**params, "quantize": {"embedding": {"weight": new_cb.astype(cb.dtype)}}}
         usage = jnp.where(dead, 1.0, usage)
         p = counts / counts.sum()
