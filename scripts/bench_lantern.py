@@ -11,7 +11,9 @@ target's own images by scripts/train_eagle_head.py), held-out scene captions, CF
 quarter of the 512 codes, as Lumina-mGPT's 2000 of 8192). Each method decodes the prompts as one batch, once to
 compile and `--runs` timed rounds interleaved over the methods (median decode time, the prefill outside it);
 step compression S is tokens per target step (accepted drafts + 1, the forced grammar tokens included as
-Lumina's count does) pooled over the batch, AR = 1. Quality, on `--quality` images per method: caption
+Lumina's count does) pooled over every image a method generated (its timed rounds and its quality images), with
+a standard error, AR = 1; a claim about S is called within the noise when two rows differ by less than twice
+their combined standard error. Quality, on `--quality` images per method: caption
 consistency (the zoo's image target answers colour / shape / position questions about each generated image; exact
 match against the caption's scene) and a zoo-FID (Frechet distance between the image target's vision features of
 the generated images and of the scenes rendered).
@@ -69,10 +71,21 @@ def generate(target, caps, strategy, key, decoder=None):
                                 image_prefix_ids=T.image_prefix(), **SAMPLING)
 
 
+TOKENS_AFTER_PREFILL = T.GRID * (T.GRID + 1) + 1 - 1.0  # an image's tokens; the first comes from the prefill
+
+
 def step_compression(out) -> float:
     steps = np.asarray(out.stats["steps"], np.float64)
-    tokens = np.full(steps.shape, T.GRID * (T.GRID + 1) + 1 - 1.0)  # the first token comes from the prefill
-    return float(tokens.sum() / steps.sum())
+    return float(TOKENS_AFTER_PREFILL * steps.size / steps.sum())
+
+
+def pooled_s(steps: list[float]) -> tuple[float, float]:
+    """S pooled over images (total tokens / total target steps) and its standard error (delta method over the
+    images' step counts)."""
+    st = np.asarray(steps, np.float64)
+    s = TOKENS_AFTER_PREFILL / st.mean()
+    se = s * st.std(ddof=1) / st.mean() / np.sqrt(st.size) if st.size > 1 else float("nan")
+    return float(s), float(se)
 
 
 def main(argv=None) -> dict:
@@ -94,6 +107,7 @@ def main(argv=None) -> dict:
     caps = [T.caption_ids(T.caption(s)) for s in scenes]
     todo = methods(head, table, args.quick)
     res = {name: {"decode_s": []} for name in todo}
+    steps = {name: [] for name in todo}  # target steps per generated image, pooled over every batch of a method
 
     print(f"timing {len(todo)} methods on {args.prompts} prompts, {args.runs} runs", flush=True)
     batch = caps[:args.prompts]
@@ -105,11 +119,11 @@ def main(argv=None) -> dict:
                 print(f"  {name}: {time.perf_counter() - t0:.1f} s (compile included)", flush=True)
             if r:
                 res[name]["decode_s"].append(float(out.stats["decode_s"]))
-                res[name].setdefault("S", []).append(step_compression(out) if strat is not None else 1.0)
+                steps[name] += ([float(x) for x in np.asarray(out.stats["steps"])] if strat is not None
+                                else [TOKENS_AFTER_PREFILL] * len(batch))
         print(f"round {r} done", flush=True)
     ar_s = float(np.median(res["AR"]["decode_s"]))
     for name, v in res.items():
-        v["S"] = float(np.mean(v["S"]))
         v["decode_s"] = float(np.median(v["decode_s"]))
         v["speedup"] = ar_s / v["decode_s"]
 
@@ -128,14 +142,22 @@ def main(argv=None) -> dict:
             o = generate(target, caps[i:i + args.prompts][:args.quality - i], strat, jax.random.key(7 + i),
                          (vq_cfg, vq_params))
             imgs.append(o.images)
+            if strat is not None:
+                steps[name] += [float(x) for x in np.asarray(o.stats["steps"])]
         imgs = np.concatenate(imgs)[:args.quality]
         a = asker.ask(imgs, qs)
         res[name].update(consistency=a["all"], **{f"consistency_{t.removeprefix('vqa_')}": a[t]
                                                   for t in T.ASK_TASKS if t in a})
         res[name]["zoo_fid"] = T.frechet_distance(asker.features(imgs), real_feats)
         grid_images[name] = imgs[:6]
-        print(f"{name}: S {res[name]['S']:.2f}, speedup {res[name]['speedup']:.2f}, consistency "
-              f"{a['all']:.3f}, zoo-FID {res[name]['zoo_fid']:.2f}", flush=True)
+    for name in todo:
+        res[name]["S"], res[name]["S_se"] = pooled_s(steps[name]) if todo[name][0] is not None else (1.0, 0.0)
+        res[name]["S_images"] = len(steps[name])
+    for name, (strat, want) in todo.items():
+        if not want:
+            continue
+        print(f"{name}: S {res[name]['S']:.2f} +- {res[name]['S_se']:.2f}, speedup {res[name]['speedup']:.2f}, "
+              f"consistency {res[name]['consistency']:.3f}, zoo-FID {res[name]['zoo_fid']:.2f}", flush=True)
 
     claims = judge(res)
     out_dir = Path(args.out)
@@ -156,15 +178,21 @@ def judge(res: dict) -> list[dict]:
     """The paper's claims, checked on our numbers."""
     g = lambda n, k: res.get(n, {}).get(k)  # noqa: E731
     out = []
+    def noise(a: str, b: str) -> str:
+        """' (within the noise)' when rows a and b's S differ by less than twice their combined standard error."""
+        se = float(np.hypot(g(a, "S_se") or 0.0, g(b, "S_se") or 0.0))
+        return " (within the noise)" if abs(g(a, "S") - g(b, "S")) < 2 * se else ""
+
     e1, e2 = g("EAGLE-1", "S"), g("EAGLE-2 dynamic", "S")
     out.append(dict(claim="EAGLE-2's dynamic tree compresses fewer steps than EAGLE-1's static tree on image tokens",
-                    holds=bool(e2 < e1), detail=f"S {e2:.2f} vs {e1:.2f}"))
+                    holds=bool(e2 < e1), detail=f"S {e2:.2f} vs {e1:.2f}{noise('EAGLE-2 dynamic', 'EAGLE-1')}"))
     lpp = {lam: g(f"LANTERN++ k10 lam{lam}", "S") for lam in (2, 3)}
     cons = {lam: g(f"LANTERN++ k10 lam{lam}", "consistency") for lam in (2, 3)}
     ar_c = g("AR", "consistency")
     out.append(dict(claim="LANTERN++ (k = 10, lambda = 2-3) compresses more steps than EAGLE-1",
                     holds=bool(all(v is not None and v > e1 for v in lpp.values())),
-                    detail=f"S lambda 2: {lpp[2]:.2f}, lambda 3: {lpp[3]:.2f}; EAGLE-1 {e1:.2f}"))
+                    detail=f"S lambda 2: {lpp[2]:.2f}{noise('LANTERN++ k10 lam2', 'EAGLE-1')}, lambda 3: "
+                           f"{lpp[3]:.2f}{noise('LANTERN++ k10 lam3', 'EAGLE-1')}; EAGLE-1 {e1:.2f}"))
     out.append(dict(claim="... with quality close to AR (caption consistency within 0.05 of AR's)",
                     holds=bool(all(c is not None and ar_c - c <= 0.05 for c in cons.values())),
                     detail=f"consistency lambda 2: {cons[2]:.3f}, lambda 3: {cons[3]:.3f}; AR {ar_c:.3f}"))
@@ -189,7 +217,8 @@ def markdown(res: dict, claims: list, meta: dict) -> str:
     lines = [f"LANTERN / LANTERN++ on the zoo text-to-image pair ({meta['date']}, {meta['device']}, jax {meta['jax']};"
              f" {meta['prompts']} prompts per batch, median of {meta['runs']} runs; quality on {meta['quality']} "
              f"images; `{meta['command']}`)", "",
-             "| method | step compression S | latency speedup | caption consistency | zoo-FID | paper S / speedup / FID |",
+             "| method | step compression S (+- s.e.) | latency speedup | caption consistency | zoo-FID | "
+             "paper S / speedup / FID |",
              "|---|---|---|---|---|---|"]
     for name, v in res.items():
         if name == "rendered":
@@ -198,7 +227,8 @@ def markdown(res: dict, claims: list, meta: dict) -> str:
         ps = f"{p['S']:.2f} / {p['speedup']:.2f} / {p['FID']:.2f}" if p else ""
         c = f"{v['consistency']:.3f}" if "consistency" in v else ""
         f = f"{v['zoo_fid']:.2f}" if "zoo_fid" in v else ""
-        lines.append(f"| {name} | {v['S']:.2f} | {v['speedup']:.2f}x | {c} | {f} | {ps} |")
+        se = f" +- {v['S_se']:.2f}" if v.get("S_se") else ""
+        lines.append(f"| {name} | {v['S']:.2f}{se} | {v['speedup']:.2f}x | {c} | {f} | {ps} |")
     lines += ["", f"Rendered scenes (the judge's ceiling): caption consistency {res['rendered']['consistency']:.3f}.",
               "", "| the paper's claim | holds here | numbers |", "|---|---|---|"]
     verdict = {True: "yes", False: "no", None: "not measured"}
@@ -215,7 +245,8 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
     ax = axes[0]
     y = np.arange(len(names))
-    ax.barh(y - 0.2, [res[n]["S"] for n in names], 0.4, label="step compression S")
+    ax.barh(y - 0.2, [res[n]["S"] for n in names], 0.4, xerr=[2 * res[n].get("S_se", 0.0) for n in names],
+            label="step compression S (+- 2 s.e.)")
     ax.barh(y + 0.2, [res[n]["speedup"] for n in names], 0.4, label="latency speedup")
     ax.set_yticks(y, names, fontsize=7)
     ax.invert_yaxis()
