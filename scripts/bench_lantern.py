@@ -74,11 +74,6 @@ def generate(target, caps, strategy, key, decoder=None):
 TOKENS_AFTER_PREFILL = T.GRID * (T.GRID + 1) + 1 - 1.0  # an image's tokens; the first comes from the prefill
 
 
-def step_compression(out) -> float:
-    steps = np.asarray(out.stats["steps"], np.float64)
-    return float(TOKENS_AFTER_PREFILL * steps.size / steps.sum())
-
-
 def pooled_s(steps: list[float]) -> tuple[float, float]:
     """S pooled over images (total tokens / total target steps) and its standard error (delta method over the
     images' step counts)."""
