@@ -72,6 +72,21 @@ def test_fused_path_is_taken_only_where_its_mask_is_the_prefill_s(monkeypatch):
         BW.causal_attention(q, k, v, zero)
 
 
+def _spy_on_fused_kernel(monkeypatch) -> list:
+    """Wrap `jax.nn.dot_product_attention`; the returned list gets the keyword arguments of each call that returned
+    a result (a raising kernel falls back to blockwise and is not recorded)."""
+    calls = []
+    real = jax.nn.dot_product_attention
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        calls.append(kw)
+        return out
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    return calls
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's flash attention needs a CUDA GPU")
 def test_cudnn_prefill_attention_on_a_gpu(monkeypatch):
     """On a GPU, "auto" runs cuDNN's kernel for a bf16 prefill (grouped-query, head size 128, 2,048 tokens) and
@@ -80,14 +95,7 @@ def test_cudnn_prefill_attention_on_a_gpu(monkeypatch):
     B, T, H, KVH, Dh = 2, 2048, 8, 2, 128
     q, k, v = (jnp.asarray(rng.normal(size=(B, T, h, Dh)), jnp.bfloat16) for h in (H, KVH, KVH))
     zero = jnp.zeros((B,), jnp.int32)
-    calls = []
-    real = jax.nn.dot_product_attention
-    def spy(*a, **kw):  # records only calls that returned a result (a raising kernel falls back to blockwise)
-        out = real(*a, **kw)
-        calls.append(kw)
-        return out
-
-    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    calls = _spy_on_fused_kernel(monkeypatch)
     fused = jax.jit(lambda q, k, v: BW.causal_attention(q, k, v, zero))(q, k, v)
     assert calls and calls[0]["implementation"] == "cudnn"
     monkeypatch.setattr(BW, "FUSED", "off")
@@ -103,14 +111,7 @@ def test_prefill_through_the_fused_path_gives_the_same_logits(monkeypatch):
     model = ports.random_model(cfg, key=2, std=0.3)
     tokens = np.random.default_rng(2).integers(0, 101, (2, L.BLOCKWISE_MIN + 5)).astype(np.int32)
     lengths = np.array([L.BLOCKWISE_MIN + 5, L.BLOCKWISE_MIN - 40], np.int32)
-    calls = []
-    real = jax.nn.dot_product_attention
-    def spy(*a, **kw):  # records only calls that returned a result (a raising kernel falls back to blockwise)
-        out = real(*a, **kw)
-        calls.append(kw)
-        return out
-
-    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    calls = _spy_on_fused_kernel(monkeypatch)
     monkeypatch.setattr(BW, "FUSED", "xla")
     fused_logits, _, fused_k = _prefill(model, tokens, lengths)
     assert len(calls) >= cfg.num_layers
