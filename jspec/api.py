@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import compilation as CJ
 from jspec import guidance as G
 from jspec import loop
 from jspec import profiling as P
@@ -110,7 +111,7 @@ def _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks
     return loop.start_state(ctx, first, cache, k_loop, sp), logits, fo
 
 
-@functools.partial(jax.jit, static_argnames=("ctx", "max_len"))
+@CJ.jit(options=CJ.PREFILL, static_argnames=("ctx", "max_len"))
 def _prefill_ar(ctx, max_len, target, tokens, lengths, inputs, key, sp):
     return _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp)[0]
 
@@ -140,7 +141,7 @@ def _prefill_asks(parts, tokens, lengths, inputs, target_layers: int) -> dict:
     return asks
 
 
-@functools.partial(jax.jit, static_argnames=("ctx", "max_len", "static"))
+@CJ.jit(options=CJ.PREFILL, static_argnames=("ctx", "max_len", "static"))
 def _prefill_sd(ctx, max_len, static, dyn, target, tokens, lengths, inputs, d_prompt, key, sp):
     parts = merge(static, dyn)
     asks = _prefill_asks(parts, tokens, lengths, inputs, target.kv_layout[0])

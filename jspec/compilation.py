@@ -1,0 +1,67 @@
+"""How jspec's programs are compiled: XLA options per backend and kind of program (`jit`), and the persistent
+compilation cache (`enable_cache`)."""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+
+# XLA options by backend for programs whose matmuls take thousands of rows (prefills; `jit(options=PREFILL)`).
+# On CPU their dots go to YNNPACK one at a time: by default XLA:CPU also fuses a dot's producers into it, including
+# a row reduction such as RMSNorm's, which made a normed [4096, 768] x [768, 4096] matmul 1.7x slower than the
+# matmul alone and a chunked 8k-token prefill ~20% slower. Decode steps (a few rows) are ~3% faster fused, so
+# they keep XLA's defaults (docs/performance-notes.md). Edit before the first call.
+PREFILL: dict[str, dict[str, str]] = {
+    "cpu": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
+}
+
+CACHE_ENV = "JSPEC_COMPILE_CACHE"
+
+
+class BackendJit:
+    """`jax.jit(fun, **kwargs)` compiled with `options[backend]` for the default backend when called (so importing
+    jspec does not initialise a backend). Other attributes (`lower`, `_cache_size`, ...) are the jitted
+    function's."""
+
+    def __init__(self, fun, options: dict[str, dict], kwargs: dict):
+        functools.update_wrapper(self, fun)
+        self._fun, self._options, self._kwargs, self._by_backend = fun, options, kwargs, {}
+
+    def jitted(self):
+        backend = jax.default_backend()
+        f = self._by_backend.get(backend)
+        if f is None:
+            opts = self._options.get(backend) or None
+            f = self._by_backend[backend] = jax.jit(self._fun, compiler_options=opts, **self._kwargs)
+        return f
+
+    def __call__(self, *args, **kwargs):
+        return self.jitted()(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.jitted(), name)
+
+
+def jit(fun=None, /, *, options: dict[str, dict], **kwargs):
+    """`jax.jit` with XLA options per backend (e.g. `PREFILL`): `@jit(options=PREFILL, static_argnames=...)`."""
+    if fun is None:
+        return lambda f: BackendJit(f, options, kwargs)
+    return BackendJit(fun, options, kwargs)
+
+
+def default_cache_dir() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jspec", "xla")
+
+
+def enable_cache(path: str | None = None, min_compile_s: float = 0.5) -> str:
+    """Keep every program that took at least `min_compile_s` to compile under `path` (default: $JSPEC_COMPILE_CACHE,
+    else ~/.cache/jspec/xla), so that a later process with the same model, shapes and jax version loads it instead of
+    compiling again (JAX's persistent compilation cache; CPU, GPU and TPU). Returns the directory."""
+    path = os.path.abspath(path or default_cache_dir())
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
+    return path
