@@ -11,15 +11,18 @@ time includes its compile, as a first call does. `--runs N` runs every case N ti
 median time. The blockwise attention path takes prompts of `ports.layers.BLOCKWISE_MIN` tokens and more (on a GPU
 in bf16 / f16 a fresh prefill runs cuDNN's flash attention, `ports.blockwise.fused_attention`); `--direct` turns it
 off (the [T, S] score path) to compare. Prompts longer than the prefill chunk (`decode`'s default, 4096 tokens, or
-`--chunk`) are prefilled a chunk at a time; `--one-pass` adds jspec's one-pass prefill to compare.
+`--chunk`) are prefilled a chunk at a time; `--one-pass` adds jspec's one-pass prefill to compare. `--compile-cache` adds jspec in a fresh process whose
+programs load from a warm persistent compilation cache (`jspec.compilation.enable_cache`) instead of compiling.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +39,7 @@ import json, resource, sys, time, os
 sys.path.insert(0, {root!r})
 os.environ["HF_HUB_OFFLINE"] = "1"
 import numpy as np
-T, which, direct, chunk, dtype = {T}, {which!r}, {direct}, {chunk!r}, {dtype!r}
+T, which, direct, chunk, dtype, cache_dir = {T}, {which!r}, {direct}, {chunk!r}, {dtype!r}, {cache_dir!r}
 cfg = {cfg!r}
 ids = np.random.default_rng(0).integers(3, cfg["vocab_size"], T)
 device_peak = None
@@ -44,6 +47,9 @@ if which == "jspec":
     import jax, jax.numpy as jnp
     import jspec, ports
     from ports import layers as L
+    if cache_dir:
+        from jspec import compilation
+        compilation.enable_cache(cache_dir)
     if direct:
         L.BLOCKWISE_MIN = 10 ** 9
     model = ports.random_model(ports.TextConfig(model_type="llama", **cfg), key=0, std=0.02,
@@ -155,9 +161,11 @@ def median_run(runs: list[dict]) -> dict:
     return out
 
 
-def run(T: int, which: str, direct: bool = False, chunk="auto", model: str = "110m", dtype: str = "f32") -> dict:
+def run(T: int, which: str, direct: bool = False, chunk="auto", model: str = "110m", dtype: str = "f32",
+        cache_dir: str | None = None) -> dict:
+    """One point in a fresh process; with `cache_dir`, jspec uses that persistent compilation cache."""
     return run_child(CHILD.format(root=str(ROOT), T=T, which=which, direct=direct, cfg=MODELS[model], chunk=chunk,
-                                  dtype=dtype))
+                                  dtype=dtype, cache_dir=cache_dir))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -170,6 +178,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--skip-hf", action="store_true", help="jspec only")
     ap.add_argument("--direct", action="store_true", help="also run jspec with the blockwise path off")
     ap.add_argument("--one-pass", action="store_true", help="also run jspec's prefill in one pass (no chunks)")
+    ap.add_argument("--compile-cache", action="store_true",
+                    help="also run jspec with a warm persistent compilation cache (filled by an untimed run first): "
+                         "a later process's first call, which loads the compiled programs instead of compiling")
     ap.add_argument("--chunk", type=int, default=None, help="jspec's prefill chunk (default: decode's, 4096)")
     ap.add_argument("--runs", type=int, default=1, help="fresh processes per point and case: median time, max RSS")
     ap.add_argument("--out", default="scripts/results/long-prompts",
@@ -188,10 +199,18 @@ def run_bench(args) -> dict:
         return run_video_bench(args)
     kw = dict(model=args.model, dtype=args.dtype)
     rows = []
+    cache_root = tempfile.mkdtemp(prefix="jspec-bench-long-") if args.compile_cache else None
     for T in args.lengths:
         runs = {}
+        cache_dir = None
+        if cache_root:
+            cache_dir = os.path.join(cache_root, str(T))
+            run(T, "jspec", chunk=args.chunk or "auto", cache_dir=cache_dir, **kw)  # fills the cache, untimed
         for rep in range(args.runs):  # the cases interleaved, so that each repeat sees the same machine load
             runs.setdefault("jspec", []).append(run(T, "jspec", chunk=args.chunk or "auto", **kw))
+            if cache_dir:
+                runs.setdefault("jspec_cached", []).append(run(T, "jspec", chunk=args.chunk or "auto",
+                                                               cache_dir=cache_dir, **kw))
             if args.one_pass:
                 runs.setdefault("jspec_one_pass", []).append(run(T, "jspec", chunk=None, **kw))
             if args.direct:
@@ -209,21 +228,26 @@ def run_bench(args) -> dict:
             "dtype": args.dtype, "prefill_chunk": args.chunk or "auto (4096)", "runs": args.runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    cols = [c for c in ("jspec", "jspec_one_pass", "jspec_direct", "transformers") if c in rows[0]]
+    if cache_root:
+        shutil.rmtree(cache_root, ignore_errors=True)
+    cols = [c for c in ("jspec", "jspec_cached", "jspec_one_pass", "jspec_direct", "transformers") if c in rows[0]]
+    ratios = [c for c in ("jspec", "jspec_cached") if c in cols] if "transformers" in cols else []
     mem = "device_gb" if all("device_gb" in r[c] for r in rows for c in cols) else "rss_gb"
     mem_name = "peak device memory" if mem == "device_gb" else "peak RSS"
     lines = [f"Prefill + 2 new tokens, batch 1, random LLaMA {args.model}, {args.dtype}, {meta['date']}, "
              f"{meta['device']} ({meta['cpus']} CPUs), jax {meta['jax']} "
              f"({'one run' if args.runs == 1 else f'median of {args.runs} runs'} per point, each in a fresh "
-             "process; jspec's time includes its compile)", "",
+             "process; jspec's time includes its compile"
+             + ("; jspec_cached: loaded from a warm persistent compilation cache instead" if cache_root else "")
+             + ")", "",
              "| prompt tokens | " + " | ".join(f"{c} time / {mem_name}" for c in cols) + " |"
-             + (" jspec / transformers time |" if "transformers" in cols else ""),
-             "|---" * (len(cols) + 1 + ("transformers" in cols)) + "|"]
+             + "".join(f" {c} / transformers time |" for c in ratios),
+             "|---" * (len(cols) + 1 + len(ratios)) + "|"]
     for r in rows:
         cells = [f"{r[c]['s']:.1f} s / {r[c][mem]:.2f} GB" if "s" in r[c] else r[c]["error"][:60] for c in cols]
-        if "transformers" in cols:
-            ok = "s" in r["jspec"] and "s" in r["transformers"]
-            cells.append(f"{r['jspec']['s'] / r['transformers']['s']:.2f}x" if ok else "-")
+        for c in ratios:
+            ok = "s" in r[c] and "s" in r["transformers"]
+            cells.append(f"{r[c]['s'] / r['transformers']['s']:.2f}x" if ok else "-")
         lines.append(f"| {r['tokens']:,} | " + " | ".join(cells) + " |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     plot(rows, cols, args.out + ".png", mem, mem_name)

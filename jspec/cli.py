@@ -156,6 +156,10 @@ def bench_long(argv) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if os.environ.get("JSPEC_COMPILE_CACHE"):  # compiled programs persist there across runs
+        from jspec import compilation
+
+        compilation.enable_cache()
     if argv[:2] == ["bench", "long"]:
         return bench_long(argv[2:])
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)

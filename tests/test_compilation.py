@@ -79,3 +79,21 @@ def test_enable_cache_lets_a_second_process_load_the_compiled_program(tmp_path):
     first, second = (int(r.stdout.split()[-1]) for r in runs)
     assert first == 0 and second >= 1  # the second loads what the first compiled (its `ones` too)
     assert os.listdir(path)
+
+
+def test_the_cli_enables_the_cache_named_by_the_environment(tmp_path):
+    path = str(tmp_path / "cli-cache")
+    code = textwrap.dedent(f"""
+        import sys, jax
+        sys.path.insert(0, {ROOT!r})
+        from jspec import cli
+        try:
+            cli.main(["bench", "long", "--runs", "0"])
+        except SystemExit:
+            pass
+        print(jax.config.jax_compilation_cache_dir)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, CJ.CACHE_ENV: path})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == path and os.path.isdir(path)
