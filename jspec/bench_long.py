@@ -12,7 +12,8 @@ median time. The blockwise attention path takes prompts of `ports.layers.BLOCKWI
 in bf16 / f16 a fresh prefill runs cuDNN's flash attention, `ports.blockwise.fused_attention`); `--direct` turns it
 off (the [T, S] score path) to compare. Prompts longer than the prefill chunk (`decode`'s default, 4096 tokens, or
 `--chunk`) are prefilled a chunk at a time; `--one-pass` adds jspec's one-pass prefill to compare. `--compile-cache` adds jspec in a fresh process whose
-programs load from a warm persistent compilation cache (`jspec.compilation.enable_cache`) instead of compiling.
+programs load from a warm persistent compilation cache (`jspec.compilation.enable_cache`) instead of compiling;
+`--warm` adds each library's second call in a process (what a long-running job pays per prompt).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import json, resource, sys, time, os
 sys.path.insert(0, {root!r})
 os.environ["HF_HUB_OFFLINE"] = "1"
 import numpy as np
-T, which, direct, chunk, dtype, cache_dir = {T}, {which!r}, {direct}, {chunk!r}, {dtype!r}, {cache_dir!r}
+T, which, direct, chunk, dtype, cache_dir, warm = {T}, {which!r}, {direct}, {chunk!r}, {dtype!r}, {cache_dir!r}, {warm}
 cfg = {cfg!r}
 ids = np.random.default_rng(0).integers(3, cfg["vocab_size"], T)
 device_peak = None
@@ -55,9 +56,11 @@ if which == "jspec":
     model = ports.random_model(ports.TextConfig(model_type="llama", **cfg), key=0, std=0.02,
                                dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
     jax.block_until_ready(model.params)
+    call = lambda: jspec.decode(model, ids[None], max_new_tokens=2, eos_token_id=(), prefill_chunk=chunk).tokens
+    if warm:
+        call()
     t0 = time.perf_counter()
-    out = jspec.decode(model, ids[None], max_new_tokens=2, eos_token_id=(), prefill_chunk=chunk)
-    toks = out.tokens[0].tolist()
+    toks = call()[0].tolist()
     stats = jax.devices()[0].memory_stats() or {{}}
     device_peak = stats.get("peak_bytes_in_use")
 else:
@@ -70,9 +73,13 @@ else:
         max_position_embeddings=cfg["max_position_embeddings"], tie_word_embeddings=cfg["tie_word_embeddings"],
         attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(hf_cfg).to(dev, torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
+    def call():
+        with torch.no_grad():
+            return model.generate(torch.tensor(ids[None], device=dev), max_new_tokens=2, do_sample=False)
+    if warm:
+        call()
     t0 = time.perf_counter()
-    with torch.no_grad():
-        toks = model.generate(torch.tensor(ids[None], device=dev), max_new_tokens=2, do_sample=False)[0, T:].tolist()
+    toks = call()[0, T:].tolist()
     if dev == "cuda":
         torch.cuda.synchronize()
         device_peak = torch.cuda.max_memory_allocated()
@@ -162,10 +169,11 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def run(T: int, which: str, direct: bool = False, chunk="auto", model: str = "110m", dtype: str = "f32",
-        cache_dir: str | None = None) -> dict:
-    """One point in a fresh process; with `cache_dir`, jspec uses that persistent compilation cache."""
+        cache_dir: str | None = None, warm: bool = False) -> dict:
+    """One point in a fresh process; with `cache_dir`, jspec uses that persistent compilation cache; `warm`: the
+    time of a second call (the first, untimed, compiles)."""
     return run_child(CHILD.format(root=str(ROOT), T=T, which=which, direct=direct, cfg=MODELS[model], chunk=chunk,
-                                  dtype=dtype, cache_dir=cache_dir))
+                                  dtype=dtype, cache_dir=cache_dir, warm=warm))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -181,6 +189,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compile-cache", action="store_true",
                     help="also run jspec with a warm persistent compilation cache (filled by an untimed run first): "
                          "a later process's first call, which loads the compiled programs instead of compiling")
+    ap.add_argument("--warm", action="store_true",
+                    help="also time both libraries' second call in a process (compile and first-call costs apart)")
     ap.add_argument("--chunk", type=int, default=None, help="jspec's prefill chunk (default: decode's, 4096)")
     ap.add_argument("--runs", type=int, default=1, help="fresh processes per point and case: median time, max RSS")
     ap.add_argument("--out", default="scripts/results/long-prompts",
@@ -215,8 +225,12 @@ def run_bench(args) -> dict:
                 runs.setdefault("jspec_one_pass", []).append(run(T, "jspec", chunk=None, **kw))
             if args.direct:
                 runs.setdefault("jspec_direct", []).append(run(T, "jspec", direct=True, **kw))
+            if args.warm:
+                runs.setdefault("jspec_warm", []).append(run(T, "jspec", chunk=args.chunk or "auto", warm=True, **kw))
             if not args.skip_hf:
                 runs.setdefault("transformers", []).append(run(T, "hf", **kw))
+                if args.warm:
+                    runs.setdefault("transformers_warm", []).append(run(T, "hf", warm=True, **kw))
             print(f"{T} tokens, run {rep + 1}/{args.runs}: "
                   + ", ".join(f"{c} {r[-1].get('s', float('nan')):.1f} s" for c, r in runs.items()), flush=True)
         row = {"tokens": T, **{c: median_run(r) for c, r in runs.items()}}
@@ -230,8 +244,10 @@ def run_bench(args) -> dict:
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     if cache_root:
         shutil.rmtree(cache_root, ignore_errors=True)
-    cols = [c for c in ("jspec", "jspec_cached", "jspec_one_pass", "jspec_direct", "transformers") if c in rows[0]]
-    ratios = [c for c in ("jspec", "jspec_cached") if c in cols] if "transformers" in cols else []
+    cols = [c for c in ("jspec", "jspec_cached", "jspec_warm", "jspec_one_pass", "jspec_direct", "transformers",
+                        "transformers_warm") if c in rows[0]]
+    ratios = [(c, "transformers_warm" if c == "jspec_warm" else "transformers") for c in ("jspec", "jspec_cached",
+              "jspec_warm") if c in cols and ("transformers_warm" if c == "jspec_warm" else "transformers") in cols]
     mem = "device_gb" if all("device_gb" in r[c] for r in rows for c in cols) else "rss_gb"
     mem_name = "peak device memory" if mem == "device_gb" else "peak RSS"
     lines = [f"Prefill + 2 new tokens, batch 1, random LLaMA {args.model}, {args.dtype}, {meta['date']}, "
@@ -239,15 +255,15 @@ def run_bench(args) -> dict:
              f"({'one run' if args.runs == 1 else f'median of {args.runs} runs'} per point, each in a fresh "
              "process; jspec's time includes its compile"
              + ("; jspec_cached: loaded from a warm persistent compilation cache instead" if cache_root else "")
-             + ")", "",
+             + ("; *_warm: the second call in a process" if args.warm else "") + ")", "",
              "| prompt tokens | " + " | ".join(f"{c} time / {mem_name}" for c in cols) + " |"
-             + "".join(f" {c} / transformers time |" for c in ratios),
+             + "".join(f" {c} / {h} time |" for c, h in ratios),
              "|---" * (len(cols) + 1 + len(ratios)) + "|"]
     for r in rows:
         cells = [f"{r[c]['s']:.1f} s / {r[c][mem]:.2f} GB" if "s" in r[c] else r[c]["error"][:60] for c in cols]
-        for c in ratios:
-            ok = "s" in r[c] and "s" in r["transformers"]
-            cells.append(f"{r[c]['s'] / r['transformers']['s']:.2f}x" if ok else "-")
+        for c, h in ratios:
+            ok = "s" in r[c] and "s" in r[h]
+            cells.append(f"{r[c]['s'] / r[h]['s']:.2f}x" if ok else "-")
         lines.append(f"| {r['tokens']:,} | " + " | ".join(cells) + " |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     plot(rows, cols, args.out + ".png", mem, mem_name)

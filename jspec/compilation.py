@@ -52,15 +52,14 @@ def jit(fun=None, /, *, options: dict[str, dict], **kwargs):
     return BackendJit(fun, options, kwargs)
 
 
-def default_cache_dir() -> str:
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jspec", "xla")
-
-
-def enable_cache(path: str | None = None, min_compile_s: float = 0.5) -> str:
+def enable_cache(path: str | None = None, min_compile_s: float = 0.5) -> str | None:
     """Keep every program that took at least `min_compile_s` to compile under `path` (default: $JSPEC_COMPILE_CACHE,
-    else ~/.cache/jspec/xla), so that a later process with the same model, shapes and jax version loads it instead of
-    compiling again (JAX's persistent compilation cache; CPU, GPU and TPU). Returns the directory."""
-    path = os.path.abspath(path or default_cache_dir())
+    else ~/.cache/jspec/xla; "off": no cache), so that a later process with the same model, shapes and jax version
+    loads it instead of compiling (JAX's persistent compilation cache; CPU, GPU and TPU). Returns the directory."""
+    path = path or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "jspec", "xla")
+    if path == "off":
+        return None
+    path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))

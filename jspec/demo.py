@@ -20,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from jspec import compilation as CJ
+
 # A small tree for small models on a CPU: 9 drafts, two candidates at the first two levels, a chain below.
 DEMO_TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0))
 TEMPERATURE = {"greedy": 0.0, "sampled": 1.0}
-CACHE_ENV = "JSPEC_COMPILE_CACHE"
 COLUMNS = ("strategy", "mode", "tokens/s", "tokens/step", "speedup", "same as AR", "compile s")
 
 
@@ -37,20 +38,6 @@ class Section:
     prompt: dict
     rows: list
     strategies: dict  # name -> (strategy or None for AR, modes)
-
-
-def enable_compile_cache(path: str | None = None) -> str | None:
-    """Keep XLA's compiled programs in `path` (default: $JSPEC_COMPILE_CACHE, else ~/.cache/jspec/xla; "off"
-    disables), so that a second run skips compilation. Returns the directory used."""
-    import jax
-
-    path = path or os.environ.get(CACHE_ENV) or str(Path.home() / ".cache" / "jspec" / "xla")
-    if path == "off":
-        return None
-    Path(path).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    return path
 
 
 def long_examples(seed: int, tokenizer, kinds=("described_caption", "text_story"), per_kind: int = 2,
@@ -250,7 +237,7 @@ def report(sec: Section, res: dict, print_fn=print) -> None:
 def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: int = 64, methods: str = "core",
         rounds: int = 3, cache: str | None = None, print_fn=print) -> dict:
     """Run the demo (module docstring); returns per section its title and results (`measure`), and the files
-    written. `cache`: the compile cache directory ("off" for none; default `enable_compile_cache`'s)."""
+    written. `cache`: the compile cache directory ("off" for none; default `jspec.compilation.enable_cache`'s)."""
     if methods not in ("core", "all"):
         raise ValueError(f"methods must be 'core' or 'all', got {methods!r}")
     from jspec import zoo
@@ -259,7 +246,7 @@ def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: in
     have = set(zoo.available())
     if not set(E.PAIRS["text"]) <= have:
         raise ValueError(f"jspec demo needs the zoo's text pair; this install has {sorted(have) or 'none'}")
-    cache_dir = enable_compile_cache(cache)
+    cache_dir = CJ.enable_cache(cache)
     seed = int.from_bytes(os.urandom(4), "little") % 1_000_000 if seed is None else seed
     print_fn(f"jspec demo, seed {seed}: long answers, AR against speculative decoding"
              + (f" (compiled programs cached in {cache_dir})" if cache_dir else ""))
@@ -290,7 +277,7 @@ def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: in
 def run_video(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: int = 96, rounds: int = 3,
               cache: str | None = None, print_fn=print) -> dict:
     """The video section alone (`video_section`): the table, a strip of each clip's frames and the figure."""
-    enable_compile_cache(cache)
+    CJ.enable_cache(cache)
     seed = int.from_bytes(os.urandom(4), "little") % 1_000_000 if seed is None else seed
     sec = video_section(seed)
     out = Path(out_dir)

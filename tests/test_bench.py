@@ -111,20 +111,20 @@ def test_transformers_baselines_read_image_prompts(tmp_path):
 def test_long_prompt_bench_writes_its_table(tmp_path, capsys):
     """`jspec bench long`: jspec and transformers at two lengths in fresh processes, medians of the runs, the
     ratio column, the JSON's device and model; with --compile-cache, jspec again from a warm persistent compilation
-    cache; bad options exit with a message; a video prompt on a tiny
+    cache, with --warm both libraries' second calls; bad options exit with a message; a video prompt on a tiny
     Qwen2.5-VL (16 frames of 4 x 8 patches: 4 tokens per two frames)."""
     out = tmp_path / "long"
-    assert cli.main(["bench", "long", "--lengths", "16", "1100", "--runs", "1", "--compile-cache",
+    assert cli.main(["bench", "long", "--lengths", "16", "1100", "--runs", "1", "--compile-cache", "--warm",
                      "--out", str(out)]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert [r["tokens"] for r in res["rows"]] == [16, 1100]
     assert res["meta"]["model"] == "110m" and res["meta"]["dtype"] == "f32" and res["meta"]["device"]
     for row in res["rows"]:
-        for case in ("jspec", "jspec_cached", "transformers"):
+        for case in ("jspec", "jspec_cached", "jspec_warm", "transformers", "transformers_warm"):
             assert finite_positive(row[case]["s"]) and finite_positive(row[case]["rss_gb"]), row
     md = out.with_suffix(".md").read_text()
     assert "| 1,100 |" in md and "jspec / transformers time" in md and out.with_suffix(".png").exists()
-    assert "jspec_cached / transformers time" in md
+    assert "jspec_cached / transformers time" in md and "jspec_warm / transformers_warm time" in md
     with pytest.raises(SystemExit, match="--runs must be >= 1"):
         cli.main(["bench", "long", "--runs", "0", "--out", str(out)])
     video = tmp_path / "video"
