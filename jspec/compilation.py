@@ -31,9 +31,9 @@ class BackendJit:
     def jitted(self):
         backend = jax.default_backend()
         f = self._by_backend.get(backend)
-        if f is None:
+        if f is None:  # setdefault: threads compiling at once (the demo) share one jitted function
             opts = self._options.get(backend) or None
-            f = self._by_backend[backend] = jax.jit(self._fun, compiler_options=opts, **self._kwargs)
+            f = self._by_backend.setdefault(backend, jax.jit(self._fun, compiler_options=opts, **self._kwargs))
         return f
 
     def __call__(self, *args, **kwargs):
