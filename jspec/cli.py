@@ -156,9 +156,9 @@ def bench_long(argv) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if os.environ.get("JSPEC_COMPILE_CACHE"):  # compiled programs persist there across runs
-        from jspec import compilation
+    from jspec import compilation
 
+    if os.environ.get(compilation.CACHE_ENV):  # compiled programs persist there across runs
         compilation.enable_cache()
     if argv[:2] == ["bench", "long"]:
         return bench_long(argv[2:])

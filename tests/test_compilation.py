@@ -32,7 +32,7 @@ def _fusions_with_reduce(hlo: str) -> list[str]:
     return out
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU option")
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the option is XLA:CPU's; this backend is not a CPU")
 def test_prefill_option_keeps_the_norms_reduction_out_of_the_matmul():
     x, w = jnp.ones((4096, 64)), jnp.ones((64, 64))  # XLA fuses the two from some 4k rows on (2k: not)
     default = jax.jit(_normed_matmul).lower(x, w).compile().as_text()
