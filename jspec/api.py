@@ -169,10 +169,13 @@ class Started(NamedTuple):
     pad: int
     prefill_s: float
     prep_stats: dict | None = None  # the drafter's host-side preparation numbers (`Prepared.stats`)
+    ahead: CJ.Ahead | None = None  # the decode loop compiling beside the prefill (`start(compile_loop=True)`)
 
     def loop_call(self, state: loop.DecodeState | None = None) -> tuple[Any, tuple]:
         """(the jitted decode loop, its arguments) from `state` (default: this start's own): what `run` calls, for
-        tools that lower or trace it (`jspec.profiling.op_costs`)."""
+        tools that lower or trace it (`jspec.profiling.op_costs`). Waits for the loop's compile ahead, if any."""
+        if self.ahead is not None:
+            self.ahead.wait()
         state = self.state if state is None else state
         if self.parts is None:
             return _decode_ar, (self.ctx, self.target, state)
@@ -187,9 +190,11 @@ class Started(NamedTuple):
 def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
           guidance: G.CFG | None = None, constraint=None, mesh=None, rules=None,
-          prefill_chunk: int | None = "auto") -> Started:
+          prefill_chunk: int | None = "auto", compile_loop: bool = True) -> Started:
     """`decode`'s checks, setup and prefill (same arguments): the state its loop starts from, for tools that time
-    or step the loop themselves (`jspec.profiling`)."""
+    or step the loop themselves (`jspec.profiling`). With `compile_loop` (and no mesh) the fused decode loop is
+    compiled on a background thread while the prefill compiles and runs (`Started.run` waits for it): a first
+    call no longer pays the two compiles one after the other."""
     strategy = AR() if strategy is None else strategy
     prefill_chunk = check_prefill_chunk(prefill_chunk)
     if max_new_tokens < 1:
@@ -242,13 +247,19 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
     # host arrays go to the jitted prefill as they are: it moves them in one go (a jnp.asarray each costs a dispatch)
     static = dyn = None
     if parts is None:
-        state = _prefill_ar(ctx, max_len, run_target, tokens, lengths, inputs, key, sp)
+        prefill, args = _prefill_ar, (ctx, max_len, run_target, tokens, lengths, inputs, key, sp)
     else:
         static, dyn = split(parts)
-        state = _prefill_sd(ctx, max_len, static, dyn, run_target, tokens, lengths, inputs, d_prompt, key, sp)
+        prefill, args = _prefill_sd, (ctx, max_len, static, dyn, run_target, tokens, lengths, inputs, d_prompt, key, sp)
+    ahead = None
+    if compile_loop and placement is None:  # (a mesh's shardings would have to be spelled out for the lowering)
+        shapes = prefill.trace(*args).out_info  # the call below reuses this trace
+        ahead = CJ.Ahead(_decode_ar, (ctx, run_target, shapes)) if parts is None else \
+            CJ.Ahead(_decode_sd, (ctx, static, dyn, run_target, shapes))
+    state = prefill(*args)
     jax.block_until_ready(state.out)
     return Started(ctx, parts, static, dyn, run_target, state, _pad_id(target, eos), time.perf_counter() - t0,
-                   prep_stats)
+                   prep_stats, ahead)
 
 
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
@@ -283,7 +294,7 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     if profile not in (False, True, "host", "program"):
         raise ValueError(f"profile must be False, True (or 'host') or 'program', got {profile!r}")
     r = start(target, prompt, strategy, max_new_tokens, temperature, top_k, top_p, key, eos_token_id, max_cache_len,
-              draft_prompt, guidance, constraint, mesh, rules, prefill_chunk)
+              draft_prompt, guidance, constraint, mesh, rules, prefill_chunk, compile_loop=profile not in (True, "host"))
     state = r.state
     t1 = time.perf_counter()
     phases, per_step = {}, {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import jax
 
@@ -50,6 +51,27 @@ def jit(fun=None, /, *, options: dict[str, dict], **kwargs):
     if fun is None:
         return lambda f: BackendJit(f, options, kwargs)
     return BackendJit(fun, options, kwargs)
+
+
+class Ahead:
+    """`fn.lower(*args).compile()` on a background thread (`args` may hold `jax.ShapeDtypeStruct`s), so that a later
+    `fn(...)` on arrays of those shapes finds its program compiled: JAX keeps the executable of a lowering for its
+    calls. Meanwhile the caller can run something else (the prefill while the decode loop compiles). `wait()` joins.
+    A failure is kept in `error` and not raised: the real call compiles again and raises it where it belongs."""
+
+    def __init__(self, fn, args: tuple):
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._compile, args=(fn, args), name="jspec-compile-ahead", daemon=True)
+        self._thread.start()
+
+    def _compile(self, fn, args):
+        try:
+            fn.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 (reported by the real call)
+            self.error = e
+
+    def wait(self) -> None:
+        self._thread.join()
 
 
 def enable_cache(path: str | None = None, min_compile_s: float = 0.5) -> str | None:

@@ -97,3 +97,29 @@ def test_the_cli_enables_the_cache_named_by_the_environment(tmp_path):
                        env={**os.environ, CJ.CACHE_ENV: path})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-1] == path and os.path.isdir(path)
+
+
+def test_the_decode_loop_compiles_once_beside_the_prefill():
+    """`start` compiles the loop ahead on a thread (from the prefill's output shapes); the loop's call then finds
+    that program: one compile of each, and the tokens of a start without the compile ahead."""
+    from tests.tiny_pairs import PROMPTS, tiny_pair
+
+    target, draft = tiny_pair()
+    compiles = []
+    listener = lambda name, secs, **kw: compiles.append(kw.get("fun_name")) if name.endswith("backend_compile_duration") else None  # noqa: E731,E501
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for strategy, new in ((None, 37), (api.Chain(draft, gamma=3), 41)):  # lengths no other test decodes
+            compiles.clear()
+            r = api.start(target, PROMPTS, strategy, max_new_tokens=new, eos_token_id=())
+            assert r.ahead is not None
+            tokens = jax.device_get(r.run().out)
+            assert r.ahead.error is None
+            loop_name = "jit(_decode_ar)" if strategy is None else "jit(_decode_sd)"
+            assert compiles.count(loop_name) == 1, compiles
+            plain = api.start(target, PROMPTS, strategy, max_new_tokens=new, eos_token_id=(), compile_loop=False)
+            assert plain.ahead is None
+            np.testing.assert_array_equal(jax.device_get(plain.run().out), tokens)
+            assert compiles.count(loop_name) == 1, compiles  # the second start's loop is the same program
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
