@@ -7,7 +7,6 @@ import time
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jspec import compilation as CJ
