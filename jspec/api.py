@@ -255,8 +255,13 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
         shapes = prefill.trace(*args).out_info  # the call below reuses this trace
         ahead = CJ.Ahead(_decode_ar, (ctx, run_target, shapes)) if parts is None else \
             CJ.Ahead(_decode_sd, (ctx, static, dyn, run_target, shapes))
-    state = prefill(*args)
-    jax.block_until_ready(state.out)
+    try:
+        state = prefill(*args)
+        jax.block_until_ready(state.out)
+    except Exception:
+        if ahead is not None:  # leave no compile running behind an error
+            ahead.wait()
+        raise
     return Started(ctx, parts, static, dyn, run_target, state, _pad_id(target, eos), time.perf_counter() - t0,
                    prep_stats, ahead)
 
