@@ -117,6 +117,7 @@ def test_the_decode_loop_compiles_once_beside_the_prefill():
             assert r.ahead.error is None
             loop_name = "jit(_decode_ar)" if strategy is None else "jit(_decode_sd)"
             assert compiles.count(loop_name) == 1, compiles
+            assert compiles.count(loop_name.replace("decode", "prefill")) == 1, compiles
             plain = api.start(target, PROMPTS, strategy, max_new_tokens=new, eos_token_id=(), compile_loop=False)
             assert plain.ahead is None
             np.testing.assert_array_equal(jax.device_get(plain.run().out), tokens)
