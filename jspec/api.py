@@ -192,8 +192,8 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
           prefill_chunk: int | None = "auto", compile_loop: bool = True) -> Started:
     """`decode`'s checks, setup and prefill (same arguments): the state its loop starts from, for tools that time
     or step the loop themselves (`jspec.profiling`). With `compile_loop` (and no mesh) the fused decode loop is
-    compiled on a background thread while the prefill compiles and, off the CPU, runs (`Started.run` waits for
-    it): a first call no longer pays the two compiles one after the other."""
+    lowered first and compiled on a background thread while the prefill compiles and, off the CPU, runs
+    (`Started.run` waits for it): a first call no longer pays the two compiles one after the other."""
     strategy = AR() if strategy is None else strategy
     prefill_chunk = check_prefill_chunk(prefill_chunk)
     if max_new_tokens < 1:

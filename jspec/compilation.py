@@ -54,24 +54,34 @@ def jit(fun=None, /, *, options: dict[str, dict], **kwargs):
 
 
 class Ahead:
-    """`fn.lower(*args).compile()` on a background thread (`args` may hold `jax.ShapeDtypeStruct`s), so that a later
+    """`fn` compiled for `args` (which may hold `jax.ShapeDtypeStruct`s) on a background thread, so that a later
     `fn(...)` on arrays of those shapes finds its program compiled: JAX keeps the executable of a lowering for its
-    calls. Meanwhile the caller can run something else (the prefill while the decode loop compiles). `wait()` joins.
-    A failure is kept in `error` and not raised: the real call compiles again and raises it where it belongs."""
+    calls. It is lowered on the caller's thread (tracing and lowering are Python: two threads would only take turns
+    with the GIL) and compiled on the background one (XLA releases the GIL), while the caller goes on (compiles or
+    runs the prefill). `wait()` joins. A failure is kept in `error` and not raised: the real call compiles again
+    and raises it where it belongs."""
 
     def __init__(self, fn, args: tuple):
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._compile, args=(fn, args), name="jspec-compile-ahead", daemon=True)
+        self._thread = None
+        try:
+            lowered = fn.lower(*args)
+        except Exception as e:  # noqa: BLE001 (reported by the real call)
+            self.error = e
+            return
+        self._thread = threading.Thread(target=self._compile, args=(lowered,), name="jspec-compile-ahead",
+                                        daemon=True)
         self._thread.start()
 
-    def _compile(self, fn, args):
+    def _compile(self, lowered):
         try:
-            fn.lower(*args).compile()
-        except Exception as e:  # noqa: BLE001 (reported by the real call)
+            lowered.compile()
+        except Exception as e:  # noqa: BLE001
             self.error = e
 
     def wait(self) -> None:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def enable_cache(path: str | None = None, min_compile_s: float = 0.5) -> str | None:
