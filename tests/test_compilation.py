@@ -106,7 +106,11 @@ def test_the_decode_loop_compiles_once_beside_the_prefill():
 
     target, draft = tiny_pair()
     compiles = []
-    listener = lambda name, secs, **kw: compiles.append(kw.get("fun_name")) if name.endswith("backend_compile_duration") else None  # noqa: E731,E501
+
+    def listener(name, secs, **kw):
+        if name.endswith("backend_compile_duration"):
+            compiles.append(kw.get("fun_name"))
+
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         for strategy, new in ((None, 37), (api.Chain(draft, gamma=3), 41)):  # lengths no other test decodes
