@@ -189,7 +189,7 @@ class Started(NamedTuple):
 def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
           guidance: G.CFG | None = None, constraint=None, mesh=None, rules=None,
-          prefill_chunk: int | None = "auto", compile_loop: bool = True) -> Started:
+          prefill_chunk: int | None = "auto", compile_loop: bool = True, pad_prompt_to: int = 16) -> Started:
     """`decode`'s checks, setup and prefill (same arguments): the state its loop starts from, for tools that time
     or step the loop themselves (`jspec.profiling`). With `compile_loop` (and no mesh) the fused decode loop is
     lowered first and compiled on a background thread while the prefill compiles and, off the CPU, runs
@@ -203,7 +203,9 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
                          f"{type(strategy).__name__}")
     strategy.check(target)
     parts = strategy.parts()
-    tokens, lengths, inputs = model_prompt(target, prompt, "")
+    if isinstance(pad_prompt_to, bool) or not isinstance(pad_prompt_to, (int, np.integer)) or pad_prompt_to < 1:
+        raise ValueError(f"pad_prompt_to must be a positive integer, got {pad_prompt_to!r}")
+    tokens, lengths, inputs = model_prompt(target, prompt, "", int(pad_prompt_to))
     if draft_prompt is not None and parts is None:
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")
     sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
@@ -273,7 +275,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
            top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
            profile: bool | str = False, guidance: G.CFG | None = None, constraint=None, mesh=None,
-           rules=None, prefill_chunk: int | None = "auto") -> DecodeOutput:
+           rules=None, prefill_chunk: int | None = "auto", pad_prompt_to: int = 16) -> DecodeOutput:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
 
     Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
@@ -298,11 +300,14 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     activations are bounded by the chunk rather than the prompt (same logits and tokens); "auto" (default) is
     `DEFAULT_PREFILL_CHUNK` tokens, None one pass. Chunks of `ports.layers.BLOCKWISE_MIN` tokens or more attend
     blockwise. Guided prompts (CFG) are prefilled in one pass.
+    `pad_prompt_to`: the prompt's width is padded up to a multiple of this (default 16), so that prompts of nearby
+    lengths share compiled programs (a benchmark over many prompt lengths passes e.g. 128).
     """
     if profile not in (False, True, "host", "program"):
         raise ValueError(f"profile must be False, True (or 'host') or 'program', got {profile!r}")
     r = start(target, prompt, strategy, max_new_tokens, temperature, top_k, top_p, key, eos_token_id, max_cache_len,
-              draft_prompt, guidance, constraint, mesh, rules, prefill_chunk, compile_loop=profile not in (True, "host"))
+              draft_prompt, guidance, constraint, mesh, rules, prefill_chunk, compile_loop=profile not in (True, "host"),
+              pad_prompt_to=pad_prompt_to)
     state = r.state
     t1 = time.perf_counter()
     phases, per_step = {}, {}

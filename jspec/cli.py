@@ -1,4 +1,4 @@
-"""The `jspec` command line: decode, convert, demo, plan, bench."""
+"""The `jspec` command line: decode, convert, fetch, demo, plan, bench."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,8 @@ def _load_any(path: str, dtype=None):
 
     if os.path.isdir(os.path.join(path, "params")):
         return ports.load(path, dtype=dtype)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return ports.load_gguf(path, dtype=dtype, progress=True)
     return ports.load_hf(path, dtype=dtype, progress=True)
 
 
@@ -28,7 +30,12 @@ def cmd_decode(args) -> int:
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+            if args.model.endswith(".gguf") and os.path.isfile(args.model):
+                import ports
+
+                tokenizer = ports.tokenizer_from_gguf(args.model)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         except Exception as e:  # noqa: BLE001 - report which directory lacks a tokenizer
             raise SystemExit(f"--prompt needs a tokenizer in {args.model}: {e}")
         ids = np.asarray(tokenizer(args.prompt)["input_ids"], np.int32)
@@ -49,9 +56,46 @@ def cmd_convert(args) -> int:
     import ports
 
     t = time.perf_counter()
-    cfg, n = ports.convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype, progress=True)
+    if args.hf_dir.endswith(".gguf") and os.path.isfile(args.hf_dir):
+        cfg, n = _convert_gguf(args.hf_dir, args.out_dir, args.dtype)
+    else:
+        cfg, n = ports.convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype, progress=True)
     print(f"converted {args.hf_dir} -> {args.out_dir} ({cfg.model_type}, {n / 1e6:.1f}M params) "
           f"in {time.perf_counter() - t:.1f}s")
+    return 0
+
+
+def _convert_gguf(path: str, out_dir: str, dtype):
+    """A GGUF file -> a jspec checkpoint plus the tokenizer files (when the file holds a tokenizer), so that
+    `jspec decode --model OUT_DIR --prompt ...` works on it."""
+    from ports import gguf as G
+
+    try:
+        reader = G.open_gguf(path)
+        cfg, n = G.convert_gguf(reader, out_dir, dtype=dtype, progress=True)
+    except ValueError as e:
+        raise SystemExit(f"jspec convert: {e}")
+    if "tokenizer.ggml.tokens" in reader.fields:
+        G.tokenizer_from_gguf(reader).save_pretrained(out_dir)
+    else:
+        print(f"{path} holds no tokenizer: decode {out_dir} with --prompt-ids")
+    return cfg, n
+
+
+def cmd_fetch(args) -> int:
+    from jspec import models
+
+    if args.list:
+        for name, entry in models.REGISTRY.items():
+            state = "fetched" if models.available(name, args.cache_dir) else "not fetched"
+            print(f"{name}  [{state}]  {entry.license}  {entry.description}")
+        return 0
+    if args.name is None:
+        raise SystemExit(f"jspec fetch: name a model ({', '.join(models.REGISTRY)}) or give --list")
+    try:
+        print(models.fetch(args.name, cache_dir=args.cache_dir))
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"jspec fetch: {e}")
     return 0
 
 
@@ -164,7 +208,7 @@ def main(argv=None) -> int:
         return bench_long(argv[2:])
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("decode", help="generate from a checkpoint (HF dir or `jspec convert` output)")
+    d = sub.add_parser("decode", help="generate from a checkpoint (HF dir, `jspec convert` output or .gguf file)")
     d.add_argument("--model", required=True)
     d.add_argument("--prompt-ids", help="token ids, comma or space separated")
     d.add_argument("--prompt", help="text (needs a tokenizer in the model dir)")
@@ -175,11 +219,17 @@ def main(argv=None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", default=None)
     d.set_defaults(fn=cmd_decode)
-    c = sub.add_parser("convert", help="HF checkpoint dir -> orbax checkpoint dir")
-    c.add_argument("hf_dir")
+    c = sub.add_parser("convert", help="HF checkpoint dir or GGUF file -> orbax checkpoint dir")
+    c.add_argument("hf_dir", help="an HF checkpoint directory, or a .gguf file (llama; its tokenizer is written "
+                                  "beside the checkpoint)")
     c.add_argument("out_dir")
     c.add_argument("--dtype", default=None)
     c.set_defaults(fn=cmd_convert)
+    fe = sub.add_parser("fetch", help="download a registered pretrained checkpoint (jspec.models) into the cache")
+    fe.add_argument("name", nargs="?", help="a registered name (see --list)")
+    fe.add_argument("--list", action="store_true", help="list the registry and what is fetched")
+    fe.add_argument("--cache-dir", default=None, help="default $JSPEC_MODELS_DIR or ~/.cache/jspec/models")
+    fe.set_defaults(fn=cmd_fetch)
     demo_help = ("the shipped zoo pairs write long answers with AR and speculative decoding, greedy and sampled: "
                  "one table (tokens/s, tokens per target step, speedup, same tokens as AR) and one figure")
     m = sub.add_parser("demo", help=demo_help, description=demo_help)

@@ -86,6 +86,7 @@ class StaticPlan:
     layout: Layout = struct.field(pytree_node=False)
     verify_nodes: int = struct.field(pytree_node=False, default=0)  # > 0: pack the valid nodes into this many
     level_buckets: bool = struct.field(pytree_node=False, default=False)  # draft only a level's used prefix
+    trim: bool = struct.field(pytree_node=False, default=False)  # verify only as deep as some row drafted
 
     def level_widths(self, n: int) -> tuple[int, ...]:
         """The widths a level of n slots may be drafted at: n alone, or with `level_buckets` 4, 8, 16, ... below n
@@ -95,12 +96,13 @@ class StaticPlan:
         return tuple(sorted({w for w in (2 ** i for i in range(2, n.bit_length())) if w < n} | {n}))
 
     @classmethod
-    def of(cls, tree: StaticTree, verify_nodes: int = 0, level_buckets: bool = False) -> "StaticPlan":
+    def of(cls, tree: StaticTree, verify_nodes: int = 0, level_buckets: bool = False,
+           trim: bool = False) -> "StaticPlan":
         if verify_nodes and not tree.valid.sum() <= verify_nodes <= tree.layout.num_nodes:
             raise ValueError(f"verify_nodes={verify_nodes} must hold the plan's own tree ({int(tree.valid.sum())} "
                              f"nodes with the root) and fit its layout ({tree.layout.num_nodes} slots)")
         return cls(tree.parent, tree.rank, tree.valid, tree.ancestor, tree.children, tree.layout, int(verify_nodes),
-                   bool(level_buckets))
+                   bool(level_buckets), bool(trim))
 
     num_nodes = property(lambda self: self.layout.num_nodes)
     max_depth = property(lambda self: self.layout.max_depth)
@@ -114,10 +116,11 @@ class StaticPlan:
     @property
     def verify_buckets(self) -> tuple[tuple[int, int], ...]:
         """(depth, nodes) pairs: the first `nodes` nodes (BFS order) hold every node of depth <= `depth`. Depths 1,
-        2, 4, 8, ... and the deepest: under a controller's depth limit the target verifies the smallest bucket that
-        covers every row's limit, not the whole budget."""
+        2, 4, 8, ... and the deepest (and 0, the root alone, with `trim`): under a controller's depth limit the target
+        verifies the smallest bucket that covers every row's limit, not the whole budget."""
         D = self.layout.max_depth
-        depths = sorted({d for d in (2 ** i for i in range(D.bit_length())) if d < D} | {D})
+        depths = {d for d in (2 ** i for i in range(D.bit_length())) if d < D} | {D} | ({0} if self.trim else set())
+        depths = sorted(depths)
         return tuple((d, self.layout.levels[d][1]) for d in depths)
 
     @property
@@ -129,14 +132,18 @@ class StaticPlan:
     def verify_size(self, prop: Proposal, done: jax.Array) -> tuple[tuple[int, ...], jax.Array | None]:
         """(static widths, index of the one to verify this step, or None for the whole proposal): a packing plan
         takes the smallest width that holds every decoding row's nodes; a layered one the smallest depth bucket that
-        covers every row's depth limit."""
+        covers every row's depth limit, or with `trim` every row's deepest valid node (a drafter that often drafts
+        less than the tree, such as prompt lookup, then verifies only what it drafted)."""
         if self.verify_nodes:
             need = jnp.max(jnp.where(done, 1, jnp.sum(prop.valid, axis=1)))
             sizes = self.packed_sizes
         else:
-            if prop.decision is None or prop.decision.depth is None:
+            if self.trim:
+                need = jnp.max(jnp.where(done, 0, jnp.max(jnp.where(prop.valid, prop.tree.depth, 0), axis=1)))
+            elif prop.decision is None or prop.decision.depth is None:
                 return (), None
-            need = jnp.max(jnp.where(done, 1, prop.decision.depth))
+            else:
+                need = jnp.max(jnp.where(done, 1, prop.decision.depth))
             depths = jnp.asarray([d for d, _ in self.verify_buckets])
             sizes = tuple(n for _, n in self.verify_buckets)
             return sizes, jnp.argmax(depths >= need)

@@ -91,12 +91,12 @@ def normalize_prompt(prompt: Any, vocab_size: int, pad_to: int = 16) -> tuple[np
     return tokens, lengths, extra
 
 
-def model_prompt(model, prompt, who: str = ""):
+def model_prompt(model, prompt, who: str = "", pad_to: int = 16):
     """(tokens, lengths, modality inputs as device arrays) of a prompt for `model`, checked on the host; `who`
     prefixes error messages (e.g. "draft ")."""
     import jax.numpy as jnp
 
-    tokens, lengths, extra = normalize_prompt(prompt, model.config.vocab_size)
+    tokens, lengths, extra = normalize_prompt(prompt, model.config.vocab_size, pad_to)
     fam = model.family
     if extra and fam.prompt_embeds is None:
         raise ValueError(f"{who}model_type {model.config.model_type!r} takes text only; got inputs {sorted(extra)}")

@@ -26,6 +26,7 @@ from flax import struct
 
 from jspec.controllers import asks_of
 from jspec.drafters import ModelDrafter
+from jspec.drafters.ngram import NgramDrafter
 from jspec.plans import DynamicPlan, StaticPlan
 from jspec.trees import Layout, StaticTree, build_tree, chain
 from jspec.verify import Rule, as_rule
@@ -145,6 +146,43 @@ class Chain(Strategy):
     def parts(self) -> Speculative:
         return Speculative(ModelDrafter(self.draft), StaticPlan.of(_cached_tree(self.tree, None)),
                            as_rule(self.rule), self.controller)
+
+
+def _branches(gamma: int, branches: int) -> tuple:
+    """`branches` chains of `gamma` drafts below one root, as child-rank paths."""
+    return tuple(tuple([b] + [0] * d) for d in range(gamma) for b in range(branches))
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup(Strategy):
+    """Prompt-lookup decoding: drafts copied from earlier occurrences of the text's last `max_ngram` (down to
+    `min_ngram`) tokens in the prompt and the tokens generated so far (`jspec.drafters.ngram`); no draft model.
+    `gamma` drafts per branch; `branches` > 1 drafts that many distinct continuations side by side (a tree). The
+    target verifies only as deep as some row found a copy (a step without one costs an AR step)."""
+
+    max_ngram: int = 3
+    gamma: int = 10
+    branches: int = 1
+    min_ngram: int = 1
+    rule: Any = "residual"
+    controller: Any = None
+
+    def __post_init__(self):
+        for name, top in (("gamma", 64), ("branches", 16), ("max_ngram", 64), ("min_ngram", 64)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= top:
+                raise ValueError(f"PromptLookup {name} must be an integer in [1, {top}], got {v!r}")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"PromptLookup min_ngram={self.min_ngram} exceeds max_ngram={self.max_ngram}")
+
+    @property
+    def tree(self) -> tuple:
+        return _branches(int(self.gamma), int(self.branches))
+
+    def parts(self) -> Speculative:
+        return Speculative(NgramDrafter(int(self.max_ngram), int(self.min_ngram)),
+                           StaticPlan.of(_cached_tree(self.tree, None), trim=True), as_rule(self.rule),
+                           self.controller)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Flax/JAX ports of HF model families and their checkpoint conversion (both directions)."""
 from ports.config import RopeConfig, TextConfig, text_config_from_hf, text_config_to_hf
+from ports.gguf import convert_gguf, gguf_to_hf_config, load_gguf, tokenizer_from_gguf
 from ports.model import (FAMILIES, Model, convert_hf, family, load, load_hf, logits, random_model, save,
                          save_hf)
 
-__all__ = ["Model", "RopeConfig", "TextConfig", "FAMILIES", "convert_hf", "family", "load", "load_hf", "logits",
-           "random_model", "save", "save_hf", "text_config_from_hf", "text_config_to_hf"]
+__all__ = ["Model", "RopeConfig", "TextConfig", "FAMILIES", "convert_gguf", "convert_hf", "family",
+           "gguf_to_hf_config", "load", "load_gguf", "load_hf", "logits", "random_model", "save", "save_hf",
+           "text_config_from_hf", "text_config_to_hf", "tokenizer_from_gguf"]

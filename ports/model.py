@@ -11,6 +11,7 @@ keep and `save_hf` turns back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -243,16 +244,27 @@ def _empty_like_shapes(shapes):
     return None
 
 
-def _stream_hf(directory: str, dtype, progress: bool):
-    """(hf config dict, config, family, tensors) of an HF checkpoint; `tensors(skip_layers=())` iterates over
-    (param path, our-layout numpy array).
+class SourceTensor(NamedTuple):
+    """One tensor a checkpoint source holds, known from its header alone (nothing read yet)."""
 
-    Every file's header is checked against the architecture first, so a checkpoint with missing, unexpected,
-    mis-shaped, non-float or duplicated tensors (or a truncated file) is a ValueError listing them all before
-    any tensor is read. The iterator then reads one tensor at a time, in our layout and dtype; tensors of the
-    decoder layers in `skip_layers` are not read (a resumed conversion).
+    name: str  # the `hf_key_map` name it loads as (after the family's renames)
+    label: str  # how errors name it: the source's own spelling
+    shape: tuple  # in the HF layout
+    read: Callable[[], np.ndarray]  # the tensor, HF layout
+    bad_dtype: str | None = None  # the source's dtype when it cannot load as floating point (None: it can)
+
+
+def stream_checkpoint(source: str, hf: dict, entries: list[SourceTensor], dtype, progress: bool,
+                      spell: Callable[[str], str] = lambda name: name):
+    """(hf config dict, config, family, tensors) of a checkpoint whose tensors `entries` lists; `tensors(
+    skip_layers=())` iterates over (param path, our-layout numpy array). What `load_stream` and `convert_stream`
+    take, whatever the source format.
+
+    Every entry is checked against the architecture of `hf` first, so missing, unexpected, mis-shaped, non-float
+    or duplicated tensors are one ValueError listing them all (missing ones named by `spell(hf name)`, the
+    source's spelling) before any tensor is read. The iterator then reads one tensor at a time, in our layout
+    and dtype; tensors of the decoder layers in `skip_layers` are not read (a resumed conversion).
     """
-    hf = read_hf_config(directory)
     fam = family(hf.get("model_type"))
     cfg = fam.config_from_hf(hf)
     dt = np.dtype(_resolve_dtype(dtype))
@@ -261,44 +273,55 @@ def _stream_hf(directory: str, dtype, progress: bool):
     ignored = [re.compile(p) for p in fam.ignored_keys]
     if getattr(cfg, "tie_word_embeddings", False):
         ignored.append(re.compile(r"(^|\.)lm_head\.weight$"))
-    files = [SafetensorsFile(p) for p in checkpoint_files(directory)]
 
     unexpected, bad_shape, bad_dtype, duplicated, seen, plan = [], [], [], [], set(), []
-    for f in files:
-        for file_name in f.keys():
-            name = fam.rename_hf_key(file_name)
-            if name not in kmap:
-                if not any(p.search(name) for p in ignored):
-                    unexpected.append(file_name)
-                continue
-            if name in seen:
-                duplicated.append(file_name)
-                continue
-            seen.add(name)
-            path, tr = kmap[name]
-            want, got = tuple(_get_path(shapes, path)), f.shape(file_name)
-            if len(got) != len(want) or hf_shape_to_ours(got, tr) != want:
-                bad_shape.append(f"{name}: checkpoint {tuple(got)}, expected {ours_shape_to_hf(want, tr)}")
-            elif f.dtype(file_name) not in FLOAT_DTYPES:
-                bad_dtype.append(f"{name}: {f.dtype(file_name)}")
-            else:
-                plan.append((f, file_name, path, tr))
-    missing = [n for n in kmap if n not in seen]
+    for e in entries:
+        if e.name not in kmap:
+            if not any(p.search(e.name) for p in ignored):
+                unexpected.append(e.label)
+            continue
+        if e.name in seen:
+            duplicated.append(e.label)
+            continue
+        seen.add(e.name)
+        path, tr = kmap[e.name]
+        want, got = tuple(_get_path(shapes, path)), tuple(e.shape)
+        if len(got) != len(want) or hf_shape_to_ours(got, tr) != want:
+            bad_shape.append(f"{e.label}: checkpoint {got}, expected {ours_shape_to_hf(want, tr)}")
+        elif e.bad_dtype is not None:
+            bad_dtype.append(f"{e.label}: {e.bad_dtype}")
+        else:
+            plan.append((e.read, path, tr))
+    missing = [spell(n) for n in kmap if n not in seen]
     if missing or unexpected or bad_shape or bad_dtype or duplicated:
-        raise key_mismatch_error(f"checkpoint {directory} does not match {hf.get('model_type')} params:",
+        raise key_mismatch_error(f"checkpoint {source} does not match {hf.get('model_type')} params:",
                                  missing, unexpected, bad_shape, bad_dtype, duplicated)
     lp = _layers_path(shapes)
 
     def tensors(skip_layers=()):
-        items = [row for row in plan if not (row[2][:len(lp)] == lp and row[2][len(lp)] in skip_layers)]
+        items = [row for row in plan if not (row[1][:len(lp)] == lp and row[1][len(lp)] in skip_layers)]
         if progress:
             from tqdm import tqdm
 
-            items = tqdm(items, desc=f"reading {os.path.basename(os.path.normpath(directory))}", unit="tensor")
-        for f, file_name, path, tr in items:
-            yield path, np.ascontiguousarray(hf_to_ours(f.get(file_name), tr), dtype=dt)
+            items = tqdm(items, desc=f"reading {os.path.basename(os.path.normpath(source))}", unit="tensor")
+        for read, path, tr in items:
+            yield path, np.ascontiguousarray(hf_to_ours(read(), tr), dtype=dt)
 
     return hf, cfg, fam, tensors
+
+
+def _stream_hf(directory: str, dtype, progress: bool):
+    """`stream_checkpoint` of an HF checkpoint directory (config.json + safetensors; a truncated file is a
+    ValueError before any tensor is read)."""
+    hf = read_hf_config(directory)
+    fam = family(hf.get("model_type"))
+    entries = []
+    for f in [SafetensorsFile(p) for p in checkpoint_files(directory)]:
+        for file_name in f.keys():
+            dt = f.dtype(file_name)
+            entries.append(SourceTensor(fam.rename_hf_key(file_name), file_name, tuple(f.shape(file_name)),
+                                        functools.partial(f.get, file_name), None if dt in FLOAT_DTYPES else dt))
+    return stream_checkpoint(directory, hf, entries, dtype, progress)
 
 
 def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarray], jax.Array] | None = None,
@@ -310,7 +333,13 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
     `progress` shows a progress bar over the checkpoint's tensors.
     Raises ValueError listing missing / unexpected / mis-shaped tensors.
     """
-    hf, cfg, fam, tensors = _stream_hf(directory, dtype, progress)
+    return load_stream(_stream_hf(directory, dtype, progress), device_put)
+
+
+def load_stream(stream, device_put: Callable[[tuple, np.ndarray], jax.Array] | None = None) -> Model:
+    """The `Model` of a `stream_checkpoint` stream, each tensor placed by `device_put(path, array)` (default: the
+    default device) before the next one is read."""
+    hf, cfg, fam, tensors = stream
     params = _empty_like_shapes(FU.fused_shapes(cfg, fam.param_shapes(cfg)))
     put = device_put or (lambda path, arr: jnp.asarray(arr))
     for path, item in _layer_stream(cfg, fam.param_shapes(cfg), tensors()):
@@ -433,9 +462,16 @@ def convert_hf(hf_dir: str, out_dir: str, dtype=None, progress: bool = False) ->
     model. An interrupted conversion resumes when run again with the same source, dtype and config (the layers it
     wrote are kept and not read again); `load` refuses the directory until the conversion completes. Returns
     (config, number of parameters)."""
+    stream = _stream_hf(hf_dir, dtype, progress)  # checks every header before anything is written
+    return convert_stream(stream, hf_dir, out_dir, dtype, progress)
+
+
+def convert_stream(stream, source: str, out_dir: str, dtype=None, progress: bool = False) -> tuple[Any, int]:
+    """Write the `stream_checkpoint` stream of `source` as a jspec checkpoint in `out_dir`, as `convert_hf`
+    describes (streaming, resumable); returns (config, number of parameters)."""
     out_dir = os.path.abspath(out_dir)
-    hf, cfg, fam, tensors = _stream_hf(hf_dir, dtype, progress)  # checks every header before anything is written
-    job = {"source": os.path.abspath(hf_dir), "dtype": np.dtype(_resolve_dtype(dtype)).name, "config": hf}
+    hf, cfg, fam, tensors = stream
+    job = {"source": os.path.abspath(source), "dtype": np.dtype(_resolve_dtype(dtype)).name, "config": hf}
     done = _start_writing(out_dir, job)
     if done and progress:
         print(f"resuming: {len(done)} layers of {out_dir} already written")

@@ -86,8 +86,8 @@ def joint_index(tokens: np.ndarray, n: int, vocab: int = V) -> np.ndarray:
     return sum(tokens[:, i] * vocab ** (n - 1 - i) for i in range(n))
 
 
-def empirical(target, strategy, key, n=3, rows=ROWS, **sampling):
-    out = jspec.decode(target, np.tile(PROMPT, (rows, 1)), strategy=strategy, max_new_tokens=n,
+def empirical(target, strategy, key, n=3, rows=ROWS, prompt=PROMPT, **sampling):
+    out = jspec.decode(target, np.tile(prompt, (rows, 1)), strategy=strategy, max_new_tokens=n,
                        temperature=sampling.pop("temperature", 1.0), key=key, eos_token_id=(), **sampling)
     return np.bincount(joint_index(out.tokens, n), minlength=V ** n), out
 
@@ -126,11 +126,11 @@ def check(counts, p, exact=True):
     return pval, tv, bound
 
 
-def exactness(target, strategy, key=jax.random.key(0), n=3, rows=ROWS, **sampling):
-    """(chi-square p-value, total variation, decode output) of `strategy`'s first n sampled tokens against the
-    target's exact joint distribution under the same sampling settings (temperature, top_k, top_p)."""
-    p = exact_joint(target, n, **sampling)
-    counts, out = empirical(target, strategy, key, n, rows, **sampling)
+def exactness(target, strategy, key=jax.random.key(0), n=3, rows=ROWS, prompt=PROMPT, **sampling):
+    """(chi-square p-value, total variation, decode output) of `strategy`'s first n sampled tokens after `prompt`
+    against the target's exact joint distribution under the same sampling settings (temperature, top_k, top_p)."""
+    p = exact_joint(target, n, np.asarray(prompt), **sampling)
+    counts, out = empirical(target, strategy, key, n, rows, prompt=prompt, **sampling)
     return chi2_pvalue(counts, p), total_variation(counts, p), out
 
 

@@ -15,6 +15,7 @@ import ports  # noqa: E402
 from jspec import api, loop  # noqa: E402
 from jspec import sampling as S  # noqa: E402
 from jspec import sharding as SH  # noqa: E402
+from tolerances import assert_clear_margins, assert_layout_close  # noqa: E402
 
 MESHES = ((2, 4),)  # (data, tensor)
 SLOW_MESHES = ((8, 1), (1, 8))  # with --slow: eight-way data and tensor parallel too
@@ -41,6 +42,7 @@ def check_decode(target, draft, meshes=MESHES):
     ref = {k: jspec.decode(target, prompts(), s, max_new_tokens=12, eos_token_id=()).tokens
            for k, s in strategies(draft).items()}
     assert all(np.array_equal(ref["ar"], v) for v in ref.values())
+    assert_clear_margins(target, prompts(), ref["ar"])  # exact equality below is not at the mercy of rounding
     for data, tensor in meshes:
         mesh = SH.make_mesh(data=data, tensor=tensor)
         for k, s in strategies(draft).items():
@@ -92,7 +94,10 @@ def check_orbax(target, tmp):
     gu = restored.params["layers"][0]["w_gate_up"]
     assert gu.sharding.mesh.shape["tensor"] == 8 and gu.sharding.spec == P(None, None, "tensor")
     ids = np.array([[3, 5, 7, 9, 11]])
-    np.testing.assert_allclose(ports.logits(restored, ids), ports.logits(target, ids), rtol=1e-5, atol=1e-5)
+    # another mesh sums every layer's products in another order: a bound that follows float32 and the longest
+    # reduction (the MLP's), not a fixed tolerance
+    assert_layout_close(ports.logits(restored, ids), ports.logits(target, ids),
+                        reduction=target.config.intermediate_size, depth=target.config.num_layers)
     return 1
 
 

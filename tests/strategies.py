@@ -31,16 +31,17 @@ class Entry:
     separate_draft: bool = True  # drafts with a model of its own (the vocabulary check applies)
     target_layers: int = 1  # layers of the tiny-vocabulary target of the sampling test (an early exit needs 2)
     slow: bool = False  # a variant of another entry: its per-strategy tests (and its mesh run) are `-m slow`
+    sampling_prompt: tuple | None = None  # the sampling test's prompt (default sampling_check.PROMPT)
 
 
 REGISTRY: dict[str, Entry] = {}
 
 
 def register(name: str, make: Callable, exact: bool, separate_draft: bool = True, target_layers: int = 1,
-             slow: bool = False) -> None:
+             slow: bool = False, sampling_prompt: tuple | None = None) -> None:
     if name in REGISTRY:
         raise ValueError(f"strategy {name!r} is registered twice")
-    REGISTRY[name] = Entry(make, exact, separate_draft, target_layers, slow)
+    REGISTRY[name] = Entry(make, exact, separate_draft, target_layers, slow, sampling_prompt)
 
 
 SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
@@ -120,6 +121,13 @@ def eagle_head(target):
 register("eagle_head", lambda t, d: jspec.Speculative(
     eagle.EagleDrafter(eagle_head(t)), StaticPlan.of(build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]]))),
     exact=True, separate_draft=False)
+
+# prompt lookup: drafts copied from the text (no draft model), a chain and a tree of several matches; their
+# sampling prompts repeat what the tiny-vocabulary target tends to write, so copies are drafted and accepted
+register("prompt_lookup", lambda t, d: jspec.PromptLookup(max_ngram=2, gamma=4), exact=True, separate_draft=False,
+         sampling_prompt=(1, 4, 2, 5, 3, 5, 3, 5))
+register("prompt_lookup_tree", lambda t, d: jspec.PromptLookup(max_ngram=2, gamma=3, branches=3), exact=True,
+         separate_draft=False, sampling_prompt=(5, 3, 5, 0, 5, 5, 3, 5, 2, 2, 5))
 
 
 SHARDED_CHECKS = {"chain", "tree"}  # tests/sharded_checks.py decodes these on two meshes in the default suite

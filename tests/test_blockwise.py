@@ -15,6 +15,7 @@ from jspec import loop
 from jspec.prompts import model_prompt
 from ports import blockwise as BW
 from ports import layers as L
+from tolerances import assert_layout_close
 
 
 @pytest.mark.parametrize("T, qb, kb", [(300, 64, 48), (129, 128, 128), (70, 512, 512)])
@@ -117,7 +118,7 @@ def test_prefill_through_the_fused_path_gives_the_same_logits(monkeypatch):
     assert len(calls) >= cfg.num_layers
     monkeypatch.setattr(BW, "FUSED", "off")
     logits, _, k = _prefill(model, tokens, lengths)
-    np.testing.assert_allclose(np.asarray(fused_logits), np.asarray(logits), atol=2e-5, rtol=1e-5)
+    assert_layout_close(fused_logits, logits, reduction=tokens.shape[1], depth=cfg.num_layers)
     np.testing.assert_allclose(np.asarray(fused_k), np.asarray(k), atol=1e-6)
 
 
@@ -155,7 +156,7 @@ def test_long_prefill_takes_the_blockwise_path_with_the_same_logits(direct):
     long_logits, _, long_k = _prefill(model, tokens, lengths)
     direct()
     ref_logits, _, ref_k = _prefill(model, tokens, lengths)
-    np.testing.assert_allclose(np.asarray(long_logits), np.asarray(ref_logits), atol=2e-5, rtol=1e-5)
+    assert_layout_close(long_logits, ref_logits, reduction=tokens.shape[1], depth=model.config.num_layers)
     np.testing.assert_allclose(np.asarray(long_k), np.asarray(ref_k), atol=1e-6)
     jax.clear_caches()
     np.testing.assert_array_equal(jspec.decode(model, prompts, max_new_tokens=8, eos_token_id=()).tokens, ar.tokens)
@@ -183,10 +184,10 @@ def test_video_prompt_and_specvlm_scores_from_the_long_path(monkeypatch):
     monkeypatch.setattr(L, "BLOCKWISE_MIN", 64)
     jax.clear_caches()
     got = _prefill(target, tokens, lengths, inputs, attn_query_weights=w)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), atol=3e-5, rtol=1e-5)
+    assert_layout_close(got[0], ref[0], reduction=tokens.shape[1], depth=target.kv_layout[0])
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(ref[1]), atol=1e-7, rtol=1e-4)
     chunked = _prefill(target, tokens, lengths, inputs, attn_query_weights=w, chunk=100)  # M-RoPE ids, in pieces
-    np.testing.assert_allclose(np.asarray(chunked[0]), np.asarray(ref[0]), atol=3e-5, rtol=1e-5)
+    assert_layout_close(chunked[0], ref[0], reduction=tokens.shape[1], depth=target.kv_layout[0])
     np.testing.assert_allclose(np.asarray(chunked[1]), np.asarray(ref[1]), atol=1e-7, rtol=1e-4)
     chunk_out = jspec.decode(target, prompt, jspec.SpecVLM(draft, ratio=0.8, tree="chain5"), max_new_tokens=12,
                              prefill_chunk=100)
@@ -243,7 +244,7 @@ def test_chunked_prefill_equals_one_pass(blockwise, monkeypatch):
     if blockwise:
         monkeypatch.setattr(L, "BLOCKWISE_MIN", 64)
     got = run(tokens, lengths, w, 64)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), atol=2e-5, rtol=1e-5)
+    assert_layout_close(got[0], ref[0], reduction=tokens.shape[1], depth=model.config.num_layers)
     for h, r in zip(got[1], ref[1]):  # activations of a few units to tens (std 0.3 weights): float32 rounding
         np.testing.assert_allclose(np.asarray(h), np.asarray(r), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), atol=1e-7, rtol=1e-4)

@@ -16,6 +16,7 @@ from jspec.plans import StaticPlan
 from jspec.trees import build_tree, chain
 from sampling_check import exactness, tiny_vocab_pair
 from tiny_pairs import PROMPTS, tiny_pair
+from tolerances import assert_f32_close
 from toy_parts import RecordingController
 
 
@@ -103,7 +104,7 @@ def test_draft_distributions_are_the_teacher_forced_heads(pair):
             for t, root, k in _steps(acc[b], 16):
                 if rec["q_known"][b, t - 1]:
                     ref = _head_logp(target, head, seq, len(prompt) + root, k)
-                    np.testing.assert_allclose(rec["q"][b, t - 1], ref[seq[len(prompt) + t]], atol=2e-4)
+                    assert_f32_close(rec["q"][b, t - 1], ref[seq[len(prompt) + t]], atol=2e-4)
                     checked += 1
         assert checked >= 20
 
@@ -186,7 +187,7 @@ def test_cfg_streams_and_the_image_grammar():
             if ref < -60:  # the recorded probability underflows float32
                 assert rec["q"][b, t - 1] < -60
                 continue
-            np.testing.assert_allclose(rec["q"][b, t - 1], ref, atol=1e-3)
+            assert_f32_close(rec["q"][b, t - 1], ref, atol=1e-3)
             checked += 1
     assert checked >= 8
     sd = jspec.generate_image(target, prompts(), ROWS, COLS, strategy=eagle(head, "naive_extend_57"),

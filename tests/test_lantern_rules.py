@@ -238,10 +238,21 @@ def make_rule(cls, table, k, b, mode="principled", drafts="sampled"):
 
 @pytest.fixture(scope="module")
 def batched():
-    """jit'd (relax, reject) of a rule over a batch; compiled once per rule class and mode (k, bound are data)."""
-    relax = jax.jit(lambda rule, r, x: rule.relax(r, x)[2:])
-    reject = jax.jit(lambda rule, r, q, x: rule.reject(r, q, x))
-    return relax, reject
+    """jit'd (relax, reject) of a rule over a batch; compiled once per rule class and mode (k, bound are data).
+    Each class gets its own jitted function: JAX's treedefs of two dataclasses with equal fields compare equal
+    (Lantern and LanternPP), so one jit cache could hand a Lantern call LanternPP's program."""
+    fns = {}
+
+    def per_class(name, fn):
+        def call(rule, *args):
+            key = (name, type(rule))
+            if key not in fns:
+                fns[key] = jax.jit(fn)
+            return fns[key](rule, *args)
+        return call
+
+    return (per_class("relax", lambda rule, r, x: rule.relax(r, x)[2:]),
+            per_class("reject", lambda rule, r, q, x: rule.reject(r, q, x)))
 
 
 def test_relaxed_mass_bounds_and_m_star_match_the_spec(batched):

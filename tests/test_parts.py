@@ -16,6 +16,7 @@ from jspec.plans import StaticPlan
 from jspec.trees import Layout, build_tree, chain
 from sampling_check import exactness, tiny_vocab_pair
 from tiny_pairs import PROMPTS, tiny_pair
+from tolerances import assert_f32_close
 from toy_parts import (AttendedPrompt, CycleDepth, FixedTrees, RecordingController, Relaxed, ResampleFromTarget,
                        ResidualByHooks, TwoViews, attended, per_row_trees)
 
@@ -52,10 +53,10 @@ def test_controller_reads_the_record(pair):
         for b, prompt in enumerate(PROMPTS):
             gen = out[b, :20]
             assert rec["n"][b] == 19  # every token after the prefill's came from a step's record
-            np.testing.assert_allclose(rec["t"][b, :19], _full_logp(target, prompt, gen), atol=2e-4)
+            assert_f32_close(rec["t"][b, :19], _full_logp(target, prompt, gen), atol=2e-4)
             known = rec["q_known"][b, :19]
             assert known.sum() >= 10  # most positions were drafted from (not the bonus after a fully accepted leaf)
-            np.testing.assert_allclose(rec["q"][b, :19][known], _full_logp(draft, prompt, gen)[known], atol=2e-4)
+            assert_f32_close(rec["q"][b, :19][known], _full_logp(draft, prompt, gen)[known], atol=2e-4)
 
 
 def test_rule_from_hooks_is_exact_and_a_wrong_rule_is_caught(tiny):

@@ -256,7 +256,9 @@ def test_profile_mode_times_phases_and_keeps_tokens(pair, kind):
     for mode in (True, "program"):                                            # AR: timed step by step alike
         prof = jspec.decode(target, PROMPTS, max_new_tokens=12, profile=mode)
         np.testing.assert_array_equal(prof.tokens, fast.tokens)
-        assert prof.stats["step_s"] > 0 and "step_s" not in fast.stats
+        assert "step_s" not in fast.stats and np.isfinite(prof.stats["step_s"])
+        if mode is True:  # host-timed steps add up positive durations (an in-program slope of a sub-millisecond
+            assert prof.stats["step_s"] > 0  # step can be lost in a loaded machine's noise and clamped at 0)
     with pytest.raises(ValueError, match="profile must be"):
         jspec.decode(target, PROMPTS, max_new_tokens=4, profile="gpu")
 

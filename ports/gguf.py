@@ -1,0 +1,293 @@
+"""GGUF (llama.cpp) checkpoints as `ports.Model`s: `load_gguf`, `convert_gguf`, `gguf_to_hf_config`,
+`tokenizer_from_gguf`.
+
+A GGUF file holds its config as metadata (`llama.block_count`, ...) and its tensors under llama.cpp's names,
+many quantized. We read it with the `gguf` package: the metadata becomes an HF `LlamaConfig` dict (so the model
+goes through the same family code as an HF checkpoint and `save_hf` writes a checkpoint transformers loads), the
+names map to HF names, every tensor is dequantized to float32 with `gguf.quants.dequantize`, and the Q/K rows that
+llama.cpp's converter reordered for its RoPE kernel are put back in HF's order. Then the tensors take the same
+checked path as safetensors (`ports.model.stream_checkpoint`): bad files, unsupported architectures or types and
+missing / unexpected / mis-shaped tensors are ValueErrors raised before any tensor is dequantized.
+
+GGUF lists a tensor's dimensions fastest-varying first (`ne`): a [out, in] matrix has ne = (in, out). The reader's
+`data` is already in numpy order, so a dequantized matrix is [out, in], HF's Linear layout.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from ports import model as M
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+# the ggml tensor types whose dequantization is tested here (tests/test_gguf.py)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K")
+
+# llama.cpp tensor name -> HF LlamaForCausalLM name; per-layer names are "blk.N.<key>.weight"
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a llama.cpp tensor name (None when it has none)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+    return None
+
+
+def gguf_name(name: str) -> str:
+    """The llama.cpp name of an HF tensor name (the name itself when it has none): the inverse of `hf_name`."""
+    for g, h in _GLOBAL_NAMES.items():
+        if h == name:
+            return g
+    m = _HF_LAYER_RE.fullmatch(name)
+    ours = {h: g for g, h in _LAYER_NAMES.items()}
+    if m and m.group(2) in ours:
+        return f"blk.{m.group(1)}.{ours[m.group(2)]}.weight"
+    return name
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF's row order of a Q or K projection ([n_heads * head_dim, ...]) from llama.cpp's.
+
+    HF rotates the two halves of each head (dimension i pairs with i + head_dim/2); llama.cpp rotates adjacent
+    pairs, so its converter stores, per head, HF rows (0, d/2, 1, d/2+1, ...). This undoes exactly that: row
+    2i + j of a head goes back to row j * d/2 + i."""
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"{rows} rows do not split into {n_heads} heads of an even size")
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@functools.cache
+def _reader_class():
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        """`gguf.GGUFReader` that names the tensor when its type id is one gguf does not know (gguf's own error
+        names only the id). `_build_tensors` and the tensor-info field layout are gguf 0.19's (pinned)."""
+
+        def _build_tensors(self, start_offs, fields):
+            known = {int(t) for t in gguf.GGMLQuantizationType}
+            for field in fields:
+                name, raw = bytes(field.parts[1]).decode("utf-8", "replace"), int(field.parts[4][0])
+                if raw not in known:
+                    raise _UnknownType(f"tensor {name}: unknown ggml type id {raw}")
+            super()._build_tensors(start_offs, fields)
+
+    return Reader
+
+
+class _UnknownType(ValueError):
+    pass
+
+
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` of `path` whose every tensor lies inside the file; a file that is not GGUF, is
+    truncated, or holds a tensor of an unknown type is a ValueError naming the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    try:
+        reader = _reader_class()(path)
+    except _UnknownType as e:
+        raise ValueError(f"{path}: {e}; jspec reads {', '.join(SUPPORTED_TYPES)}") from None
+    except Exception as e:  # noqa: BLE001 - the reader fails in many ways on a damaged file; all mean the same
+        raise ValueError(f"{path}: not a GGUF file, or truncated ({type(e).__name__}: {e})") from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ValueError(f"{path}: truncated: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes}, "
+                             f"the file holds {size}")
+    return reader
+
+
+def _as_reader(source):
+    """(reader, path) of a path or an open reader."""
+    if isinstance(source, (str, os.PathLike)):
+        return open_gguf(os.fspath(source)), os.fspath(source)
+    return source, getattr(source.data, "filename", None) or "<GGUF>"
+
+
+_REQUIRED = object()
+
+
+def _meta(reader, key: str, path: str, default: Any = _REQUIRED):
+    """A metadata value (scalars as Python numbers, strings as str)."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{path}: GGUF metadata has no {key}")
+        return default
+    value = field.contents()
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _int_meta(reader, key: str, path: str, default: Any = _REQUIRED):
+    value = _meta(reader, key, path, default)
+    if value is not None and not isinstance(value, int):
+        raise ValueError(f"{path}: {key} = {value!r}; jspec reads a single integer there (no per-layer values)")
+    return value
+
+
+def _architecture(reader, path: str) -> str:
+    arch = _meta(reader, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; jspec reads "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _rope_scaling(reader, arch: str, path: str) -> dict | None:
+    kind = _meta(reader, f"{arch}.rope.scaling.type", path, "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(_meta(reader, f"{arch}.rope.scaling.factor", path))}
+    raise ValueError(f"{path}: {arch}.rope.scaling.type {kind!r} is not supported (jspec reads none and linear)")
+
+
+def _hf_config(reader, path: str) -> dict:
+    arch = _architecture(reader, path)
+    key = lambda k: f"{arch}.{k}"
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: holds rope_freqs.weight (Llama-3.1-style RoPE frequency factors), which jspec "
+                         "does not read")
+    hidden = _int_meta(reader, key("embedding_length"), path)
+    heads = _int_meta(reader, key("attention.head_count"), path)
+    head_dim = (_int_meta(reader, key("attention.key_length"), path, None)
+                or _int_meta(reader, key("rope.dimension_count"), path, None) or hidden // heads)
+    for k in ("rope.dimension_count", "attention.value_length"):
+        if _int_meta(reader, key(k), path, head_dim) != head_dim:
+            raise ValueError(f"{path}: {key(k)} = {_meta(reader, key(k), path)} differs from the head size "
+                             f"{head_dim}; jspec reads llama models whose RoPE and values span whole heads")
+    vocab = _int_meta(reader, key("vocab_size"), path, None)
+    if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if vocab is None and "token_embd.weight" in names:
+        vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1])
+    if vocab is None:
+        raise ValueError(f"{path}: no vocabulary size ({key('vocab_size')}, tokenizer.ggml.tokens, token_embd)")
+    tok = lambda k: _int_meta(reader, f"tokenizer.ggml.{k}_token_id", path, None)
+    hf = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": _int_meta(reader, key("feed_forward_length"), path),
+        "num_hidden_layers": _int_meta(reader, key("block_count"), path),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _int_meta(reader, key("attention.head_count_kv"), path, heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(_meta(reader, key("attention.layer_norm_rms_epsilon"), path)),
+        "max_position_embeddings": _int_meta(reader, key("context_length"), path, 2048),
+        "rope_theta": float(_meta(reader, key("rope.freq_base"), path, 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": tok("bos"),
+        "eos_token_id": tok("eos"),
+        "pad_token_id": tok("padding"),
+    }
+    scaling = _rope_scaling(reader, arch, path)
+    if scaling:
+        hf["rope_scaling"] = scaling
+    return hf
+
+
+def gguf_to_hf_config(source) -> dict:
+    """The HF `LlamaConfig` dict (model_type "llama") of a GGUF file's metadata; ValueError when the file is not a
+    GGUF, its architecture is not one jspec reads, or a value it needs is missing."""
+    reader, path = _as_reader(source)
+    return _hf_config(reader, path)
+
+
+def _check_types(reader, path: str) -> None:
+    bad = [f"{t.name}: {t.tensor_type.name}" for t in reader.tensors if t.tensor_type.name not in SUPPORTED_TYPES]
+    if bad:
+        raise ValueError(f"{path}: tensors of unsupported ggml types ({len(bad)}): {bad[:20]}; jspec reads "
+                         f"{', '.join(SUPPORTED_TYPES)}")
+
+
+def _read(tensor, heads: int | None) -> np.ndarray:
+    """A tensor dequantized to float32 in numpy order ([out, in]), Q/K rows in HF's order when `heads` is given."""
+    import gguf
+
+    arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    arr = arr.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+    return unpermute_rope_rows(arr, heads) if heads else arr
+
+
+def stream_gguf(source, dtype=None, progress: bool = False):
+    """`ports.model.stream_checkpoint` of a GGUF file (a path or an open reader): everything about the file is
+    checked here, before any tensor is dequantized."""
+    reader, path = _as_reader(source)
+    hf = _hf_config(reader, path)
+    _check_types(reader, path)
+    rope_heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    entries = []
+    for t in reader.tensors:
+        m = _LAYER_RE.fullmatch(t.name)
+        heads = rope_heads.get(m.group(2)) if m else None
+        shape = tuple(int(d) for d in reversed(t.shape))
+        entries.append(M.SourceTensor(hf_name(t.name) or t.name, t.name, shape, functools.partial(_read, t, heads)))
+    return M.stream_checkpoint(path, hf, entries, dtype, progress, spell=gguf_name)
+
+
+def load_gguf(source, dtype=None, *, progress: bool = False) -> M.Model:
+    """A GGUF file (path or open reader) as a `Model` in `dtype` (default float32), its tensors dequantized one at a
+    time. ValueError, before anything is dequantized, for a file that is not GGUF or is truncated, an architecture
+    other than llama, a tensor type outside SUPPORTED_TYPES, or tensors that do not match the config."""
+    return M.load_stream(stream_gguf(source, dtype, progress))
+
+
+def convert_gguf(source, out_dir: str, dtype=None, progress: bool = False) -> tuple[Any, int]:
+    """GGUF file (path or open reader) -> jspec checkpoint directory (what `ports.load` reads), streaming and
+    resumable as `ports.convert_hf`; returns (config, number of parameters)."""
+    reader, path = _as_reader(source)
+    return M.convert_stream(stream_gguf(reader, dtype, progress), path, out_dir, dtype, progress)
+
+
+def _tokenizer_fields(reader, path: str) -> tuple[dict, dict]:
+    """(the vocabulary dict transformers' GGUF tokenizer converter takes, tokenizer constructor kwargs)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise ValueError(f"{path}: holds no tokenizer (no tokenizer.ggml.tokens metadata)")
+    groups = {group: {name: _meta(reader, f"tokenizer.{key}", path) for key, name in renames.items()
+                      if f"tokenizer.{key}" in reader.fields}
+              for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    vocab, kwargs = groups["tokenizer"], groups["tokenizer_config"]
+    if vocab.get("tokenizer_type") == "llama":  # a sentencepiece vocabulary: llama.cpp adds BOS unless told not to
+        kwargs.setdefault("add_bos_token", True)
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        token_id = _meta(reader, f"tokenizer.ggml.{key}_token_id", path, None)
+        kwargs[name] = vocab["tokens"][token_id] if token_id is not None else None
+    return vocab, kwargs
+
+
+def tokenizer_from_gguf(source):
+    """The transformers tokenizer a GGUF file (path or open reader) describes, with its chat template when the file
+    holds one: the tokenizer `AutoTokenizer.from_pretrained(dir, gguf_file=name)` builds, without importing torch
+    (transformers' GGUF reader does). ValueError when the file holds no tokenizer."""
+    import transformers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    reader, path = _as_reader(source)
+    vocab, kwargs = _tokenizer_fields(reader, path)
+    backend, extra = convert_gguf_tokenizer(_meta(reader, "general.architecture", path), vocab)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs, **extra)

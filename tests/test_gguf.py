@@ -1,0 +1,288 @@
+"""GGUF (llama.cpp) checkpoints through `ports`: tiny random LLaMAs written as GGUF files the way llama.cpp's
+converter writes them (its tensor names, its Q/K row order, each tensor type we claim), read by `ports.load_gguf`
+and compared with transformers on the same dequantized weights and with transformers' own GGUF loader; bad files
+fail early with a message naming the problem."""
+import json
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import hf_logits, perturb, tiny_hf
+
+import jspec
+import ports
+from jspec import cli
+from ports import gguf as G
+
+T = gguf.GGMLQuantizationType
+PROMPT = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]])
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants.quantize writes these
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # gguf cannot quantize to these: random blocks instead
+NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter's row order for Q/K, written from its description (not from our inverse): within
+    each head it interleaves the two rotary halves, rows (0, d/2, 1, d/2 + 1, ...)."""
+    d = w.shape[0] // n_heads
+    pairs = np.stack([np.arange(d // 2), np.arange(d // 2) + d // 2], axis=1).reshape(-1)
+    return w[np.concatenate([h * d + pairs for h in range(n_heads)])]
+
+
+def encode(w: np.ndarray, qtype: str, rng) -> np.ndarray:
+    """A 2-D HF-layout weight as the stored rows of `qtype` (float rows, or uint8 block rows)."""
+    if qtype == "F32":
+        return w.astype(np.float32)
+    if qtype == "F16":
+        return w.astype(np.float16)
+    if qtype in K_TYPES:  # bytes < 0x20: every f16 scale in a block is small and finite
+        block, size = gguf.GGML_QUANT_SIZES[T[qtype]]
+        return rng.integers(0, 0x20, (w.shape[0], w.shape[1] // block * size), dtype=np.uint8)
+    return gguf.quants.quantize(w.astype(np.float32), T[qtype])
+
+
+def gguf_tensors(hf_model) -> list[tuple[str, np.ndarray]]:
+    """(llama.cpp name, HF-layout array) of every tensor of an HF LlamaForCausalLM, in llama.cpp's order."""
+    sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    out = [("token_embd.weight", sd["model.embed_tokens.weight"])]
+    for i in range(hf_model.config.num_hidden_layers):
+        out += [(f"blk.{i}.{g}.weight", sd[f"model.layers.{i}.{h}.weight"]) for h, g in NAMES.items()]
+    out.append(("output_norm.weight", sd["model.norm.weight"]))
+    if not hf_model.config.tie_word_embeddings:
+        out.append(("output.weight", sd["lm_head.weight"]))
+    return out
+
+
+def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=True, drop=(), extra=(), tokenizer=None,
+               seed=0) -> dict:
+    """Write `hf_model` as llama.cpp would (metadata, names, Q/K row order; 2-D tensors in `qtype`, norms F32);
+    returns {HF name: the HF-layout weight the file holds, dequantized} (a reference model loads these)."""
+    c, rng = hf_model.config, np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_vocab_size(c.vocab_size)
+    if tokenizer:
+        tokenizer(w)
+    held, heads = {}, {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
+    for name, arr in gguf_tensors(hf_model):
+        if name in drop:
+            continue
+        rows = encode(arr, qtype, rng) if arr.ndim == 2 else arr.astype(np.float32)
+        raw = None if rows.dtype != np.uint8 else T[qtype]
+        held[G.hf_name(name)] = gguf.quants.dequantize(rows, raw or (T.F16 if rows.dtype == np.float16 else T.F32))
+        kind = name.split(".")[2] if name.startswith("blk.") else None
+        if permute and kind in heads:
+            rows = llama_cpp_permute(rows, heads[kind])
+        w.add_tensor(name, rows, raw_dtype=raw)
+    for name, rows, raw in extra:
+        w.add_tensor(name, rows, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+def reference(hf_model, held: dict):
+    """A copy of `hf_model` holding the weights `write_gguf` says the file holds."""
+    ref = transformers.LlamaForCausalLM(hf_model.config).eval()
+    ref.load_state_dict({k: torch.tensor(np.asarray(v, np.float32)) for k, v in held.items()}, strict=False)
+    if hf_model.config.tie_word_embeddings:
+        ref.tie_weights()
+    return ref
+
+
+def assert_close(ours, ref, rel=1e-5):
+    assert np.abs(ours - ref).max() <= rel * np.abs(ref).max(), np.abs(ours - ref).max()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny GQA LLaMA (4 heads, 2 KV heads) with untied head and every norm perturbed."""
+    return perturb(tiny_hf("llama", seed=3), seed=4, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def tiny_k():
+    """Rows of 256, the K-quants' block size; tied embeddings."""
+    return perturb(tiny_hf("llama", seed=5, hidden_size=256, intermediate_size=256, tie_word_embeddings=True),
+                   seed=6, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def f32_file(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf"
+    write_gguf(path, tiny)
+    return path
+
+
+@pytest.mark.parametrize("qtype", ("F32", "F16", "BF16") + BLOCK_TYPES)
+def test_quant_types_match_transformers(tiny, tmp_path, qtype):
+    """Every float and block type: the logits of transformers on the weights the file holds (dequantized)."""
+    held = write_gguf(tmp_path / "m.gguf", tiny, qtype)
+    model = ports.load_gguf(str(tmp_path / "m.gguf"))
+    assert model.config.num_kv_heads == 2 and not model.config.tie_word_embeddings
+    assert_close(ports.logits(model, PROMPT), hf_logits(reference(tiny, held), PROMPT))
+
+
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_k_quants_match_transformers(tiny_k, tmp_path, qtype):
+    """K-quant blocks (random bytes, small scales): the same, tied embeddings (no output.weight)."""
+    held = write_gguf(tmp_path / "m.gguf", tiny_k, qtype)
+    model = ports.load_gguf(str(tmp_path / "m.gguf"))
+    assert model.config.tie_word_embeddings and "lm_head" not in model.params
+    assert_close(ports.logits(model, PROMPT), hf_logits(reference(tiny_k, held), PROMPT))
+
+
+def test_matches_transformers_gguf_loader(tiny, f32_file, tmp_path):
+    """transformers' own GGUF loader (its config mapping and its Q/K inverse) on the same F32 and Q8_0 files."""
+    write_gguf(tmp_path / "q8.gguf", tiny, "Q8_0")
+    for path in (f32_file, tmp_path / "q8.gguf"):
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
+        assert_close(ports.logits(ports.load_gguf(str(path)), PROMPT), hf_logits(theirs, PROMPT))
+    assert_close(ports.logits(ports.load_gguf(str(f32_file)), PROMPT), hf_logits(tiny, PROMPT))
+
+
+def test_rope_permutation_is_undone(tiny, f32_file, monkeypatch):
+    """The Q/K rows go back to HF's order: the inverse of llama.cpp's permutation (for Q's 4 heads and K's 2), and
+    skipping it changes the logits."""
+    w = np.arange(32 * 3).reshape(32, 3)
+    for heads in (4, 2, 1):
+        np.testing.assert_array_equal(G.unpermute_rope_rows(llama_cpp_permute(w, heads), heads), w)
+    ref = hf_logits(tiny, PROMPT)
+    monkeypatch.setattr(G, "unpermute_rope_rows", lambda w, heads: w)
+    skipped = ports.logits(ports.load_gguf(str(f32_file)), PROMPT)
+    assert np.abs(skipped - ref).max() > 0.05 * np.abs(ref).max()
+
+
+def test_config_and_save_hf_round_trip(tiny, f32_file, tmp_path):
+    """The metadata becomes an HF LlamaConfig dict; `save_hf` of the loaded model is a checkpoint transformers
+    loads with the same logits; `convert_gguf` writes a jspec checkpoint `ports.load` reads."""
+    hf = ports.gguf_to_hf_config(str(f32_file))
+    c = tiny.config
+    assert hf["model_type"] == "llama" and hf["num_key_value_heads"] == 2 and hf["tie_word_embeddings"] is False
+    assert (hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["vocab_size"], hf["head_dim"]) == \
+        (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size, c.head_dim)
+    assert hf["rope_theta"] == c.rope_parameters["rope_theta"] and hf["rms_norm_eps"] == pytest.approx(c.rms_norm_eps)
+    model = ports.load_gguf(str(f32_file))
+    ports.save_hf(model, str(tmp_path / "hf"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert_close(hf_logits(back, PROMPT), hf_logits(tiny, PROMPT))
+    cfg, n = ports.convert_gguf(str(f32_file), str(tmp_path / "jspec"))
+    assert n == model.num_params and cfg == model.config
+    assert_close(ports.logits(ports.load(str(tmp_path / "jspec")), PROMPT), hf_logits(tiny, PROMPT))
+
+
+def test_bad_files_fail_early(tiny, f32_file, tmp_path, monkeypatch):
+    """Not GGUF, truncated (header or data), another architecture, an unsupported or unknown tensor type, and
+    missing / unexpected / mis-shaped tensors: each a ValueError naming the problem, raised before anything is
+    dequantized."""
+    calls = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: calls.append(a) or real(*a))
+    data = f32_file.read_bytes()
+
+    def fails(name, content, match):
+        p = tmp_path / name
+        if content is not None:
+            p.write_bytes(content)
+        calls.clear()
+        with pytest.raises(ValueError, match=match):
+            ports.load_gguf(str(p))
+        assert calls == [], name
+
+    fails("text.gguf", b"this is not a gguf file at all", r"text\.gguf: not a GGUF file")
+    fails("empty.gguf", b"", r"empty\.gguf: not a GGUF file")
+    fails("cut-header.gguf", data[:200], r"cut-header\.gguf: not a GGUF file, or truncated")
+    fails("cut-data.gguf", data[:len(data) - 1000], r"cut-data\.gguf: (truncated|not a GGUF file, or truncated)")
+    write_gguf(tmp_path / "qwen.gguf", tiny, arch="qwen2")
+    fails("qwen.gguf", None, r"qwen\.gguf: GGUF architecture 'qwen2' is not supported; jspec reads llama")
+    rows = np.random.default_rng(0).integers(0, 0x20, (4, 2 * 18), dtype=np.uint8)  # IQ4_NL blocks of 32
+    write_gguf(tmp_path / "iq4.gguf", tiny, extra=[("blk.0.extra.weight", rows, T.IQ4_NL)])
+    fails("iq4.gguf", None, r"unsupported ggml types \(1\).*blk\.0\.extra\.weight: IQ4_NL")
+    name = b"blk.1.ffn_up.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8  # after the name: n_dims (u32), 2 dims (u64), then the type
+    fails("unknown.gguf", data[:at] + (99).to_bytes(4, "little") + data[at + 4:],
+          r"tensor blk\.1\.ffn_up\.weight: unknown ggml type id 99")
+    write_gguf(tmp_path / "keys.gguf", tiny, drop=("blk.1.ffn_up.weight",),
+               extra=[("blk.0.attn_q.bias", np.zeros(64, np.float32), None)])
+    fails("keys.gguf", None, r"(?s)missing keys \(1\).*blk\.1\.ffn_up\.weight.*unexpected keys \(1\).*attn_q\.bias")
+    write_gguf(tmp_path / "shape.gguf", tiny, drop=("output.weight",),
+               extra=[("output.weight", np.zeros((7, 64), np.float32), None)])
+    fails("shape.gguf", None, r"wrong shapes \(1\).*output\.weight: checkpoint \(7, 64\), expected \(101, 64\)")
+
+
+def tiny_tokenizer(w):
+    """A byte-level BPE vocabulary (GPT-2 style: 256 byte symbols, a few merges, two control tokens) and a chat
+    template, as llama.cpp writes one."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r"]
+    tokens = symbols + [m.replace(" ", "") for m in merges] + ["<|im_start|>", "<|im_end|>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok_file(tmp_path_factory):
+    """A tiny model (vocabulary 264) in a GGUF that holds a tokenizer."""
+    path = tmp_path_factory.mktemp("gguf-tok") / "tok.gguf"
+    model = tiny_hf("llama", seed=7, vocab_size=264, eos_token_id=263, bos_token_id=262)
+    write_gguf(path, model, tokenizer=tiny_tokenizer)
+    return path, model
+
+
+def test_tokenizer_matches_transformers(tok_file, f32_file):
+    """`tokenizer_from_gguf` (no torch) encodes, decodes and applies the chat template as transformers'
+    `AutoTokenizer.from_pretrained(dir, gguf_file=...)` does."""
+    path, _ = tok_file
+    ours = ports.tokenizer_from_gguf(str(path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in ("hello world", "hello, hello\nworld!", "<|im_start|>user\nhello<|im_end|>"):
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    chat = [{"role": "user", "content": "hello world"}]
+    ids = ours.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
+    assert ids == theirs.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
+    assert ours.decode(ids).startswith("<|im_start|>user\nhello world<|im_end|>")
+    assert (ours.bos_token, ours.eos_token) == ("<|im_start|>", "<|im_end|>")
+    with pytest.raises(ValueError, match=r"tiny-f32\.gguf: holds no tokenizer"):
+        ports.tokenizer_from_gguf(str(f32_file))
+
+
+def test_cli_convert_gguf_then_decode(tok_file, tmp_path, capsys):
+    """`jspec convert model.gguf OUT` writes the checkpoint and the tokenizer: `jspec decode --model OUT --prompt`
+    then gives the tokens jspec.decode gives on the GGUF model (the checkpoint's EOS is the file's)."""
+    path, _ = tok_file
+    assert cli.main(["convert", str(path), str(tmp_path / "out")]) == 0
+    assert os.path.exists(tmp_path / "out" / "tokenizer.json")
+    assert json.load(open(tmp_path / "out" / "config.json"))["eos_token_id"] == 263
+    capsys.readouterr()
+    model = ports.load_gguf(str(path))
+    tok = ports.tokenizer_from_gguf(str(path))
+    ref = jspec.decode(model, np.asarray(tok("hello world")["input_ids"]), max_new_tokens=5)
+    for src in (tmp_path / "out", path):
+        assert cli.main(["decode", "--model", str(src), "--prompt", "hello world", "--max-new-tokens", "5"]) == 0
+        line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("{")][-1]
+        assert json.loads(line)["tokens"] == ref.tokens[0, :ref.lengths[0]].tolist()

