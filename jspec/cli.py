@@ -198,6 +198,19 @@ def bench_long(argv) -> int:
     return 0
 
 
+def bench_spec(argv) -> int:
+    """`jspec bench spec-bench ...`: Spec-Bench on a real model (its own options: `jspec.bench_specbench`)."""
+    from jspec import bench_specbench as SB
+
+    try:
+        result = SB.main(argv)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"jspec bench spec-bench: {e}")
+    print(result["markdown"])
+    print("wrote " + ", ".join(result["files"]))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     from jspec import compilation
@@ -206,6 +219,8 @@ def main(argv=None) -> int:
         compilation.enable_cache()
     if argv[:2] == ["bench", "long"]:
         return bench_long(argv[2:])
+    if argv[:2] == ["bench", "spec-bench"]:
+        return bench_spec(argv[2:])
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("decode", help="generate from a checkpoint (HF dir, `jspec convert` output or .gguf file)")
@@ -280,7 +295,8 @@ def main(argv=None) -> int:
     pl.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(fn=cmd_plan)
-    b = sub.add_parser("bench", help="benchmark suites (ar, sd, gpu; long: `jspec bench long --help`): JSON, "
+    b = sub.add_parser("bench", help="benchmark suites (ar, sd, gpu; long: `jspec bench long --help`; spec-bench: "
+                                     "`jspec bench spec-bench --help`): JSON, "
                                      "markdown table and PNG per run")
     b.add_argument("suite", help="ar | sd | gpu | long")
     b.add_argument("--runs", type=int, default=3, help="timed runs per case (median), after a warm-up")
