@@ -108,10 +108,13 @@ def cmd_demo(args) -> int:
                            cache=args.cache)
         elif args.what == "image-gen":
             demo.run_image_gen(seed=args.seed, out_dir=args.out)
+        elif args.what == "real":
+            demo.run_real(seed=args.seed or 0, out_dir=args.out, max_new_tokens=args.max_new_tokens or 160,
+                          cache=args.cache)
         else:
             demo.run(seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens or 64,
                      methods="all" if args.what == "all" else "core", cache=args.cache)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"jspec demo: {e}")
     return 0
 
@@ -248,10 +251,12 @@ def main(argv=None) -> int:
     demo_help = ("the shipped zoo pairs write long answers with AR and speculative decoding, greedy and sampled: "
                  "one table (tokens/s, tokens per target step, speedup, same tokens as AR) and one figure")
     m = sub.add_parser("demo", help=demo_help, description=demo_help)
-    m.add_argument("what", nargs="?", default="core", choices=("core", "all", "video", "image-gen"),
+    m.add_argument("what", nargs="?", default="core", choices=("core", "all", "video", "image-gen", "real"),
                    help="core (default, about a minute): AR, Chain and a tree on the text pair; all: adds "
                         "DynamicTree, SAGE, EESD, TABED on the image pair and SpecVLM on video clips (minutes); "
-                        "video: the video pair alone; image-gen: the text-to-image pair, AR beside LANTERN++")
+                        "video: the video pair alone; image-gen: the text-to-image pair, AR beside LANTERN++; "
+                        "real: SmolLM2-135M-Instruct (after `jspec fetch smollm2-135m-instruct`) summarizes and "
+                        "rewrites a text, AR beside prompt lookup")
     m.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (96 for video)")
     m.add_argument("--seed", type=int, default=None, help="example seed (default: a fresh one, printed)")
     m.add_argument("--out", default="jspec-demo", help="directory for the table, the figure and the images")

@@ -87,6 +87,53 @@ def text_section(seed: int, methods: str = "core") -> Section:
                    [(ex.turns[-2].text, ex.answer) for ex in exs], s)
 
 
+REAL_TEXT = (
+    "Every spring the town of Alder Creek floods its lower meadow on purpose. The farmers open three old wooden "
+    "sluices at dawn, and by noon the river water has spread across forty acres of grass. Birds arrive within hours: "
+    "herons first, then ducks, then hundreds of small waders that pick insects out of the shallow water. The water "
+    "stays for about two weeks. When the sluices close again, the meadow drains slowly into ditches dug more than a "
+    "century ago, and the grass grows back greener than before. The custom began as a way to fertilize the fields "
+    "with river silt, but today most visitors come for the birds, and the town sells maps of the best places to "
+    "watch them.")
+REAL_TASKS = ("Summarize this text in three sentences.", "Rewrite this text in the past tense, keeping every detail.")
+
+
+def real_section(seed: int = 0, model: str = "smollm2-135m-instruct") -> Section:
+    """A real pretrained model (`jspec fetch`) summarizes and rewrites a real text in one ragged batch: AR beside
+    prompt lookup (Spec-Bench's 10-token copies and 4-token ones), greedy, and prompt lookup sampled."""
+    import jspec
+    from jspec import models
+
+    target, tok = models.load(model)
+    rows = [np.asarray(tok.apply_chat_template([{"role": "user", "content": f"{task}\n\n{REAL_TEXT}"}],
+                                               add_generation_prompt=True)["input_ids"], np.int32)
+            for task in REAL_TASKS]
+    both = ("greedy", "sampled")
+    s = {"AR": (None, both), "PromptLookup gamma=10": (jspec.PromptLookup(max_ngram=3, gamma=10), ("greedy",)),
+         "PromptLookup gamma=4": (jspec.PromptLookup(max_ngram=3, gamma=4), both)}
+    return Section(f"{model}: {target.num_params / 1e6:.0f}M parameters, f32 (a summary and a rewrite of one text)",
+                   target, tok, rows, [(task, "(a real model: no reference)") for task in REAL_TASKS], s)
+
+
+def run_real(seed: int = 0, out_dir: str = "jspec-demo", max_new_tokens: int = 160, rounds: int = 3,
+             cache: str | None = None, print_fn=print) -> dict:
+    """`jspec demo real`: `real_section` measured (as `run` does) with its table, the why-slower lines and a
+    figure; needs `jspec fetch smollm2-135m-instruct` first."""
+    cache_dir = CJ.enable_cache(cache)
+    print_fn("jspec demo real: a real model, AR against prompt lookup"
+             + (f" (compiled programs cached in {cache_dir})" if cache_dir else ""))
+    sec = real_section(seed)
+    res = measure(sec, max_new_tokens, rounds, seed, print_fn)
+    report(sec, res, print_fn)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig_path, md_path = out / "demo-real.png", out / "demo-real.md"
+    figure([sec], [res], fig_path)
+    md_path.write_text(f"### {sec.title}\n\n" + "\n".join(table(res)) + "\n")
+    print_fn(f"wrote {fig_path} and {md_path}")
+    return {"sections": [{"title": sec.title, "results": res}], "files": [str(fig_path), str(md_path)]}
+
+
 def image_section(seed: int) -> Section:
     """The image pair, which reads the images: detailed captions, a story over five images (out of the draft's
     distribution) and a two-image comparison; AR, Chain (the draft reads the images) and TABED (MT*: the draft's

@@ -57,3 +57,18 @@ def test_greedy_decode_matches_transformers_generate(pair):
     ours = out.tokens[0, :out.lengths[0]]
     assert ours.tolist() == ref.tolist(), (tok.decode(ours), tok.decode(ref))
     assert len(ours) >= 12 and "ocean" in tok.decode(ours).lower()
+
+
+def test_prompt_lookup_equals_ar_and_copies_on_a_rewrite(pair):
+    """Prompt lookup on the real model: greedy tokens equal AR's, and a request to repeat a text gets copies
+    drafted and accepted (more than one token per target step)."""
+    model, tok, _, _ = pair
+    text = "The quick brown fox jumps over the lazy dog near the river bank every morning."
+    chat = [{"role": "user", "content": f"Repeat this sentence exactly: {text}"}]
+    ids = np.asarray(tok.apply_chat_template(chat, add_generation_prompt=True)["input_ids"], np.int32)
+    ar = jspec.decode(model, ids, max_new_tokens=24, eos_token_id=tok.eos_token_id)
+    pld = jspec.decode(model, ids, jspec.PromptLookup(max_ngram=3, gamma=6), max_new_tokens=24,
+                       eos_token_id=tok.eos_token_id)
+    np.testing.assert_array_equal(pld.tokens, ar.tokens)
+    assert "fox" in tok.decode(ar.tokens[0, :ar.lengths[0]])
+    assert pld.stats["mean_accepted"][0] > 2.0, pld.stats["accepted"]

@@ -17,7 +17,9 @@ once per decode (`check`, `prepare`) and on the device inside the jitted step:
   state)`: one tree level: K new nodes at `depth` below the root (the drafter places them at its own positions),
   written at scratch offsets offset.. past the committed tokens, each seeing the committed tokens and the scratch
   slots its `mask` row allows; `run` (a traced bool or None) lets a level no row needs be skipped.
-- `commit(env, state, catchup: Catchup) -> state`: the state after verification accepted a path.
+- `commit(env, state, catchup: Catchup) -> state`: the state after verification accepted a path; the committed
+  tokens are the path's (`catchup.prop.tokens` along `catchup.path`, root first), so a drafter that reads the
+  generated text keeps it from here (`jspec.drafters.ngram`, prompt lookup).
 - optional class attribute `verify_hidden = True`: the drafter reads the target's last-layer hidden states at the
   accepted path's nodes from verification (`Catchup.hidden`; an EAGLE feature head).
 
