@@ -14,6 +14,7 @@ import numpy as np  # noqa: E402
 import jspec  # noqa: E402
 from strategies import REGISTRY, mesh_entries  # noqa: E402
 from tiny_pairs import PROMPTS, tiny_pair  # noqa: E402
+from tolerances import assert_clear_margins  # noqa: E402
 
 
 def main():
@@ -22,6 +23,7 @@ def main():
     prompts = PROMPTS + [PROMPTS[0][:3]]  # 4 rows: the data axis splits the batch
     mesh = jspec.make_mesh(data=2, tensor=4)
     ar = jspec.decode(target, prompts, max_new_tokens=12, eos_token_id=()).tokens
+    assert_clear_margins(target, prompts, ar)  # the exact comparisons below are not decided by rounding
     passed = []
     slow = "--slow" in sys.argv
     for name in mesh_entries(slow):
