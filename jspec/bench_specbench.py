@@ -13,7 +13,7 @@ before the first run). A call's wall time includes its prefill, as Spec-Bench's 
 It writes Spec-Bench's answer JSONL per method (`question_id`, `category`, `choices[0].turns / new_tokens /
 wall_time / accept_lengths`: Spec-Bench's `evaluation/speed.py` reads it), and a summary (JSON, markdown and a
 plot): per category and overall, mean accepted tokens per target step (the bonus included), tokens/s, the step's
-cost in AR steps, the wall speedup over jspec AR (the median over runs of the ratio of the category's total times),
+cost in AR steps (decode loop time per target step, prefill excluded), the wall speedup over jspec AR (the median over runs of the ratio of the category's total times),
 and whether every greedy answer equals jspec AR's.
 """
 from __future__ import annotations
@@ -68,7 +68,8 @@ def chat_ids(tokenizer, messages: list[dict]) -> np.ndarray:
 
 
 class Runner:
-    """Decodes one prompt with one method; returns (tokens, accept lengths per step or None, wall seconds)."""
+    """Decodes one prompt with one method; returns (tokens, accept lengths per step or None, wall seconds, the
+    decode loop's seconds without the prefill or None)."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, pad_to: int, hf=None):
         self.model, self.tok, self.N, self.T, self.pad_to, self.hf = model, tokenizer, max_new_tokens, temperature, \
@@ -87,7 +88,7 @@ class Runner:
         n = int(out.lengths[0])
         steps = int(out.stats["steps"][0])
         acc = [1] + out.stats["accepted"][0, :steps].tolist()  # the prefill's token, then each target step's
-        return out.tokens[0, :n], acc, wall
+        return out.tokens[0, :n], acc, wall, float(out.stats["decode_s"])
 
     def transformers(self, kw: dict, ids: np.ndarray, seed: int):
         import torch
@@ -103,7 +104,7 @@ class Runner:
         wall = time.perf_counter() - t
         toks = o[0, len(ids):].numpy()
         stop = np.flatnonzero(np.isin(toks, self.eos))
-        return toks[:stop[0] + 1] if stop.size else toks, None, wall
+        return toks[:stop[0] + 1] if stop.size else toks, None, wall, None
 
 
 def _warm(runner: Runner, methods: dict, widths: list[int], progress) -> None:
@@ -209,7 +210,7 @@ def _write_answers(path: str, method: str, qs: list, res: dict, tok, model_name:
                 if not outs:
                     continue
                 walls = [o[2] for o in outs]
-                toks, a, _ = outs[int(np.argsort(walls)[len(walls) // 2])]
+                toks, a = outs[int(np.argsort(walls)[len(walls) // 2])][:2]
                 turns.append(tok.decode(toks, skip_special_tokens=True))
                 new.append(int(len(toks)))
                 wall.append(float(np.median(walls)))
@@ -234,7 +235,8 @@ def summarize(qs, turns, res, methods, hf_methods, temperature) -> dict:
         ar = res["ar"]
         n_runs = len(ar[keys[0]])
         ar_wall = [sum(ar[k][r][2] for k in keys) for r in range(n_runs)]
-        ar_steps = sum(len(ar[k][0][1]) for k in keys)
+        ar_steps = sum(len(ar[k][0][1]) - 1 for k in keys)
+        ar_loop = [sum(ar[k][r][3] for k in keys) for r in range(n_runs)]
         for m in list(methods) + list(hf_methods):
             out = res[m]
             wall = [sum(out[k][r][2] for k in keys) for r in range(n_runs)]
@@ -244,8 +246,10 @@ def summarize(qs, turns, res, methods, hf_methods, temperature) -> dict:
                    "tokens_s": round(toks / float(np.median(wall)), 1),
                    "speedup_vs_ar": round(float(np.median([a / w for a, w in zip(ar_wall, wall)])), 3),
                    "mean_accepted": round(float(np.mean(acc)), 3) if acc else None}
-            if acc:  # the wall time of one target step of this method, in jspec AR steps
-                row["step_cost_ar_steps"] = round((np.median(wall) / len(acc)) / (np.median(ar_wall) / ar_steps), 3)
+            if acc:  # one target step of this method (decode loop, no prefill), in jspec AR steps
+                loop = [sum(out[k][r][3] for k in keys) for r in range(n_runs)]
+                steps = sum(len(out[k][0][1]) - 1 for k in keys)
+                row["step_cost_ar_steps"] = round((np.median(loop) / steps) / (np.median(ar_loop) / ar_steps), 3)
             if temperature == 0:
                 row["equal_to_ar"] = f"{sum(np.array_equal(out[k][0][0], ar[k][0][0]) for k in keys)}/{len(keys)}"
             rows.append(row)
