@@ -1,0 +1,63 @@
+"""`jspec bench spec-bench`'s pieces that need no model: the shipped question set, the summary's arithmetic and the
+answer files Spec-Bench's own `evaluation/speed.py` reads (the run itself is a benchmark, not a test)."""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jspec import bench_specbench as SB
+
+
+def test_the_shipped_question_set_is_spec_bench():
+    qs = SB.load_questions()
+    assert len(qs) == 480 and len({q["question_id"] for q in qs}) == 480
+    counts = {c: sum(q["category"] == c for q in qs) for c in SB.CATEGORIES}
+    assert all(counts[c] == 10 for c in SB.MT_BENCH) and all(counts[c] == 80 for c in SB.CATEGORIES[8:])
+    assert all(len(q["turns"]) == (2 if q["category"] in SB.MT_BENCH else 1) for q in qs)
+    two = SB.load_questions(("rag", "writing"), 2)
+    assert [q["category"] for q in two] == ["writing", "writing", "rag", "rag"]  # file order, 2 of each
+    with pytest.raises(ValueError, match="unknown Spec-Bench categories"):
+        SB.load_questions(("poetry",))
+
+
+def _results():
+    """Two questions (one with a second turn), two runs, AR and one method with known times and tokens."""
+    qs = [{"question_id": 1, "category": "writing", "turns": ["a", "b"]},
+          {"question_id": 2, "category": "rag", "turns": ["c"]}]
+    turns = [(0, 0, None), (1, 0, None), (0, 1, None)]
+    toks = {(0, 0): np.arange(8), (1, 0): np.arange(6), (0, 1): np.arange(4)}
+    # AR: one token per step (the prefill's first), 0.2 s of decode loop per step
+    ar = {k: [(t, [1] * len(t), 2.0 * len(t) / 8, 0.2 * (len(t) - 1)) for _ in range(2)] for k, t in toks.items()}
+    # the method: same tokens except the rag answer, half the wall time, 2 tokens per step at 1.5 AR steps' cost
+    pld = {}
+    for k, t in toks.items():
+        out = t if k != (1, 0) else t[::-1]
+        acc = [1] + [2] * ((len(t) - 1) // 2) + [1] * ((len(t) - 1) % 2)
+        pld[k] = [(out, acc, ar[k][0][2] / 2, 0.3 * (len(acc) - 1)) for _ in range(2)]
+    return qs, turns, {"ar": ar, "pld": pld}
+
+
+def test_summary_speedups_step_costs_and_equality():
+    qs, turns, res = _results()
+    summary = SB.summarize(qs, turns, res, {"ar": None, "pld": None}, (), 0.0)
+    rows = {(r["group"], r["method"]): r for r in summary["rows"]}
+    assert {g for g, _ in rows} == {"writing", "rag", "mt_bench", "overall"}
+    assert rows["overall", "pld"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert rows["overall", "pld"]["step_cost_ar_steps"] == pytest.approx(1.5)
+    assert rows["writing", "pld"]["equal_to_ar"] == "2/2" and rows["rag", "pld"]["equal_to_ar"] == "0/1"
+    assert rows["overall", "ar"]["mean_accepted"] == 1.0
+    assert rows["rag", "pld"]["mean_accepted"] == pytest.approx(np.mean([1, 2, 2, 1]))
+
+
+def test_answer_files_are_what_spec_bench_reads(tmp_path):
+    qs, _, res = _results()
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+    path = SB._write_answers(str(tmp_path / "pld.jsonl"), "pld", qs, res["pld"], tok, "m")
+    rows = [json.loads(line) for line in open(path)]
+    assert [r["question_id"] for r in rows] == [1, 2]
+    c = rows[0]["choices"][0]
+    assert len(c["turns"]) == 2 and c["new_tokens"] == [8, 4] and len(c["wall_time"]) == 2
+    # evaluation/speed.py: sum(new_tokens) / sum(wall_time) per answer, accept_lengths extended over answers
+    assert sum(c["new_tokens"]) / sum(c["wall_time"]) == pytest.approx(12 / (1.0 + 0.5))
+    assert c["accept_lengths"] == res["pld"][0, 0][0][1] + res["pld"][0, 1][0][1]
