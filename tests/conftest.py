@@ -38,6 +38,10 @@ import ports
 
 torch.set_num_threads(2)
 
+import mutants  # noqa: E402
+
+mutants.apply_from_env()  # JSPEC_MUTANT=<name>: run the tests under one of tests/mutants.py's mutants
+
 
 def tiny_hf(kind: str = "llama", seed: int = 0, **overrides):
     """A tiny random transformers model (eval mode, f32). initializer_range is large so logits are not flat."""

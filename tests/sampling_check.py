@@ -211,20 +211,28 @@ def image_joint(target, prompt=IMAGE_PROMPT, pixels=PIXELS, n=3, **warpers):
     """P(t1..tn | prompt with its image) of a LLaVA target by enumeration over all V^n continuations, from
     full-sequence forwards: the prompt's image run gets the image's features, and a generated image-token id is
     text (as in decoding)."""
+    seqs = np.array(list(itertools.product(range(target.vocab_size), repeat=n)))
+    logits = llava_logits(target, prompt, pixels, seqs)
+    return joint_from_logprobs(warped_logprobs(np.asarray(logits), **warpers), seqs, len(prompt))
+
+
+def llava_logits(model, prompt, pixels, seqs) -> np.ndarray:
+    """float32 logits [N, T, V] of a LLaVA `model` over `prompt` [P] followed by each continuation of `seqs`
+    [N, n], from one full forward without a persistent cache: the prompt's image runs get the features of `pixels`
+    (None: a text-only prompt), and a continuation's image-token id is text, as in decoding."""
     import jax.numpy as jnp
 
     from jspec import cache as kvc
     from ports import llava
 
-    seqs = np.array(list(itertools.product(range(target.vocab_size), repeat=n)))
+    seqs = np.asarray(seqs).reshape(len(seqs), -1)
     full = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
     N, T = full.shape
-    pe = llava.prompt_embeds(target.config, target.params, jnp.asarray(prompt[None]),
-                             {"pixel_values": jnp.asarray(pixels)}).embeds
+    inputs = {} if pixels is None else {"pixel_values": jnp.asarray(pixels)}
+    pe = llava.prompt_embeds(model.config, model.params, jnp.asarray(np.asarray(prompt)[None]), inputs).embeds
     emb = jnp.concatenate([jnp.broadcast_to(pe, (N,) + pe.shape[1:]),
-                           llava.embed(target.config, target.params, jnp.asarray(seqs))], axis=1)
-    layers, kvh, hd = target.kv_layout
+                           llava.embed(model.config, model.params, jnp.asarray(seqs))], axis=1)
+    layers, kvh, hd = model.kv_layout
     cache = kvc.init_cache(layers, N, kvh, T, hd, jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
-    logits = target.forward(jnp.asarray(full), pos, cache, embeds=emb).logits
-    return joint_from_logprobs(warped_logprobs(np.asarray(logits), **warpers), seqs, len(prompt))
+    return np.asarray(model.forward(jnp.asarray(full), pos, cache, embeds=emb).logits, np.float32)

@@ -21,6 +21,7 @@ from ports import qwen2_vl as QW
 import test_llava_next as LN
 import test_llava_next_video as NV
 from conftest import eager_attentions
+from test_pruning import reference as selection
 from test_qwen2_vl import IMG, VID, build, frames, image, torch_batch
 from test_qwen2_vl import built, hf_models, jx_models  # noqa: F401  (module fixtures: tiny Qwen2.5-VL pair)
 
@@ -87,6 +88,9 @@ def test_in_program_compaction_equals_host_prune_prompt(jx_models, positions):
     hook, (tokens, lengths, inputs), prep = prepared_hook(target, draft, batch, ratio=0.7, positions=positions)
     prefill = target_prefill(target, hook, tokens, lengths, inputs)
     keep = np.asarray(hook.keep(prefill))
+    a, n_vis = (np.asarray(x) for x in hook.scores(prefill))
+    for b in range(tokens.shape[0]):  # the hook keeps SpecVLM's selection on the target's own attention
+        np.testing.assert_array_equal(np.flatnonzero(keep[b]), selection(a[b, :n_vis[b]], 0.7, hook.top_p))
     d_tokens, d_lengths, d_inputs = jax.jit(hook.draft_prompt)(prefill, jax.tree.map(jnp.asarray, prep.prompt))
     n = np.isin(tokens, [VID]).sum(1)
     assert keep.sum(1).tolist() == [int(k) for k in np.floor(n * 0.3 + 1e-3)]
@@ -111,7 +115,8 @@ def test_in_program_compaction_equals_host_prune_prompt(jx_models, positions):
 
 
 @pytest.mark.parametrize("ratio,positions,std", [
-    (0.9, "original", True), (0.0, "renumbered", False), (0.95, "renumbered", True),
+    (0.9, "original", True), (0.0, "original", False), (0.95, "renumbered", True),
+    pytest.param(0.0, "renumbered", False, marks=pytest.mark.slow),
     pytest.param(0.0, "original", True, marks=pytest.mark.slow),
     pytest.param(0.5, "renumbered", True, marks=pytest.mark.slow),
     pytest.param(0.95, "original", False, marks=pytest.mark.slow),
@@ -128,6 +133,10 @@ def test_greedy_specvlm_equals_ar_qwen(jx_models, ratio, positions, std):
     strategy = SpecVLM(draft, ratio=ratio, tree=SMALL_TREE, positions=positions)
     sd = jspec.decode(target, batch, strategy=strategy, max_new_tokens=12)
     np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    if ratio == 0 and draft is None:  # Self-SD keeping every token drafts what the target says
+        deepest = max(len(p) for p in SMALL_TREE) + 1
+        for b, n_steps in enumerate(sd.stats["steps"]):  # every round but the last (cut by max_new_tokens) in full
+            assert (sd.stats["accepted"][b, :n_steps - 1] == deepest).all(), sd.stats["accepted"]
     started = jspec.api.start(target, batch, strategy, max_new_tokens=12)
     t_len, d_len = started.state.cache.k[0].shape[1], started.state.aux.draft.cache.k[0].shape[1]
     n = int(np.isin(batch["input_ids"], [VID]).sum(1).max())

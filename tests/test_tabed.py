@@ -14,7 +14,12 @@ from jspec.drafters.views import build_views, image_runs
 from jspec.zoo import evaluate as E
 from jspec.methods.tabed import METHODS, TABED, block_efficiency, expected_speedup
 from ports import llava
-from sampling_check import IMAGE_PROMPT, PIXELS, VLM_V, chi2_pvalue, image_joint, tiny_llava
+from flax import struct
+
+from jspec.controllers import Asks, Controller, Decision
+from jspec.drafters.views import pooled_model
+from sampling_check import IMAGE_PROMPT, IMG, PIXELS, VLM_V, check, image_joint, llava_logits, tiny_llava
+from tolerances import assert_f32_close
 
 ZOO_NEWLINE = 204  # the zoo tokenizer's "\n"
 
@@ -169,6 +174,91 @@ def test_a_finite_window_sums_the_last_positions():
     np.testing.assert_allclose(np.asarray(c._totals(st)), want, rtol=2e-4, atol=1e-5)
 
 
+@struct.dataclass
+class ViewRecorder(Controller):
+    """Keeps each step's per-view draft log-probabilities along the accepted path: `plan` reports the previous
+    step's (out.stats "view_logp" [B, steps, D+1, m, V], "view_accepted", "view_known")."""
+
+    m: int = struct.field(pytree_node=False)
+    vocab: int = struct.field(pytree_node=False)
+
+    @property
+    def asks(self) -> Asks:
+        return Asks(draft_aux=True, draft_probs=True)  # draft_known comes with draft_probs
+
+    def init(self, batch: int, max_depth: int):
+        return {"view_logp": jnp.zeros((batch, max_depth + 1, self.m, self.vocab), jnp.float32),
+                "view_accepted": jnp.zeros((batch,), jnp.int32),
+                "view_known": jnp.zeros((batch, max_depth + 1), bool)}
+
+    def plan(self, state, key) -> Decision:
+        return Decision(info=dict(state))
+
+    def observe(self, state, record):
+        return {"view_logp": record.draft_aux, "view_accepted": record.accepted.astype(jnp.int32),
+                "view_known": record.draft_known}
+
+
+ROW_PROMPTS = [IMAGE_PROMPT, np.array([1, 5, IMG, IMG, IMG, IMG, 2, 6, 4, 4])]
+ROW_PIXELS = np.concatenate([PIXELS, np.random.default_rng(1).normal(size=PIXELS.shape).astype(np.float32)])
+
+
+def test_each_views_draft_distribution_is_a_fresh_forward_of_the_draft_on_that_view():
+    """Along every accepted path of a greedy decode (ragged rows, several steps), the drafter's per-view
+    distributions equal one full forward of the draft over that view's prompt and the committed tokens: M the
+    prompt with its image, T the image run replaced by a newline, P the image pooled 2 x 2 (one feature), C the
+    run replaced by the image's caption. So each view's prompt, ragged cache and commits are its own."""
+    target, draft = tiny_llava(10, 0.4), tiny_llava(11, 0.6)
+    caption = dict(before=[1], after=[2], max_new_tokens=3, eos_token_id=())
+    cap = jspec.ModelCaptioner(draft, **caption)
+    views = ("M", "T", "P", "C")
+    strat = TABED(draft, views=views, weights=(0.4, 0.3, 0.2, 0.1), newline_id=3, gamma=3, captioner=cap)
+    parts = strat.parts().replace(controller=ViewRecorder(len(views), VLM_V))
+    n_new = 12
+    out = jspec.decode(target, {"input_ids": ROW_PROMPTS, "pixel_values": ROW_PIXELS}, strategy=parts,
+                       max_new_tokens=n_new, eos_token_id=())
+    st = out.stats
+    checked = 0
+    for b, prompt in enumerate(ROW_PROMPTS):
+        pix = ROW_PIXELS[b:b + 1]
+        run = np.flatnonzero(prompt == IMG)
+        before, after = prompt[:run[0]], prompt[run[-1] + 1:]
+        cap_ids = jspec.decode(draft, {"input_ids": [[1] + [IMG] * len(run) + [2]], "pixel_values": pix},
+                               max_new_tokens=3, eos_token_id=()).tokens[0]
+        view_prompts = {"M": (draft, prompt, pix),
+                        "T": (draft, np.concatenate([before, [3], after]), None),
+                        "P": (pooled_model(draft, 2), np.concatenate([before, [IMG], after]), pix),
+                        "C": (draft, np.concatenate([before, cap_ids, after]), None)}
+        gen = out.tokens[b, :out.lengths[b]]
+        for k, v in enumerate(views):
+            model, vp, vpix = view_prompts[v]
+            ref = llava_logits(model, vp, vpix, gen[None])[0]
+            ref = np.asarray(jax.nn.log_softmax(ref, axis=-1))
+            for s in range(1, int(st["steps"][b])):  # plan s reports step s - 1
+                c = 1 + int(st["accepted"][b, :s - 1].sum())  # tokens committed before step s - 1
+                for j in range(int(st["view_accepted"][b, s]) + 1):
+                    if st["view_known"][b, s, j]:
+                        assert_f32_close(st["view_logp"][b, s, j, k], ref[len(vp) + c + j - 1], atol=2e-5,
+                                         err_msg=f"row {b} view {v} step {s - 1} node {j}")
+                        checked += 1
+    assert checked >= 2 * 4 * 4  # 2 rows x 4 views x several steps and depths
+
+
+def test_the_weights_decide_which_view_drafts():
+    """The target drafting for itself through two views: weight on M (its own prompt) accepts every draft; weight
+    on T (the image replaced by a newline) drafts another model's guesses and accepts fewer."""
+    target = tiny_llava(10, 0.4)
+    prompt = {"input_ids": ROW_PROMPTS, "pixel_values": ROW_PIXELS}
+    runs = {w: jspec.decode(target, prompt, max_new_tokens=16, eos_token_id=(),
+                            strategy=TABED(target, views=("M", "T"), weights=w, newline_id=3, gamma=3))
+            for w in ((1.0, 0.0), (0.0, 1.0))}
+    m_only, t_only = runs[(1.0, 0.0)].stats, runs[(0.0, 1.0)].stats
+    for b, n_steps in enumerate(m_only["steps"]):
+        assert (m_only["accepted"][b, :n_steps - 1] == 4).all(), m_only["accepted"]  # gamma + bonus, last cut
+    assert t_only["accepted_drafts"].sum() < m_only["accepted_drafts"].sum()
+    np.testing.assert_array_equal(runs[(0.0, 1.0)].tokens, runs[(1.0, 0.0)].tokens)
+
+
 def test_greedy_equals_ar_for_adaptive_ensembles(zoo):
     pair, prompt = zoo
     ar = _ar(pair, prompt)
@@ -224,17 +314,20 @@ def test_sampling_is_exact_with_images_for_fixed_and_adaptive_weights():
     p = image_joint(target, IMAGE_PROMPT, PIXELS)
     rows = 8000
     prompt = {"input_ids": np.tile(IMAGE_PROMPT, (rows, 1)), "pixel_values": np.repeat(PIXELS, rows, 0)}
-    for strat in (TABED(draft, views=("M", "T", "P"), weights=(0.2, 0.5, 0.3), newline_id=3, gamma=3),
-                  TABED(draft, views=("M", "T"), weights="grid", newline_id=3, gamma=3)):
-        out = jspec.decode(target, prompt, strategy=strat, max_new_tokens=3, temperature=1.0, eos_token_id=(),
+
+    def counts(model, strat):
+        out = jspec.decode(model, prompt, strategy=strat, max_new_tokens=3, temperature=1.0, eos_token_id=(),
                            key=jax.random.key(5))
         idx = out.tokens[:, 0] * V * V + out.tokens[:, 1] * V + out.tokens[:, 2]
-        counts = np.bincount(idx, minlength=V ** 3)
-        tv = 0.5 * np.abs(counts / counts.sum() - p).sum()
-        assert chi2_pvalue(counts, p) > 1e-3, (strat.weights, tv)
-        assert tv < 0.08
+        return np.bincount(idx, minlength=V ** 3), out
+
+    for strat in (TABED(draft, views=("M", "T", "P"), weights=(0.2, 0.5, 0.3), newline_id=3, gamma=3),
+                  TABED(draft, views=("M", "T"), weights="grid", newline_id=3, gamma=3)):
+        c, out = counts(target, strat)
+        check(c, p)  # chi-square and total variation within what an exact sampler of this size shows
         assert out.stats["mean_accepted"].mean() > 1.1  # drafts were accepted and rejected
         assert out.stats["mean_accepted"].mean() < 2.9
+    check(counts(draft, None)[0], p, exact=False)  # negative control: the draft's own samples are told apart
 
 
 def test_new_weights_do_not_recompile(zoo):

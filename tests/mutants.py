@@ -1,0 +1,138 @@
+"""Mutants: each switches one method's own mechanism off while its output stays lossless, so that tests proving
+only losslessness cannot tell it from the real method. `tests/test_mutants.py` (slow) runs each mutant's test files
+under it and asserts that they fail; a default test asserts that each patch really replaces what it names.
+
+Set `JSPEC_MUTANT=<name>` to run any pytest command under a mutant (tests/conftest.py applies it at start-up, in
+pytest-xdist workers too).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """`owner.attr` is replaced by `make(original)`; `files` are the default-suite test files that must notice."""
+
+    owner: Callable[[], object]  # imported lazily: the conftest applies a mutant before the tests import jspec
+    attr: str
+    make: Callable
+    files: tuple[str, ...]
+    why: str
+
+
+def _tabed_owner():
+    from jspec.drafters.views import MultiViewDrafter
+
+    return MultiViewDrafter
+
+
+def _uniform_weights(original):
+    import jax.numpy as jnp
+
+    def _weights(self, env, batch):
+        return jnp.full((batch, self.m), 1.0 / self.m, jnp.float32)
+
+    return _weights
+
+
+def _pruning_owner():
+    from jspec.methods.specvlm import VisionPruning
+
+    return VisionPruning
+
+
+def _uniform_keep(original):
+    import jax
+
+    from jspec import pruning as PR
+
+    def keep(self, prefill):
+        a, n = self.scores(prefill)
+        return PR.select(a, n, self.ratio, "uniform", self.top_p, jax.random.key(self.seed), self.frame_tokens)
+
+    return keep
+
+
+def _sage_owner():
+    from jspec.controllers.entropy_tree import EntropyTree
+
+    return EntropyTree
+
+
+def _initial_tree_every_round(original):
+    import jax.numpy as jnp
+
+    from jspec.plans import LayeredTree
+
+    def plan(self, state, key):
+        d = original(self, state, key)
+        B = d.depth.shape[0]
+        init = [jnp.broadcast_to(jnp.asarray(a), (B,) + jnp.shape(a)) for a in self.spec.initial()]
+        return d._replace(tree=LayeredTree(*init))  # the planned depth and the reported plan are kept
+
+    return plan
+
+
+def _beta_owner():
+    from jspec.controllers.draft_length import BetaTS
+
+    return BetaTS
+
+
+def _frozen_posterior(original):
+    def observe(self, state, record):
+        return state
+
+    return observe
+
+
+def _lantern_owner():
+    from jspec.verify import LanternPP
+
+    return LanternPP
+
+
+def _no_neighbour_mass(original):
+    import jax.numpy as jnp
+
+    def bound(self, rx):
+        return jnp.full(rx.shape, -1.0, rx.dtype)  # no neighbour fits: q~(x) = q(x), the exact rule
+
+    return bound
+
+
+MUTANTS = {
+    "tabed-uniform-weights": Mutant(_tabed_owner, "_weights", _uniform_weights, ("tests/test_tabed.py",),
+                                    "the multi-view drafter mixes its views uniformly, whatever the weights"),
+    "specvlm-uniform-keep": Mutant(_pruning_owner, "keep", _uniform_keep,
+                                   ("tests/test_specvlm.py", "tests/test_pruning.py"),
+                                   "the draft keeps a uniform stride of vision tokens, ignoring the attention"),
+    "sage-initial-tree": Mutant(_sage_owner, "plan", _initial_tree_every_round, ("tests/test_sage.py",),
+                                "the engine drafts SAGE's initial tree every round (the planned depth kept)"),
+    "beta-ts-frozen": Mutant(_beta_owner, "observe", _frozen_posterior, ("tests/test_eesd.py",),
+                             "Beta-TS's posterior never moves"),
+    "lanternpp-no-neighbour-mass": Mutant(_lantern_owner, "bound", _no_neighbour_mass,
+                                          ("tests/test_lantern_rules.py",),
+                                          "LANTERN++ admits no neighbour mass (the exact rule)"),
+}
+
+
+def apply(name: str) -> Callable[[], None]:
+    """Patch mutant `name` in; returns the function that undoes it."""
+    if name not in MUTANTS:
+        raise ValueError(f"unknown mutant {name!r}; choose one of {sorted(MUTANTS)}")
+    m = MUTANTS[name]
+    owner = m.owner()
+    original = owner.__dict__[m.attr]
+    setattr(owner, m.attr, m.make(original))
+    return lambda: setattr(owner, m.attr, original)
+
+
+def apply_from_env() -> str | None:
+    name = os.environ.get("JSPEC_MUTANT")
+    if name:
+        apply(name)
+    return name
