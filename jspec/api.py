@@ -342,7 +342,8 @@ def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings) -> Deco
         acc_rate = np.where(drafted > 0, drafted_accepted / np.maximum(drafted, 1), np.nan)
         # EESD Eq. 11-12: v_d = accepted drafts / drafts (the acceptance rate), r_d = accepted drafts / tokens
         r_d = np.where(drafted > 0, drafted_accepted / np.maximum(np.asarray(n_out), 1), np.nan)
-        hm = 200.0 * acc_rate * r_d / (acc_rate + r_d)
+        hm = np.where(acc_rate + r_d > 0, 200.0 * acc_rate * r_d / (acc_rate + r_d),
+                      np.where(drafted > 0, 0.0, np.nan))
     stats = {"steps": row_steps, "accepted": accepted, "mean_accepted": mean_acc,
              "mean_accepted_no_bonus": mean_acc - 1.0, "drafted": np.asarray(drafted),
              "accepted_drafts": drafted_accepted, "acceptance_rate": acc_rate, "r_d": r_d, "hm": hm, **timings}

@@ -110,25 +110,37 @@ class Case:
     meta: dict = dataclasses.field(default_factory=dict)
 
 
-def interleaved(cases: list[Case], runs: int, progress: bool = True) -> dict[str, dict]:
+def interleaved(cases: list[Case], runs: int, progress: bool = True, deadline: float | None = None
+                ) -> dict[str, dict]:
     """Warm up every case (compile time = its first call), then time `runs` rounds, every case once per round,
-    so a noisy machine's drifts hit all cases alike. Returns per case: first result, compile_s, wall list."""
+    so a noisy machine's drifts hit all cases alike. Returns per case: first result, compile_s, wall list.
+    `deadline` (a `time.time()`): a case whose warm-up, or a round, would likely end after it (judged by the
+    slowest warm-up / the last round so far) is left out; the cases that ran come back, with fewer rounds."""
     from tqdm import tqdm
 
     out = {}
     bar = tqdm(total=len(cases) * (runs + 1), desc="bench", unit="run", disable=not progress, leave=False)
+    late = lambda need: deadline is not None and time.time() + need > deadline  # noqa: E731
     for c in cases:
+        if out and late(max(o["compile_s"] for o in out.values())):
+            break
         t = time.perf_counter()
         first = c.run()
         out[c.name] = {"first": first, "compile_s": time.perf_counter() - t, "wall": [], "results": []}
         bar.update()
+    cases = [c for c in cases if c.name in out]
+    last = 0.0
     for _ in range(runs):
+        if late(last):
+            break
+        t_round = time.perf_counter()
         for c in cases:
             t = time.perf_counter()
             res = c.run()
             out[c.name]["wall"].append(time.perf_counter() - t)
             out[c.name]["results"].append(res)
             bar.update()
+        last = time.perf_counter() - t_round
     bar.close()
     return out
 
@@ -178,7 +190,10 @@ def _hf_from(model, name: str):
 
 def _free_torch() -> None:
     import gc
+    import sys
 
+    if "torch" not in sys.modules:  # nothing of torch's to free (and importing it takes seconds)
+        return
     import torch
 
     gc.collect()
@@ -224,16 +239,16 @@ def _hf_generate(hf, rows: list, new_tokens: int | None, assistant=None, gamma: 
 
 
 def suite_ar(runs: int, quick: bool, progress: bool, with_transformers: bool = True, dtype=jnp.float32,
-             big: dict | None = None) -> dict:
-    """Greedy AR throughput, jspec vs transformers, fixed output length."""
+             big: dict | None = None, zoo: bool = True) -> dict:
+    """Greedy AR throughput, jspec vs transformers, fixed output length (`zoo=False`: the random LLaMA only)."""
     import jspec
 
     N, P = (8, 16) if quick else (128, 128)
     models = {"random LLaMA": random_llama(**(big or ({"layers": 1, "vocab": 512, "hidden": 64, "mlp": 128,
                                                        "heads": 4} if quick else {})), dtype=dtype)}
-    zoo = None if quick else zoo_text_pair(dtype)
-    if zoo is not None:
-        models = {"zoo text-target": zoo[0], **models}
+    pair = None if quick or not zoo else zoo_text_pair(dtype)
+    if pair is not None:
+        models = {"zoo text-target": pair[0], **models}
     rows = []
     for mname, model in models.items():
         hf = _hf_from(model, "t") if with_transformers and _transformers_usable(dtype) else None
@@ -286,10 +301,10 @@ PHASE_KEYS = ("step_s", "draft_s", "verify_s", "other_s")
 
 def _decode_rows(target, rows, strategy, N, eos):
     """Decode each prompt alone (batch 1); returns the tokens and the summed stats a speedup needs ("row_steps":
-    each prompt's decode-loop steps)."""
+    each prompt's decode-loop steps; "drafted": the draft tokens proposed)."""
     import jspec
 
-    toks, tot = [], {"tokens": 0, "steps": 0, "decode_s": 0.0, "row_steps": []}
+    toks, tot = [], {"tokens": 0, "steps": 0, "decode_s": 0.0, "row_steps": [], "drafted": 0}
     for r in rows:
         o = jspec.decode(target, _as_prompt(r), strategy=strategy, max_new_tokens=N, eos_token_id=eos)
         toks.append(o.tokens[0, :o.lengths[0]])
@@ -297,6 +312,7 @@ def _decode_rows(target, rows, strategy, N, eos):
         tot["steps"] += int(o.stats["steps"][0]) + 1  # + the token sampled at prefill
         tot["decode_s"] += float(o.stats["decode_s"])
         tot["row_steps"].append(int(o.stats["steps"][0]))
+        tot["drafted"] += int(np.sum(o.stats["drafted"]))
     return toks, tot
 
 
@@ -459,11 +475,11 @@ GPU_PARTS = ("ar", "random damped 7B", "zoo text", "zoo image")
 
 
 def suite_gpu(runs: int, quick: bool, progress: bool, allow_cpu: bool = False, with_transformers: bool = True,
-              parts: tuple[str, ...] = ()) -> dict:
-    """In bfloat16 on a GPU: `ar` with 7B-shaped random weights (and the zoo text target) against the HBM floor and
-    transformers `generate`; `sd` on a 7B-shaped damped pair (throughput, with transformers' assisted generation)
-    and on the zoo pairs in float32 (acceptance). `parts` (default all) picks from GPU_PARTS, to split a run across
-    calls."""
+              parts: tuple[str, ...] = (), zoo: bool = True) -> dict:
+    """In bfloat16 on a GPU: `ar` with 7B-shaped random weights (and the zoo text target unless `zoo=False`)
+    against the HBM floor and transformers `generate`; `sd` on a 7B-shaped damped pair (throughput, with
+    transformers' assisted generation) and on the zoo pairs in float32 (acceptance). `parts` (default all) picks
+    from GPU_PARTS, to split a run across calls (`jspec bench gpu`, `jspec.bench_gpu`, runs the `ar` part)."""
     if jax.default_backend() == "cpu" and not allow_cpu:
         raise RuntimeError("the gpu suite needs a GPU/TPU backend (jax.default_backend() is 'cpu')")
     unknown = [p for p in parts if p not in GPU_PARTS]
@@ -475,7 +491,8 @@ def suite_gpu(runs: int, quick: bool, progress: bool, allow_cpu: bool = False, w
     bw = copy_bandwidth_gbs(1 << 24 if quick else 1 << 30)
     out: dict[str, Any] = {"rows": [], "sd": [], "transformers": [], "bandwidth_gbs": _r(bw, 1)}
     if want("ar"):
-        out["rows"] = suite_ar(runs, quick, progress, with_transformers, dtype=jnp.bfloat16, big=shape)["rows"]
+        out["rows"] = suite_ar(runs, quick, progress, with_transformers, dtype=jnp.bfloat16, big=shape,
+                               zoo=zoo)["rows"]
         for row in out["rows"]:
             floor_ms = row["params_m"] * 1e6 * 2 / (bw * 1e9) * 1e3
             row.update(floor_ms_per_token=_r(floor_ms), ms_per_token=_r(1e3 * row["batch"] / row["jspec_tok_s"]),

@@ -178,8 +178,7 @@ def cmd_bench(args) -> int:
 
     try:
         result = bench.run(args.suite, runs=args.runs, quick=args.quick, out_dir=args.out,
-                           with_transformers=not args.no_transformers, allow_cpu=args.allow_cpu,
-                           pairs=tuple(args.pair))
+                           with_transformers=not args.no_transformers, pairs=tuple(args.pair))
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"jspec bench: {e}")
     print(bench.markdown(result))
@@ -214,6 +213,17 @@ def bench_spec(argv) -> int:
     return 0
 
 
+def bench_gpu(argv) -> int:
+    """`jspec bench gpu ...`: every GPU measurement in one command of budgeted steps (`jspec.bench_gpu`)."""
+    from jspec import bench_gpu as BG
+
+    try:
+        result = BG.main(argv)
+    except ValueError as e:
+        raise SystemExit(f"jspec bench gpu: {e}")
+    return 0 if all(s["status"] in ("ok", "partial") for s in result["steps"].values()) else 1
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     from jspec import compilation
@@ -224,6 +234,8 @@ def main(argv=None) -> int:
         return bench_long(argv[2:])
     if argv[:2] == ["bench", "spec-bench"]:
         return bench_spec(argv[2:])
+    if argv[:2] == ["bench", "gpu"]:
+        return bench_gpu(argv[2:])
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("decode", help="generate from a checkpoint (HF dir, `jspec convert` output or .gguf file)")
@@ -300,19 +312,16 @@ def main(argv=None) -> int:
     pl.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(fn=cmd_plan)
-    b = sub.add_parser("bench", help="benchmark suites (ar, sd, gpu; long: `jspec bench long --help`; spec-bench: "
-                                     "`jspec bench spec-bench --help`): JSON, "
+    b = sub.add_parser("bench", help="benchmark suites (ar, sd; gpu: `jspec bench gpu --help`; long: `jspec bench "
+                                     "long --help`; spec-bench: `jspec bench spec-bench --help`): JSON, "
                                      "markdown table and PNG per run")
-    b.add_argument("suite", help="ar | sd | gpu | long")
+    b.add_argument("suite", help="ar | sd | gpu | long | spec-bench")
     b.add_argument("--runs", type=int, default=3, help="timed runs per case (median), after a warm-up")
     b.add_argument("--quick", action="store_true", help="tiny sizes, finishes in well under 3 minutes")
     b.add_argument("--out", default="scripts/results", help="output directory")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
-    b.add_argument("--allow-cpu", action="store_true", help="let the gpu suite run on CPU (a dry run)")
     b.add_argument("--pair", action="append", default=[], help="sd suite: run only this pair (repeatable), e.g. "
-                                                               "'zoo text', 'zoo image', 'random damped'; gpu "
-                                                               "suite: only this part ('ar', 'random damped 7B', "
-                                                               "'zoo text', 'zoo image')")
+                                                               "'zoo text', 'zoo image', 'random damped'")
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     return args.fn(args)

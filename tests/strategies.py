@@ -82,7 +82,7 @@ def eesd_head(target, num_layers=1):
 
 
 register("eesd_beta", lambda t, d: jspec.EESD(eesd_head(t), k_max=5), exact=True, separate_draft=False,
-         target_layers=2, slow=True)  # eesd_cali runs the same drafter with depths decided inside the draft
+         target_layers=2)  # EESD's default: Beta-TS draft lengths (eesd_cali decides them inside the draft)
 register("eesd_fixed_tree", lambda t, d: jspec.EESD(eesd_head(t), controller=2, k_max=3, tree=[[0], [1], [0, 0], [1, 0]]),
          exact=True, separate_draft=False, target_layers=2, slow=True)
 register("eesd_head_only", lambda t, d: jspec.EESD(eesd_head(t, 0), controller=3, k_max=4), exact=True,

@@ -6,6 +6,7 @@ import torch
 import transformers
 
 import jspec
+from sampling_check import warped_logprobs
 from conftest import hf_greedy
 from jspec import api, sampling
 
@@ -118,14 +119,15 @@ def test_masks_match_transformers_warpers(top_k, top_p, temp):
 
 
 def test_sampling_follows_processed_distribution():
-    """Empirical frequencies of `sample` match softmax of the processed logits (top-k + top-p + temperature)."""
+    """Empirical frequencies of `sample` match the distribution transformers' warpers give (temperature, top-k,
+    top-p); the filtered tokens are never drawn."""
     logits = jax.numpy.asarray(np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32)))
     cfg, sp = sampling.make_sampling(0.8, 4, 0.9)
-    p = np.asarray(sampling.probs(logits, cfg, sp))
+    p = np.exp(warped_logprobs(np.asarray(logits)[None], temperature=0.8, top_k=4, top_p=0.9)[0])  # transformers'
     keys = jax.random.split(jax.random.key(0), 20000)
     draws = np.asarray(sampling.sample(keys, jax.numpy.broadcast_to(logits, (20000, 6)), cfg, sp))
     freq = np.bincount(draws, minlength=6) / draws.size
-    assert p[4] == 0 and p[5] == 0
+    assert p[4] == 0 and p[5] == 0 and freq[4] == 0 and freq[5] == 0
     np.testing.assert_allclose(freq, p, atol=0.015)
 
 

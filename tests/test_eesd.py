@@ -131,6 +131,25 @@ def test_beta_ts_update_table():
     np.testing.assert_array_equal(c.beta, [1, 2, 2])
 
 
+def test_v_d_r_d_and_hm_are_eq_11_and_12_and_their_harmonic_mean():
+    """On a hand-built decode: v_d = right drafts / drafted (Eq. 11), r_d = right drafts / output tokens (Eq. 12),
+    HM = 2 v_d r_d / (v_d + r_d) x 100; a row that drafted and never hit has 0, one that never drafted NaN."""
+    B, steps = 3, 4
+    out = np.arange(B * 12).reshape(B, 12) % 7
+    n_out = np.array([9, 3, 1])  # row 0: prefill token + 3 + 1 + 4; row 1: prefill + 1 + 1; row 2: prefill only
+    committed = np.array([[3, 1, 4, 0], [1, 1, 0, 0], [0, 0, 0, 0]])  # per step, the bonus included
+    drafted = np.array([12, 8, 0])
+    st = api._finish(out, n_out, steps, committed, drafted, 12, 0, {}).stats
+    right = np.array([(3 - 1) + (1 - 1) + (4 - 1), 0, 0])  # accepted drafts: each step's committed less its bonus
+    np.testing.assert_array_equal(st["accepted_drafts"], right)
+    np.testing.assert_allclose(st["acceptance_rate"][:2], [5 / 12, 0.0])  # v_d
+    np.testing.assert_allclose(st["r_d"][:2], [5 / 9, 0.0])
+    np.testing.assert_allclose(st["hm"][:2], [100 * 2 * (5 / 12) * (5 / 9) / (5 / 12 + 5 / 9), 0.0])
+    np.testing.assert_allclose(st["hm"][0], 47.6190476, rtol=1e-7)  # 1800 / 3780 x 100, by hand
+    assert np.isnan(st["acceptance_rate"][2]) and np.isnan(st["r_d"][2]) and np.isnan(st["hm"][2])
+    np.testing.assert_allclose(st["mean_accepted"][:2], [8 / 3, 1.0])
+
+
 def test_beta_ts_draft_lengths_follow_the_posterior():
     """With the posterior concentrated at theta, P(depth > i) = theta^i (capped at the plan's depth); a round drafts
     at least one token."""

@@ -77,8 +77,10 @@ def test_confidence_is_one_for_one_hot_zero_for_uniform_and_in_between():
     assert float(confidence(jnp.full((k,), 0.3))) == pytest.approx(0.0, abs=1e-6)
     p = jnp.asarray([0.5, 0.5] + [0.0] * 8)
     assert float(confidence(p)) == pytest.approx(1 - math.log(2) / math.log(10), abs=1e-6)
-    a = confidence(jax.random.dirichlet(jax.random.key(0), jnp.ones(k), (200,)))
-    assert bool(jnp.all((a >= 0) & (a <= 1)))
+    top = np.asarray(jax.random.dirichlet(jax.random.key(0), jnp.ones(k), (200,))) * 3.0  # any scale
+    q = top / top.sum(-1, keepdims=True)
+    want = 1 + (q * np.log(q)).sum(-1) / math.log(k)  # Eq. 7-9: 1 - H(renormalised top-k) / log k
+    np.testing.assert_allclose(np.asarray(confidence(jnp.asarray(top))), want, atol=1e-5)
 
 
 @pytest.mark.parametrize("threshold", ["cumulative", "local"])

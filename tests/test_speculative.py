@@ -248,9 +248,11 @@ def test_profile_mode_times_phases_and_keeps_tokens(pair, kind):
         prof = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=12, profile=mode)
         np.testing.assert_array_equal(prof.tokens, fast.tokens)
         np.testing.assert_array_equal(prof.stats["accepted"], fast.stats["accepted"])
-        phases = [prof.stats[k] for k in ("draft_s", "verify_s")]      # in-program: slopes, clamped at 0
-        assert all(np.isfinite(t) and t >= 0 for t in phases) and sum(phases) > 0, mode
-        assert np.isfinite(prof.stats["other_s"]) and prof.stats["other_s"] >= 0
+        phases = [prof.stats[k] for k in ("draft_s", "verify_s", "other_s")]
+        if mode is True:  # host-timed: each phase is a sum of real durations, all inside the decode's wall time
+            assert all(t > 0 for t in phases) and sum(phases) <= prof.stats["decode_s"], (phases, prof.stats)
+        else:  # in-program slopes (clamped at 0 where a loaded host's noise wins): the drafting and the verify
+            assert all(np.isfinite(phases)) and phases[0] + phases[1] > 0, phases
     assert "draft_s" not in fast.stats
     fast = jspec.decode(target, PROMPTS, max_new_tokens=12)
     for mode in (True, "program"):                                            # AR: timed step by step alike
@@ -273,7 +275,7 @@ def test_composition_control_times_each_body_and_leaves_the_state(pair):
     s = api.start(target, PROMPTS, strat, max_new_tokens=10, eos_token_id=())
     c = P.composition_control(s, reps=(1, 3), runs=1)
     assert set(c) == {"draft", "step", "draft+ar", "ar+ar"}
-    assert all(np.isfinite(v) and v >= 0 for v in c.values()), c
+    assert all(np.isfinite(v) for v in c.values()) and max(c.values()) > 0, c  # slopes, clamped at 0 alone
     # the control repeats phases from the state without consuming it: the loop then decodes it as decode does
     np.testing.assert_array_equal(np.asarray(s.run().out)[:, :fast.tokens.shape[1]], fast.tokens)
 

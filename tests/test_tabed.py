@@ -272,7 +272,9 @@ def test_greedy_equals_ar_for_adaptive_ensembles(zoo):
         assert w.shape[0] == 3 and w.shape[2] == m
         np.testing.assert_allclose(w[:, 0], 1.0 / m)  # the first block is uniform
         np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-5)
-        assert block_efficiency(out) > 1.0
+        acc = out.stats["accepted"]
+        assert block_efficiency(out) == pytest.approx(acc.sum() / (acc > 0).sum())  # tokens per target step
+        assert block_efficiency([out, out]) == pytest.approx(block_efficiency(out))  # blocks pooled over outputs
     assert out.stats["caption_s"] > 0
     s = api.start(pair.target, prompt, TABED(pair.draft, views=("M", "T"), newline_id=ZOO_NEWLINE),
                   max_new_tokens=8)
