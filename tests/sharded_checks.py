@@ -124,12 +124,42 @@ def check_distribution():
     return {"pvalue": round(pval, 4), "tv": round(tv, 4), "tv_bound": round(bound, 4)}
 
 
+def check_sampled_rows() -> int:
+    """Sampling on a (2, 4) mesh draws the tokens one device draws with the same key (each row's randomness is its
+    own, whatever the layout), so the single-device exactness tests carry over: a depth-3 tree on text, TABED's
+    views and SpecVLM's pruned draft on image prompts, at a temperature (plus top-k for the tree)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from sampling_check import IMAGE_PROMPT, PIXELS, close_pair, tiny_llava
+
+    cfg = ports.TextConfig(model_type="llama", vocab_size=8, hidden_size=32, intermediate_size=32, num_layers=1,
+                           num_heads=4, num_kv_heads=4, head_dim=8)
+    target, draft = close_pair(cfg)
+    t_vlm, d_vlm = tiny_llava(10, 0.4), tiny_llava(11, 0.6)
+    pix = np.random.default_rng(3).normal(size=(64,) + PIXELS.shape[1:]).astype(np.float32)
+    cases = [(target, np.tile([1, 4, 2], (512, 1)), jspec.Tree(draft, tree=[[0], [1], [0, 0], [0, 1], [1, 0],
+                                                                          [0, 0, 0]]), dict(top_k=4)),
+             (t_vlm, {"input_ids": np.tile(IMAGE_PROMPT, (64, 1)), "pixel_values": pix},
+              jspec.TABED(d_vlm, views=("M", "T", "P"), weights=(0.2, 0.5, 0.3), newline_id=3, gamma=3), {}),
+             (t_vlm, {"input_ids": np.tile(IMAGE_PROMPT, (64, 1)), "pixel_values": pix},
+              jspec.SpecVLM(d_vlm, ratio=0.5, modality="image", tree=[[0], [1], [0, 0], [0, 0, 0]]), {})]
+    mesh = SH.make_mesh(data=2, tensor=4)
+    for model, prompt, strat, warp in cases:
+        kw = dict(max_new_tokens=6, key=jax.random.key(2), eos_token_id=(), temperature=0.8, **warp)
+        one = jspec.decode(model, prompt, strat, **kw)
+        sharded = jspec.decode(model, prompt, strat, mesh=mesh, **kw)
+        first = np.asarray(one.stats["accepted"])[:, 0]
+        assert (first == 1).any() and (first >= 3).any(), (type(strat).__name__, np.bincount(first))
+        np.testing.assert_array_equal(sharded.tokens, one.tokens, err_msg=type(strat).__name__)
+    return len(cases)
+
+
 def main(tmp, slow=False):
     assert jax.device_count() == 8, jax.devices()
     target = tiny(2, 64, 8, 4, 0)
     draft = tiny(1, 32, 4, 2, 1)
     results = {"decode_cases": check_decode(target, draft, MESHES + (SLOW_MESHES if slow else ())),
-               "placement": check_placement(target), "orbax": check_orbax(target, os.path.join(tmp, "ckpt"))}
+               "placement": check_placement(target), "orbax": check_orbax(target, os.path.join(tmp, "ckpt")),
+               "sampled_rows": check_sampled_rows()}
     if slow:
         results["distribution"] = check_distribution()
     print(json.dumps(results))

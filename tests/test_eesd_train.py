@@ -55,11 +55,11 @@ def test_training_lowers_the_loss_and_reads_the_targets_own_states():
     assert ET.evaluate(eval_step, EE.init_head(target, 1, 0).params, lm, [batch])["heldout_agreement"] < 0.9
 
 
-@pytest.mark.slow  # training
-def test_calibration_labels_and_training():
+@pytest.mark.parametrize("train", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["labels", "training"])
+def test_calibration_labels_and_training(train):
     """The predictor's labels are the head's greedy drafts judged by the target under teacher forcing; its pairs
-    (anchor t, draft position t + i) stay inside one packed sequence and the weighted continuation; a few steps
-    lower the cross-entropy, and the mean predicted acceptance approaches the real rate."""
+    (anchor t, draft position t + i) stay inside one packed sequence and the weighted continuation; (slow) a few
+    steps lower the cross-entropy, and the mean predicted acceptance approaches the real rate."""
     from jspec.controllers import calibration as C
     from jspec.drafters.early_exit import head_forward
     from jspec.methods import cali_train as CT
@@ -87,6 +87,9 @@ def test_calibration_labels_and_training():
         want = sum(1 for r in range(seg.shape[0]) for t in range(seg.shape[1] - i)
                    if seg[r, t] == seg[r, t + i] > 0 and w[r, t + i] > 0 and w[r, t] > 0)
         assert float(terms[i - 1, 4]) == want
+    assert 0 < int(np.asarray(match)[seg > 0].sum()) < int((seg > 0).sum())  # labels of both kinds
+    if not train:
+        return
     tx = jt.adamw(0.0)
     step, eval_step = CT.make_steps(cfg, 1, tx)
     opt = tx.init(pred)

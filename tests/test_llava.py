@@ -171,7 +171,7 @@ def test_greedy_sd_with_vlm_target_equals_ar(models, draft_kind, make):
     np.testing.assert_array_equal(alone.tokens[0], ar.tokens[1])
 
 
-@pytest.mark.slow  # OneVision and Qwen2.5-VL run SAGE in the default suite
+@pytest.mark.slow  # SAGE over LLaVA-1.5 runs by default in tests/test_specvlm.py (zoo pair, pruned images)
 def test_greedy_sage_with_vlm_target_equals_ar(models):
     """SAGE's per-row re-planned trees with a LLaVA-1.5 target and draft on a ragged two-image batch."""
     _, target, draft = models

@@ -363,7 +363,7 @@ SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0
 
 def test_greedy_chain_and_tree_sd_equal_ar(jx_models):
     """A Qwen2.5-VL target with a smaller Qwen2.5-VL draft (its own tower, its own M-RoPE sections) on a ragged
-    image / video batch: Chain and Tree give greedy AR's tokens (SAGE too, under -m slow); per-row prompts alone
+    image / video batch: Chain and Tree give greedy AR's tokens (SAGE in its own test); per-row prompts alone
     give the same."""
     target, draft = jx_models["q25"], jx_models["q25_draft"]
     batch = sd_batch()
@@ -380,14 +380,19 @@ def test_greedy_chain_and_tree_sd_equal_ar(jx_models):
     np.testing.assert_array_equal(alone.tokens[0], ar.tokens[1])
 
 
-@pytest.mark.slow
-def test_greedy_sage_equals_ar(jx_models):
-    """SAGE's per-row trees over the same Qwen2.5-VL pair and ragged image / video batch give greedy AR's tokens."""
+@pytest.mark.parametrize("prune", [0.5, pytest.param(None, marks=pytest.mark.slow)], ids=["pruned", "full"])
+def test_greedy_sage_equals_ar(jx_models, prune):
+    """SAGE's per-row trees over the same Qwen2.5-VL pair and ragged image / video batch give greedy AR's tokens, with
+    the draft's video tokens pruned (the paper's setting) or not; the engine drafts the trees it planned."""
     target, draft = jx_models["q25"], jx_models["q25_draft"]
     batch = sd_batch()
-    ar = jspec.decode(target, batch, max_new_tokens=12)
-    sd = jspec.decode(target, batch, strategy=jspec.SAGE(draft, d_max=5, n_max=30, k=6, w_max=6), max_new_tokens=12)
+    ar = jspec.decode(target, batch, max_new_tokens=10)
+    sage = jspec.SAGE(draft, d_min=2, d_max=4, k=4, w_max=4, n_max=16, init_tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]],
+                      prune_ratio=prune)
+    sd = jspec.decode(target, batch, strategy=sage, max_new_tokens=10)
     np.testing.assert_array_equal(sd.tokens, ar.tokens)
+    st = sd.stats
+    assert st["drafted"].tolist() == [int(st["nodes"][b, :n].sum()) for b, n in enumerate(st["steps"])]
 
 
 # ------------------------------------------------------------------------------------------ pruned drafts

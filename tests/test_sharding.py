@@ -1,7 +1,8 @@
 """Sharded decoding on 8 forced CPU devices (a subprocess: the device count is fixed at jax import): the mesh
 (2,4) gives the unsharded greedy tokens for AR, Chain and Tree, and under `-m slow` (8,1) and (1,8) too; params and
 the decode cache are really split; an orbax checkpoint saved from one mesh restores onto another with the same
-logits; under `-m slow` sampling on the (2, 4) mesh is exact too (the first four tokens of a depth-3 tree against
+logits; sampling on the (2, 4) mesh draws one device's tokens for the same key (a tree, TABED, SpecVLM); under
+`-m slow` sampling on the (2, 4) mesh is exact too (the first four tokens of a depth-3 tree against
 exact enumeration, with a negative control)."""
 import json
 import os
@@ -21,6 +22,6 @@ def test_sharded_checks(tmp_path, slow):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     dist = results.pop("distribution", None)
-    assert results == {"decode_cases": 9 if slow else 3, "placement": 1, "orbax": 1}
+    assert results == {"decode_cases": 9 if slow else 3, "placement": 1, "orbax": 1, "sampled_rows": 3}
     if slow:
         assert dist["pvalue"] > 1e-3 and dist["tv"] <= dist["tv_bound"], dist
