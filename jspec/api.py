@@ -325,10 +325,13 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     phases.update({k: v * int(steps) for k, v in per_step.items()})
     decided = {k: v[:, :int(steps)] for k, v in decided.items()}
     return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, r.pad,
-                   {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **(r.prep_stats or {}), **decided, **phases})
+                   {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **(r.prep_stats or {}), **decided, **phases},
+                   depth=0 if r.parts is None else r.parts.plan.max_depth)
 
 
-def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings) -> DecodeOutput:
+def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings, depth: int = 0) -> DecodeOutput:
+    """The output and its stats (README "Metrics" defines each) from the loop's end state; `depth`: the plan's
+    deepest draft position (0 for AR)."""
     B = out.shape[0]
     tokens = np.full((B, max_new), pad, np.int32)
     for b in range(B):
@@ -344,7 +347,12 @@ def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings) -> Deco
         r_d = np.where(drafted > 0, drafted_accepted / np.maximum(np.asarray(n_out), 1), np.nan)
         hm = np.where(acc_rate + r_d > 0, 200.0 * acc_rate * r_d / (acc_rate + r_d),
                       np.where(drafted > 0, 0.0, np.nan))
+    reached = np.maximum(accepted - 1, 0)[:, :, None] >= np.arange(1, depth + 1)[None, None]  # [B, steps, D]
+    per_pos = reached.sum(axis=1).astype(np.int32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rate_pos = np.where(row_steps[:, None] > 0, per_pos / np.maximum(row_steps, 1)[:, None], np.nan)
     stats = {"steps": row_steps, "accepted": accepted, "mean_accepted": mean_acc,
+             "accepted_per_position": per_pos, "acceptance_per_position": rate_pos,
              "mean_accepted_no_bonus": mean_acc - 1.0, "drafted": np.asarray(drafted),
              "accepted_drafts": drafted_accepted, "acceptance_rate": acc_rate, "r_d": r_d, "hm": hm, **timings}
     return DecodeOutput(tokens=tokens, lengths=np.asarray(n_out, np.int32), stats=stats)

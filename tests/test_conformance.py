@@ -63,7 +63,14 @@ def test_greedy_equals_ar_and_rows_are_independent(pair, name):
     sd = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=17, eos_token_id=(eos,))
     np.testing.assert_array_equal(sd.tokens, ar.tokens)
     np.testing.assert_array_equal(sd.lengths, ar.lengths)
-    assert np.all(sd.stats["mean_accepted"] >= 1.0) and sd.stats["mean_accepted"].max() > 1.0
+    st = sd.stats
+    assert np.all(st["mean_accepted"] >= 1.0) and st["mean_accepted"].max() > 1.0
+    # per-position acceptance: position d counts the rounds whose accepted path reached draft d, over the rounds
+    per, rate = st["accepted_per_position"], st["acceptance_per_position"]
+    assert per.shape == rate.shape == (len(PROMPTS), strat.parts().plan.max_depth) and per[:, 0].sum() > 0
+    assert (np.diff(per, axis=1) <= 0).all()  # a path that reaches position d reached d - 1
+    np.testing.assert_array_equal(per.sum(1), st["accepted_drafts"])
+    np.testing.assert_allclose(1.0 + rate.sum(1), st["mean_accepted"], rtol=1e-12)
     for b in (1, 2):
         alone = jspec.decode(target, PROMPTS[b], strategy=strat, max_new_tokens=17, eos_token_id=(eos,))
         np.testing.assert_array_equal(alone.tokens[0], sd.tokens[b])

@@ -139,7 +139,7 @@ def test_v_d_r_d_and_hm_are_eq_11_and_12_and_their_harmonic_mean():
     n_out = np.array([9, 3, 1])  # row 0: prefill token + 3 + 1 + 4; row 1: prefill + 1 + 1; row 2: prefill only
     committed = np.array([[3, 1, 4, 0], [1, 1, 0, 0], [0, 0, 0, 0]])  # per step, the bonus included
     drafted = np.array([12, 8, 0])
-    st = api._finish(out, n_out, steps, committed, drafted, 12, 0, {}).stats
+    st = api._finish(out, n_out, steps, committed, drafted, 12, 0, {}, depth=4).stats
     right = np.array([(3 - 1) + (1 - 1) + (4 - 1), 0, 0])  # accepted drafts: each step's committed less its bonus
     np.testing.assert_array_equal(st["accepted_drafts"], right)
     np.testing.assert_allclose(st["acceptance_rate"][:2], [5 / 12, 0.0])  # v_d
@@ -148,6 +148,10 @@ def test_v_d_r_d_and_hm_are_eq_11_and_12_and_their_harmonic_mean():
     np.testing.assert_allclose(st["hm"][0], 47.6190476, rtol=1e-7)  # 1800 / 3780 x 100, by hand
     assert np.isnan(st["acceptance_rate"][2]) and np.isnan(st["r_d"][2]) and np.isnan(st["hm"][2])
     np.testing.assert_allclose(st["mean_accepted"][:2], [8 / 3, 1.0])
+    # per draft position (vLLM's and SGLang's): rounds whose path reached it; row 0's paths reached 2, 0 and 3
+    np.testing.assert_array_equal(st["accepted_per_position"], [[2, 2, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_allclose(st["acceptance_per_position"][:2], [[2 / 3, 2 / 3, 1 / 3, 0], [0, 0, 0, 0]])
+    assert np.isnan(st["acceptance_per_position"][2]).all()
 
 
 def test_beta_ts_draft_lengths_follow_the_posterior():
