@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from typing import Any, NamedTuple
 
@@ -21,6 +22,8 @@ from jspec.controllers import asks_of
 from jspec.drafters import Setup, TargetPrefill
 from jspec.prompts import model_prompt, round_up
 from jspec.strategy import AR, Chain, DynamicTree, Speculative, Static, Strategy, Tree, merge, split  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -238,6 +241,9 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} + {per_step} "
                          f"scratch slots needs a cache of {need}, longer than max_cache_len={max_cache_len}")
     max_len = max(round_up(width + max_new_tokens + per_step, 64), need)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s: %d rows, prompt width %d, cache %d slots, %d new tokens; %s", type(strategy).__name__,
+                  tokens.shape[0], tokens.shape[1], max_len, max_new_tokens, _shape_text(parts))
     ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
                            out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg, placement=placement,
                            prefill_chunk=prefill_chunk if prefill_chunk and tokens.shape[1] > prefill_chunk else None)
@@ -270,6 +276,16 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
         raise
     return Started(ctx, parts, static, dyn, run_target, state, _pad_id(target, eos), time.perf_counter() - t0,
                    prep_stats, ahead)
+
+
+def _shape_text(parts) -> str:
+    """The static shape a speculative strategy compiles for (DEBUG log)."""
+    if parts is None:
+        return "autoregressive"
+    plan = parts.plan
+    return (f"{type(parts.drafter).__name__} drafts a {type(plan).__name__} of depth {plan.max_depth} "
+            f"({plan.scratch} scratch slots), rule {type(parts.rule).__name__}, controller "
+            f"{type(parts.controller).__name__ if parts.controller is not None else 'none'}")
 
 
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
@@ -324,6 +340,11 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     t2 = time.perf_counter()
     phases.update({k: v * int(steps) for k, v in per_step.items()})
     decided = {k: v[:, :int(steps)] for k, v in decided.items()}
+    if log.isEnabledFor(logging.INFO):
+        new = int(np.sum(n_out))
+        log.info("%s: %d rows, %d new tokens in %d steps; prefill %.3f s (with any compile), decode loop %.3f s "
+                 "(%.1f tokens/s)", type(strategy or AR()).__name__, len(n_out), new, int(steps), r.prefill_s,
+                 t2 - t1, new / max(t2 - t1, 1e-9))
     return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, r.pad,
                    {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **(r.prep_stats or {}), **decided, **phases},
                    depth=0 if r.parts is None else r.parts.plan.max_depth)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -224,8 +225,23 @@ def bench_gpu(argv) -> int:
     return 0 if all(s["status"] in ("ok", "partial") for s in result["steps"].values()) else 1
 
 
+def _configure_logging(argv: list[str]) -> list[str]:
+    """`jspec -v ...` (INFO: compile, prefill and decode times) or `-vv` (DEBUG: each decode's static shape), or
+    $JSPEC_LOG=INFO|DEBUG, sends the `jspec` logger to stderr; returns argv without the flag."""
+    level = os.environ.get("JSPEC_LOG")
+    if argv and argv[0] in ("-v", "-vv"):
+        level, argv = ("INFO" if argv[0] == "-v" else "DEBUG"), argv[1:]
+    if level:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        logger = logging.getLogger("jspec")
+        logger.addHandler(handler)
+        logger.setLevel(level.upper())
+    return argv
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _configure_logging(sys.argv[1:] if argv is None else list(argv))
     from jspec import compilation
 
     if os.environ.get(compilation.CACHE_ENV):  # compiled programs persist there across runs

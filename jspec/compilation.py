@@ -3,10 +3,14 @@ compilation cache (`enable_cache`)."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
+import time
 
 import jax
+
+log = logging.getLogger(__name__)
 
 # XLA options by backend for programs whose matmuls take thousands of rows (prefills; `jit(options=PREFILL)`).
 # On CPU their dots go to YNNPACK one at a time: by default XLA:CPU also fuses a dot's producers into it, including
@@ -63,6 +67,7 @@ class Ahead:
 
     def __init__(self, fn, args: tuple):
         self.error: BaseException | None = None
+        self.compile_s: float | None = None
         self._thread = None
         try:
             lowered = fn.lower(*args)
@@ -74,10 +79,14 @@ class Ahead:
         self._thread.start()
 
     def _compile(self, lowered):
+        t0 = time.perf_counter()
         try:
             lowered.compile()
         except Exception as e:  # noqa: BLE001
             self.error = e
+            return
+        self.compile_s = time.perf_counter() - t0
+        log.info("compiled the decode loop in %.2f s (beside the prefill)", self.compile_s)
 
     def wait(self) -> None:
         if self._thread is not None:

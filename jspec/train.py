@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import queue
 import signal
 import sys
@@ -284,7 +285,7 @@ def plot_log(log: str | Path, out: str | Path, title: str, ylabel: str = "cross-
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    print(f"wrote {out}")
+    logging.getLogger(__name__).info("wrote %s", out)
     return out
 
 

@@ -380,3 +380,24 @@ def test_op_costs_attributes_the_loop_to_its_operations(pair):
         assert not any(r["op"] in ("while", "conditional") for r in ops)   # containers would count their bodies
     assert P._hlo_instructions('  %dot.5 = f32[2,8]{1,0} dot(%a, %b), metadata={op_name="jit(f)/btd,dv->btv/'
                                'dot_general"}') == {"dot.5": ("f32[2,8]{1,0}", "btd,dv->btv/dot_general")}
+
+
+def test_the_jspec_logger_reports_times_and_shapes_and_nothing_is_printed(pair, caplog, capsys):
+    """INFO: each decode's prefill and loop times and throughput; DEBUG: the static shape it compiled for; the
+    library itself writes nothing to stdout or stderr."""
+    import logging
+
+    target, draft = pair
+    with caplog.at_level(logging.DEBUG, logger="jspec"):
+        out = jspec.decode(target, PROMPTS, strategy=jspec.Chain(draft, gamma=3), max_new_tokens=6, eos_token_id=())
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "jspec.api"]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == "jspec.api"]
+    assert len(info) == 1 and f"{int(out.lengths.sum())} new tokens in {int(out.stats['steps'].max())} steps" in info[0]
+    assert "tokens/s" in info[0] and "Chain" in info[0]
+    assert len(debug) == 1 and "of depth 3" in debug[0] and f"{len(PROMPTS)} rows" in debug[0]
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jspec"):
+        jspec.decode(target, PROMPTS, max_new_tokens=4)
+    assert not caplog.records
