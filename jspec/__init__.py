@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from jspec.api import DecodeOutput, decode
+from jspec.streaming import Stream, stream
 from jspec.controllers.calibration import CaliTS
 from jspec.controllers.draft_length import BetaTS, FixedK
 from jspec.guidance import CFG, ImageGrammar
@@ -20,6 +21,6 @@ from jspec.methods.specvlm import SpecVLM, VisionPruning
 from jspec.methods.tabed import TABED, ModelCaptioner
 from jspec import models  # the registry of real checkpoints (fetch / load); imports nothing heavy
 
-__all__ = ["AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
+__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
            "Strategy", "Tree", "VisionPruning", "decode", "generate_image", "make_mesh", "shard"]
 __version__ = "0.1.0"

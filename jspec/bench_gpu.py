@@ -703,8 +703,8 @@ def load_pair(name: str, rec: Recorder) -> Pair:
     if name == "zoo image":
         pair, t, d, ps = _zoo("image", dtype)
         nl = pair.encoder.text_ids("\n")[0]
-        strats = [("AR", jspec.AR()), ("Chain g=5", jspec.Chain(d, gamma=5)),
-                  ("TABED MT*", jspec.TABED.method("MT*", d, gamma=5, newline_id=nl))]
+        strats = [("AR", jspec.AR()), ("TABED MT*", jspec.TABED.method("MT*", d, gamma=5, newline_id=nl)),
+                  ("Chain g=5", jspec.Chain(d, gamma=5))]
         return Pair(name, t, ps, strats, rows(t, ps, None))
     if name == "zoo video":
         from jspec import zoo
@@ -758,8 +758,8 @@ def _t2i_pair(dtype) -> Pair:
         return [np.asarray(r) for r in np.asarray(out.tokens)], tot
 
     P = jspec.LanternPP
-    strats = [("AR", None), ("EAGLE-1", P(head, table, k=0, lam=1.0, tree="naive_extend_57")),
-              ("LANTERN++ k10 lam3", P(head, table, k=10, lam=3.0, tree="naive_extend_57"))]
+    strats = [("AR", None), ("LANTERN++ k10 lam3", P(head, table, k=10, lam=3.0, tree="naive_extend_57")),
+              ("EAGLE-1", P(head, table, k=0, lam=1.0, tree="naive_extend_57"))]
     return Pair("zoo text-to-image", target, caps, strats, decode, greedy=False, note="sampled, CFG 3")
 
 
@@ -925,17 +925,20 @@ def drafting(spec, drafts_per_step: float | None) -> list[tuple[str, int, float]
 
 
 def probes(methods=METHODS, dry: bool = False) -> list[tuple[str, int]]:
-    """(shape, tokens per forward) to time, in priority order: every method's AR step, verify and draft forwards,
-    then the rest of LLaMA-2-7B's verify curve. `dry`: k = 1 and 8 of each shape (the rest interpolated)."""
-    if dry:
-        shapes = [s for _, target, _, spec, *_ in methods for s in [target] + [d for d, _, _ in drafting(spec, None)]]
-        return [(s, k) for s in dict.fromkeys(shapes) for k in (1, 8)]
+    """(shape, tokens per forward) to time, in priority order, method by method: the target's AR step and verify
+    width, each drafter's step at 1 token and at its widest level (levels between are interpolated); then the rest
+    of LLaMA-2-7B's verify curve. `dry`: k = 1 and 8 of every shape."""
+    widest: dict[str, int] = {}
+    for _, _, _, spec, *_ in methods:
+        for d, w, _ in drafting(spec, None):
+            widest[d] = max(widest.get(d, 1), w)
     out = []
     for _, target, width, spec, *_ in methods:
         out += [(target, 1)] + ([(target, width)] if width else [(target, 6), (target, 11)])
-        out += [(s, w) for s, w, _ in drafting(spec, None)]
-    out += [("llama-2-7b", k) for k in K_GRID]
-    return list(dict.fromkeys(out))
+        out += [(d, k) for d, _, _ in drafting(spec, None) for k in (1, widest[d])]
+    if dry:
+        return list(dict.fromkeys((s, k) for s, _ in out for k in (1, 8)))
+    return list(dict.fromkeys(out + [("llama-2-7b", k) for k in K_GRID]))
 
 
 def forward_cost(model, batch: int, k: int, context: int, reps=(2, 8), runs: int = 3) -> float:
@@ -1016,19 +1019,28 @@ def predict(tau: float | None, ar_s: float, verify_s: float, draft_s: float) -> 
     return tau * ar_s / (verify_s + draft_s)
 
 
-def measured_rows(rec: Recorder) -> tuple[list[dict], str]:
-    """Step 3's rows: this run's, else the newest recorded GPU run's in scripts/results (not a dry run's, unless
-    this is one)."""
+def measured_rows(rec: Recorder) -> dict[tuple[str, str], dict]:
+    """Step 3's rows by (pair, strategy), each with its "source": this run's first, then the newest recorded
+    `jspec bench gpu` run's (`gpu-<date>.json`), then the older gpu suite's (`gpu-<pair>-<date>.json`, whose
+    mean_accepted is the same tau; its first scenario). A dry run reads only its own."""
+    found: dict[tuple[str, str], dict] = {}
+
+    def take(rows: list, source: str) -> None:
+        for r in rows:
+            key, tau = (r["pair"].split(" (stand-in")[0], r["strategy"]), r.get("tau", r.get("mean_accepted"))
+            if key not in found and tau is not None:
+                found[key] = {**r, "tau": tau, "source": source}
+
+    methods = lambda d: d.get("steps", {}).get("methods", {}).get("tables", {}).get("rows", [])  # noqa: E731
     if rec.results and os.path.exists(rec.results):
-        rows = _read_part(rec.results).get("steps", {}).get("methods", {}).get("tables", {}).get("rows", [])
-        if rows:
-            return rows, "this run"
+        take(methods(_read_part(rec.results)), "this run")
     if not rec.dry:
-        for path in sorted((ROOT / "scripts" / "results").glob("gpu-2*.json"), reverse=True):
-            rows = _read_part(str(path)).get("steps", {}).get("methods", {}).get("tables", {}).get("rows", [])
-            if rows:
-                return rows, path.name
-    return [], "none"
+        res = ROOT / "scripts" / "results"
+        for path in sorted(res.glob("gpu-2*.json"), reverse=True):
+            take(methods(_read_part(str(path))), path.name)
+        for path in sorted(res.glob("gpu-*-20*.json"), reverse=True):
+            take(_read_part(str(path)).get("sd", []), path.name)
+    return found
 
 
 def step_paper(rec: Recorder) -> None:
@@ -1071,19 +1083,17 @@ def step_paper(rec: Recorder) -> None:
     models.clear()
     gc.collect()
     _engine_check(rec, costs)
-    rows, source = measured_rows(rec)
-    rec.put(tau_source=source)
-    for row in method_rows(costs, rows):
+    for row in method_rows(costs, measured_rows(rec)):
         rec.add("methods", row)
     done = [r for r in rec.data["tables"].get("methods", []) if r.get("predicted_paper_tau")]
-    rec.put(headline=f"tau from {source}; " + ", ".join(
-        f"{r['method']} {r['predicted_paper_tau']}x by cost vs {r['paper_speedup']}x in the paper" for r in done[:4]))
+    rec.put(headline="predicted by cost with the paper's tau vs the paper's speedup: " + ", ".join(
+        f"{r['method']} {r['predicted_paper_tau']}x vs {r['paper_speedup']}x" for r in done))
 
 
-def method_rows(costs: dict, rows: list[dict]) -> list[dict]:
+def method_rows(costs: dict, by: dict[tuple[str, str], dict]) -> list[dict]:
     """One row per method with every cost measured: AR step, verify and drafting (ms), tau (measured, paper's),
-    the predicted speedups, the paper's, and measured / predicted where step 3 measured the method at this shape."""
-    by = {(r["pair"].split(" (stand-in")[0], r["strategy"]): r for r in rows}
+    the predicted speedups, the paper's, and measured / predicted where step 3 measured the method at this shape.
+    `by`: step 3's rows by (pair, strategy) (`measured_rows`)."""
     out = []
     for name, target, width, spec, src, p_tau, p_speed, paper in METHODS:
         m = by.get(src)
@@ -1104,7 +1114,8 @@ def method_rows(costs: dict, rows: list[dict]) -> list[dict]:
         pred, pred_p = predict(tau, ar, verify, draft), predict(p_tau, ar, verify, draft)
         row = {"method": name, "target": target, "verify_k": _r(width, 2), "ar_ms": _r(ar * 1e3, 4),
                "verify_ms": _r(verify * 1e3, 4), "draft_ms": _r(draft * 1e3, 4),
-               "tau": tau, "tau_from": f"{src[0]}: {src[1]}" if m else None, "predicted": _r(pred),
+               "tau": tau, "tau_from": f"{src[0]}: {src[1]}" if m else None,
+               "tau_source": m["source"] if m else None, "predicted": _r(pred),
                "paper_tau": p_tau, "predicted_paper_tau": _r(pred_p), "paper_speedup": p_speed,
                "paper_over_predicted": _r(p_speed / pred_p) if p_speed and pred_p else None}
         if m and m.get("decode_speedup") and src[0] == "random damped 7B" and pred:

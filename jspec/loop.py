@@ -202,10 +202,12 @@ def running(ctx: StepContext, state: DecodeState) -> jax.Array:
     return (state.step < ctx.max_steps) & ~jnp.all(state.done)
 
 
-def run_loop(ctx: StepContext, step_fn: Callable[[DecodeState], DecodeState], state: DecodeState) -> DecodeState:
-    """Iterate `step_fn` on device while `running` (the target cache keeps the placement's sharding through the
+def run_loop(ctx: StepContext, step_fn: Callable[[DecodeState], DecodeState], state: DecodeState,
+             until: jax.Array | None = None) -> DecodeState:
+    """Iterate `step_fn` on device while `running` and, with `until` (a traced step count: one program serves every
+    value), while the step counter is below it (the target cache keeps the placement's sharding through the
     loop)."""
-    cond = lambda s: running(ctx, s)
+    cond = (lambda s: running(ctx, s)) if until is None else (lambda s: running(ctx, s) & (s.step < until))
 
     def body(s):
         s = step_fn(s)
