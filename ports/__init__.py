@@ -1,5 +1,6 @@
 """Flax/JAX ports of HF model families and their checkpoint conversion (both directions)."""
 from ports.config import RopeConfig, TextConfig, text_config_from_hf, text_config_to_hf
+from ports import hub
 from ports.gguf import convert_gguf, gguf_to_hf_config, load_gguf, tokenizer_from_gguf
 from ports.model import (FAMILIES, Model, convert_hf, family, load, load_hf, logits, random_model, save,
                          save_hf)

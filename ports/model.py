@@ -325,14 +325,20 @@ def _stream_hf(directory: str, dtype, progress: bool):
 
 
 def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarray], jax.Array] | None = None,
-            progress: bool = False) -> Model:
-    """Load an HF checkpoint directory (config.json + safetensors, single or sharded) as a `Model`.
+            progress: bool = False, revision: str | None = None, local_files_only: bool | None = None,
+            cache_dir: str | None = None) -> Model:
+    """Load an HF checkpoint directory (config.json + safetensors, single or sharded), or a Hub repo id "org/name"
+    (at `revision`, from the Hub cache `cache_dir`; fetched unless `local_files_only` or $HF_HUB_OFFLINE:
+    `ports.hub.resolve`), as a `Model`.
 
     Streams tensor by tensor: each tensor is read, transformed to our layout, cast and moved to the device before
     the next one is read. `device_put(path, array)` can place each param (e.g. onto a sharding).
     `progress` shows a progress bar over the checkpoint's tensors.
     Raises ValueError listing missing / unexpected / mis-shaped tensors.
     """
+    from ports import hub
+
+    directory = hub.resolve(directory, revision, local_files_only=local_files_only, cache_dir=cache_dir)
     return load_stream(_stream_hf(directory, dtype, progress), device_put)
 
 
@@ -456,12 +462,17 @@ def _finish_writing(directory: str, cfg, num_layers: int, dtype: str) -> None:
         os.remove(os.path.join(directory, CONVERTING))
 
 
-def convert_hf(hf_dir: str, out_dir: str, dtype=None, progress: bool = False) -> tuple[Any, int]:
-    """HF checkpoint -> jspec checkpoint (what `save` writes), streaming: each decoder layer is written as soon as
+def convert_hf(hf_dir: str, out_dir: str, dtype=None, progress: bool = False, revision: str | None = None,
+               cache_dir: str | None = None) -> tuple[Any, int]:
+    """HF checkpoint (a directory or a Hub repo id: `ports.hub.resolve`) -> jspec checkpoint (what `save`
+    writes), streaming: each decoder layer is written as soon as
     its tensors are read, so host memory holds one layer plus the non-layer params (embeddings, head), never the
     model. An interrupted conversion resumes when run again with the same source, dtype and config (the layers it
     wrote are kept and not read again); `load` refuses the directory until the conversion completes. Returns
     (config, number of parameters)."""
+    from ports import hub
+
+    hf_dir = hub.resolve(hf_dir, revision, cache_dir=cache_dir)
     stream = _stream_hf(hf_dir, dtype, progress)  # checks every header before anything is written
     return convert_stream(stream, hf_dir, out_dir, dtype, progress)
 
