@@ -165,11 +165,34 @@ def test_interpolate_and_predict():
 
 
 def test_near_tie_verdicts():
-    tie = {"margin_bf16_ulps": 0.8, "ar_sd_are_ref_top2": True}
-    assert BG.tie_verdict([tie, dict(tie, margin_bf16_ulps=3.5)]).startswith("near-tie (2 rows")
-    assert BG.tie_verdict([tie, dict(tie, margin_bf16_ulps=40.0)]).startswith("DIFFERS (1 of 2")
-    assert BG.tie_verdict([dict(tie, ar_sd_are_ref_top2=False)]).startswith("DIFFERS")
+    tie = {"ref_gap_bf16_ulps": 0.8, "margin_bf16_ulps": 0.8}
+    assert BG.tie_verdict([tie, dict(tie, ref_gap_bf16_ulps=3.5)]).startswith("near-tie (2 rows")
+    assert BG.tie_verdict([tie, dict(tie, ref_gap_bf16_ulps=40.0)]).startswith("DIFFERS (1 of 2")
     assert BG.tie_verdict([{"position": 3, "note": "margin not measured"}]).startswith("DIFFERS")
+
+
+def test_a_diverging_row_is_measured_at_its_first_divergence():
+    """The reference forward of a tiny model: where a row leaves AR's, the gap between the two tokens' logits (a
+    token far from the top is no near-tie; the runner-up is, when its logit is within a few ulps)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jspec import bench as B
+    import ports
+
+    target, _ = B.damped_pair(layers=2, vocab=64, hidden=32, mlp=64, heads=4, dtype=jnp.float32)
+    prompt = np.arange(3, 11, dtype=np.int32)
+    ar = np.asarray([5, 9, 2, 7])
+    logits = np.asarray(ports.logits(target, np.concatenate([prompt, ar[:2]])[None]))[0, -1]
+    order = np.argsort(-logits)
+    far = ar.copy()
+    far[2] = order[-1]  # the least likely token
+    rec = BG.near_tie(target, prompt, ar, far)
+    assert rec["position"] == 2 and rec["ar_token"] == 2 and rec["sd_token"] == int(order[-1])
+    gap = abs(logits[2] - logits[order[-1]]) / float(BG._script("gpu_numerics").bf16_resolution(logits[order[0]]))
+    assert rec["ref_gap_bf16_ulps"] == pytest.approx(gap, rel=1e-3)
+    assert BG.tie_verdict([rec]).startswith("DIFFERS")
+    assert BG.near_tie(target, prompt, ar, ar[:3])["note"] == "one row is a prefix of the other"
 
 
 def test_the_papers_shapes():
