@@ -1,4 +1,4 @@
-"""The `jspec` command line: decode, convert, fetch, demo, plan, bench."""
+"""The `jspec` command line: decode, chat, convert, fetch, demo, plan, bench."""
 from __future__ import annotations
 
 import argparse
@@ -9,48 +9,6 @@ import sys
 import time
 
 import numpy as np
-
-
-def _load_any(path: str, dtype=None):
-    import ports
-
-    if os.path.isdir(os.path.join(path, "params")):
-        return ports.load(path, dtype=dtype)
-    if path.endswith(".gguf") and os.path.isfile(path):
-        return ports.load_gguf(path, dtype=dtype, progress=True)
-    return ports.load_hf(path, dtype=dtype, progress=True)
-
-
-def cmd_decode(args) -> int:
-    import jax
-    import jspec
-
-    model = _load_any(args.model, args.dtype)
-    tokenizer = None
-    if args.prompt is not None:
-        from transformers import AutoTokenizer
-
-        try:
-            if args.model.endswith(".gguf") and os.path.isfile(args.model):
-                import ports
-
-                tokenizer = ports.tokenizer_from_gguf(args.model)
-            else:
-                tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-        except Exception as e:  # noqa: BLE001 - report which directory lacks a tokenizer
-            raise SystemExit(f"--prompt needs a tokenizer in {args.model}: {e}")
-        ids = np.asarray(tokenizer(args.prompt)["input_ids"], np.int32)
-    elif args.prompt_ids is not None:
-        ids = np.asarray([int(t) for t in args.prompt_ids.replace(",", " ").split()], np.int32)
-    else:
-        raise SystemExit("give --prompt-ids or --prompt")
-    out = jspec.decode(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, key=jax.random.key(args.seed))
-    toks = out.tokens[0, :out.lengths[0]].tolist()
-    print(json.dumps({"tokens": toks, "decode_s": round(out.stats["decode_s"], 4)}))
-    if tokenizer is not None:
-        print(tokenizer.decode(toks))
-    return 0
 
 
 def cmd_convert(args) -> int:
@@ -254,20 +212,19 @@ def main(argv=None) -> int:
         return bench_gpu(argv[2:])
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("decode", help="generate from a checkpoint (HF dir, `jspec convert` output or .gguf file)")
-    d.add_argument("--model", required=True)
-    d.add_argument("--prompt-ids", help="token ids, comma or space separated")
-    d.add_argument("--prompt", help="text (needs a tokenizer in the model dir)")
-    d.add_argument("--max-new-tokens", type=int, default=32)
-    d.add_argument("--temperature", type=float, default=0.0)
-    d.add_argument("--top-k", type=int)
-    d.add_argument("--top-p", type=float)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--dtype", default=None)
-    d.set_defaults(fn=cmd_decode)
+    from jspec import cli_generate as CG
+
+    d = sub.add_parser("decode", help="generate from a checkpoint (HF dir, Hub id, `jspec convert` output or .gguf "
+                                      "file), speculatively with --draft / --strategy; text streams as it comes")
+    CG.add_args(d)
+    d.set_defaults(fn=CG.cmd_decode)
+    ch = sub.add_parser("chat", help="a multi-turn chat in the terminal (the tokenizer's chat template), speculative "
+                                     "with --draft / --strategy; an empty line ends it")
+    CG.add_args(ch, chat=True)
+    ch.set_defaults(fn=CG.cmd_chat)
     c = sub.add_parser("convert", help="HF checkpoint dir or GGUF file -> orbax checkpoint dir")
-    c.add_argument("hf_dir", help="an HF checkpoint directory, or a .gguf file (llama; its tokenizer is written "
-                                  "beside the checkpoint)")
+    c.add_argument("hf_dir", help="an HF checkpoint directory or Hub id (org/name), or a .gguf file (llama; its "
+                                  "tokenizer is written beside the checkpoint)")
     c.add_argument("out_dir")
     c.add_argument("--dtype", default=None)
     c.set_defaults(fn=cmd_convert)

@@ -74,9 +74,69 @@ def test_decode_text_prompt_with_tokenizer(llama_pair, tmp_path, capsys):
     hf.save_pretrained(str(tmp_path))
     assert cli.main(["decode", "--model", str(tmp_path), "--prompt", "w3 w1 w4", "--max-new-tokens", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    toks = json.loads([l for l in lines if l.startswith("{")][-1])["tokens"]
+    toks = json.loads(lines[-1])["tokens"]
     assert toks == jspec.decode(model, np.array([3, 1, 4]), max_new_tokens=5).tokens[0].tolist()
-    assert lines[-1].split() == [f"w{t}" for t in toks]
+    assert lines[0].split() == [f"w{t}" for t in toks if t != 0]  # the streamed text, then the closing line and the JSON
+    assert lines[1].startswith("[jspec] 5 tokens in ") and "tokens per target step" in lines[1]
+
+
+def _word_tokenizer(path, template=None):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(101)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(str(path))
+
+
+def test_decode_speculates_streams_and_reports_acceptance(llama_pair, tmp_path, capsys):
+    """`jspec decode --draft D --strategy chain|tree|pld` gives AR's tokens, streams the text piece by piece and
+    closes with the throughput, tokens per step and acceptance; a strategy without the draft it needs is refused."""
+    hf, model = llama_pair
+    _word_tokenizer(tmp_path)
+    hf.save_pretrained(str(tmp_path))
+    ref = jspec.decode(model, np.array([3, 1, 4, 1, 5]), max_new_tokens=12).tokens[0].tolist()
+    for extra in (["--draft", str(tmp_path)], ["--draft", str(tmp_path), "--strategy", "tree", "--tree",
+                                                "[[0], [1], [0, 0]]"], ["--strategy", "pld", "--gamma", "3"]):
+        assert cli.main(["decode", "--model", str(tmp_path), "--prompt", "w3 w1 w4 w1 w5", "--max-new-tokens", "12",
+                         "--every", "1", *extra]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert json.loads(lines[-1])["tokens"] == ref, extra
+        assert lines[0].split() == [f"w{t}" for t in ref if t != 0]  # w0: the unknown token, a special one
+        assert "acceptance" in lines[1]
+        if "--strategy" not in extra:  # a chain of the model drafting for itself: every draft is accepted (the last
+            # round's are cut at max_new_tokens, and count as rejected)
+            assert float(lines[1].rsplit("acceptance ", 1)[1]) > 0.8 and json.loads(lines[-1])["tokens_per_step"] > 2
+    with pytest.raises(SystemExit, match="needs --draft"):
+        cli.main(["decode", "--model", str(tmp_path), "--prompt-ids", "3,1", "--strategy", "sage"])
+    with pytest.raises(SystemExit, match="takes no --draft"):
+        cli.main(["decode", "--model", str(tmp_path), "--prompt-ids", "3,1", "--draft", str(tmp_path),
+                  "--strategy", "pld"])
+
+
+def test_chat_holds_two_turns(llama_pair, tmp_path, capsys):
+    """`jspec chat`: each line is a user turn wrapped in the chat template with the conversation so far; replies
+    stream; an empty line ends the session."""
+    import io
+
+    from jspec import cli_generate as CG
+
+    hf, model = llama_pair
+    _word_tokenizer(tmp_path, "{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    hf.save_pretrained(str(tmp_path))
+    p = cli.argparse.ArgumentParser()
+    CG.add_args(p, chat=True)
+    args = p.parse_args(["--model", str(tmp_path), "--draft", str(tmp_path), "--max-new-tokens", "4"])
+    assert CG.cmd_chat(args, io.StringIO("w3 w1\nw4\n\n")) == 0
+    out = capsys.readouterr().out
+    first = jspec.decode(model, np.array([3, 1]), max_new_tokens=4).tokens[0].tolist()
+    reply1 = " ".join(f"w{t}" for t in first if t != 0)
+    second = jspec.decode(model, np.array([3, 1] + first + [4]), max_new_tokens=4).tokens[0].tolist()
+    assert out.count("[jspec] 4 tokens") == 2
+    assert reply1 in out and " ".join(f"w{t}" for t in second if t != 0) in out
 
 
 @pytest.mark.slow
