@@ -132,15 +132,20 @@ def generate(model, prompt, strategy, args, tok, out=None):
     t0 = time.perf_counter()
     s = jspec.stream(model, prompt, strategy, max_new_tokens=args.max_new_tokens, every=args.every,
                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, key=jax.random.key(args.seed))
+    from tqdm import tqdm
+
     ids, shown = [], ""
-    for pieces in s:
+    bar = tqdm(total=args.max_new_tokens, desc="decoding", unit="tok", disable=tok is not None, leave=False)
+    for pieces in s:  # without a tokenizer the ids come at the end, and a progress bar shows on stderr meanwhile
         ids.extend(int(t) for t in pieces[0])
+        bar.update(len(pieces[0]))
         if tok is not None and len(pieces[0]):
             text = tok.decode(ids, skip_special_tokens=True)
             if text.startswith(shown):  # a multi-token character is shown once it is whole
                 out.write(text[len(shown):])
                 out.flush()
                 shown = text
+    bar.close()
     if tok is not None:
         text = tok.decode(ids, skip_special_tokens=True)
         out.write(text[len(shown):] + "\n")
