@@ -170,3 +170,38 @@ def test_no_pytorch_advisory_without_pytorch():
 
     assert "PyTorch was not found" in stderr("pass")
     assert "PyTorch was not found" not in stderr("import jspec")
+
+
+def test_decode_an_image_prompt_through_the_models_processor(tmp_path, capsys):
+    """`--image` goes through the processor saved beside a LLaVA-1.5 checkpoint; with a VLM draft the tokens are
+    those of jspec.decode on what the processor returns."""
+    import transformers
+    from PIL import Image
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import ports
+    from test_llava import IMG, PATCHES, V, tiny_llava
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(IMG)} | {"<image>": IMG}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    ip = transformers.CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    proc = transformers.LlavaProcessor(image_processor=ip, tokenizer=fast, patch_size=7, image_token="<image>",
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    tiny_llava(0).save_pretrained(str(tmp_path))
+    proc.save_pretrained(str(tmp_path))
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    batch = proc(text=["w1 w7 <image> w2 w3"], images=[Image.open(tmp_path / "a.png").convert("RGB")],
+                 return_tensors="np")
+    assert int((batch["input_ids"] == IMG).sum()) == PATCHES and V == IMG + 1
+    model = ports.load_hf(str(tmp_path))
+    ref = jspec.decode(model, {"input_ids": batch["input_ids"], "pixel_values": batch["pixel_values"]},
+                       max_new_tokens=6).tokens[0].tolist()
+    assert cli.main(["decode", "--model", str(tmp_path), "--draft", str(tmp_path), "--image", str(tmp_path / "a.png"),
+                     "--prompt", "w1 w7 <image> w2 w3", "--max-new-tokens", "6", "--gamma", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert json.loads(lines[-1])["tokens"] == ref
+    tiny_llava(0).save_pretrained(str(tmp_path / "bare"))  # no processor beside it
+    with pytest.raises(SystemExit, match="needs a processor .* in .*bare"):
+        cli.main(["decode", "--model", str(tmp_path / "bare"), "--image", str(tmp_path / "a.png"), "--prompt", "w1"])
