@@ -172,7 +172,9 @@ def run(steps: str | list[Step] | None = None, out_dir: str | None = None, dry_r
         budget_scale: float = 1.0, isolate: bool = True, opts: dict | None = None,
         after_step: Callable[[str, list], None] | None = None, env: dict | None = None) -> dict:
     """Run the steps in order, each under its budget, rewriting `<out_dir>/gpu[-dry]-<date>.{json,md,png}` after
-    each; returns the result. `after_step(name, files)` is called after each write (tests)."""
+    each; returns the result. The steps an earlier call of the same day wrote there and this one does not run are
+    kept (marked "earlier"), so that a second call adds to the first. `after_step(name, files)` is called after
+    each write (tests)."""
     plan = steps if isinstance(steps, list) else select(steps)
     if budget_scale <= 0:
         raise ValueError(f"budget scale must be > 0, got {budget_scale}")
@@ -181,11 +183,19 @@ def run(steps: str | list[Step] | None = None, out_dir: str | None = None, dry_r
     os.makedirs(out_dir, exist_ok=True)
     date = time.strftime("%Y-%m-%d")
     stem = os.path.join(out_dir, f"gpu{'-dry' if dry_run else ''}-{date}")
+    numbers = {s.name: i + 1 for i, s in enumerate(STEPS)}
     result = {"meta": {"date": date, "dry_run": dry_run, "budget_scale": budget_scale, "isolated": isolate,
                        "argv": sys.argv[1:], "host_cpus": os.cpu_count(), "opts": opts or {}},
-              "plan": [{"step": i + 1, "name": s.name, "title": s.title, "budget_s": s.budget_s * budget_scale}
-                       for i, s in enumerate(plan)],
+              "plan": [{"step": numbers.get(s.name, i + 1), "name": s.name, "title": s.title,
+                        "budget_s": s.budget_s * budget_scale} for i, s in enumerate(plan)],
               "steps": {}}
+    earlier = _read_part(stem + ".json")
+    names = {s.name for s in plan}
+    for p in earlier.get("plan", []):
+        if p["name"] not in names and p["name"] in earlier.get("steps", {}):
+            result["plan"].append(p)
+            result["steps"][p["name"]] = {**earlier["steps"][p["name"]], "earlier": True}
+    result["plan"].sort(key=lambda p: p["step"])
     print("\n".join(plan_lines(plan, budget_scale, dry_run)), flush=True)
     work = tempfile.mkdtemp(prefix="jspec-bench-gpu-")
     files = write(result, stem)  # the plan, before anything runs
@@ -302,7 +312,8 @@ def summary_lines(result: dict) -> list[str]:
     rows = []
     for p in result["plan"]:
         s = result["steps"].get(p["name"])
-        rows.append({"#": p["step"], "step": p["name"], "status": s["status"] if s else "not run",
+        rows.append({"#": p["step"], "step": p["name"],
+                     "status": (s["status"] + (" (earlier call)" if s.get("earlier") else "")) if s else "not run",
                      "s / budget": f"{s['seconds']:.0f} / {s['budget_s']:.0f}" if s else f"- / {p['budget_s']:.0f}",
                      "headline": (s.get("headline") or s.get("error") or "") if s else ""})
     return table(rows)
@@ -327,6 +338,8 @@ def markdown(result: dict) -> str:
                 out += ["", s[key]]
         for name, rows in s.get("tables", {}).items():
             out += ["", f"**{name}**", "", *table(rows)]
+        if s.get("notes") or s.get("skipped"):
+            out.append("")
         for n in s.get("notes", []):
             out.append(f"- {n}")
         if s.get("skipped"):
@@ -692,11 +705,12 @@ def load_pair(name: str, rec: Recorder) -> Pair:
         shape = (dict(layers=2, vocab=512, hidden=64, mlp=128, heads=4) if dry else
                  dict(layers=32, vocab=32000, hidden=4096, mlp=11008, heads=32))
         t, d = B.damped_pair(dtype=dtype, **shape)
-        ps = [np.random.default_rng(1).integers(0, t.vocab_size, 12 if dry else 128)]
+        P, new = (12, 8) if dry else (128, 64)
+        ps = [np.random.default_rng(1).integers(0, t.vocab_size, P)]
         keep = ("AR", "Chain g=5") + (() if dry else ("Tree mc_sim_7b_63", "DynamicTree 6x10/60"))
         strats = [(n, s) for n, s, _ in B.sd_strategies(d, False) if n in keep]
-        return Pair(name, t, ps, strats, rows(t, ps, (), 8 if dry else 64),
-                    note="as the gpu suite's: one random 128-token prompt, 64 new tokens, EOS off")
+        return Pair(name, t, ps, strats, rows(t, ps, (), new),
+                    note=f"as the gpu suite's: one random {P}-token prompt, {new} new tokens, EOS off")
     if name == "zoo text":
         from jspec.drafters.early_exit import load_head
 
@@ -1062,6 +1076,7 @@ def step_paper(rec: Recorder) -> None:
     if rec.dry:  # every shape's config is built; one tiny model stands in for all (its programs shared)
         for sp in SHAPES.values():
             text_config(sp["config"], **sp.get("over", {}))
+    measured = measured_rows(rec)
     costs: dict[tuple[str, int], float] = {}
     models: dict[str, Any] = {}
     last: dict[str, float] = {}  # seconds of each shape's last probe (compile included): the next one's estimate
@@ -1086,6 +1101,7 @@ def step_paper(rec: Recorder) -> None:
                           "params_b": _r(model.num_params / 1e9, 3), "ms": _r(s * 1e3, 4),
                           "over_ar": _r(s / ar) if ar else None, "seconds": _r(last[shape], 1)})
         rec.log(f"{shape} batch {batch} k={k}: {s * 1e3:.2f} ms ({last[shape]:.1f} s)")
+        _predictions(rec, costs, measured)  # after every probe: a step cut short keeps its predictions so far
         later = {sh for sh, _ in todo[i + 1:]} | {"tiny"}
         for name in [m for m in models if m not in later]:
             del models[name]
@@ -1093,9 +1109,13 @@ def step_paper(rec: Recorder) -> None:
     models.clear()
     gc.collect()
     _engine_check(rec, costs)
-    for row in method_rows(costs, measured_rows(rec)):
-        rec.add("methods", row)
-    done = [r for r in rec.data["tables"].get("methods", []) if r.get("predicted_paper_tau")]
+
+
+def _predictions(rec: Recorder, costs: dict, measured: dict) -> None:
+    """The methods table (`method_rows`) from the costs so far, and the step's headline."""
+    rows = method_rows(costs, measured)
+    rec.data["tables"]["methods"] = rows
+    done = [r for r in rows if r.get("predicted_paper_tau")]
     rec.put(headline="predicted by cost with the paper's tau vs the paper's speedup: " + ", ".join(
         f"{r['method']} {r['predicted_paper_tau']}x vs {r['paper_speedup']}x" for r in done))
 
@@ -1321,8 +1341,20 @@ def main(argv=None) -> dict:
     bad = [p for p in a.pair if p not in PAIR_NAMES]
     if bad:
         raise ValueError(f"unknown pair(s) {bad}; the pairs are {list(PAIR_NAMES)}")
-    return run(a.steps, a.out, a.dry_run, a.budget_scale, isolate=not a.no_isolate,
+    plan = select(a.steps)
+    if not a.dry_run and backend() == "cpu":
+        raise ValueError("the steps need a GPU (JAX sees only the CPU here); --dry-run runs them on the CPU at tiny "
+                         "shapes")
+    return run(plan, a.out, a.dry_run, a.budget_scale, isolate=not a.no_isolate,
                opts={"pairs": a.pair} if a.pair else None)
+
+
+def backend() -> str:
+    """JAX's default backend, asked in a separate process (this one never holds the device: the steps need it)."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    p = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], env=env,
+                       capture_output=True, text=True)
+    return p.stdout.strip().splitlines()[-1] if p.returncode == 0 and p.stdout.strip() else "unknown"
 
 
 if __name__ == "__main__":

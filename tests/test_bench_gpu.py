@@ -5,6 +5,7 @@ import json
 import os
 import time
 
+import jax
 import pytest
 
 from jspec import bench_gpu as BG
@@ -27,6 +28,9 @@ def test_the_plan_fits_one_device_command():
         cli.main(["bench", "gpu", "--steps", "0"])
     with pytest.raises(SystemExit, match="unknown pair"):
         cli.main(["bench", "gpu", "--pair", "zoo nope"])
+    if jax.default_backend() == "cpu":  # without --dry-run the steps refuse a CPU
+        with pytest.raises(SystemExit, match="need a GPU"):
+            cli.main(["bench", "gpu", "--steps", "2"])
 
 
 # ------------------------------------------------------------------------------------------------ the runner
@@ -73,6 +77,12 @@ def test_a_failing_or_hanging_step_loses_only_itself(tmp_path):
         assert list(snap["steps"]) == ["ok", "raises", "hangs", "after"][:i + 1]
     md = open(res["files"][1]).read()
     assert "timed out" in md and "boom" in md and "ran after the hang" in md
+    # a second call the same day adds to the first: its steps rerun, the others kept as they were
+    again = BG.run([steps[0]], str(tmp_path), isolate=False)
+    assert {n: (s["status"], s.get("earlier", False)) for n, s in again["steps"].items()} == {
+        "ok": ("ok", False), "raises": ("failed", True), "hangs": ("timed out", True), "after": ("ok", True)}
+    assert [p["name"] for p in again["plan"]] == ["ok", "raises", "hangs", "after"]
+    assert "timed out (earlier call)" in open(again["files"][1]).read()
 
 
 # ------------------------------------------------------------------------------------------------ the dry run
