@@ -334,7 +334,7 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
         state, phases = P.host_timed(r)
     else:
         state = r.run(state)
-    out, n_out, steps, accepted, drafted, decided = jax.device_get(
+    out, n_out, steps, accepted, drafted, decided = SH.host_get(
         (state.out, state.n_out, state.step, state.accepted, state.drafted,
          state.aux.decided if r.parts is not None else {}))
     t2 = time.perf_counter()

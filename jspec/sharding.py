@@ -49,6 +49,22 @@ DECODER_AXES: dict[str, tuple[str | None, ...]] = {
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
 
 
+def host_get(tree):
+    """`jax.device_get(tree)`, also where a leaf spans devices of other processes (multi-controller runs after
+    `jax.distributed.initialize()`): those leaves are all-gathered in one collective, so every process gets the
+    global values. Every process must call it with the same tree (as every multi-controller call)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    far = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    if not far:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    got = multihost_utils.process_allgather([leaves[i] for i in far], tiled=True)
+    for i, g in zip(far, got):
+        leaves[i] = np.asarray(g)
+    return jax.device_get(jax.tree.unflatten(treedef, leaves))
+
+
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
     """A ("data", "fsdp", "tensor") mesh over the first data*fsdp*tensor devices (all processes' devices under
     `jax.distributed`: every host runs the same program)."""

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jspec import api, loop
+from jspec import sharding as SH
 from jspec import speculative as SD
 from jspec.strategy import merge
 
@@ -50,17 +51,17 @@ class Stream:
         r = self._r
         state = r.state
         t0 = time.perf_counter()
-        out, n_out, step, done = jax.device_get((state.out, state.n_out, state.step, state.done))
+        out, n_out, step, done = SH.host_get((state.out, state.n_out, state.step, state.done))
         sent = np.asarray(n_out).copy()
         yield [np.asarray(out[b, :sent[b]], np.int32) for b in range(len(sent))]
         while int(step) < r.ctx.max_steps and not bool(np.all(done)):
             state = self._advance(state, np.int32(int(step) + self.every))
-            out, n_out, step, done = jax.device_get((state.out, state.n_out, state.step, state.done))
+            out, n_out, step, done = SH.host_get((state.out, state.n_out, state.step, state.done))
             self.chunks += 1
             piece = [np.asarray(out[b, sent[b]:n_out[b]], np.int32) for b in range(len(sent))]
             sent = np.asarray(n_out).copy()
             yield piece
-        accepted, drafted, decided = jax.device_get(
+        accepted, drafted, decided = SH.host_get(
             (state.accepted, state.drafted, state.aux.decided if r.parts is not None else {}))
         steps = int(step)
         decided = {k: v[:, :steps] for k, v in decided.items()}
