@@ -209,6 +209,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
     if isinstance(pad_prompt_to, bool) or not isinstance(pad_prompt_to, (int, np.integer)) or pad_prompt_to < 1:
         raise ValueError(f"pad_prompt_to must be a positive integer, got {pad_prompt_to!r}")
     tokens, lengths, inputs = model_prompt(target, prompt, "", int(pad_prompt_to))
+    SH.check_same_everywhere("prompts", tokens, lengths)
     if draft_prompt is not None and parts is None:
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")
     sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)

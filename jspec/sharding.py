@@ -65,6 +65,25 @@ def host_get(tree):
     return jax.device_get(jax.tree.unflatten(treedef, leaves))
 
 
+def check_same_everywhere(what: str, *arrays) -> None:
+    """Under `jax.distributed` with several processes: ValueError unless every process passed equal `arrays` (a
+    multi-controller program needs the same inputs on every host). One small collective; nothing to do in one
+    process."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    h = np.zeros((4,), np.int64)
+    for i, a in enumerate(arrays):
+        a = np.asarray(a).astype(np.int64).ravel()
+        h[0] += a.size * (i + 1)
+        h[1 + i % 3] += int((a * (np.arange(a.size) % 9973 + 1)).sum() % (2 ** 61))
+    seen = np.asarray(multihost_utils.process_allgather(h))
+    if not (seen == seen[:1]).all():
+        raise ValueError(f"the processes passed different {what} (process {jax.process_index()} of "
+                         f"{jax.process_count()}): under jax.distributed every host must pass the same inputs")
+
+
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
     """A ("data", "fsdp", "tensor") mesh over the first data*fsdp*tensor devices (all processes' devices under
     `jax.distributed`: every host runs the same program)."""
