@@ -117,7 +117,8 @@ def cmd_plan(args) -> int:
         p = PL.plan(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
                     tree_nodes=tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd,
                     draft_max_len=draft_max_len, self_draft=self_draft, streams=streams, eagle=eagle,
-                    prefill_chunk=args.prefill_chunk if args.prefill_chunk != "none" else None)
+                    prefill_chunk=args.prefill_chunk if args.prefill_chunk != "none" else None,
+                    draft_tensor_parallel=args.draft_tensor_parallel)
         if sage_note:
             p["notes"].append(sage_note)
     except ValueError as e:
@@ -259,6 +260,8 @@ def main(argv=None) -> int:
     pl.add_argument("--dtype", default="bf16", help="bf16, f16 or f32")
     pl.add_argument("--draft", help="draft config (same forms as --config); replicated on every device; 'self': "
                                     "the target drafts for itself (SpecVLM's Self-SD)")
+    pl.add_argument("--draft-tensor-parallel", action="store_true", help="the draft split over the mesh by the "
+                    "target's rules (`jspec.shard(draft, mesh)`), not replicated")
     pl.add_argument("--eesd", metavar="N", help="size an EESD early-exit drafter exiting after layer N ('preset': "
                                                 "the paper's N for llama-2-13b / 70b)")
     pl.add_argument("--eesd-layers", type=int, default=1, help="the early-exit head's decoder layers")

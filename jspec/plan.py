@@ -9,7 +9,8 @@ machine, e.g. a 1-CPU laptop planning for 8 GPUs or a TPU slice:
 * the target's KV cache: `jax.eval_shape` of `jspec.loop.new_cache_for`, split by the engine's own
   `jspec.sharding.Placement.cache_spec` (batch over `data`, kv heads over `tensor`, replicated when they do not
   divide);
-* a draft: params and cache replicated, as `jspec.decode(..., mesh=)` places them;
+* a draft: params and cache replicated, as `jspec.decode(..., mesh=)` places them (or, `draft_tensor_parallel`,
+  split as a draft passed through `jspec.shard(draft, mesh)` is);
 * activations: an analytic estimate (not a measurement) of the peak of prefill (`prompt_len` tokens through each
   layer, f32 attention scores [B, heads, T, S], MLP intermediates, the vision tower on the prompt's images) and of
   one decode step (`tree_nodes` tree nodes verified, f32 logits [B, N, V]); the larger one counts.
@@ -486,8 +487,8 @@ def eagle_components(target: _Planned, batch: int, max_len: int, dt) -> dict:
 def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, dtype="bfloat16",
          draft_config: dict | None = None, tree_nodes: int = 64, prompt_len: int | None = None, rules=None,
          images: int | None = None, eesd: tuple[int, int, bool] | None = None, draft_max_len: int | None = None,
-         self_draft: bool = False, streams: int = 1, eagle: bool = False, prefill_chunk: int | None | str = "auto"
-         ) -> Plan:
+         self_draft: bool = False, streams: int = 1, eagle: bool = False, prefill_chunk: int | None | str = "auto",
+         draft_tensor_parallel: bool = False) -> Plan:
     """Bytes per device of decoding `config` (an HF config dict) on a mesh of `mesh_shape`
     ({"data":, "fsdp":, "tensor":}) with a `max_len`-slot cache for `batch` rows, params in `dtype`, optionally
     with a replicated draft. Nothing is allocated and no devices are needed.
@@ -535,10 +536,16 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
         raise ValueError("plan a separate draft or the target drafting for itself, not both")
     if draft is not None:
         n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft.model.params))
-        comps["draft_params"] = dict(total=n * dt.itemsize, per_device=n * dt.itemsize, count=n, replicated=True)
-        total, per, _ = cache_bytes(draft.model, rows, d_len, placement, replicated=True)
-        assert total == per
-        comps["draft_cache"] = dict(total=total, per_device=per, replicated=True, slots=d_len)
+        rep = not draft_tensor_parallel
+        total, per = (n * dt.itemsize, n * dt.itemsize) if rep else param_bytes(draft.model, mesh, table)
+        comps["draft_params"] = dict(total=total, per_device=per, count=n, replicated=rep)
+        total, per, _ = cache_bytes(draft.model, rows, d_len, placement, replicated=rep)
+        comps["draft_cache"] = dict(total=total, per_device=per, replicated=rep, slots=d_len)
+        if not rep:
+            saved = n * dt.itemsize - comps["draft_params"]["per_device"]
+            notes.append(f"tensor-parallel draft (`jspec.shard(draft, mesh)`): its params split by the target's "
+                         f"rules, {saved / 2 ** 30:.2f} GiB per device less than replicated; its cache split as the "
+                         "target's")
     if self_draft:
         total, per, _ = cache_bytes(target.model, batch, d_len, placement)
         comps["draft_cache"] = dict(total=total, per_device=per, replicated=False, slots=d_len)

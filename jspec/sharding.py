@@ -195,6 +195,15 @@ def shard(model, mesh: Mesh, rules=None):
     return dataclasses.replace(model, params=jax.device_put(model.params, shardings), _hf_aux=model._hf_aux)
 
 
+def is_sharded_on(model, mesh: Mesh) -> bool:
+    """Whether some param of `model` is split over `mesh` (e.g. placed by `shard(model, mesh)`)."""
+    for x in jax.tree.leaves(getattr(model, "params", None)):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh == mesh and any(a is not None for a in sh.spec):
+            return True
+    return False
+
+
 def replicate(model, mesh: Mesh):
     """The model with every param replicated on `mesh` (a small draft)."""
     sh = NamedSharding(mesh, P())

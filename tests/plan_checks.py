@@ -64,21 +64,22 @@ def nbytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def check(target, draft, mesh_shape, batch, max_len, dtype):
+def check(target, draft, mesh_shape, batch, max_len, dtype, draft_tp=False):
     data, fsdp, tensor = mesh_shape
     mesh = SH.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
     placement = SH.Placement(mesh, tuple(SH.rules_table().items()))
     p = PL.plan(target.hf_config, dict(data=data, fsdp=fsdp, tensor=tensor), batch, max_len, dtype=dtype,
-                draft_config=None if draft is None else draft.hf_config)
+                draft_config=None if draft is None else draft.hf_config, draft_tensor_parallel=draft_tp)
     c = p["components"]
     sharded = SH.shard(target, mesh)
     real = {"params": (nbytes(sharded.params), on_device0(sharded.params))}
     cache = jax.jit(lambda: placement.constrain_cache(loop.new_cache_for(target, batch, max_len)))()
     real["kv_cache"] = (nbytes(cache), on_device0(cache))
     if draft is not None:
-        rep = SH.replicate(draft, mesh)
+        rep = SH.shard(draft, mesh) if draft_tp else SH.replicate(draft, mesh)
         real["draft_params"] = (nbytes(rep.params), on_device0(rep.params))
-        dcache = jax.jit(lambda: placement.constrain_cache(loop.new_cache_for(draft, batch, max_len), True))()
+        dcache = jax.jit(lambda: placement.constrain_cache(loop.new_cache_for(draft, batch, max_len),
+                                                           not draft_tp))()
         real["draft_cache"] = (nbytes(dcache), on_device0(dcache))
     for name, (total, dev0) in real.items():
         got = (c[name]["total"], c[name]["per_device"])
@@ -97,6 +98,11 @@ def main():
     for mesh_shape in MESHES:
         for batch in (8, 3):  # 3 rows do not divide data=2 / 8: replicated batch
             cases.append(check(target, draft, mesh_shape, batch, 48, "bfloat16"))
+    for mesh_shape in ((1, 1, 8), (2, 1, 4)):  # a tensor-parallel draft: params and cache split as allocated
+        tp = check(target, draft, mesh_shape, 8, 48, "bfloat16", draft_tp=True)
+        rep = next(c for c in cases if c["mesh"] == list(mesh_shape) and c["batch"] == 8)
+        assert tp["draft_params"] < rep["draft_params"], (tp, rep)
+        cases.append(tp)
     f32 = tiny_llama(2, 64, 8, 8, vocab=264, dtype=jnp.float32)  # f32 params, MHA cache split 8 ways
     cases.append(check(f32, None, (1, 1, 8), 4, 40, "float32"))
     vlm = tiny_llava()

@@ -153,13 +153,36 @@ def check_sampled_rows() -> int:
     return len(cases)
 
 
+def check_tensor_parallel_draft(target, draft) -> int:
+    """A draft passed sharded over the mesh (`jspec.shard(draft, mesh)`) stays split: its params over the tensor
+    axis, its cache as the target's; it decodes the tokens of the replicated draft, greedy and sampled."""
+    mesh = SH.make_mesh(data=2, tensor=4)
+    tp = SH.shard(draft, mesh)
+    for kw in ({}, dict(temperature=1.0, key=jax.random.key(4))):
+        for make in (lambda d: jspec.Chain(d, gamma=3), lambda d: jspec.Tree(d, tree=[[0], [1], [0, 0]])):
+            want = jspec.decode(target, prompts(), make(draft), max_new_tokens=12, eos_token_id=(), mesh=mesh, **kw)
+            got = jspec.decode(target, prompts(), make(tp), max_new_tokens=12, eos_token_id=(), mesh=mesh, **kw)
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+            np.testing.assert_array_equal(got.stats["accepted"], want.stats["accepted"])
+    s = jspec.api.start(target, prompts(), jspec.Chain(tp, gamma=3), max_new_tokens=8, mesh=mesh)
+    assert s.parts.drafter.tensor_parallel
+    wq = s.parts.drafter.model.params["layers"][0]
+    assert any("tensor" in str(x.sharding.spec) for x in jax.tree.leaves(wq)), jax.tree.map(lambda x: x.sharding, wq)
+    k = s.state.aux.draft.cache.k[0]
+    assert k.sharding.spec != P() and k.addressable_shards[0].data.shape[0] < k.shape[0], k.sharding  # as the
+    # target's: rows over data (this draft's 2 kv heads do not divide the 4-way tensor axis)
+    r = jspec.api.start(target, prompts(), jspec.Chain(draft, gamma=3), max_new_tokens=8, mesh=mesh)
+    assert not r.parts.drafter.tensor_parallel and r.state.aux.draft.cache.k[0].sharding.spec == P()
+    return 1
+
+
 def main(tmp, slow=False):
     assert jax.device_count() == 8, jax.devices()
     target = tiny(2, 64, 8, 4, 0)
     draft = tiny(1, 32, 4, 2, 1)
     results = {"decode_cases": check_decode(target, draft, MESHES + (SLOW_MESHES if slow else ())),
                "placement": check_placement(target), "orbax": check_orbax(target, os.path.join(tmp, "ckpt")),
-               "sampled_rows": check_sampled_rows()}
+               "sampled_rows": check_sampled_rows(), "tp_draft": check_tensor_parallel_draft(target, draft)}
     if slow:
         results["distribution"] = check_distribution()
     print(json.dumps(results))

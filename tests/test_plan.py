@@ -21,14 +21,15 @@ PUBLIC_PARAMS = {"llama-2-7b": 6.74e9, "llama-2-13b": 13.0e9, "llama-2-70b": 69.
 
 def test_plan_equals_allocated_bytes():
     """Per-device params / KV cache / draft params / draft cache of the plan == bytes really on device 0, for
-    meshes (1,8), (2,4), fsdp 2 x tensor 4, (8,1), batches that do and do not divide `data`, a VLM target."""
+    meshes (1,8), (2,4), fsdp 2 x tensor 4, (8,1), batches that do and do not divide `data`, a VLM target, a
+    tensor-parallel draft (less per device than a replicated one)."""
     here = os.path.dirname(__file__)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(here, "plan_checks.py")], env=env, capture_output=True,
                           text=True, timeout=600, cwd=os.path.dirname(here))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results["cases"] == 11
+    assert results["cases"] == 13
 
 
 def test_shipped_configs_are_listed():
@@ -93,6 +94,24 @@ def test_draft_is_replicated_and_scales_with_batch():
     # a longer prompt costs more activation memory
     long = PL.plan(cfg, {"tensor": 8}, 8, 4096, draft_config=dcfg)
     assert long["components"]["activations"]["per_device"] > p8["components"]["activations"]["per_device"]
+
+
+def test_a_tensor_parallel_draft_saves_what_replication_costs(capsys):
+    """The 70B plans' 7B draft: replicated it takes 13.5 GB on each of 8 devices; split by the target's rules an
+    eighth of it (its 32 heads and MLP divide 8), and the note says how much that saves."""
+    cfg, dcfg = PL.load_config("llama-2-70b"), PL.load_config("llama-2-7b")
+    rep = PL.plan(cfg, {"tensor": 8}, 1, 4096, draft_config=dcfg, prompt_len=512)
+    tp = PL.plan(cfg, {"tensor": 8}, 1, 4096, draft_config=dcfg, prompt_len=512, draft_tensor_parallel=True)
+    r, t = rep["components"]["draft_params"], tp["components"]["draft_params"]
+    assert t["total"] == r["total"] and not t["replicated"]
+    assert t["per_device"] == pytest.approx(r["per_device"] / 8, rel=0.03)  # embeddings / norms: not all split
+    assert tp["components"]["draft_cache"]["per_device"] == pytest.approx(
+        rep["components"]["draft_cache"]["per_device"] / 8)
+    assert any("tensor-parallel draft" in n and "GiB per device less" in n for n in tp["notes"])
+    assert cli.main(["plan", "--config", "llama-2-70b", "--mesh", "tensor=8", "--max-len", "4096", "--draft",
+                     "llama-2-7b", "--draft-tensor-parallel", "--json"]) in (0, 1)
+    js = json.loads(capsys.readouterr().out)
+    assert js["components"]["draft_params"]["per_device"] < 2.0 * GB
 
 
 def test_fits_verdict_and_sizes():

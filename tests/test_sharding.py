@@ -22,6 +22,7 @@ def test_sharded_checks(tmp_path, slow):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     dist = results.pop("distribution", None)
-    assert results == {"decode_cases": 9 if slow else 3, "placement": 1, "orbax": 1, "sampled_rows": 3}
+    assert results == {"decode_cases": 9 if slow else 3, "placement": 1, "orbax": 1, "sampled_rows": 3,
+                       "tp_draft": 1}
     if slow:
         assert dist["pvalue"] > 1e-3 and dist["tv"] <= dist["tv_bound"], dist

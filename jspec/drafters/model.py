@@ -71,6 +71,7 @@ class ModelDrafter:
     (SpecVLM's Self-SD, whose draft cache holds a pruned prompt)."""
 
     model: Any
+    tensor_parallel: bool = struct.field(pytree_node=False, default=False)  # set by `prepare`, see there
 
     def run_model(self, env: DraftEnv):
         return env.target if self.model is None else self.model
@@ -99,18 +100,23 @@ class ModelDrafter:
         else:
             tokens, lengths, inputs = default_view(setup.target, self.model, setup.prompt, setup.tokens,
                                                    setup.lengths, setup.inputs)
-        model = self.model if setup.mesh is None else SH.replicate(self.model, setup.mesh)
+        # on a mesh a draft is replicated, unless it comes sharded over it (`jspec.shard(draft, mesh)`): then its
+        # params stay split by the logical axis rules and its cache is split like the target's (tensor parallel)
+        tensor_parallel = setup.mesh is not None and SH.is_sharded_on(self.model, setup.mesh)
+        model = self.model if setup.mesh is None or tensor_parallel else SH.replicate(self.model, setup.mesh)
         longest, width = int(lengths.max()), tokens.shape[1]
         if setup.guidance is not None or setup.constraint is not None:
             if inputs:
                 raise ValueError("guidance / constraint take token prompts only (no image inputs)")
             model = G.guide(model, lengths, setup.guidance, setup.constraint)
             longest, width = int(np.max(np.asarray(model.prompt_end))), max(width, model.uncond.shape[1])
-        return Prepared(self.replace(model=model), (tokens, lengths, inputs), longest, width)
+        return Prepared(self.replace(model=model, tensor_parallel=tensor_parallel), (tokens, lengths, inputs),
+                        longest, width)
 
     def _constrain(self, env: DraftEnv, cache):
-        # a separate draft is replicated on a mesh; the target drafting for itself keeps the target's sharding
-        return SH.constrain(env.ctx.placement, cache, replicated=self.model is not None)
+        # a replicated draft keeps a replicated cache; a tensor-parallel one and the target drafting for itself
+        # split theirs like the target's
+        return SH.constrain(env.ctx.placement, cache, replicated=self.model is not None and not self.tensor_parallel)
 
     def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> DraftState:
         from jspec import loop
