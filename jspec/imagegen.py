@@ -83,11 +83,14 @@ def _generating(model):
 
 def generate_image(target, prompt, rows: int, cols: int, strategy=None, cfg_scale: float | None = 3.0,
                    temperature: float = 1.0, top_k: int | None = 2000, top_p: float | None = None, key=None,
-                   decoder: tuple["ports.vqgan.VQConfig", Any] | None = None, image_prefix_ids=None) -> ImageOutput:
+                   decoder: tuple["ports.vqgan.VQConfig", Any] | None = None, image_prefix_ids=None, mesh=None,
+                   rules=None) -> ImageOutput:
     """Generate one rows x cols image per prompt row (any prompt form `jspec.decode` takes, token ids of the
     caption prompt). Defaults follow LANTERN++'s Lumina-mGPT setting: CFG 3.0, temperature 1, top-k 2000
     (`cfg_scale=None` turns CFG off). The strategy's draft, if any, is guided and constrained like the target.
-    `decoder=(vq_config, vq_params)` (e.g. from `ports.vqgan.load_vqgan_decoder`) also returns the pixels."""
+    `decoder=(vq_config, vq_params)` (e.g. from `ports.vqgan.load_vqgan_decoder`) also returns the pixels.
+    `mesh`, `rules`: as `jspec.decode`'s (the target sharded over the mesh; every process of a multi-controller
+    run gets every image)."""
     if rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be >= 1, got {rows}x{cols}")
     target = _generating(target)
@@ -104,7 +107,8 @@ def generate_image(target, prompt, rows: int, cols: int, strategy=None, cfg_scal
     gram = grammar(cfg, rows, cols)
     guidance = None if cfg_scale is None else CFG(float(cfg_scale), prefix)
     out = api.decode(target, full, strategy, max_new_tokens=gram.length, temperature=temperature, top_k=top_k,
-                     top_p=top_p, key=key, eos_token_id=(gram.eoi,), guidance=guidance, constraint=gram)
+                     top_p=top_p, key=key, eos_token_id=(gram.eoi,), guidance=guidance, constraint=gram, mesh=mesh,
+                     rules=rules)
     grid = out.tokens[:, :rows * (cols + 1)].reshape(-1, rows, cols + 1)[:, :, :cols]
     from ports import chameleon as CH
     from ports import vqgan as VQ

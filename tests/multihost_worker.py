@@ -15,10 +15,9 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-
 import jspec  # noqa: E402
-from multihost_cases import CASES, SAMPLED, pair  # noqa: E402
+from multihost_cases import run, text_prompts, use_checkpoint  # noqa: E402
+from tiny_pairs import tiny_pair  # noqa: E402
 
 
 def main():
@@ -26,15 +25,14 @@ def main():
     names = [a for a in rest if not a.startswith("--") and a != ckpt]
     assert jax.process_count() == nproc and jax.device_count() == nproc * jax.local_device_count()
     mesh = jspec.make_mesh(data=2, tensor=jax.device_count() // 2)
-    target, draft, prompts = pair(ckpt, mesh)
+    if ckpt is not None:
+        use_checkpoint(ckpt, mesh)
     res = {}
     if "--bad" in rest:
-        res["bad"] = bad_setups(target, prompts)
+        res["bad"] = bad_setups(tiny_pair()[0], text_prompts())
     for name in names:
-        strat = CASES[name](target, draft)
-        for sampled, kw in ((False, {}), (True, SAMPLED)):
-            out = jspec.decode(target, prompts, strat, max_new_tokens=10, eos_token_id=(), mesh=mesh, **kw)
-            res[f"{name}/{'sampled' if sampled else 'greedy'}"] = out.tokens.tolist()
+        for sampled in (False, True):
+            res[f"{name}/{'sampled' if sampled else 'greedy'}"] = run(name, sampled, mesh)
     print(json.dumps(res), flush=True)
 
 

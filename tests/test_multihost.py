@@ -2,36 +2,30 @@
 on a (data 2, tensor 4) mesh spanning both, every process passing the same prompts and getting the same tokens as
 one process decoding alone, greedy and sampled; a target restored from a `jspec convert` checkpoint onto that mesh
 (each process reading its shards) too; a mesh larger than the devices and hosts passing different prompts are
-clear errors. AR, Chain, Tree, SAGE and EESD by default; DynamicTree under -m slow."""
-import numpy as np
+clear errors. AR, Chain, Tree, SAGE and EESD by default; DynamicTree, TABED and SpecVLM (image prompts) and
+LANTERN++ through generate_image under -m slow."""
 import pytest
 
-import jspec
 import ports
 from multihost import launch
-from multihost_cases import CASES, SAMPLED, pair
+from multihost_cases import run
+from tiny_pairs import tiny_pair
 
 DEFAULT = ["ar", "chain", "tree", "sage", "eesd"]
+SLOW = ["dynamic", "tabed", "specvlm", "lantern"]
 
 
 def _single(names):
-    target, draft, prompts = pair()
-    want = {}
-    for name in names:
-        strat = CASES[name](target, draft)
-        for label, kw in (("greedy", {}), ("sampled", SAMPLED)):
-            want[f"{name}/{label}"] = jspec.decode(target, prompts, strat, max_new_tokens=10, eos_token_id=(),
-                                                   **kw).tokens.tolist()
-    return want
+    return {f"{n}/{label}": run(n, label == "sampled") for n in names for label in ("greedy", "sampled")}
 
 
-@pytest.mark.parametrize("names", [DEFAULT, pytest.param(["dynamic"], marks=pytest.mark.slow)],
+@pytest.mark.parametrize("names", [DEFAULT, pytest.param(SLOW, marks=pytest.mark.slow)],
                          ids=["default", "slow"])
 def test_two_processes_decode_the_tokens_of_one(names, tmp_path):
     ckpt = None
     if names == DEFAULT:
         ckpt = str(tmp_path / "ckpt")
-        ports.save(pair()[0], ckpt)  # what `jspec convert` writes
+        ports.save(tiny_pair()[0], ckpt)  # what `jspec convert` writes
     results = launch(names + (["--ckpt", ckpt, "--bad"] if ckpt else []), timeout=900)
     bad = [r.pop("bad", None) for r in results]
     assert results[0] == results[1]  # every process gets the whole output
