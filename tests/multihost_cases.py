@@ -22,7 +22,7 @@ VLM = {
     "tabed": lambda d: jspec.TABED(d, views=("M", "T", "P"), weights=(0.2, 0.5, 0.3), newline_id=3, gamma=3),
     "specvlm": lambda d: jspec.SpecVLM(d, ratio=0.5, modality="image", tree=[[0], [1], [0, 0], [0, 0, 0]]),
 }
-NAMES = (*TEXT, *VLM, "lantern")
+NAMES = (*TEXT, *VLM, "lantern", "zoo_specvlm_video", "zoo_tabed_image")
 _target = {"text": None}
 
 
@@ -64,6 +64,23 @@ def t2i_pair():
     return target, draft, table
 
 
+def zoo_case(name: str):
+    """(target, prompt, strategy) of the zoo's video pair under SpecVLM or its image pair under TABED."""
+    from jspec import zoo
+    from jspec.zoo import evaluate as E
+
+    if name == "zoo_specvlm_video":
+        from jspec.zoo import video as V
+
+        target, draft = zoo.load("video-target"), zoo.load("video-draft")
+        return target, V.VideoEncoder().prompts(V.eval_set(2, tasks=("video_describe",))), jspec.SpecVLM(
+            draft, ratio=0.8, tree="chain5")
+    pair = E.load_pair("image")
+    exs = E.scenario_examples("image", 2)
+    prompt = E.batch_prompt(pair.encoder, [exs["caption"][0], exs["vqa"][1]])
+    return pair.target, prompt, jspec.TABED(pair.draft, newline_id=204, gamma=3)
+
+
 def run(name: str, sampled: bool, mesh=None) -> list:
     """The tokens case `name` decodes (10 new tokens; an image of 2 x 2 codes), greedy or sampled (key 7)."""
     kw = dict(temperature=1.0, key=key()) if sampled else {}
@@ -72,6 +89,10 @@ def run(name: str, sampled: bool, mesh=None) -> list:
         target = _target["text"] or target
         return jspec.decode(target, text_prompts(), TEXT[name](target, draft), max_new_tokens=10, eos_token_id=(),
                             mesh=mesh, **kw).tokens.tolist()
+    if name.startswith("zoo_"):
+        target, prompt, strat = zoo_case(name)
+        return jspec.decode(target, prompt, strat, max_new_tokens=10, eos_token_id=(), mesh=mesh,
+                            **kw).tokens.tolist()
     if name in VLM:
         target, draft, prompt = vlm_pair()
         return jspec.decode(target, prompt, VLM[name](draft), max_new_tokens=10, eos_token_id=(), mesh=mesh,
