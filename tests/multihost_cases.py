@@ -22,7 +22,7 @@ VLM = {
     "tabed": lambda d: jspec.TABED(d, views=("M", "T", "P"), weights=(0.2, 0.5, 0.3), newline_id=3, gamma=3),
     "specvlm": lambda d: jspec.SpecVLM(d, ratio=0.5, modality="image", tree=[[0], [1], [0, 0], [0, 0, 0]]),
 }
-NAMES = (*TEXT, *VLM, "lantern", "zoo_specvlm_video", "zoo_tabed_image")
+NAMES = (*TEXT, *VLM, "lantern", "zoo_specvlm_video", "zoo_tabed_image", "zoo_lantern_t2i")
 _target = {"text": None}
 
 
@@ -89,6 +89,17 @@ def run(name: str, sampled: bool, mesh=None) -> list:
         target = _target["text"] or target
         return jspec.decode(target, text_prompts(), TEXT[name](target, draft), max_new_tokens=10, eos_token_id=(),
                             mesh=mesh, **kw).tokens.tolist()
+    if name == "zoo_lantern_t2i":  # the zoo's text-to-image pair: LANTERN++ with its EAGLE head
+        from jspec.drafters import eagle_io as IO
+        from jspec.zoo import t2i as T
+
+        target = T.load_target()
+        head, table = IO.load_drafter(str(T.ZOO_DIR / "t2i-eagle"), target)
+        caps = [T.caption_ids(T.caption(T.scene("heldout", i))) for i in range(2)]
+        out = jspec.generate_image(target, caps, T.GRID, T.GRID, strategy=jspec.LanternPP(head, table, k=10, lam=3.0),
+                                   image_prefix_ids=T.image_prefix(), top_k=128, mesh=mesh,
+                                   **(kw or dict(temperature=0.0)))
+        return out.tokens.tolist()
     if name.startswith("zoo_"):
         target, prompt, strat = zoo_case(name)
         return jspec.decode(target, prompt, strat, max_new_tokens=10, eos_token_id=(), mesh=mesh,

@@ -3,7 +3,8 @@ on a (data 2, tensor 4) mesh spanning both, every process passing the same promp
 one process decoding alone, greedy and sampled; a target restored from a `jspec convert` checkpoint onto that mesh
 (each process reading its shards) too; a mesh larger than the devices and hosts passing different prompts are
 clear errors. AR, Chain, Tree, SAGE and EESD by default; DynamicTree, TABED and SpecVLM (image prompts) and
-LANTERN++ through generate_image under -m slow, and SpecVLM on the zoo's video pair, TABED on its image pair."""
+LANTERN++ through generate_image under -m slow, and SpecVLM on the zoo's video pair, TABED on its image pair and
+LANTERN++ (its EAGLE head) on its text-to-image pair."""
 import pytest
 
 import ports
@@ -12,7 +13,7 @@ from multihost_cases import run
 from tiny_pairs import tiny_pair
 
 DEFAULT = ["ar", "chain", "tree", "sage", "eesd"]
-SLOW = ["dynamic", "tabed", "specvlm", "lantern", "zoo_specvlm_video", "zoo_tabed_image"]
+SLOW = ["dynamic", "tabed", "specvlm", "lantern", "zoo_specvlm_video", "zoo_tabed_image", "zoo_lantern_t2i"]
 
 
 def _single(names):
