@@ -41,21 +41,23 @@ class Stream:
         self.output: api.DecodeOutput | None = None
         self.chunks = 0
 
-    def _advance(self, state, until):
-        r = self._r
+    @staticmethod
+    def _advance(r, state, until):
         if r.parts is None:
             return _chunk_ar(r.ctx, r.target, state, until)
         return _chunk_sd(r.ctx, r.static, r.dyn, r.target, state, until)
 
     def __iter__(self) -> Iterator[list[np.ndarray]]:
-        r = self._r
+        if self._r is None:
+            raise RuntimeError("a Stream runs its decode once: call jspec.stream again to decode again")
+        r, self._r = self._r, None  # the loop consumes the state
         state = r.state
         t0 = time.perf_counter()
         out, n_out, step, done = SH.host_get((state.out, state.n_out, state.step, state.done))
         sent = np.asarray(n_out).copy()
         yield [np.asarray(out[b, :sent[b]], np.int32) for b in range(len(sent))]
         while int(step) < r.ctx.max_steps and not bool(np.all(done)):
-            state = self._advance(state, np.int32(int(step) + self.every))
+            state = self._advance(r, state, np.int32(int(step) + self.every))
             out, n_out, step, done = SH.host_get((state.out, state.n_out, state.step, state.done))
             self.chunks += 1
             piece = [np.asarray(out[b, sent[b]:n_out[b]], np.int32) for b in range(len(sent))]

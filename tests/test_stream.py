@@ -38,6 +38,8 @@ def test_streamed_pieces_are_decodes_tokens(pair, name):
         assert [len(p) for p in pieces[0]] == [1] * len(PROMPTS)  # the prefill's token first
         assert s.chunks == len(pieces) - 1 and s.chunks >= int(want.stats["steps"].max()) // 2
         np.testing.assert_array_equal(s.output.tokens, want.tokens)
+        with pytest.raises(RuntimeError, match="runs its decode once"):
+            list(s)
         np.testing.assert_array_equal(s.output.stats["accepted"], want.stats["accepted"])
         if not kw:
             assert want.lengths[0] == 6 and len(got[0]) == 6  # the EOS row stopped; the others went on
