@@ -129,10 +129,16 @@ def _jsonable(x):
 
 
 def _r(x, n: int = 3):
+    """`x` rounded to n decimals, but to at least 4 significant digits (a dry run's tiny times and ratios keep
+    their precision); None for None or a non-finite value."""
     if x is None:
         return None
     x = float(x)
-    return round(x, n) if math.isfinite(x) else None
+    if not math.isfinite(x):
+        return None
+    if x == 0:
+        return 0.0
+    return round(x, max(n, 3 - math.floor(math.log10(abs(x)))))
 
 
 med = statistics.median
