@@ -31,6 +31,8 @@ def add_args(p, chat: bool = False) -> None:
     p.add_argument("--every", type=int, default=4, help="target steps between streamed pieces")
     p.add_argument("--image", action="append", default=[], help="an image file for a VLM (repeatable)")
     p.add_argument("--video", help="a video for a VLM: a directory of frame images or a .npy [T, H, W, 3] array")
+    p.add_argument("--video-fps", type=float, help="the rate the --video frames were sampled at (Qwen2.5-VL's "
+                                                   "temporal positions; default: the processor's, 2)")
     if not chat:
         p.add_argument("--prompt-ids", help="token ids, comma or space separated")
         p.add_argument("--prompt", help="text (needs a tokenizer beside the model)")
@@ -49,9 +51,10 @@ def load_model(name: str, dtype=None, revision=None):
     return ports.load_hf(path, dtype=dtype, progress=True), path
 
 
-def load_tokenizer(path: str, processor: bool = False):
+def load_tokenizer(path: str, processor: bool = False, fps: float | None = None):
     """The tokenizer (or, for images / video, the processor) saved beside checkpoint `path`; SystemExit naming
-    the directory when there is none."""
+    the directory when there is none. Qwen2-VL / Qwen2.5-VL checkpoints get `QwenVLInputs` where transformers'
+    processor cannot load (its video processor needs torchvision) or a video frame rate is given."""
     try:
         if path.endswith(".gguf") and os.path.isfile(path):
             import ports
@@ -59,8 +62,18 @@ def load_tokenizer(path: str, processor: bool = False):
             return ports.tokenizer_from_gguf(path)
         from transformers import AutoProcessor, AutoTokenizer
 
-        cls = AutoProcessor if processor else AutoTokenizer
-        return cls.from_pretrained(path, local_files_only=True)
+        from jspec import qwen_inputs
+
+        if not processor:
+            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if qwen_inputs.family_of(path) and fps is not None:
+            return qwen_inputs.QwenVLInputs(path, fps=fps)
+        try:
+            return AutoProcessor.from_pretrained(path, local_files_only=True)
+        except ImportError:
+            if not qwen_inputs.family_of(path):
+                raise
+            return qwen_inputs.QwenVLInputs(path)
     except Exception as e:  # noqa: BLE001 - report which directory lacks one
         kind = "a processor (for --image / --video)" if processor else "a tokenizer"
         raise SystemExit(f"this needs {kind} in {path}: {e}")
@@ -166,7 +179,7 @@ def summary(out, seconds: float, strategy) -> str:
 def tokenizer_for(args, path: str, text_needed: bool):
     if not text_needed:
         return None
-    return load_tokenizer(path, processor=bool(args.image or args.video))
+    return load_tokenizer(path, processor=bool(args.image or args.video), fps=args.video_fps)
 
 
 def cmd_decode(args) -> int:
@@ -193,7 +206,7 @@ def cmd_chat(args, stdin=None) -> int:
     stdin = sys.stdin if stdin is None else stdin
     model, path = load_model(args.model, args.dtype, args.revision)
     strategy = make_strategy(args, model, args.draft)
-    tok = load_tokenizer(path, processor=bool(args.image or args.video))
+    tok = load_tokenizer(path, processor=bool(args.image or args.video), fps=args.video_fps)
     text_tok = getattr(tok, "tokenizer", tok)
     messages: list[dict] = []
     while True:
