@@ -116,9 +116,9 @@ def visibility(length: jax.Array, max_len: int, num_new: int, new_mask: jax.Arra
     The T new tokens sit at slots length[b] + offset + t. Slot j is visible to new token t of row b if it is
     committed (start[b] <= j < length[b]), or if it is a scratch slot j = length[b] + s with s < offset + T and
     new_mask[b, t, s] (default: causal over the new tokens, no earlier scratch), and j >= start[b].
-    new_mask is [B, T, offset + T].
+    new_mask is [B, T, S] with S >= offset + T (entries past offset + T are False); `offset` may be traced.
     """
-    W = offset + num_new
+    W = offset + num_new if new_mask is None else new_mask.shape[-1]
     j = jnp.arange(max_len)[None, None, :]
     rel = j - length[:, None, None]  # [B, 1, S]
     committed = rel < 0

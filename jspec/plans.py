@@ -53,14 +53,6 @@ class LayeredTree(NamedTuple):
     valid: jax.Array
 
 
-def _fed_levels(fed: jax.Array, start: int, slots, run) -> jax.Array:
-    """`fed` with nodes start.. marked as fed at `slots` when the level's forward ran (`run` None: always)."""
-    slots = jnp.asarray(slots, jnp.int32)
-    if run is not None:
-        slots = jnp.where(run, slots, -1)
-    return fed.at[:, start:start + slots.shape[-1]].set(jnp.broadcast_to(slots, (fed.shape[0], slots.shape[-1])))
-
-
 def _padded(out, n: int):
     """A drafter level's (logp, aux, state) over its first w slots, per-node outputs zero-padded to n slots."""
     logp, aux, ds = out
@@ -107,7 +99,6 @@ class StaticPlan:
     num_nodes = property(lambda self: self.layout.num_nodes)
     max_depth = property(lambda self: self.layout.max_depth)
     is_chain = property(lambda self: self.layout.is_chain)
-    scratch = property(lambda self: self.layout.num_nodes)  # target: the tree; draft: its levels
     pending_width = 2  # the deepest accepted node when unfed (every other accepted node was fed) and the bonus
 
     def check(self, rule) -> None:
@@ -163,71 +154,138 @@ class StaticPlan:
     stops = True  # takes a controller's per-level `stop`
     node_outputs = True  # can hand each node's top-k draft probabilities to the controller (`Asks.node_topk`)
 
+    @property
+    def window(self) -> int:
+        """The width every level is drafted at inside the level scan: the widest level's."""
+        return max(self.layout.widths)
+
+    @property
+    def scratch(self) -> int:
+        """Scratch slots: the tree's nodes (target) and every level's window (draft): a level of w < `window` slots
+        at offset o writes `window` slots from o, past the tree's end for the last levels."""
+        fed = self.layout.levels[1:self.max_depth]  # levels 1 .. D - 1 are drafted (the deepest is not)
+        return max([self.layout.num_nodes] + [s - 1 + self.window for s, _ in fed])
+
     def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None,
                 topk: int = 0):
+        """Drafts the tree level by level in one `lax.scan` (its body compiled once, whatever the depth): level d
+        is drafted in a window of `window` slots at its first slot, the slots past its width are padding that
+        the next level's window overwrites and that no node reads; per-node arrays carry `window` slots of
+        padding at the end."""
         layout = self.layout
         B = env.last.shape[0]
-        N, D = layout.num_nodes, layout.max_depth
+        N, D, W = layout.num_nodes, layout.max_depth, self.window
+        M = layout.max_children
         if stop is not None and limit is None:
             limit = jnp.full((B,), D, jnp.int32)
         sample = draw and not env.ctx.sampling.greedy
         valid, t, parent, rank = self._tree(B, env.decision)
         logp, aux, ds = drafter.root(env, ds)
         root_logp = logp[:, 0]
-        tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(env.last)
         V = logp.shape[-1]
-        q_all = jnp.zeros((B, N, V), jnp.float32) if (sample or want_q) else None
-        aux_all = None
-        top_all = jnp.zeros((B, N, topk), jnp.float32) if topk else None
-        fed = jnp.full((B, N), -1, jnp.int32)
+        NP, SM = N + W, self.scratch  # padded node count; the draft's scratch slots a level's mask covers
+        pad = lambda x, fill=0: jnp.pad(x, ((0, 0), (0, NP - x.shape[1])) + ((0, 0),) * (x.ndim - 2),  # noqa: E731
+                                        constant_values=fill)
+        # per level d: its first slot, its width, its children per node; the next level's first slot and width
+        starts = np.array([s for s, _ in layout.levels], np.int32)
+        widths = np.array([e - s for s, e in layout.levels], np.int32)
+        level_of = lambda a, d: jnp.asarray(a)[d]  # noqa: E731
         keys = RK.split(key, D)
-        for d in range(D):
-            (s, e), (cs, ce) = layout.levels[d], layout.levels[d + 1]
-            m = layout.children[d]
-            if q_all is not None:
-                q_all = q_all.at[:, s:e].set(jnp.exp(logp))
+        noise = None
+        if sample:  # drawn level by level at the level's own width, as an unscanned draft would
+            noise = pad(jnp.concatenate([RK.gumbel(keys[:, d], (int(widths[d]), V)) for d in range(D)], axis=1))
+        anc = jnp.pad(t.ancestor, ((0, 0), (0, NP - N), (0, NP - N)))
+        par_all, rank_all = pad(parent), pad(rank)
+        win = lambda x, at: jax.lax.dynamic_slice_in_dim(x, at, W, axis=1)  # noqa: E731
+        put = lambda x, at, v: jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), at, axis=1)  # noqa: E731
+
+        def blend(x, at, v, n):
+            """x with its window at `at` replaced by v on the first n slots (the level's own)."""
+            inside = (jnp.arange(W) < n).reshape((1, W) + (1,) * (x.ndim - 2))
+            return put(x, at, jnp.where(inside, v, win(x, at)))
+
+        def expand(d, logp, aux, c):
+            """Level d's nodes (their distribution logp [B, W, V]) recorded; the next level's tokens chosen."""
+            s, w, cs, cw = level_of(starts, d), level_of(widths, d), level_of(starts, d + 1), level_of(widths, d + 1)
+            m = jnp.asarray(layout.children)[d]
+            if c["q"] is not None:
+                c["q"] = blend(c["q"], s, jnp.exp(logp), w)
             if topk:
-                top_all = top_all.at[:, s:e].set(jax.lax.top_k(jnp.exp(logp), topk)[0])
-            if want_aux and aux is not None:
-                if aux_all is None:
-                    aux_all = jax.tree.map(lambda a: jnp.zeros((B, N) + a.shape[2:], a.dtype), aux)
-                aux_all = jax.tree.map(lambda acc, a: acc.at[:, s:e].set(a), aux_all, aux)
-            choice_logp = logp + RK.gumbel(keys[:, d], logp.shape[1:]) if sample else logp
-            choice = jax.lax.top_k(choice_logp, m)[1].astype(jnp.int32)  # [B, e - s, m]
-            par = jnp.clip(parent[:, cs:ce] - s, 0, e - s - 1)
-            rk = jnp.clip(rank[:, cs:ce], 0, m - 1)
-            kids = jnp.take_along_axis(choice.reshape(B, (e - s) * m), par * m + rk, axis=1)  # [B, ce - cs]
-            tokens = tokens.at[:, cs:ce].set(kids)
+                c["top"] = blend(c["top"], s, jax.lax.top_k(jnp.exp(logp), topk)[0], w)
+            if c["aux"] is not None:
+                c["aux"] = jax.tree.map(lambda acc, a: blend(acc, s, a, w), c["aux"], aux)
+            choice_logp = logp + win(noise, s) if sample else logp
+            choice = jax.lax.top_k(choice_logp, M)[1].astype(jnp.int32)  # [B, W, M]: a prefix holds the top m
+            par = jnp.clip(win(par_all, cs) - s, 0, w - 1)
+            rk = jnp.clip(win(rank_all, cs), 0, m - 1)
+            kids = jnp.take_along_axis(choice.reshape(B, W * M), par * M + rk, axis=1)  # [B, W]
+            c["tokens"] = blend(c["tokens"], cs, kids, cw)
             lk = jnp.take_along_axis(_gather_rows(logp, par), kids[..., None], axis=-1)[..., 0]
-            ok = jnp.isfinite(lk) if limit is None else jnp.isfinite(lk) & (d + 1 <= limit[:, None])
-            valid = valid.at[:, cs:ce].set(valid[:, cs:ce] & ok)
-            if stop is not None and d + 1 < D:  # `aux`: the level-d nodes' outputs that drafted level d + 1
-                limit = stop(d + 1, aux, limit)
-            if d + 1 < D:
-                # level d+1 nodes: node i sits in scratch slot i - 1 (the root is committed)
-                mask = t.ancestor[:, cs:ce, 1:ce]
-                run = None if limit is None else jnp.any(limit >= d + 2)
-                depth = jnp.full((B, ce - cs), d + 1, jnp.int32)
-                slots = np.arange(cs - 1, ce - 1)
-                widths = self.level_widths(ce - cs)
-                if len(widths) == 1:
-                    logp, aux, ds = drafter.level(env, ds, kids, depth, mask, cs - 1, run)
-                else:  # feed only the level's first w slots, w the smallest width past every row's last valid node
-                    last = jnp.max(jnp.where(valid[:, cs:ce], jnp.arange(1, ce - cs + 1)[None], 0))
-                    pick = jnp.argmax(jnp.asarray(widths) >= last)
-                    branch = lambda w: lambda ds: _padded(  # noqa: E731
-                        drafter.level(env, ds, kids[:, :w], depth[:, :w], mask[:, :w, :cs - 1 + w], cs - 1, run),
-                        ce - cs)
-                    logp, aux, ds = jax.lax.switch(pick, [branch(w) for w in widths], ds)
-                    slots = jnp.where(jnp.arange(ce - cs) < jnp.asarray(widths)[pick], slots, -1)
-                fed = _fed_levels(fed, cs, slots, run)
+            ok = jnp.isfinite(lk) if c["limit"] is None else jnp.isfinite(lk) & (d + 1 <= c["limit"][:, None])
+            c["valid"] = blend(c["valid"], cs, win(c["valid"], cs) & ok, cw)
+            return c, kids
+
+        def feed(d, kids, ds, c):
+            """Level d + 1 drafted (its nodes sit in scratch slots one before their node ids: the root is
+            committed); returns its (logp, aux), the drafter state and the carry."""
+            cs, cw = level_of(starts, d + 1), level_of(widths, d + 1)
+            lim = c["limit"]
+            run = None if lim is None else jnp.any(lim >= d + 2)
+            mask = jax.lax.dynamic_slice_in_dim(win(anc, cs), 1, SM, axis=2)  # [B, W, SM]
+            depth = jnp.full((B, W), d + 1, jnp.int32)
+            slot = cs - 1 + jnp.arange(W, dtype=jnp.int32)
+            sizes = self.level_widths(W)
+            if len(sizes) == 1:
+                logp, aux, ds = drafter.level(env, ds, kids, depth, mask, cs - 1, run)
+                used = cw
+            else:  # feed only the window's first w slots, w the smallest width past every row's last valid node
+                last = jnp.max(jnp.where(win(c["valid"], cs) & (jnp.arange(W) < cw)[None],
+                                         jnp.arange(1, W + 1)[None], 0))
+                pick = jnp.argmax(jnp.asarray(sizes) >= last)
+                branch = lambda n: lambda ds: _padded(  # noqa: E731
+                    drafter.level(env, ds, kids[:, :n], depth[:, :n], mask[:, :n], cs - 1, run), W)
+                logp, aux, ds = jax.lax.switch(pick, [branch(n) for n in sizes], ds)
+                used = jnp.minimum(cw, jnp.asarray(sizes)[pick])
+            slots = jnp.where(jnp.arange(W) < used, slot, -1)
+            if run is not None:
+                slots = jnp.where(run, slots, -1)
+            c["fed"] = blend(c["fed"], cs, jnp.broadcast_to(slots, (B, W)), cw)
+            return logp, aux, ds, c
+
+        def widen(x):  # the root's [B, 1, ...] outputs as a level of W slots
+            return jnp.pad(x, ((0, 0), (0, W - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+        logp = widen(logp)
+        aux = jax.tree.map(widen, aux)
+        c = {"tokens": jnp.zeros((B, NP), jnp.int32).at[:, 0].set(env.last), "valid": pad(valid, False),
+             "fed": jnp.full((B, NP), -1, jnp.int32), "limit": limit,
+             "q": jnp.zeros((B, NP, V), jnp.float32) if (sample or want_q) else None,
+             "top": jnp.zeros((B, NP, topk), jnp.float32) if topk else None,
+             "aux": None if not (want_aux and aux is not None) else jax.tree.map(
+                 lambda a: jnp.zeros((B, NP) + a.shape[2:], a.dtype), aux)}
+
+        def body(carry, d):
+            logp, aux, ds, c = carry
+            c, kids = expand(d, logp, aux, c)
+            if stop is not None:  # `aux`: the level-d nodes' outputs that drafted level d + 1
+                c["limit"] = stop(d + 1, aux, c["limit"])
+            logp, aux, ds, c = feed(d, kids, ds, c)
+            return (logp, aux, ds, c), None
+
+        if D > 1:
+            (logp, aux, ds, c), _ = jax.lax.scan(body, (logp, aux, ds, c), jnp.arange(D - 1))
+        c, _ = expand(D - 1, logp, aux, c)  # the deepest level: recorded, its children chosen, not drafted
+        cut = lambda x: None if x is None else x[:, :N]  # noqa: E731
+        valid = cut(c["valid"])
+        limit = c["limit"]
         valid = jnp.all(valid[:, None, :] | ~t.ancestor, axis=-1)  # a node is usable only if its whole path is
+        q_all, top_all = cut(c["q"]), cut(c["top"])
         known = (t.depth < D) & valid if q_all is not None else None
         node_known = None
         if topk:
             node_known = valid & (t.depth < (D if limit is None else limit[:, None]))
-        prop = Proposal(tokens, valid, t, q_all, fed, root_logp, aux_all, known, limit=limit, node_topk=top_all,
-                        node_known=node_known)
+        prop = Proposal(cut(c["tokens"]), valid, t, q_all, cut(c["fed"]), root_logp, jax.tree.map(cut, c["aux"]),
+                        known, limit=limit, node_topk=top_all, node_known=node_known)
         return (pack(prop, self.verify_nodes) if self.verify_nodes else prop), ds
 
 
@@ -306,45 +364,52 @@ class DynamicPlan:
         logp, _, ds = drafter.root(env, ds)
         root_logp = logp[:, 0]
         score, tok = jax.lax.top_k(root_logp, K)  # [B, K]
-        pool_tok, pool_score = [tok], [score]
-        pool_parent = [jnp.full((B, K), -1, jnp.int32)]
-        pool_depth = [jnp.ones((B, K), jnp.int32)]
-        beam_tok, beam_score, beam_pool = tok, score, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))
-        pool_fed = jnp.full((B, self.pool_size), -1, jnp.int32)  # pool node -> its draft scratch slot
+        P = self.pool_size  # pool: the root's K children, then K * K candidates per later level
+        put = lambda x, at, v: jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), at, axis=1)  # noqa: E731
+        pool = {"tok": jnp.zeros((B, P), jnp.int32).at[:, :K].set(tok),
+                "score": jnp.zeros((B, P), root_logp.dtype).at[:, :K].set(score),
+                "parent": jnp.full((B, P), -1, jnp.int32),
+                "depth": jnp.ones((B, P), jnp.int32),
+                "fed": jnp.full((B, P), -1, jnp.int32)}  # pool node -> its draft scratch slot
         slots = (D - 1) * K  # beam nodes of level l sit in scratch slots (l-1)K .. lK-1
-        beam_anc = jnp.zeros((B, max(slots, 1), max(slots, 1)), bool)
+        S = max(slots, 1)
+        beam_anc = jnp.zeros((B, S + K, S), bool)  # K rows of padding: the deepest level's beam is never fed
         beam_anc = beam_anc.at[:, jnp.arange(min(K, slots)), jnp.arange(min(K, slots))].set(True)
-        for lvl in range(1, D):
+        beam = (tok, score, jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K)))
+
+        def body(carry, lvl):  # level lvl's beam drafted; its K * K children scored; the next beam chosen
+            (beam_tok, beam_score, beam_pool), beam_anc, pool, ds = carry
             a, b = (lvl - 1) * K, lvl * K
             run = None if limit is None else jnp.any(limit >= lvl + 1)
             depth = jnp.full((B, K), lvl, jnp.int32)
-            logp, _, ds = drafter.level(env, ds, beam_tok, depth, beam_anc[:, a:b, :b], a, run)
-            slot = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (B, K))
+            mask = jax.lax.dynamic_slice_in_dim(beam_anc, a, K, axis=1)  # [B, K, S]
+            logp, _, ds = drafter.level(env, ds, beam_tok, depth, mask, a, run)
+            slot = jnp.broadcast_to(a + jnp.arange(K, dtype=jnp.int32), (B, K))
             slot = slot if run is None else jnp.where(run, slot, -1)
-            pool_fed = pool_fed.at[jnp.arange(B)[:, None], beam_pool].set(slot)
+            pool = dict(pool, fed=pool["fed"].at[jnp.arange(B)[:, None], beam_pool].set(slot))
             cs, ct = jax.lax.top_k(logp, K)  # [B, K, K]
             cand_score = (beam_score[:, :, None] + cs).reshape(B, K * K)
             cand_tok = ct.reshape(B, K * K).astype(jnp.int32)
             start = K + (lvl - 1) * K * K
-            pool_tok.append(cand_tok)
-            pool_score.append(cand_score)
-            pool_parent.append(jnp.repeat(beam_pool, K, axis=1))
-            pool_depth.append(jnp.full((B, K * K), lvl + 1, jnp.int32))
-            if lvl + 1 < D:
-                beam_score, pick = jax.lax.top_k(cand_score, K)
-                beam_tok = jnp.take_along_axis(cand_tok, pick, axis=1)
-                beam_pool = (start + pick).astype(jnp.int32)
-                parent_slot = a + pick // K
-                new_rows = jnp.take_along_axis(beam_anc, parent_slot[:, :, None], axis=1)  # [B, K, slots]
-                new_rows = new_rows | jax.nn.one_hot(b + jnp.arange(K), slots, dtype=bool)[None]
-                beam_anc = beam_anc.at[:, b:b + K].set(new_rows)
-        pool_score = jnp.concatenate(pool_score, axis=1)
-        pool_depth = jnp.concatenate(pool_depth, axis=1)
+            pool = dict(pool, tok=put(pool["tok"], start, cand_tok), score=put(pool["score"], start, cand_score),
+                        parent=put(pool["parent"], start, jnp.repeat(beam_pool, K, axis=1)),
+                        depth=put(pool["depth"], start, jnp.full((B, K * K), lvl + 1, jnp.int32)))
+            beam_score, pick = jax.lax.top_k(cand_score, K)
+            beam_tok = jnp.take_along_axis(cand_tok, pick, axis=1)
+            beam_pool = (start + pick).astype(jnp.int32)
+            parent_slot = a + pick // K
+            new_rows = jnp.take_along_axis(beam_anc, parent_slot[:, :, None], axis=1)  # [B, K, S]
+            new_rows = new_rows | (b + jnp.arange(K)[:, None] == jnp.arange(S)[None])[None]
+            beam_anc = jax.lax.dynamic_update_slice_in_dim(beam_anc, new_rows, b, axis=1)
+            return ((beam_tok, beam_score, beam_pool), beam_anc, pool, ds), None
+
+        if D > 1:
+            (_, _, pool, ds), _ = jax.lax.scan(body, (beam, beam_anc, pool, ds), jnp.arange(1, D))
+        pool_score, pool_depth, pool_fed = pool["score"], pool["depth"], pool["fed"]
         if limit is not None:
             pool_score = jnp.where(pool_depth > limit[:, None], -jnp.inf, pool_score)
-        sel, valid, tree = tree_from_pool(jnp.concatenate(pool_parent, axis=1), pool_depth, pool_score,
-                                          self.total, D, K)
-        kids = jnp.take_along_axis(jnp.concatenate(pool_tok, axis=1), sel, axis=1)
+        sel, valid, tree = tree_from_pool(pool["parent"], pool_depth, pool_score, self.total, D, K)
+        kids = jnp.take_along_axis(pool["tok"], sel, axis=1)
         tokens = jnp.concatenate([env.last[:, None].astype(jnp.int32), kids], axis=1)
         fed = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), jnp.take_along_axis(pool_fed, sel, axis=1)], axis=1)
         q, known = None, None

@@ -345,32 +345,33 @@ def stochastic(key: jax.Array, tokens: jax.Array, p: jax.Array, q: jax.Array | N
     B, N, V = p.shape
     M = t.children.shape[2]
     rows = jnp.arange(B)
-    cur = jnp.zeros((B,), jnp.int32)
-    resid = p[:, 0]
-    alive = jnp.ones((B,), bool)
-    accepted = jnp.zeros((B,), jnp.int32)
     keys = RK.split(key, max_depth * M + 1)  # [B, n]: each row draws from its own key
-    for d in range(max_depth):
+
+    def try_child(d, k, cur, carry):
+        """Child k of each row's current node: accepted (the walk moves there) or rejected (the rule's residual)."""
+        resid, qd, new_cur, moved, alive = carry
+        c = t.children[rows, cur, k]  # [B]
+        cc = jnp.maximum(c, 0)
+        live = alive & ~moved & (c >= 0) & node_valid[rows, cc]
+        x = tokens[rows, cc]
+        u = RK.uniform(keys[:, d * M + k])
+        acc = live & (u * rule.draft_mass(qd, x) <= rule.target_mass(resid, x))
+        rej = live & ~acc
+        rej_resid, rej_q = rule.reject(resid, qd, x)
+        resid = jnp.where(rej[:, None], rej_resid, resid)
+        if qd is not None:
+            qd = jnp.where(rej[:, None], rej_q, qd)
+        resid = jnp.where(acc[:, None], p[rows, cc], resid)
+        return resid, qd, jnp.where(acc, cc, new_cur), moved | acc, alive
+
+    def level(d, carry):  # one depth: the children of each row's current node in order, until one is accepted
+        cur, resid, alive, accepted = carry
         qd = None if q is None else q[rows, cur]  # [B, V]
-        moved = jnp.zeros((B,), bool)
-        new_cur = cur
-        for k in range(M):
-            c = t.children[rows, cur, k]  # [B]
-            cc = jnp.maximum(c, 0)
-            live = alive & ~moved & (c >= 0) & node_valid[rows, cc]
-            x = tokens[rows, cc]
-            u = RK.uniform(keys[:, d * M + k])
-            acc = live & (u * rule.draft_mass(qd, x) <= rule.target_mass(resid, x))
-            rej = live & ~acc
-            rej_resid, rej_q = rule.reject(resid, qd, x)
-            resid = jnp.where(rej[:, None], rej_resid, resid)
-            if qd is not None:
-                qd = jnp.where(rej[:, None], rej_q, qd)
-            new_cur = jnp.where(acc, cc, new_cur)
-            resid = jnp.where(acc[:, None], p[rows, cc], resid)
-            moved = moved | acc
-        cur = new_cur
-        accepted = accepted + moved.astype(jnp.int32)
-        alive = alive & moved
+        resid, _, new_cur, moved, _ = jax.lax.fori_loop(
+            0, M, lambda k, c: try_child(d, k, cur, c), (resid, qd, cur, jnp.zeros((B,), bool), alive))
+        return new_cur, resid, alive & moved, accepted + moved.astype(jnp.int32)
+
+    init = (jnp.zeros((B,), jnp.int32), p[:, 0], jnp.ones((B,), bool), jnp.zeros((B,), jnp.int32))
+    cur, resid, _, accepted = jax.lax.fori_loop(0, max_depth, level, init)
     bonus = RK.categorical(keys[:, -1], jnp.log(jnp.maximum(resid, 0.0))).astype(jnp.int32)
     return Verdict(_path_of(cur, t, max_depth), accepted, bonus)

@@ -13,10 +13,13 @@ once per decode (`check`, `prepare`) and on the device inside the jitted step:
   target prefill's by-products (logits, requested hidden states and attention, its cache).
 - `root(env, state) -> (logp [B, 1, V], aux, state)`: the distribution after the newest committed token
   (`env.last`), after reading whatever committed tokens the drafter has not seen.
-- `level(env, state, tokens [B, K], depth [B, K], mask [B, K, offset + K], offset, run) -> (logp [B, K, V], aux,
-  state)`: one tree level: K new nodes at `depth` below the root (the drafter places them at its own positions),
-  written at scratch offsets offset.. past the committed tokens, each seeing the committed tokens and the scratch
-  slots its `mask` row allows; `run` (a traced bool or None) lets a level no row needs be skipped.
+- `level(env, state, tokens [B, K], depth [B, K], mask [B, K, S], offset, run) -> (logp [B, K, V], aux, state)`:
+  one tree level: K new nodes at `depth` below the root (the drafter places them at its own positions), written
+  at scratch offsets offset.. past the committed tokens, each seeing the committed tokens and the scratch slots
+  its `mask` row allows (S >= offset + K; nothing past offset + K is set); `run` (a traced bool or None) lets a
+  level no row needs be skipped. `offset` is traced (a plan drafts its levels in a loop), and a level may carry
+  padding nodes past the tree's: they may write scratch slots up to the plan's `scratch`, which later levels
+  overwrite and no node reads.
 - `commit(env, state, catchup: Catchup) -> state`: the state after verification accepted a path; the committed
   tokens are the path's (`catchup.prop.tokens` along `catchup.path`, root first), so a drafter that reads the
   generated text keeps it from here (`jspec.drafters.ngram`, prompt lookup).

@@ -303,7 +303,8 @@ class EagleDrafter:
         n = _streams(env.target)
         B, K = tokens.shape
         mask = mask.astype(bool)
-        parent = jnp.max(jnp.where(mask[:, :, :offset], jnp.arange(offset)[None, None], -1), axis=-1,
+        slot = jnp.arange(mask.shape[-1])[None, None]
+        parent = jnp.max(jnp.where(mask & (slot < offset), slot, -1), axis=-1,
                          initial=-1)  # [B, K] the deepest earlier scratch slot a node sees: its parent's
         parent = _rep(parent, n)
 

@@ -104,8 +104,8 @@ class NgramDrafter:
         B, K = tokens.shape
         L = seq.shape[1]
         # the parent's scratch slot: the node's nearest ancestor before the level (-1: the root)
-        before = jnp.arange(offset)[None, None, :]
-        parent = jnp.max(jnp.where(mask[:, :, :offset], before, -1), axis=-1) if offset else jnp.full((B, K), -1)
+        slot = jnp.arange(mask.shape[-1])[None, None, :]
+        parent = jnp.max(jnp.where(mask.astype(bool) & (slot < offset), slot, -1), axis=-1, initial=-1)
         from_root = jnp.max(jnp.where(st.roots[:, None, :] & (seq[:, None, :] == tokens[:, :, None]),
                                       jnp.arange(L)[None, None], -1), axis=-1)  # the most recent source
         up = jnp.take_along_axis(st.src, jnp.maximum(parent, 0), axis=1) + 1
