@@ -12,7 +12,7 @@ from jspec.controllers.draft_length import BetaTS, FixedK
 from jspec.guidance import CFG, ImageGrammar
 from jspec.imagegen import ImageOutput, generate_image
 from jspec.sharding import make_mesh, shard
-from jspec.strategy import AR, Chain, DynamicTree, PromptLookup, Speculative, Strategy, Tree
+from jspec.strategy import AR, Chain, DynamicTree, PrefillHook, PromptLookup, Speculative, Strategy, Tree
 from jspec.methods.eesd import EESD
 from jspec.methods.lantern import Lantern, LanternPP
 from jspec.neighbours import NeighbourTable
@@ -21,6 +21,6 @@ from jspec.methods.specvlm import SpecVLM, VisionPruning
 from jspec.methods.tabed import TABED, ModelCaptioner
 from jspec import models  # the registry of real checkpoints (fetch / load); imports nothing heavy
 
-__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
+__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
            "Strategy", "Tree", "VisionPruning", "decode", "generate_image", "make_mesh", "shard"]
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from jspec import sharding as SH
 from jspec import speculative as SD
 from jspec.controllers import asks_of
 from jspec.drafters import Setup, TargetPrefill
-from jspec.prompts import model_prompt, round_up
+from ports.prompts import model_prompt, round_up
 from jspec.strategy import AR, Chain, DynamicTree, Speculative, Static, Strategy, Tree, merge, split  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def _default_key() -> jax.Array:
     return jax.random.key(0)
 
 
-def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
+def eos_ids(target, eos_token_id) -> tuple[int, ...]:
     if eos_token_id is None:
         return tuple(getattr(target.config, "eos_token_ids", ()) or ())
     if isinstance(eos_token_id, (int, np.integer)):
@@ -128,12 +128,12 @@ def _prefill_asks(parts, tokens, lengths, inputs, target_layers: int) -> dict:
     united; any other option asked by both must agree), and the last layer's hidden states when the controller
     reads the target's hidden state (`Asks.hidden`: it starts from the prompt's)."""
     asks: dict = {}
-    if asks_of(parts.controller).hidden and hasattr(parts.controller, "start"):
+    if asks_of(parts.controller).hidden:
         asks["hidden_layers"] = (target_layers,)
-    for part, fn in ((parts.prefill, "asks"), (parts.drafter, "prefill_asks")):
-        if part is None or not hasattr(part, fn):
+    for ask in (None if parts.prefill is None else parts.prefill.asks, parts.drafter.prefill_asks):
+        if ask is None:
             continue
-        for k, v in getattr(part, fn)(tokens, lengths, inputs).items():
+        for k, v in ask(tokens, lengths, inputs).items():
             if k == "hidden_layers":
                 asks[k] = tuple(sorted(set(asks.get(k, ())) | set(v)))
             elif k in asks and asks[k] is not v:
@@ -213,7 +213,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
     if draft_prompt is not None and parts is None:
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")
     sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
-    eos = _eos_ids(target, eos_token_id)
+    eos = eos_ids(target, eos_token_id)
     _check_call(target, lengths, max_new_tokens, eos, key)
     run_target, placement = target, None
     if mesh is not None:
@@ -231,7 +231,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
         setup = Setup(target, prompt, tokens, lengths, inputs, draft_prompt, mesh, guidance, constraint)
         prep = parts.drafter.prepare(setup)
         parts, d_prompt, prep_stats = parts.replace(drafter=prep.drafter), prep.prompt, prep.stats
-        if hasattr(parts.prefill, "prepare"):  # host-side facts of the prompts (checks, static widths)
+        if parts.prefill is not None:  # host-side facts of the prompts (checks, static widths)
             parts = parts.replace(prefill=parts.prefill.prepare(setup, prep))
         longest, width = max(longest, prep.longest), max(width, prep.width)
     # scratch slots beyond the committed tokens: the tree's nodes (target), the catch-up feed + tree (draft)

@@ -440,7 +440,7 @@ def text_config(name, tiny: bool = False, **over):
     """The text decoder of a shipped config (`jspec/configs`) or an HF config dict as a LLaMA / Qwen2 `TextConfig`:
     a VLM's language model, Chameleon's layers as LLaMA's (its QK-norm left out), M-RoPE as plain RoPE (same cost).
     `tiny`: a 2-layer, 64-wide stand-in (dry runs); `over`: HF fields to change after that (num_hidden_layers)."""
-    from jspec import plan as PL
+    from jspec import memory as PL
     from ports.model import family
 
     d = PL.load_config(name) if isinstance(name, str) else dict(name)
@@ -999,7 +999,7 @@ def _forward_loop_fn(model, cache, toks, n):
     import jax
     import jax.numpy as jnp
 
-    from jspec import cache as kvc
+    from ports import cache as kvc
 
     B, k = toks.shape
     mask = None if k == 1 else jnp.broadcast_to(jnp.tril(jnp.ones((k, k), bool)), (B, k, k))

@@ -79,7 +79,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jspec import plan as PL
+    from jspec import memory as PL
 
     try:
         mesh = PL.parse_mesh(args.mesh)

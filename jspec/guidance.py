@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.prompts import normalize_prompt
-from jspec.cache import ForwardOut
+from ports.prompts import normalize_prompt
+from ports.cache import ForwardOut
 
 
 @dataclasses.dataclass(frozen=True)

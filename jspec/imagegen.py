@@ -16,7 +16,7 @@ import numpy as np
 
 from jspec import api
 from jspec.guidance import CFG, ImageGrammar
-from jspec.prompts import normalize_prompt
+from ports.prompts import normalize_prompt
 
 LUMINA_GRID_PX = 32  # Lumina-mGPT's size tokens count 32-pixel grid units
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jspec import cache as kvc
+from ports import cache as kvc
 from jspec import rowkeys as RK
 from jspec import sampling as S
 from jspec import sharding as SH

@@ -25,7 +25,7 @@ import numpy as np
 from flax import struct
 
 from jspec import rowkeys as RK
-from jspec.trees import Layout, StaticTree, TreeArrays, layered_arrays, tree_from_pool
+from jspec.trees import Layout, StaticTree, TreeArrays, cached_tree, layered_arrays, tree_from_pool
 
 
 class Proposal(NamedTuple):
@@ -43,6 +43,27 @@ class Proposal(NamedTuple):
     limit: jax.Array | None = None  # [B] the depth limit each row drafted to (after any controller stop)
     node_topk: jax.Array | None = None  # [B, N, k] the k largest draft probabilities at each node, when asked
     node_known: jax.Array | None = None  # [B, N] bool: node_topk exists there (the node's level was drafted)
+
+
+class Plan:
+    """Base of tree plans: `propose` drafts a step's tree with a drafter; `num_nodes`, `max_depth`, `scratch` and
+    `is_chain` are static. Optional hooks and flags default to: no check against the rule, one verify width,
+    no per-level stops (`stops`), no per-node outputs (`node_outputs`), a catch-up feed of 2 tokens."""
+
+    pending_width = 2  # committed tokens the drafter may not have read yet at a step's start, `last` included
+    stops = False  # takes a controller's per-level `stop`
+    node_outputs = False  # can hand each node's top-k draft probabilities to the controller (`Asks.node_topk`)
+
+    def check(self, rule) -> None:
+        """ValueError when the plan cannot run under `rule` (default: any rule)."""
+
+    def verify_size(self, prop: "Proposal", done: jax.Array) -> tuple[tuple[int, ...], jax.Array | None]:
+        """(static widths, index of the one the target verifies this step), or ((), None): the whole proposal."""
+        return (), None
+
+    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None,
+                topk: int = 0):
+        raise NotImplementedError(f"{type(self).__name__} defines no `propose`")
 
 
 class LayeredTree(NamedTuple):
@@ -66,7 +87,7 @@ def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 @struct.dataclass
-class StaticPlan:
+class StaticPlan(Plan):
     """A layered tree per step: the plan's own (`parent`, `rank`, `valid` host arrays: data, not compile-time
     constants) or the controller's per-row `Decision.tree`."""
 
@@ -96,27 +117,33 @@ class StaticPlan:
         return cls(tree.parent, tree.rank, tree.valid, tree.ancestor, tree.children, tree.layout, int(verify_nodes),
                    bool(level_buckets), bool(trim))
 
+    @classmethod
+    def from_paths(cls, tree, layout: Layout | None = None, **kw) -> "StaticPlan":
+        """The plan of a tree given by name or child-rank paths (built once per tree and layout), padded to
+        `layout` when given; `kw` as `of` takes them."""
+        return cls.of(cached_tree(tree, layout), **kw)
+
     num_nodes = property(lambda self: self.layout.num_nodes)
     max_depth = property(lambda self: self.layout.max_depth)
     is_chain = property(lambda self: self.layout.is_chain)
     pending_width = 2  # the deepest accepted node when unfed (every other accepted node was fed) and the bonus
 
-    def check(self, rule) -> None:
-        pass
-
     @property
     def verify_buckets(self) -> tuple[tuple[int, int], ...]:
-        """(depth, nodes) pairs: the first `nodes` nodes (BFS order) hold every node of depth <= `depth`. Depths 1,
-        2, 4, 8, ... and the deepest (and 0, the root alone, with `trim`): under a controller's depth limit the target
-        verifies the smallest bucket that covers every row's limit, not the whole budget."""
+        """(depth, nodes) pairs: the first `nodes` nodes (BFS order) hold every node of depth <= `depth`. Depths 2,
+        8, 32, ... (a factor of 4 apart: each is one more target forward in the program) and the deepest (and 0, the
+        root alone, with `trim`): under a controller's depth limit the target verifies the smallest bucket that
+        covers every row's limit, not the whole budget."""
         D = self.layout.max_depth
-        depths = {d for d in (2 ** i for i in range(D.bit_length())) if d < D} | {D} | ({0} if self.trim else set())
+        depths = {d for d in (2 * 4 ** i for i in range(D.bit_length())) if d < D} | {D} | ({0} if self.trim else set())
         depths = sorted(depths)
         return tuple((d, self.layout.levels[d][1]) for d in depths)
 
     @property
     def packed_sizes(self) -> tuple[int, ...]:
-        """Verify widths of a packing plan: 9, 17, 33, ... (a power of two drafts + the root) up to `verify_nodes`."""
+        """Verify widths of a packing plan: 9, 17, 33, ... (a power of two drafts + the root) up to `verify_nodes`
+        (each width is one target forward in the program; widths a factor of 4 apart compiled 2 s faster and made
+        SAGE's zoo decode 19% slower)."""
         n = self.verify_nodes
         return tuple(sorted({s for s in (2 ** i + 1 for i in range(3, n.bit_length())) if s < n} | {n}))
 
@@ -315,7 +342,7 @@ def pack(prop: Proposal, n: int) -> Proposal:
 
 
 @struct.dataclass
-class DynamicPlan:
+class DynamicPlan(Plan):
     """EAGLE-2's dynamic tree, per row inside `jit`.
 
     Level 1 = the root's top_k draft tokens. Each later level expands the `top_k` best nodes of the level above
@@ -333,8 +360,6 @@ class DynamicPlan:
     max_depth = property(lambda self: self.depth)
     is_chain = False
     pending_width = 2  # as for static trees: only beam nodes get children, and the draft fed every beam node
-    stops = False
-    node_outputs = False
 
     @property
     def scratch(self) -> int:
@@ -349,9 +374,6 @@ class DynamicPlan:
             raise ValueError(f"DynamicTree supports rule='q1' only (got {type(rule).__name__}): a rule that draws "
                              "children without replacement is not lossless when the kept candidates depend on their "
                              "own draft probabilities")
-
-    def verify_size(self, prop: Proposal, done: jax.Array):
-        return (), None
 
     def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None,
                 topk: int = 0):

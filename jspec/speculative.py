@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jspec import rowkeys as RK
-from jspec import cache as kvc
+from ports import cache as kvc
 from jspec import loop
 from jspec.controllers import Decision, Record, asks_of
 from jspec.drafters import Catchup, DraftEnv, TargetPrefill
@@ -46,17 +46,15 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
     d_len = max_len
     if parts.prefill is not None:
         prompt = parts.prefill.draft_prompt(prefill, prompt)
-        if hasattr(parts.prefill, "draft_len"):  # a hook that shortens the draft's prompt shortens its cache
-            d_len = parts.prefill.draft_len(max_len)
+        d_len = parts.prefill.draft_len(max_len)  # a hook that shortens the draft's prompt shortens its cache
     env = DraftEnv(ctx, state.sp, target, state.cache, state.last, plan_scratch=parts.plan.scratch,
-                   plan_depth=parts.plan.max_depth)
+                   plan_depth=parts.plan.max_depth, out=state.out, n_out=state.n_out)
     ds = parts.drafter.init(env, prefill, prompt, d_len, parts.plan.pending_width)
     B = state.last.shape[0]
     ctrl, decided = None, {}
     if parts.controller is not None:
         ctrl = parts.controller.init(B, parts.plan.max_depth)
-        if hasattr(parts.controller, "start"):
-            ctrl = parts.controller.start(ctrl, prefill)
+        ctrl = parts.controller.start(ctrl, prefill)
         shapes = jax.eval_shape(parts.controller.plan, ctrl, state.key)
         steps = state.accepted.shape[1]
         made = {"depth": shapes.depth, "weights": shapes.weights, **(shapes.info or {})}
@@ -76,10 +74,10 @@ def sd_draft(ctx, parts, target, carry):
     if limit is not None:
         limit = jnp.clip(limit.astype(jnp.int32), 1, parts.plan.max_depth)
         decision = decision._replace(depth=limit)
-    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, decision)
+    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, decision, out=state.out, n_out=state.n_out)
     asks = asks_of(ctrl)
     stop = None
-    if hasattr(ctrl, "stop"):  # the controller may end a row's draft after any level (from what drafted it)
+    if ctrl is not None and ctrl.stops:  # the controller may end a row's draft after any level (from what drafted it)
         stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, RK.fold(k_stop, level))  # noqa: E731
     kw = {} if stop is None else {"stop": stop}
     if asks.node_topk:
@@ -116,7 +114,7 @@ def sd_verify(ctx, parts, target, carry):
 
 
 def _drafter_reads_hidden(parts) -> bool:
-    return bool(getattr(parts.drafter, "verify_hidden", False))
+    return bool(parts.drafter.verify_hidden)
 
 
 def _along(x: jax.Array, path: jax.Array) -> jax.Array:
@@ -169,7 +167,7 @@ def sd_accept(ctx, parts, target, carry):
     tc = kvc.commit(state.cache, n_keep) if plan.is_chain else kvc.commit_path(state.cache, verdict.path, n_keep)
     state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
-    env = DraftEnv(ctx, state.sp, target, tc, state.last, prop.decision)
+    env = DraftEnv(ctx, state.sp, target, tc, state.last, prop.decision, out=state.out, n_out=state.n_out)
     hid = _along(ver.hidden, verdict.path) if _drafter_reads_hidden(parts) else None
     ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid))
     drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)

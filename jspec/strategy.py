@@ -17,18 +17,17 @@ values do not recompile), everything else (shapes, layouts, flags, plain objects
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import numpy as np
 from flax import struct
 
-from jspec.controllers import asks_of
-from jspec.drafters import ModelDrafter
+from jspec.controllers import Controller, asks_of
+from jspec.drafters import Drafter, ModelDrafter
 from jspec.drafters.ngram import NgramDrafter
-from jspec.plans import DynamicPlan, StaticPlan
-from jspec.trees import Layout, StaticTree, build_tree, chain
+from jspec.plans import DynamicPlan, Plan, StaticPlan
+from jspec.trees import Layout, StaticTree, cached_tree, chain
 from jspec.verify import Rule, as_rule
 
 
@@ -53,10 +52,26 @@ class AR(Strategy):
         pass
 
 
-_PROTOCOLS = {"drafter": ("check", "prepare", "init", "root", "level", "commit", "map_models"),
-              "plan": ("propose", "check", "max_depth", "num_nodes", "scratch", "pending_width", "is_chain",
-                       "verify_size"),
-              "controller": ("init", "plan", "observe"), "prefill": ("asks", "draft_prompt")}
+class PrefillHook:
+    """Base of prefill hooks (the protocol: the module docstring). A hook defines `draft_prompt`; `asks` defaults
+    to no forward options, `prepare` to the hook as it is, `draft_len` to the drafter's cache as long as the
+    target's."""
+
+    def asks(self, tokens, lengths, inputs) -> dict:
+        return {}
+
+    def draft_prompt(self, prefill, prompt):
+        raise NotImplementedError(f"{type(self).__name__} defines no `draft_prompt`")
+
+    def prepare(self, setup, prepared) -> "PrefillHook":
+        return self
+
+    def draft_len(self, max_len: int) -> int:
+        return max_len
+
+
+_BASES = {"drafter": (Drafter, "jspec.drafters.Drafter"), "plan": (Plan, "jspec.plans.Plan"),
+          "controller": (Controller, "jspec.controllers.Controller"), "prefill": (PrefillHook, "jspec.PrefillHook")}
 
 
 @struct.dataclass
@@ -73,32 +88,23 @@ class Speculative(Strategy):
         return self if isinstance(self.rule, Rule) else self.replace(rule=as_rule(self.rule))
 
     def check(self, target) -> None:
-        for name, methods in _PROTOCOLS.items():
+        for name, (base, called) in _BASES.items():
             part = getattr(self, name)
-            missing = [m for m in methods if part is not None and not hasattr(part, m)]
-            if missing or (part is None and name in ("drafter", "plan")):
-                raise ValueError(f"the strategy's {name} {type(part).__name__} lacks {missing or 'everything'}")
+            if (part is None and name in ("drafter", "plan")) or (part is not None and not isinstance(part, base)):
+                raise ValueError(f"the strategy's {name} must be a {called} (a subclass holds the protocol and its "
+                                 f"defaults), got {type(part).__name__}")
         rule = as_rule(self.rule)
         rule.check()
         self.drafter.check(target)
         self.plan.check(rule)
-        if hasattr(self.controller, "stop") and not getattr(self.plan, "stops", False):
+        if self.controller is not None and self.controller.stops and not self.plan.stops:
             raise ValueError(f"the controller {type(self.controller).__name__} ends drafts level by level; the plan "
                              f"{type(self.plan).__name__} cannot stop there (use a chain or a static tree)")
-        if asks_of(self.controller).node_topk and not getattr(self.plan, "node_outputs", False):
+        if asks_of(self.controller).node_topk and not self.plan.node_outputs:
             raise ValueError(f"the controller {type(self.controller).__name__} reads every drafted node's "
                              f"distribution; the plan {type(self.plan).__name__} does not keep them (use a static tree)")
-        if hasattr(self.controller, "check"):
+        if self.controller is not None:
             self.controller.check(target, self.drafter)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_tree(paths, layout) -> StaticTree:
-    return build_tree(paths if isinstance(paths, str) else [list(p) for p in paths], layout)
-
-
-def _paths_key(tree):
-    return tree if isinstance(tree, str) else tuple(tuple(int(r) for r in p) for p in tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +125,7 @@ class Tree(Strategy):
     budget: Layout | None = None
 
     def static_tree(self) -> StaticTree:
-        return _cached_tree(_paths_key(self.tree), self.budget)
+        return cached_tree(self.tree, self.budget)
 
     def parts(self) -> Speculative:
         return Speculative(ModelDrafter(self.draft), StaticPlan.of(self.static_tree()), as_rule(self.rule),
@@ -144,7 +150,7 @@ class Chain(Strategy):
         return tuple(tuple(p) for p in chain(int(self.gamma)))
 
     def parts(self) -> Speculative:
-        return Speculative(ModelDrafter(self.draft), StaticPlan.of(_cached_tree(self.tree, None)),
+        return Speculative(ModelDrafter(self.draft), StaticPlan.from_paths(self.tree),
                            as_rule(self.rule), self.controller)
 
 
@@ -181,7 +187,7 @@ class PromptLookup(Strategy):
 
     def parts(self) -> Speculative:
         return Speculative(NgramDrafter(int(self.max_ngram), int(self.min_ngram)),
-                           StaticPlan.of(_cached_tree(self.tree, None), trim=True), as_rule(self.rule),
+                           StaticPlan.from_paths(self.tree, trim=True), as_rule(self.rule),
                            self.controller)
 
 

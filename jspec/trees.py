@@ -10,6 +10,7 @@ from a pool of scored candidates (`tree_from_pool`). All reach the verifier as a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -209,6 +210,21 @@ class TreeArrays(NamedTuple):
     ancestor: jax.Array
     children: jax.Array
 
+
+
+def as_paths(tree):
+    """A tree as a hashable key: its name, or its child-rank paths as tuples of ints."""
+    return tree if isinstance(tree, str) else tuple(tuple(int(r) for r in p) for p in tree)
+
+
+def cached_tree(tree, layout: "Layout | None" = None) -> "StaticTree":
+    """`build_tree(tree, layout)` for a name or child-rank paths, built once per (tree, layout)."""
+    return _built(as_paths(tree), layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _built(paths, layout):
+    return build_tree(paths if isinstance(paths, str) else [list(p) for p in paths], layout)
 
 def device_tree(tree: StaticTree, batch: int) -> TreeArrays:
     """A static tree's arrays broadcast to `batch` rows."""

@@ -3,7 +3,7 @@ holds more than one [q_block, k_block] tile of scores per (row, head), in plain 
 
 The mask is described by its structure, not a [B, T, S] boolean: query t of row b sees key j when j <= t (causal)
 and j >= start[b] (a right-aligned row's padding is never seen). This is the fresh prefill's visibility
-(`jspec.cache.visibility` with an empty cache and no tree mask).
+(`ports.cache.visibility` with an empty cache and no tree mask).
 
 On a GPU a fresh prefill in bfloat16 / float16 whose rows all start at slot 0 (the causal mask alone) runs cuDNN's
 flash attention (`jax.nn.dot_product_attention`) instead; `FUSED` says when (see `fused_attention`).
@@ -83,11 +83,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
 def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array, offset: jax.Array,
                      score_weights: jax.Array | None = None, q_block: int = BLOCK, k_block: int = BLOCK):
     """Grouped-query attention of a block of new queries q [B, T, H, Dh] over a cache that already holds their
-    keys: the flat cache rows k_buf, v_buf [B * KVH, S, Dh] (`jspec.cache`), query t of row b at slot
+    keys: the flat cache rows k_buf, v_buf [B * KVH, S, Dh] (`ports.cache`), query t of row b at slot
     offset[b] + t, seeing slot j when start[b] <= j <= offset[b] + t (a chunk of a prefill after the earlier
     chunks). Never holds more than one [q_block, k_block] tile of scores per (row, head); key blocks past a query
     block's last visible slot are not read. Returns [B, T, H, Dh] in q's dtype, equal to `ports.layers.attention`
-    under `jspec.cache.visibility` of a cache of lengths `offset` and T causal new tokens; with `score_weights`
+    under `ports.cache.visibility` of a cache of lengths `offset` and T causal new tokens; with `score_weights`
     [B, T] also the scores [B, S] of that function (full softmax denominators, from each query's log-sum-exp)."""
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape

@@ -33,12 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import cache as kvc
+from ports import cache as kvc
 from ports import layers as L
 from ports import llama
 from ports import vqgan as VQ
-from ports.config import TextConfig, _as_tuple, rope_from_hf
-from jspec.cache import ForwardOut
+from ports.config import TextConfig, id_tuple, rope_from_hf
+from ports.cache import ForwardOut
 from ports.vision import layer_norm
 
 QK_NORM_EPS = 1e-5  # HF ChameleonLayerNorm calls F.layer_norm with eps=1e-5 whatever the config says
@@ -183,7 +183,7 @@ def config_from_hf(d: Mapping[str, Any], require_vocabulary: bool = True) -> Cha
         o_bias=bias,
         mlp_bias=bool(d.get("mlp_bias", False)),
         bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=_as_tuple(d.get("eos_token_id")),
+        eos_token_ids=id_tuple(d.get("eos_token_id")),
         pad_token_id=d.get("pad_token_id"),
         swin_norm=bool(d.get("swin_norm", False)),
         suppress_image_logits=bool(d.get("mask_image_logits", True)),

@@ -74,7 +74,8 @@ class TextConfig:
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
 
 
-def _as_tuple(x) -> tuple[int, ...]:
+def id_tuple(x) -> tuple[int, ...]:
+    """A config's token id field (None, an int or a list) as a tuple of ints."""
     if x is None:
         return ()
     if isinstance(x, (list, tuple)):
@@ -136,7 +137,7 @@ def text_config_from_hf(cfg: dict[str, Any]) -> TextConfig:
         o_bias=False if qwen else attn_bias,
         mlp_bias=False if qwen else bool(cfg.get("mlp_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+        eos_token_ids=id_tuple(cfg.get("eos_token_id")),
         pad_token_id=cfg.get("pad_token_id"),
     )
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import cache as kvc
+from ports import cache as kvc
 from ports import blockwise as BW
 from ports.config import TextConfig, rope_inv_freq
 
@@ -95,7 +95,7 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
               score_weights: jax.Array | None = None):
     """Grouped-query attention of new queries over the whole cache.
 
-    q [B, T, H, Dh]; k_buf, v_buf [B * KVH, S, Dh] (the flat cache rows of `jspec.cache`); visible bool [B, T, S].
+    q [B, T, H, Dh]; k_buf, v_buf [B * KVH, S, Dh] (the flat cache rows of `ports.cache`); visible bool [B, T, S].
     Returns [B, T, H, Dh]. Scores and softmax run in float32 whatever the parameter dtype. With `score_weights`
     [B, T] it returns (out, scores [B, S]): the attention probabilities averaged over heads and summed over queries
     with those weights (full softmax denominators; SpecVLM's language-to-vision scores).
@@ -183,7 +183,7 @@ BLOCKWISE_MIN = 1024  # prefills (or prefill chunks) of at least this many token
 
 class Causal(NamedTuple):
     """A fresh prefill's visibility by its structure: query t of row b sees key j when start[b] <= j <= t (what
-    `jspec.cache.visibility` gives for an empty cache without a tree mask), without a [B, T, S] boolean."""
+    `ports.cache.visibility` gives for an empty cache without a tree mask), without a [B, T, S] boolean."""
 
     start: jax.Array  # [B]
 
@@ -199,7 +199,7 @@ class Prefix(NamedTuple):
 def prefill_visibility(cache, num_new: int, new_mask, write_offset: int, fresh: bool):
     """The visibility a forward attends under: `Causal` for a fresh prefill and `Prefix` for a chunk of a prefill
     (new tokens after the committed ones, no tree mask) when they are long enough to take the blockwise path, else
-    the [B, T, S] boolean of `jspec.cache.cache_visibility`."""
+    the [B, T, S] boolean of `ports.cache.cache_visibility`."""
     if new_mask is None and write_offset == 0 and num_new >= BLOCKWISE_MIN:
         return Causal(cache.start) if fresh else Prefix(cache.start, cache.length)
     return kvc.cache_visibility(cache, num_new, new_mask, write_offset)

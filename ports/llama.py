@@ -15,8 +15,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec import cache as kvc
-from jspec.cache import ForwardOut
+from ports import cache as kvc
+from ports.cache import ForwardOut
 from ports import layers as L
 from ports.config import TextConfig
 

@@ -637,7 +637,7 @@ def logits(model: Model, prompt) -> np.ndarray:
 
 @jax.jit
 def _logits_jit(model: Model, tokens: jax.Array, inputs: dict) -> jax.Array:
-    from jspec import cache as kvc
+    from ports import cache as kvc
 
     B, T = tokens.shape
     layers, kvh, hd = model.kv_layout

@@ -477,7 +477,7 @@ def prune_prompt(cfg: QwenVLConfig, prompt: Mapping[str, Any], keep, positions: 
     Returns a right-padded mapping (`input_ids`, `attention_mask`, the pixel inputs, `vision_keep` over the vision
     tokens in feature order, `position_ids` [3, B, D], `rope_deltas` [B]) for `draft_prompt=` or `ports.logits`.
     """
-    from jspec.prompts import normalize_prompt
+    from ports.prompts import normalize_prompt
 
     if positions not in POSITION_MODES:
         raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")

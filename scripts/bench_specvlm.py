@@ -154,7 +154,7 @@ def pruned_keep(target, draft, prompt, hook) -> np.ndarray:
     from jspec import loop
     from jspec.drafters import Setup, TargetPrefill
     from jspec.drafters.model import ModelDrafter
-    from jspec.prompts import model_prompt
+    from ports.prompts import model_prompt
 
     tokens, lengths, inputs = model_prompt(target, prompt, "")
     setup = Setup(target, prompt, tokens, lengths, inputs, None, None, None, None)

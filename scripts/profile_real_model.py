@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import jspec  # noqa: E402
 import ports  # noqa: E402
 from jspec import api, loop, models, profiling  # noqa: E402
-from jspec import cache as kvc  # noqa: E402
+from ports import cache as kvc  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
 
@@ -65,12 +65,12 @@ def widths(model, slots: int = 1024, prompt: int = 300) -> None:
 def loops(model) -> None:
     from jspec.drafters.ngram import NgramDrafter
     from jspec.plans import StaticPlan
-    from jspec.strategy import Speculative, _cached_tree
+    from jspec.strategy import Speculative
     from jspec.verify import as_rule
 
     ids = np.random.default_rng(0).integers(100, 4000, 300).astype(np.int32)
     pl = jspec.PromptLookup(3, 10)
-    wide = Speculative(NgramDrafter(3, 1), StaticPlan.of(_cached_tree(pl.tree, None)), as_rule("residual"))
+    wide = Speculative(NgramDrafter(3, 1), StaticPlan.from_paths(pl.tree), as_rule("residual"))
     for name, s in (("AR", jspec.AR()), ("PromptLookup gamma=10, trimmed", pl), ("the same, 11 wide", wide),
                     ("PromptLookup gamma=4", jspec.PromptLookup(3, 4))):
         jspec.decode(model, ids, s, max_new_tokens=128, eos_token_id=())

@@ -133,7 +133,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import ports  # noqa: E402
-from jspec import cache as kvc  # noqa: E402
+from ports import cache as kvc  # noqa: E402
 from jspec import train as jt  # noqa: E402
 from jspec.zoo import data as D  # noqa: E402
 from jspec.zoo import tokenizer as TK  # noqa: E402

@@ -222,7 +222,7 @@ def llava_logits(model, prompt, pixels, seqs) -> np.ndarray:
     (None: a text-only prompt), and a continuation's image-token id is text, as in decoding."""
     import jax.numpy as jnp
 
-    from jspec import cache as kvc
+    from ports import cache as kvc
     from ports import llava
 
     seqs = np.asarray(seqs).reshape(len(seqs), -1)

@@ -10,9 +10,9 @@ import pytest
 
 import jspec
 import ports
-from jspec import cache as kvc
+from ports import cache as kvc
 from jspec import loop
-from jspec.prompts import model_prompt
+from ports.prompts import model_prompt
 from ports import blockwise as BW
 from ports import layers as L
 from tolerances import assert_layout_close

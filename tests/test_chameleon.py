@@ -14,7 +14,7 @@ import transformers
 from safetensors import safe_open
 
 import ports
-from jspec import cache as kvc
+from ports import cache as kvc
 from ports import chameleon as CH
 from ports import vqgan as VQ
 from conftest import perturb

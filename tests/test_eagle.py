@@ -10,7 +10,7 @@ import pytest
 import jspec
 import ports
 from jspec import api
-from jspec import cache as kvc
+from ports import cache as kvc
 from jspec.drafters import eagle as E
 from jspec.plans import StaticPlan
 from jspec.trees import build_tree, chain

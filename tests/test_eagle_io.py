@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import jspec
+import ports.cache
 from jspec.drafters import eagle as E
 from jspec.drafters import eagle_io as IO
 from jspec.plans import StaticPlan
@@ -55,10 +56,10 @@ def _teacher_forced(target, head, seq):
     eagle.head_forward computes them)."""
     cfg, lm = E.text_parts(target)
     T = seq.shape[0]
-    cache = jspec.cache.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
+    cache = ports.cache.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
     fo = target.forward(seq[None], jnp.arange(T)[None], cache, fresh=True, hidden_layers=(cfg.num_layers,))
     f = E.features(cfg, lm, fo.hidden[0])
-    hc = jspec.cache.init_cache(1, 1, cfg.num_kv_heads, T - 1, cfg.head_dim, jnp.float32)
+    hc = ports.cache.init_cache(1, 1, cfg.num_kv_heads, T - 1, cfg.head_dim, jnp.float32)
     x, _ = E.head_forward(cfg, head, lm["embed"][seq[1:]][None], f[:, :-1], jnp.arange(1, T)[None], hc, fresh=True)
     return f[0], E.lm_logits(cfg, lm, x)[0]
 

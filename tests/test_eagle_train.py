@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jspec
+import ports.cache
 from jspec import train as jt
 from jspec.drafters import eagle as E
 from jspec.methods import eagle_train as ET
@@ -168,11 +169,11 @@ def test_loss_equals_a_direct_computation(target, own_text, rows):
     vl, ce, top, w = [], [], [], []
     for r, (seq, mask) in enumerate(own_text):
         T = len(seq)
-        cache = jspec.cache.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
+        cache = ports.cache.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
         fo = target.forward(jnp.asarray(seq)[None], jnp.arange(T)[None], cache, fresh=True,
                             hidden_layers=(cfg.num_layers,))
         f = np.asarray(E.features(cfg, lm, fo.hidden[0])[0])
-        hc = jspec.cache.init_cache(1, 1, cfg.num_kv_heads, T - 1, cfg.head_dim, jnp.float32)
+        hc = ports.cache.init_cache(1, 1, cfg.num_kv_heads, T - 1, cfg.head_dim, jnp.float32)
         fh, _ = E.head_forward(cfg, head, lm["embed"][jnp.asarray(seq[1:])][None], jnp.asarray(f[:-1])[None],
                                jnp.arange(1, T)[None], hc, fresh=True)
         fh = np.asarray(fh[0])

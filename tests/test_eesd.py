@@ -196,9 +196,9 @@ def test_verify_buckets_cover_the_levels():
     from jspec.trees import build_tree, chain
 
     plan = StaticPlan.of(build_tree(chain(32)))
-    assert plan.verify_buckets == ((1, 2), (2, 3), (4, 5), (8, 9), (16, 17), (32, 33))
+    assert plan.verify_buckets == ((2, 3), (8, 9), (32, 33))  # each bucket is a target forward: 4x apart
     tree = StaticPlan.of(build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]]))
-    assert tree.verify_buckets == ((1, 3), (2, 5), (3, 6))
+    assert tree.verify_buckets == ((2, 5), (3, 6))
 
 
 def test_exit_layer_hidden_states_come_from_the_target_prefill(pair):
@@ -212,7 +212,7 @@ def test_exit_layer_hidden_states_come_from_the_target_prefill(pair):
     np.testing.assert_array_equal(out.tokens, jspec.decode(target, PROMPTS, max_new_tokens=8, eos_token_id=()).tokens)
 
 
-class _AsksLayer1:
+class _AsksLayer1(jspec.PrefillHook):
     def asks(self, tokens, lengths, inputs):
         return {"hidden_layers": (1,)}
 

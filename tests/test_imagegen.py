@@ -189,7 +189,7 @@ def test_guided_forward_logits_equal_combined_full_sequence_logits(target):
     ragged batch whose rows have the longer prompt in different streams."""
     from jspec import guidance as G
     from jspec import loop
-    from jspec.prompts import normalize_prompt
+    from ports.prompts import normalize_prompt
 
     gm = jspec.imagegen._generating(target)
     rng = np.random.default_rng(11)

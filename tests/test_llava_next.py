@@ -372,7 +372,7 @@ def test_text_only_draft_reads_video_prompt_without_placeholders(jx_models):
         sd = jspec.decode(target, batch, strategy=strategy, max_new_tokens=10)
         np.testing.assert_array_equal(sd.tokens, ar.tokens)
     from jspec.drafters.model import default_view
-    from jspec.prompts import model_prompt
+    from ports.prompts import model_prompt
     tokens, lengths, inputs = model_prompt(target, batch, "")
     d_tokens, d_lengths, d_inputs = default_view(target, draft, batch, tokens, lengths, inputs)
     assert not d_inputs and not np.isin(d_tokens, [IMG, VID]).any()

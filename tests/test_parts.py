@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 import numpy as np
 import pytest
 
@@ -148,3 +149,45 @@ def test_new_numbers_in_a_rule_or_controller_do_not_recompile(pair, tiny):
             n = api._decode_sd._cache_size()
     assert api._decode_sd._cache_size() == n
     assert runs[3.0].stats["acceptance_rate"].mean() > runs[1.0].stats["acceptance_rate"].mean() + 0.05
+
+
+def test_a_part_without_its_base_class_is_named(pair):
+    """A duck-typed drafter (every method, no base) is refused before any compute, naming the base to subclass."""
+    target, draft = pair
+
+    class Loose:
+        def __getattr__(self, name):
+            return getattr(ModelDrafter(draft), name)
+
+    parts = dataclasses.replace(jspec.Chain(draft, gamma=2).parts(), drafter=Loose())
+    with pytest.raises(ValueError, match="must be a jspec.drafters.Drafter"):
+        jspec.decode(target, PROMPTS[0], parts, max_new_tokens=4)
+
+
+@struct.dataclass
+class SeesGenerated(ModelDrafter):
+    """Drafts the token generated two steps before `last` (the generated text, `DraftEnv.out`), else the model's."""
+
+    def root(self, env, ds):
+        logp, aux, ds = ModelDrafter.root(self, env, ds)
+        assert env.out is not None and env.n_out.shape == env.last.shape
+        prev = jnp.take_along_axis(env.out, jnp.maximum(env.n_out - 2, 0)[:, None], axis=1)[:, 0]
+        forced = jnp.where(jnp.arange(logp.shape[-1])[None] == prev[:, None], 0.0, -jnp.inf)
+        return jnp.where((env.n_out >= 2)[:, None, None], forced[:, None], logp), aux, ds
+
+
+def test_a_drafter_sees_the_generated_tokens(pair):
+    """The drafter reads the committed text from `DraftEnv.out`: drafting the token two before `last` is lossless
+    and its first drafts are exactly those tokens."""
+    target, draft = pair
+    parts = dataclasses.replace(jspec.Chain(draft, gamma=1).parts(), drafter=SeesGenerated(draft))
+    out = jspec.decode(target, PROMPTS, parts, max_new_tokens=12, eos_token_id=())
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=12, eos_token_id=())
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    toks, acc = np.asarray(ar.tokens), np.asarray(out.stats["accepted"])
+    for b in range(len(PROMPTS)):
+        pos = 1  # the first token comes from the prefill
+        for c in acc[b]:
+            if c == 2:  # the step's draft (position pos) was accepted: it was the token two before it
+                assert pos >= 2 and toks[b, pos] == toks[b, pos - 2]
+            pos += int(c)

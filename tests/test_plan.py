@@ -1,4 +1,4 @@
-"""Memory planning (`jspec.plan`, `jspec plan`): exact per-device bytes against really allocated arrays on 8 forced
+"""Memory planning (`jspec.memory`, `jspec plan`): exact per-device bytes against really allocated arrays on 8 forced
 CPU devices (subprocess), every shipped config plans with public parameter counts, the 70B numbers, the fit
 verdict, Qwen-VL towers counted like transformers builds them, and bad input."""
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jspec import cli
-from jspec import plan as PL
+from jspec import memory as PL
 
 GB = 1e9
 

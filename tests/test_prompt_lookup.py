@@ -128,7 +128,8 @@ def test_nothing_drafted_costs_an_ar_width_verify():
     assert sizes[int(pick)] == 1
     prop = prop._replace(valid=prop.valid.at[:, :4].set(True))  # the root and depths 1..3 drafted
     sizes, pick = plan.verify_size(prop, jnp.asarray([False]))
-    assert sizes[int(pick)] == 5  # the depth-4 bucket: root + 4 chain nodes
+    assert plan.verify_buckets == ((0, 1), (2, 3), (6, 7))
+    assert sizes[int(pick)] == 7  # depth 3 takes the next bucket, the deepest: root + 6 chain nodes
 
 
 def _reference_draft(text, max_ngram, gamma):

@@ -15,7 +15,7 @@ from jspec import loop
 from jspec.drafters import Setup, TargetPrefill
 from jspec.drafters.model import ModelDrafter
 from jspec.methods.specvlm import SpecVLM, VisionPruning
-from jspec.prompts import model_prompt
+from ports.prompts import model_prompt
 from ports import qwen2_vl as QW
 
 import test_llava_next as LN

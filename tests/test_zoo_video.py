@@ -383,7 +383,7 @@ def test_training_forward_is_decoding_with_teacher_forcing(tz, enc, tiny):
     deltas), then the reference answer's tokens fed through the forward at the cache's positions (cache length +
     pos_offset), as generated tokens are. Positions that merely continued the question (the rows before the fix)
     give other logits there."""
-    from jspec import cache as kvc
+    from ports import cache as kvc
     from jspec import loop
 
     b = V.make_batch("heldout", 4, 2, 512)

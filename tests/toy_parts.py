@@ -7,8 +7,9 @@ import numpy as np
 from flax import struct
 
 from jspec.controllers import Asks, Controller, Decision
-from jspec.drafters import ModelDrafter
+from jspec.drafters import Drafter, ModelDrafter
 from jspec.plans import LayeredTree
+from jspec.strategy import PrefillHook
 from jspec.verify import Rule
 
 HISTORY = 64
@@ -128,7 +129,7 @@ class FixedTrees(Controller):
 
 
 @struct.dataclass
-class TwoViews:
+class TwoViews(Drafter):
     """Two prompt views of one draft model (the whole prompt, and its last `tail` tokens), drafted as one and mixed
     in probability space with fixed weights `w` [2] (a leaf: new weights do not recompile)."""
 
@@ -172,7 +173,7 @@ class TwoViews:
 
 
 @struct.dataclass
-class AttendedPrompt:
+class AttendedPrompt(PrefillHook):
     """A prefill hook: the target's attention from the last `queries` prompt tokens picks the `keep` most attended
     prompt tokens (in prompt order) as the drafter's prompt."""
 
@@ -194,8 +195,8 @@ class AttendedPrompt:
 
 def attended(target, prompts, keep=3, queries=2):
     """What `AttendedPrompt` picks, computed on the host from a plain forward (the reference)."""
-    from jspec import cache as kvc
-    from jspec.prompts import normalize_prompt
+    from ports import cache as kvc
+    from ports.prompts import normalize_prompt
 
     tokens, lengths, _ = normalize_prompt(prompts, target.config.vocab_size)
     B, T = tokens.shape

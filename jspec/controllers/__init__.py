@@ -6,10 +6,11 @@ A controller is a pytree object (its numbers are leaves: changing them does not 
 - `plan(state, key) -> Decision`: before each draft phase, per row: the draft depth limit, ensemble weights for a
   multi-view drafter, a per-row tree for plans that take one;
 - `observe(state, record) -> state`: after each verification.
-and optionally
+and optionally (`Controller`, the base every controller subclasses, does nothing in each)
 - `start(state, prefill: TargetPrefill) -> state`: after the target's prefill (with `Asks.hidden` the prefill
   keeps the target's last-layer hidden states);
-- `stop(state, level, aux, limit [B], key) -> limit`: after each drafted level (plans with `stops`), from the
+- `stop(state, level, aux, limit [B], key) -> limit` with `stops = True`: after each drafted level (plans with
+  `stops`), from the
   drafter's per-node outputs `aux` [B, K, ...] at the level-1 nodes whose forward drafted `level`: lower a row's
   depth limit to end its draft there;
 - `check(target, drafter)`: host-side validation (ValueError) before any compute.
@@ -70,9 +71,11 @@ class Record(NamedTuple):
 
 
 class Controller:
-    """Optional base with the protocol's defaults (a controller may also be any object with the same methods)."""
+    """Base of controllers: the protocol's defaults (no state, no decision, nothing observed; no `start`, no
+    per-level `stop`, nothing to check). A controller that ends drafts level by level sets `stops = True`."""
 
     asks = Asks()
+    stops = False
 
     def init(self, batch: int, max_depth: int) -> Any:
         return None
@@ -82,6 +85,15 @@ class Controller:
 
     def observe(self, state, record: Record):
         return state
+
+    def start(self, state, prefill):
+        return state
+
+    def stop(self, state, level, aux, limit, key):
+        return limit
+
+    def check(self, target, drafter) -> None:
+        pass
 
 
 def asks_of(controller) -> Asks:

@@ -91,6 +91,8 @@ class CaliTS(Controller):
     """EESD's Cali-TS (module docstring). predictor: a `CaliPredictor` trained for the head it runs with
     (`jspec.methods.cali_train`); sigma_m, sigma_s, theta0 are data (changing them does not recompile)."""
 
+    stops = True  # a row's draft may end after any level
+
     predictor: CaliPredictor
     sigma_m: jax.Array | float = 0.2
     sigma_s: jax.Array | float = 0.5

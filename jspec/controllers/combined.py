@@ -11,14 +11,12 @@ from flax import struct
 from jspec import rowkeys as RK
 from jspec.controllers import Asks, Controller, Decision, Record, asks_of
 
-_OPTIONAL = ("start", "stop", "check")
-
 
 @struct.dataclass
 class Both(Controller):
     """Runs `a` and `b` side by side: their states are a pair, their decisions are merged (a field decided by both,
     e.g. two depth limits, is an error; `info` entries are united), both observe every step, and `start`, `stop`
-    and `check` are those of whichever has them (both, in order, where both do)."""
+    and `check` run for both, in order (`stop` for those that stop)."""
 
     a: Any
     b: Any
@@ -28,12 +26,9 @@ class Both(Controller):
         x, y = asks_of(self.a), asks_of(self.b)
         return Asks(**{f.name: max(getattr(x, f.name), getattr(y, f.name)) for f in dataclasses.fields(Asks)})
 
-    def __getattr__(self, name):
-        if name in _OPTIONAL:
-            parts = [(i, getattr(c, name)) for i, c in enumerate((self.a, self.b)) if hasattr(c, name)]
-            if parts:
-                return getattr(self, "_" + name)(parts)
-        raise AttributeError(name)
+    @property
+    def stops(self) -> bool:
+        return self.a.stops or self.b.stops
 
     def init(self, batch: int, max_depth: int):
         return self.a.init(batch, max_depth), self.b.init(batch, max_depth)
@@ -56,24 +51,15 @@ class Both(Controller):
     def observe(self, state, record: Record):
         return self.a.observe(state[0], record), self.b.observe(state[1], record)
 
-    # the optional hooks, bound to the parts that have them
-    def _start(self, parts):
-        def start(state, prefill):
-            state = list(state)
-            for i, fn in parts:
-                state[i] = fn(state[i], prefill)
-            return tuple(state)
-        return start
+    def start(self, state, prefill):
+        return self.a.start(state[0], prefill), self.b.start(state[1], prefill)
 
-    def _stop(self, parts):
-        def stop(state, level, aux, limit, key):
-            for i, fn in parts:
-                limit = fn(state[i], level, aux, limit, RK.fold(key, i))
-            return limit
-        return stop
+    def stop(self, state, level, aux, limit, key):
+        for i, c in enumerate((self.a, self.b)):
+            if c.stops:
+                limit = c.stop(state[i], level, aux, limit, RK.fold(key, i))
+        return limit
 
-    def _check(self, parts):
-        def check(target, drafter):
-            for _, fn in parts:
-                fn(target, drafter)
-        return check
+    def check(self, target, drafter) -> None:
+        self.a.check(target, drafter)
+        self.b.check(target, drafter)

@@ -33,12 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec import cache as kvc
+from ports import cache as kvc
 from jspec import guidance as G
 from jspec import sharding as SH
-from jspec.drafters import Catchup, DraftEnv, Prepared, Setup, TargetPrefill
-from jspec.drafters.early_exit import _VocabOf
-from jspec.drafters.model import check_vocab, draft_log_probs
+from jspec.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from jspec.drafters.model import check_vocab_size, draft_log_probs
 from ports import chameleon as CH
 from ports import fused as FU
 from ports import layers as L
@@ -212,7 +211,7 @@ def _rows(h: jax.Array, n: int) -> jax.Array:
 
 
 @struct.dataclass
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafts with an `EagleHead` over the target's own features (see the module docstring)."""
 
     head: EagleHead
@@ -221,7 +220,7 @@ class EagleDrafter:
 
     def check(self, target) -> None:
         cfg, _ = text_parts(target)
-        check_vocab(target, _VocabOf(cfg.vocab_size), "EAGLE head")
+        check_vocab_size(target, cfg.vocab_size, "EAGLE head")
         self.head.check(target)
 
     def map_models(self, fn) -> "EagleDrafter":

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec import cache as kvc
+from ports import cache as kvc
 from jspec import sharding as SH
-from jspec.drafters import Catchup, DraftEnv, Prepared, Setup, TargetPrefill
-from jspec.drafters.model import check_vocab, commit_fed, draft_log_probs
+from jspec.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from jspec.drafters.model import check_vocab_size, commit_fed, draft_log_probs
 from ports import fused as FU
 from ports import layers as L
 from ports import llama
@@ -229,14 +229,14 @@ class EEState:
 
 
 @struct.dataclass
-class EarlyExitDrafter:
+class EarlyExitDrafter(Drafter):
     """Drafts with the target's first `head.exit_layer` layers and `head` (see the module docstring)."""
 
     head: EarlyExitHead
     aux_keys = ("hidden",)  # per-node outputs: the head's post-norm hidden states (Cali-TS reads them)
 
     def check(self, target) -> None:
-        check_vocab(target, _VocabOf(self.head.params["lm_head"].shape[1]), "early-exit head")
+        check_vocab_size(target, self.head.params["lm_head"].shape[1], "early-exit head")
         self.head.check(target)
 
     def map_models(self, fn) -> "EarlyExitDrafter":
@@ -329,16 +329,6 @@ class EarlyExitDrafter:
     def commit(self, env: DraftEnv, ds: EEState, c: Catchup) -> EEState:
         cache, pending, n_pending = commit_fed(env, ds.cache, ds.pending, c)
         return ds.replace(cache=cache, pending=pending, n_pending=n_pending)
-
-
-class _VocabOf(NamedTuple):
-    """Stands in for a model in `check_vocab` (which reads config.vocab_size)."""
-
-    vocab_size: int
-
-    @property
-    def config(self):
-        return self
 
 
 # --------------------------------------------------------------------------------------------------- storage

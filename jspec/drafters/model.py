@@ -15,19 +15,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec import cache as kvc
+from ports import cache as kvc
 from jspec import guidance as G
 from jspec import sampling as S
 from jspec import sharding as SH
-from jspec.drafters import Catchup, DraftEnv, Prepared, Setup, TargetPrefill
-from jspec.prompts import model_prompt, normalize_prompt
+from jspec.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from ports.prompts import model_prompt, normalize_prompt
 
 
 def check_vocab(target, model, who: str = "draft") -> None:
     if not hasattr(getattr(model, "config", None), "vocab_size"):
         raise ValueError(f"the {who} must be a model (ports.load_hf / ports.load / jspec.zoo.load), got "
                          f"{type(model).__name__}")
-    tv, dv = target.config.vocab_size, model.config.vocab_size
+    check_vocab_size(target, model.config.vocab_size, who)
+
+
+def check_vocab_size(target, vocab_size: int, who: str = "draft") -> None:
+    """ValueError unless a part with `vocab_size` entries shares the target's vocabulary."""
+    tv, dv = target.config.vocab_size, vocab_size
     if tv != dv:
         raise ValueError(f"{who} and target vocabularies differ: target vocab_size={tv}, {who} vocab_size={dv}; "
                          "speculative decoding needs one shared tokenizer")
@@ -65,7 +70,7 @@ class DraftState:
 
 
 @struct.dataclass
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts with `model` (a `ports.Model`, or a guided wrapper of one) over its own prompt view. `model=None`
     drafts with the target itself as it runs (sharded, guided: its weights, not a copy) from a cache of its own
     (SpecVLM's Self-SD, whose draft cache holds a pruned prompt)."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.drafters import Catchup, DraftEnv, Prepared, Setup, TargetPrefill
+from jspec.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
 
 _TIE = 1e-3  # each occurrence weighs 1 + _TIE * (its position / the text's length): counts first, then recency
 
@@ -58,7 +58,7 @@ def suffix_matches(seq: jax.Array, n: jax.Array, max_ngram: int, min_ngram: int)
 
 
 @struct.dataclass
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt-lookup drafting (see the module docstring); any static plan: a chain copies one match, a tree one
     match per branch."""
 

@@ -27,9 +27,9 @@ import numpy as np
 from flax import struct
 
 from jspec import sharding as SH
-from jspec.drafters import Catchup, DraftEnv, Prepared, Setup, TargetPrefill
+from jspec.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
 from jspec.drafters.model import DraftState, ModelDrafter, check_vocab, draft_log_probs
-from jspec.prompts import model_prompt, normalize_prompt
+from ports.prompts import model_prompt, normalize_prompt
 
 VIEWS = ("M", "T", "P", "C")
 
@@ -167,7 +167,7 @@ def mix(logp: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 @struct.dataclass
-class MultiViewDrafter:
+class MultiViewDrafter(Drafter):
     """Drafts with one model over several prompt views at once (see the module docstring).
 
     views: a tuple of "M", "T", "P", "C"; weights: [m] used when no controller decides (None: uniform);
@@ -302,11 +302,11 @@ class ModelCaptioner:
         return int(cfg.tokens_per_image)
 
     def __call__(self, images: dict) -> list[list[int]]:
-        from jspec.api import _eos_ids, decode
+        from jspec.api import decode, eos_ids
 
         if not reads_images(self.model):
             raise ValueError(f"the captioner's model {self.model.config.model_type!r} does not read images")
-        eos = set(_eos_ids(self.model, self.eos_token_id))
+        eos = set(eos_ids(self.model, self.eos_token_id))
         pv = images["pixel_values"]
         if "image_sizes" in images and pv.ndim != 5:
             raise ValueError(f"the captioner slices pixel_values per image: an anyres model's must be (num_images, "

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jspec import cache as kvc
+from ports import cache as kvc
 from jspec import train as jt
 from jspec.controllers.calibration import CaliPredictor
 from jspec.drafters.early_exit import head_logits, head_states

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jspec import cache as kvc
+from ports import cache as kvc
 from jspec import train as jt
 from jspec.drafters import eagle as E
 from ports import chameleon as CH

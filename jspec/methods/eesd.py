@@ -11,7 +11,7 @@ from jspec.controllers.draft_length import as_controller
 from jspec.methods import preset
 from jspec.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
 from jspec.plans import StaticPlan
-from jspec.strategy import Speculative, Strategy, _cached_tree, _paths_key
+from jspec.strategy import Speculative, Strategy
 from jspec.trees import chain
 from jspec.verify import as_rule
 
@@ -58,7 +58,7 @@ class EESD(Strategy):
                              f"{type(self.head).__name__}")
 
     def parts(self) -> Speculative:
-        paths = tuple(tuple(p) for p in chain(int(self.k_max))) if self.tree is None else _paths_key(self.tree)
+        paths = chain(int(self.k_max)) if self.tree is None else self.tree
         controller = as_controller(self.controller, self.head.calibration)
-        return Speculative(EarlyExitDrafter(self.head.replace(calibration=None)), StaticPlan.of(_cached_tree(paths, None)),
+        return Speculative(EarlyExitDrafter(self.head.replace(calibration=None)), StaticPlan.from_paths(paths),
                            as_rule(self.rule), controller)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jspec import cache as kvc
+from ports import cache as kvc
 from jspec import train as jt
 from jspec.drafters.early_exit import EarlyExitHead, head_forward, text_model
 from ports import llama

@@ -17,7 +17,7 @@ from jspec.drafters.eagle import EagleDrafter, EagleHead
 from jspec.methods import preset
 from jspec.neighbours import NeighbourTable
 from jspec.plans import DynamicPlan, StaticPlan
-from jspec.strategy import Speculative, Strategy, _cached_tree, _paths_key
+from jspec.strategy import Speculative, Strategy
 from jspec.verify import RESIDUAL_MODES, Lantern as LanternRule, LanternPP as LanternPPRule
 
 # EAGLE-2's dynamic tree as LANTERN++'s baseline runs it (spec 2.6): top_k 10, 5 levels, 58 drafts kept
@@ -88,7 +88,7 @@ class _Relaxed(Strategy):
         drafter = _drafter(self.draft)
         if self.tree == "dynamic":
             return Speculative(drafter, DynamicPlan(**DYNAMIC), self._rule("deterministic"))
-        return Speculative(drafter, StaticPlan.of(_cached_tree(_paths_key(self.tree), None)), self._rule("sampled"))
+        return Speculative(drafter, StaticPlan.from_paths(self.tree), self._rule("sampled"))
 
     def check(self, target) -> None:
         if self.residual not in RESIDUAL_MODES:

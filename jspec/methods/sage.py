@@ -7,12 +7,12 @@ import dataclasses
 from typing import Any
 
 from jspec.controllers.entropy_tree import EntropyTree, TreeSpec
-from jspec.drafters import ModelDrafter
+from jspec.drafters import Drafter, ModelDrafter
 from jspec.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
 from jspec.methods import preset
 from jspec.plans import StaticPlan
-from jspec.strategy import Speculative, Strategy, _cached_tree, _paths_key
-from jspec.trees import build_tree
+from jspec.strategy import Speculative, Strategy
+from jspec.trees import build_tree, cached_tree
 from jspec.verify import as_rule
 
 # The paper's pairs (SAGE Tables 1-2; shipped configs), its settings (greedy, defaults of `SAGE`; the draft's video
@@ -45,7 +45,7 @@ def as_drafter(draft):
     """A drafter object as is; an `EarlyExitHead` as its drafter; a model as a separate draft model."""
     if isinstance(draft, EarlyExitHead):
         return EarlyExitDrafter(draft.replace(calibration=None))
-    if all(hasattr(draft, m) for m in ("root", "level", "commit")):
+    if isinstance(draft, Drafter):
         return draft
     return ModelDrafter(draft)
 
@@ -120,4 +120,4 @@ class SAGE(Strategy):
 
 def _plan_tree(spec: TreeSpec):
     """The plan's own tree (the initial one) in the spec's layout."""
-    return _cached_tree(_paths_key([list(p) for p in spec.init_tree]), spec.layout)
+    return cached_tree(spec.init_tree, spec.layout)

@@ -20,7 +20,8 @@ from flax import struct
 from jspec import pruning as PR
 from jspec.drafters import ModelDrafter, Prepared, Setup, TargetPrefill
 from jspec.plans import StaticPlan
-from jspec.strategy import Speculative, Strategy, _cached_tree, _paths_key
+from jspec.strategy import PrefillHook, Speculative, Strategy
+from jspec.trees import cached_tree
 from jspec.verify import as_rule
 
 MODALITIES = ("video", "image", "vision")
@@ -88,7 +89,7 @@ def _frame_tokens(model, prompt, modality: str) -> int | None:
 
 
 @struct.dataclass
-class VisionPruning:
+class VisionPruning(PrefillHook):
     """Prefill hook: the draft keeps K = int(|V| (1 - ratio)) of each row's vision tokens (`jspec.pruning.select`
     with `select`, `top_p`), every text token, in order. positions: "original" (each kept token's M-RoPE ids;
     Qwen2-VL's default) or "renumbered" (0..D-1, the authors' code; LLaVA's only choice); None picks the default.
@@ -257,7 +258,7 @@ class SpecVLM(Strategy):
                              self.frame_tokens, int(self.seed))
 
     def parts(self) -> Speculative:
-        tree = _cached_tree(_paths_key(self.tree), None)
+        tree = cached_tree(self.tree)
         return Speculative(ModelDrafter(self.draft), StaticPlan.of(tree), as_rule(self.rule), self.controller,
                            self.pruning())
 

@@ -18,7 +18,7 @@ from jspec.controllers.ensemble import CRITERIA, EnsembleWeights
 from jspec.drafters.views import VIEWS, ModelCaptioner, MultiViewDrafter  # noqa: F401  (ModelCaptioner: public)
 from jspec.methods import preset
 from jspec.plans import StaticPlan
-from jspec.strategy import Speculative, Strategy, _cached_tree, _paths_key
+from jspec.strategy import Speculative, Strategy
 from jspec.trees import chain
 from jspec.verify import as_rule
 
@@ -105,8 +105,8 @@ class TABED(Strategy):
         return MultiViewDrafter(self.draft, self.views, c.fixed, self.newline_id, int(self.pool), self.captioner)
 
     def parts(self) -> Speculative:
-        paths = tuple(tuple(p) for p in chain(int(self.gamma))) if self.tree is None else _paths_key(self.tree)
-        return Speculative(self.drafter(), StaticPlan.of(_cached_tree(paths, None)), as_rule(self.rule),
+        paths = chain(int(self.gamma)) if self.tree is None else self.tree
+        return Speculative(self.drafter(), StaticPlan.from_paths(paths), as_rule(self.rule),
                            self.controller())
 
 

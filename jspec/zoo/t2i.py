@@ -332,7 +332,7 @@ def t2i_stream(codes_cache: np.ndarray, caps: Sequence[str], batch: int, seed: i
 
 def t2i_loss(cfg, params: dict, batch: dict):
     """Mean cross-entropy over the image tokens (and grammar tokens) of the batch; aux (loss, accuracy)."""
-    from jspec import cache as kvc
+    from ports import cache as kvc
     from ports import chameleon as CH
 
     tokens = batch["input_ids"]

@@ -10,7 +10,7 @@ prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots
 whose prompt was placed right-aligned, as the guided streams of `jspec.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
 moving `length`; committing a tree path is one gather (`commit_path`).
 
-This module and `ForwardOut` are the leaf both `ports` and the engine import (it imports neither).
+This module and `ForwardOut` are the leaf every port and the engine import; it imports neither.
 """
 from __future__ import annotations
 
