@@ -134,7 +134,9 @@ def test_streaming_convert_holds_a_layer_not_the_model(tmp_path):
     g_big = _convert_peak_growth(tmp_path / "hf64", tmp_path / "out64")
     print(f"streaming convert: peak RSS +{g_small / 1e6:.0f} MB for {small / 1e6:.0f} MB, "
           f"+{g_big / 1e6:.0f} MB for {big / 1e6:.0f} MB")
-    assert g_big < g_small + 0.1 * (big - small), (g_small, g_big)
+    # holding the model would add the whole difference (~150 MB); orbax / tensorstore's write buffers add up to
+    # ~20 MB more on a loaded machine (seen +39 / +57 MB under a parallel test run)
+    assert g_big < g_small + 0.25 * (big - small), (g_small, g_big)
     assert g_big < 0.5 * big, (g_big, big)
     back, ref = ports.load(str(tmp_path / "out64")), ports.load_hf(str(tmp_path / "hf64"))
     assert len(back.params["layers"]) == 64
