@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ("jspec.zoo", "jspec.train", "jspec.bench", "jspec.bench_gpu", "jspec.bench_long", "jspec.bench_specbench",
-         "jspec.demo", "jspec.memory", "jspec.methods.eagle_train", "jspec.methods.eesd_train", "jspec.methods.cali_train")
+         "jspec.demo", "jspec.memory", "jspec.methods.eagle_train", "jspec.methods.eesd_train",
+         "jspec.methods.cali_train")
 
 
 def loaded_after(statement: str) -> list[str]:

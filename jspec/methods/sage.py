@@ -34,11 +34,12 @@ def preset_draft(name: str) -> str:
 
 def sage_budget(**settings) -> tuple[int, str]:
     """(tokens the target verifies per step, a note on the draft's slots) of `SAGE(**settings)`'s plan."""
-    spec = SAGE(None, **settings).spec()
+    sage = SAGE(None, **settings)
+    spec, plan = sage.spec(), sage.parts().plan
     lay = spec.layout
     return spec.n_max + 1, (f"SAGE: trees of <= {spec.n_max} drafts verified in {spec.n_max + 1} slots; the draft "
                             f"feeds <= {max(lay.widths)} tokens per level over {lay.max_depth - 1} levels into "
-                            f"{lay.num_nodes} scratch slots (max-len must hold them)")
+                            f"{plan.scratch} scratch slots (max-len must hold them)")
 
 
 def as_drafter(draft):
