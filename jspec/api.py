@@ -11,14 +11,13 @@ import jax
 import numpy as np
 
 from jspec import compilation as CJ
-from jspec import guidance as G
+from jspec import guidance as GD
 from jspec import loop
-from jspec import profiling as P
+from jspec import profiling as PF
 from jspec import rowkeys as RK
-from jspec import sampling as S
+from jspec import sampling as SM
 from jspec import sharding as SH
 from jspec import speculative as SD
-from jspec.controllers import asks_of
 from jspec.drafters import Setup, TargetPrefill
 from ports.prompts import model_prompt, round_up
 from jspec.strategy import AR, Chain, DynamicTree, Speculative, Static, Strategy, Tree, merge, split  # noqa: F401
@@ -108,7 +107,7 @@ def _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks
                                      **(asks or {}))
     cache = SH.constrain(ctx.placement, cache)
     keys = RK.split(RK.for_rows(key, tokens.shape[0]), 2)  # one key per row from here on
-    first = S.sample(keys[:, 0], logits, ctx.sampling, sp)
+    first = SM.sample(keys[:, 0], logits, ctx.sampling, sp)
     k_loop = keys[:, 1]
     return loop.start_state(ctx, first, cache, k_loop, sp), logits, fo
 
@@ -128,7 +127,7 @@ def _prefill_asks(parts, tokens, lengths, inputs, target_layers: int) -> dict:
     united; any other option asked by both must agree), and the last layer's hidden states when the controller
     reads the target's hidden state (`Asks.hidden`: it starts from the prompt's)."""
     asks: dict = {}
-    if asks_of(parts.controller).hidden:
+    if parts.needs.prefill_hidden:
         asks["hidden_layers"] = (target_layers,)
     for ask in (None if parts.prefill is None else parts.prefill.asks, parts.drafter.prefill_asks):
         if ask is None:
@@ -191,7 +190,7 @@ class Started(NamedTuple):
 
 def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
-          guidance: G.CFG | None = None, constraint=None, mesh=None, rules=None,
+          guidance: GD.CFG | None = None, constraint=None, mesh=None, rules=None,
           prefill_chunk: int | None = "auto", compile_loop: bool = True, pad_prompt_to: int = 16) -> Started:
     """`decode`'s checks, setup and prefill (same arguments): the state its loop starts from, for tools that time
     or step the loop themselves (`jspec.profiling`). With `compile_loop` (and no mesh) the fused decode loop is
@@ -212,7 +211,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
     SH.check_same_everywhere("prompts", tokens, lengths)
     if draft_prompt is not None and parts is None:
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")
-    sampling_cfg, sp = S.make_sampling(temperature, top_k, top_p)
+    sampling_cfg, sp = SM.make_sampling(temperature, top_k, top_p)
     eos = eos_ids(target, eos_token_id)
     _check_call(target, lengths, max_new_tokens, eos, key)
     run_target, placement = target, None
@@ -223,7 +222,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
     if guidance is not None or constraint is not None:
         if inputs:
             raise ValueError("guidance / constraint take token prompts only (no image inputs)")
-        run_target = G.guide(run_target, lengths, guidance, constraint)
+        run_target = GD.guide(run_target, lengths, guidance, constraint)
         longest = int(np.max(np.asarray(run_target.prompt_end)))
         width = max(width, run_target.uncond.shape[1])
     d_prompt, prep_stats = None, None
@@ -235,8 +234,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
             parts = parts.replace(prefill=parts.prefill.prepare(setup, prep))
         longest, width = max(longest, prep.longest), max(width, prep.width)
     # scratch slots beyond the committed tokens: the tree's nodes (target), the catch-up feed + tree (draft)
-    plan = None if parts is None else parts.plan
-    per_step = 1 if plan is None else plan.scratch + plan.max_depth + 1
+    per_step = 1 if parts is None else parts.needs.per_step
     need = longest + max_new_tokens + per_step
     if max_cache_len is not None and need > max_cache_len:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} + {per_step} "
@@ -291,7 +289,7 @@ def _shape_text(parts) -> str:
 
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
            top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
-           profile: bool | str = False, guidance: G.CFG | None = None, constraint=None, mesh=None,
+           profile: bool | str = False, guidance: GD.CFG | None = None, constraint=None, mesh=None,
            rules=None, prefill_chunk: int | None = "auto", pad_prompt_to: int = 16) -> DecodeOutput:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
 
@@ -329,10 +327,10 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     t1 = time.perf_counter()
     phases, per_step = {}, {}
     if profile == "program":
-        per_step = P.in_program_costs(r)
+        per_step = PF.in_program_costs(r)
         t1 = time.perf_counter()
     if profile in (True, "host"):
-        state, phases = P.host_timed(r)
+        state, phases = PF.host_timed(r)
     else:
         state = r.run(state)
     out, n_out, steps, accepted, drafted, decided = SH.host_get(

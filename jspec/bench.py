@@ -85,15 +85,15 @@ def zoo_pairs(n: int) -> dict:
     (target, draft, {scenario: prompts}, eos, max_new). Text-pair prompts are token rows; image-pair prompts are
     processor-style mappings (the draft reads the image: TABED's M view)."""
     from jspec import zoo
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
     out = {}
-    for name, models in E.PAIRS.items():
+    for name, models in ZE.PAIRS.items():
         if not set(models) <= set(zoo.available()):
             continue
-        pair = E.load_pair(name)
+        pair = ZE.load_pair(name)
         scen = {}
-        for sc, exs in E.scenario_examples(name, n).items():
+        for sc, exs in ZE.scenario_examples(name, n).items():
             ps = [pair.encoder.prompt(ex) for ex in exs]
             scen[sc] = [p["input_ids"][0] for p in ps] if name == "text" else ps
         out[f"zoo {name}"] = (pair.target, pair.draft, scen, None, 96)
@@ -325,12 +325,12 @@ def _profile_rows(target, rows, strategy, N, eos, row_steps) -> dict[str, float]
     in_program_costs`, AR: "step_s"; SD: the phases and the whole step), times that prompt's loop steps, summed:
     what the decode loops would cost without the engine's overhead."""
     from jspec import api
-    from jspec import profiling as P
+    from jspec import profiling as PF
 
     tot = dict.fromkeys(PHASE_KEYS, 0.0)
     for r, n in zip(rows, row_steps):
         s = api.start(target, _as_prompt(r), strategy, max_new_tokens=N, eos_token_id=eos)
-        for k, v in P.in_program_costs(s, runs=1).items():
+        for k, v in PF.in_program_costs(s, runs=1).items():
             tot[k] += v * n
     return tot
 

@@ -440,10 +440,10 @@ def text_config(name, tiny: bool = False, **over):
     """The text decoder of a shipped config (`jspec/configs`) or an HF config dict as a LLaMA / Qwen2 `TextConfig`:
     a VLM's language model, Chameleon's layers as LLaMA's (its QK-norm left out), M-RoPE as plain RoPE (same cost).
     `tiny`: a 2-layer, 64-wide stand-in (dry runs); `over`: HF fields to change after that (num_hidden_layers)."""
-    from jspec import memory as PL
+    from jspec import memory as MEM
     from ports.model import family
 
-    d = PL.load_config(name) if isinstance(name, str) else dict(name)
+    d = MEM.load_config(name) if isinstance(name, str) else dict(name)
     mt = d["model_type"]
     t = dict(d.get("text_config") or {k: v for k, v in d.items() if k not in ("vision_config", "vq_config")})
     t.pop("rope_scaling", None)
@@ -615,10 +615,10 @@ def _compile_ahead(rec: Recorder) -> None:
 
 def step_ar(rec: Recorder) -> None:
     """`bench.suite_gpu`'s `ar` part: a random LLaMA-2-7B in bf16, batch 1 and 8, against the HBM floor."""
-    from jspec import bench as B
+    from jspec import bench as BENCH
 
     rec.put(device=device_info())
-    res = B.suite_gpu(runs=1 if rec.dry else 3, quick=rec.dry, progress=False, allow_cpu=rec.dry,
+    res = BENCH.suite_gpu(runs=1 if rec.dry else 3, quick=rec.dry, progress=False, allow_cpu=rec.dry,
                       with_transformers=False, parts=("ar",), zoo=False)
     rec.put(bandwidth_gbs=res["bandwidth_gbs"])
     for row in res["rows"]:
@@ -684,14 +684,14 @@ def load_pair(name: str, rec: Recorder) -> Pair:
     import numpy as np
 
     import jspec
-    from jspec import bench as B
+    from jspec import bench as BENCH
     from jspec import bench_specbench as SB
 
     dry, dtype = rec.dry, _dtype(rec)
     N = 8 if dry else 96
-    rows = lambda t, ps, eos, n=N: (lambda s: B._decode_rows(t, ps, s, n, eos))  # noqa: E731
+    rows = lambda t, ps, eos, n=N: (lambda s: BENCH._decode_rows(t, ps, s, n, eos))  # noqa: E731
     if name == "SmolLM2-135M-Instruct" and dry:  # a tiny random target stands in (SmolLM2 compiles for minutes)
-        t, _ = B.damped_pair(dtype=dtype, layers=2, vocab=512, hidden=64, mlp=128, heads=4)
+        t, _ = BENCH.damped_pair(dtype=dtype, layers=2, vocab=512, hidden=64, mlp=128, heads=4)
         ps = [np.tile(np.random.default_rng(1).integers(0, t.vocab_size, 6), 2)]
         strats = [("AR", jspec.AR()), ("pld", SB.strategies()["pld"])]
         return Pair(name + " (stand-in: a tiny random LLaMA)", t, ps, strats, rows(t, ps, ()))
@@ -710,11 +710,11 @@ def load_pair(name: str, rec: Recorder) -> Pair:
     if name == "random damped 7B":  # as `bench.suite_gpu` makes it
         shape = (dict(layers=2, vocab=512, hidden=64, mlp=128, heads=4) if dry else
                  dict(layers=32, vocab=32000, hidden=4096, mlp=11008, heads=32))
-        t, d = B.damped_pair(dtype=dtype, **shape)
+        t, d = BENCH.damped_pair(dtype=dtype, **shape)
         P, new = (12, 8) if dry else (128, 64)
         ps = [np.random.default_rng(1).integers(0, t.vocab_size, P)]
         keep = ("AR", "Chain g=5") + (() if dry else ("Tree mc_sim_7b_63", "DynamicTree 6x10/60"))
-        strats = [(n, s) for n, s, _ in B.sd_strategies(d, False) if n in keep]
+        strats = [(n, s) for n, s, _ in BENCH.sd_strategies(d, False) if n in keep]
         return Pair(name, t, ps, strats, rows(t, ps, (), new),
                     note=f"as the gpu suite's: one random {P}-token prompt, {new} new tokens, EOS off")
     if name == "zoo text":
@@ -734,10 +734,10 @@ def load_pair(name: str, rec: Recorder) -> Pair:
         return Pair(name, t, ps, strats, rows(t, ps, None))
     if name == "zoo video":
         from jspec import zoo
-        from jspec.zoo import video as V
+        from jspec.zoo import video as ZV
 
         t, d = _script("gpu_numerics").cast_models([zoo.load("video-target"), zoo.load("video-draft")], dtype)
-        ps = [V.VideoEncoder().prompts([ex]) for ex in V.eval_set(2, tasks=("video_describe",))]
+        ps = [ZV.VideoEncoder().prompts([ex]) for ex in ZV.eval_set(2, tasks=("video_describe",))]
         strats = [("AR", jspec.AR()), ("SpecVLM r=0.9", jspec.SpecVLM(d, ratio=0.9)),
                   ("SAGE + pruning 0.9", jspec.SAGE(d, prune_ratio=0.9))]
         return Pair(name, t, ps, strats, rows(t, ps, None))
@@ -749,11 +749,11 @@ def load_pair(name: str, rec: Recorder) -> Pair:
 def _zoo(kind: str, dtype, n: int = 3):
     """(the zoo pair `kind`, its target and draft in `dtype`, the first held-out prompt of its first n scenarios, as
     `bench.zoo_pairs` builds them: token rows for the text pair, processor-style mappings for the image pair)."""
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
-    pair = E.load_pair(kind)
+    pair = ZE.load_pair(kind)
     t, d = _script("gpu_numerics").cast_models([pair.target, pair.draft], dtype)
-    ps = [pair.encoder.prompt(exs[0]) for exs in list(E.scenario_examples(kind, 1).values())[:n]]
+    ps = [pair.encoder.prompt(exs[0]) for exs in list(ZE.scenario_examples(kind, 1).values())[:n]]
     return pair, t, d, [p["input_ids"][0] if kind == "text" else p for p in ps]
 
 
@@ -795,10 +795,10 @@ def _measure_pair(rec: Recorder, pair: Pair) -> list[float]:
     left); a row per strategy. Returns the compile times (for the next pair's estimate)."""
     import numpy as np
 
-    from jspec import bench as B
+    from jspec import bench as BENCH
 
-    cases = [B.Case(n, (lambda s=s: pair.decode(s))) for n, s in pair.strategies]
-    res = B.interleaved(cases, 1 if rec.dry else 3, progress=False, deadline=rec.deadline)
+    cases = [BENCH.Case(n, (lambda s=s: pair.decode(s))) for n, s in pair.strategies]
+    res = BENCH.interleaved(cases, 1 if rec.dry else 3, progress=False, deadline=rec.deadline)
     missing = [n for n, _ in pair.strategies if n not in res]
     if missing:
         rec.data["skipped"].append(f"{pair.name}: {', '.join(missing)}")
@@ -1168,7 +1168,7 @@ def _engine_check(rec: Recorder, costs: dict) -> None:
     import numpy as np
 
     from jspec import api
-    from jspec import profiling as P
+    from jspec import profiling as PF
 
     fwd = costs.get(("llama-2-7b", 1))
     est = max([r["seconds"] for r in rec.data["tables"].get("costs", []) if r["shape"] == "llama-2-7b"] or [0])
@@ -1179,7 +1179,7 @@ def _engine_check(rec: Recorder, costs: dict) -> None:
     P_ = 32 if rec.dry else SHAPES["llama-2-7b"]["context"]
     s = api.start(model, np.random.default_rng(0).integers(3, cfg.vocab_size, P_), max_new_tokens=16,
                   eos_token_id=(), compile_loop=False)
-    step = P.in_program_costs(s, runs=1 if rec.dry else 3)["step_s"]
+    step = PF.in_program_costs(s, runs=1 if rec.dry else 3)["step_s"]
     rec.put(engine_ar_step={"engine_ms": _r(step * 1e3, 3), "forward_ms": _r(fwd * 1e3, 3),
                             "engine_over_forward": _r(step / fwd) if fwd else None})
 
@@ -1279,17 +1279,17 @@ def _eesd_train(rec: Recorder) -> None:
 
     from jspec import train as jt
     from jspec.drafters import early_exit as EE
-    from jspec.methods import eesd_train as ET
+    from jspec.methods import eesd_train as EST
 
     N, B, T = (3, 2, 64) if rec.dry else (3, 8, 2048)
     cfg = text_config("llama-2-13b", tiny=rec.dry, num_hidden_layers=N + 1)
     target = random_model(cfg, _dtype(rec))
     head = EE.init_head(target, N, 1)
-    tcfg, lm = ET.head_target_lm(target, head)
+    tcfg, lm = EST.head_target_lm(target, head)
     tx = jt.adamw(weight_decay=0.0)
-    train, _ = ET.make_steps(tcfg, N, tx)
+    train, _ = EST.make_steps(tcfg, N, tx)
     rng = np.random.default_rng(0)
-    batch = next(ET.pack([rng.integers(3, cfg.vocab_size, T) for _ in range(B)], B, T))[0]
+    batch = next(EST.pack([rng.integers(3, cfg.vocab_size, T) for _ in range(B)], B, T))[0]
     step = lambda s: (lambda p, o, m: ((p, o), m))(*train(s[0], s[1], lm, batch, np.float32(1e-3)))  # noqa: E731
     first, per, _ = _timed_steps(step, (head.params, tx.init(head.params)), 2 if rec.dry else 3)
     rec.add("rows", {"what": "EESD head, LLaMA-2-13B (N = 3, 1 layer)", "head_params_m": _r(head.num_params / 1e6, 1),
@@ -1302,21 +1302,21 @@ def _eagle_train(rec: Recorder) -> None:
     import jax
     import numpy as np
 
-    from jspec.drafters import eagle as E
-    from jspec.methods import eagle_train as ET
+    from jspec.drafters import eagle as EG
+    from jspec.methods import eagle_train as EGT
 
     B, T = (2, 64) if rec.dry else (2, 2353)  # LANTERN++: 2 rows a device; a 768-px image is 2,353 tokens
     cfg = text_config("lumina-mgpt-7b-768", tiny=rec.dry)
     target = random_model(cfg, _dtype(rec))
-    head = ET.trainable(E.init_head(target, jax.random.key(0)), target)
-    tx = ET.optimizer()
-    train, _ = ET.make_steps(target, head, tx)
-    lm = E.text_parts(target)[1]
+    head = EGT.trainable(EG.init_head(target, jax.random.key(0)), target)
+    tx = EGT.optimizer()
+    train, _ = EGT.make_steps(target, head, tx)
+    lm = EG.text_parts(target)[1]
     rng = np.random.default_rng(0)
-    batch = next(ET.batches([rng.integers(3, cfg.vocab_size, T) for _ in range(B)], B, T))[0]
+    batch = next(EGT.batches([rng.integers(3, cfg.vocab_size, T) for _ in range(B)], B, T))[0]
     it = iter(range(10 ** 6))
     step = lambda s: (lambda p, o, m: ((p, o), m))(  # noqa: E731
-        *train(s[0], s[1], lm, batch, np.float32(1e-4), ET.step_key(0, next(it))))
+        *train(s[0], s[1], lm, batch, np.float32(1e-4), EGT.step_key(0, next(it))))
     first, per, _ = _timed_steps(step, (head.params, tx.init(head.params)), 2 if rec.dry else 3)
     rec.add("rows", {"what": "EAGLE head, Lumina-mGPT-7B (LLaMA layers)", "head_params_m": _r(head.num_params / 1e6, 1),
                      "batch": B, "seq_len": T, "compile_s": _r(first - per, 1), "step_s": _r(per, 3),

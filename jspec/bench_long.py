@@ -47,12 +47,12 @@ device_peak = None
 if which == "jspec":
     import jax, jax.numpy as jnp
     import jspec, ports
-    from ports import layers as L
+    from ports import layers as LY
     if cache_dir:
         from jspec import compilation
         compilation.enable_cache(cache_dir)
     if direct:
-        L.BLOCKWISE_MIN = 10 ** 9
+        LY.BLOCKWISE_MIN = 10 ** 9
     model = ports.random_model(ports.TextConfig(model_type="llama", **cfg), key=0, std=0.02,
                                dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
     jax.block_until_ready(model.params)

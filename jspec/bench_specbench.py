@@ -125,7 +125,7 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     from tqdm import tqdm
 
     import jspec
-    from jspec import bench as BN
+    from jspec import bench as BENCH
     from jspec import compilation
     from jspec import models
 
@@ -146,7 +146,7 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
         import torch
 
         torch.set_num_threads(os.cpu_count() or 1)
-        hf = BN._hf_from(model, model_name)
+        hf = BENCH._hf_from(model, model_name)
     runner = Runner(model, tok, max_new_tokens, temperature, pad_to, hf)
     methods = {s: known[s] for s in strategies_}
 
@@ -184,7 +184,7 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     os.makedirs(stem, exist_ok=True)
     files = [_write_answers(os.path.join(stem, f"{m}.jsonl"), m, qs, res[m], tok, model_name) for m in names]
     summary = summarize(qs, turns, res, methods, hf_methods, temperature)
-    summary["meta"] = {**BN.meta("spec-bench", runs, False), "model": model_name, "max_new_tokens": max_new_tokens,
+    summary["meta"] = {**BENCH.meta("spec-bench", runs, False), "model": model_name, "max_new_tokens": max_new_tokens,
                        "temperature": temperature, "questions_per_category": questions, "pad_prompt_to": pad_to,
                        "turns": len(turns), "jspec": jspec.__version__, "jax_backend": jax.default_backend()}
     with open(os.path.join(stem, "summary.json"), "w") as f:

@@ -27,15 +27,15 @@ def cmd_convert(args) -> int:
 def _convert_gguf(path: str, out_dir: str, dtype):
     """A GGUF file -> a jspec checkpoint plus the tokenizer files (when the file holds a tokenizer), so that
     `jspec decode --model OUT_DIR --prompt ...` works on it."""
-    from ports import gguf as G
+    from ports import gguf as GF
 
     try:
-        reader = G.open_gguf(path)
-        cfg, n = G.convert_gguf(reader, out_dir, dtype=dtype, progress=True)
+        reader = GF.open_gguf(path)
+        cfg, n = GF.convert_gguf(reader, out_dir, dtype=dtype, progress=True)
     except ValueError as e:
         raise SystemExit(f"jspec convert: {e}")
     if "tokenizer.ggml.tokens" in reader.fields:
-        G.tokenizer_from_gguf(reader).save_pretrained(out_dir)
+        GF.tokenizer_from_gguf(reader).save_pretrained(out_dir)
     else:
         print(f"{path} holds no tokenizer: decode {out_dir} with --prompt-ids")
     return cfg, n
@@ -79,12 +79,12 @@ def cmd_demo(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jspec import memory as PL
+    from jspec import memory as MEM
 
     try:
-        mesh = PL.parse_mesh(args.mesh)
-        device = PL.parse_bytes(args.device_memory) if args.device_memory else None
-        target = PL.load_config(args.config)
+        mesh = MEM.parse_mesh(args.mesh)
+        device = MEM.parse_bytes(args.device_memory) if args.device_memory else None
+        target = MEM.load_config(args.config)
         draft_name, tree_nodes, sage_note = args.draft, args.tree_nodes, None
         draft_max_len, self_draft = None, draft_name == "self"
         if sum(map(bool, (args.sage, args.specvlm, args.lantern))) > 1:
@@ -107,14 +107,14 @@ def cmd_plan(args) -> int:
 
             draft_name = draft_name or preset_draft(args.config)
             tree_nodes, sage_note = sage_budget()
-        draft = PL.load_config(draft_name) if draft_name and not self_draft else None
+        draft = MEM.load_config(draft_name) if draft_name and not self_draft else None
         eesd = None
         if args.eesd is not None:
             from jspec.methods.eesd import preset_exit_layer
 
             n = preset_exit_layer(args.config) if args.eesd == "preset" else int(args.eesd)
             eesd = (n, args.eesd_layers, args.cali)
-        p = PL.plan(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
+        p = MEM.plan(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
                     tree_nodes=tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd,
                     draft_max_len=draft_max_len, self_draft=self_draft, streams=streams, eagle=eagle,
                     prefill_chunk=args.prefill_chunk if args.prefill_chunk != "none" else None,
@@ -129,7 +129,7 @@ def cmd_plan(args) -> int:
             out["fit"] = p.fits(device, args.headroom)
         print(json.dumps(out, indent=2, default=str))
     else:
-        print(PL.format_plan(p, device, args.headroom))
+        print(MEM.format_plan(p, device, args.headroom))
     return 0 if device is None or p.fits(device, args.headroom)["fits"] else 3
 
 

@@ -45,17 +45,17 @@ def long_examples(seed: int, tokenizer, kinds=("described_caption", "text_story"
     """`per_kind` held-out examples of each task in `kinds` whose reference answer has at least `min_tokens`
     tokens (the zoo's longest answers: detailed descriptions of 3-4 object scenes, four-part stories), scanning the
     held-out stream from `seed`."""
-    from jspec.zoo import data as D
-    from jspec.zoo import world as W
+    from jspec.zoo import data as ZD
+    from jspec.zoo import world as ZW
 
-    D.register_described_tasks()
+    ZD.register_described_tasks()
     out = []
     for kind in kinds:
         found, i = [], 0
         while len(found) < per_kind:
             if i > 2000:
                 raise ValueError(f"no {kind} answers of {min_tokens}+ tokens near seed {seed}")
-            ex = W.example("heldout", seed * 1000 + i, 0, [kind])
+            ex = ZW.example("heldout", seed * 1000 + i, 0, [kind])
             if len(tokenizer.encode(ex.answer, add_special_tokens=False)) >= min_tokens:
                 found.append(ex)
             i += 1
@@ -69,9 +69,9 @@ def text_section(seed: int, methods: str = "core") -> Section:
     import jspec
     from jspec.drafters.early_exit import load_head
     from jspec.zoo import ZOO_DIR
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
-    pair = E.load_pair("text")
+    pair = ZE.load_pair("text")
     exs = long_examples(seed, pair.tokenizer)
     both = ("greedy", "sampled")
     s = {"AR": (None, both), "Chain gamma=5": (jspec.Chain(pair.draft, gamma=5), both),
@@ -83,7 +83,7 @@ def text_section(seed: int, methods: str = "core") -> Section:
         if (head_dir / "eesd_head.json").exists():
             s["EESD (self-draft, exit layer 1)"] = (jspec.EESD(load_head(str(head_dir), pair.target)), both)
     return Section(f"text pair: target {pair.target.num_params / 1e6:.1f}M, draft {pair.draft.num_params / 1e6:.2f}M "
-                   "(scenes as text descriptions)", pair.target, pair.tokenizer, E.batch_prompt(pair.encoder, exs),
+                   "(scenes as text descriptions)", pair.target, pair.tokenizer, ZE.batch_prompt(pair.encoder, exs),
                    [(ex.turns[-2].text, ex.answer) for ex in exs], s)
 
 
@@ -139,18 +139,18 @@ def image_section(seed: int) -> Section:
     distribution) and a two-image comparison; AR, Chain (the draft reads the images) and TABED (MT*: the draft's
     image view and its text-only view, weights picked online)."""
     import jspec
-    from jspec.zoo import evaluate as E
-    from jspec.zoo import world as W
+    from jspec.zoo import evaluate as ZE
+    from jspec.zoo import world as ZW
 
-    pair = E.load_pair("image")
+    pair = ZE.load_pair("image")
     exs = long_examples(seed, pair.tokenizer, kinds=("caption",), per_kind=2)
-    exs += [W.example("heldout", seed, 0, ["ood_story"]), W.example("heldout", seed, 0, ["two_image_diff"])]
+    exs += [ZW.example("heldout", seed, 0, ["ood_story"]), ZW.example("heldout", seed, 0, ["two_image_diff"])]
     both = ("greedy", "sampled")
     newline = pair.encoder.text_ids("\n")[0]
     s = {"AR": (None, both), "Chain gamma=5": (jspec.Chain(pair.draft, gamma=5), both),
          "TABED MT*": (jspec.TABED.method("MT*", pair.draft, gamma=5, newline_id=newline), both)}
     return Section(f"image pair: target {pair.target.num_params / 1e6:.1f}M, draft {pair.draft.num_params / 1e6:.2f}M "
-                   "(reads the images)", pair.target, pair.tokenizer, E.batch_prompt(pair.encoder, exs),
+                   "(reads the images)", pair.target, pair.tokenizer, ZE.batch_prompt(pair.encoder, exs),
                    [(ex.turns[-2].text, ex.answer) for ex in exs], s)
 
 
@@ -160,22 +160,22 @@ def video_section(seed: int) -> Section:
     Self-SD (the target drafts for itself from a 90%-pruned cache)."""
     import jspec
     from jspec import zoo
-    from jspec.zoo import video as V
+    from jspec.zoo import video as ZV
 
     have = set(zoo.available())
     if not {"video-target", "video-draft"} <= have:
         raise ValueError(f"the video demo needs the zoo's video pair; this install has {sorted(have) or 'none'}")
     target, draft = zoo.load("video-target"), zoo.load("video-draft")
-    exs = [V.example("heldout", seed, 0, ["video_describe"]), V.example("heldout", seed + 1, 0, V.QA_TASKS)]
-    enc = V.VideoEncoder()
+    exs = [ZV.example("heldout", seed, 0, ["video_describe"]), ZV.example("heldout", seed + 1, 0, ZV.QA_TASKS)]
+    enc = ZV.VideoEncoder()
     both = ("greedy", "sampled")
     s = {"AR": (None, both), "Tree (draft reads every video token)": (jspec.SpecVLM(draft, ratio=0.0), both),
          "SpecVLM (draft keeps 10%)": (jspec.SpecVLM(draft, ratio=0.9), both),
          "Self-SD, 90% pruned": (jspec.SpecVLM(None, ratio=0.9), ("greedy",))}
     sec = Section(f"video pair: target {target.num_params / 1e6:.1f}M, draft {draft.num_params / 1e6:.2f}M "
-                  f"({V.FRAMES}-frame clips)", target, enc.tokenizer, enc.prompts(exs),
+                  f"({ZV.FRAMES}-frame clips)", target, enc.tokenizer, enc.prompts(exs),
                   [(ex.question, ex.answer) for ex in exs], s)
-    sec.clips = [V.frames_of(ex.clip) for ex in exs]
+    sec.clips = [ZV.frames_of(ex.clip) for ex in exs]
     return sec
 
 
@@ -288,10 +288,10 @@ def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: in
     if methods not in ("core", "all"):
         raise ValueError(f"methods must be 'core' or 'all', got {methods!r}")
     from jspec import zoo
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
     have = set(zoo.available())
-    if not set(E.PAIRS["text"]) <= have:
+    if not set(ZE.PAIRS["text"]) <= have:
         raise ValueError(f"jspec demo needs the zoo's text pair; this install has {sorted(have) or 'none'}")
     cache_dir = CJ.enable_cache(cache)
     seed = int.from_bytes(os.urandom(4), "little") % 1_000_000 if seed is None else seed
@@ -299,7 +299,7 @@ def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: in
              + (f" (compiled programs cached in {cache_dir})" if cache_dir else ""))
     makers = [text_section]
     if methods == "all":
-        makers += [image_section] if set(E.PAIRS["image"]) <= have else []
+        makers += [image_section] if set(ZE.PAIRS["image"]) <= have else []
         makers += [video_section] if {"video-target", "video-draft"} <= have else []
     sections, results = [], []
     for make in makers:

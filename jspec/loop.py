@@ -15,9 +15,9 @@ from flax import struct
 
 from ports import cache as kvc
 from jspec import rowkeys as RK
-from jspec import sampling as S
+from jspec import sampling as SM
 from jspec import sharding as SH
-from ports import layers as L
+from ports import layers as LY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,7 @@ class StepContext:
     max_steps: int
     out_len: int  # output buffer length: max_new + the most tokens one step can commit
     eos: tuple[int, ...]
-    sampling: S.SamplingConfig
+    sampling: SM.SamplingConfig
     placement: SH.Placement | None = None  # mesh + rules: the target cache's sharding (None: one device)
     prefill_chunk: int | None = None  # the target's prefill fills the cache this many tokens at a time (`prefill`)
 
@@ -44,7 +44,7 @@ class DecodeState:
     step: jax.Array  # int32 scalar: decode steps taken (prefill excluded)
     accepted: jax.Array  # [B, max_steps] int32: tokens committed at each decode step (bonus included)
     drafted: jax.Array  # [B] int32: draft tokens proposed to the target, summed over steps
-    sp: S.SamplingParams
+    sp: SM.SamplingParams
     aux: Any = None  # strategy state: draft caches, controller state, ...
 
 
@@ -79,7 +79,7 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, in
             positions, offset = pe.positions, pe.position_offset
     text = getattr(model.config, "text", model.config)
     if getattr(getattr(text, "rope", None), "rope_type", None) == "dynamic" and positions.ndim == 2:
-        fwd_kwargs["rope"] = L.rope_tables(text, positions, lengths)  # prompt tokens scaled by their row's length
+        fwd_kwargs["rope"] = LY.rope_tables(text, positions, lengths)  # prompt tokens scaled by their row's length
     if chunk is not None and T > chunk:
         logits, fo, cache = prefill_chunked(model, tokens, positions, lengths, cache, chunk, **fwd_kwargs)
     else:
@@ -179,7 +179,7 @@ def record_step(state: DecodeState, n_eff: jax.Array, drafted: jax.Array) -> Dec
     return state.replace(accepted=acc, drafted=state.drafted + drafted, step=state.step + 1)
 
 
-def start_state(ctx: StepContext, first: jax.Array, cache: kvc.KVCache, key: jax.Array, sp: S.SamplingParams,
+def start_state(ctx: StepContext, first: jax.Array, cache: kvc.KVCache, key: jax.Array, sp: SM.SamplingParams,
                 aux=None) -> DecodeState:
     """State after prefill: `first` [B] is the token sampled from the prompt."""
     B = first.shape[0]
@@ -220,7 +220,7 @@ def ar_step(ctx: StepContext, target, state: DecodeState) -> DecodeState:
     """Autoregressive: feed `last`, sample one token, commit it."""
     positions = kvc.positions(state.cache, jnp.zeros((state.last.shape[0], 1), jnp.int32))
     fo = target.forward(state.last[:, None], positions, state.cache)
-    tok = S.sample(step_key(state), fo.logits[:, 0], ctx.sampling, state.sp)
+    tok = SM.sample(step_key(state), fo.logits[:, 0], ctx.sampling, state.sp)
     active = ~state.done
     cache = kvc.commit(fo.cache, active.astype(jnp.int32))
     state = state.replace(cache=cache, last=jnp.where(active, tok, state.last))

@@ -63,7 +63,7 @@ def available_configs() -> list[str]:
 
 def load_config(name_or_path: str) -> dict:
     """An HF config dict from a shipped config name, a config.json file, or a checkpoint directory."""
-    from ports.model import read_hf_config
+    from ports.hf_checkpoint import read_hf_config
 
     p = os.path.expanduser(str(name_or_path))
     if os.path.isdir(p):
@@ -187,9 +187,9 @@ def _qwen_vl_vision(d: dict) -> dict:
 
 
 def _planned(config: dict, dtype, role: str) -> _Planned:
-    from ports import anyres as A
+    from ports import anyres as ANY
     from ports import chameleon as CH
-    from ports import vision as VZ
+    from ports import vision as VIS
     from ports.model import FAMILIES, Model, family
 
     if not isinstance(config, Mapping):
@@ -207,10 +207,10 @@ def _planned(config: dict, dtype, role: str) -> _Planned:
         vision = getattr(cfg, "vision", None)
         if mt in QWEN_VL_TYPES:  # params from the family, the tower's geometry (activations) from vision_config
             out.analytic_vision = _qwen_vl_vision(config)
-        elif isinstance(vision, VZ.VisionConfig):
+        elif isinstance(vision, VIS.VisionConfig):
             out.vit = vision
             pins = getattr(cfg, "grid_pinpoints", None)
-            out.tiles_per_image = A.bucket(1 + max(-(-h // vision.image_size) * -(-w // vision.image_size)
+            out.tiles_per_image = ANY.bucket(1 + max(-(-h // vision.image_size) * -(-w // vision.image_size)
                                                    for h, w in pins)) if pins else 1
         return out
     family(mt)  # raises: unknown architecture, naming the supported ones

@@ -7,7 +7,7 @@ A plan drives a drafter (`jspec.drafters`) level by level and returns a `Proposa
   Trees of one layout share one compiled program.
 - `DynamicPlan`: EAGLE-2's dynamic beam, reranked to a node budget per row inside `jit`.
 Both honour a per-row depth limit (draft levels no row needs are skipped) and draw children without replacement
-from the draft distribution when the rule asks for it (`draw`), recording that distribution per node.
+from the draft distribution when the rule asks for it (`Needs.draws`), recording that distribution per node.
 `StaticPlan` also takes a controller's `stop(level, aux, limit) -> limit`, called after each drafted level with
 the drafter's per-node outputs that drafted it: a row may end its draft there (EESD's Cali-TS). With
 `verify_nodes` it drafts in its (wide) layout and hands the target only the valid nodes, packed in order into that
@@ -39,8 +39,8 @@ class Proposal(NamedTuple):
     root_logp: jax.Array  # [B, V] the drafter's log-distribution at the root
     aux: Any = None  # the drafter's per-node outputs [B, N, ...] when asked
     known: jax.Array | None = None  # [B, N] bool: q exists at the node (its level was drafted)
-    decision: Any = None  # the controller's Decision this proposal followed
-    limit: jax.Array | None = None  # [B] the depth limit each row drafted to (after any controller stop)
+    decision: Any = None  # the controller's Decision this proposal followed; its `depth` [B] (or None: no limit)
+    # is the depth each row drafted to, after any per-level stop
     node_topk: jax.Array | None = None  # [B, N, k] the k largest draft probabilities at each node, when asked
     node_known: jax.Array | None = None  # [B, N] bool: node_topk exists there (the node's level was drafted)
 
@@ -61,8 +61,11 @@ class Plan:
         """(static widths, index of the one the target verifies this step), or ((), None): the whole proposal."""
         return (), None
 
-    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None,
-                topk: int = 0):
+    def propose(self, env, drafter, ds, key, decision) -> tuple["Proposal", Any]:
+        """(this step's tree, the drafter's state): drafted with `drafter` from its state `ds`. `decision.depth`
+        [B] (or None) limits each row's depth; `env.needs` says what to keep (`draws`: the rule draws children when
+        sampling; `asks.draft_probs` / `draft_aux` / `node_topk`); `env.stop` (or None) may lower a row's limit
+        after any level (plans with `stops`). The proposal's `decision` is `decision` with the depths drafted to."""
         raise NotImplementedError(f"{type(self).__name__} defines no `propose`")
 
 
@@ -193,8 +196,7 @@ class StaticPlan(Plan):
         fed = self.layout.levels[1:self.max_depth]  # levels 1 .. D - 1 are drafted (the deepest is not)
         return max([self.layout.num_nodes] + [s - 1 + self.window for s, _ in fed])
 
-    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None,
-                topk: int = 0):
+    def propose(self, env, drafter, ds, key, decision):
         """Drafts the tree level by level in one `lax.scan` (its body compiled once, whatever the depth): level d
         is drafted in a window of `window` slots at its first slot, the slots past its width are padding that
         the next level's window overwrites and that no node reads; per-node arrays carry `window` slots of
@@ -203,10 +205,12 @@ class StaticPlan(Plan):
         B = env.last.shape[0]
         N, D, W = layout.num_nodes, layout.max_depth, self.window
         M = layout.max_children
+        limit, stop, asks = decision.depth, env.stop, env.needs.asks
+        want_q, want_aux, topk = asks.draft_probs, asks.draft_aux, asks.node_topk
         if stop is not None and limit is None:
             limit = jnp.full((B,), D, jnp.int32)
-        sample = draw and not env.ctx.sampling.greedy
-        valid, t, parent, rank = self._tree(B, env.decision)
+        sample = env.needs.draws and not env.ctx.sampling.greedy
+        valid, t, parent, rank = self._tree(B, decision)
         logp, aux, ds = drafter.root(env, ds)
         root_logp = logp[:, 0]
         V = logp.shape[-1]
@@ -311,8 +315,9 @@ class StaticPlan(Plan):
         node_known = None
         if topk:
             node_known = valid & (t.depth < (D if limit is None else limit[:, None]))
+        decision = decision if limit is None else decision._replace(depth=limit)
         prop = Proposal(cut(c["tokens"]), valid, t, q_all, cut(c["fed"]), root_logp, jax.tree.map(cut, c["aux"]),
-                        known, limit=limit, node_topk=top_all, node_known=node_known)
+                        known, decision, node_topk=top_all, node_known=node_known)
         return (pack(prop, self.verify_nodes) if self.verify_nodes else prop), ds
 
 
@@ -375,11 +380,11 @@ class DynamicPlan(Plan):
                              "children without replacement is not lossless when the kept candidates depend on their "
                              "own draft probabilities")
 
-    def propose(self, env, drafter, ds, key, limit, draw: bool, want_q: bool, want_aux: bool, stop=None,
-                topk: int = 0):
-        if stop is not None:
+    def propose(self, env, drafter, ds, key, decision):
+        limit, want_q = decision.depth, env.needs.asks.draft_probs
+        if env.stop is not None:
             raise ValueError("DynamicTree takes no per-level stop (its levels are a beam, not one row's path)")
-        if topk:
+        if env.needs.asks.node_topk:
             raise ValueError("DynamicTree keeps no per-node draft distributions (a controller asked for node_topk)")
         B = env.last.shape[0]
         K, D = self.top_k, self.depth
@@ -438,4 +443,4 @@ class DynamicPlan(Plan):
         if want_q:  # the root's distribution (the reranked nodes' own distributions are not kept)
             q = jnp.zeros((B, self.total + 1, root_logp.shape[-1]), jnp.float32).at[:, 0].set(jnp.exp(root_logp))
             known = jnp.zeros((B, self.total + 1), bool).at[:, 0].set(True)
-        return Proposal(tokens, valid, tree, q, fed, root_logp, None, known), ds
+        return Proposal(tokens, valid, tree, q, fed, root_logp, None, known, decision), ds

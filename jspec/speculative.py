@@ -21,7 +21,7 @@ from flax import struct
 from jspec import rowkeys as RK
 from ports import cache as kvc
 from jspec import loop
-from jspec.controllers import Decision, Record, asks_of
+from jspec.controllers import Decision, Record
 from jspec.drafters import Catchup, DraftEnv, TargetPrefill
 
 
@@ -47,13 +47,13 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
     if parts.prefill is not None:
         prompt = parts.prefill.draft_prompt(prefill, prompt)
         d_len = parts.prefill.draft_len(max_len)  # a hook that shortens the draft's prompt shortens its cache
-    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, plan_scratch=parts.plan.scratch,
-                   plan_depth=parts.plan.max_depth, out=state.out, n_out=state.n_out)
-    ds = parts.drafter.init(env, prefill, prompt, d_len, parts.plan.pending_width)
+    needs = parts.needs
+    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, needs=needs, out=state.out, n_out=state.n_out)
+    ds = parts.drafter.init(env, prefill, prompt, d_len, needs.pending_width)
     B = state.last.shape[0]
     ctrl, decided = None, {}
     if parts.controller is not None:
-        ctrl = parts.controller.init(B, parts.plan.max_depth)
+        ctrl = parts.controller.init(B, needs.depth)
         ctrl = parts.controller.start(ctrl, prefill)
         shapes = jax.eval_shape(parts.controller.plan, ctrl, state.key)
         steps = state.accepted.shape[1]
@@ -63,30 +63,23 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
 
 
 def sd_draft(ctx, parts, target, carry):
-    """Phase 1: the controller's decision, then the drafted tree."""
+    """Phase 1: the controller's decision, then the drafted tree (its `decision.depth`: the depth each row drafted
+    to, after any per-level stop)."""
     state = carry[0]
     aux: SDAux = state.aux
+    needs = parts.needs
     ks = RK.split(RK.fold(loop.step_key(state), 1), 3)
     k_draft, k_ctrl, k_stop = ks[:, 0], ks[:, 1], ks[:, 2]
     ctrl = parts.controller
     decision = Decision() if ctrl is None else ctrl.plan(aux.ctrl, k_ctrl)
-    limit = decision.depth
-    if limit is not None:
-        limit = jnp.clip(limit.astype(jnp.int32), 1, parts.plan.max_depth)
-        decision = decision._replace(depth=limit)
-    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, decision, out=state.out, n_out=state.n_out)
-    asks = asks_of(ctrl)
+    if decision.depth is not None:
+        decision = decision._replace(depth=jnp.clip(decision.depth.astype(jnp.int32), 1, needs.depth))
     stop = None
-    if ctrl is not None and ctrl.stops:  # the controller may end a row's draft after any level (from what drafted it)
+    if needs.stops:  # the controller may end a row's draft after any level (from what drafted it)
         stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, RK.fold(k_stop, level))  # noqa: E731
-    kw = {} if stop is None else {"stop": stop}
-    if asks.node_topk:
-        kw["topk"] = asks.node_topk
-    prop, ds = parts.plan.propose(env, parts.drafter, aux.draft, k_draft, limit, parts.rule.draws,
-                                  asks.draft_probs, asks.draft_aux, **kw)
-    if prop.limit is not None and limit is not None:
-        decision = decision._replace(depth=prop.limit)
-    return state.replace(aux=aux.replace(draft=ds)), prop._replace(decision=decision), None
+    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, decision, needs, state.out, state.n_out, stop)
+    prop, ds = parts.plan.propose(env, parts.drafter, aux.draft, k_draft, decision)
+    return state.replace(aux=aux.replace(draft=ds)), prop, None
 
 
 def sd_verify(ctx, parts, target, carry):
@@ -94,7 +87,7 @@ def sd_verify(ctx, parts, target, carry):
     state, prop, _ = carry
     tc = state.cache
     pos = kvc.positions(tc, prop.tree.depth)
-    hidden = asks_of(parts.controller).hidden or _drafter_reads_hidden(parts)
+    hidden = parts.needs.hidden
     N = prop.tokens.shape[1]
 
     def forward(n):
@@ -113,17 +106,13 @@ def sd_verify(ctx, parts, target, carry):
     return state.replace(cache=tc), prop, Verified(logits, hid)
 
 
-def _drafter_reads_hidden(parts) -> bool:
-    return bool(parts.drafter.verify_hidden)
-
-
 def _along(x: jax.Array, path: jax.Array) -> jax.Array:
     """x [B, N, ...] at the path's nodes [B, P] -> [B, P, ...]."""
     return jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
 def _record(parts, prop, ver: Verified, verdict, new, n_eff, active, depth, drafted) -> Record:
-    asks = asks_of(parts.controller)
+    asks = parts.needs.asks
     path, a = verdict.path, verdict.accepted
     B, N = prop.tokens.shape
     on_path = jnp.zeros((B, N), jnp.int32).at[jnp.arange(B)[:, None], path].max(
@@ -167,8 +156,8 @@ def sd_accept(ctx, parts, target, carry):
     tc = kvc.commit(state.cache, n_keep) if plan.is_chain else kvc.commit_path(state.cache, verdict.path, n_keep)
     state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
-    env = DraftEnv(ctx, state.sp, target, tc, state.last, prop.decision, out=state.out, n_out=state.n_out)
-    hid = _along(ver.hidden, verdict.path) if _drafter_reads_hidden(parts) else None
+    env = DraftEnv(ctx, state.sp, target, tc, state.last, prop.decision, parts.needs, state.out, state.n_out)
+    hid = _along(ver.hidden, verdict.path) if parts.drafter.verify_hidden else None
     ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid))
     drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
     ctrl, decided = aux.ctrl, aux.decided

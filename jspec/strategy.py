@@ -17,13 +17,13 @@ values do not recompile), everything else (shapes, layouts, flags, plain objects
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from flax import struct
 
-from jspec.controllers import Controller, asks_of
+from jspec.controllers import Asks, Controller, asks_of
 from jspec.drafters import Drafter, ModelDrafter
 from jspec.drafters.ngram import NgramDrafter
 from jspec.plans import DynamicPlan, Plan, StaticPlan
@@ -70,6 +70,21 @@ class PrefillHook:
         return max_len
 
 
+class Needs(NamedTuple):
+    """What a speculative strategy's programs compute beyond the basics, worked out once from its parts
+    (`Speculative.needs`): the engine, the plan and the drafters read it instead of asking each part."""
+
+    asks: Asks  # what the controller reads from each step (`Record` fields, per-node top-k)
+    draws: bool  # the rule draws children from the draft distribution when sampling (drafts record it)
+    hidden: bool  # the verify forward returns the target's last hidden states (the controller or the drafter reads them)
+    prefill_hidden: bool  # the target's prefill keeps its last hidden states (the controller starts from them)
+    stops: bool  # the controller may end a row's draft after any level (`Controller.stop`)
+    depth: int  # the plan's deepest level
+    scratch: int  # the plan's scratch slots past the committed tokens (drafters size per-step buffers by it)
+    pending_width: int  # committed tokens a drafter may not have read at a step's start, `last` included
+    per_step: int  # cache slots a step may use past the committed tokens: the scratch and the catch-up feed
+
+
 _BASES = {"drafter": (Drafter, "jspec.drafters.Drafter"), "plan": (Plan, "jspec.plans.Plan"),
           "controller": (Controller, "jspec.controllers.Controller"), "prefill": (PrefillHook, "jspec.PrefillHook")}
 
@@ -87,6 +102,14 @@ class Speculative(Strategy):
     def parts(self) -> "Speculative":
         return self if isinstance(self.rule, Rule) else self.replace(rule=as_rule(self.rule))
 
+    @property
+    def needs(self) -> Needs:
+        asks = asks_of(self.controller)
+        plan = self.plan
+        return Needs(asks, bool(as_rule(self.rule).draws), asks.hidden or bool(self.drafter.verify_hidden),
+                     asks.hidden, self.controller is not None and self.controller.stops, plan.max_depth,
+                     plan.scratch, plan.pending_width, plan.scratch + plan.max_depth + 1)
+
     def check(self, target) -> None:
         for name, (base, called) in _BASES.items():
             part = getattr(self, name)
@@ -100,7 +123,7 @@ class Speculative(Strategy):
         if self.controller is not None and self.controller.stops and not self.plan.stops:
             raise ValueError(f"the controller {type(self.controller).__name__} ends drafts level by level; the plan "
                              f"{type(self.plan).__name__} cannot stop there (use a chain or a static tree)")
-        if asks_of(self.controller).node_topk and not self.plan.node_outputs:
+        if self.needs.asks.node_topk and not self.plan.node_outputs:
             raise ValueError(f"the controller {type(self.controller).__name__} reads every drafted node's "
                              f"distribution; the plan {type(self.plan).__name__} does not keep them (use a static tree)")
         if self.controller is not None:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jspec import rowkeys as RK
-from jspec import sampling as S
+from jspec import sampling as SM
 from jspec.trees import TreeArrays
 
 
@@ -93,12 +93,12 @@ class Rule:
         raise TypeError(f"rule {type(self).__name__} defines no `reject` (the residual after a rejection)")
 
     def verify(self, key: jax.Array, tokens: jax.Array, logits: jax.Array, q: jax.Array | None, valid: jax.Array,
-               tree: TreeArrays, max_depth: int, sampling: S.SamplingConfig, sp: S.SamplingParams) -> Verdict:
+               tree: TreeArrays, max_depth: int, sampling: SM.SamplingConfig, sp: SM.SamplingParams) -> Verdict:
         """The verdict on one drafted tree per row: greedy matching when decoding greedily, else `stochastic`
         over the sampler's target distribution."""
         if sampling.greedy:
             return greedy(tokens, logits, valid, tree, max_depth)
-        return stochastic(key, tokens, S.probs(logits, sampling, sp), q, valid, tree, max_depth, self)
+        return stochastic(key, tokens, SM.probs(logits, sampling, sp), q, valid, tree, max_depth, self)
 
     def check(self) -> None:
         """Raise ValueError for out-of-range numbers (host side, before any compute)."""

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ports import cache as kvc
-from ports import layers as L
+from ports import layers as LY
 from ports import llama
 from ports import vqgan as VQ
 from ports.config import TextConfig, id_tuple, rope_from_hf
@@ -278,12 +278,12 @@ def attention_block(cfg: ChameleonConfig, p: dict, x: jax.Array, cos, sin, k_buf
     """Project, per-head QK LayerNorm, rotate, write the new K/V at slots start[b].., attend
     (`layers.write_and_attend`). Returns (out, k, v)."""
     B, T, _ = x.shape
-    q, k, v = L.project_qkv(cfg, p, x)
+    q, k, v = LY.project_qkv(cfg, p, x)
     q = layer_norm(q, p["q_norm"], p["q_norm_b"], QK_NORM_EPS)
     k = layer_norm(k, p["k_norm"], p["k_norm_b"], QK_NORM_EPS)
-    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-    o, k_buf, v_buf = L.write_and_attend(q, k, v, k_buf, v_buf, start, visible, fresh=fresh)
-    return L.linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf
+    q, k = LY.apply_rope(q, cos, sin), LY.apply_rope(k, cos, sin)
+    o, k_buf, v_buf = LY.write_and_attend(q, k, v, k_buf, v_buf, start, visible, fresh=fresh)
+    return LY.linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf
 
 
 def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,
@@ -296,9 +296,9 @@ def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positi
     llama.check_fresh(fresh, write_offset)
     x = embed(cfg, params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
-    visible = L.prefill_visibility(cache, T, new_mask, write_offset, fresh)
+    visible = LY.prefill_visibility(cache, T, new_mask, write_offset, fresh)
     start = cache.length + write_offset
-    cos, sin = L.rope_tables(cfg, positions, L.whole_sequence_len(cfg, positions, fresh)) if rope is None else rope
+    cos, sin = LY.rope_tables(cfg, positions, LY.whole_sequence_len(cfg, positions, fresh)) if rope is None else rope
     want = set(hidden_layers)
     hidden = {0: x} if 0 in want else {}
     ks, vs = [], []
@@ -306,13 +306,13 @@ def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positi
     for i, p in enumerate(params["layers"]):
         if cfg.swin_norm:
             a, kb, vb = attention_block(cfg, p, x, cos, sin, cache.k[i], cache.v[i], start, visible, fresh)
-            x = x + L.rms_norm(a, p["attn_norm"], eps)
-            x = x + L.rms_norm(L.swiglu(x, p), p["mlp_norm"], eps)
+            x = x + LY.rms_norm(a, p["attn_norm"], eps)
+            x = x + LY.rms_norm(LY.swiglu(x, p), p["mlp_norm"], eps)
         else:
-            a, kb, vb = attention_block(cfg, p, L.rms_norm(x, p["attn_norm"], eps), cos, sin, cache.k[i],
+            a, kb, vb = attention_block(cfg, p, LY.rms_norm(x, p["attn_norm"], eps), cos, sin, cache.k[i],
                                         cache.v[i], start, visible, fresh)
             x = x + a
-            x = x + L.swiglu(L.rms_norm(x, p["mlp_norm"], eps), p)
+            x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], eps), p)
         ks.append(kb)
         vs.append(vb)
         if i + 1 in want:

@@ -6,7 +6,7 @@ many quantized. We read it with the `gguf` package: the metadata becomes an HF `
 goes through the same family code as an HF checkpoint and `save_hf` writes a checkpoint transformers loads), the
 names map to HF names, every tensor is dequantized to float32 with `gguf.quants.dequantize`, and the Q/K rows that
 llama.cpp's converter reordered for its RoPE kernel are put back in HF's order. Then the tensors take the same
-checked path as safetensors (`ports.model.stream_checkpoint`): bad files, unsupported architectures or types and
+checked path as safetensors (`ports.hf_checkpoint.stream_checkpoint`): bad files, unsupported architectures or types and
 missing / unexpected / mis-shaped tensors are ValueErrors raised before any tensor is dequantized.
 
 GGUF lists a tensor's dimensions fastest-varying first (`ne`): a [out, in] matrix has ne = (in, out). The reader's
@@ -21,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from ports import model as M
+from ports.checkpoint import convert_stream
+from ports.hf_checkpoint import SourceTensor, load_stream, stream_checkpoint
+from ports.model import Model
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # the ggml tensor types whose dequantization is tested here (tests/test_gguf.py)
@@ -233,7 +235,7 @@ def _read(tensor, heads: int | None) -> np.ndarray:
 
 
 def stream_gguf(source, dtype=None, progress: bool = False):
-    """`ports.model.stream_checkpoint` of a GGUF file (a path or an open reader): everything about the file is
+    """`ports.hf_checkpoint.stream_checkpoint` of a GGUF file (a path or an open reader): everything about the file is
     checked here, before any tensor is dequantized."""
     reader, path = _as_reader(source)
     hf = _hf_config(reader, path)
@@ -244,22 +246,22 @@ def stream_gguf(source, dtype=None, progress: bool = False):
         m = _LAYER_RE.fullmatch(t.name)
         heads = rope_heads.get(m.group(2)) if m else None
         shape = tuple(int(d) for d in reversed(t.shape))
-        entries.append(M.SourceTensor(hf_name(t.name) or t.name, t.name, shape, functools.partial(_read, t, heads)))
-    return M.stream_checkpoint(path, hf, entries, dtype, progress, spell=gguf_name)
+        entries.append(SourceTensor(hf_name(t.name) or t.name, t.name, shape, functools.partial(_read, t, heads)))
+    return stream_checkpoint(path, hf, entries, dtype, progress, spell=gguf_name)
 
 
-def load_gguf(source, dtype=None, *, progress: bool = False) -> M.Model:
+def load_gguf(source, dtype=None, *, progress: bool = False) -> Model:
     """A GGUF file (path or open reader) as a `Model` in `dtype` (default float32), its tensors dequantized one at a
     time. ValueError, before anything is dequantized, for a file that is not GGUF or is truncated, an architecture
     other than llama, a tensor type outside SUPPORTED_TYPES, or tensors that do not match the config."""
-    return M.load_stream(stream_gguf(source, dtype, progress))
+    return load_stream(stream_gguf(source, dtype, progress))
 
 
 def convert_gguf(source, out_dir: str, dtype=None, progress: bool = False) -> tuple[Any, int]:
     """GGUF file (path or open reader) -> jspec checkpoint directory (what `ports.load` reads), streaming and
     resumable as `ports.convert_hf`; returns (config, number of parameters)."""
     reader, path = _as_reader(source)
-    return M.convert_stream(stream_gguf(reader, dtype, progress), path, out_dir, dtype, progress)
+    return convert_stream(stream_gguf(reader, dtype, progress), path, out_dir, dtype, progress)
 
 
 def _tokenizer_fields(reader, path: str) -> tuple[dict, dict]:

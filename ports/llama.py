@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ports import cache as kvc
 from ports.cache import ForwardOut
-from ports import layers as L
+from ports import layers as LY
 from ports.config import TextConfig
 
 
@@ -61,10 +61,10 @@ def embed(params: dict, tokens: jax.Array) -> jax.Array:
 
 def unembed(cfg: TextConfig, params: dict, h: jax.Array) -> jax.Array:
     """Final norm + LM head (tied or not), logits in float32."""
-    h = L.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    h = LY.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if cfg.tie_word_embeddings:  # contract with the stored [V, D] table: a transposed view made XLA:CPU copy it
-        return L.einsum_f32("btd,vd->btv", h, params["embed"])
-    return L.einsum_f32("btd,dv->btv", h, params["lm_head"])
+        return LY.einsum_f32("btd,vd->btv", h, params["embed"])
+    return LY.einsum_f32("btd,dv->btv", h, params["lm_head"])
 
 
 def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,
@@ -89,22 +89,22 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     check_fresh(fresh, write_offset)
     x = embed(params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
-    visible = L.prefill_visibility(cache, T, new_mask, write_offset, fresh)
+    visible = LY.prefill_visibility(cache, T, new_mask, write_offset, fresh)
     start = cache.length + write_offset
-    cos, sin = L.rope_tables(cfg, positions, L.whole_sequence_len(cfg, positions, fresh)) if rope is None else rope
+    cos, sin = LY.rope_tables(cfg, positions, LY.whole_sequence_len(cfg, positions, fresh)) if rope is None else rope
     want = set(hidden_layers)
     hidden = {0: x} if 0 in want else {}
     ks, vs = [], []
     attn = None
     for i, p in enumerate(params["layers"]):
-        h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        out = L.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], start, visible,
+        h = LY.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        out = LY.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], start, visible,
                                      attn_query_weights, fresh)
         a, kb, vb = out[:3]
         if attn_query_weights is not None:
             attn = out[3] if attn is None else attn + out[3]
         x = x + a
-        x = x + L.swiglu(L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
+        x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
         ks.append(kb)
         vs.append(vb)
         if i + 1 in want:

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import config as C
+from ports import config as PC
 from ports import llama
-from ports import vision as VZ
+from ports import vision as VIS
 
 # HF's LlavaConfig builds this tower when config.json has no vision_config (CLIP ViT-L/14 at 336 px).
 _DEFAULT_VISION = {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
@@ -25,13 +25,13 @@ _DEFAULT_VISION = {"model_type": "clip_vision_model", "hidden_size": 1024, "inte
 
 
 @dataclasses.dataclass(frozen=True)
-class LlavaConfig(C.TextFields):
+class LlavaConfig(PC.TextFields):
     """Static, hashable config of a LLaVA model; exposes the text fields the engine reads."""
 
     model_type: str
-    text: C.TextConfig
-    vision: VZ.VisionConfig
-    projector: VZ.ProjectorConfig
+    text: PC.TextConfig
+    vision: VIS.VisionConfig
+    projector: VIS.ProjectorConfig
     image_token_id: int
     feature_layer: int | tuple[int, ...] = -2
     feature_strategy: str = "default"
@@ -41,7 +41,7 @@ class LlavaConfig(C.TextFields):
     def tokens_per_image(self) -> int:
         if self.image_pool > 1:
             return pooled_side(self.vision.grid, self.image_pool) ** 2
-        return VZ.num_feature_tokens(self.vision, self.feature_strategy)
+        return VIS.num_feature_tokens(self.vision, self.feature_strategy)
 
     def pooled(self, pool: int) -> "LlavaConfig":
         """This config with its image features pooled `pool` x `pool` before the projector (a shorter image slot;
@@ -49,7 +49,7 @@ class LlavaConfig(C.TextFields):
         if isinstance(pool, bool) or not isinstance(pool, (int, np.integer)) or pool < 1:
             raise ValueError(f"pool must be a positive integer, got {pool!r}")
         g = self.vision.grid
-        if pool > 1 and VZ.num_feature_tokens(self.vision, self.feature_strategy) != g * g:
+        if pool > 1 and VIS.num_feature_tokens(self.vision, self.feature_strategy) != g * g:
             raise ValueError(f"pooling reads a square {g} x {g} patch grid; vision_feature_select_strategy "
                              f"{self.feature_strategy!r} of this {self.vision.model_type} tower keeps a class token")
         return dataclasses.replace(self, image_pool=int(pool))
@@ -109,18 +109,18 @@ def config_fields_from_hf(d: dict, *, vision_default: dict = _DEFAULT_VISION, te
             text_d[k] = d[k]
     tie = bool(d.get("tie_word_embeddings", False))
     text_d["tie_word_embeddings"] = tie or (tie_from_text and bool(text_d.get("tie_word_embeddings", False)))
-    text = C.text_config_from_hf(with_hf_defaults(text_d))
+    text = PC.text_config_from_hf(with_hf_defaults(text_d))
     vision_d = dict(d.get("vision_config") or vision_default)
     vision_d.setdefault("model_type", vision_default["model_type"])
-    vision = VZ.vision_config_from_hf(with_hf_defaults(vision_d))
+    vision = VIS.vision_config_from_hf(with_hf_defaults(vision_d))
     layer = d.get("vision_feature_layer", feature_layer)
     layer = int(layer) if isinstance(layer, int) else tuple(int(x) for x in layer)
     strategy = d.get("vision_feature_select_strategy", strategy)
-    if strategy not in VZ.FEATURE_STRATEGIES:
-        raise ValueError(f"unknown vision_feature_select_strategy {strategy!r}; expected {VZ.FEATURE_STRATEGIES}")
+    if strategy not in VIS.FEATURE_STRATEGIES:
+        raise ValueError(f"unknown vision_feature_select_strategy {strategy!r}; expected {VIS.FEATURE_STRATEGIES}")
     image_token = d.get("image_token_id", d.get("image_token_index", image_token))
     return dict(model_type=d.get("model_type", "llava"), text=text, vision=vision,
-                projector=VZ.projector_config_from_hf(d, vision, text.hidden_size),
+                projector=VIS.projector_config_from_hf(d, vision, text.hidden_size),
                 image_token_id=int(image_token), feature_layer=layer, feature_strategy=strategy)
 
 
@@ -130,9 +130,9 @@ def config_from_hf(d: dict) -> LlavaConfig:
 
 
 def config_to_hf(cfg: LlavaConfig) -> dict:
-    text = C.text_config_to_hf(cfg.text)
+    text = PC.text_config_to_hf(cfg.text)
     return {"model_type": cfg.model_type, "architectures": ["LlavaForConditionalGeneration"],
-            "text_config": text, "vision_config": VZ.vision_config_to_hf(cfg.vision),
+            "text_config": text, "vision_config": VIS.vision_config_to_hf(cfg.vision),
             "image_token_index": cfg.image_token_id, "image_seq_length": cfg.tokens_per_image,
             "vision_feature_layer": cfg.feature_layer if isinstance(cfg.feature_layer, int) else list(cfg.feature_layer),
             "vision_feature_select_strategy": cfg.feature_strategy, "projector_hidden_act": cfg.projector.act,
@@ -142,13 +142,13 @@ def config_to_hf(cfg: LlavaConfig) -> dict:
 
 
 def param_shapes(cfg: LlavaConfig) -> dict:
-    return {"vision": VZ.param_shapes(cfg.vision), "projector": VZ.projector_param_shapes(cfg.projector),
+    return {"vision": VIS.param_shapes(cfg.vision), "projector": VIS.projector_param_shapes(cfg.projector),
             "lm": llama.param_shapes(cfg.text)}
 
 
 def init_params(cfg: LlavaConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
     kv, kp, kl = jax.random.split(key, 3)
-    return {"vision": VZ.init_params(cfg.vision, kv, dtype, std), "projector": VZ.init_projector(cfg.projector, kp, dtype, std),
+    return {"vision": VIS.init_params(cfg.vision, kv, dtype, std), "projector": VIS.init_projector(cfg.projector, kp, dtype, std),
             "lm": llama.init_params(cfg.text, kl, dtype, std)}
 
 
@@ -181,10 +181,10 @@ class PromptEmbeds(NamedTuple):
 def image_features(cfg: LlavaConfig, params: dict, pixel_values: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(tower features before the projector [N, P, Dv], projected features [N, P, D]) for images [N, C, H, W];
     with `image_pool` > 1 the features are pooled on the patch grid first (P = the pooled grid's cells)."""
-    feats = VZ.image_features(cfg.vision, params["vision"], pixel_values, cfg.feature_layer, cfg.feature_strategy)
+    feats = VIS.image_features(cfg.vision, params["vision"], pixel_values, cfg.feature_layer, cfg.feature_strategy)
     if cfg.image_pool > 1:
         feats = pool_features(feats, cfg.vision.grid, cfg.image_pool)
-    return feats, VZ.projector_forward(params["projector"], feats, cfg.projector.act)
+    return feats, VIS.projector_forward(params["projector"], feats, cfg.projector.act)
 
 
 def prepare_inputs(cfg: LlavaConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: Mapping[str, Any]) -> dict:
@@ -200,7 +200,7 @@ def prepare_inputs(cfg: LlavaConfig, tokens: np.ndarray, lengths: np.ndarray, in
             raise ValueError(f"prompt has {n_tok} image tokens (id {cfg.image_token_id}) but no pixel_values")
         return dict(inputs)
     pv = np.asarray(pv)
-    VZ.check_pixel_values(cfg.vision, pv)
+    VIS.check_pixel_values(cfg.vision, pv)
     want = pv.shape[0] * cfg.tokens_per_image
     if n_tok != want:
         raise ValueError(f"prompt has {n_tok} image tokens (id {cfg.image_token_id}) but {pv.shape[0]} image(s) "
@@ -244,8 +244,8 @@ def compact_prompt(cfg: LlavaConfig, tokens: jax.Array, inputs: Mapping[str, jax
 
 def hf_key_map(cfg: LlavaConfig):
     """Rows in the layout transformers 5 writes to disk; `rename_hf_key` maps the other layouts onto it."""
-    rows = [(n, ("vision",) + p, t) for n, p, t in VZ.hf_key_map(cfg.vision, "vision_tower.")]
-    rows += [(n, ("projector",) + p, t) for n, p, t in VZ.projector_key_map(cfg.projector, "multi_modal_projector.")]
+    rows = [(n, ("vision",) + p, t) for n, p, t in VIS.hf_key_map(cfg.vision, "vision_tower.")]
+    rows += [(n, ("projector",) + p, t) for n, p, t in VIS.projector_key_map(cfg.projector, "multi_modal_projector.")]
     rows += [(n, ("lm",) + p, t) for n, p, t in llama.hf_key_map(cfg.text, "language_model.model.",
                                                                   "language_model.lm_head.weight")]
     return rows
@@ -266,5 +266,5 @@ def rename_hf_key(name: str) -> str:
     return name
 
 
-IGNORED_HF_KEYS = tuple(VZ.ignored_hf_keys("vision_tower.")) + tuple(
+IGNORED_HF_KEYS = tuple(VIS.ignored_hf_keys("vision_tower.")) + tuple(
     r"^language_model\.model\." + p for p in llama.IGNORED_HF_KEYS)

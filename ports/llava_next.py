@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import anyres as A
+from ports import anyres as ANY
 from ports import llava
-from ports import vision as VZ
+from ports import vision as VIS
 
 # HF's LlavaOnevisionConfig builds this tower when config.json has no vision_config (SigLIP so400m at 384 px).
 _OV_VISION = {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304, "patch_size": 14,
@@ -69,7 +69,7 @@ class LlavaNextConfig(llava.LlavaConfig):
         if self.model_type not in ARCHITECTURES:
             raise ValueError(f"LlavaNextConfig: model_type {self.model_type!r} is not one of {sorted(ARCHITECTURES)}")
         if self.vision_aspect_ratio is not None:
-            A.max_tiles_of(self.vision_aspect_ratio)  # validates the spelling
+            ANY.max_tiles_of(self.vision_aspect_ratio)  # validates the spelling
         if self.next_video:
             if self.video_pool not in VIDEO_POOLS:
                 raise ValueError(f"llava_next_video: spatial_pool_mode {self.video_pool!r} is not one of "
@@ -97,11 +97,11 @@ class LlavaNextConfig(llava.LlavaConfig):
 
     @property
     def max_tiles(self) -> int | None:
-        return None if self.vision_aspect_ratio is None else A.max_tiles_of(self.vision_aspect_ratio)
+        return None if self.vision_aspect_ratio is None else ANY.max_tiles_of(self.vision_aspect_ratio)
 
     def image_taps(self, size_hw, tiled: bool = True):
         """(taps, weights) of one image's placeholder vectors (see `ports.anyres.image_taps`)."""
-        return A.image_taps(size_hw, self.grid_pinpoints, self.vision.image_size, self.feature_grid, tiled,
+        return ANY.image_taps(size_hw, self.grid_pinpoints, self.vision.image_size, self.feature_grid, tiled,
                             self.max_tiles)
 
     @property
@@ -271,9 +271,9 @@ def _images(cfg: LlavaNextConfig, inputs: Mapping[str, Any], n_tok: int):
     tiles, taps, weights, counts = [], [], [], []
     start = 0
     for i, (hw, t) in enumerate(zip(sizes.tolist(), tiled)):
-        n = A.num_tiles(hw, cfg.grid_pinpoints, cfg.vision.image_size) if t else 1
+        n = ANY.num_tiles(hw, cfg.grid_pinpoints, cfg.vision.image_size) if t else 1
         if t:
-            rows, cols = A.tile_grid(hw, cfg.grid_pinpoints, cfg.vision.image_size)
+            rows, cols = ANY.tile_grid(hw, cfg.grid_pinpoints, cfg.vision.image_size)
             if rows * cols != n - 1:
                 raise ValueError(f"image_grid_pinpoints {list(cfg.grid_pinpoints)} must be multiples of the tower's "
                                  f"image_size {cfg.vision.image_size}")
@@ -319,9 +319,9 @@ def _videos(cfg: LlavaNextConfig, inputs: Mapping[str, Any], n_tok: int):
     _check_square_tiles(cfg)
     frames = pvv.shape[1]
     if cfg.next_video:
-        taps, weights = zip(*[A.identity_taps(np.arange(frames * cfg.frame_tokens)) for _ in range(pvv.shape[0])])
+        taps, weights = zip(*[ANY.identity_taps(np.arange(frames * cfg.frame_tokens)) for _ in range(pvv.shape[0])])
     else:
-        taps, weights = zip(*[A.video_taps(frames, cfg.vision.grid) for _ in range(pvv.shape[0])])
+        taps, weights = zip(*[ANY.video_taps(frames, cfg.vision.grid) for _ in range(pvv.shape[0])])
     want = pvv.shape[0] * cfg.num_video_tokens(frames)
     if n_tok != want:
         raise ValueError(f"prompt has {n_tok} video tokens (id {cfg.video_token_id}) but {pvv.shape[0]} video(s) "
@@ -347,11 +347,11 @@ def prepare_inputs(cfg: LlavaNextConfig, tokens: np.ndarray, lengths: np.ndarray
     # OneVision's frames are tiles like any other; NeXT-Video's go to a section of their own, pooled before projecting
     tile_n, frame_n = (i_n, v_n) if cfg.next_video else (i_n + v_n, [])
     P, Pf = cfg.tokens_per_image, cfg.frame_tokens
-    n_pad = A.bucket(sum(tile_n)) if tile_n else 0
-    f_pad = A.bucket(sum(frame_n)) if frame_n else 0
+    n_pad = ANY.bucket(sum(tile_n)) if tile_n else 0
+    f_pad = ANY.bucket(sum(frame_n)) if frame_n else 0
     newline_row = n_pad * P + f_pad * Pf
-    taps = np.zeros((B, T, A.TAPS), np.int32)
-    weights = np.zeros((B, T, A.TAPS), np.float32)
+    taps = np.zeros((B, T, ANY.TAPS), np.int32)
+    weights = np.zeros((B, T, ANY.TAPS), np.float32)
     source = np.full(n_pad + f_pad, -1, np.int32)
     tile_at = 0  # next tile / frame slot of its section
     for pos, tp_list, w_list, ns, first, video in ((img_pos, i_taps, i_w, i_n, 0, False),
@@ -363,7 +363,7 @@ def prepare_inputs(cfg: LlavaNextConfig, tokens: np.ndarray, lengths: np.ndarray
             base, per, slot, tile_at = n_pad * P, Pf, n_pad, 0
         glob = []
         for j, (tp, n) in enumerate(zip(tp_list, ns)):
-            glob.append(np.where(tp == A.NEWLINE, newline_row, base + tp + tile_at * per))
+            glob.append(np.where(tp == ANY.NEWLINE, newline_row, base + tp + tile_at * per))
             source[slot + tile_at:slot + tile_at + n] = first + j
             tile_at += n
         taps[pos] = np.concatenate(glob)
@@ -422,14 +422,14 @@ def prompt_embeds(cfg: LlavaNextConfig, params: dict, tokens: jax.Array,
         feats.append(f)
         rows.append(proj.reshape(-1, proj.shape[-1]))
     if "vision_frames" in inputs:
-        f = VZ.image_features(cfg.vision, params["vision"], inputs["vision_frames"].astype(x.dtype), cfg.feature_layer,
+        f = VIS.image_features(cfg.vision, params["vision"], inputs["vision_frames"].astype(x.dtype), cfg.feature_layer,
                               cfg.feature_strategy)
         feats.append(f)
-        proj = VZ.projector_forward(params["projector"], pool_frames(cfg, params, f), cfg.projector.act)
+        proj = VIS.projector_forward(params["projector"], pool_frames(cfg, params, f), cfg.projector.act)
         rows.append(proj.reshape(-1, proj.shape[-1]))
     table = jnp.concatenate(rows + [params["image_newline"][None].astype(rows[0].dtype)])
     taps, w = inputs["vision_taps"], inputs["vision_weights"].astype(jnp.float32)
-    packed = sum(w[..., k, None] * jnp.take(table, taps[..., k], axis=0).astype(jnp.float32) for k in range(A.TAPS))
+    packed = sum(w[..., k, None] * jnp.take(table, taps[..., k], axis=0).astype(jnp.float32) for k in range(ANY.TAPS))
     mask = inputs["vision_mask"]
     return llava.PromptEmbeds(jnp.where(mask[..., None], packed.astype(x.dtype), x), mask,
                               jnp.concatenate(feats) if len(feats) > 1 else feats[0])

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import config as C
-from ports import layers as L
+from ports import config as PC
+from ports import layers as LY
 from ports import llama
 from ports import qwen2_vl_vision as QV
 
@@ -57,11 +57,11 @@ _TOKEN_DEFAULTS = dict(image_token_id=151655, video_token_id=151656, vision_star
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenVLConfig(C.TextFields):
+class QwenVLConfig(PC.TextFields):
     """Static, hashable config of a Qwen2-VL / Qwen2.5-VL model; exposes the text fields the engine reads."""
 
     model_type: str
-    text: C.TextConfig
+    text: PC.TextConfig
     vision: QV.QwenVisionConfig
     mrope_section: tuple[int, ...] = _DEFAULT_SECTION
     image_token_id: int = 151655
@@ -114,7 +114,7 @@ def config_from_hf(d: dict) -> QwenVLConfig:
     text_d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False)) or bool(
         text_d.get("tie_word_embeddings", False))
     text_d["model_type"] = "qwen2"
-    text = C.text_config_from_hf(text_d)
+    text = PC.text_config_from_hf(text_d)
     vision = QV.vision_config_from_hf(dict(d.get("vision_config") or {}), mt)
     tok = {k: int(d.get(k) if d.get(k) is not None else v) for k, v in _TOKEN_DEFAULTS.items()}
     return QwenVLConfig(model_type=mt, text=text, vision=vision, mrope_section=section, **tok)
@@ -122,7 +122,7 @@ def config_from_hf(d: dict) -> QwenVLConfig:
 
 def config_to_hf(cfg: QwenVLConfig) -> dict:
     """An HF config.json dict (transformers-5 layout: text under text_config)."""
-    text = C.text_config_to_hf(cfg.text)
+    text = PC.text_config_to_hf(cfg.text)
     text.pop("architectures", None)
     text.pop("head_dim", None)
     text["model_type"] = f"{cfg.model_type}_text"
@@ -180,7 +180,7 @@ def forward(cfg: QwenVLConfig, params: dict, tokens, positions: jax.Array, cache
     """The language model's forward (see `ports.llama.forward`) with positions either M-RoPE ids [3, B, T] (the
     prompt) or [B, T] (every later token: the three components are equal, which is plain RoPE)."""
     if positions.ndim == 3:
-        kwargs["rope"] = L.mrope_tables(cfg.text, positions, cfg.mrope_section)
+        kwargs["rope"] = LY.mrope_tables(cfg.text, positions, cfg.mrope_section)
         positions = positions[0]
     return llama.forward(cfg.text, params["lm"], tokens, positions, cache, new_mask, **kwargs)
 

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import anyres as A
-from ports import layers as L
-from ports import vision as VZ
+from ports import anyres as ANY
+from ports import layers as LY
+from ports import vision as VIS
 
 VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
@@ -70,9 +70,9 @@ class QwenVisionConfig:
     def __post_init__(self):
         if self.model_type not in VISION_TYPES:
             raise ValueError(f"unknown Qwen vision tower {self.model_type!r}; jspec supports {VISION_TYPES}")
-        if self.hidden_act not in VZ.ACTIVATIONS:
+        if self.hidden_act not in VIS.ACTIVATIONS:
             raise ValueError(f"unsupported vision hidden_act {self.hidden_act!r}; jspec supports "
-                             f"{sorted(VZ.ACTIVATIONS)}")
+                             f"{sorted(VIS.ACTIVATIONS)}")
         if self.width % self.num_heads or (self.width // self.num_heads) % 4:
             raise ValueError(f"vision width {self.width} / num_heads {self.num_heads} must be a multiple of 4 "
                              "(the 2-D rotary embedding splits each head in four)")
@@ -272,7 +272,7 @@ def window_gather(cfg: QwenVisionConfig, window: np.ndarray) -> tuple[np.ndarray
     (`anyres.bucket`ed); padding patches get slot 0, which nothing reads back. Qwen2-VL: NW = 0."""
     F, Lp = window.shape
     W = cfg.window_blocks ** 2 * cfg.merge_unit if cfg.windowed else 1
-    NW = A.bucket(int(window.max()) + 1) if cfg.windowed and window.size and window.max() >= 0 else 0
+    NW = ANY.bucket(int(window.max()) + 1) if cfg.windowed and window.size and window.max() >= 0 else 0
     index = np.full((F, NW, W), -1, np.int32)
     slot = np.zeros((F, Lp), np.int32)
     for f in range(F if NW else 0):
@@ -296,8 +296,8 @@ def frame_layout(cfg: QwenVisionConfig, items: list[tuple[np.ndarray, tuple[int,
     n_frames = len(frames)
     longest = max(h * w for _, h, w in frames)
     unit = cfg.merge_unit
-    Lp = -(-A.bucket(longest) // unit) * unit
-    Fp = A.bucket(n_frames)
+    Lp = -(-ANY.bucket(longest) // unit) * unit
+    Fp = ANY.bucket(n_frames)
     patches = np.zeros((Fp, Lp, cfg.patch_dim), np.float32)
     rot = np.zeros((Fp, Lp, 2), np.int32)
     valid = np.zeros((Fp, Lp), bool)
@@ -312,7 +312,7 @@ def frame_layout(cfg: QwenVisionConfig, items: list[tuple[np.ndarray, tuple[int,
         window[f, :n] = frame_windows(cfg, r, w) if cfg.windowed else 0
         index.append(f * Lp + np.arange(n))
     index = np.concatenate(index).astype(np.int32)
-    n_pad = A.bucket(index.size)
+    n_pad = ANY.bucket(index.size)
     patch_index = np.zeros(n_pad, np.int32)
     patch_index[:index.size] = index
     starts = np.cumsum([0] + [t for _, (t, _, _) in items]).astype(np.int32)
@@ -335,8 +335,8 @@ def rotary(cfg: QwenVisionConfig, rot: jax.Array) -> tuple[jax.Array, jax.Array]
 
 def _norm(cfg: QwenVisionConfig, x, w, b):
     if cfg.windowed:
-        return L.rms_norm(x, w, NORM_EPS)
-    return VZ.layer_norm(x, w, b, NORM_EPS)
+        return LY.rms_norm(x, w, NORM_EPS)
+    return VIS.layer_norm(x, w, b, NORM_EPS)
 
 
 def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, window_index: jax.Array,
@@ -348,7 +348,7 @@ def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, window_index: jax
     at = jnp.maximum(window_index, 0).reshape(F, NW * W, 1, 1)
     rows = lambda t: jnp.take_along_axis(t, at, axis=1).reshape(F * NW, W, H, Dh)  # noqa: E731
     on = (window_index >= 0).reshape(F * NW, 1, W)
-    o = L.attention(rows(q), L.kv_rows(rows(k)), L.kv_rows(rows(v)), jnp.broadcast_to(on, (F * NW, W, W)))
+    o = LY.attention(rows(q), LY.kv_rows(rows(k)), LY.kv_rows(rows(v)), jnp.broadcast_to(on, (F * NW, W, W)))
     return jnp.take_along_axis(o.reshape(F, NW * W, H, Dh), window_slot[:, :, None, None], axis=1)
 
 
@@ -358,22 +358,22 @@ def block(cfg: QwenVisionConfig, p: dict, x: jax.Array, cos, sin, visible) -> ja
     F, Lp, D = x.shape
     H, Dh = cfg.num_heads, cfg.head_dim
     h = _norm(cfg, x, p["norm1"], p.get("norm1_b"))
-    qkv = L.linear(h, p["wqkv"], p["bqkv"]).reshape(F, Lp, 3, H, Dh)
+    qkv = LY.linear(h, p["wqkv"], p["bqkv"]).reshape(F, Lp, 3, H, Dh)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     dt = q.dtype
-    q = L.apply_rope(q.astype(jnp.float32), cos, sin).astype(dt)
-    k = L.apply_rope(k.astype(jnp.float32), cos, sin).astype(dt)
+    q = LY.apply_rope(q.astype(jnp.float32), cos, sin).astype(dt)
+    k = LY.apply_rope(k.astype(jnp.float32), cos, sin).astype(dt)
     if isinstance(visible, tuple):
         o = window_attention(q, k, v, *visible)
     else:
-        o = L.attention(q, L.kv_rows(k), L.kv_rows(v), visible)
-    x = x + L.linear(o.reshape(F, Lp, D), p["wo"], p["bo"])
+        o = LY.attention(q, LY.kv_rows(k), LY.kv_rows(v), visible)
+    x = x + LY.linear(o.reshape(F, Lp, D), p["wo"], p["bo"])
     h = _norm(cfg, x, p["norm2"], p.get("norm2_b"))
     if cfg.windowed:
-        g = VZ.activation(cfg.hidden_act, L.linear(h, p["w_gate"], p["b_gate"]))
-        h = L.linear(g * L.linear(h, p["w_up"], p["b_up"]), p["w_down"], p["b_down"])
+        g = VIS.activation(cfg.hidden_act, LY.linear(h, p["w_gate"], p["b_gate"]))
+        h = LY.linear(g * LY.linear(h, p["w_up"], p["b_up"]), p["w_down"], p["b_down"])
     else:
-        h = L.linear(VZ.activation(cfg.hidden_act, L.linear(h, p["w_fc1"], p["b_fc1"])), p["w_fc2"], p["b_fc2"])
+        h = LY.linear(VIS.activation(cfg.hidden_act, LY.linear(h, p["w_fc1"], p["b_fc1"])), p["w_fc2"], p["b_fc2"])
     return x + h
 
 
@@ -381,8 +381,8 @@ def merger(cfg: QwenVisionConfig, p: dict, x: jax.Array) -> jax.Array:
     """Patch merger: norm, then each run of merge_size^2 patches concatenated -> Linear -> GELU -> Linear."""
     F, Lp, D = x.shape
     h = _norm(cfg, x, p["norm"], p.get("norm_b")).reshape(F, Lp // cfg.merge_unit, cfg.merge_unit * D)
-    h = VZ.activation("gelu", L.linear(h, p["w1"], p["b1"]))
-    return L.linear(h, p["w2"], p["b2"])
+    h = VIS.activation("gelu", LY.linear(h, p["w1"], p["b1"]))
+    return LY.linear(h, p["w2"], p["b2"])
 
 
 class VisionOut(NamedTuple):
@@ -395,8 +395,8 @@ def forward(cfg: QwenVisionConfig, params: dict, patches: jax.Array, rot: jax.Ar
     """Encode frames (a `FrameLayout`'s arrays), `ports.layers.VISION_BATCH` frames at a time (frames never attend
     to each other, so a long video's attention holds a few frames' [L, L] scores, not all of them). Padding
     patches are never attended to; their outputs are junk."""
-    return L.in_batches(lambda *a: _frames_forward(cfg, params, *a), (patches, rot, valid, window_index, window_slot),
-                        L.VISION_BATCH)
+    return LY.in_batches(lambda *a: _frames_forward(cfg, params, *a), (patches, rot, valid, window_index, window_slot),
+                        LY.VISION_BATCH)
 
 
 def _frames_forward(cfg: QwenVisionConfig, params: dict, patches: jax.Array, rot: jax.Array, valid: jax.Array,
@@ -404,7 +404,7 @@ def _frames_forward(cfg: QwenVisionConfig, params: dict, patches: jax.Array, rot
     dt = params["merger"]["w1"].dtype
     F, Lp, K = patches.shape
     kernel = params["patch_embed"].reshape(cfg.width, -1)
-    x = L.einsum_f32("flk,dk->fld", patches.astype(dt), kernel).astype(dt)
+    x = LY.einsum_f32("flk,dk->fld", patches.astype(dt), kernel).astype(dt)
     cos, sin = rotary(cfg, rot)
     full = jnp.broadcast_to(valid[:, None, :], (F, Lp, Lp))
     local = (window_index, window_slot) if cfg.windowed else full

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import layers as L
+from ports import layers as LY
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 
@@ -238,7 +238,7 @@ def embed(cfg: VisionConfig, params: dict, pixel_values: jax.Array) -> jax.Array
     check_pixel_values(cfg, pixel_values)
     dt = params["pos_embed"].dtype
     x = patchify(cfg, jnp.asarray(pixel_values).astype(dt))
-    h = L.einsum_f32("npk,kd->npd", x, params["patch_embed"].reshape(-1, cfg.hidden_size))
+    h = LY.einsum_f32("npk,kd->npd", x, params["patch_embed"].reshape(-1, cfg.hidden_size))
     if cfg.patch_bias:
         h = h + params["patch_bias"].astype(jnp.float32)
     h = h.astype(dt)
@@ -256,14 +256,14 @@ def encoder_layer(cfg: VisionConfig, p: dict, x: jax.Array) -> jax.Array:
     B, T, D = x.shape
     H, Dh = cfg.num_heads, cfg.head_dim
     h = layer_norm(x, p["attn_norm"], p["attn_norm_b"], cfg.layer_norm_eps)
-    q = L.linear(h, p["wq"], p["bq"]).reshape(B, T, H, Dh)
-    k = L.kv_rows(L.linear(h, p["wk"], p["bk"]).reshape(B, T, H, Dh))
-    v = L.kv_rows(L.linear(h, p["wv"], p["bv"]).reshape(B, T, H, Dh))
-    o = L.attention(q, k, v, jnp.ones((B, T, T), bool))
-    x = x + L.linear(o.reshape(B, T, D), p["wo"], p["bo"])
+    q = LY.linear(h, p["wq"], p["bq"]).reshape(B, T, H, Dh)
+    k = LY.kv_rows(LY.linear(h, p["wk"], p["bk"]).reshape(B, T, H, Dh))
+    v = LY.kv_rows(LY.linear(h, p["wv"], p["bv"]).reshape(B, T, H, Dh))
+    o = LY.attention(q, k, v, jnp.ones((B, T, T), bool))
+    x = x + LY.linear(o.reshape(B, T, D), p["wo"], p["bo"])
     h = layer_norm(x, p["mlp_norm"], p["mlp_norm_b"], cfg.layer_norm_eps)
-    h = activation(cfg.hidden_act, L.linear(h, p["w_fc1"], p["b_fc1"]))
-    return x + L.linear(h, p["w_fc2"], p["b_fc2"])
+    h = activation(cfg.hidden_act, LY.linear(h, p["w_fc1"], p["b_fc1"]))
+    return x + LY.linear(h, p["w_fc2"], p["b_fc2"])
 
 
 def forward(cfg: VisionConfig, params: dict, pixel_values: jax.Array, *,
@@ -318,7 +318,7 @@ def image_features(cfg: VisionConfig, params: dict, pixel_values: jax.Array,
     def encode(pv):
         return select_features(cfg, forward(cfg, params, pv, feature_layers=feature_layer).hidden, strategy)
 
-    return L.in_batches(encode, (pixel_values,), L.VISION_BATCH)
+    return LY.in_batches(encode, (pixel_values,), LY.VISION_BATCH)
 
 
 # --------------------------------------------------------------------------------------------------- projector
@@ -361,8 +361,8 @@ def init_projector(pc: ProjectorConfig, key: jax.Array, dtype=jnp.float32, std: 
 def projector_forward(params: dict, feats: jax.Array, act: str = "gelu") -> jax.Array:
     """linear_1 -> act -> linear_2 over the last axis of feats [..., in_dim], in the params' dtype."""
     x = feats.astype(params["w1"].dtype)
-    x = activation(act, L.linear(x, params["w1"], params.get("b1")))
-    return L.linear(x, params["w2"], params.get("b2"))
+    x = activation(act, LY.linear(x, params["w1"], params.get("b1")))
+    return LY.linear(x, params["w2"], params.get("b2"))
 
 
 def projector_key_map(pc: ProjectorConfig, prefix: str = "multi_modal_projector."):
@@ -440,8 +440,8 @@ def params_from_rows(rows, shapes, state_dict: dict, *, prefix: str = "", ignore
     """Params from an HF-layout mapping {name: tensor (torch / numpy)} through key-map rows. Every row must be
     present with its shape; every key under `prefix` must be mapped or match `ignored` (re.search). Keys outside
     the prefix are left alone. Raises ValueError listing missing / unexpected / mis-shaped tensors."""
-    # lazy: ports.model imports the ports
-    from ports.model import hf_shape_to_ours, hf_to_ours, key_mismatch_error, ours_shape_to_hf
+    # lazy: ports.hf_checkpoint imports the ports
+    from ports.hf_checkpoint import hf_shape_to_ours, hf_to_ours, key_mismatch_error, ours_shape_to_hf
 
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     mapped = {name for name, _, _ in rows}
@@ -471,7 +471,7 @@ def params_from_rows(rows, shapes, state_dict: dict, *, prefix: str = "", ignore
 
 def params_to_state_dict(rows, params: dict) -> dict[str, np.ndarray]:
     """{hf_name: numpy array in HF layout} for key-map rows (the inverse of `params_from_rows`)."""
-    from ports.model import ours_to_hf
+    from ports.hf_checkpoint import ours_to_hf
 
     out = {}
     for name, path, tr in rows:

@@ -69,10 +69,10 @@ def video_pair(n: int):
     """(target, draft, {scenario: prompt}, eos, max_new) of the zoo's video pair: held-out detailed descriptions and
     video QA questions, each scenario one batch prompt."""
     from jspec import zoo
-    from jspec.zoo import video as V
+    from jspec.zoo import video as ZV
 
-    enc = V.VideoEncoder()
-    scen = {"describe": enc.prompts(V.eval_set(n, tasks=("video_describe",))), "qa": enc.prompts(V.eval_set(n))}
+    enc = ZV.VideoEncoder()
+    scen = {"describe": enc.prompts(ZV.eval_set(n, tasks=("video_describe",))), "qa": enc.prompts(ZV.eval_set(n))}
     return zoo.load("video-target"), zoo.load("video-draft"), scen, None, 128
 
 

@@ -46,30 +46,30 @@ def load_pair():
 
 
 def prompts(n: int, qa: bool):
-    from jspec.zoo import video as V
+    from jspec.zoo import video as ZV
 
-    tasks = V.QA_TASKS if qa else ("video_describe",)
-    exs = V.eval_set(n, tasks=tasks)
-    return V.VideoEncoder().prompts(exs), exs
+    tasks = ZV.QA_TASKS if qa else ("video_describe",)
+    exs = ZV.eval_set(n, tasks=tasks)
+    return ZV.VideoEncoder().prompts(exs), exs
 
 
 def long_prompt(exs, repeat: int) -> dict:
     """The examples' prompts with each frame shown `repeat` times (a clip `repeat` times as long, same content)."""
-    from jspec.zoo import video as V
+    from jspec.zoo import video as ZV
 
-    enc = V.VideoEncoder()
+    enc = ZV.VideoEncoder()
     rows, px, grids = [], [], []
     for ex in exs:
-        fr = np.repeat(V.frames_of(ex.clip), repeat, axis=0)
-        p, g = V.video_pixels(fr)
+        fr = np.repeat(ZV.frames_of(ex.clip), repeat, axis=0)
+        p, g = ZV.video_pixels(fr)
         ids = enc.prompt_ids(ex)
-        n = int(np.sum(ids == V.VIDEO_ID))
-        first = int(np.flatnonzero(ids == V.VIDEO_ID)[0])
-        rows.append(np.concatenate([ids[:first], [V.VIDEO_ID] * (n * repeat), ids[first + n:]]))
+        n = int(np.sum(ids == ZV.VIDEO_ID))
+        first = int(np.flatnonzero(ids == ZV.VIDEO_ID)[0])
+        rows.append(np.concatenate([ids[:first], [ZV.VIDEO_ID] * (n * repeat), ids[first + n:]]))
         px.append(p)
         grids.append(g)
     return {"input_ids": rows, "pixel_values_videos": np.concatenate(px), "video_grid_thw": np.stack(grids),
-            "second_per_grid_ts": np.full(len(rows), V.SECONDS_PER_GROUP, np.float32)}
+            "second_per_grid_ts": np.full(len(rows), ZV.SECONDS_PER_GROUP, np.float32)}
 
 
 def cases(draft, quick: bool = False) -> list[tuple[str, dict, object]]:
@@ -106,9 +106,9 @@ def cases(draft, quick: bool = False) -> list[tuple[str, dict, object]]:
 
 
 def video_id() -> int:
-    from jspec.zoo import video as V
+    from jspec.zoo import video as ZV
 
-    return V.VIDEO_ID
+    return ZV.VIDEO_ID
 
 
 def tau(out) -> float:
@@ -127,13 +127,13 @@ def clip_study(target, draft, exs, max_new: int, runs: int, repeats=CLIP_REPEATS
     """The draft's decode time per token alone (AR on its own prompt), unpruned and pruned 90% by SpecVLM's
     selection (kept tokens from the target's prefill attention), against the clip length."""
     from jspec.methods.specvlm import VisionPruning
-    from jspec.zoo import video as V
+    from jspec.zoo import video as ZV
     from ports import qwen2_vl as QW
 
     out = []
     for rep in repeats:
         prompt = long_prompt(exs, rep)
-        n_vid = int(np.sum(np.asarray(prompt["input_ids"][0]) == V.VIDEO_ID))
+        n_vid = int(np.sum(np.asarray(prompt["input_ids"][0]) == ZV.VIDEO_ID))
         keep = pruned_keep(target, draft, prompt, VisionPruning(0.9))
         pruned = QW.prune_prompt(draft.config, prompt, keep, positions="original")
         row = {"repeat": rep, "video_tokens": n_vid}

@@ -41,12 +41,12 @@ NEWLINE = "\n"
 
 
 def scenario_prompts(pair, n: int) -> dict:
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
-    exs = E.scenario_examples("image", n)
+    exs = ZE.scenario_examples("image", n)
     first = [e for pair_ in zip(exs["caption"][:n // 2 + n % 2], exs["vqa"]) for e in pair_][:n]
     groups = {"first turn": first, "two images": exs["two_image"], "OOD": exs["ood"], "second turn": exs["second_turn"]}
-    return {k: E.batch_prompt(pair.encoder, v) for k, v in groups.items()}
+    return {k: ZE.batch_prompt(pair.encoder, v) for k, v in groups.items()}
 
 
 def step_ratio(pair, prompt, max_new: int, runs: int) -> float:
@@ -74,11 +74,11 @@ def main(argv=None) -> None:
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tabed-zoo"))
     args = ap.parse_args(argv)
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
-    pair = E.load_pair("image")
+    pair = ZE.load_pair("image")
     newline = pair.encoder.text_ids(NEWLINE)[0]
-    cap = E.captioner(pair)
+    cap = ZE.captioner(pair)
     prompts = scenario_prompts(pair, args.prompts)
     t0 = time.perf_counter()
     strategies = {name: TABED.method(name, pair.draft, gamma=args.gamma, newline_id=newline, captioner=cap)

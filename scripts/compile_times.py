@@ -47,11 +47,11 @@ def one(name: str, max_new: int, sampled: bool) -> dict:
     import numpy as np
 
     import jspec
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
-    pair = E.load_pair("text")
-    exs = E.scenario_examples("text", 2)["text"]
-    prompt = E.batch_prompt(pair.encoder, exs)
+    pair = ZE.load_pair("text")
+    exs = ZE.scenario_examples("text", 2)["text"]
+    prompt = ZE.batch_prompt(pair.encoder, exs)
     strategy = build(name, pair)
     kw = dict(max_new_tokens=max_new, eos_token_id=(), key=jax.random.key(0))
     if sampled:

@@ -24,18 +24,18 @@ def measure(n: int, seed: int = 0) -> dict:
     import jax.numpy as jnp
 
     import ports
-    from jspec.zoo import video as V
+    from jspec.zoo import video as ZV
 
     target = ports.load_hf(str(ROOT / "jspec" / "zoo" / "video-target"), jnp.float32)
-    exs = V.eval_set(n, seed)
-    enc = V.VideoEncoder()
+    exs = ZV.eval_set(n, seed)
+    enc = ZV.VideoEncoder()
     ans = {}
-    for variant in ("clip", V.ORDER_CONTROL, "shuffled", "blank"):
-        ans[variant] = V.answers(target, exs, variant, encoder=enc)
+    for variant in ("clip", ZV.ORDER_CONTROL, "shuffled", "blank"):
+        ans[variant] = ZV.answers(target, exs, variant, encoder=enc)
         print(f"{variant}: {np.mean([a == e.answer for a, e in zip(ans[variant], exs)]):.3f}", flush=True)
     ref = [e.answer for e in exs]
     right = np.array([a == r for a, r in zip(ans["clip"], ref)])
-    sensitive = right & np.array([a != b for a, b in zip(ans["clip"], ans[V.ORDER_CONTROL])])
+    sensitive = right & np.array([a != b for a, b in zip(ans["clip"], ans[ZV.ORDER_CONTROL])])
     free = right & ~sensitive
 
     def rate(variant, mask, against):
@@ -45,7 +45,7 @@ def measure(n: int, seed: int = 0) -> dict:
            "order_sensitive": int(sensitive.sum()), "order_free": int(free.sum())}
     for v in ("shuffled", "blank"):
         out[v] = {"sensitive_forward": rate(v, sensitive, ans["clip"]),
-                  "sensitive_backward": rate(v, sensitive, ans[V.ORDER_CONTROL]),
+                  "sensitive_backward": rate(v, sensitive, ans[ZV.ORDER_CONTROL]),
                   "free_forward": rate(v, free, ans["clip"])}
     by_task = {}
     for t in sorted({e.task for e in exs}):

@@ -27,8 +27,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jspec import zoo  # noqa: E402
-from jspec.zoo import evaluate as E  # noqa: E402
-from jspec.zoo import world as W  # noqa: E402
+from jspec.zoo import evaluate as ZE  # noqa: E402
+from jspec.zoo import world as ZW  # noqa: E402
 
 RESULTS_DIR = ROOT / "scripts" / "results"
 GROUNDED, TEXT_ONLY = ("caption", "vqa"), ("second_turn", "ood")
@@ -56,23 +56,23 @@ def bars(res: dict) -> dict:
 
 
 def evaluate(pair_name: str, n: int, n_sd: int, runs: int, gamma: int) -> dict:
-    pair = E.load_pair(pair_name)
+    pair = ZE.load_pair(pair_name)
     res = {"pair": pair_name, "date": datetime.date.today().isoformat(),
            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "jax": jax.__version__, "n": n, "n_sd": n_sd,
            "runs": runs, "gamma": gamma, "target_view": pair.view, "exact_match": {}, "sd": {}}
     print(f"[{pair_name}] exact match on {n} held-out examples per task ({pair.view} view):", flush=True)
-    for task in E.exact_match_tasks(pair_name):
-        exs = [W.example("heldout", i, 0, [task]) for i in range(n)]
-        t, d = np.mean(E.exact_match(pair.target, pair, exs)), np.mean(E.exact_match(pair.draft, pair, exs))
-        res["exact_match"][task] = {"scenario": W.TASKS[task].scenario, "target": float(t), "draft": float(d)}
+    for task in ZE.exact_match_tasks(pair_name):
+        exs = [ZW.example("heldout", i, 0, [task]) for i in range(n)]
+        t, d = np.mean(ZE.exact_match(pair.target, pair, exs)), np.mean(ZE.exact_match(pair.draft, pair, exs))
+        res["exact_match"][task] = {"scenario": ZW.TASKS[task].scenario, "target": float(t), "draft": float(d)}
         print(f"  {task:20s} target {t:.3f}  draft {d:.3f}", flush=True)
-    res["binding"] = E.binding(pair, n)
+    res["binding"] = ZE.binding(pair, n)
     print(f"[{pair_name}] target exact match on the shape-scene VQA tasks by objects in the scene: " + ", ".join(
         f"{k}: {r['exact_match']:.2f} (n={r['n']})" for k, r in res["binding"].items()), flush=True)
     print(f"[{pair_name}] greedy Chain SD, gamma={gamma}, batch 1, {n_sd} prompts per scenario, {runs} runs, "
           f"draft views {pair.draft_views}:", flush=True)
-    for sc, exs in E.scenario_examples(pair_name, n_sd).items():
-        res["sd"][sc] = E.sd_scenario(pair, exs, runs=runs, gamma=gamma)
+    for sc, exs in ZE.scenario_examples(pair_name, n_sd).items():
+        res["sd"][sc] = ZE.sd_scenario(pair, exs, runs=runs, gamma=gamma)
         line = "  ".join(f"{v}: tau {r['mean_accepted']:.2f}, {r['speedup']:.2f}x, same {r['same_tokens']}"
                          for v, r in res["sd"][sc].items())
         print(f"  {sc:20s} {line}", flush=True)
@@ -95,7 +95,7 @@ def markdown(res: dict) -> str:
     for task, r in res["exact_match"].items():
         lines.append(f"| {task} | {r['scenario']} | {r['target']:.2f} | {r['draft']:.2f} |")
     if res.get("binding"):
-        lines += ["", "Target exact match on the shape-scene VQA tasks (" + ", ".join(E.SHAPE_VQA) + "), by objects in "
+        lines += ["", "Target exact match on the shape-scene VQA tasks (" + ", ".join(ZE.SHAPE_VQA) + "), by objects in "
                   "the scene:", "", "| objects | " + " | ".join(str(k) for k in res["binding"]) + " |",
                   "|---|" + "---|" * len(res["binding"]),
                   "| exact match | " + " | ".join(f"{r['exact_match']:.2f} (n={r['n']})"
@@ -138,18 +138,18 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("pairs", nargs="*", help=f"any of {sorted(E.PAIRS)} (default: every shipped pair)")
+    ap.add_argument("pairs", nargs="*", help=f"any of {sorted(ZE.PAIRS)} (default: every shipped pair)")
     ap.add_argument("--n", type=int, default=40, help="held-out examples per task (exact match)")
     ap.add_argument("--n-sd", type=int, default=20, help="prompts per scenario (speculative decoding)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
-    bad = [p for p in args.pairs if p not in E.PAIRS]
+    bad = [p for p in args.pairs if p not in ZE.PAIRS]
     if bad:
-        ap.error(f"unknown pair(s) {bad}; expected {sorted(E.PAIRS)}")
+        ap.error(f"unknown pair(s) {bad}; expected {sorted(ZE.PAIRS)}")
     have = set(zoo.available())
-    pairs = args.pairs or [p for p, names in E.PAIRS.items() if set(names) <= have]
+    pairs = args.pairs or [p for p, names in ZE.PAIRS.items() if set(names) <= have]
     if not pairs:
         raise SystemExit(f"no zoo pair is shipped in this install (have: {sorted(have) or 'none'})")
     out = Path(args.out)

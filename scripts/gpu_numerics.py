@@ -171,29 +171,29 @@ class Pair:
 
 
 def build_pair(name: str, quick: bool, n_prompts: int, new_tokens: int, layers: int | None) -> Pair:
-    from jspec import bench as B
+    from jspec import bench as BENCH
 
     if name == "random damped 7B":
         shape = dict(SHAPE_QUICK if quick else SHAPE_7B)
         if layers:
             shape["layers"] = layers
-        t, d = B.damped_pair(dtype=jnp.bfloat16, **shape)  # as `bench.suite_gpu` makes it
+        t, d = BENCH.damped_pair(dtype=jnp.bfloat16, **shape)  # as `bench.suite_gpu` makes it
         rng = np.random.default_rng(1)  # the suite's seed: row 0 is the prompt of the recorded gpu run
         P = 12 if quick else 128
         rows = [rng.integers(0, t.vocab_size, P).astype(np.int32) for _ in range(n_prompts)]
         return Pair(name, t, d, rows, ["random"] * len(rows), {}, (), new_tokens, batch1=True)
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
     kind = name.split()[-1]
-    pair = E.load_pair(kind)
-    scen = E.scenario_examples(kind, max(1, math.ceil(n_prompts / (6 if kind == "image" else 5))))
+    pair = ZE.load_pair(kind)
+    scen = ZE.scenario_examples(kind, max(1, math.ceil(n_prompts / (6 if kind == "image" else 5))))
     exs, labels = [], []
     for k in range(max(len(v) for v in scen.values())):  # round-robin over scenarios
         for sc, v in scen.items():
             if k < len(v) and len(exs) < n_prompts:
                 exs.append(v[k])
                 labels.append(sc)
-    bp = E.batch_prompt(pair.encoder, exs)
+    bp = ZE.batch_prompt(pair.encoder, exs)
     rows = [np.asarray(r, np.int32) for r in bp["input_ids"]]
     inputs = {k: v for k, v in bp.items() if k != "input_ids"}
     return Pair(name, pair.target, pair.draft, rows, labels, inputs, None, new_tokens, batch1=False)
@@ -220,9 +220,9 @@ def precision(variant: str):
 
 def strategies(draft, quick: bool, names: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
     """The gpu suite's strategies (`bench.sd_strategies`; --quick: its small set), restricted to `names`."""
-    from jspec import bench as B
+    from jspec import bench as BENCH
 
-    table = [(n, s) for n, s, _ in B.sd_strategies(draft, quick) if quick or n in STRATEGIES]
+    table = [(n, s) for n, s, _ in BENCH.sd_strategies(draft, quick) if quick or n in STRATEGIES]
     unknown = [n for n in names or () if n not in dict(table)]
     if unknown:
         raise ValueError(f"unknown strategy name(s) {unknown}; this run has {[n for n, _ in table]}")

@@ -38,15 +38,15 @@ Q_LEN = 12   # question slots (padded with the pad embedding)
 def dataset(n: int, seed: int, layout: str, features, embed: np.ndarray, tok):
     """(image features [n, 9, D], question embeddings [n, Q, D], answer class [n], index of the query position in
     the question [n], objects in the scene [n], number of classes)."""
-    from jspec.zoo import data as D
+    from jspec.zoo import data as ZD
     from jspec.zoo import tokenizer as TK
-    from jspec.zoo import world as W
+    from jspec.zoo import world as ZW
 
-    colours = sorted(W.COLOURS)
+    colours = sorted(ZW.COLOURS)
     rng = random.Random(seed)
     scenes, qs, ys, last, objs = [], [], [], [], []
     while len(scenes) < n:
-        s = W.random_shapes(rng)
+        s = ZW.random_shapes(rng)
         if s.split() != "train":
             continue
         o = rng.choice(s.objects)
@@ -62,7 +62,7 @@ def dataset(n: int, seed: int, layout: str, features, embed: np.ndarray, tok):
         scenes.append(s)
         ys.append(colours.index(o.colour))
         objs.append(len(s.objects))
-    pv = np.stack([D.pixels(s, 60) for s in scenes])
+    pv = np.stack([ZD.pixels(s, 60) for s in scenes])
     x = np.concatenate([np.asarray(features(jnp.asarray(pv[i:i + 256]))) for i in range(0, n, 256)])
     return x, np.stack(qs), np.array(ys), np.array(last), np.array(objs), len(colours)
 

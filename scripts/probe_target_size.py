@@ -28,9 +28,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import bench as B  # noqa: E402
+from jspec import bench as BENCH  # noqa: E402
 from jspec import demo  # noqa: E402
-from jspec.zoo import evaluate as E  # noqa: E402
+from jspec.zoo import evaluate as ZE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,14 +65,14 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "target-size"))
     args = ap.parse_args(argv)
-    pair = E.load_pair("text")
-    prompt = E.batch_prompt(pair.encoder, demo.long_examples(3, pair.tokenizer))
+    pair = ZE.load_pair("text")
+    prompt = ZE.batch_prompt(pair.encoder, demo.long_examples(3, pair.tokenizer))
     cfg = pair.target.config
     targets = {"zoo text-target (trained)": pair.target}
     for w in args.widths:
         heads = max(w // 64, 1)
         mlp = int(round(w * 2.75 / 64) * 64)
-        targets[f"random, width {w}"] = B.random_llama(cfg.num_layers, cfg.vocab_size, w, mlp, heads)
+        targets[f"random, width {w}"] = BENCH.random_llama(cfg.num_layers, cfg.vocab_size, w, mlp, heads)
     rows = []
     for name, t in targets.items():
         r = step_costs(t, pair.draft, prompt, args.new_tokens, args.gamma, args.runs)

@@ -31,8 +31,8 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import api  # noqa: E402
-from jspec import bench as B  # noqa: E402
-from jspec import profiling as P  # noqa: E402
+from jspec import bench as BENCH  # noqa: E402
+from jspec import profiling as PF  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-size", action="store_true",
                     help="the composition control with random drafts of the zoo draft's depth at 1 and 1/4 its width")
     args = ap.parse_args(argv)
-    pairs = B.zoo_pairs(args.prompts)
+    pairs = BENCH.zoo_pairs(args.prompts)
     if "zoo text" not in pairs:
         raise SystemExit("the zoo text pair is not shipped in this install")
     target, draft, scenarios, eos, _ = pairs["zoo text"]
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     if args.calls:
         print(f"zoo text pair, {args.scenario}, 4 prompts, EOS off, 4-24 new tokens, {args.rounds} rounds; ms")
         for name, strat in (("AR", None), (f"Chain g={args.gamma}", jspec.Chain(draft, gamma=args.gamma))):
-            c = P.call_costs(target, [[p] for p in prompts[:4]], strat, rounds=args.rounds)
+            c = PF.call_costs(target, [[p] for p in prompts[:4]], strat, rounds=args.rounds)
             print(f"{name}: per step {c['per_step_s'] * 1e3:.2f}, per call {c['per_call_s'] * 1e3:.2f}, zero-step "
                   f"loop call {c['zero_step_s'] * 1e3:.2f}, prefill {c['prefill_s'] * 1e3:.2f}", flush=True)
         return
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     if args.ops:
         for name, strat in (("AR", None), (f"Chain g={args.gamma}", strategy)):
             jspec.decode(target, [prompt], **dict(kw, strategy=strat))  # compile
-            c = P.op_costs(api.start(target, [prompt], **dict(kw, strategy=strat)), top=args.top)
+            c = PF.op_costs(api.start(target, [prompt], **dict(kw, strategy=strat)), top=args.top)
             print(f"{name}: {c['steps']} steps, instructions sum to {c['total_us_per_step'] / 1e3:.2f} ms per step")
             for r in c["ops"]:
                 print(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:5.1f}  {r['shape']:<24} {r['op']}")
@@ -84,8 +84,8 @@ def main(argv=None) -> None:
         o = jspec.decode(target, [prompt], **kw)
         loop_ms = o.stats["decode_s"] / int(o.stats["steps"][0]) * 1e3
         s = api.start(target, [prompt], **kw)
-        cost = P.in_program_costs(s)
-        ctl = P.composition_control(s)
+        cost = PF.in_program_costs(s)
+        ctl = PF.composition_control(s)
         ms = {k: v * 1e3 for k, v in cost.items()}
         c = {k: v * 1e3 for k, v in ctl.items()}
         phases = ms["draft_s"] + ms["verify_s"] + ms["other_s"]
@@ -106,7 +106,7 @@ def _draft_size_control(target, draft, prompt, args) -> None:
     drafts = {"zoo draft": draft}
     for width in (c.hidden_size, c.hidden_size // 4):
         heads = max(1, c.num_heads * width // c.hidden_size)
-        d = B.random_llama(c.num_layers, vocab=c.vocab_size, hidden=width,
+        d = BENCH.random_llama(c.num_layers, vocab=c.vocab_size, hidden=width,
                            mlp=c.intermediate_size * width // c.hidden_size, heads=heads)
         drafts[f"random {c.num_layers}x{width} ({megabytes(d):.1f} MB)"] = d
     print(f"composition control, Chain gamma={args.gamma}, zoo draft {megabytes(draft):.1f} MB; ms per repetition")
@@ -115,7 +115,7 @@ def _draft_size_control(target, draft, prompt, args) -> None:
             s = api.start(target, [prompt], jspec.Chain(d, gamma=args.gamma), max_new_tokens=args.max_new,
                           eos_token_id=())
             m = {k: v * 1e3 for k, v in
-                 P.composition_control(s).items()}
+                 PF.composition_control(s).items()}
             print(f"round {r + 1}, {name}: draft {m['draft']:.2f}, AR step {m['step']:.2f}, both in one body "
                   f"{m['draft+ar']:.2f}: composing costs {m['draft+ar'] - m['draft'] - m['step']:+.2f}", flush=True)
             jax.clear_caches()  # each draft compiles its own programs; keep the process under vm.max_map_count

@@ -30,10 +30,10 @@ import numpy as np  # noqa: E402
 
 import train_eesd as TE  # noqa: E402
 from jspec import train as jt  # noqa: E402
-from jspec.controllers import calibration as C  # noqa: E402
+from jspec.controllers import calibration as CAL  # noqa: E402
 from jspec.drafters import early_exit as EE  # noqa: E402
 from jspec.methods import cali_train as CT  # noqa: E402
-from jspec.methods import eesd_train as ET  # noqa: E402
+from jspec.methods import eesd_train as EST  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     if not is_zoo and not args.texts:
         raise SystemExit("a target outside the zoo needs --texts (prompts to continue)")
     head = EE.load_head(args.head, target)
-    cfg, lm = ET.head_target_lm(target, head)
+    cfg, lm = EST.head_target_lm(target, head)
     tag = f"{Path(args.head).name}-cali"
     workdir = Path(args.workdir or ROOT / "build" / "eesd" / tag).resolve()
     if workdir.exists() and not args.resume:  # a fresh run keeps the generations it would make again
@@ -71,7 +71,7 @@ def main(argv=None) -> None:
             if p.name != "greedy.npz":
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
     workdir.mkdir(parents=True, exist_ok=True)
-    pred = C.init_predictor(jax.random.key(args.seed), cfg.hidden_size, positions=args.positions)
+    pred = CAL.init_predictor(jax.random.key(args.seed), cfg.hidden_size, positions=args.positions)
     tx = jt.adamw(weight_decay=args.weight_decay)
     state = {"pred": pred, "opt_state": tx.init(pred)}
     meta = jt.new_meta(tag, args.seed, args.steps, args.lr, args.warmup, next_index=0, positions=args.positions)
@@ -87,17 +87,17 @@ def main(argv=None) -> None:
     else:
         n = args.gen_prompts + args.heldout
         prompts = TE.zoo_prompts(n, args.seed + 100) if is_zoo else TE.file_texts(args.texts, args.target)[:n]
-        texts = ET.self_distillation_texts(target, prompts, args.gen_tokens, greedy_first=args.gen_tokens)
+        texts = EST.self_distillation_texts(target, prompts, args.gen_tokens, greedy_first=args.gen_tokens)
         starts = np.asarray([len(p) for p in prompts])
         np.savez(cache, tokens=np.concatenate(texts), ends=np.cumsum([len(t) for t in texts]), starts=starts)
     k = min(args.heldout, len(texts) // 5)
     train, held = (texts[:-k], starts[:-k]), (texts[-k:], starts[-k:])
     print(f"{tag}: predictor {sum(a.size for a in jax.tree.leaves(pred)) / 1e6:.2f}M params (P={args.positions}); "
           f"{len(train[0])} greedy texts to train on, {k} held out; workdir {workdir}")
-    held_batches = [b for b, _ in (next(it) for it in [ET.pack(*held[:1], args.batch, args.seq_len,
+    held_batches = [b for b, _ in (next(it) for it in [EST.pack(*held[:1], args.batch, args.seq_len,
                                                                 starts=held[1])] * 2)]
     stream = ((b, i, int((b["segment_ids"] > 0).sum()))
-              for b, i in ET.pack(train[0], args.batch, args.seq_len, meta["next_index"], train[1]))
+              for b, i in EST.pack(train[0], args.batch, args.seq_len, meta["next_index"], train[1]))
     train_step, eval_step = CT.make_steps(cfg, head.exit_layer, tx)
 
     def step(state, batch, lr, i):
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     last = [r for r in jt.read_log(workdir / "log.jsonl") if "heldout_loss" in r][-1]
     import jax.numpy as jnp
 
-    C.save_calibration(state["pred"], args.head, dtype=jnp.bfloat16 if is_zoo else None, extra={
+    CAL.save_calibration(state["pred"], args.head, dtype=jnp.bfloat16 if is_zoo else None, extra={
         "steps": meta["step"], "train_minutes": round(meta["elapsed_s"] / 60, 1),
         "heldout": {k: round(v, 4) for k, v in last.items() if k.startswith("heldout")},
         "command": "python scripts/train_cali.py " + " ".join(sys.argv[1:] if argv is None else argv)})

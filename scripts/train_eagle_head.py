@@ -46,9 +46,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from jspec import train as jt  # noqa: E402
-from jspec.drafters import eagle as E  # noqa: E402
+from jspec.drafters import eagle as EG  # noqa: E402
 from jspec.drafters import eagle_io as IO  # noqa: E402
-from jspec.methods import eagle_train as ET  # noqa: E402
+from jspec.methods import eagle_train as EGT  # noqa: E402
 
 
 def load_target(spec: str):
@@ -73,12 +73,12 @@ def load_target(spec: str):
 def zoo_text_stream(batch: int, seq_len: int, seed: int, split: str = "train"):
     """start -> `fit` batches of the zoo's text chats (packed, answers weighted: the zoo's target_mask, whose
     convention is the head's: entry j counts when token j + 1 is an answer token)."""
-    from jspec.zoo import data as D
+    from jspec.zoo import data as ZD
 
-    D.register_described_tasks()
+    ZD.register_described_tasks()
 
     def stream(start: int):
-        for b in D.batches(split, batch, seq_len, seed, tasks=D.TEXT_PAIR_TASKS, view="T", pack=True, start=start):
+        for b in ZD.batches(split, batch, seq_len, seed, tasks=ZD.TEXT_PAIR_TASKS, view="T", pack=True, start=start):
             yield ({"input_ids": b["input_ids"], "positions": b["positions"], "segment_ids": b["segment_ids"],
                     "mask": b["target_mask"].astype(np.float32)}, int(b["next_index"]),
                    int((b["segment_ids"] > 0).sum()))
@@ -113,7 +113,7 @@ def t2i_items(target, n: int, seed: int, split: str, cache_dir: Path, batch: int
         cache_dir.mkdir(parents=True, exist_ok=True)
         np.savez(path, tokens=toks)
     prefix = T.image_prefix()
-    return [ET.cfg_item(list(c) + prefix, prefix, t) for c, t in zip(caps, toks)]
+    return [EGT.cfg_item(list(c) + prefix, prefix, t) for c, t in zip(caps, toks)]
 
 
 def file_items(path: str, target_dir: str) -> list:
@@ -135,7 +135,7 @@ def file_items(path: str, target_dir: str) -> list:
                 p = tok(d["prompt"])["input_ids"]
                 a = tok(d["answer"], add_special_tokens=False)["input_ids"]
                 ids = np.asarray(p + a, np.int32)
-                items.append((ids, ET.generated_mask(len(ids), len(p))))
+                items.append((ids, EGT.generated_mask(len(ids), len(p))))
     if not items:
         raise SystemExit(f"{path} holds no training text")
     return items
@@ -174,7 +174,7 @@ def main(argv=None) -> None:
         args.minutes = 20.0
 
     target, is_zoo = load_target(args.target)
-    E.text_parts(target)  # a clear error for targets a feature head cannot serve
+    EG.text_parts(target)  # a clear error for targets a feature head cannot serve
     if not is_zoo and not args.texts:
         raise SystemExit("a target outside the zoo needs --texts (JSON lines of training text)")
     out = Path(args.out).resolve()
@@ -193,9 +193,9 @@ def main(argv=None) -> None:
         target = IG._generating(target)
         items = t2i_items(target, args.t2i_images, args.seed, "train", out / "data")
         held = t2i_items(target, 4 * args.batch, args.seed, "heldout", out / "data")
-        held_it = ET.batches(held, args.batch, args.seq_len)
+        held_it = EGT.batches(held, args.batch, args.seq_len)
         heldout = [next(held_it)[0] for _ in range(4)]
-        data = lambda start: ET.batches(items, args.batch, args.seq_len, start)  # noqa: E731
+        data = lambda start: EGT.batches(items, args.batch, args.seq_len, start)  # noqa: E731
         _, vq_params = T.load_vq()
         table = NeighbourTable.for_chameleon(target.config, VQ.codebook(vq_params), args.neighbours)
     elif is_zoo:
@@ -205,15 +205,15 @@ def main(argv=None) -> None:
     else:
         items = file_items(args.texts, args.target)
         cut = max(1, len(items) // 20)
-        held_it = ET.batches(items[:cut], args.batch, args.seq_len, pack=True)
+        held_it = EGT.batches(items[:cut], args.batch, args.seq_len, pack=True)
         heldout = [next(held_it)[0] for _ in range(min(4, cut))]
         train_items = items[cut:] or items
-        data = lambda start: ET.batches(train_items, args.batch, args.seq_len, start, pack=True)  # noqa: E731
-    cfg, _ = E.text_parts(target)
+        data = lambda start: EGT.batches(train_items, args.batch, args.seq_len, start, pack=True)  # noqa: E731
+    cfg, _ = EG.text_parts(target)
     print(f"{name}: {cfg.model_type} target, hidden {cfg.hidden_size}, {cfg.num_layers} layers; out {out}")
 
-    opts = ET.LossOptions(p_w=args.p_w, noise=args.noise)
-    head, meta = ET.fit_head(target, data, out, steps=args.steps, minutes=args.minutes, lr=args.lr,
+    opts = EGT.LossOptions(p_w=args.p_w, noise=args.noise)
+    head, meta = EGT.fit_head(target, data, out, steps=args.steps, minutes=args.minutes, lr=args.lr,
                              warmup=args.warmup, seed=args.seed, resume=args.resume, opts=opts,
                              weight_decay=args.weight_decay, input_norm=input_norm, heldout=heldout,
                              log_every=args.log_every, ckpt_minutes=args.ckpt_minutes, name=name,

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 
 from jspec import train as jt  # noqa: E402
 from jspec.drafters import early_exit as EE  # noqa: E402
-from jspec.methods import eesd_train as ET  # noqa: E402
+from jspec.methods import eesd_train as EST  # noqa: E402
 
 
 def load_target(spec: str):
@@ -48,10 +48,10 @@ def load_target(spec: str):
 
 
 def zoo_open_stream(batch: int, seq_len: int, seed: int, start: int, split: str = "train"):
-    from jspec.zoo import data as D
+    from jspec.zoo import data as ZD
 
-    D.register_described_tasks()
-    for b in D.batches(split, batch, seq_len, seed, tasks=D.TEXT_PAIR_TASKS, view="T", pack=True, start=start):
+    ZD.register_described_tasks()
+    for b in ZD.batches(split, batch, seq_len, seed, tasks=ZD.TEXT_PAIR_TASKS, view="T", pack=True, start=start):
         yield ({"input_ids": b["input_ids"], "targets": b["targets"], "segment_ids": b["segment_ids"],
                 "positions": b["positions"], "weights": b["target_mask"].astype(np.float32)},
                int(b["next_index"]))
@@ -60,13 +60,13 @@ def zoo_open_stream(batch: int, seq_len: int, seed: int, start: int, split: str 
 def zoo_prompts(n: int, seed: int) -> list[np.ndarray]:
     """Prompts (up to the last answer) of the zoo's text training examples, from the end of the stream the open
     text reads first (so the generations answer other questions than the open batches of the first steps)."""
-    from jspec.zoo import data as D
-    from jspec.zoo import world as W
+    from jspec.zoo import data as ZD
+    from jspec.zoo import world as ZW
 
-    D.register_described_tasks()
-    enc = D.Encoder(None, view="T")
-    names = W.allowed_tasks("train", D.TEXT_PAIR_TASKS, False)
-    return [enc.encode(W.example("train", 5_000_000 + i, seed, names), upto_last_answer=True, view="T").ids
+    ZD.register_described_tasks()
+    enc = ZD.Encoder(None, view="T")
+    names = ZW.allowed_tasks("train", ZD.TEXT_PAIR_TASKS, False)
+    return [enc.encode(ZW.example("train", 5_000_000 + i, seed, names), upto_last_answer=True, view="T").ids
             for i in range(n)]
 
 
@@ -113,7 +113,7 @@ def main(argv=None) -> None:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     head = EE.init_head(target, args.exit_layer, args.layers)
-    cfg, lm = ET.head_target_lm(target, head)
+    cfg, lm = EST.head_target_lm(target, head)
     tx = jt.adamw(weight_decay=0.0)
     state = {"params": head.params, "opt_state": tx.init(head.params)}
     meta = jt.new_meta(tag, args.seed, args.steps, args.lr, args.warmup, next_index=[0, 0],
@@ -134,7 +134,7 @@ def main(argv=None) -> None:
         else:
             prompts = zoo_prompts(args.gen_prompts, args.seed) if is_zoo else file_texts(args.texts, args.target)[
                 :args.gen_prompts]
-            gen = ET.self_distillation_texts(target, prompts, args.gen_tokens, args.greedy_first,
+            gen = EST.self_distillation_texts(target, prompts, args.gen_tokens, args.greedy_first,
                                              key=jax.random.key(args.seed))
             gen_starts = np.asarray([len(p) for p in prompts])
             np.savez(cache, tokens=np.concatenate(gen), ends=np.cumsum([len(g) for g in gen]), starts=gen_starts)
@@ -147,18 +147,18 @@ def main(argv=None) -> None:
     else:
         texts = file_texts(args.texts, args.target)
         cut = max(1, len(texts) // 20)
-        open_stream = ET.pack(texts[cut:], args.batch, args.seq_len, meta["next_index"][0])
-        held = [b for b, _ in (next(it) for it in [ET.pack(texts[:cut], args.batch, args.seq_len)] * 4)]
-    gen_stream = ET.pack(gen, args.batch, args.seq_len, meta["next_index"][1], gen_starts) if gen else None
-    train_step, eval_step = ET.make_steps(cfg, args.exit_layer, tx)
+        open_stream = EST.pack(texts[cut:], args.batch, args.seq_len, meta["next_index"][0])
+        held = [b for b, _ in (next(it) for it in [EST.pack(texts[:cut], args.batch, args.seq_len)] * 4)]
+    gen_stream = EST.pack(gen, args.batch, args.seq_len, meta["next_index"][1], gen_starts) if gen else None
+    train_step, eval_step = EST.make_steps(cfg, args.exit_layer, tx)
 
     def step(state, batch, lr, i):
         params, opt, m = train_step(state["params"], state["opt_state"], lm, batch, np.float32(lr))
         return {"params": params, "opt_state": opt}, m
 
-    state, meta = jt.fit(step, state, ET.mix(open_stream, gen_stream, args.gen_share), meta, workdir,
+    state, meta = jt.fit(step, state, EST.mix(open_stream, gen_stream, args.gen_share), meta, workdir,
                          budget_s=60 * args.minutes, ckpt_minutes=args.ckpt_minutes, log_every=args.log_every,
-                         evaluate=lambda s: ET.evaluate(eval_step, s["params"], lm, held), desc=tag)
+                         evaluate=lambda s: EST.evaluate(eval_step, s["params"], lm, held), desc=tag)
     jt.plot_log(workdir / "log.jsonl", ROOT / "scripts" / "results" / f"{tag}-loss.png", tag)
     if not jt.finished(meta):
         print(f"{tag}: stopped at step {meta['step']} of {meta['total_steps']}: rerun with --resume")

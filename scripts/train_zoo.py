@@ -135,22 +135,22 @@ import optax  # noqa: E402
 import ports  # noqa: E402
 from ports import cache as kvc  # noqa: E402
 from jspec import train as jt  # noqa: E402
-from jspec.zoo import data as D  # noqa: E402
+from jspec.zoo import data as ZD  # noqa: E402
 from jspec.zoo import tokenizer as TK  # noqa: E402
 from jspec.zoo import video as VID  # noqa: E402
-from jspec.zoo import world as W  # noqa: E402
-from ports import layers as L  # noqa: E402
+from jspec.zoo import world as ZW  # noqa: E402
+from ports import layers as LY  # noqa: E402
 from ports.fused import fuse_params  # noqa: E402
 from ports import llama, llava  # noqa: E402
 from ports import qwen2_vl as QW  # noqa: E402
 from ports import qwen2_vl_vision as QV  # noqa: E402
-from ports import vision as VZ  # noqa: E402
+from ports import vision as VIS  # noqa: E402
 
 ZOO_DIR = ROOT / "jspec" / "zoo"
 RESULTS_DIR = ROOT / "scripts" / "results"
 
-D.register_described_tasks()
-TEXT_PAIR_TASKS = D.TEXT_PAIR_TASKS
+ZD.register_described_tasks()
+TEXT_PAIR_TASKS = ZD.TEXT_PAIR_TASKS
 
 # --------------------------------------------------------------------------------------------------- presets
 
@@ -213,24 +213,24 @@ PRESETS = {
                          grow_from="text-draft-base", data_start=1_000_000),
     # the image target shipped until 2026-11-24 (VQA exact match 0.625), now the first stage of the shipped one
     "image-target-base": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
-                                dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(D.TARGET_TASKS), view="M",
+                                dict(hidden=128, layers=4, heads=4, ffn=512), tasks=tuple(ZD.TARGET_TASKS), view="M",
                                 allow_ood=True, seq_len=160, batch=16, lr=2e-3, init_lm="text-base", align_steps=200,
                                 lm_lr_scale=1.0, tower_steps=3000, tower_lr_scale=0.1, ship=False),
     "image-draft": Preset("image", dict(hidden=128, layers=3, heads=2, ffn=352),
-                          dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(D.DRAFT_TASKS), view="M",
+                          dict(hidden=64, layers=2, heads=2, ffn=256), tasks=tuple(ZD.DRAFT_TASKS), view="M",
                           t_view_prob=0.2, batch=16, lr=2e-3, minutes=20.0, init_lm="text-draft-base", align_steps=200,
                           lm_lr_scale=1.0, tower_steps=3000, tower_lr_scale=0.1),
     # image-target-base continued on VQA-dense data (each VQA task listed 5x: ~78% of examples; the other tasks keep
     # ~22% so they are not forgotten), answer loss only: stopped at step 2030 of 4000, superseded by the two below
     "image-target-vqa": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                                dict(hidden=128, layers=4, heads=4, ffn=512),
-                               tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M", allow_ood=True,
+                               tasks=tuple(ZD.TARGET_TASKS) + 4 * tuple(ZW.tasks_of("vqa")), view="M", allow_ood=True,
                                seq_len=160, batch=16, lr=1e-3, warmup=50, init_from="image-target-base",
                                tower_lr_scale=0.1, minutes=80.0, ship=False),
     # the same continuation with `focus_loss`: head 0 of layer 2 is taught where the asked-about object is
     "image-target-focus": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                                  dict(hidden=128, layers=4, heads=4, ffn=512),
-                                 tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M",
+                                 tasks=tuple(ZD.TARGET_TASKS) + 4 * tuple(ZW.tasks_of("vqa")), view="M",
                                  allow_ood=True, seq_len=160, batch=16, lr=1e-3, warmup=50,
                                  init_from="image-target-base", tower_lr_scale=0.1, focus_loss=0.1, focus_head=(2, 0),
                                  minutes=60.0, ship=False),
@@ -238,7 +238,7 @@ PRESETS = {
     # (`focus_readout`); two cosine cycles (README)
     "image-target": Preset("image", dict(hidden=256, layers=6, heads=4, ffn=704),
                            dict(hidden=128, layers=4, heads=4, ffn=512),
-                           tasks=tuple(D.TARGET_TASKS) + 4 * tuple(W.tasks_of("vqa")), view="M", allow_ood=True,
+                           tasks=tuple(ZD.TARGET_TASKS) + 4 * tuple(ZW.tasks_of("vqa")), view="M", allow_ood=True,
                            seq_len=160, batch=16, lr=1e-3, warmup=50, init_from="image-target-focus",
                            tower_lr_scale=0.1, focus_loss=0.1, focus_head=(2, 0), focus_readout=0.1, minutes=60.0),
     # the video pair (Qwen2.5-VL; trained on a GPU): every video task, the LMs of the image pair, 512-token rows of
@@ -256,7 +256,7 @@ PRESETS = {
 }
 # One patch per grid cell: image token (r, c) sees exactly cell (r, c), so the tower can give each token the
 # attributes of its own cell's object (bound together), which the LM then finds by content.
-IMAGE_SIZE, PATCH_SIZE = 20 * W.GRID, 20
+IMAGE_SIZE, PATCH_SIZE = 20 * ZW.GRID, 20
 IMAGE_TOKENS = TK.image_tokens(IMAGE_SIZE, PATCH_SIZE)      # 9 per image ("default" strategy drops CLS)
 
 
@@ -416,31 +416,31 @@ def grown_init(p: Preset, model: ports.Model) -> dict:
 # is: the LM can copy both from the one token a question's words match), the other slots from all tokens
 # concatenated. The heads are dropped afterwards.
 
-TEXT_SLOTS = max(4, max(len(w) for w in W.SIGN_WORDS))
+TEXT_SLOTS = max(4, max(len(w) for w in ZW.SIGN_WORDS))
 BAR_SLOTS = 4
-COLOUR_IDS = {c: i + 1 for i, c in enumerate(W.COLOURS)}
-SHAPE_IDS = {c: i + 1 for i, c in enumerate(W.SHAPES)}
-SIZE_IDS = {c: i + 1 for i, c in enumerate(W.SIZES)}
-CHAR_IDS = {c: i + 1 for i, c in enumerate(W.TEXT_CHARS)}
+COLOUR_IDS = {c: i + 1 for i, c in enumerate(ZW.COLOURS)}
+SHAPE_IDS = {c: i + 1 for i, c in enumerate(ZW.SHAPES)}
+SIZE_IDS = {c: i + 1 for i, c in enumerate(ZW.SIZES)}
+CHAR_IDS = {c: i + 1 for i, c in enumerate(ZW.TEXT_CHARS)}
 KIND_IDS = {"shapes": 0, "text": 1, "chart": 2}
-CELL_CLASSES = [len(COLOUR_IDS) + 1, len(SHAPE_IDS) + 1, len(SIZE_IDS) + 1, W.GRID, W.GRID]  # + the cell's row, col
-LABEL_CLASSES = ([3] + CELL_CLASSES * W.GRID ** 2
+CELL_CLASSES = [len(COLOUR_IDS) + 1, len(SHAPE_IDS) + 1, len(SIZE_IDS) + 1, ZW.GRID, ZW.GRID]  # + the cell's row, col
+LABEL_CLASSES = ([3] + CELL_CLASSES * ZW.GRID ** 2
                  + [len(CHAR_IDS) + 1] * TEXT_SLOTS + [len(COLOUR_IDS) + 1]
                  + [len(COLOUR_IDS) + 1, 10] * BAR_SLOTS)
 
 
-def scene_labels(s: W.Scene) -> np.ndarray:
+def scene_labels(s: ZW.Scene) -> np.ndarray:
     """int32 [len(LABEL_CLASSES)]: the scene's attributes, slot by slot (0 where a slot does not apply)."""
     y = np.zeros(len(LABEL_CLASSES), np.int32)
     y[0] = KIND_IDS[s.kind]
     A = len(CELL_CLASSES)
-    for j in range(W.GRID ** 2):              # every token also states where its cell is (row, column)
-        y[1 + A * j + 3:1 + A * j + 5] = divmod(j, W.GRID)
+    for j in range(ZW.GRID ** 2):              # every token also states where its cell is (row, column)
+        y[1 + A * j + 3:1 + A * j + 5] = divmod(j, ZW.GRID)
     if s.kind == "shapes":
         for o in s.objects:
-            i = 1 + A * (o.row * W.GRID + o.col)
+            i = 1 + A * (o.row * ZW.GRID + o.col)
             y[i:i + 3] = COLOUR_IDS[o.colour], SHAPE_IDS[o.shape], SIZE_IDS[o.size]
-    base = 1 + A * W.GRID ** 2
+    base = 1 + A * ZW.GRID ** 2
     if s.kind == "text":
         y[base:base + len(s.text)] = [CHAR_IDS[c] for c in s.text]
         y[base + TEXT_SLOTS] = COLOUR_IDS[s.text_colour]
@@ -459,13 +459,13 @@ def scene_batch(split: str, n: int, seed: int, start: int) -> tuple[np.ndarray, 
     for i in range(start, start + n):
         rng = random.Random(f"tower/{seed}/{split}/{i}")
         kind = rng.choice(("shapes", "shapes", "shapes", "text", "chart"))
-        sc = W.scene_in(rng, split, W.SCENE_MAKERS[kind])
-        px.append(D.pixels(sc, IMAGE_SIZE))
+        sc = ZW.scene_in(rng, split, ZW.SCENE_MAKERS[kind])
+        px.append(ZD.pixels(sc, IMAGE_SIZE))
         ys.append(scene_labels(sc))
     return np.stack(px), np.stack(ys)
 
 
-CELL_SLOTS = np.arange(1, 1 + len(CELL_CLASSES) * W.GRID ** 2).reshape(W.GRID ** 2, -1)  # slots of grid cell j: row j
+CELL_SLOTS = np.arange(1, 1 + len(CELL_CLASSES) * ZW.GRID ** 2).reshape(ZW.GRID ** 2, -1)  # slots of grid cell j: row j
 REST_SLOTS = np.setdiff1d(np.arange(len(LABEL_CLASSES)), CELL_SLOTS.ravel())  # kind (slot 0), sign, bars
 
 
@@ -484,7 +484,7 @@ def init_tower_head(dv: int, key: jax.Array) -> dict:
     n_cell, n_rest = _slot_table(CELL_SLOTS[0])[0], _slot_table(REST_SLOTS)[0]
     k1, k2 = jax.random.split(key)
     return {"cell_w": jax.random.normal(k1, (dv, n_cell)) * 0.02, "cell_b": jnp.zeros((n_cell,)),
-            "w": jax.random.normal(k2, (W.GRID ** 2 * dv, n_rest)) * 0.02, "b": jnp.zeros((n_rest,))}
+            "w": jax.random.normal(k2, (ZW.GRID ** 2 * dv, n_rest)) * 0.02, "b": jnp.zeros((n_rest,))}
 
 
 def tower_head_logits(head: dict, feats: jax.Array) -> jax.Array:
@@ -532,12 +532,12 @@ def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) ->
 
     cfg = model.config
     P, Dv = cfg.tokens_per_image, cfg.vision.hidden_size
-    if P != W.GRID ** 2:
-        raise SystemExit(f"tower pretraining needs one image token per grid cell ({W.GRID ** 2}), got {P}")
+    if P != ZW.GRID ** 2:
+        raise SystemExit(f"tower pretraining needs one image token per grid cell ({ZW.GRID ** 2}), got {P}")
     head = init_tower_head(Dv, jax.random.key(seed + 1))
 
     def logits(tp, x):
-        feats = VZ.image_features(cfg.vision, tp["vision"], x, cfg.feature_layer, cfg.feature_strategy)
+        feats = VIS.image_features(cfg.vision, tp["vision"], x, cfg.feature_layer, cfg.feature_strategy)
         return tower_head_logits(tp["head"], feats)
 
     def loss(tp, x, y):
@@ -551,7 +551,7 @@ def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) ->
     x, y = scene_batch("heldout", 256, seed, 0)
     pred = np.asarray(jnp.argmax(logits(tp, x), -1))
     ok = pred == y
-    end = 1 + len(CELL_CLASSES) * W.GRID ** 2
+    end = 1 + len(CELL_CLASSES) * ZW.GRID ** 2
     groups = {"kind": (None, [0]), "shapes": (0, list(range(1, end))),
               "text": (1, list(range(end, end + TEXT_SLOTS + 1))), "chart": (2, list(range(end + TEXT_SLOTS + 1,
                                                                                           len(LABEL_CLASSES))))}
@@ -704,7 +704,7 @@ def text_parts(model_cfg, params: dict) -> tuple:
 def video_attention(cfg: QW.QwenVLConfig, batch: dict) -> tuple:
     """((cos, sin), visibility [B, T, T]) of video rows as `video_forward` uses them: M-RoPE of the (t, h, w)
     positions and `prefix_mask`."""
-    return L.mrope_tables(cfg.text, batch["positions"], cfg.mrope_section), prefix_mask(batch["qa_segment"])
+    return LY.mrope_tables(cfg.text, batch["positions"], cfg.mrope_section), prefix_mask(batch["qa_segment"])
 
 
 def focus_logprobs(text_cfg, layer_params: dict, x: jax.Array, batch: dict, head: int, rope=None,
@@ -714,10 +714,10 @@ def focus_logprobs(text_cfg, layer_params: dict, x: jax.Array, batch: dict, head
     one head, so the port's forward stays as it is); `rope` / `visible` (video rows: `video_attention`) replace
     the batch's RoPE tables and segment mask."""
     B, T, _ = x.shape
-    h = L.rms_norm(x, layer_params["attn_norm"], text_cfg.rms_norm_eps)
-    q, k, _ = L.project_qkv(text_cfg, layer_params, h)
-    cos, sin = L.rope_tables(text_cfg, batch["positions"]) if rope is None else rope
-    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    h = LY.rms_norm(x, layer_params["attn_norm"], text_cfg.rms_norm_eps)
+    q, k, _ = LY.project_qkv(text_cfg, layer_params, h)
+    cos, sin = LY.rope_tables(text_cfg, batch["positions"]) if rope is None else rope
+    q, k = LY.apply_rope(q, cos, sin), LY.apply_rope(k, cos, sin)
     kv = head // (text_cfg.num_heads // text_cfg.num_kv_heads)
     scores = jnp.einsum("btd,bsd->bts", q[:, :, head], k[:, :, kv]).astype(jnp.float32) * q.shape[-1] ** -0.5
     visible = segment_mask(batch["segment_ids"]) if visible is None else visible
@@ -729,8 +729,8 @@ def head_write(text_cfg, layer_params: dict, x: jax.Array, logp: jax.Array, head
     """[B, T, D]: what head `head` adds to the residual stream (its values under attention exp(logp), through its
     rows of the output projection), from the layer's input stream x."""
     B, T, _ = x.shape
-    h = L.rms_norm(x, layer_params["attn_norm"], text_cfg.rms_norm_eps)
-    _, _, v = L.project_qkv(text_cfg, layer_params, h)
+    h = LY.rms_norm(x, layer_params["attn_norm"], text_cfg.rms_norm_eps)
+    _, _, v = LY.project_qkv(text_cfg, layer_params, h)
     kv = head // (text_cfg.num_heads // text_cfg.num_kv_heads)
     o = jnp.einsum("bts,bsd->btd", jnp.exp(logp), v[:, :, kv])
     Dh = o.shape[-1]
@@ -740,7 +740,7 @@ def head_write(text_cfg, layer_params: dict, x: jax.Array, logp: jax.Array, head
 def attribute_ids() -> np.ndarray:
     """Token ids of the words an answer reads off one object (colours, shapes, sizes, positions, yes), with and
     without a leading space, where the word is one token."""
-    words = list(W.COLOURS) + list(W.SHAPES) + ["big", "small", "top", "middle", "bottom", "left", "right", "center",
+    words = list(ZW.COLOURS) + list(ZW.SHAPES) + ["big", "small", "top", "middle", "bottom", "left", "right", "center",
                                                 "yes", "Yes"]
     tok = TK.load_tokenizer().backend_tokenizer
     ids = [tok.encode(pre + w, add_special_tokens=False).ids for w in words for pre in ("", " ")]
@@ -883,7 +883,7 @@ def stream(p: Preset, split: str, seed: int, start: int, workers: int = 0):
         return
     kw = dict(tasks=p.tasks, view=p.view, t_view_prob=p.t_view_prob, image_tokens=IMAGE_TOKENS,
               image_size=IMAGE_SIZE, pack=True, start=start, allow_ood=p.allow_ood)
-    for b in D.batches(split, p.batch, p.seq_len, seed, **kw):
+    for b in ZD.batches(split, p.batch, p.seq_len, seed, **kw):
         keep = {k: b[k] for k in DEVICE_KEYS + (("target_focus",) if p.focus_loss else ())}
         if p.kind == "image" and b["pixel_values"].shape[1]:
             keep["pixel_values"] = b["pixel_values"]

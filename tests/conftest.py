@@ -96,10 +96,11 @@ def write_layered_checkpoint(directory, layers: int) -> int:
     directory.mkdir()
     fam = ports.FAMILIES["llama"]
     shapes = fam.param_shapes(cfg)
-    from ports.model import _get_path, ours_shape_to_hf
+    from ports.hf_checkpoint import ours_shape_to_hf
+    from ports.param_paths import get_path
     from ports.safetensors_io import write_safetensors
 
-    table = {n: (ours_shape_to_hf(tuple(_get_path(shapes, p)), tr), np.dtype(np.float32))
+    table = {n: (ours_shape_to_hf(tuple(get_path(shapes, p)), tr), np.dtype(np.float32))
              for n, p, tr in fam.hf_key_map(cfg)}
     rng = np.random.default_rng(0)
     write_safetensors(str(directory / "model.safetensors"), table,

@@ -67,17 +67,17 @@ def t2i_pair():
 def zoo_case(name: str):
     """(target, prompt, strategy) of the zoo's video pair under SpecVLM or its image pair under TABED."""
     from jspec import zoo
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
     if name == "zoo_specvlm_video":
-        from jspec.zoo import video as V
+        from jspec.zoo import video as ZV
 
         target, draft = zoo.load("video-target"), zoo.load("video-draft")
-        return target, V.VideoEncoder().prompts(V.eval_set(2, tasks=("video_describe",))), jspec.SpecVLM(
+        return target, ZV.VideoEncoder().prompts(ZV.eval_set(2, tasks=("video_describe",))), jspec.SpecVLM(
             draft, ratio=0.8, tree="chain5")
-    pair = E.load_pair("image")
-    exs = E.scenario_examples("image", 2)
-    prompt = E.batch_prompt(pair.encoder, [exs["caption"][0], exs["vqa"][1]])
+    pair = ZE.load_pair("image")
+    exs = ZE.scenario_examples("image", 2)
+    prompt = ZE.batch_prompt(pair.encoder, [exs["caption"][0], exs["vqa"][1]])
     return pair.target, prompt, jspec.TABED(pair.draft, newline_id=204, gamma=3)
 
 

@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 
 import ports  # noqa: E402
 from jspec import loop  # noqa: E402
-from jspec import memory as PL  # noqa: E402
+from jspec import memory as MEM  # noqa: E402
 from jspec import sharding as SH  # noqa: E402
 from ports import llava  # noqa: E402
 from ports.fused import fused_shapes  # noqa: E402
@@ -68,7 +68,7 @@ def check(target, draft, mesh_shape, batch, max_len, dtype, draft_tp=False):
     data, fsdp, tensor = mesh_shape
     mesh = SH.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
     placement = SH.Placement(mesh, tuple(SH.rules_table().items()))
-    p = PL.plan(target.hf_config, dict(data=data, fsdp=fsdp, tensor=tensor), batch, max_len, dtype=dtype,
+    p = MEM.plan(target.hf_config, dict(data=data, fsdp=fsdp, tensor=tensor), batch, max_len, dtype=dtype,
                 draft_config=None if draft is None else draft.hf_config, draft_tensor_parallel=draft_tp)
     c = p["components"]
     sharded = SH.shard(target, mesh)

@@ -197,13 +197,13 @@ def tiny_llava(key: int, std: float, pool_grid: int = 2) -> ports.Model:
     """A LLaVA-1.5 of one text layer over an 8-token vocabulary (image token 7), a one-layer CLIP tower of
     pool_grid^2 patches."""
     from ports import llava
-    from ports import vision as VZ
+    from ports import vision as VIS
 
     text = ports.TextConfig(model_type="llama", vocab_size=VLM_V, hidden_size=16, intermediate_size=24,
                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
-    vis = VZ.VisionConfig("clip_vision_model", hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+    vis = VIS.VisionConfig("clip_vision_model", hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
                           image_size=7 * pool_grid, patch_size=7)
-    cfg = llava.LlavaConfig("llava", text, vis, VZ.ProjectorConfig(16, 16), IMG, feature_layer=-1)
+    cfg = llava.LlavaConfig("llava", text, vis, VIS.ProjectorConfig(16, 16), IMG, feature_layer=-1)
     return ports.random_model(cfg, key=key, std=std)
 
 

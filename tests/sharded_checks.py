@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jspec  # noqa: E402
 import ports  # noqa: E402
 from jspec import api, loop  # noqa: E402
-from jspec import sampling as S  # noqa: E402
+from jspec import sampling as SM  # noqa: E402
 from jspec import sharding as SH  # noqa: E402
 from tolerances import assert_clear_margins, assert_layout_close  # noqa: E402
 
@@ -73,11 +73,11 @@ def check_placement(target):
     assert wl["wq"].sharding.spec == P(None, "tensor")
 
     # the decode state's target cache: batch over data, kv heads over tensor
-    ctx = loop.StepContext(max_new=4, max_steps=3, out_len=5, eos=(), sampling=S.SamplingConfig(),
+    ctx = loop.StepContext(max_new=4, max_steps=3, out_len=5, eos=(), sampling=SM.SamplingConfig(),
                            placement=SH.Placement(mesh, tuple(SH.rules_table().items())))
     toks = np.ones((8, 16), np.int32)
     lens = np.full((8,), 5, np.int32)
-    _, sp = S.make_sampling(0.0, None, None)
+    _, sp = SM.make_sampling(0.0, None, None)
     state = api._prefill_ar(ctx, 64, sharded, toks, lens, {}, jax.random.key(0), sp)
     state = api._decode_ar(ctx, sharded, state)
     k0 = state.cache.k[0]

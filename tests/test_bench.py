@@ -87,10 +87,10 @@ def test_transformers_baselines_read_image_prompts(tmp_path):
     jspec's greedy tokens. (Assisted generation is lossless, so equal tokens do not show that the assistant read the
     images; transformers copies every model kwarg, pixel_values included, to the assistant.)"""
     import jspec
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
-    pair = E.load_pair("image")
-    prompt = pair.encoder.prompt(E.scenario_examples("image", 1)["two_image"][0])
+    pair = ZE.load_pair("image")
+    prompt = pair.encoder.prompt(ZE.scenario_examples("image", 1)["two_image"][0])
     assert prompt["pixel_values"].shape[0] == 2
     want = jspec.decode(pair.target, prompt, max_new_tokens=24)
     want = want.tokens[0, :want.lengths[0]]

@@ -188,10 +188,10 @@ def test_a_diverging_row_is_measured_at_its_first_divergence():
     import jax.numpy as jnp
     import numpy as np
 
-    from jspec import bench as B
+    from jspec import bench as BENCH
     import ports
 
-    target, _ = B.damped_pair(layers=2, vocab=64, hidden=32, mlp=64, heads=4, dtype=jnp.float32)
+    target, _ = BENCH.damped_pair(layers=2, vocab=64, hidden=32, mlp=64, heads=4, dtype=jnp.float32)
     prompt = np.arange(3, 11, dtype=np.int32)
     ar = np.asarray([5, 9, 2, 7])
     logits = np.asarray(ports.logits(target, np.concatenate([prompt, ar[:2]])[None]))[0, -1]

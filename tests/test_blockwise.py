@@ -14,7 +14,7 @@ from ports import cache as kvc
 from jspec import loop
 from ports.prompts import model_prompt
 from ports import blockwise as BW
-from ports import layers as L
+from ports import layers as LY
 from tolerances import assert_layout_close
 
 
@@ -27,7 +27,7 @@ def test_blockwise_equals_direct_attention(T, qb, kb):
     vis = kvc.visibility(jnp.zeros((B,), jnp.int32), T, T, None, 0, start)
     w = np.zeros((B, T), np.float32)
     w[:, -7:] = 1 / 7  # the last queries' probabilities, as SpecVLM's scores read them
-    ref, ref_s = L.attention(q, L.kv_rows(k), L.kv_rows(v), vis, jnp.asarray(w))
+    ref, ref_s = LY.attention(q, LY.kv_rows(k), LY.kv_rows(v), vis, jnp.asarray(w))
     out, s = BW.causal_attention(q, k, v, start, jnp.asarray(w), q_block=qb, k_block=kb)
     seen = np.arange(T)[None] >= np.asarray(start)[:, None]
     np.testing.assert_allclose(np.asarray(out)[seen], np.asarray(ref)[seen], atol=2e-6, rtol=1e-5)
@@ -110,8 +110,8 @@ def test_prefill_through_the_fused_path_gives_the_same_logits(monkeypatch):
     cfg = ports.TextConfig(model_type="llama", vocab_size=101, hidden_size=32, intermediate_size=48, num_layers=2,
                            num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=4096)
     model = ports.random_model(cfg, key=2, std=0.3)
-    tokens = np.random.default_rng(2).integers(0, 101, (2, L.BLOCKWISE_MIN + 5)).astype(np.int32)
-    lengths = np.array([L.BLOCKWISE_MIN + 5, L.BLOCKWISE_MIN - 40], np.int32)
+    tokens = np.random.default_rng(2).integers(0, 101, (2, LY.BLOCKWISE_MIN + 5)).astype(np.int32)
+    lengths = np.array([LY.BLOCKWISE_MIN + 5, LY.BLOCKWISE_MIN - 40], np.int32)
     calls = _spy_on_fused_kernel(monkeypatch)
     monkeypatch.setattr(BW, "FUSED", "xla")
     fused_logits, _, fused_k = _prefill(model, tokens, lengths)
@@ -135,7 +135,7 @@ def _prefill(model, tokens, lengths, inputs=None, **kw):
 @pytest.fixture
 def direct(monkeypatch):
     """Turns the blockwise path off (every prefill attends directly)."""
-    return functools.partial(monkeypatch.setattr, L, "BLOCKWISE_MIN", 10 ** 9)
+    return functools.partial(monkeypatch.setattr, LY, "BLOCKWISE_MIN", 10 ** 9)
 
 
 def test_long_prefill_takes_the_blockwise_path_with_the_same_logits(direct):
@@ -143,7 +143,7 @@ def test_long_prefill_takes_the_blockwise_path_with_the_same_logits(direct):
                            num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=4096)
     model = ports.random_model(cfg, key=1, std=0.3)
     rng = np.random.default_rng(0)
-    lengths = np.array([L.BLOCKWISE_MIN + 77, L.BLOCKWISE_MIN - 300, 901], np.int32)
+    lengths = np.array([LY.BLOCKWISE_MIN + 77, LY.BLOCKWISE_MIN - 300, 901], np.int32)
     tokens = np.zeros((3, lengths.max()), np.int32)
     for b, n in enumerate(lengths):
         tokens[b, :n] = rng.integers(0, 101, n)
@@ -167,12 +167,12 @@ def test_video_prompt_and_specvlm_scores_from_the_long_path(monkeypatch):
     in one pass and in chunks of 100: the prefill logits and SpecVLM's language-to-video scores equal the direct
     path's, and decoding in blockwise chunks gives the same tokens."""
     from jspec import zoo
-    from jspec.zoo import video as V
+    from jspec.zoo import video as ZV
 
     if not {"video-target", "video-draft"} <= set(zoo.available()):
         pytest.skip("the zoo video pair is not shipped")
     target, draft = zoo.load("video-target"), zoo.load("video-draft")
-    prompt = V.VideoEncoder().prompts(V.eval_set(2, tasks=("video_describe",)))
+    prompt = ZV.VideoEncoder().prompts(ZV.eval_set(2, tasks=("video_describe",)))
     strat = jspec.SpecVLM(draft, ratio=0.8, tree="chain5")
     direct_out = jspec.decode(target, prompt, strat, max_new_tokens=12)
     tokens, lengths, inputs = model_prompt(target, prompt)
@@ -181,7 +181,7 @@ def test_video_prompt_and_specvlm_scores_from_the_long_path(monkeypatch):
     after = (j > last_video[:, None]) & (j < lengths[:, None])  # the text after the video: SpecVLM's queries
     w = jnp.asarray(after / after.sum(1, keepdims=True), jnp.float32)
     ref = _prefill(target, tokens, lengths, inputs, attn_query_weights=w)
-    monkeypatch.setattr(L, "BLOCKWISE_MIN", 64)
+    monkeypatch.setattr(LY, "BLOCKWISE_MIN", 64)
     jax.clear_caches()
     got = _prefill(target, tokens, lengths, inputs, attn_query_weights=w)
     assert_layout_close(got[0], ref[0], reduction=tokens.shape[1], depth=target.kv_layout[0])
@@ -206,7 +206,7 @@ def test_prefix_attention_equals_direct_attention(T, S, qb, kb):
     vis = kvc.visibility(length, S, T, None, 0, start)
     w = np.zeros((B, T), np.float32)
     w[:, -7:] = 1 / 7
-    ref, ref_s = L.attention(q, k, v, vis, jnp.asarray(w))
+    ref, ref_s = LY.attention(q, k, v, vis, jnp.asarray(w))
     out, s = BW.prefix_attention(q, k, v, start, length, jnp.asarray(w), q_block=qb, k_block=kb)
     seen = np.asarray(length)[:, None] + np.arange(T)[None] >= np.asarray(start)[:, None]
     np.testing.assert_allclose(np.asarray(out)[seen], np.asarray(ref)[seen], atol=2e-6, rtol=1e-5)
@@ -242,7 +242,7 @@ def test_chunked_prefill_equals_one_pass(blockwise, monkeypatch):
 
     ref = run(tokens, lengths, w, None)
     if blockwise:
-        monkeypatch.setattr(L, "BLOCKWISE_MIN", 64)
+        monkeypatch.setattr(LY, "BLOCKWISE_MIN", 64)
     got = run(tokens, lengths, w, 64)
     assert_layout_close(got[0], ref[0], reduction=tokens.shape[1], depth=model.config.num_layers)
     for h, r in zip(got[1], ref[1]):  # activations of a few units to tens (std 0.3 weights): float32 rounding

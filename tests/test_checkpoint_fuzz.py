@@ -17,7 +17,7 @@ import pytest
 
 import ports
 from conftest import tiny_hf, write_layered_checkpoint
-from ports import model as M
+from ports import checkpoint as CK
 from ports.safetensors_io import SafetensorsFile, write_safetensors
 
 WEIGHTS = "model.safetensors"
@@ -249,7 +249,7 @@ def test_killed_convert_never_loads_and_running_it_again_resumes(tmp_path, count
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     written = sorted(int(n) for n in os.listdir(out / "layers") if n.isdigit())
-    assert 3 <= len(written) < 24 and not (out / M.COMPLETE).exists()
+    assert 3 <= len(written) < 24 and not (out / CK.COMPLETE).exists()
     with pytest.raises(FileNotFoundError, match=rf"unfinished conversion \({len(written)} layers written.*"
                                                  rf"jspec convert {src} {out}` again"):
         ports.load(str(out))
@@ -261,20 +261,20 @@ def test_killed_convert_never_loads_and_running_it_again_resumes(tmp_path, count
     back, ref = ports.load(str(out)), ports.load_hf(str(src))
     _assert_same_params(back, ref)
     assert n == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(ref.params))
-    assert json.loads((out / M.COMPLETE).read_text())["num_layers"] == 24
-    assert not (out / M.CONVERTING).exists()
+    assert json.loads((out / CK.COMPLETE).read_text())["num_layers"] == 24
+    assert not (out / CK.CONVERTING).exists()
 
 
 def _interrupt_after(monkeypatch, saves: int):
     """Make the `saves`-th orbax write raise, as a crash would stop it."""
-    real, count = M._orbax_save, []
+    real, count = CK.orbax_save, []
 
     def save(path, tree):
         count.append(path)
         if len(count) == saves:
             raise KeyboardInterrupt("interrupted")
         real(path, tree)
-    monkeypatch.setattr(M, "_orbax_save", save)
+    monkeypatch.setattr(CK, "orbax_save", save)
 
 
 def test_an_other_conversion_into_an_unfinished_directory_starts_clean(saved, tmp_path, monkeypatch):
@@ -300,7 +300,7 @@ def test_an_interrupted_save_never_loads(saved, tmp_path, monkeypatch):
     _, model = saved
     out = tmp_path / "ckpt"
     ports.save(model, str(out))
-    assert (out / M.COMPLETE).exists()
+    assert (out / CK.COMPLETE).exists()
     with monkeypatch.context() as m:
         _interrupt_after(m, 4)  # three layers, then the non-layer params
         with pytest.raises(KeyboardInterrupt):

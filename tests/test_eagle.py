@@ -11,7 +11,7 @@ import jspec
 import ports
 from jspec import api
 from ports import cache as kvc
-from jspec.drafters import eagle as E
+from jspec.drafters import eagle as EG
 from jspec.plans import StaticPlan
 from jspec.trees import build_tree, chain
 from sampling_check import exactness, tiny_vocab_pair
@@ -23,14 +23,14 @@ from toy_parts import RecordingController
 @pytest.fixture(scope="module")
 def pair():
     target, _ = tiny_pair()
-    head = E.init_head(target, jax.random.key(1), noise=0.3)
+    head = EG.init_head(target, jax.random.key(1), noise=0.3)
     # perturb the copied layer so the head is not the target's last layer
     layer = jax.tree.map(lambda a: a * (1 + 0.2 * np.sin(np.arange(a.size).reshape(a.shape))), head.params["layer"])
     return target, head.replace(params=dict(head.params, layer=layer))
 
 
 def eagle(head, tree, rule="residual", controller=None):
-    return jspec.Speculative(E.EagleDrafter(head), StaticPlan.of(build_tree(tree)), rule, controller)
+    return jspec.Speculative(EG.EagleDrafter(head), StaticPlan.of(build_tree(tree)), rule, controller)
 
 
 NMAX = 64  # reference sequences are padded to this length: under causal attention padding never changes a prefix
@@ -38,20 +38,20 @@ NMAX = 64  # reference sequences are padded to this length: under causal attenti
 
 @jax.jit
 def _features_padded(target, seq):
-    cfg, lm = E.text_parts(target)
+    cfg, lm = EG.text_parts(target)
     cache = kvc.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, NMAX, cfg.head_dim, jnp.float32)
     fo = target.forward(seq[None], jnp.arange(NMAX)[None], cache, fresh=True, hidden_layers=(cfg.num_layers,))
-    return E.features(cfg, lm, fo.hidden[0])[0]
+    return EG.features(cfg, lm, fo.hidden[0])[0]
 
 
 @jax.jit
 def _head_padded(target, head, tokens, feats):
     """f-hat [NMAX, D] of entries (tokens[j], feats[j]), causal."""
-    cfg, lm = E.text_parts(target)
+    cfg, lm = EG.text_parts(target)
     cache = kvc.init_cache(1, 1, cfg.num_kv_heads, NMAX, cfg.head_dim, jnp.float32)
-    x, _ = E.head_forward(cfg, head, lm["embed"][tokens][None], feats[None], jnp.arange(1, NMAX + 1)[None], cache,
+    x, _ = EG.head_forward(cfg, head, lm["embed"][tokens][None], feats[None], jnp.arange(1, NMAX + 1)[None], cache,
                           fresh=True)
-    return x[0], E.lm_logits(cfg, lm, x)[0]
+    return x[0], EG.lm_logits(cfg, lm, x)[0]
 
 
 def _pad(seq):
@@ -121,7 +121,7 @@ def test_greedy_equals_ar_on_trees(pair):
 @pytest.mark.slow  # the conformance entry "eagle_head" runs the same exactness check by default
 def test_sampling_is_exact():
     target, _ = tiny_vocab_pair()
-    head = E.init_head(target, jax.random.key(2), noise=0.5)
+    head = EG.init_head(target, jax.random.key(2), noise=0.5)
     pval, tv, out = exactness(target, eagle(head, [[0], [1], [0, 0], [0, 1]]))
     assert pval > 1e-3, (pval, tv)
     assert out.stats["mean_accepted"].mean() > 1.05
@@ -135,7 +135,7 @@ def test_a_trained_like_head_is_accepted_more(pair):
                                                intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                                                head_dim=16))
     target = ports.random_model(cfg, key=3, std=0.3)
-    good = E.init_head(target, jax.random.key(0), noise=0.0)
+    good = EG.init_head(target, jax.random.key(0), noise=0.0)
     bad = good.replace(params=jax.tree.map(lambda a: jax.random.normal(jax.random.key(9), a.shape) * 0.3,
                                            good.params))
     runs = [jspec.decode(target, PROMPTS, eagle(h, chain(4)), max_new_tokens=24, eos_token_id=())
@@ -163,7 +163,7 @@ def test_cfg_streams_and_the_image_grammar():
     from test_imagegen import COLS, PREFIX, ROWS, make_model, prompts
 
     target = IG._generating(make_model(0))
-    head = E.init_head(target, jax.random.key(4), noise=0.3)
+    head = EG.init_head(target, jax.random.key(4), noise=0.3)
     gram = IG.grammar(target.config, ROWS, COLS)
     conds = [np.concatenate([p, PREFIX]) for p in prompts()]
     scale = 3.0

@@ -14,7 +14,7 @@ import transformers
 
 import jspec
 import ports.cache
-from jspec.drafters import eagle as E
+from jspec.drafters import eagle as EG
 from jspec.drafters import eagle_io as IO
 from jspec.plans import StaticPlan
 from jspec.trees import build_tree
@@ -38,7 +38,7 @@ def chameleon_target():
 
 
 def _decode(target, head, prompts=PROMPTS, n=12):
-    return jspec.decode(target, prompts, jspec.Speculative(E.EagleDrafter(head), StaticPlan.of(build_tree(TREE))),
+    return jspec.decode(target, prompts, jspec.Speculative(EG.EagleDrafter(head), StaticPlan.of(build_tree(TREE))),
                         max_new_tokens=n, eos_token_id=())
 
 
@@ -54,14 +54,14 @@ def _perturbed(module, seed, scale=0.3):
 def _teacher_forced(target, head, seq):
     """(the target's features f [T, D] of seq, the draft logits [T - 1, V] of entries (seq[j + 1], f_j) as
     eagle.head_forward computes them)."""
-    cfg, lm = E.text_parts(target)
+    cfg, lm = EG.text_parts(target)
     T = seq.shape[0]
     cache = ports.cache.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
     fo = target.forward(seq[None], jnp.arange(T)[None], cache, fresh=True, hidden_layers=(cfg.num_layers,))
-    f = E.features(cfg, lm, fo.hidden[0])
+    f = EG.features(cfg, lm, fo.hidden[0])
     hc = ports.cache.init_cache(1, 1, cfg.num_kv_heads, T - 1, cfg.head_dim, jnp.float32)
-    x, _ = E.head_forward(cfg, head, lm["embed"][seq[1:]][None], f[:, :-1], jnp.arange(1, T)[None], hc, fresh=True)
-    return f[0], E.lm_logits(cfg, lm, x)[0]
+    x, _ = EG.head_forward(cfg, head, lm["embed"][seq[1:]][None], f[:, :-1], jnp.arange(1, T)[None], hc, fresh=True)
+    return f[0], EG.lm_logits(cfg, lm, x)[0]
 
 
 def _ours_logits(target, head, seq):
@@ -72,7 +72,7 @@ def _ours_logits(target, head, seq):
 def _torch_logits(target, fc, layer, rotary, seq, f):
     """The PyTorch head (EAGLE-1 / LANTERN `Model.forward` with one layer) on the same entries, and the target's LM
     head over its output."""
-    cfg, lm = E.text_parts(target)
+    cfg, lm = EG.text_parts(target)
     T = len(seq) - 1
     emb = torch.tensor(np.asarray(lm["embed"]))[torch.tensor(seq[1:])][None]
     x = fc(torch.cat([emb, torch.tensor(f[:T])[None]], dim=-1))
@@ -99,7 +99,7 @@ def _state_dict(fc, layer, embed=None, drop=()):
 def test_round_trip_gives_identical_params_and_decodes(llama_target, tmp_path):
     target = llama_target
     for input_norm in (True, False):
-        head = E.init_head(target, jax.random.key(1), input_norm=input_norm, noise=0.3)
+        head = EG.init_head(target, jax.random.key(1), input_norm=input_norm, noise=0.3)
         d = tmp_path / f"norm{int(input_norm)}"
         IO.save_head(head, str(d), extra={"note": "test"}, target=target)
         meta = json.loads((d / IO.CONFIG_NAME).read_text())
@@ -127,9 +127,9 @@ def test_neighbour_table_travels_with_the_head(chameleon_target, tmp_path):
     from ports import vqgan as VQ
 
     target = chameleon_target
-    cfg, params = E.text_parts(target)
+    cfg, params = EG.text_parts(target)
     table = NeighbourTable.for_chameleon(cfg, np.asarray(VQ.codebook(params["vqmodel"])), k=3)
-    head = E.init_head(target, jax.random.key(0))
+    head = EG.init_head(target, jax.random.key(0))
     IO.save_head(head, str(tmp_path), table=table)
     h, t = IO.load_drafter(str(tmp_path), target)
     assert IO.same_params(h, head) and h.input_norm  # LANTERN's Chameleon heads normalise their input
@@ -161,11 +161,11 @@ def test_foreign_eagle1_llama_checkpoint(llama_target, tmp_path):
     hf_cfg._attn_implementation = "eager"
     layer = _perturbed(LM.LlamaDecoderLayer(hf_cfg, 0), seed=1, scale=0.15).eval()
     fc = _perturbed(torch.nn.Linear(2 * CFG.hidden_size, CFG.hidden_size), seed=2, scale=0.1)
-    sd = _state_dict(fc, layer, E.text_parts(target)[1]["embed"], drop=("input_layernorm.weight",))
+    sd = _state_dict(fc, layer, EG.text_parts(target)[1]["embed"], drop=("input_layernorm.weight",))
     torch.save(sd, tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg.to_dict()))
     head = IO.load_head(str(tmp_path), target)
-    assert not head.input_norm and head.target == E.signature(target)
+    assert not head.input_norm and head.target == EG.signature(target)
 
     seq = np.concatenate([PROMPTS[1], np.arange(10) * 5 % 97])
     ours, f = _ours_logits(target, head, seq)
@@ -190,7 +190,7 @@ def _lantern_checkpoint(target, tmp_path, decode=False):
     torch.manual_seed(0)
     layer = _perturbed(CM.ChameleonDecoderLayer(hf_cfg, 0), seed=3, scale=0.2).eval()
     fc = _perturbed(torch.nn.Linear(64, 32), seed=4, scale=0.1)
-    sd = {k: v.numpy() for k, v in _state_dict(fc, layer, E.text_parts(target)[1]["embed"]).items()}
+    sd = {k: v.numpy() for k, v in _state_dict(fc, layer, EG.text_parts(target)[1]["embed"]).items()}
     write_safetensors(str(tmp_path / "model.safetensors"), {k: (v.shape, v.dtype) for k, v in sd.items()},
                       sd.__getitem__)
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 32, "num_attention_heads": 4,
@@ -225,7 +225,7 @@ def test_foreign_lantern_chameleon_checkpoint(chameleon_target, tmp_path):
         for part in ("weight", "bias"):
             sd1[f"layers.0.self_attn.{n}.{part}"] = sd[f"layers.0.self_attn.{n}.{part}"][:1]
     h1 = IO.from_torch_state_dict(sd1, target)
-    cfg, _ = E.text_parts(target)
+    cfg, _ = EG.text_parts(target)
     unf = FU.unfuse_layer(cfg, h1.params["layer"])
     np.testing.assert_array_equal(unf["q_norm"], np.repeat(sd["layers.0.self_attn.q_norm.weight"][:1], 4, 0))
     np.testing.assert_array_equal(unf["k_norm_b"], np.repeat(sd["layers.0.self_attn.k_norm.bias"][:1], 2, 0))
@@ -236,7 +236,7 @@ def test_foreign_lantern_chameleon_checkpoint(chameleon_target, tmp_path):
 
 def test_errors_name_the_problem(llama_target, tmp_path):
     target = llama_target
-    head = E.init_head(target, jax.random.key(1), input_norm=True)
+    head = EG.init_head(target, jax.random.key(1), input_norm=True)
     sd = IO.torch_state_dict(head)
 
     def fails(d, match, input_norm=None):

@@ -10,15 +10,15 @@ import pytest
 import jspec
 import ports.cache
 from jspec import train as jt
-from jspec.drafters import eagle as E
-from jspec.methods import eagle_train as ET
+from jspec.drafters import eagle as EG
+from jspec.methods import eagle_train as EGT
 from jspec.plans import StaticPlan
 from jspec.trees import build_tree
 from tiny_pairs import PROMPTS, tiny_pair
 
 TREE = [[0], [1], [0, 0], [0, 0, 0]]  # the tree test_eagle_io decodes with (one compile for both files)
 NEW = 12
-OPTS = ET.LossOptions(noise=0.0)  # EAGLE's 0.2 * 512 / L is +-1.6 at L = 32
+OPTS = EGT.LossOptions(noise=0.0)  # EAGLE's 0.2 * 512 / L is +-1.6 at L = 32
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +27,14 @@ def target():
 
 
 def _decode(target, head):
-    return jspec.decode(target, PROMPTS, jspec.Speculative(E.EagleDrafter(head), StaticPlan.of(build_tree(TREE))),
+    return jspec.decode(target, PROMPTS, jspec.Speculative(EG.EagleDrafter(head), StaticPlan.of(build_tree(TREE))),
                         max_new_tokens=NEW, eos_token_id=())
 
 
 @pytest.fixture(scope="module")
 def untrained(target):
     """(the untrained head, its greedy decode of PROMPTS: the target's own greedy text, greedy SD being AR)."""
-    head = ET.trainable(E.init_head(target, jax.random.key(0)), target)
+    head = EGT.trainable(EG.init_head(target, jax.random.key(0)), target)
     return head, _decode(target, head)
 
 
@@ -43,56 +43,56 @@ def own_text(untrained):
     """The target's greedy continuations of PROMPTS, masked to the continuation (what the acceptance test decodes)."""
     out = untrained[1]
     seqs = [np.concatenate([p, out.tokens[i, :NEW]]) for i, p in enumerate(PROMPTS)]
-    return [(s, ET.generated_mask(len(s), len(p))) for s, p in zip(seqs, PROMPTS)]
+    return [(s, EGT.generated_mask(len(s), len(p))) for s, p in zip(seqs, PROMPTS)]
 
 
 def test_batches_layout_and_masks():
     a, b, c = np.arange(5) + 10, np.arange(3) + 20, np.arange(9) + 30
-    items = [(a, ET.generated_mask(5, 2)), b, c]
+    items = [(a, EGT.generated_mask(5, 2)), b, c]
     np.testing.assert_array_equal(items[0][1], [0, 1, 1, 1, 0])  # entry j counts when token j + 1 is generated
-    bt, nxt, n = next(ET.batches(items, 2, 8))
+    bt, nxt, n = next(EGT.batches(items, 2, 8))
     np.testing.assert_array_equal(bt["input_ids"], [[10, 11, 12, 13, 14, 0, 0, 0], [20, 21, 22, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(bt["lengths"], [5, 3])
     np.testing.assert_array_equal(bt["mask"][1], [1, 1, 0, 0, 0, 0, 0, 0])
     assert (nxt, n) == (2, 8) and "segment_ids" not in bt
-    bt, nxt, n = next(ET.batches(items, 2, 8, start=2))  # c is cut to 8 tokens; cycling wraps to a
+    bt, nxt, n = next(EGT.batches(items, 2, 8, start=2))  # c is cut to 8 tokens; cycling wraps to a
     np.testing.assert_array_equal(bt["input_ids"][0], c[:8])
     assert bt["mask"][0].sum() == 8 and nxt == 4  # (the head never counts a row's last position)
-    bt, nxt, _ = next(ET.batches(items, 2, 8, pack=True))
+    bt, nxt, _ = next(EGT.batches(items, 2, 8, pack=True))
     np.testing.assert_array_equal(bt["segment_ids"], [[1, 1, 1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1]])
     np.testing.assert_array_equal(bt["positions"][0], [0, 1, 2, 3, 4, 0, 1, 2])
     assert nxt == 3
     # the head's view: the entry crossing a packed sequence's end and the last position never count
-    _, npos, m, lengths, _, _ = ET.entries({k: jnp.asarray(v) for k, v in bt.items()})
+    _, npos, m, lengths, _, _ = EGT.entries({k: jnp.asarray(v) for k, v in bt.items()})
     np.testing.assert_array_equal(m[0], [0, 1, 1, 1, 0, 1, 1, 0])
     np.testing.assert_array_equal(npos[0], [1, 2, 3, 4, 0, 1, 2, 3])
     np.testing.assert_array_equal(lengths[:, 0], [8, 8])
     # CFG pairs: both forms, the unconditional one after its own prompt; rows pick one with a key
-    pairs = [ET.cfg_item([1, 2, 3], [9], [40, 41, 42]), ET.cfg_item([4, 5], [9], [43, 44])]
-    bt, _, _ = next(ET.batches(pairs, 2, 8))
+    pairs = [EGT.cfg_item([1, 2, 3], [9], [40, 41, 42]), EGT.cfg_item([4, 5], [9], [43, 44])]
+    bt, _, _ = next(EGT.batches(pairs, 2, 8))
     np.testing.assert_array_equal(bt["u_input_ids"][0, :4], [9, 40, 41, 42])
     np.testing.assert_array_equal(bt["mask"][0], [0, 0, 1, 1, 1, 0, 0, 0])
     np.testing.assert_array_equal(bt["u_mask"][0], [1, 1, 1, 0, 0, 0, 0, 0])
     jb = {k: jnp.asarray(v) for k, v in bt.items()}
     for p, want in ((0.0, "input_ids"), (1.0, "u_input_ids")):
-        picked, rows = ET.pick_rows(jb, jax.random.key(0), p)
+        picked, rows = EGT.pick_rows(jb, jax.random.key(0), p)
         np.testing.assert_array_equal(picked["input_ids"], bt[want])
         assert not any(k.startswith("u_") for k in picked)
     with pytest.raises(ValueError, match="packing"):
-        next(ET.batches(pairs, 2, 8, pack=True))
+        next(EGT.batches(pairs, 2, 8, pack=True))
 
 
 def test_training_lowers_the_loss_and_raises_agreement_and_acceptance(target, untrained, own_text, tmp_path):
     """Self-distillation on the prompts' own greedy continuations: after 60 steps the head agrees with the target
     on most of them and the greedy decode of the same prompts accepts more drafts per step."""
     head0, out0 = untrained
-    held = [next(ET.batches(own_text, 3, 32))[0]]
-    _, lm = E.text_parts(target)
+    held = [next(EGT.batches(own_text, 3, 32))[0]]
+    _, lm = EG.text_parts(target)
     opts = OPTS
-    _, eval_step = ET.make_steps(target, head0, ET.optimizer(), opts)
-    before = ET.evaluate(eval_step, head0.params, lm, held)
+    _, eval_step = EGT.make_steps(target, head0, EGT.optimizer(), opts)
+    before = EGT.evaluate(eval_step, head0.params, lm, held)
     acc0 = float(np.mean(out0.stats["mean_accepted"]))
-    head, meta = ET.fit_head(target, own_text, tmp_path, steps=60, lr=1e-2, batch_size=3, seq_len=32, opts=opts,
+    head, meta = EGT.fit_head(target, own_text, tmp_path, steps=60, lr=1e-2, batch_size=3, seq_len=32, opts=opts,
                              heldout=held, progress=False, argv=[])
     assert jt.finished(meta) and meta["step"] == 60
     log = jt.read_log(tmp_path / "log.jsonl")
@@ -106,16 +106,16 @@ def test_training_lowers_the_loss_and_raises_agreement_and_acceptance(target, un
     assert after["heldout_loss"] < 0.5 * before["heldout_loss"]
     assert after["heldout_top1"] > before["heldout_top1"] + 0.3
     assert acc1 > acc0 + 0.3
-    assert ET.evaluate(eval_step, head.params, lm, held)["heldout_top1"] == pytest.approx(after["heldout_top1"])
+    assert EGT.evaluate(eval_step, head.params, lm, held)["heldout_top1"] == pytest.approx(after["heldout_top1"])
 
 
 def test_interrupted_run_resumes_bit_identical(target, own_text, tmp_path):
     kw = dict(steps=12, lr=1e-2, batch_size=3, seq_len=32, progress=False, argv=[], log_every=2, seed=3,
               opts=OPTS)  # (the options and shapes of the test above: its compiled step is reused)
-    whole, _ = ET.fit_head(target, own_text, tmp_path / "a", **kw)
-    part, meta = ET.fit_head(target, own_text, tmp_path / "b", interrupt_at=7, **kw)
+    whole, _ = EGT.fit_head(target, own_text, tmp_path / "a", **kw)
+    part, meta = EGT.fit_head(target, own_text, tmp_path / "b", interrupt_at=7, **kw)
     assert meta["step"] == 7 and not jt.finished(meta)
-    resumed, meta = ET.fit_head(target, own_text, tmp_path / "b", **kw)
+    resumed, meta = EGT.fit_head(target, own_text, tmp_path / "b", **kw)
     assert meta["step"] == 12 and [r["from_step"] for r in meta["runs"]] == [0, 7]
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -123,7 +123,7 @@ def test_interrupted_run_resumes_bit_identical(target, own_text, tmp_path):
                           for r in rows if "loss" in r]
     assert strip(jt.read_log(tmp_path / "a" / "log.jsonl")) == strip(jt.read_log(tmp_path / "b" / "log.jsonl"))
     with pytest.raises(ValueError, match="seed"):
-        ET.fit_head(target, own_text, tmp_path / "b", **{**kw, "seed": 4})
+        EGT.fit_head(target, own_text, tmp_path / "b", **{**kw, "seed": 4})
 
 
 @pytest.mark.slow  # compiles a Chameleon training step (the CFG batches and picks are checked above)
@@ -135,24 +135,24 @@ def test_cfg_pairs_train_on_a_tiny_chameleon(tmp_path):
     from test_imagegen import PREFIX, make_model
 
     target = IG._generating(make_model(0))
-    cfg, lm = E.text_parts(target)
+    cfg, lm = EG.text_parts(target)
     rng = np.random.default_rng(0)
     img = [rng.integers(cfg.image_token_ids[0], cfg.image_token_ids[-1] + 1, 14) for _ in range(4)]
     conds = [np.concatenate([rng.integers(8, 40, 5), PREFIX]) for _ in range(4)]
-    pairs = [ET.cfg_item(c, PREFIX, g) for c, g in zip(conds, img)]
-    held = [next(ET.batches(pairs, 4, 24))[0]]
-    head0 = ET.trainable(E.init_head(target, jax.random.key(0)), target)
-    opts = ET.LossOptions(noise=0.0, uncond_prob=0.5)
-    _, eval_step = ET.make_steps(target, head0, ET.optimizer(), opts)
-    before = ET.evaluate(eval_step, head0.params, lm, held)["heldout_loss"]
-    head, meta = ET.fit_head(target, pairs, tmp_path, steps=20, lr=1e-2, batch_size=4, seq_len=24, opts=opts,
+    pairs = [EGT.cfg_item(c, PREFIX, g) for c, g in zip(conds, img)]
+    held = [next(EGT.batches(pairs, 4, 24))[0]]
+    head0 = EGT.trainable(EG.init_head(target, jax.random.key(0)), target)
+    opts = EGT.LossOptions(noise=0.0, uncond_prob=0.5)
+    _, eval_step = EGT.make_steps(target, head0, EGT.optimizer(), opts)
+    before = EGT.evaluate(eval_step, head0.params, lm, held)["heldout_loss"]
+    head, meta = EGT.fit_head(target, pairs, tmp_path, steps=20, lr=1e-2, batch_size=4, seq_len=24, opts=opts,
                              heldout=held, progress=False, argv=[], log_every=5)
-    after = ET.evaluate(eval_step, head.params, lm, held)["heldout_loss"]
+    after = EGT.evaluate(eval_step, head.params, lm, held)["heldout_loss"]
     assert np.isfinite(after) and after < 0.7 * before
     assert head.family == "chameleon" and head.input_norm
     # the picks: a function of the step's key alone, both forms drawn over the run
     b = {k: jnp.asarray(v) for k, v in held[0].items()}
-    picks = np.stack([np.asarray(ET.pick_rows(b, jax.random.split(ET.step_key(0, i))[0], 0.5)[1])
+    picks = np.stack([np.asarray(EGT.pick_rows(b, jax.random.split(EGT.step_key(0, i))[0], 0.5)[1])
                       for i in range(20)])
     assert 0.2 < picks.mean() < 0.8
 
@@ -161,25 +161,25 @@ def test_cfg_pairs_train_on_a_tiny_chameleon(tmp_path):
 def test_loss_equals_a_direct_computation(target, own_text, rows):
     """The batched loss: the target's features from its own forward, the head teacher-forced over
     (x_{j+1}, f_j) as the drafter feeds it, SmoothL1 + 0.1 CE over the weighted entries."""
-    head = ET.trainable(E.init_head(target, jax.random.key(2), noise=0.3), target)
-    cfg, lm = E.text_parts(target)
+    head = EGT.trainable(EG.init_head(target, jax.random.key(2), noise=0.3), target)
+    cfg, lm = EG.text_parts(target)
     own_text = own_text[:rows]
-    batch = next(ET.batches(own_text, rows, 32))[0]
-    loss, aux = ET.loss_terms(cfg, lm, head, {k: jnp.asarray(v) for k, v in batch.items()}, None, ET.LossOptions())
+    batch = next(EGT.batches(own_text, rows, 32))[0]
+    loss, aux = EGT.loss_terms(cfg, lm, head, {k: jnp.asarray(v) for k, v in batch.items()}, None, EGT.LossOptions())
     vl, ce, top, w = [], [], [], []
     for r, (seq, mask) in enumerate(own_text):
         T = len(seq)
         cache = ports.cache.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
         fo = target.forward(jnp.asarray(seq)[None], jnp.arange(T)[None], cache, fresh=True,
                             hidden_layers=(cfg.num_layers,))
-        f = np.asarray(E.features(cfg, lm, fo.hidden[0])[0])
+        f = np.asarray(EG.features(cfg, lm, fo.hidden[0])[0])
         hc = ports.cache.init_cache(1, 1, cfg.num_kv_heads, T - 1, cfg.head_dim, jnp.float32)
-        fh, _ = E.head_forward(cfg, head, lm["embed"][jnp.asarray(seq[1:])][None], jnp.asarray(f[:-1])[None],
+        fh, _ = EG.head_forward(cfg, head, lm["embed"][jnp.asarray(seq[1:])][None], jnp.asarray(f[:-1])[None],
                                jnp.arange(1, T)[None], hc, fresh=True)
         fh = np.asarray(fh[0])
         d = np.abs(fh - f[1:])
         vl.append(np.where(d < 1, 0.5 * d * d, d - 0.5).mean(-1))
-        lt, lh = (np.asarray(E.lm_logits(cfg, lm, jnp.asarray(x)[None])[0], np.float64) for x in (f[1:], fh))
+        lt, lh = (np.asarray(EG.lm_logits(cfg, lm, jnp.asarray(x)[None])[0], np.float64) for x in (f[1:], fh))
         p = np.exp(lt - lt.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         logq = lh - lh.max(-1, keepdims=True)

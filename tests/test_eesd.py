@@ -14,10 +14,10 @@ import jspec
 import ports
 from jspec import api
 from jspec.controllers import Record
-from jspec.controllers import calibration as C
+from jspec.controllers import calibration as CAL
 from jspec.controllers.draft_length import BetaTS, FixedK, leading_ones
 from jspec.drafters import early_exit as EE
-from ports import layers as L
+from ports import layers as LY
 from tiny_pairs import CFG, PROMPTS, tiny_pair
 
 
@@ -55,7 +55,7 @@ def test_two_source_attention_equals_attention_over_the_joined_cache():
     vis_a = jnp.asarray(rng.random((B, T, Sa)) < 0.6).at[:, :, 0].set(True)
     vis_b = jnp.asarray(rng.random((B, T, Sb)) < 0.5)
     got = EE.two_source_attention(q, ka, va, vis_a, kb, vb, vis_b)
-    want = L.attention(q, jnp.concatenate([ka, kb], 1), jnp.concatenate([va, vb], 1),
+    want = LY.attention(q, jnp.concatenate([ka, kb], 1), jnp.concatenate([va, vb], 1),
                        jnp.concatenate([vis_a, vis_b], -1))
     np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -226,23 +226,23 @@ class _AsksLayer1(jspec.PrefillHook):
 
 def _cali(target, bias, **kw):
     """A Cali-TS whose predictor says `bias` (2-way logits) whatever the states (W_p = 0)."""
-    pred = C.init_predictor(jax.random.key(0), target.config.hidden_size)
-    return C.CaliTS(pred.replace(wp=jnp.zeros_like(pred.wp), bp=jnp.asarray(bias, jnp.float32)), **kw)
+    pred = CAL.init_predictor(jax.random.key(0), target.config.hidden_size)
+    return CAL.CaliTS(pred.replace(wp=jnp.zeros_like(pred.wp), bp=jnp.asarray(bias, jnp.float32)), **kw)
 
 
 def test_cali_ts_blend_limits():
     """Eq. 6-7: no verification yet -> mu = theta_M, sigma^2 = sigma_M^2; many -> mu -> theta_hat, sigma^2 -> 0;
     in between mu lies between the two and sigma^2 = 1 / (1 / sigma_M^2 + n / sigma_S^2)."""
     tm, th, sm, ss = 0.9, 0.3, 0.2, 0.5
-    mu, var = C.blend(tm, 0.0, th, sm, ss)
+    mu, var = CAL.blend(tm, 0.0, th, sm, ss)
     assert np.isclose(mu, tm) and np.isclose(var, sm ** 2)
-    mu, var = C.blend(tm, 1e7, th, sm, ss)
+    mu, var = CAL.blend(tm, 1e7, th, sm, ss)
     assert abs(mu - th) < 1e-5 and var < 1e-7
     for n in (1.0, 5.0, 30.0):
-        mu, var = C.blend(tm, n, th, sm, ss)
+        mu, var = CAL.blend(tm, n, th, sm, ss)
         assert th < mu < tm
         assert np.isclose(1 / var, 1 / sm ** 2 + n / ss ** 2, rtol=1e-5)
-    assert C.blend(tm, 5.0, th, sm, ss)[0] < C.blend(tm, 1.0, th, sm, ss)[0]
+    assert CAL.blend(tm, 5.0, th, sm, ss)[0] < CAL.blend(tm, 1.0, th, sm, ss)[0]
 
 
 def test_cali_ts_running_rate(pair):
@@ -295,13 +295,13 @@ def test_cali_ts_saves_beside_the_head_and_is_checked(pair, tmp_path):
     EE.save_head(head, target, str(tmp_path))
     with pytest.raises(ValueError, match="calibration predictor"):
         jspec.EESD(EE.load_head(str(tmp_path), target), controller="cali").parts()
-    pred = C.init_predictor(jax.random.key(3), target.config.hidden_size)
-    C.save_calibration(pred, str(tmp_path))
+    pred = CAL.init_predictor(jax.random.key(3), target.config.hidden_size)
+    CAL.save_calibration(pred, str(tmp_path))
     loaded = EE.load_head(str(tmp_path), target)
     for a, b in zip(jax.tree.leaves(pred), jax.tree.leaves(loaded.calibration)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     parts = jspec.EESD(loaded, controller="cali").parts()
-    assert isinstance(parts.controller, C.CaliTS) and parts.drafter.head.calibration is None
+    assert isinstance(parts.controller, CAL.CaliTS) and parts.drafter.head.calibration is None
     with pytest.raises(ValueError, match="does not give them"):   # a separate draft has no head states to read
         jspec.decode(target, PROMPTS, jspec.Chain(draft, gamma=4, controller=parts.controller), max_new_tokens=4)
     with pytest.raises(ValueError, match="cannot stop there"):

@@ -8,13 +8,13 @@ import jspec
 import ports.cache
 from jspec import train as jt
 from jspec.drafters import early_exit as EE
-from jspec.methods import eesd_train as ET
+from jspec.methods import eesd_train as EST
 from tiny_pairs import PROMPTS, tiny_pair
 
 
 def test_pack_weights_next_tokens_of_the_continuation():
     seqs = [np.array([5, 6, 7, 8]), np.array([9, 10, 11])]
-    b, nxt = next(ET.pack(seqs, 2, 8, starts=[2, 1]))
+    b, nxt = next(EST.pack(seqs, 2, 8, starts=[2, 1]))
     np.testing.assert_array_equal(b["input_ids"][0], [5, 6, 7, 8, 9, 10, 11, 0])
     np.testing.assert_array_equal(b["targets"][0], [6, 7, 8, 0, 10, 11, 0, 0])
     np.testing.assert_array_equal(b["segment_ids"][0], [1, 1, 1, 1, 2, 2, 2, 0])
@@ -26,34 +26,34 @@ def test_pack_weights_next_tokens_of_the_continuation():
 def test_training_lowers_the_loss_and_reads_the_targets_own_states():
     target, _ = tiny_pair()
     head = EE.init_head(target, exit_layer=1, num_layers=1)
-    cfg, lm = ET.head_target_lm(target, head)
-    texts = ET.self_distillation_texts(target, PROMPTS, max_new_tokens=10, greedy_first=3, progress=False)
+    cfg, lm = EST.head_target_lm(target, head)
+    texts = EST.self_distillation_texts(target, PROMPTS, max_new_tokens=10, greedy_first=3, progress=False)
     for t, p in zip(texts, PROMPTS):
         np.testing.assert_array_equal(t[:len(p)], p)
         assert len(t) > len(p)
-    batch, _ = next(ET.pack(texts, 3, 32, starts=[len(p) for p in PROMPTS]))
-    h = ET.exit_states(cfg, lm, 1, batch)
+    batch, _ = next(EST.pack(texts, 3, 32, starts=[len(p) for p in PROMPTS]))
+    h = EST.exit_states(cfg, lm, 1, batch)
     full = target.forward(batch["input_ids"][:1, :len(texts[0])], batch["positions"][:1, :len(texts[0])],
                           jspec.loop.new_cache_for(target, 1, len(texts[0])), hidden_layers=(1,), fresh=True)
     np.testing.assert_allclose(h[0, :len(texts[0])], full.hidden[0][0], rtol=1e-4, atol=1e-4)
     tx = jt.adamw(0.0)
-    step, eval_step = ET.make_steps(cfg, 1, tx)
+    step, eval_step = EST.make_steps(cfg, 1, tx)
     params, opt = head.params, tx.init(head.params)
     before = jax.tree.map(np.asarray, lm)
-    first = ET.loss_fn(cfg, 1, params, lm, batch)[0]
+    first = EST.loss_fn(cfg, 1, params, lm, batch)[0]
     for _ in range(30):
         params, opt, m = step(params, opt, lm, batch, 3e-3)
-    assert float(ET.loss_fn(cfg, 1, params, lm, batch)[0]) < 0.5 * float(first)
+    assert float(EST.loss_fn(cfg, 1, params, lm, batch)[0]) < 0.5 * float(first)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(lm)):
         np.testing.assert_array_equal(a, np.asarray(b))
-    ev = ET.evaluate(eval_step, params, lm, [batch])
+    ev = EST.evaluate(eval_step, params, lm, [batch])
     assert ev["heldout_acc"] > 0.5
     # agreement is with the target's own top-1, not with the text (sampled after the first 3 tokens): a head that
     # copies all of the target's layers after the exit agrees everywhere, though it predicts the text less well
     copy = EE.init_head(target, exit_layer=1, num_layers=2)
-    ev_copy = ET.evaluate(eval_step, copy.params, lm, [batch])
+    ev_copy = EST.evaluate(eval_step, copy.params, lm, [batch])
     assert ev_copy["heldout_agreement"] == pytest.approx(1.0) and ev_copy["heldout_acc"] < 0.9
-    assert ET.evaluate(eval_step, EE.init_head(target, 1, 0).params, lm, [batch])["heldout_agreement"] < 0.9
+    assert EST.evaluate(eval_step, EE.init_head(target, 1, 0).params, lm, [batch])["heldout_agreement"] < 0.9
 
 
 @pytest.mark.parametrize("train", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["labels", "training"])
@@ -61,27 +61,27 @@ def test_calibration_labels_and_training(train):
     """The predictor's labels are the head's greedy drafts judged by the target under teacher forcing; its pairs
     (anchor t, draft position t + i) stay inside one packed sequence and the weighted continuation; (slow) a few
     steps lower the cross-entropy, and the mean predicted acceptance approaches the real rate."""
-    from jspec.controllers import calibration as C
+    from jspec.controllers import calibration as CAL
     from jspec.drafters.early_exit import head_forward
     from jspec.methods import cali_train as CT
 
     target, _ = tiny_pair()
     head = EE.init_head(target, exit_layer=1, num_layers=1)
-    cfg, lm = ET.head_target_lm(target, head)
-    texts = ET.self_distillation_texts(target, PROMPTS, max_new_tokens=12, greedy_first=12, progress=False)
+    cfg, lm = EST.head_target_lm(target, head)
+    texts = EST.self_distillation_texts(target, PROMPTS, max_new_tokens=12, greedy_first=12, progress=False)
     greedy = jspec.decode(target, PROMPTS, max_new_tokens=12)
     for t, p, g, n in zip(texts, PROMPTS, greedy.tokens, greedy.lengths):
         np.testing.assert_array_equal(t[len(p):], g[:n])
-    batch, _ = next(ET.pack(texts, 2, 40, starts=[len(p) for p in PROMPTS]))
+    batch, _ = next(EST.pack(texts, 2, 40, starts=[len(p) for p in PROMPTS]))
     h_t, h_d, match = CT.features(cfg, 1, head.params, lm, batch)
     n0 = len(texts[0])
-    h1 = ET.exit_states(cfg, lm, 1, batch)[:1, :n0]
+    h1 = EST.exit_states(cfg, lm, 1, batch)[:1, :n0]
     logits = head_forward(cfg, head.params, h1, batch["positions"][:1, :n0],
                           ports.cache.init_cache(1, 1, cfg.num_kv_heads, n0, cfg.head_dim, h1.dtype), fresh=True)[0]
     full = target.forward(batch["input_ids"][:1, :n0], batch["positions"][:1, :n0],
                           jspec.loop.new_cache_for(target, 1, n0), fresh=True)
     np.testing.assert_array_equal(match[0, :n0], np.argmax(logits[0], -1) == np.argmax(full.logits[0], -1))
-    pred = C.init_predictor(jax.random.key(0), cfg.hidden_size, positions=4)
+    pred = CAL.init_predictor(jax.random.key(0), cfg.hidden_size, positions=4)
     terms = CT.pair_terms(pred, h_t, h_d, match, batch)
     seg, w = np.asarray(batch["segment_ids"]), np.asarray(batch["weights"])
     for i in range(1, 5):

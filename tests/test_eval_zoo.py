@@ -42,19 +42,19 @@ def test_bars_and_premise(ez):
 
 
 def test_binding_groups_by_objects_and_describes_the_same_scene():
-    from jspec.zoo import evaluate as E
-    from jspec.zoo import world as W
+    from jspec.zoo import evaluate as ZE
+    from jspec.zoo import world as ZW
 
-    exs = [W.example("heldout", i, 0, [t]) for t in ("vqa_colour", "vqa_text") for i in range(12)]
+    exs = [ZW.example("heldout", i, 0, [t]) for t in ("vqa_colour", "vqa_text") for i in range(12)]
     counts = [len(e.images[0].objects) for e in exs[:12]]
     hits = [i % 3 == 0 for i in range(len(exs))]
-    g = E.by_objects(exs, hits)
+    g = ZE.by_objects(exs, hits)
     assert sorted(g) == sorted(set(counts))                       # text scenes (vqa_text) are left out
     assert sum(r["n"] for r in g.values()) == 12
     for k, r in g.items():
         want = [h for h, c in zip(hits[:12], counts) if c == k]
         assert r["n"] == len(want) and r["exact_match"] == pytest.approx(sum(want) / len(want))
-    d = E.described_example(exs[0])
+    d = ZE.described_example(exs[0])
     last = exs[0].turns[-1]
     assert not d.images and d.answer == exs[0].answer and (d.turns[-1].role, d.turns[-1].text) == (last.role, last.text)
     assert d.turns[-1].focus is None      # a described scene has no image cell to look at

@@ -15,7 +15,7 @@ from conftest import hf_logits, perturb, tiny_hf
 import jspec
 import ports
 from jspec import cli
-from ports import gguf as G
+from ports import gguf as GF
 
 T = gguf.GGMLQuantizationType
 PROMPT = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]])
@@ -82,7 +82,7 @@ def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=True, drop=
             continue
         rows = encode(arr, qtype, rng) if arr.ndim == 2 else arr.astype(np.float32)
         raw = None if rows.dtype != np.uint8 else T[qtype]
-        held[G.hf_name(name)] = gguf.quants.dequantize(rows, raw or (T.F16 if rows.dtype == np.float16 else T.F32))
+        held[GF.hf_name(name)] = gguf.quants.dequantize(rows, raw or (T.F16 if rows.dtype == np.float16 else T.F32))
         kind = name.split(".")[2] if name.startswith("blk.") else None
         if permute and kind in heads:
             rows = llama_cpp_permute(rows, heads[kind])
@@ -161,9 +161,9 @@ def test_rope_permutation_is_undone(tiny, f32_file, monkeypatch):
     skipping it changes the logits."""
     w = np.arange(32 * 3).reshape(32, 3)
     for heads in (4, 2, 1):
-        np.testing.assert_array_equal(G.unpermute_rope_rows(llama_cpp_permute(w, heads), heads), w)
+        np.testing.assert_array_equal(GF.unpermute_rope_rows(llama_cpp_permute(w, heads), heads), w)
     ref = hf_logits(tiny, PROMPT)
-    monkeypatch.setattr(G, "unpermute_rope_rows", lambda w, heads: w)
+    monkeypatch.setattr(GF, "unpermute_rope_rows", lambda w, heads: w)
     skipped = ports.logits(ports.load_gguf(str(f32_file)), PROMPT)
     assert np.abs(skipped - ref).max() > 0.05 * np.abs(ref).max()
 

@@ -187,7 +187,7 @@ def test_bad_inputs(target):
 def test_guided_forward_logits_equal_combined_full_sequence_logits(target):
     """Prefill and a 3-token step of the guided wrapper against u + s (c - u) from full-sequence forwards, for a
     ragged batch whose rows have the longer prompt in different streams."""
-    from jspec import guidance as G
+    from jspec import guidance as GD
     from jspec import loop
     from ports.prompts import normalize_prompt
 
@@ -197,7 +197,7 @@ def test_guided_forward_logits_equal_combined_full_sequence_logits(target):
     uncs = [rng.integers(8, IMG0, 3), rng.integers(8, IMG0, 11)]
     new = rng.integers(8, IMG0, (2, 3))
     tokens, lengths, _ = normalize_prompt(conds, V := gm.vocab_size)
-    g = G.guide(gm, lengths, jspec.CFG(2.5, uncs), None)
+    g = GD.guide(gm, lengths, jspec.CFG(2.5, uncs), None)
     cache = loop.new_cache_for(g, 2, 64)
     first, _, cache = loop.prefill(g, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths), cache)
     step = g.forward(jax.numpy.asarray(new), cache.length[:, None] + np.arange(3)[None], cache).logits

@@ -7,7 +7,7 @@ import pytest
 
 import jspec
 from jspec import imagegen as IG
-from jspec.drafters import eagle as E
+from jspec.drafters import eagle as EG
 from jspec.neighbours import NeighbourTable
 from ports import vqgan as VQ
 from test_imagegen import COLS, PREFIX, ROWS, check_grammar, make_model, prompts
@@ -27,7 +27,7 @@ def flat_model(seed, std=0.1):
 @pytest.fixture(scope="module")
 def setup():
     target = flat_model(0)
-    head = E.init_head(target, jax.random.key(4), noise=0.3)
+    head = EG.init_head(target, jax.random.key(4), noise=0.3)
     table = NeighbourTable.for_chameleon(target.config, VQ.codebook(target.params["vqmodel"]), 3)
     return target, head, table
 

@@ -19,7 +19,7 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
 import jax
 import jspec
 import ports
-from ports import anyres as A
+from ports import anyres as ANY
 from ports import llava_next as NX
 from conftest import assert_masked_parity, eager_attentions, perturb, saved_and_loaded
 
@@ -147,7 +147,7 @@ def test_bilinear_taps_match_torch_interpolate():
     for h, w, oh, ow in [(8, 12, 3, 4), (5, 5, 3, 3), (7, 3, 2, 2), (13, 9, 5, 7), (6, 6, 6, 3), (3, 7, 1, 5)]:
         x = rng.normal(size=(4, h, w)).astype(np.float32)
         ref = torch.nn.functional.interpolate(torch.tensor(x)[None], [oh, ow], mode="bilinear")[0].numpy()
-        R, C, W = A.resize_taps(h, w, oh, ow)
+        R, C, W = ANY.resize_taps(h, w, oh, ow)
         np.testing.assert_allclose((x[:, R, C] * W).sum(-1), ref, atol=3e-6)
         np.testing.assert_allclose(W.sum(-1), 1.0, rtol=1e-6)
 
@@ -231,9 +231,9 @@ def test_next_logits_match_transformers(hf_models, jx_models, case):
 def test_next_case_geometry(jx_models):
     """The odd image really goes through unpadding (and gets more tokens than a square one)."""
     cfg = jx_models["next"].config
-    rows, cols = A.tile_grid((40, 90), cfg.grid_pinpoints, 28)
+    rows, cols = ANY.tile_grid((40, 90), cfg.grid_pinpoints, 28)
     assert (rows, cols) == (1, 3)
-    r0, r1, c0, c1 = A.unpad_box((40, 90), rows * 4, cols * 4)
+    r0, r1, c0, c1 = ANY.unpad_box((40, 90), rows * 4, cols * 4)
     assert (r0, r1, c0, c1) == (0, 4, 1, 11)  # 40 x 90 fills 4 x 9 of the 4 x 12 map: one column cut each side
     assert cfg.num_image_tokens((40, 90)) == 16 + 4 * (10 + 1)
 
@@ -257,11 +257,11 @@ def test_onevision_logits_match_transformers(hf_models, jx_models, case):
 
 def test_onevision_case_geometry(jx_models):
     cfg = jx_models["ov"].config
-    rows, cols = A.tile_grid((40, 90), cfg.grid_pinpoints, 30)
-    r0, r1, c0, c1 = A.unpad_box((40, 90), rows * 5, cols * 5)
+    rows, cols = ANY.tile_grid((40, 90), cfg.grid_pinpoints, 30)
+    r0, r1, c0, c1 = ANY.unpad_box((40, 90), rows * 5, cols * 5)
     h, w = r1 - r0, c1 - c0
-    assert A.downsampled_shape(h, w, 5, cfg.max_tiles) != (h, w)  # the shrink path runs
-    assert A.downsampled_shape(5, 5, 5, cfg.max_tiles) == (5, 5)
+    assert ANY.downsampled_shape(h, w, 5, cfg.max_tiles) != (h, w)  # the shrink path runs
+    assert ANY.downsampled_shape(5, 5, 5, cfg.max_tiles) == (5, 5)
 
 
 def ov_video_batch(frames: int = 3, with_image: bool = False, seed: int = 0):
@@ -393,7 +393,7 @@ def test_hooks_image_positions_tile_features_attention(hf_models, jx_models):
     ids = batch["input_ids"]
     T = ids.shape[1]
     prep = NX.prepare_inputs(cfg, ids, np.array([T]), {k: batch[k] for k in ("pixel_values", "image_sizes")})
-    n_tiles = A.num_tiles((40, 90), cfg.grid_pinpoints, 28)
+    n_tiles = ANY.num_tiles((40, 90), cfg.grid_pinpoints, 28)
     np.testing.assert_array_equal(prep["vision_tile_source"][:n_tiles], 0)
     assert np.all(prep["vision_tile_source"][n_tiles:] == -1)
     pe = NX.prompt_embeds(cfg, m.params, ids.astype(np.int32), prep)

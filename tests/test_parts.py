@@ -19,7 +19,7 @@ from sampling_check import exactness, tiny_vocab_pair
 from tiny_pairs import PROMPTS, tiny_pair
 from tolerances import assert_f32_close
 from toy_parts import (AttendedPrompt, CycleDepth, FixedTrees, RecordingController, Relaxed, ResampleFromTarget,
-                       ResidualByHooks, TwoViews, attended, per_row_trees)
+                       ResidualByHooks, StopAt, TwoViews, attended, per_row_trees)
 
 @pytest.fixture(scope="module")
 def pair():
@@ -192,3 +192,40 @@ def test_a_drafter_sees_the_generated_tokens(pair):
             if c == 2:  # the step's draft (position pos) was accepted: it was the token two before it
                 assert pos >= 2 and toks[b, pos] == toks[b, pos - 2]
             pos += int(c)
+
+
+def test_needs_are_worked_out_from_the_parts(pair):
+    """`Speculative.needs` says what the step computes from all its parts at once: the controller's asks, whether
+    the rule draws, who reads the target's hidden states, whether drafts stop per level, the cache slots a step
+    uses."""
+    from jspec.controllers import Asks
+    from jspec.drafters.eagle import EagleDrafter
+
+    target, draft = pair
+    chain = jspec.Chain(draft, gamma=3).parts()
+    n = chain.needs
+    assert (n.asks, n.draws, n.hidden, n.prefill_hidden, n.stops, n.depth) == (Asks(), True, False, False, False, 3)
+    assert n.scratch == chain.plan.scratch and n.per_step == chain.plan.scratch + 3 + 1
+    assert not jspec.Chain(draft, gamma=3, rule="q1").parts().needs.draws
+    rec = jspec.Tree(draft, tree="mc_sim_7b_63", controller=RecordingController()).parts().needs
+    assert rec.asks.target_logits and rec.asks.draft_probs and rec.depth == 5 and not rec.stops
+    eagle = dataclasses.replace(chain, drafter=EagleDrafter(None))
+    assert eagle.needs.hidden and not eagle.needs.prefill_hidden  # the drafter reads them, the controller not
+    assert dataclasses.replace(chain, controller=StopAt(jnp.int32(2))).needs.stops
+
+
+def test_a_stopped_draft_is_the_step_s_one_depth(pair):
+    """A controller's per-level stop lowers the depth the proposal carries (`decision.depth`): the kept stats, the
+    record and what was drafted all say depth 2 under a depth-4 plan, and the tokens stay AR's."""
+    target, draft = pair
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=16, eos_token_id=())
+    for strat in (jspec.Chain(draft, gamma=4, controller=StopAt(jnp.int32(2))),
+                  jspec.Tree(draft, tree=[[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]], controller=StopAt(jnp.int32(2)))):
+        out = jspec.decode(target, PROMPTS, strat, max_new_tokens=16, eos_token_id=())
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+        steps = np.asarray(out.stats["steps"])
+        depth, acc = np.asarray(out.stats["depth"]), np.asarray(out.stats["accepted"])
+        for b in range(len(PROMPTS)):
+            assert (depth[b, :steps[b]] == 2).all()
+            assert acc[b, :steps[b]].max() <= 3  # at most 2 drafts + the bonus
+        assert acc.max() == 3  # some step accepted both drafts: the limit, not a shorter draft, capped it

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jspec
 import ports
 from jspec import loop
-from ports import layers as L
+from ports import layers as LY
 from ports import qwen2_vl as QW
 from ports import qwen2_vl_vision as QV
 from conftest import assert_masked_parity, eager_attentions, perturb, saved_and_loaded
@@ -276,7 +276,7 @@ def test_vision_tower_and_features_match_transformers(hf_models, jx_models, name
                         prep["vision_window_index"], prep["vision_window_slot"])
         assert np.abs(np.asarray(vo.hidden).reshape(-1, hidden.shape[-1])[prep["vision_patch_index"][:n]]
                       - hidden).max() > 1e-2
-    monkeypatch.setattr(L, "VISION_BATCH", 3)  # the 4 frames in batches of 3 (one padded): the same features
+    monkeypatch.setattr(LY, "VISION_BATCH", 3)  # the 4 frames in batches of 3 (one padded): the same features
     pe3 = jax.jit(lambda p, i: QW.prompt_embeds(cfg, p, ids, i))(m.params, prep)
     np.testing.assert_allclose(np.asarray(pe3.embeds), np.asarray(pe.embeds), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(pe3.vision_features), np.asarray(pe.vision_features), atol=1e-5, rtol=1e-5)
@@ -295,7 +295,7 @@ def test_window_layers_attend_inside_gathered_windows():
     ids = np.full((F, Lp), -1)
     for f, (h, w) in enumerate(sizes):
         ids[f, :h * w] = QV.frame_windows(cfg, QV.frame_rot(cfg, h, w), w)
-    assert lay.window_index.shape[1:] == (QV.A.bucket(9), 16)  # 9 windows, bucketed
+    assert lay.window_index.shape[1:] == (QV.ANY.bucket(9), 16)  # 9 windows, bucketed
     # every patch is in exactly one window slot, and reads itself back
     flat = lay.window_index.reshape(F, -1)
     np.testing.assert_array_equal(np.take_along_axis(flat, lay.window_slot, 1)[lay.valid],
@@ -304,11 +304,11 @@ def test_window_layers_attend_inside_gathered_windows():
     q, k, v = (jnp.asarray(rng.normal(size=(F, Lp, 2, 8)), jnp.float32) for _ in range(3))
     got = QV.window_attention(q, k, v, jnp.asarray(lay.window_index), jnp.asarray(lay.window_slot))
     mask = (ids[:, :, None] == ids[:, None, :]) & (ids[:, None, :] >= 0)
-    want = L.attention(q, L.kv_rows(k), L.kv_rows(v), jnp.asarray(mask))
+    want = LY.attention(q, LY.kv_rows(k), LY.kv_rows(v), jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(got)[lay.valid], np.asarray(want)[lay.valid], atol=1e-6, rtol=1e-6)
     big = dataclasses.replace(cfg, patch_size=14, window_size=112)
     assert QV.frame_layout(big, [(np.zeros((52 * 92, big.patch_dim), np.float32), (1, 52, 92))]
-                           ).window_index.shape[1:] == (QV.A.bucket(7 * 12), 64)
+                           ).window_index.shape[1:] == (QV.ANY.bucket(7 * 12), 64)
 
 
 # ------------------------------------------------------------------------------------------ logits parity

@@ -267,13 +267,13 @@ def test_profile_mode_times_phases_and_keeps_tokens(pair, kind):
 
 def test_composition_control_times_each_body_and_leaves_the_state(pair):
     from jspec import api
-    from jspec import profiling as P
+    from jspec import profiling as PF
 
     target, draft = pair
     strat = jspec.Chain(draft, gamma=3)
     fast = jspec.decode(target, PROMPTS, strategy=strat, max_new_tokens=10, eos_token_id=())
     s = api.start(target, PROMPTS, strat, max_new_tokens=10, eos_token_id=())
-    c = P.composition_control(s, reps=(1, 3), runs=1)
+    c = PF.composition_control(s, reps=(1, 3), runs=1)
     assert set(c) == {"draft", "step", "draft+ar", "ar+ar"}
     assert all(np.isfinite(v) for v in c.values()) and max(c.values()) > 0, c  # slopes, clamped at 0 alone
     # the control repeats phases from the state without consuming it: the loop then decodes it as decode does
@@ -281,12 +281,12 @@ def test_composition_control_times_each_body_and_leaves_the_state(pair):
 
 
 def test_call_costs_fits_whole_calls(pair):
-    from jspec import profiling as P
+    from jspec import profiling as PF
 
     target, draft = pair
-    ar = P.call_costs(target, [PROMPTS], max_new=(4, 9), rounds=1)
+    ar = PF.call_costs(target, [PROMPTS], max_new=(4, 9), rounds=1)
     assert sorted(s for s, _ in ar["points"]) == [3, 8]           # EOS off: max_new - 1 steps after the prefill
-    sd = P.call_costs(target, [PROMPTS], jspec.Chain(draft, gamma=3), max_new=(4, 16), rounds=1)
+    sd = PF.call_costs(target, [PROMPTS], jspec.Chain(draft, gamma=3), max_new=(4, 16), rounds=1)
     (s1, _), (s2, _) = sorted(sd["points"])
     assert 1 <= s1 < s2 <= 15
     for c in (ar, sd):                                            # two points: the line passes through both
@@ -294,7 +294,7 @@ def test_call_costs_fits_whole_calls(pair):
             assert c["per_call_s"] + c["per_step_s"] * steps == pytest.approx(secs, rel=1e-6, abs=1e-9)
         assert c["zero_step_s"] > 0 and c["prefill_s"] > 0
     with pytest.raises(ValueError, match="max_new values that differ"):
-        P.call_costs(target, [PROMPTS], max_new=(4,), rounds=1)
+        PF.call_costs(target, [PROMPTS], max_new=(4,), rounds=1)
 
 
 def test_bad_dynamic_tree(pair):
@@ -363,11 +363,11 @@ def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
 
 def test_op_costs_attributes_the_loop_to_its_operations(pair):
     from jspec import api
-    from jspec import profiling as P
+    from jspec import profiling as PF
 
     target, draft = pair
     for strat in (None, jspec.Chain(draft, gamma=3)):
-        c = P.op_costs(api.start(target, PROMPTS, strat, max_new_tokens=10, eos_token_id=()), top=None)
+        c = PF.op_costs(api.start(target, PROMPTS, strat, max_new_tokens=10, eos_token_id=()), top=None)
         assert 1 <= c["steps"] <= 9 and (strat is not None or c["steps"] == 9)   # EOS off: AR takes max_new - 1
         ops = c["ops"]
         assert ops and all(r["us_per_step"] >= 0 and r["per_step"] > 0 for r in ops)
@@ -378,7 +378,7 @@ def test_op_costs_attributes_the_loop_to_its_operations(pair):
         assert dots and all(r["per_step"] >= 1 for r in dots)
         assert any(r["shape"].startswith(f"f32[{B},") for r in dots), [r["shape"] for r in dots]
         assert not any(r["op"] in ("while", "conditional") for r in ops)   # containers would count their bodies
-    assert P._hlo_instructions('  %dot.5 = f32[2,8]{1,0} dot(%a, %b), metadata={op_name="jit(f)/btd,dv->btv/'
+    assert PF._hlo_instructions('  %dot.5 = f32[2,8]{1,0} dot(%a, %b), metadata={op_name="jit(f)/btd,dv->btv/'
                                'dot_general"}') == {"dot.5": ("f32[2,8]{1,0}", "btd,dv->btv/dot_general")}
 
 

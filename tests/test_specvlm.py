@@ -265,11 +265,11 @@ def test_bad_inputs_raise_clear_errors(jx_models):
 
 
 def _zoo_image_prompt(n_vqa: int):
-    from jspec.zoo import data as D
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import data as ZD
+    from jspec.zoo import evaluate as ZE
 
-    pair = E.load_pair("image")
-    return pair, E.batch_prompt(pair.encoder, D.eval_set("vqa", n_vqa) + D.eval_set("two_image", 1))
+    pair = ZE.load_pair("image")
+    return pair, ZE.batch_prompt(pair.encoder, ZD.eval_set("vqa", n_vqa) + ZD.eval_set("two_image", 1))
 
 
 def test_llava15_image_pruning_on_the_zoo_pair():

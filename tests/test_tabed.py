@@ -11,7 +11,7 @@ from jspec.controllers import Record
 from jspec.controllers.combined import Both
 from jspec.controllers.ensemble import EnsembleWeights, simplex_grid
 from jspec.drafters.views import build_views, image_runs
-from jspec.zoo import evaluate as E
+from jspec.zoo import evaluate as ZE
 from jspec.methods.tabed import METHODS, TABED, block_efficiency, expected_speedup
 from ports import llava
 from flax import struct
@@ -34,10 +34,10 @@ V = VLM_V
 
 @pytest.fixture(scope="module")
 def zoo():
-    pair = E.load_pair("image")
-    exs = E.scenario_examples("image", 2)
+    pair = ZE.load_pair("image")
+    exs = ZE.scenario_examples("image", 2)
     batch = [exs["caption"][0], exs["two_image"][0], exs["vqa"][1]]  # 1, 2 and 1 images; ragged
-    return pair, E.batch_prompt(pair.encoder, batch)
+    return pair, ZE.batch_prompt(pair.encoder, batch)
 
 
 def _ar(pair, prompt, n=24):
@@ -262,7 +262,7 @@ def test_the_weights_decide_which_view_drafts():
 def test_greedy_equals_ar_for_adaptive_ensembles(zoo):
     pair, prompt = zoo
     ar = _ar(pair, prompt)
-    cap = E.captioner(pair, 24)
+    cap = ZE.captioner(pair, 24)
     for name in ("MTCP*",):  # all four views, the inverse policy (MT*'s grid: the SAGE and sampling tests)
         strat = TABED.method(name, pair.draft, newline_id=ZOO_NEWLINE, captioner=cap)
         out = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=24)
@@ -285,7 +285,7 @@ def test_greedy_equals_ar_for_adaptive_ensembles(zoo):
 def test_greedy_equals_ar_every_method_and_under_trees(zoo):
     pair, prompt = zoo
     ar = _ar(pair, prompt)
-    cap = E.captioner(pair, 24)
+    cap = ZE.captioner(pair, 24)
     for name in METHODS:
         out = jspec.decode(pair.target, prompt, max_new_tokens=24,
                            strategy=TABED.method(name, pair.draft, newline_id=ZOO_NEWLINE, captioner=cap))
@@ -386,9 +386,9 @@ def test_clear_errors(zoo):
         jspec.decode(pair.target, prompt, strategy=TABED(pair.draft, views=("M", "C")))
     with pytest.raises(ValueError, match="has none"):
         jspec.decode(pair.target, text_prompt, strategy=TABED(pair.draft, newline_id=ZOO_NEWLINE))
-    from jspec import zoo as Z
+    from jspec import zoo as ZOO
 
-    text_draft = Z.load("text-draft")
+    text_draft = ZOO.load("text-draft")
     with pytest.raises(ValueError, match="text-only"):
         jspec.decode(pair.target, prompt, strategy=TABED(text_draft, newline_id=ZOO_NEWLINE))
 
@@ -404,10 +404,10 @@ def test_on_an_8_device_mesh():
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import numpy as np, jspec
-from jspec.zoo import evaluate as E
-pair = E.load_pair("image")
-exs = E.scenario_examples("image", 2)
-prompt = E.batch_prompt(pair.encoder, [exs["caption"][0], exs["two_image"][0], exs["vqa"][1], exs["caption"][1]])
+from jspec.zoo import evaluate as ZE
+pair = ZE.load_pair("image")
+exs = ZE.scenario_examples("image", 2)
+prompt = ZE.batch_prompt(pair.encoder, [exs["caption"][0], exs["two_image"][0], exs["vqa"][1], exs["caption"][1]])
 ar = jspec.decode(pair.target, prompt, max_new_tokens=16)
 strat = jspec.TABED.method("MT*", pair.draft, newline_id=204)
 out = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=16, mesh=jspec.make_mesh(data=2, tensor=2))

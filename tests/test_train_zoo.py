@@ -87,12 +87,12 @@ def test_scene_labels_describe_the_scene(tz):
     """The tower's pretraining targets are in range and determine the scene: different scenes, different labels."""
     import random
 
-    from jspec.zoo import world as W
+    from jspec.zoo import world as ZW
 
     rng = random.Random(0)
     seen: dict[bytes, str] = {}
     for i in range(600):
-        s = W.SCENE_MAKERS[("shapes", "text", "chart")[i % 3]](rng)
+        s = ZW.SCENE_MAKERS[("shapes", "text", "chart")[i % 3]](rng)
         y = tz.scene_labels(s)
         assert y.shape == (len(tz.LABEL_CLASSES),) and (y >= 0).all() and (y < np.array(tz.LABEL_CLASSES)).all()
         assert seen.setdefault(y.tobytes(), s.key()) == s.key()
@@ -102,9 +102,9 @@ def test_scene_labels_describe_the_scene(tz):
 def test_tower_head_reads_each_cell_from_its_own_token(tz):
     """Image token j is grid cell j: the pretraining logits of cell j's colour/shape/size/row/column slots move when
     token j's features move and no other cell's do; every slot's padding classes stay out of reach."""
-    from jspec.zoo import world as W
+    from jspec.zoo import world as ZW
 
-    dv, cells = 8, W.GRID ** 2
+    dv, cells = 8, ZW.GRID ** 2
     head = tz.init_tower_head(dv, jax.random.key(0))
     head = jax.tree.map(lambda w: w + 0.1, head)                        # no zero biases hiding a dependence
     feats = np.asarray(jax.random.normal(jax.random.key(1), (2, cells, dv)))

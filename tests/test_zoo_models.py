@@ -17,10 +17,10 @@ import transformers
 
 import jspec
 from jspec import zoo
-from jspec.zoo import data as D
+from jspec.zoo import data as ZD
 from jspec.zoo.evaluate import answer_text as _answer
 from jspec.zoo import tokenizer as TK
-from jspec.zoo import world as W
+from jspec.zoo import world as ZW
 
 # Measured on the shipped text pair (README, "Zoo models"), 20 held-out text-chat / story prompts: target exact
 # match 1.00 (20/20; 0.95 over 40 + 40 held-out chats and stories), greedy Chain SD gamma=5 mean accepted length
@@ -36,7 +36,7 @@ MIN_IMAGE_MEAN_ACCEPTED = 2.5
 # stories M 1.53 / T 2.15 (the draft shipped before its text prior: stories M 1.44 / T 1.22, failing this test)
 MIN_VIEW_GAP = 0.3
 # Measured on the shipped image target (trained with the focus losses), the 32 held-out VQA prompts of
-# D.eval_set("vqa", 32): exact match 0.94 with each prompt's own image, 0.44 with a same-task prompt's image
+# ZD.eval_set("vqa", 32): exact match 0.94 with each prompt's own image, 0.44 with a same-task prompt's image
 # (0.69 / 0.41 with image-target-base, shipped until 2026-11-24). Issue 8's bar, 0.90, is on 24 prompts per task
 # (scripts/eval_zoo.py; measured 0.906).
 N_VQA = 32
@@ -55,9 +55,9 @@ def text_pair():
 @pytest.fixture(scope="module")
 def text_prompts():
     tok = zoo.load_tokenizer("text-target")
-    exs = D.eval_set("text", N_PROMPTS, tasks=list(D.TEXT_TASKS))   # not the described_* tasks, which another
+    exs = ZD.eval_set("text", N_PROMPTS, tasks=list(ZD.TEXT_TASKS))   # not the described_* tasks, which another
                                                                     # test module's import may have registered
-    enc = D.Encoder(tok, view="T")
+    enc = ZD.Encoder(tok, view="T")
     return tok, exs, [enc.prompt(ex)["input_ids"][0] for ex in exs]
 
 
@@ -86,12 +86,12 @@ def test_unknown_name_lists_available():
 def _hf_prompt(name: str, proc_or_tok):
     """A held-out prompt for the model: a text chat (T view) for LLaMA, a VQA question with its image for LLaVA."""
     if name.startswith("text"):
-        ex = D.eval_set("text", 4, tasks=list(D.TEXT_TASKS))[3]
-        return dict(D.Encoder(proc_or_tok, view="T").prompt(ex))
-    ex = D.eval_set("vqa", 4)[3]
+        ex = ZD.eval_set("text", 4, tasks=list(ZD.TEXT_TASKS))[3]
+        return dict(ZD.Encoder(proc_or_tok, view="T").prompt(ex))
+    ex = ZD.eval_set("vqa", 4)[3]
     text = proc_or_tok.apply_chat_template(ex.messages(upto_last_answer=True), add_generation_prompt=True)
     size = zoo.load(name).config.vision.image_size
-    return dict(proc_or_tok(text=[text], images=[W.render(ex.images[0], size)], return_tensors="np"))
+    return dict(proc_or_tok(text=[text], images=[ZW.render(ex.images[0], size)], return_tensors="np"))
 
 
 # (the video pair, Qwen2.5-VL with its own prompts, is checked in test_zoo_video.py)
@@ -138,16 +138,16 @@ def test_image_pair_chain_sd_both_views():
     """Greedy Chain SD with the image draft equals AR whether the draft reads the images (M view, the default) or a
     text stand-in (T view, `draft_prompt=`), on a ragged batch of VQA, caption and two-image prompts; on the
     single-image rows the M-view drafts are accepted well above one token per step."""
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
-    pair = E.load_pair("image")
-    exs = D.eval_set("vqa", 4) + D.eval_set("caption", 2) + D.eval_set("two_image", 2)
-    prompt = E.batch_prompt(pair.encoder, exs)
+    pair = ZE.load_pair("image")
+    exs = ZD.eval_set("vqa", 4) + ZD.eval_set("caption", 2) + ZD.eval_set("two_image", 2)
+    prompt = ZE.batch_prompt(pair.encoder, exs)
     ar = jspec.decode(pair.target, prompt, max_new_tokens=32)
     strat = jspec.Chain(pair.draft, gamma=5)
     m = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=32)
     t = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=32,
-                     draft_prompt=E.batch_prompt(pair.encoder, exs, view="T"))
+                     draft_prompt=ZE.batch_prompt(pair.encoder, exs, view="T"))
     for sd in (m, t):
         np.testing.assert_array_equal(sd.tokens, ar.tokens)
         np.testing.assert_array_equal(sd.lengths, ar.lengths)
@@ -162,18 +162,18 @@ def test_image_pair_views_differ_as_tabed_needs():
     """TABED's premise on the shipped pair, in small: the draft reading the images (M view) is accepted more on
     single-image captions, and its text-only view (T) more on five-image stories, which it never saw. Its text prior
     knows the story form; five images pull the M view to the endings of its single-image answers."""
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
-    pair = E.load_pair("image")
+    pair = ZE.load_pair("image")
     strat = jspec.Chain(pair.draft, gamma=5)
 
     def tau(exs, view):
-        kw = {} if view == "M" else {"draft_prompt": E.batch_prompt(pair.encoder, exs, view="T")}
-        sd = jspec.decode(pair.target, E.batch_prompt(pair.encoder, exs), strategy=strat, max_new_tokens=48, **kw)
+        kw = {} if view == "M" else {"draft_prompt": ZE.batch_prompt(pair.encoder, exs, view="T")}
+        sd = jspec.decode(pair.target, ZE.batch_prompt(pair.encoder, exs), strategy=strat, max_new_tokens=48, **kw)
         return sd.stats["accepted"].sum() / sd.stats["steps"].sum()
 
-    captions = D.eval_set("caption", 6)
-    stories = [W.example("heldout", i, 0, ["ood_story"]) for i in range(6)]
+    captions = ZD.eval_set("caption", 6)
+    stories = [ZW.example("heldout", i, 0, ["ood_story"]) for i in range(6)]
     cap_m, cap_t, story_m, story_t = tau(captions, "M"), tau(captions, "T"), tau(stories, "M"), tau(stories, "T")
     assert cap_m > cap_t + MIN_VIEW_GAP, (cap_m, cap_t)
     assert story_t > story_m + MIN_VIEW_GAP, (story_m, story_t)
@@ -184,21 +184,21 @@ def test_image_target_answers_from_the_image():
     """The image target answers held-out VQA questions from the image: its greedy exact match with each prompt's own
     image is well above that with the image of another prompt asking the same kind of question (the same answer
     format, a different scene)."""
-    from jspec.zoo import evaluate as E
+    from jspec.zoo import evaluate as ZE
 
-    pair = E.load_pair("image")
-    exs = D.eval_set("vqa", N_VQA)
-    k = len(W.tasks_of("vqa"))       # eval_set is round-robin over the VQA tasks: i and i + k share a task
+    pair = ZE.load_pair("image")
+    exs = ZD.eval_set("vqa", N_VQA)
+    k = len(ZW.tasks_of("vqa"))       # eval_set is round-robin over the VQA tasks: i and i + k share a task
     swapped = [dataclasses.replace(ex, images=exs[(i + k) % len(exs)].images) for i, ex in enumerate(exs)]
-    own, other = np.mean(E.exact_match(pair.target, pair, exs)), np.mean(E.exact_match(pair.target, pair, swapped))
+    own, other = np.mean(ZE.exact_match(pair.target, pair, exs)), np.mean(ZE.exact_match(pair.target, pair, swapped))
     assert own >= MIN_IMAGE_VQA_EXACT_MATCH and own - other >= MIN_IMAGE_VQA_GAIN, (own, other)
 
 
 @needs_image_pair
 def test_image_processor_shipped():
     proc = zoo.load_processor("image-target")
-    ex = D.eval_set("vqa", 1)[0]
+    ex = ZD.eval_set("vqa", 1)[0]
     text = proc.apply_chat_template(ex.messages(upto_last_answer=True), add_generation_prompt=True)
     cfg = zoo.load("image-target").config
-    out = proc(text=[text], images=[W.render(ex.images[0], cfg.vision.image_size)], return_tensors="np")
+    out = proc(text=[text], images=[ZW.render(ex.images[0], cfg.vision.image_size)], return_tensors="np")
     assert int((out["input_ids"] == TK.IMAGE_ID).sum()) == cfg.tokens_per_image

@@ -11,7 +11,7 @@ from jspec import imagegen
 from jspec import train as jt
 from jspec.zoo import t2i as T
 from jspec.zoo import tokenizer as TK
-from jspec.zoo import world as W
+from jspec.zoo import world as ZW
 from ports import chameleon as CH
 from ports import vqgan as VQ
 
@@ -30,7 +30,7 @@ def test_captions_match_scenes():
         ids = T.caption_ids(cap)
         assert ids[0] == TK.BOS_ID and max(ids) < T.TEXT_VOCAB
         assert tok.decode(ids[1:]) == cap
-    assert T.caption(W.Scene("shapes", (W.Obj("circle", "red", "big", 0, 0), W.Obj("square", "blue", "small", 2, 2)))) \
+    assert T.caption(ZW.Scene("shapes", (ZW.Obj("circle", "red", "big", 0, 0), ZW.Obj("square", "blue", "small", 2, 2)))) \
         == "a big red circle in the top left and a small blue square in the bottom right"
     assert all(T.scene("heldout", i).split() == "heldout" for i in range(10))
 
@@ -95,7 +95,7 @@ def test_foreground_mask_marks_the_objects():
     s = T.scene("train", 3)
     img = T.render(s)
     mask = np.asarray(T.foreground(jnp.asarray(T.to_signed(img[None]))))[0, 0]
-    differs = (np.abs(img.astype(int) - np.array(W.BACKGROUND)).max(-1) > 10)
+    differs = (np.abs(img.astype(int) - np.array(ZW.BACKGROUND)).max(-1) > 10)
     assert mask.shape == img.shape[:2] and 0 < mask.mean() < 0.6
     assert (mask[~differs] == 0).all() and mask[differs].mean() > 0.9
 

@@ -28,8 +28,8 @@ import pytest
 import jspec
 import ports
 from jspec.zoo import tokenizer as TK
-from jspec.zoo import video as V
-from jspec.zoo import world as W
+from jspec.zoo import video as ZV
+from jspec.zoo import world as ZW
 from ports import qwen2_vl as QW
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,13 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def enc():
-    return V.VideoEncoder()
+    return ZV.VideoEncoder()
 
 
 def _tiny_preset(tz, **kw):
     """A video preset small enough for CPU tests (LM head_dim 16: M-RoPE sections (2, 3, 3))."""
     return tz.Preset("video", dict(hidden=32, layers=2, heads=2, ffn=64),
-                     dict(hidden=32, layers=2, heads=2, ffn=48, fullatt=(1,)), tasks=V.ALL_TASKS, view="M",
+                     dict(hidden=32, layers=2, heads=2, ffn=48, fullatt=(1,)), tasks=ZV.ALL_TASKS, view="M",
                      batch=2, seq_len=384, warmup=1, **kw)
 
 
@@ -74,35 +74,35 @@ PINNED_HASHES = {"default_train": "56fa9dbd064fbec2", "default_held": "fcfd7a425
 
 def test_image_world_is_unchanged():
     """Adding the video world changes no task list, registry entry, example or encoding of the image world."""
-    from jspec.zoo import data as D
+    from jspec.zoo import data as ZD
 
-    world_tasks = tuple(n for n in W.TASKS if n not in D.DESCRIBED)
-    assert world_tasks == PINNED_TASKS and W.SCENARIOS == PINNED_SCENARIOS
-    assert D.TARGET_TASKS == PINNED_TASKS[:18] and D.TEXT_TASKS == ("text_chat", "text_story")
-    assert D.DRAFT_TASKS == PINNED_TASKS[:12] + ("text_chat", "text_story", "prior_story", "prior_total")
-    assert D.TEXT_PAIR_TASKS == ("text_chat", "text_story", "described_vqa", "described_caption", "described_turn2")
-    assert not set(V.TASKS) & set(W.TASKS)
-    got = {"default_train": _h(list(W.examples("train", 300, seed=0, tasks=PINNED_TASKS[:14] + PINNED_TASKS[16:]))),
-           "default_held": _h(list(W.examples("heldout", 300, seed=0, tasks=PINNED_TASKS))),
-           "target_train": _h(list(W.examples("train", 300, seed=0, tasks=D.TARGET_TASKS, allow_ood=True))),
-           "draft_train": _h(list(W.examples("train", 300, seed=1, tasks=D.DRAFT_TASKS))),
+    world_tasks = tuple(n for n in ZW.TASKS if n not in ZD.DESCRIBED)
+    assert world_tasks == PINNED_TASKS and ZW.SCENARIOS == PINNED_SCENARIOS
+    assert ZD.TARGET_TASKS == PINNED_TASKS[:18] and ZD.TEXT_TASKS == ("text_chat", "text_story")
+    assert ZD.DRAFT_TASKS == PINNED_TASKS[:12] + ("text_chat", "text_story", "prior_story", "prior_total")
+    assert ZD.TEXT_PAIR_TASKS == ("text_chat", "text_story", "described_vqa", "described_caption", "described_turn2")
+    assert not set(ZV.TASKS) & set(ZW.TASKS)
+    got = {"default_train": _h(list(ZW.examples("train", 300, seed=0, tasks=PINNED_TASKS[:14] + PINNED_TASKS[16:]))),
+           "default_held": _h(list(ZW.examples("heldout", 300, seed=0, tasks=PINNED_TASKS))),
+           "target_train": _h(list(ZW.examples("train", 300, seed=0, tasks=ZD.TARGET_TASKS, allow_ood=True))),
+           "draft_train": _h(list(ZW.examples("train", 300, seed=1, tasks=ZD.DRAFT_TASKS))),
            # the world's own tasks of each scenario (another test may have registered the described_* ones)
-           "evalsets": _h({s: D.eval_set(s, 12, tasks=[t for t in W.tasks_of(s) if t not in D.DESCRIBED])
+           "evalsets": _h({s: ZD.eval_set(s, 12, tasks=[t for t in ZW.tasks_of(s) if t not in ZD.DESCRIBED])
                            for s in PINNED_SCENARIOS})}
-    e = D.Encoder(image_tokens=9, image_size=60)
+    e = ZD.Encoder(image_tokens=9, image_size=60)
     got["enc"] = _h([e.encode(x).ids.tolist()
-                     for x in W.examples("train", 50, seed=0, tasks=D.TARGET_TASKS, allow_ood=True)])
-    D.register_described_tasks()
-    got["textpair_train"] = _h(list(W.examples("train", 300, seed=0, tasks=D.TEXT_PAIR_TASKS)))
+                     for x in ZW.examples("train", 50, seed=0, tasks=ZD.TARGET_TASKS, allow_ood=True)])
+    ZD.register_described_tasks()
+    got["textpair_train"] = _h(list(ZW.examples("train", 300, seed=0, tasks=ZD.TEXT_PAIR_TASKS)))
     assert got == PINNED_HASHES
 
 
 # -------------------------------------------------------------------------------------------------- clips
 
 
-def _overlap_free(clip: V.Clip, t: float) -> bool:
+def _overlap_free(clip: ZV.Clip, t: float) -> bool:
     """No two shapes shown at time t come close enough to touch (their drawings can then overlap)."""
-    pts = [(tr.centre(t), W.SIZES[tr.obj.size] * V.FRAME_SIZE / W.GRID / 2) for tr in clip.tracks if tr.present(t)]
+    pts = [(tr.centre(t), ZW.SIZES[tr.obj.size] * ZV.FRAME_SIZE / ZW.GRID / 2) for tr in clip.tracks if tr.present(t)]
     return all(np.hypot(a[0][0] - b[0][0], a[0][1] - b[0][1]) > a[1] + b[1] + 1.5
                for i, a in enumerate(pts) for b in pts[i + 1:])
 
@@ -112,69 +112,69 @@ def test_clips_render_as_the_world_draws_them():
     frame is exactly `world.render` of the scene shown; objects move, appear and leave at their times."""
     checked = 0
     for i in range(24):
-        clip = V.example("train", i).clip
-        fast, ref = V.render_clip(clip), V.render_clip_reference(clip)
-        assert fast.shape == (V.FRAMES, V.FRAME_SIZE, V.FRAME_SIZE, 3) and fast.dtype == np.uint8
-        times = V.frame_times()
-        for k in range(0, V.FRAMES, 3):
+        clip = ZV.example("train", i).clip
+        fast, ref = ZV.render_clip(clip), ZV.render_clip_reference(clip)
+        assert fast.shape == (ZV.FRAMES, ZV.FRAME_SIZE, ZV.FRAME_SIZE, 3) and fast.dtype == np.uint8
+        times = ZV.frame_times()
+        for k in range(0, ZV.FRAMES, 3):
             if _overlap_free(clip, times[k]):
                 np.testing.assert_array_equal(fast[k], ref[k])
                 checked += 1
-        for k in (0, V.FRAMES - 1):           # events happen strictly inside the clip: these frames are still
-            w = np.asarray(W.render(clip.scene_at(times[k]), V.FRAME_SIZE))
+        for k in (0, ZV.FRAMES - 1):           # events happen strictly inside the clip: these frames are still
+            w = np.asarray(ZW.render(clip.scene_at(times[k]), ZV.FRAME_SIZE))
             np.testing.assert_array_equal(fast[k, 1:-1, 1:-1], w[1:-1, 1:-1])
-            assert (fast[k, 0] == W.AXIS).all() and (fast[k, :, -1] == W.AXIS).all()
+            assert (fast[k, 0] == ZW.AXIS).all() and (fast[k, :, -1] == ZW.AXIS).all()
     assert checked > 150
-    clip = V.Clip((V.Track(W.Obj("circle", "red", "big", 0, 0), (2, 2), move=(8, 16)),
-                   V.Track(W.Obj("square", "blue", "small", 0, 2), (0, 2), appear=20),
-                   V.Track(W.Obj("cross", "green", "big", 2, 0), (2, 0), leave=12)))
-    fr = V.render_clip(clip)
+    clip = ZV.Clip((ZV.Track(ZW.Obj("circle", "red", "big", 0, 0), (2, 2), move=(8, 16)),
+                   ZV.Track(ZW.Obj("square", "blue", "small", 0, 2), (0, 2), appear=20),
+                   ZV.Track(ZW.Obj("cross", "green", "big", 2, 0), (2, 0), leave=12)))
+    fr = ZV.render_clip(clip)
     at = lambda k, r, c: tuple(fr[k, 8 + 16 * r, 8 + 16 * c])
-    red, blue, green = W.COLOURS["red"], W.COLOURS["blue"], W.COLOURS["green"]
+    red, blue, green = ZW.COLOURS["red"], ZW.COLOURS["blue"], ZW.COLOURS["green"]
     assert at(0, 0, 0) == red and at(63, 2, 2) == red and at(24, 1, 1) == red        # groups 8..16: moving
-    assert at(39, 0, 2) == W.BACKGROUND and at(40, 0, 2) == blue                     # appears at group 20
-    assert at(23, 2, 0) == green and at(24, 2, 0) == W.BACKGROUND                    # leaves at group 12
+    assert at(39, 0, 2) == ZW.BACKGROUND and at(40, 0, 2) == blue                     # appears at group 20
+    assert at(23, 2, 0) == green and at(24, 2, 0) == ZW.BACKGROUND                    # leaves at group 12
 
 
 def test_prompt_and_video_token_counts(enc):
     """Every clip is 288 video tokens (>= 256) in a prompt whose text is <= 64 tokens; detailed descriptions are
     40-130 tokens; the processor output has the grid, pixels and token types Qwen2.5-VL expects."""
-    assert V.VIDEO_TOKENS == 288 and V.PATCH_DIM == 384
+    assert ZV.VIDEO_TOKENS == 288 and ZV.PATCH_DIM == 384
     n_text = []
     for i in range(400):
-        ex = V.example("train", i)
+        ex = ZV.example("train", i)
         ids = enc.prompt_ids(ex)
-        assert (ids == V.VIDEO_ID).sum() == V.VIDEO_TOKENS
-        n_text.append(len(ids) - V.VIDEO_TOKENS)
+        assert (ids == ZV.VIDEO_ID).sum() == ZV.VIDEO_TOKENS
+        n_text.append(len(ids) - ZV.VIDEO_TOKENS)
     assert max(n_text) <= 64
-    desc = [len(enc.text.text_ids(e.answer)) for e in V.examples("train", 200, tasks=["video_describe"])]
+    desc = [len(enc.text.text_ids(e.answer)) for e in ZV.examples("train", 200, tasks=["video_describe"])]
     assert 40 <= min(desc) and max(desc) <= 130
-    exs = V.eval_set(3)
+    exs = ZV.eval_set(3)
     p = enc.prompts(exs)
     L = p["attention_mask"].sum(1)
     assert p["input_ids"].shape == (3, L.max()) and (p["input_ids"][p["attention_mask"] == 0] == TK.PAD_ID).all()
-    np.testing.assert_array_equal(p["video_grid_thw"], [[V.GROUPS, 6, 6]] * 3)
-    assert p["pixel_values_videos"].shape == (3 * V.GROUPS * 36, V.PATCH_DIM)
-    np.testing.assert_array_equal(p["mm_token_type_ids"], np.where(p["input_ids"] == V.VIDEO_ID, 2, 0))
-    ids = V.special_ids()
+    np.testing.assert_array_equal(p["video_grid_thw"], [[ZV.GROUPS, 6, 6]] * 3)
+    assert p["pixel_values_videos"].shape == (3 * ZV.GROUPS * 36, ZV.PATCH_DIM)
+    np.testing.assert_array_equal(p["mm_token_type_ids"], np.where(p["input_ids"] == ZV.VIDEO_ID, 2, 0))
+    ids = ZV.special_ids()
     assert ids["image_token_id"] not in set(np.unique(p["input_ids"]).tolist())
     assert TK.load_tokenizer().decode([ids["vision_end_token_id"]]) == "\n"
     # a question's tokens after the clip's newline are its tokens alone (the newline never merges)
-    for ex in V.examples("train", 200):
+    for ex in ZV.examples("train", 200):
         assert enc.text.text_ids("\n" + ex.question) == [ids["vision_end_token_id"]] + enc.text.text_ids(ex.question)
 
 
 # An independent solver: the start and end states read off the first and last frames' cell centres (a shape's
 # exact colour there, or the background), then each answer recomputed from them for clips whose colours are unique.
-_COLOUR_OF = {v: k for k, v in W.COLOURS.items()}
-_POS = {v: k for k, v in W.POSITIONS.items()}
+_COLOUR_OF = {v: k for k, v in ZW.COLOURS.items()}
+_POS = {v: k for k, v in ZW.POSITIONS.items()}
 
 
 def _state(frame: np.ndarray) -> dict[str, tuple[int, int]]:
     out = {}
-    for (r, c) in W.POSITIONS:
+    for (r, c) in ZW.POSITIONS:
         px = tuple(int(v) for v in frame[8 + 16 * r, 8 + 16 * c])
-        if px != W.BACKGROUND:
+        if px != ZW.BACKGROUND:
             assert px in _COLOUR_OF and _COLOUR_OF[px] not in out
             out[_COLOUR_OF[px]] = (r, c)
     return out
@@ -187,24 +187,24 @@ def _has(text: str, word: str) -> bool:
 def _core(question: str) -> str:
     """The question without its polite prefix and its answer-style clause."""
     q = question
-    for pre in V._PREFIXES:
+    for pre in ZV._PREFIXES:
         q = q[len(pre):] if q.startswith(pre) else q
-    for clause in W._SENTENCE + W._PHRASE + W._NUMBER + W._YESNO + W._ONE_WORD:
+    for clause in ZW._SENTENCE + ZW._PHRASE + ZW._NUMBER + ZW._YESNO + ZW._ONE_WORD:
         q = q[:-len(clause) - 1] if q.endswith(" " + clause) else q
     return q.rstrip("?.")
 
 
-def _solve(ex: V.VideoExample, start: dict, end: dict) -> list[str] | None:
+def _solve(ex: ZV.VideoExample, start: dict, end: dict) -> list[str] | None:
     """What the answer must say (short answers equal the first string; sentences contain every string), or None
     when this solver does not cover the question."""
     q = _core(ex.question)
-    named = [c for c in W.COLOURS if _has(q, c)]
+    named = [c for c in ZW.COLOURS if _has(q, c)]
     when = end if _has(q, "at the end") else start if _has(q, "at the start") else None
     moved = [c for c in start if c in end and start[c] != end[c]]
     if ex.task == "video_describe":
-        says = lambda n: f"there {'is' if n == 1 else 'are'} {W.NUMBER_WORDS[n]} {'shape' if n == 1 else 'shapes'}"
+        says = lambda n: f"there {'is' if n == 1 else 'are'} {ZW.NUMBER_WORDS[n]} {'shape' if n == 1 else 'shapes'}"
         n = len(moved)
-        moves = "none moves" if n == 0 else f"{W.NUMBER_WORDS[n]} {'shape moves' if n == 1 else 'shapes move'}"
+        moves = "none moves" if n == 0 else f"{ZW.NUMBER_WORDS[n]} {'shape moves' if n == 1 else 'shapes move'}"
         return [f"At the start {says(len(start))}", f"At the end {says(len(end))}", moves]
     if when is not None and q.startswith(("How many", "Count")):
         return [str(sum(1 for c in when if not named or c == named[0]))]
@@ -214,14 +214,14 @@ def _solve(ex: V.VideoExample, start: dict, end: dict) -> list[str] | None:
                      "move": len(moved)}[verb])]
     if named and ("from and to" in q or "From where to where" in q):
         c = named[0]
-        return [f"from the {W.POSITIONS[start[c]]} to the {W.POSITIONS[end[c]]}"]
+        return [f"from the {ZW.POSITIONS[start[c]]} to the {ZW.POSITIONS[end[c]]}"]
     if named and ("way" in q.split() or "direction" in q.split()):
         (r0, c0), (r1, c1) = start[named[0]], end[named[0]]
-        return [V.DIRECTIONS[((r1 > r0) - (r1 < r0), (c1 > c0) - (c1 < c0))]]
+        return [ZV.DIRECTIONS[((r1 > r0) - (r1 < r0), (c1 > c0) - (c1 < c0))]]
     if named and (q.startswith("Where") or "show up" in q):
         c = named[0]
         late = any(_has(q, w) for w in ("end up", "move to", "at the end", "go", "appear", "show up"))
-        return [W.POSITIONS[end[c] if late else start[c]]]
+        return [ZW.POSITIONS[end[c] if late else start[c]]]
     if named and q.startswith(("Does the", "Is the")):
         return ["yes" if named[0] in moved else "no"]
     if q in ("Does any shape move", "Is anything moving in the video", "Does something move"):
@@ -241,7 +241,7 @@ def _solve(ex: V.VideoExample, start: dict, end: dict) -> list[str] | None:
 
 def _agrees(answer: str, want: list[str]) -> bool:
     if not answer.endswith("."):                                   # a short answer
-        return answer.split()[0] == want[0] if want[0] in W.COLOURS else answer == want[0]
+        return answer.split()[0] == want[0] if want[0] in ZW.COLOURS else answer == want[0]
     if want[0] in ("yes", "no"):
         return answer.lower().startswith(want[0])
     return all(_has(answer.lower(), w.lower()) for w in want)
@@ -254,11 +254,11 @@ def test_answers_follow_from_the_frames():
     covered: dict[str, int] = {}
     forms = set()
     for split, n in (("train", 700), ("heldout", 300)):
-        for ex in V.examples(split, n):
+        for ex in ZV.examples(split, n):
             colours = [t.obj.colour for t in ex.clip.tracks]
             if len(set(colours)) != len(colours):
                 continue
-            fr = V.render_clip(ex.clip)
+            fr = ZV.render_clip(ex.clip)
             start, end = _state(fr[0]), _state(fr[-1])
             assert set(start) == {t.obj.colour for t in ex.clip.at_start}
             assert set(end) == {t.obj.colour for t in ex.clip.at_end}
@@ -266,21 +266,21 @@ def test_answers_follow_from_the_frames():
             if want is None:
                 continue
             covered[ex.task] = covered.get(ex.task, 0) + 1
-            forms.add(re.sub("|".join(W.COLOURS) + "|" + "|".join(W.SHAPES), "X", _core(ex.question)))
+            forms.add(re.sub("|".join(ZW.COLOURS) + "|" + "|".join(ZW.SHAPES), "X", _core(ex.question)))
             assert _agrees(ex.answer, want), (ex.question, ex.answer, want)
-    assert set(covered) == set(V.TASKS) and min(covered.values()) > 40, covered
+    assert set(covered) == set(ZV.TASKS) and min(covered.values()) > 40, covered
     assert len(forms) >= 25, sorted(forms)
 
 
 def test_tower_labels_name_each_cells_object():
     """The tower's per-token targets: group 0 and the last group hold the start and end states (colour, shape,
     size at each object's cell), every token its cell's row and column, movers their direction while moving."""
-    cid = {c: i + 1 for i, c in enumerate(W.COLOURS)}
-    for ex in V.examples("train", 50):
-        y = V.tower_labels(ex.clip)
-        assert y.shape == (V.GROUPS, 9, len(V.LABELS)) and (y < np.array(V.LABEL_CLASSES)).all()
-        np.testing.assert_array_equal(y[:, :, 3], np.broadcast_to(np.arange(9) // 3, (V.GROUPS, 9)))
-        for g, objs, cell in ((0, ex.clip.at_start, lambda t: t.start), (V.GROUPS - 1, ex.clip.at_end,
+    cid = {c: i + 1 for i, c in enumerate(ZW.COLOURS)}
+    for ex in ZV.examples("train", 50):
+        y = ZV.tower_labels(ex.clip)
+        assert y.shape == (ZV.GROUPS, 9, len(ZV.LABELS)) and (y < np.array(ZV.LABEL_CLASSES)).all()
+        np.testing.assert_array_equal(y[:, :, 3], np.broadcast_to(np.arange(9) // 3, (ZV.GROUPS, 9)))
+        for g, objs, cell in ((0, ex.clip.at_start, lambda t: t.start), (ZV.GROUPS - 1, ex.clip.at_end,
                                                                           lambda t: t.end)):
             assert (y[g, :, 0] > 0).sum() == len(objs)
             for t in objs:
@@ -288,32 +288,32 @@ def test_tower_labels_name_each_cells_object():
                 assert y[g, 3 * r + c, 0] == cid[t.obj.colour] and y[g, 3 * r + c, 5] == 0
         for t in ex.clip.movers:
             g = (t.move[0] + t.move[1]) // 2
-            assert V.DIRECTION_IDS[t.step] in y[g, :, 5]
+            assert ZV.DIRECTION_IDS[t.step] in y[g, :, 5]
 
 
 def test_splits_are_disjoint_and_streams_deterministic():
-    train = {V.training_clip("train", i)[0].key() for i in range(1500)} | {e.clip.key() for e in
-                                                                          V.examples("train", 500)}
-    held = [e.clip for e in V.eval_set(300)] + [V.training_clip("heldout", i)[0] for i in range(300)]
+    train = {ZV.training_clip("train", i)[0].key() for i in range(1500)} | {e.clip.key() for e in
+                                                                          ZV.examples("train", 500)}
+    held = [e.clip for e in ZV.eval_set(300)] + [ZV.training_clip("heldout", i)[0] for i in range(300)]
     assert all(c.split() == "heldout" for c in held) and not {c.key() for c in held} & train
-    assert V.example("train", 77, seed=3) == V.example("train", 77, seed=3)
-    assert sum(V.example("train", i) != V.example("train", i, seed=1) for i in range(50)) > 45
+    assert ZV.example("train", 77, seed=3) == ZV.example("train", 77, seed=3)
+    assert sum(ZV.example("train", i) != ZV.example("train", i, seed=1) for i in range(50)) > 45
     with pytest.raises(ValueError, match="unknown video task"):
-        V.example("train", 0, tasks=["vqa_colour"])
+        ZV.example("train", 0, tasks=["vqa_colour"])
 
 
 def test_shuffled_and_blank_frames():
-    clip = V.example("heldout", 5).clip
-    fr, sh, bl = (V.frames_of(clip, v) for v in V.VARIANTS)
+    clip = ZV.example("heldout", 5).clip
+    fr, sh, bl = (ZV.frames_of(clip, v) for v in ZV.VARIANTS)
     assert not np.array_equal(fr, sh)
     assert sorted(map(bytes, fr)) == sorted(map(bytes, sh))                # the same frames, in another order
-    np.testing.assert_array_equal(sh, V.frames_of(clip, "shuffled"))       # seeded
-    assert not {tuple(p) for p in bl.reshape(-1, 3)} & {tuple(c) for c in W.COLOURS.values()}
-    np.testing.assert_array_equal(bl[:, 1:-1, 1:-1], np.broadcast_to(np.asarray(W.BACKGROUND, np.uint8),
+    np.testing.assert_array_equal(sh, ZV.frames_of(clip, "shuffled"))       # seeded
+    assert not {tuple(p) for p in bl.reshape(-1, 3)} & {tuple(c) for c in ZW.COLOURS.values()}
+    np.testing.assert_array_equal(bl[:, 1:-1, 1:-1], np.broadcast_to(np.asarray(ZW.BACKGROUND, np.uint8),
                                                                       bl[:, 1:-1, 1:-1].shape))
-    np.testing.assert_array_equal(V.frames_of(clip, V.ORDER_CONTROL), fr[::-1])  # the clip played backwards
+    np.testing.assert_array_equal(ZV.frames_of(clip, ZV.ORDER_CONTROL), fr[::-1])  # the clip played backwards
     with pytest.raises(ValueError, match="unknown variant"):
-        V.frames_of(clip, "mirrored")
+        ZV.frames_of(clip, "mirrored")
 
 
 # ---------------------------------------------------------------------------------------------- training rows
@@ -326,33 +326,33 @@ def test_training_rows_are_single_question_prompts_then_generation(tz, enc, tiny
     so P is not the question's last position + 1). It sees the clip's prefix and itself only, and its loss targets
     are exactly its answer and EOS; focus targets point at the video token of the asked-about object in the first
     or last group."""
-    b = V.make_batch("train", 0, 3, 512)
-    assert b["frames"].shape == (3, V.FRAMES, V.FRAME_SIZE, V.FRAME_SIZE, 3) and int(b["next_index"]) == 3
-    y_all = [V.tower_labels(V.training_clip("train", i)[0]) for i in range(3)]
+    b = ZV.make_batch("train", 0, 3, 512)
+    assert b["frames"].shape == (3, ZV.FRAMES, ZV.FRAME_SIZE, ZV.FRAME_SIZE, 3) and int(b["next_index"]) == 3
+    y_all = [ZV.tower_labels(ZV.training_clip("train", i)[0]) for i in range(3)]
     n_focus = 0
     for r in range(3):
         seg, ids = b["qa_segment"][r], b["input_ids"][r]
-        np.testing.assert_array_equal(ids[:V.PREFIX_LEN], enc.prefix)
-        assert (seg[:V.PREFIX_LEN] == 0).all() and seg.max() >= 3
-        np.testing.assert_array_equal(V.render_clip(V.training_clip("train", r)[0]), b["frames"][r])
+        np.testing.assert_array_equal(ids[:ZV.PREFIX_LEN], enc.prefix)
+        assert (seg[:ZV.PREFIX_LEN] == 0).all() and seg.max() >= 3
+        np.testing.assert_array_equal(ZV.render_clip(ZV.training_clip("train", r)[0]), b["frames"][r])
         for k in range(1, seg.max() + 1):
             at = np.flatnonzero(seg == k)
             s_ids = ids[at]
             a = int(np.flatnonzero(s_ids == TK.ASSISTANT_ID)[0])
             prompt = np.concatenate([enc.prefix, s_ids[:a + 1]])[None]
-            inputs = {"pixel_values_videos": np.zeros((V.GROUPS * 36, V.PATCH_DIM), np.float32),
-                      "video_grid_thw": np.array([[V.GROUPS, 6, 6]]),
-                      "second_per_grid_ts": np.array([V.SECONDS_PER_GROUP], np.float32)}
+            inputs = {"pixel_values_videos": np.zeros((ZV.GROUPS * 36, ZV.PATCH_DIM), np.float32),
+                      "video_grid_thw": np.array([[ZV.GROUPS, 6, 6]]),
+                      "second_per_grid_ts": np.array([ZV.SECONDS_PER_GROUP], np.float32)}
             prep = QW.prepare_inputs(tiny.config, prompt, np.array([prompt.shape[1]]), inputs)
             pos = prep["mrope_positions"][:, 0]
-            np.testing.assert_array_equal(b["positions"][:, r, at[:a + 1]], pos[:, V.PREFIX_LEN:])
-            np.testing.assert_array_equal(b["positions"][:, r, :V.PREFIX_LEN], pos[:, :V.PREFIX_LEN])
+            np.testing.assert_array_equal(b["positions"][:, r, at[:a + 1]], pos[:, ZV.PREFIX_LEN:])
+            np.testing.assert_array_equal(b["positions"][:, r, :ZV.PREFIX_LEN], pos[:, :ZV.PREFIX_LEN])
             first = prompt.shape[1] + int(prep["mrope_offset"][0])          # the first generated token's ids
             n_ans = len(at) - a - 1
             assert first > pos.max() and first > int(pos[0, -1]) + 1      # the gap the clip's time ids leave
             np.testing.assert_array_equal(b["positions"][:, r, at[a + 1:]],
                                           np.broadcast_to(np.arange(first, first + n_ans), (3, n_ans)))
-            np.testing.assert_array_equal(b["positions"][:, r, at], V.segment_positions(a + 1, n_ans))
+            np.testing.assert_array_equal(b["positions"][:, r, at], ZV.segment_positions(a + 1, n_ans))
             # targets: the answer and EOS, predicted from the assistant token on
             tm = b["target_mask"][r, at]
             assert (tm[:a] == 0).all() and (tm[a:-1] == 1).all() and tm[-1] == 0
@@ -361,16 +361,16 @@ def test_training_rows_are_single_question_prompts_then_generation(tz, enc, tiny
             f = b["target_focus"][r, at]
             if (f >= 0).any():
                 n_focus += 1
-                j = int(f[f >= 0][0]) - V.PREFIX_VIDEO_START
+                j = int(f[f >= 0][0]) - ZV.PREFIX_VIDEO_START
                 g, cell = divmod(j, 9)
-                assert g in (0, V.GROUPS - 1) and ids[j + V.PREFIX_VIDEO_START] == V.VIDEO_ID
-                colour = list(W.COLOURS)[y_all[r][g, cell, 0] - 1]
+                assert g in (0, ZV.GROUPS - 1) and ids[j + ZV.PREFIX_VIDEO_START] == ZV.VIDEO_ID
+                colour = list(ZW.COLOURS)[y_all[r][g, cell, 0] - 1]
                 text = enc.tokenizer.decode(s_ids)
                 assert colour in text, (text, colour)
     assert n_focus > 0
     vis = np.asarray(tz.prefix_mask(b["qa_segment"]))
     seg = b["qa_segment"][0]
-    for q in (5, V.PREFIX_LEN + 3, int(np.flatnonzero(seg == 2)[1])):
+    for q in (5, ZV.PREFIX_LEN + 3, int(np.flatnonzero(seg == 2)[1])):
         want = (np.arange(len(seg)) <= q) & ((seg == 0) | (seg == seg[q])) & (seg >= 0)
         np.testing.assert_array_equal(vis[0, q], want)
 
@@ -386,14 +386,14 @@ def test_training_forward_is_decoding_with_teacher_forcing(tz, enc, tiny):
     from ports import cache as kvc
     from jspec import loop
 
-    b = V.make_batch("heldout", 4, 2, 512)
+    b = ZV.make_batch("heldout", 4, 2, 512)
     ours = np.asarray(jax.jit(lambda p, x: tz.logits_fn(tiny.config, p, x))(tiny.params, b))
     contiguous = dict(b, positions=b["positions"].copy())
     for r in range(2):
-        clip = V.training_clip("heldout", 4 + r)[0]
-        px, grid = V.video_pixels(V.render_clip(clip))
+        clip = ZV.training_clip("heldout", 4 + r)[0]
+        px, grid = ZV.video_pixels(ZV.render_clip(clip))
         video = {"pixel_values_videos": px, "video_grid_thw": grid[None],
-                 "second_per_grid_ts": np.array([V.SECONDS_PER_GROUP], np.float32)}
+                 "second_per_grid_ts": np.array([ZV.SECONDS_PER_GROUP], np.float32)}
         seg, ids = b["qa_segment"][r], b["input_ids"][r]
         for k in range(1, int(seg.max()) + 1):
             at = np.flatnonzero(seg == k)
@@ -409,8 +409,8 @@ def test_training_forward_is_decoding_with_teacher_forcing(tz, enc, tiny):
             last, _, cache = loop.prefill(tiny, jnp.asarray(prompt), jnp.asarray(lengths), cache, inputs)
             fed = tiny.forward(answer, kvc.positions(cache, jnp.arange(answer.shape[1])[None]), cache)
             ref = ports.logits(tiny, {"input_ids": prompt, **video})
-            np.testing.assert_allclose(ours[r, :V.PREFIX_LEN], ref[0, :V.PREFIX_LEN], atol=2e-4, rtol=1e-4)
-            np.testing.assert_allclose(ours[r, at[:a + 1]], ref[0, V.PREFIX_LEN:], atol=2e-4, rtol=1e-4)
+            np.testing.assert_allclose(ours[r, :ZV.PREFIX_LEN], ref[0, :ZV.PREFIX_LEN], atol=2e-4, rtol=1e-4)
+            np.testing.assert_allclose(ours[r, at[:a + 1]], ref[0, ZV.PREFIX_LEN:], atol=2e-4, rtol=1e-4)
             np.testing.assert_allclose(ours[r, at[a]], np.asarray(last[0]), atol=2e-4, rtol=1e-4)
             np.testing.assert_allclose(ours[r, at[a + 1:]], np.asarray(fed.logits[0]), atol=2e-4, rtol=1e-4)
     old = np.asarray(tz.logits_fn(tiny.config, tiny.params, contiguous))
@@ -424,7 +424,7 @@ def test_video_focus_and_time_losses(tz, tiny):
     their values; `time_nll` is a cross-entropy over the 32 groups at the video tokens."""
     one = dataclasses.replace(tiny.config, text=dataclasses.replace(tiny.config.text, num_layers=1))
     params = {**tiny.params, "lm": {**tiny.params["lm"], "layers": tiny.params["lm"]["layers"][:1]}}
-    b = V.make_batch("train", 10, 2, 512)
+    b = ZV.make_batch("train", 10, 2, 512)
     x = tz.forward_fn(one, params, b, (0,)).hidden[0]
     rope, visible = tz.video_attention(one, b)
     lm = params["lm"]
@@ -435,7 +435,7 @@ def test_video_focus_and_time_losses(tz, tiny):
     w[r, q] = 1.0
     emb = jax.lax.dynamic_update_slice(tz.llama.embed(lm, b["input_ids"]),
                                        tz.video_tokens(one.vision, params["vision"], b["frames"]),
-                                       (0, V.PREFIX_VIDEO_START, 0))
+                                       (0, ZV.PREFIX_VIDEO_START, 0))
     cache = tz.kvc.init_cache(1, 2, one.text.num_kv_heads, 512, one.text.head_dim, jnp.float32)
     attn = QW.forward(one, params, b["input_ids"], b["positions"], cache, tz.prefix_mask(b["qa_segment"]),
                       embeds=emb, attn_query_weights=jnp.asarray(w)).attn
@@ -448,12 +448,12 @@ def test_video_focus_and_time_losses(tz, tiny):
     np.testing.assert_allclose(aux0[0], aux1[0], rtol=1e-6)
     np.testing.assert_allclose(full - plain, 0.3 * aux1[3] + 0.2 * aux1[4] + 0.5 * aux1[5], rtol=1e-4)
     h = np.asarray(tz.forward_fn(tiny.config, tiny.params, b, (1,)).hidden[0], np.float64)
-    v = h[:, V.PREFIX_VIDEO_START:V.PREFIX_VIDEO_START + V.VIDEO_TOKENS]
+    v = h[:, ZV.PREFIX_VIDEO_START:ZV.PREFIX_VIDEO_START + ZV.VIDEO_TOKENS]
     v = v / np.sqrt((v * v).mean(-1, keepdims=True) + 1e-6)
-    proj = np.asarray(jax.random.normal(jax.random.key(20261125), (h.shape[-1], V.GROUPS))) * h.shape[-1] ** -0.5
+    proj = np.asarray(jax.random.normal(jax.random.key(20261125), (h.shape[-1], ZV.GROUPS))) * h.shape[-1] ** -0.5
     z = 2.0 * v @ proj
     logp = z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
-    want = -logp[:, np.arange(V.VIDEO_TOKENS), np.repeat(np.arange(V.GROUPS), 9)].mean()
+    want = -logp[:, np.arange(ZV.VIDEO_TOKENS), np.repeat(np.arange(ZV.GROUPS), 9)].mean()
     np.testing.assert_allclose(float(aux1[5]), want, rtol=1e-4)
 
 
@@ -487,8 +487,8 @@ def test_prompts_decode_and_match_transformers(tiny, enc, tmp_path):
 
     ports.save_hf(tiny, str(tmp_path))
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    assert hf.config.video_token_id == V.VIDEO_ID and hf.config.image_token_id == V.special_ids()["image_token_id"]
-    exs = [V.eval_set(6)[1], V.eval_set(6)[5]]
+    assert hf.config.video_token_id == ZV.VIDEO_ID and hf.config.image_token_id == ZV.special_ids()["image_token_id"]
+    exs = [ZV.eval_set(6)[1], ZV.eval_set(6)[5]]
     p = enc.prompts(exs)
     assert p["attention_mask"][0].sum() != p["attention_mask"][1].sum()
     tp = {k: torch.tensor(v) for k, v in p.items()}
@@ -514,8 +514,8 @@ def test_prompts_decode_and_match_transformers(tiny, enc, tmp_path):
 @pytest.mark.slow
 def test_pooled_workers_make_the_same_batches():
     """Batches made in worker processes equal the in-process ones, in order."""
-    a = V.batches("train", 2, 384, start=6, workers=0)
-    b = V.batches("train", 2, 384, start=6, workers=2, prefetch=1)
+    a = ZV.batches("train", 2, 384, start=6, workers=0)
+    b = ZV.batches("train", 2, 384, start=6, workers=2, prefetch=1)
     for _ in range(3):
         x, y = next(a), next(b)
         assert x.keys() == y.keys()
@@ -546,9 +546,9 @@ def test_tiny_video_preset_trains_resumes_and_exports(tz, tmp_path, monkeypatch)
     info = __import__("json").loads((out / "training.json").read_text())
     assert info["steps"] == 3 and (out / "tokenizer.json").exists()
     model = ports.load_hf(str(out))
-    assert isinstance(model.config, QW.QwenVLConfig) and model.config.video_token_id == V.VIDEO_ID
+    assert isinstance(model.config, QW.QwenVLConfig) and model.config.video_token_id == ZV.VIDEO_ID
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32).eval()
-    prompt = V.VideoEncoder().prompts(V.eval_set(1))
+    prompt = ZV.VideoEncoder().prompts(ZV.eval_set(1))
     with torch.no_grad():
         want = hf.generate(**{k: torch.tensor(v) for k, v in prompt.items()}, max_new_tokens=6,
                            do_sample=False).numpy()[0, prompt["input_ids"].shape[1]:]
@@ -595,8 +595,8 @@ def _load(name: str):
 @pytest.mark.slow
 def test_shipped_video_target_reads_the_video(enc):
     target = _load("video-target")
-    exs = V.eval_set(N_VIDEO_QA)
-    em = {v: float(np.mean(V.exact_match(target, exs, v, encoder=enc))) for v in V.VARIANTS}
+    exs = ZV.eval_set(N_VIDEO_QA)
+    em = {v: float(np.mean(ZV.exact_match(target, exs, v, encoder=enc))) for v in ZV.VARIANTS}
     assert em["clip"] >= MIN_VIDEO_EXACT_MATCH, em
     assert em["blank"] <= MAX_BLANK_EXACT_MATCH, em
     assert em["clip"] - em["shuffled"] >= MIN_SHUFFLED_DROP, em
@@ -626,7 +626,7 @@ def test_shipped_video_pair_loads_in_transformers_and_drafts(enc):
     import torch
     import transformers
 
-    prompt = enc.prompts(V.eval_set(8)[7:])
+    prompt = enc.prompts(ZV.eval_set(8)[7:])
     for name in ("video-target", "video-draft"):
         d = str(ROOT / "jspec" / "zoo" / name)
         hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
@@ -636,6 +636,6 @@ def test_shipped_video_pair_loads_in_transformers_and_drafts(enc):
         got = jspec.decode(_load(name), prompt, max_new_tokens=24)
         n = int(got.lengths[0])
         np.testing.assert_array_equal(got.tokens[0, :n], want[:n])
-    r = V.sd_acceptance(_load("video-target"), _load("video-draft"), V.eval_set(8, tasks=["video_describe"]),
+    r = ZV.sd_acceptance(_load("video-target"), _load("video-draft"), ZV.eval_set(8, tasks=["video_describe"]),
                         encoder=enc)
     assert r["same_tokens"] and r["mean_accepted"] >= MIN_VIDEO_MEAN_ACCEPTED, r

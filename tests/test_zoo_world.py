@@ -12,9 +12,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import numpy as np
 import pytest
 
-from jspec.zoo import data as D
+from jspec.zoo import data as ZD
 from jspec.zoo import tokenizer as TK
-from jspec.zoo import world as W
+from jspec.zoo import world as ZW
 
 
 @pytest.fixture(scope="module")
@@ -24,23 +24,23 @@ def tok():
 
 # The world's own tasks: the text pair's `described_*` tasks join the registry once jspec.zoo.data registers them
 # (train_zoo and the evaluation do), so the streams below name their tasks and stay the same in any test order.
-WORLD_TASKS = tuple(n for n in W.TASKS if n not in D.DESCRIBED)
-TRAIN_TASKS = tuple(n for n in WORLD_TASKS if not W.TASKS[n].ood)
+WORLD_TASKS = tuple(n for n in ZW.TASKS if n not in ZD.DESCRIBED)
+TRAIN_TASKS = tuple(n for n in WORLD_TASKS if not ZW.TASKS[n].ood)
 
 
 @pytest.fixture(scope="module")
 def train_exs():
-    return list(W.examples("train", 3000, seed=0, tasks=TRAIN_TASKS))
+    return list(ZW.examples("train", 3000, seed=0, tasks=TRAIN_TASKS))
 
 
 @pytest.fixture(scope="module")
 def heldout_exs():
-    return list(W.examples("heldout", 1500, seed=0, tasks=WORLD_TASKS))
+    return list(ZW.examples("heldout", 1500, seed=0, tasks=WORLD_TASKS))
 
 
 # ------------------------------------------------------------------------------------------ an independent solver
 
-POS = {v: k for k, v in W.POSITIONS.items()}
+POS = {v: k for k, v in ZW.POSITIONS.items()}
 
 
 def _words(q: str, vocab) -> list[str]:
@@ -48,20 +48,20 @@ def _words(q: str, vocab) -> list[str]:
 
 
 def _pos_in(q: str) -> list[str]:
-    return [p for p in W.POSITIONS.values() if re.search(rf"\bthe {p}\b", q)]
+    return [p for p in ZW.POSITIONS.values() if re.search(rf"\bthe {p}\b", q)]
 
 
-def _obj(s: W.Scene, colour=None, shape=None, pos=None) -> W.Obj:
+def _obj(s: ZW.Scene, colour=None, shape=None, pos=None) -> ZW.Obj:
     hits = [o for o in s.objects if (colour is None or o.colour == colour) and (shape is None or o.shape == shape)
             and (pos is None or o.position == pos)]
     assert len(hits) == 1, (colour, shape, pos, s)
     return hits[0]
 
 
-def solve_image_question(s: W.Scene, q: str, a: str) -> str | None:
+def solve_image_question(s: ZW.Scene, q: str, a: str) -> str | None:
     """The answer to a single-image question, derived from the scene and the question words alone; None for
     captions (checked separately)."""
-    cols, shapes, plural, pos = _words(q, W.COLOURS), _words(q, W.SHAPES), _words(q, W.PLURAL.values()), _pos_in(q)
+    cols, shapes, plural, pos = _words(q, ZW.COLOURS), _words(q, ZW.SHAPES), _words(q, ZW.PLURAL.values()), _pos_in(q)
     if re.search(r"Describe|caption|description", q) or "What is in this image" in q:
         return None
     if s.kind == "text":
@@ -79,7 +79,7 @@ def solve_image_question(s: W.Scene, q: str, a: str) -> str | None:
         if cols:
             return str(sum(o.colour == cols[0] for o in s.objects))
         if plural:
-            sh = next(k for k, v in W.PLURAL.items() if v == plural[0])
+            sh = next(k for k, v in ZW.PLURAL.items() if v == plural[0])
             return str(sum(o.shape == sh for o in s.objects))
         return str(len(s.objects))
     if re.search(r"Is there|Do you see|contain", q):
@@ -95,7 +95,7 @@ def solve_image_question(s: W.Scene, q: str, a: str) -> str | None:
     raise AssertionError(f"unrecognised question {q!r}")
 
 
-def check_caption(s: W.Scene, a: str) -> None:
+def check_caption(s: ZW.Scene, a: str) -> None:
     if s.kind == "shapes":
         mentioned = re.findall(r"\b(big|small) (\w+) (\w+)", a)
         assert sorted(mentioned) == sorted((o.size, o.colour, o.shape) for o in s.objects), (a, s)
@@ -104,7 +104,7 @@ def check_caption(s: W.Scene, a: str) -> None:
     elif s.kind == "text":
         assert s.text in a and s.text_colour in a
     else:
-        assert f"with {W.NUMBER_WORDS[len(s.bars)]} bars" in a
+        assert f"with {ZW.NUMBER_WORDS[len(s.bars)]} bars" in a
         for c, v in re.findall(r"the (\w+) bar is (\d)", a):
             assert next(b.value for b in s.bars if b.colour == c) == int(v)
 
@@ -115,14 +115,14 @@ def solve_text_question(q: str, prev: str | None) -> str:
     if m:
         x, y = int(m.group(1)), int(m.group(3))
         return str({"plus": x + y, "minus": x - y, "times": x * y}[m.group(2)])
-    for country, capital in W.KB_COUNTRIES.items():
+    for country, capital in ZW.KB_COUNTRIES.items():
         if country in q:
             return capital
-    for name, (colour, legs, food) in W.KB_CREATURES.items():
+    for name, (colour, legs, food) in ZW.KB_CREATURES.items():
         if re.search(rf"\b{name}s?\b", q):
             return str(legs) if "legs" in q else colour if "colo" in q else food
     m = re.search(r"(?:word|spell|of|Write) ([a-z]+)\b", q)
-    if m and m.group(1) in set(W.COLOURS) | set(W.SHAPES):
+    if m and m.group(1) in set(ZW.COLOURS) | set(ZW.SHAPES):
         w = m.group(1)
         return "-".join(w) if re.search(r"[Ss]pell", q) else str(len(w)) if "letters" in q and "capital" not in q \
             else w.upper()
@@ -136,7 +136,7 @@ def solve_text_question(q: str, prev: str | None) -> str:
     if re.search(r"even|odd", q):
         return "even" if int(prev) % 2 == 0 else "odd"
     if "creature" in q:
-        return W.CREATURE_OF_COLOUR[prev]
+        return ZW.CREATURE_OF_COLOUR[prev]
     if re.search(r"[Ss]pell", q):
         return "-".join(prev)
     if re.search(r"capital|uppercase", q):
@@ -153,11 +153,11 @@ def solve_text_question(q: str, prev: str | None) -> str:
     raise AssertionError(f"unrecognised text question {q!r}")
 
 
-def _objset(s: W.Scene):
+def _objset(s: ZW.Scene):
     return {(o.shape, o.colour, o.size, o.row, o.col) for o in s.objects}
 
 
-def check_difference(a: W.Scene, b: W.Scene, change: str) -> None:
+def check_difference(a: ZW.Scene, b: ZW.Scene, change: str) -> None:
     """Apply the described change to scene a and compare with scene b."""
     objs = _objset(a)
     if m := re.fullmatch(r"A (big|small) (\w+) (\w+) was added in the ([a-z ]+)\.", change):
@@ -192,7 +192,7 @@ def check_answer(q: str, a: str, short: str) -> None:
         assert a == short, (q, a, short)
 
 
-def check_example(ex: W.Example) -> None:
+def check_example(ex: ZW.Example) -> None:
     """Every assistant answer of the example is what the scenes and the questions determine."""
     user = [t for t in ex.turns if t.role == "user"]
     answers = [t.text for t in ex.turns if t.role == "assistant"]
@@ -220,12 +220,12 @@ def check_example(ex: W.Example) -> None:
         return
     if ex.task == "prior_story":
         told = re.findall(r"a (big|small) (\w+) (\w+) appears in the ([a-z ]+)\.", answers[0])
-        n = W.NUMBER_WORDS.index(re.search(r"\b(\w+) shapes\b", user[0].text).group(1))
+        n = ZW.NUMBER_WORDS.index(re.search(r"\b(\w+) shapes\b", user[0].text).group(1))
         assert n == len(told) and len({t[3] for t in told}) == len(told) and set(t[3] for t in told) <= set(POS)
         return
     if ex.task == "prior_total":
         counts = [int(c) for c in re.findall(r"\b(\d+)\b", user[0].text)]
-        assert re.search(rf"(?i)\b{W.NUMBER_WORDS[len(counts)]}\b", user[0].text) and len(counts) >= 2
+        assert re.search(rf"(?i)\b{ZW.NUMBER_WORDS[len(counts)]}\b", user[0].text) and len(counts) >= 2
         check_answer(user[0].text, answers[0], str(sum(counts)))
         return
     prev = None
@@ -261,17 +261,17 @@ def test_described_tasks_state_the_scene_and_keep_its_answers():
     replaying the generator's random stream recovers the scenes, and the independent solver checks both the
     descriptions and the answers against them."""
     import random
-    D.register_described_tasks()
-    D.register_described_tasks()                      # idempotent
-    for name, (inner, _) in D.DESCRIBED.items():
-        assert W.TASKS[name].scenario == "text" and W.TASKS[name].max_images == 0
+    ZD.register_described_tasks()
+    ZD.register_described_tasks()                      # idempotent
+    for name, (inner, _) in ZD.DESCRIBED.items():
+        assert ZW.TASKS[name].scenario == "text" and ZW.TASKS[name].max_images == 0
         for i in range(40):
             rng, replay = random.Random(1000 * i + 7), random.Random(1000 * i + 7)
-            turns, images = W.TASKS[name].make(rng, "train")
+            turns, images = ZW.TASKS[name].make(rng, "train")
             assert images == []
-            inner_name = replay.choices(inner, weights=[W.TASKS[n].weight for n in inner])[0] \
+            inner_name = replay.choices(inner, weights=[ZW.TASKS[n].weight for n in inner])[0] \
                 if len(inner) > 1 else inner[0]
-            inner_turns, scenes = W.TASKS[inner_name].make(replay, "train")
+            inner_turns, scenes = ZW.TASKS[inner_name].make(replay, "train")
             assert len(turns) == len(inner_turns) and scenes
             k = 0
             for t, t0 in zip(turns, inner_turns):
@@ -285,7 +285,7 @@ def test_described_tasks_state_the_scene_and_keep_its_answers():
                     assert pic.startswith("Picture: ")
                     check_caption(s, pic[len("Picture: "):])
                 k += t0.n_images
-            check_example(W.Example(inner_name, W.TASKS[inner_name].scenario, "train", i, tuple(inner_turns),
+            check_example(ZW.Example(inner_name, ZW.TASKS[inner_name].scenario, "train", i, tuple(inner_turns),
                                     tuple(scenes)))
 
 
@@ -299,7 +299,7 @@ def test_solver_rejects_wrong_answers(train_exs):
         tried += 1
         last = ex.turns[-1]
         wrong = "9" if last.text != "9" else "8"
-        bad = W.Example(ex.task, ex.scenario, ex.split, ex.index, ex.turns[:-1] + (W.Turn("assistant", wrong),),
+        bad = ZW.Example(ex.task, ex.scenario, ex.split, ex.index, ex.turns[:-1] + (ZW.Turn("assistant", wrong),),
                         ex.images)
         try:
             check_example(bad)
@@ -316,69 +316,69 @@ def test_renders_show_the_scene(train_exs, size):
     scenes = [s for ex in train_exs[:600] for s in ex.images]
     kinds = {s.kind for s in scenes}
     assert kinds == {"shapes", "text", "chart"}
-    area = {(sh, sz): [] for sh in W.SHAPES for sz in W.SIZES}
+    area = {(sh, sz): [] for sh in ZW.SHAPES for sz in ZW.SIZES}
     for s in scenes:
-        a = np.asarray(W.render(s, size))
+        a = np.asarray(ZW.render(s, size))
         assert a.shape == (size, size, 3) and a.dtype == np.uint8
         if s.kind == "shapes":
-            cell = size / W.GRID
+            cell = size / ZW.GRID
             occupied = set()
             for o in s.objects:
-                x, y = W.object_centre(o, size)
-                assert tuple(a[int(y), int(x)]) == W.COLOURS[o.colour], (o, size)
+                x, y = ZW.object_centre(o, size)
+                assert tuple(a[int(y), int(x)]) == ZW.COLOURS[o.colour], (o, size)
                 occupied.add((o.row, o.col))
                 r0, c0 = int(o.row * cell), int(o.col * cell)
                 block = a[r0:int((o.row + 1) * cell), c0:int((o.col + 1) * cell)]
-                n = int(np.all(block == W.COLOURS[o.colour], axis=-1).sum())
+                n = int(np.all(block == ZW.COLOURS[o.colour], axis=-1).sum())
                 area[(o.shape, o.size)].append(n)
-            for (r, c) in set(W.POSITIONS) - occupied:
-                assert tuple(a[int((r + .5) * cell), int((c + .5) * cell)]) == W.BACKGROUND
+            for (r, c) in set(ZW.POSITIONS) - occupied:
+                assert tuple(a[int((r + .5) * cell), int((c + .5) * cell)]) == ZW.BACKGROUND
         elif s.kind == "text":
-            x0, y0, k = W.text_layout(s.text, size)
-            ink = np.all(a == W.COLOURS[s.text_colour], axis=-1)
+            x0, y0, k = ZW.text_layout(s.text, size)
+            ink = np.all(a == ZW.COLOURS[s.text_colour], axis=-1)
             read = ""
             for i in range(len(s.text)):
-                gx = x0 + (W.GLYPH_W + 1) * k * i
+                gx = x0 + (ZW.GLYPH_W + 1) * k * i
                 glyph = tuple("".join("#" if ink[y0 + r * k + k // 2, gx + c * k + k // 2] else "."
-                                      for c in range(W.GLYPH_W)) for r in range(W.GLYPH_H))
-                read += next(ch for ch, g in W.FONT.items() if g == glyph)
+                                      for c in range(ZW.GLYPH_W)) for r in range(ZW.GLYPH_H))
+                read += next(ch for ch, g in ZW.FONT.items() if g == glyph)
             assert read == s.text
-            assert ink.sum() == sum(g.count("#") for ch in s.text for g in W.FONT[ch]) * k * k
+            assert ink.sum() == sum(g.count("#") for ch in s.text for g in ZW.FONT[ch]) * k * k
         else:
-            xs, base, unit = W.chart_layout(len(s.bars), size)
+            xs, base, unit = ZW.chart_layout(len(s.bars), size)
             for (x_a, x_b), bar in zip(xs, s.bars):
-                col = np.all(a[:, (x_a + x_b) // 2] == W.COLOURS[bar.colour], axis=-1)
+                col = np.all(a[:, (x_a + x_b) // 2] == ZW.COLOURS[bar.colour], axis=-1)
                 assert round(col.sum() / unit) == bar.value and col[base - 1] and not col[base]
-    for sh in W.SHAPES:     # big shapes cover ~2.7x the area of small ones (fewer whole pixels at 32 px)
+    for sh in ZW.SHAPES:     # big shapes cover ~2.7x the area of small ones (fewer whole pixels at 32 px)
         assert min(area[(sh, "big")]) > 1.6 * max(area[(sh, "small")]), sh
 
 
 def test_font_glyphs_distinct_and_well_formed():
-    glyphs = list(W.FONT.values())
-    assert len(set(glyphs)) == len(glyphs) == len(W.TEXT_CHARS)
-    assert all(len(g) == W.GLYPH_H and all(len(r) == W.GLYPH_W and set(r) <= {"#", "."} for r in g) for g in glyphs)
-    assert all(set(w) <= set(W.TEXT_CHARS) for w in W.SIGN_WORDS)
+    glyphs = list(ZW.FONT.values())
+    assert len(set(glyphs)) == len(glyphs) == len(ZW.TEXT_CHARS)
+    assert all(len(g) == ZW.GLYPH_H and all(len(r) == ZW.GLYPH_W and set(r) <= {"#", "."} for r in g) for g in glyphs)
+    assert all(set(w) <= set(ZW.TEXT_CHARS) for w in ZW.SIGN_WORDS)
 
 
 def test_velocity_moves_objects():
-    o = W.Obj("square", "blue", "big", 0, 0, velocity=(1.0, 2.0))
-    s = W.Scene("shapes", objects=(o,))
-    a0, a1 = np.asarray(W.render(s, 48)), np.asarray(W.render(s, 48, t=1.0))
-    assert tuple(a0[8, 8]) == W.COLOURS["blue"] and tuple(a0[24, 40]) == W.BACKGROUND
-    assert tuple(a1[24, 40]) == W.COLOURS["blue"] and tuple(a1[8, 8]) == W.BACKGROUND
+    o = ZW.Obj("square", "blue", "big", 0, 0, velocity=(1.0, 2.0))
+    s = ZW.Scene("shapes", objects=(o,))
+    a0, a1 = np.asarray(ZW.render(s, 48)), np.asarray(ZW.render(s, 48, t=1.0))
+    assert tuple(a0[8, 8]) == ZW.COLOURS["blue"] and tuple(a0[24, 40]) == ZW.BACKGROUND
+    assert tuple(a1[24, 40]) == ZW.COLOURS["blue"] and tuple(a1[8, 8]) == ZW.BACKGROUND
 
 
 # ---------------------------------------------------------------------------------------- determinism, splits
 
 
 def test_deterministic_from_seed(train_exs):
-    again = list(W.examples("train", 300, seed=0, tasks=TRAIN_TASKS))
+    again = list(ZW.examples("train", 300, seed=0, tasks=TRAIN_TASKS))
     assert again == train_exs[:300]
-    other = list(W.examples("train", 300, seed=1, tasks=TRAIN_TASKS))
+    other = list(ZW.examples("train", 300, seed=1, tasks=TRAIN_TASKS))
     assert sum(a != b for a, b in zip(other, again)) > 250
     s = next(sc for ex in train_exs for sc in ex.images)
-    assert W.render(s, 64).tobytes() == W.render(s, 64).tobytes()
-    assert W.example("train", 1234, seed=5) == W.example("train", 1234, seed=5)   # random access, no state
+    assert ZW.render(s, 64).tobytes() == ZW.render(s, 64).tobytes()
+    assert ZW.example("train", 1234, seed=5) == ZW.example("train", 1234, seed=5)   # random access, no state
 
 
 def test_splits_disjoint_and_ood_held_out(train_exs, heldout_exs):
@@ -389,36 +389,36 @@ def test_splits_disjoint_and_ood_held_out(train_exs, heldout_exs):
     assert all(s.split() == "heldout" for ex in heldout_exs for s in ex.images)
     # a free draw would collide: single-object scenes are few, so disjointness is the hash partition's doing
     assert any(len(s.objects) == 1 for ex in heldout_exs for s in ex.images)
-    assert {ex.scenario for ex in train_exs} == set(W.SCENARIOS) - {"ood"}
-    assert {ex.scenario for ex in heldout_exs} == set(W.SCENARIOS)
-    assert not any(W.TASKS[ex.task].ood for ex in train_exs)
+    assert {ex.scenario for ex in train_exs} == set(ZW.SCENARIOS) - {"ood"}
+    assert {ex.scenario for ex in heldout_exs} == set(ZW.SCENARIOS)
+    assert not any(ZW.TASKS[ex.task].ood for ex in train_exs)
     with pytest.raises(ValueError, match="held out"):
-        W.example("train", 0, tasks=["ood_story"])
+        ZW.example("train", 0, tasks=["ood_story"])
     with pytest.raises(ValueError, match="held out"):
-        next(D.batches("train", 2, 64, tasks=["ood_count"], view="T"))
+        next(ZD.batches("train", 2, 64, tasks=["ood_count"], view="T"))
     # a target may train on them (train-split scenes): only on request
-    ex = W.example("train", 0, tasks=["ood_story"], allow_ood=True)
+    ex = ZW.example("train", 0, tasks=["ood_story"], allow_ood=True)
     assert ex.scenario == "ood" and len(ex.images) == 5 and all(s.split() == "train" for s in ex.images)
     with pytest.raises(ValueError, match="unknown task"):
-        W.example("train", 0, tasks=["no_such_task"])
+        ZW.example("train", 0, tasks=["no_such_task"])
     ood = [ex for ex in heldout_exs if ex.scenario == "ood"]
     assert ood and all(len(ex.images) >= 3 for ex in ood)
-    prior = set(W.tasks_of("prior"))
-    assert prior and set(D.DRAFT_TASKS) <= set(D.TARGET_TASKS) | prior and prior <= set(D.DRAFT_TASKS)
-    assert all(W.TASKS[t].max_images <= 1 for t in D.DRAFT_TASKS)
+    prior = set(ZW.tasks_of("prior"))
+    assert prior and set(ZD.DRAFT_TASKS) <= set(ZD.TARGET_TASKS) | prior and prior <= set(ZD.DRAFT_TASKS)
+    assert all(ZW.TASKS[t].max_images <= 1 for t in ZD.DRAFT_TASKS)
     # the draft's language prior is its own: no target's data (image target, text pair) lists those tasks
-    assert not prior & (set(D.TARGET_TASKS) | set(D.TEXT_TASKS) | set(D.TEXT_PAIR_TASKS))
-    assert all(W.TASKS[t].max_images == 0 for t in prior)
-    assert set(W.tasks_of("ood")) <= set(D.TARGET_TASKS) and not set(D.DRAFT_TASKS) & set(W.tasks_of("ood"))
+    assert not prior & (set(ZD.TARGET_TASKS) | set(ZD.TEXT_TASKS) | set(ZD.TEXT_PAIR_TASKS))
+    assert all(ZW.TASKS[t].max_images == 0 for t in prior)
+    assert set(ZW.tasks_of("ood")) <= set(ZD.TARGET_TASKS) and not set(ZD.DRAFT_TASKS) & set(ZW.tasks_of("ood"))
 
 
 def test_eval_sets_cover_every_scenario():
-    sets = D.eval_sets(n=24)
-    assert set(sets) == set(W.SCENARIOS)
+    sets = ZD.eval_sets(n=24)
+    assert set(sets) == set(ZW.SCENARIOS)
     for sc, exs in sets.items():
         assert len(exs) == 24 and {e.scenario for e in exs} == {sc} and {e.split for e in exs} == {"heldout"}
-        assert {e.task for e in exs} == set(W.tasks_of(sc))           # balanced over the scenario's tasks
-    assert D.eval_set("vqa", 24) == sets["vqa"]
+        assert {e.task for e in exs} == set(ZW.tasks_of(sc))           # balanced over the scenario's tasks
+    assert ZD.eval_set("vqa", 24) == sets["vqa"]
     second = sets["second_turn"]
     assert all(len(e.images) == 1 and e.turns[0].n_images == 1 and e.turns[2].n_images == 0 for e in second)
 
@@ -470,10 +470,10 @@ def test_llava_processor_expands_images(tok, heldout_exs, tmp_path, patch, strat
 
     assert TK.image_tokens(64, patch, strategy) == expect
     proc = TK.make_processor(tok, image_size=64, patch_size=patch, vision_feature_select_strategy=strategy)
-    enc = D.Encoder(tok, image_tokens=expect, image_size=64)
+    enc = ZD.Encoder(tok, image_tokens=expect, image_size=64)
     ex = next(e for e in heldout_exs if e.scenario == "two_image")
     prompt = proc.apply_chat_template(ex.messages(upto_last_answer=True), add_generation_prompt=True)
-    out = proc(text=[prompt], images=[W.render(s, 64) for s in ex.images], return_tensors="np")
+    out = proc(text=[prompt], images=[ZW.render(s, 64) for s in ex.images], return_tensors="np")
     mine = enc.prompt(ex)
     assert (out["input_ids"] == TK.IMAGE_ID).sum() == 2 * expect
     np.testing.assert_array_equal(out["input_ids"], mine["input_ids"])
@@ -481,7 +481,7 @@ def test_llava_processor_expands_images(tok, heldout_exs, tmp_path, patch, strat
     if patch == 16 and strategy == "default":
         proc.save_pretrained(tmp_path)
         again = transformers.AutoProcessor.from_pretrained(tmp_path)
-        out2 = again(text=[prompt], images=[W.render(s, 64) for s in ex.images], return_tensors="np")
+        out2 = again(text=[prompt], images=[ZW.render(s, 64) for s in ex.images], return_tensors="np")
         np.testing.assert_array_equal(out2["input_ids"], mine["input_ids"])
     with pytest.raises(ValueError, match="multiple of patch_size"):
         TK.image_tokens(64, 12)
@@ -492,7 +492,7 @@ def test_llava_processor_expands_images(tok, heldout_exs, tmp_path, patch, strat
 
 @pytest.mark.parametrize("view", ["M", "T"])
 def test_loss_mask_covers_exactly_the_answers(tok, heldout_exs, view):
-    enc = D.Encoder(tok, image_tokens=16, view=view)
+    enc = ZD.Encoder(tok, image_tokens=16, view=view)
     for ex in heldout_exs[:300]:
         e = enc.encode(ex)
         answers = [t.text for t in ex.turns if t.role == "assistant"]
@@ -518,19 +518,19 @@ def test_loss_mask_covers_exactly_the_answers(tok, heldout_exs, view):
 def test_pixels_match_clip_normalisation():
     import random
 
-    s = W.random_shapes(random.Random(0), 3)
-    x = D.pixels(s, 32)
-    raw = np.asarray(W.render(s, 32)).astype(np.float64).transpose(2, 0, 1) / 255.0
-    want = (raw - D.CLIP_MEAN[:, None, None]) / D.CLIP_STD[:, None, None]
+    s = ZW.random_shapes(random.Random(0), 3)
+    x = ZD.pixels(s, 32)
+    raw = np.asarray(ZW.render(s, 32)).astype(np.float64).transpose(2, 0, 1) / 255.0
+    want = (raw - ZD.CLIP_MEAN[:, None, None]) / ZD.CLIP_STD[:, None, None]
     assert x.shape == (3, 32, 32) and x.dtype == np.float32
     np.testing.assert_allclose(x, want, atol=1e-6)
 
 
 @pytest.mark.parametrize("pack", [True, False])
 def test_batches_pack_the_example_stream(tok, pack):
-    enc = D.Encoder(tok, image_tokens=16, image_size=32)
+    enc = ZD.Encoder(tok, image_tokens=16, image_size=32)
     B, T = 4, 96
-    it = D.batches("train", B, T, seed=3, tasks=D.DRAFT_TASKS, pack=pack, encoder=enc, images_per_row=3)
+    it = ZD.batches("train", B, T, seed=3, tasks=ZD.DRAFT_TASKS, pack=pack, encoder=enc, images_per_row=3)
     b1, b2 = next(it), next(it)
     shapes = {"input_ids": (B, T), "targets": (B, T), "target_mask": (B, T), "loss_mask": (B, T),
               "segment_ids": (B, T), "positions": (B, T), "attention_mask": (B, T),
@@ -546,7 +546,7 @@ def test_batches_pack_the_example_stream(tok, pack):
             k_img = 0
             for sg in segs:
                 while True:
-                    e = enc.encode(W.example("train", i, 3, D.DRAFT_TASKS))
+                    e = enc.encode(ZW.example("train", i, 3, ZD.DRAFT_TASKS))
                     i += 1
                     if len(e.ids) <= T and len(e.images) <= 3:
                         break
@@ -555,7 +555,7 @@ def test_batches_pack_the_example_stream(tok, pack):
                 np.testing.assert_array_equal(b["loss_mask"][r][sel], e.loss_mask)
                 np.testing.assert_array_equal(b["positions"][r][sel], np.arange(len(e.ids)))
                 for s in e.images:
-                    np.testing.assert_allclose(b["pixel_values"][r, k_img], D.pixels(s, 32))
+                    np.testing.assert_allclose(b["pixel_values"][r, k_img], ZD.pixels(s, 32))
                     k_img += 1
             assert b["image_mask"][r].sum() == k_img and not b["pixel_values"][r, k_img:].any()
             assert (b["input_ids"][r] == TK.IMAGE_ID).sum() == 16 * k_img
@@ -569,36 +569,36 @@ def test_batches_pack_the_example_stream(tok, pack):
         assert (b["segment_ids"][rr, tt] == b["segment_ids"][rr, tt + 1]).all()
         np.testing.assert_array_equal(b["attention_mask"], (b["segment_ids"] > 0).astype(np.int32))
     # resume from next_index reproduces the stream
-    resumed = next(D.batches("train", B, T, seed=3, tasks=D.DRAFT_TASKS, pack=pack, encoder=enc, images_per_row=3,
+    resumed = next(ZD.batches("train", B, T, seed=3, tasks=ZD.DRAFT_TASKS, pack=pack, encoder=enc, images_per_row=3,
                              start=int(b1["next_index"])))
     for k in shapes:
         np.testing.assert_array_equal(resumed[k], b2[k])
 
 
 def test_t_view_batches_and_view_mixing(tok):
-    st = D.Stats()
-    b = next(D.batches("train", 4, 128, tasks=D.DRAFT_TASKS, view="T", tokenizer=tok, stats=st))
+    st = ZD.Stats()
+    b = next(ZD.batches("train", 4, 128, tasks=ZD.DRAFT_TASKS, view="T", tokenizer=tok, stats=st))
     assert b["pixel_values"].shape[1] == 0 and TK.IMAGE_ID not in b["input_ids"]
     assert st.examples > 4 and 0 < st.fill <= 1
-    enc = D.Encoder(tok, image_tokens=8, image_size=32)
-    mixed = next(D.batches("train", 8, 128, seed=1, tasks=D.DRAFT_TASKS, t_view_prob=0.5, encoder=enc, pack=False))
-    views = [D._view_of(1, "train", i, 0.5, "M") for i in range(8)]
+    enc = ZD.Encoder(tok, image_tokens=8, image_size=32)
+    mixed = next(ZD.batches("train", 8, 128, seed=1, tasks=ZD.DRAFT_TASKS, t_view_prob=0.5, encoder=enc, pack=False))
+    views = [ZD._view_of(1, "train", i, 0.5, "M") for i in range(8)]
     assert set(views) == {"M", "T"}
     for row, v, i in zip(mixed["input_ids"], views, range(8)):     # pack=False: row i is example i
-        ex = W.example("train", i, 1, D.DRAFT_TASKS)
+        ex = ZW.example("train", i, 1, ZD.DRAFT_TASKS)
         assert (row == TK.IMAGE_ID).sum() == (8 * len(ex.images) if v == "M" else 0)
         assert row.tolist()[:int((row > 0).sum())] == enc.encode(ex, view=v).ids.tolist()
-    again = next(D.batches("train", 8, 128, seed=1, tasks=D.DRAFT_TASKS, t_view_prob=0.5, encoder=enc, pack=False))
+    again = next(ZD.batches("train", 8, 128, seed=1, tasks=ZD.DRAFT_TASKS, t_view_prob=0.5, encoder=enc, pack=False))
     np.testing.assert_array_equal(mixed["input_ids"], again["input_ids"])
     with pytest.raises(ValueError, match="unknown view"):
-        next(D.batches("train", 2, 64, view="X"))
+        next(ZD.batches("train", 2, 64, view="X"))
 
 
 def test_focus_names_the_object_an_answer_reads(tok, train_exs):
     """`Turn.focus` is set exactly on answers read off one object (colour/shape/position/size, and 'yes' to
     exists), names a cell holding that object, and the encoder points those answer tokens at that cell's image token
     (9 tokens per image: one per grid cell, row-major)."""
-    enc = D.Encoder(tok, image_tokens=W.GRID ** 2)
+    enc = ZD.Encoder(tok, image_tokens=ZW.GRID ** 2)
     seen = 0
     for ex in train_exs[:1500]:
         e = enc.encode(ex)
@@ -615,7 +615,7 @@ def test_focus_names_the_object_an_answer_reads(tok, train_exs):
             (obj,) = [o for o in ex.images[image].objects if (o.row, o.col) == (row, col)]
             words = turn.text.lower().rstrip(".").replace(",", "").split()
             assert {obj.colour, obj.shape, obj.size} & set(words) or obj.position in turn.text or words[0] == "yes"
-            assert (e.focus[start:end] == runs[image] + row * W.GRID + col).all()
+            assert (e.focus[start:end] == runs[image] + row * ZW.GRID + col).all()
             assert e.ids[e.focus[start]] == TK.IMAGE_ID
         assert (e.focus[e.loss_mask == 0] == -1).all()
     assert seen > 100
@@ -626,9 +626,9 @@ def test_focus_names_the_object_an_answer_reads(tok, train_exs):
     assert all(ex.turns[-1].focus is None for ex in train_exs if ex.task == "vqa_exists" and
                ex.turns[-1].text.lower().startswith("no"))
     # described scenes have no image to look at, and the M-view encoder takes them as they are
-    D.register_described_tasks()
-    described = D.eval_set("text", 24, tasks=list(D.DESCRIBED))
+    ZD.register_described_tasks()
+    described = ZD.eval_set("text", 24, tasks=list(ZD.DESCRIBED))
     assert all(t.focus is None for ex in described for t in ex.turns)
     assert all((enc.encode(ex).focus == -1).all() for ex in described)
     # with 16 tokens per image a token is no grid cell: no focus
-    assert all((D.Encoder(tok, image_tokens=16).encode(ex).focus == -1).all() for ex in train_exs[:200])
+    assert all((ZD.Encoder(tok, image_tokens=16).encode(ex).focus == -1).all() for ex in train_exs[:200])

@@ -213,3 +213,17 @@ def attended(target, prompts, keep=3, queries=2):
         out.append(tokens[b, np.sort(np.argsort(-a, kind="stable")[:keep])])
     return out
 
+
+
+@struct.dataclass
+class StopAt(Controller):
+    """Plans the plan's whole depth, then ends every row's draft after level `level` (a number: a leaf)."""
+
+    level: jax.Array
+    stops = True
+
+    def plan(self, state, key):
+        return Decision(depth=jnp.full((key.shape[0],), 99, jnp.int32))
+
+    def stop(self, state, level, aux, limit, key):
+        return jnp.where(level >= self.level, jnp.minimum(limit, level), limit)

@@ -18,7 +18,6 @@ layout: `position_proj.{i}.weight` [D, D] (nn.Linear, no bias: W^{i+1}), `classi
 """
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -28,6 +27,7 @@ from flax import struct
 
 from jspec import rowkeys as RK
 from jspec.controllers import Asks, Controller, Decision, Record
+from jspec.drafters import heads as H
 
 CALI_WEIGHTS = "calibration.safetensors"
 CALI_CONFIG = "calibration.json"
@@ -177,23 +177,13 @@ def from_torch_state_dict(sd: dict) -> CaliPredictor:
 
 def save_calibration(pred: CaliPredictor, directory: str, dtype=None, extra: dict | None = None) -> None:
     """`directory/calibration.safetensors` (the PyTorch layout above) + `calibration.json`."""
-    from ports.safetensors_io import write_safetensors
-
-    os.makedirs(directory, exist_ok=True)
-    sd = torch_state_dict(pred)
-    out_dtype = np.dtype(dtype) if dtype is not None else None
-    shapes = {n: (a.shape, out_dtype or a.dtype) for n, a in sd.items()}
-    write_safetensors(os.path.join(directory, CALI_WEIGHTS), shapes,
-                      lambda n: sd[n] if out_dtype is None else sd[n].astype(out_dtype))
-    with open(os.path.join(directory, CALI_CONFIG), "w") as f:
-        json.dump({"format": "jspec-eesd-calibration", "positions": pred.positions, **(extra or {})}, f, indent=2)
+    H.write_weights(os.path.join(directory, CALI_WEIGHTS), torch_state_dict(pred), dtype)
+    H.write_meta(os.path.join(directory, CALI_CONFIG),
+                 {"format": "jspec-eesd-calibration", "positions": pred.positions, **(extra or {})})
 
 
 def load_calibration(directory: str) -> CaliPredictor | None:
     """The predictor saved in `directory`, or None when it holds none."""
-    from ports.safetensors_io import SafetensorsFile
-
     if not os.path.exists(os.path.join(directory, CALI_WEIGHTS)):
         return None
-    st = SafetensorsFile(os.path.join(directory, CALI_WEIGHTS))
-    return from_torch_state_dict({k: np.asarray(st.get(k)).astype(np.float32) for k in st.keys()})
+    return from_torch_state_dict(H.read_weights(os.path.join(directory, CALI_WEIGHTS), np.float32))

@@ -14,10 +14,10 @@ class DraftEnv(NamedTuple):
     tcache: Any  # the target's KV cache at the step's start (committed tokens before `last`)
     last: jax.Array  # [B] the newest committed token (the tree's root)
     decision: Any = None  # controllers.Decision of this step
-    plan_scratch: int = 0  # the plan's draft scratch slots (set for `init`: a drafter may size buffers by it)
-    plan_depth: int = 0  # the plan's deepest draft level (set for `init`)
+    needs: Any = None  # the strategy's `Needs` (plan depth and scratch, what the controller and rule ask for)
     out: jax.Array | None = None  # [B, out_len] the tokens generated so far: each row's first n_out, `last` the newest
     n_out: jax.Array | None = None  # [B] int32
+    stop: Any = None  # the controller's per-level `stop(level, aux, limit) -> limit` this step (None: never stops)
 
 
 class Setup(NamedTuple):

@@ -24,8 +24,6 @@ target's own guidance (same scale, same image grammar) before the sampler's warp
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any, NamedTuple
 
 import jax
@@ -34,13 +32,14 @@ import numpy as np
 from flax import struct
 
 from ports import cache as kvc
-from jspec import guidance as G
+from jspec import guidance as GD
 from jspec import sharding as SH
+from jspec.drafters import heads as H
 from jspec.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
 from jspec.drafters.model import check_vocab_size, draft_log_probs
 from ports import chameleon as CH
 from ports import fused as FU
-from ports import layers as L
+from ports import layers as LY
 from ports import llama
 
 CONFIG_NAME = "eagle_head.json"
@@ -51,15 +50,8 @@ FAMILIES = {"llama": "llama", "qwen2": "llama", "chameleon": "chameleon"}
 def text_parts(target) -> tuple[Any, dict]:
     """(text config, language-model params) of a target a feature head can serve (LLaMA, Qwen2, Chameleon /
     Lumina-mGPT, LLaVA's language model), through a guided wrapper; ValueError otherwise."""
-    model = getattr(target, "model", target) if isinstance(target, G.Guided) else target
-    cfg, params = model.config, model.params
-    kind = getattr(cfg, "model_type", None)
-    if kind in FAMILIES:
-        return cfg, params
-    if kind in ("llava", "llava_next", "llava_next_video", "llava_onevision"):
-        return cfg.text, params["lm"]
-    raise ValueError(f"an EAGLE feature head needs a LLaMA, Qwen2, Chameleon or LLaVA target; the target is "
-                     f"{kind or type(target).__name__!r}")
+    return H.text_model(target, tuple(FAMILIES), "an EAGLE feature head needs a LLaMA, Qwen2, Chameleon or LLaVA "
+                                                 "target")
 
 
 def family_of(cfg) -> str:
@@ -98,7 +90,7 @@ class EagleHead:
 
     @property
     def num_params(self) -> int:
-        return int(sum(np.prod(a.shape) for a in jax.tree.leaves(self.params)))
+        return H.num_params(self.params)
 
     def check(self, target) -> None:
         cfg, _ = text_parts(target)
@@ -106,7 +98,7 @@ class EagleHead:
         if family_of(cfg) != self.family or (sig.hidden_size, sig.vocab_size) != self.target[1:3]:
             raise ValueError(f"this EAGLE head was made for another target ({self.target.describe()}); the target "
                              f"given is {sig.describe()}")
-        if abs(sig.fingerprint - self.target.fingerprint) > 1e-2 * max(1.0, abs(sig.fingerprint)):
+        if not H.same_fingerprint(sig.fingerprint, self.target.fingerprint):
             raise ValueError(f"this EAGLE head was made for another target's weights ({self.target.describe()}); the "
                              f"target given is {sig.describe()}")
 
@@ -137,15 +129,15 @@ def init_head(target, key: jax.Array, input_norm: bool | None = None, dtype=None
 
 def features(cfg, lm: dict, h: jax.Array) -> jax.Array:
     """The target's features: its last-layer residual stream h after the final norm."""
-    return L.rms_norm(h, lm["final_norm"], cfg.rms_norm_eps)
+    return LY.rms_norm(h, lm["final_norm"], cfg.rms_norm_eps)
 
 
 def lm_logits(cfg, lm: dict, f: jax.Array) -> jax.Array:
     """The target's LM head over features f [R, T, D] (no norm: f is already normalised), float32 logits."""
     if cfg.tie_word_embeddings:
-        logits = L.einsum_f32("btd,vd->btv", f, lm["embed"])
+        logits = LY.einsum_f32("btd,vd->btv", f, lm["embed"])
     else:
-        logits = L.einsum_f32("btd,dv->btv", f, lm["lm_head"])
+        logits = LY.einsum_f32("btd,dv->btv", f, lm["lm_head"])
     if getattr(cfg, "suppress_image_logits", False):
         logits = jnp.where(jnp.asarray(CH.image_logit_mask(cfg)), jnp.finfo(jnp.float32).min, logits)
     return logits
@@ -158,25 +150,25 @@ def head_forward(cfg, head: EagleHead, emb: jax.Array, feat: jax.Array, position
     cfg1 = head_config(cfg)
     p = head.params["layer"]
     eps = cfg.rms_norm_eps
-    x = L.linear(jnp.concatenate([emb, feat.astype(emb.dtype)], axis=-1), head.params["fc"],
+    x = LY.linear(jnp.concatenate([emb, feat.astype(emb.dtype)], axis=-1), head.params["fc"],
                  head.params.get("fc_b"))
     T = x.shape[1]
-    visible = L.prefill_visibility(cache, T, new_mask, write_offset, fresh)
+    visible = LY.prefill_visibility(cache, T, new_mask, write_offset, fresh)
     start = cache.length + write_offset
-    cos, sin = L.rope_tables(cfg1, positions)
+    cos, sin = LY.rope_tables(cfg1, positions)
     if head.family == "chameleon" and cfg.swin_norm:
         a, kb, vb = CH.attention_block(cfg1, p, x, cos, sin, cache.k[0], cache.v[0], start, visible, fresh)
-        x = x + L.rms_norm(a, p["attn_norm"], eps)
-        x = x + L.rms_norm(L.swiglu(x, p), p["mlp_norm"], eps)
+        x = x + LY.rms_norm(a, p["attn_norm"], eps)
+        x = x + LY.rms_norm(LY.swiglu(x, p), p["mlp_norm"], eps)
     else:
-        h = L.rms_norm(x, p["attn_norm"], eps) if head.input_norm else x
+        h = LY.rms_norm(x, p["attn_norm"], eps) if head.input_norm else x
         if head.family == "chameleon":
             a, kb, vb = CH.attention_block(cfg1, p, h, cos, sin, cache.k[0], cache.v[0], start, visible, fresh)
         else:
-            a, kb, vb = L.self_attention_layer(cfg1, p, h, cos, sin, cache.k[0], cache.v[0], start, visible,
+            a, kb, vb = LY.self_attention_layer(cfg1, p, h, cos, sin, cache.k[0], cache.v[0], start, visible,
                                                None, fresh)[:3]
         x = x + a
-        x = x + L.swiglu(L.rms_norm(x, p["mlp_norm"], eps), p)
+        x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], eps), p)
     return x, cache.replace(k=[kb], v=[vb])
 
 
@@ -195,7 +187,7 @@ class EagleState:
 
 
 def _streams(target) -> int:
-    return target.streams if isinstance(target, G.Guided) else 1
+    return target.streams if isinstance(target, GD.Guided) else 1
 
 
 def _rep(x, n: int):
@@ -238,7 +230,7 @@ class EagleDrafter(Drafter):
                 setup.mesh, jax.sharding.PartitionSpec())))
         longest, width = int(np.max(setup.lengths)), setup.tokens.shape[1]
         if setup.guidance is not None or setup.constraint is not None:
-            g = G.guide(setup.target, setup.lengths, setup.guidance, setup.constraint)
+            g = GD.guide(setup.target, setup.lengths, setup.guidance, setup.constraint)
             longest, width = int(np.max(np.asarray(g.prompt_end))), max(width, g.uncond.shape[1])
         layers = text_parts(setup.target)[0].num_layers
         return Prepared(self.replace(head=head, layers=layers), None, longest, width)
@@ -250,7 +242,7 @@ class EagleDrafter(Drafter):
         target = env.target
         cfg, lm = text_parts(target)
         n = _streams(target)
-        if isinstance(target, G.Guided):
+        if isinstance(target, GD.Guided):
             toks, end, starts = target.inner_prompt(prefill.tokens, prefill.lengths), target.prompt_end, target.starts
         else:
             toks, end, starts = prefill.tokens, prefill.lengths, prefill.cache.start
@@ -264,20 +256,20 @@ class EagleDrafter(Drafter):
         cache = cache.replace(length=jnp.maximum(_rep(end, n) - 1, 0))
         cache = SH.constrain(env.ctx.placement, cache, replicated=True)
         B = end.shape[0]
-        P = max(pending_width, env.plan_depth + 1)
+        P = max(pending_width, env.needs.depth + 1)
         D = cfg.hidden_size
         last_in = jnp.take_along_axis(f, (_rep(end, n) - 1)[:, None, None], axis=1)[:, 0]
         feats_in = jnp.zeros((R, P, D), f.dtype).at[:, 0].set(last_in)
         pending = jnp.zeros((B, P), jnp.int32).at[:, 0].set(env.last)
         return EagleState(cache, pending, feats_in, jnp.ones((B,), jnp.int32), jnp.zeros((R, D), f.dtype),
-                          jnp.zeros((R, max(env.plan_scratch, 1), D), f.dtype), last_in)
+                          jnp.zeros((R, max(env.needs.scratch, 1), D), f.dtype), last_in)
 
     def _logp(self, env: DraftEnv, f: jax.Array, depth: jax.Array) -> jax.Array:
         """Draft log-probs [B, K, V] from f-hat [R, K, D] of nodes at `depth` [B, K] below the root: the target's
         LM head, its guidance and constraint, then the sampler's processing."""
         cfg, lm = text_parts(env.target)
         logits = lm_logits(cfg, lm, f)
-        if isinstance(env.target, G.Guided):
+        if isinstance(env.target, GD.Guided):
             g = env.tcache.length[:, None] + depth + 1 - env.target.prompt_end[:, None]
             logits = env.target._process(logits, g)
         return draft_log_probs(logits, env)

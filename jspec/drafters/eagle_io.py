@@ -28,12 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.drafters import eagle as E
+from jspec.drafters import eagle as EG
+from jspec.drafters import heads as H
 from ports import fused as FU
 from ports import llama
 
-CONFIG_NAME = E.CONFIG_NAME          # eagle_head.json
-WEIGHTS_NAME = E.WEIGHTS_NAME        # model.safetensors
+CONFIG_NAME = EG.CONFIG_NAME          # eagle_head.json
+WEIGHTS_NAME = EG.WEIGHTS_NAME        # model.safetensors
 TORCH_WEIGHTS_NAME = "pytorch_model.bin"
 TABLE_NAME = "neighbours.npz"
 HF_CONFIG_NAME = "config.json"
@@ -46,7 +47,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # ---------------------------------------------------------------------------------------------- key layout
 
 
-def _derived_config(head: E.EagleHead):
+def _derived_config(head: EG.EagleHead):
     """A one-layer text config of the head's shapes (fused layer: wqkv [D, KVH, G + 2, Dh], w_gate_up [D, 2, F]),
     for when no target is at hand."""
     from ports.config import TextConfig
@@ -69,7 +70,7 @@ def _derived_config(head: E.EagleHead):
 def _layer_rows(cfg, family: str) -> list[tuple[str, str, str | None]]:
     """(torch name, our layer key, transform) of the head's one decoder layer: the port's `hf_key_map` rows of
     layer 0 without their prefix ("T": the torch tensor is [out, in])."""
-    hcfg = E.head_config(cfg)
+    hcfg = EG.head_config(cfg)
     if family == "chameleon":
         from ports import chameleon as CH
 
@@ -85,10 +86,10 @@ def _uses_attn_norm(cfg, family: str, input_norm: bool) -> bool:
     return bool(input_norm) or (family == "chameleon" and bool(getattr(cfg, "swin_norm", False)))
 
 
-def torch_state_dict(head: E.EagleHead, target=None) -> dict[str, np.ndarray]:
+def torch_state_dict(head: EG.EagleHead, target=None) -> dict[str, np.ndarray]:
     """The head in the PyTorch EAGLE / LANTERN key layout (module docstring), numpy arrays in the head's dtype.
     `target` (optional) supplies the config; without it the config is read off the head's fused shapes."""
-    cfg = E.text_parts(target)[0] if target is not None else _derived_config(head)
+    cfg = EG.text_parts(target)[0] if target is not None else _derived_config(head)
     layer = FU.unfuse_layer(cfg, dict(head.params["layer"]))
     keep_norm = _uses_attn_norm(cfg, head.family, head.input_norm)
     fc = np.asarray(jax.device_get(head.params["fc"]))
@@ -127,15 +128,15 @@ def _layer_index(name: str) -> int | None:
     return None
 
 
-def from_torch_state_dict(sd: dict, target, input_norm: bool | None = None) -> E.EagleHead:
+def from_torch_state_dict(sd: dict, target, input_norm: bool | None = None) -> EG.EagleHead:
     """The inverse of `torch_state_dict`: an `EagleHead` for `target` (its signature; its dtype is the tensors').
     `embed_tokens.weight`, if present, must have the target's embedding shape and is otherwise ignored (the head
     uses the target's). `input_norm` None: inferred from the presence of `layers.0.input_layernorm.weight`.
     Missing, unexpected or mis-shaped tensors raise one ValueError naming them; so does a head of several layers."""
-    from ports.model import key_mismatch_error
+    from ports.hf_checkpoint import key_mismatch_error
 
-    cfg, _ = E.text_parts(target)
-    family = E.family_of(cfg)
+    cfg, _ = EG.text_parts(target)
+    family = EG.family_of(cfg)
     D, V = cfg.hidden_size, cfg.vocab_size
     sd = {k: v for k, v in sd.items() if not k.endswith(IGNORED_SUFFIXES)}
     layers = sorted({i for i in map(_layer_index, sd) if i is not None})
@@ -181,19 +182,19 @@ def from_torch_state_dict(sd: dict, target, input_norm: bool | None = None) -> E
         bad.append(f"fc.bias: {tuple(np.shape(fc_b))}, expected {(D,)}")
     unexpected = sorted(set(sd) - used)
     if missing or unexpected or bad:
-        sig = E.signature(target).describe()
+        sig = EG.signature(target).describe()
         raise key_mismatch_error(f"these weights are not an EAGLE-1 head for the target ({sig}, input_norm="
                                  f"{input_norm})", missing, unexpected, bad)
     params = {"fc": jnp.asarray(np.asarray(fc).T), "layer": {k: jnp.asarray(v) for k, v in
                                                               FU.fuse_layer(cfg, layer).items()}}
     if fc_b is not None:
         params["fc_b"] = jnp.asarray(np.asarray(fc_b))
-    return E.EagleHead(params, family, bool(input_norm), E.signature(target))
+    return EG.EagleHead(params, family, bool(input_norm), EG.signature(target))
 
 
 def _layer_shapes(cfg, family: str) -> dict[str, tuple[int, ...]]:
     """Our (checkpoint-layout, unfused) shapes of the head's layer."""
-    hcfg = E.head_config(cfg)
+    hcfg = EG.head_config(cfg)
     layer = dict(llama.param_shapes(hcfg)["layers"][0])
     if family == "chameleon":  # ports.chameleon.param_shapes adds the same per-head QK norms
         H, KVH, Dh = hcfg.num_heads, hcfg.num_kv_heads, hcfg.head_dim
@@ -204,31 +205,22 @@ def _layer_shapes(cfg, family: str) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------------------------------- directories
 
 
-def save_head(head: E.EagleHead, directory: str, table=None, extra: dict | None = None, *, target=None,
+def save_head(head: EG.EagleHead, directory: str, table=None, extra: dict | None = None, *, target=None,
               dtype=None) -> None:
     """`directory/model.safetensors` (the `torch_state_dict` layout, in `dtype` or the head's), `eagle_head.json`
     (format, family, input_norm, the target's signature, `extra`) and, given a `jspec.neighbours.NeighbourTable`,
     `neighbours.npz`. With `target`, also a `config.json`: the target's HF config with one layer (what a PyTorch
     EAGLE / LANTERN head is built from)."""
-    from ports.safetensors_io import write_safetensors
-
-    os.makedirs(directory, exist_ok=True)
     if target is not None:
         head.check(target)
-    sd = torch_state_dict(head, target)
-    out_dtype = np.dtype(dtype) if dtype is not None else None
-    shapes = {n: (a.shape, out_dtype or a.dtype) for n, a in sd.items()}
-    write_safetensors(os.path.join(directory, WEIGHTS_NAME), shapes,
-                      lambda n: sd[n] if out_dtype is None else sd[n].astype(out_dtype))
-    meta = {"format": FORMAT, "family": head.family, "input_norm": bool(head.input_norm),
-            "fc_bias": head.params.get("fc_b") is not None, "target": head.target._asdict(), **(extra or {})}
-    with open(os.path.join(directory, CONFIG_NAME), "w") as f:
-        json.dump(meta, f, indent=2)
+    H.write_weights(os.path.join(directory, WEIGHTS_NAME), torch_state_dict(head, target), dtype)
+    H.write_meta(os.path.join(directory, CONFIG_NAME), {
+        "format": FORMAT, "family": head.family, "input_norm": bool(head.input_norm),
+        "fc_bias": head.params.get("fc_b") is not None, "target": head.target._asdict(), **(extra or {})})
     if target is not None:
         hf = _hf_config(target)
         if hf is not None:
-            with open(os.path.join(directory, HF_CONFIG_NAME), "w") as f:
-                json.dump(hf, f, indent=2)
+            H.write_meta(os.path.join(directory, HF_CONFIG_NAME), hf)
     path = os.path.join(directory, TABLE_NAME)
     if table is not None:
         table.check(head.target.vocab_size)
@@ -238,9 +230,9 @@ def save_head(head: E.EagleHead, directory: str, table=None, extra: dict | None 
 
 
 def _hf_config(target) -> dict | None:
-    cfg, _ = E.text_parts(target)
+    cfg, _ = EG.text_parts(target)
     try:
-        if E.family_of(cfg) == "chameleon":
+        if EG.family_of(cfg) == "chameleon":
             from ports import chameleon as CH
 
             d = CH.config_to_hf(cfg)
@@ -259,10 +251,7 @@ def _read_weights(directory: str) -> dict[str, np.ndarray]:
     st = os.path.join(directory, WEIGHTS_NAME)
     pt = os.path.join(directory, TORCH_WEIGHTS_NAME)
     if os.path.exists(st):
-        from ports.safetensors_io import SafetensorsFile
-
-        f = SafetensorsFile(st)
-        return {k: np.asarray(f.get(k)) for k in f.keys()}
+        return H.read_weights(st)
     if os.path.exists(pt):
         try:
             import torch
@@ -283,7 +272,7 @@ def _check_foreign_config(directory: str, target) -> None:
     with open(path) as f:
         d = json.load(f)
     d = d.get("text_config", d) if isinstance(d.get("text_config"), dict) else d
-    cfg, _ = E.text_parts(target)
+    cfg, _ = EG.text_parts(target)
     theirs = {"hidden_size": d.get("hidden_size"), "num_attention_heads": d.get("num_attention_heads")}
     ours = {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads}
     diff = [f"{k} {theirs[k]} (target: {ours[k]})" for k in ours if theirs[k] is not None and theirs[k] != ours[k]]
@@ -295,22 +284,19 @@ def _check_foreign_config(directory: str, target) -> None:
         raise ValueError(f"the head in {directory} has num_hidden_layers={n}; an EAGLE-1 head has one decoder layer")
 
 
-def load_head(directory: str, target, dtype=None) -> E.EagleHead:
+def load_head(directory: str, target, dtype=None) -> EG.EagleHead:
     """A head saved by `save_head`, or a foreign EAGLE / LANTERN checkpoint directory (module docstring), for
     `target` (ValueError when it was made for another), in `dtype` (default: the target's)."""
     directory = str(directory)
     if not os.path.isdir(directory):
         raise ValueError(f"{directory} is not a directory")
-    _, lm = E.text_parts(target)
+    _, lm = EG.text_parts(target)
     dt = np.dtype(dtype or lm["embed"].dtype)
     meta_path = os.path.join(directory, CONFIG_NAME)
     if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{meta_path} is not an EAGLE head ({meta.get('format')!r}, expected {FORMAT!r})")
-        sig = E.TargetSig(**meta["target"])
-        E.EagleHead({}, meta["family"], bool(meta["input_norm"]), sig).check(target)  # before reading the weights
+        meta = H.read_meta(meta_path, FORMAT, "EAGLE head")
+        sig = EG.TargetSig(**meta["target"])
+        EG.EagleHead({}, meta["family"], bool(meta["input_norm"]), sig).check(target)  # before reading the weights
         if not os.path.exists(os.path.join(directory, WEIGHTS_NAME)):
             raise ValueError(f"{directory} holds no EAGLE head weights ({WEIGHTS_NAME} is missing)")
         head = from_torch_state_dict(_read_weights(directory), target, bool(meta["input_norm"]))
@@ -332,7 +318,7 @@ def load_drafter(directory: str, target):
     path = os.path.join(str(directory), TABLE_NAME)
     if not os.path.exists(path):
         return head, None
-    cfg, params = E.text_parts(target)
+    cfg, params = EG.text_parts(target)
     codebook = None
     if isinstance(params, dict) and "vqmodel" in params:
         from ports import vqgan as VQ
@@ -341,7 +327,7 @@ def load_drafter(directory: str, target):
     return head, NeighbourTable.load(path, vocab_size=cfg.vocab_size, codebook=codebook)
 
 
-def same_params(a: E.EagleHead, b: E.EagleHead) -> bool:
+def same_params(a: EG.EagleHead, b: EG.EagleHead) -> bool:
     """Whether two heads hold identical parameters (structure, shapes, dtypes and values)."""
     la, ta = jax.tree.flatten(a.params)
     lb, tb = jax.tree.flatten(b.params)

@@ -17,7 +17,6 @@ head's cache is filled without running layers 1..N again.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, NamedTuple
 
@@ -28,14 +27,16 @@ from flax import struct
 
 from ports import cache as kvc
 from jspec import sharding as SH
+from jspec.drafters import heads as H
 from jspec.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
 from jspec.drafters.model import check_vocab_size, commit_fed, draft_log_probs
 from ports import fused as FU
-from ports import layers as L
+from ports import layers as LY
 from ports import llama
 
 CONFIG_NAME = "eesd_head.json"
 WEIGHTS_NAME = "model.safetensors"
+FORMAT = "jspec-eesd-head"
 
 
 class TargetSig(NamedTuple):
@@ -54,14 +55,8 @@ class TargetSig(NamedTuple):
 
 def text_model(target) -> tuple[Any, dict]:
     """(text config, language-model params) of a LLaMA-family target (LLaMA, Qwen2, LLaVA's LM), or ValueError."""
-    model = getattr(target, "model", target)  # a guided wrapper holds its model
-    cfg, params = model.config, model.params
-    if getattr(cfg, "model_type", None) in ("llama", "qwen2"):
-        return cfg, params
-    if getattr(cfg, "model_type", None) in ("llava", "llava_next", "llava_next_video", "llava_onevision"):
-        return cfg.text, params["lm"]
-    raise ValueError(f"an early-exit head needs a LLaMA-family language model (llama, qwen2, llava*); the target is "
-                     f"{getattr(cfg, 'model_type', type(target).__name__)!r}")
+    return H.text_model(target, ("llama", "qwen2"), "an early-exit head needs a LLaMA-family language model (llama, "
+                                                    "qwen2, llava*)")
 
 
 def fingerprint(target) -> float:
@@ -105,7 +100,7 @@ class EarlyExitHead:
 
     @property
     def num_params(self) -> int:
-        return int(sum(np.prod(a.shape) for a in jax.tree.leaves(self.params)))
+        return H.num_params(self.params)
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +110,7 @@ class EarlyExitHead:
         check_exit_layer(target, self.exit_layer)
         sig = signature(target)
         same = (sig.model_type, sig.num_layers, sig.hidden_size, sig.vocab_size) == self.target[:4]
-        if not same or abs(sig.fingerprint - self.target.fingerprint) > 1e-2 * max(1.0, abs(sig.fingerprint)):
+        if not same or not H.same_fingerprint(sig.fingerprint, self.target.fingerprint):
             raise ValueError(f"this early-exit head was made for another target ({self.target.describe()}); the "
                              f"target given is {sig.describe()}")
 
@@ -149,7 +144,7 @@ def two_source_attention(q, k_a, v_a, vis_a, k_b, v_b, vis_b):
     low = jnp.finfo(jnp.float32).min
 
     def scores(k, vis):
-        s = L.einsum_f32("nqd,nsd->nqs", qg, k).reshape(B, kvh, G, T, k.shape[1]) * (Dh ** -0.5)
+        s = LY.einsum_f32("nqd,nsd->nqs", qg, k).reshape(B, kvh, G, T, k.shape[1]) * (Dh ** -0.5)
         return jnp.where(vis[:, None, None], s, low)
 
     sa, sb = scores(k_a, vis_a), scores(k_b, vis_b)
@@ -159,7 +154,7 @@ def two_source_attention(q, k_a, v_a, vis_a, k_b, v_b, vis_b):
 
     def mix(e, v):
         p = (e / z).astype(v.dtype).reshape(N, G * T, v.shape[1])
-        return L.einsum_f32("nqs,nsd->nqd", p, v)
+        return LY.einsum_f32("nqs,nsd->nqd", p, v)
 
     out = (mix(ea, v_a) + mix(eb, v_b)).reshape(B, kvh, G, T, Dh)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype)
@@ -171,20 +166,20 @@ def shared_layers(cfg, lm: dict, n: int, x, positions, tcache: kvc.KVCache, base
     [start, base[b]) and to the scratch slots `scratch_vis` [B, T, S_b] allows; the new K/V are written into the
     scratch (lists of n [B * KVH, S_b, Dh]) at slot `at`. Returns (H^n [B, T, D], scratch_k, scratch_v)."""
     B, T, _ = x.shape
-    cos, sin = L.rope_tables(cfg, positions)
+    cos, sin = LY.rope_tables(cfg, positions)
     j = jnp.arange(tcache.max_len)[None, None, :]
     vis_a = jnp.broadcast_to((j >= tcache.start[:, None, None]) & (j < base[:, None, None]), (B, T, tcache.max_len))
     ks, vs = [], []
     for i in range(n):
         p = lm["layers"][i]
-        h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = L.project_qkv(cfg, p, h)
-        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+        h = LY.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = LY.project_qkv(cfg, p, h)
+        q, k = LY.apply_rope(q, cos, sin), LY.apply_rope(k, cos, sin)
         kb, vb = kvc.write_layer(scratch_k[i], scratch_v[i], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                                  jnp.full((B,), at, jnp.int32))
         o = two_source_attention(q, tcache.k[i], tcache.v[i], vis_a, kb, vb, scratch_vis)
-        x = x + L.linear(o.reshape(B, T, -1), p["wo"], p.get("bo"))
-        x = x + L.swiglu(L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
+        x = x + LY.linear(o.reshape(B, T, -1), p["wo"], p.get("bo"))
+        x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
         ks.append(kb)
         vs.append(vb)
     return x, ks, vs
@@ -201,12 +196,12 @@ def head_states(cfg, params: dict, h, positions, cache: kvc.KVCache | None, new_
         h, cache = fo.hidden[0], fo.cache
     if logits_at is not None:
         h = jnp.take_along_axis(h, logits_at[..., None].astype(jnp.int32), axis=1)
-    return L.rms_norm(h, params["norm"], cfg.rms_norm_eps), cache
+    return LY.rms_norm(h, params["norm"], cfg.rms_norm_eps), cache
 
 
 def head_logits(params: dict, states) -> jax.Array:
     """The head's LM head over `head_states`' output: logits [B, T, V] f32."""
-    return L.einsum_f32("btd,dv->btv", states, params["lm_head"])
+    return LY.einsum_f32("btd,dv->btv", states, params["lm_head"])
 
 
 def head_forward(cfg, params: dict, h, positions, cache: kvc.KVCache | None, new_mask=None, write_offset: int = 0,
@@ -275,7 +270,7 @@ class EarlyExitDrafter(Drafter):
             cache = kvc.rollback(cache, prefill.lengths).replace(pos_offset=prefill.cache.pos_offset)
             cache = SH.constrain(env.ctx.placement, cache, replicated=True)
         pending = jnp.zeros((B, pending_width), jnp.int32).at[:, 0].set(env.last)
-        width = pending_width + env.plan_scratch
+        width = pending_width + env.needs.scratch
         dt = env.tcache.k[0].dtype
         zeros = [jnp.zeros((rows, width, hd), dt) for _ in range(self.head.exit_layer)]
         return EEState(cache, pending, jnp.ones((B,), jnp.int32), zeros, list(zeros))
@@ -379,35 +374,19 @@ def from_torch_state_dict(sd: dict, cfg, exit_layer: int, target: TargetSig) -> 
 
 def save_head(head: EarlyExitHead, target, directory: str, dtype=None, extra: dict | None = None) -> None:
     """`directory/model.safetensors` (the `torch_state_dict` layout) + `eesd_head.json` naming the target."""
-    from ports.safetensors_io import write_safetensors
-
     cfg, _ = text_model(target)
-    os.makedirs(directory, exist_ok=True)
-    sd = torch_state_dict(head, cfg)
-    out_dtype = np.dtype(dtype) if dtype is not None else None
-    shapes = {n: (a.shape, out_dtype or a.dtype) for n, a in sd.items()}
-    write_safetensors(os.path.join(directory, WEIGHTS_NAME), shapes,
-                      lambda n: sd[n] if out_dtype is None else sd[n].astype(out_dtype))
-    meta = {"format": "jspec-eesd-head", "exit_layer": head.exit_layer, "num_layers": head.num_layers,
-            "target": head.target._asdict(), **(extra or {})}
-    with open(os.path.join(directory, CONFIG_NAME), "w") as f:
-        json.dump(meta, f, indent=2)
+    H.write_weights(os.path.join(directory, WEIGHTS_NAME), torch_state_dict(head, cfg), dtype)
+    H.write_meta(os.path.join(directory, CONFIG_NAME), {
+        "format": FORMAT, "exit_layer": head.exit_layer, "num_layers": head.num_layers,
+        "target": head.target._asdict(), **(extra or {})})
 
 
 def load_head(directory: str, target, dtype=None) -> EarlyExitHead:
     """A head saved by `save_head` (in `dtype`, default the target's), checked against `target` (ValueError when it
     was made for another), with its Cali-TS predictor when one was saved beside it (`calibration`)."""
-    from ports.safetensors_io import SafetensorsFile
-
-    path = os.path.join(directory, CONFIG_NAME)
-    if not os.path.exists(path):
-        raise ValueError(f"{directory} holds no early-exit head ({CONFIG_NAME} is missing)")
-    with open(path) as f:
-        meta = json.load(f)
+    meta = H.read_meta(os.path.join(directory, CONFIG_NAME), FORMAT, "early-exit head")
     cfg, _ = text_model(target)
-    st = SafetensorsFile(os.path.join(directory, WEIGHTS_NAME))
-    dtype = np.dtype(dtype or getattr(target, "dtype", np.float32))
-    sd = {k: np.asarray(st.get(k)).astype(dtype) for k in st.keys()}
+    sd = H.read_weights(os.path.join(directory, WEIGHTS_NAME), np.dtype(dtype or getattr(target, "dtype", np.float32)))
     head = from_torch_state_dict(sd, cfg, int(meta["exit_layer"]), TargetSig(**meta["target"]))
     head.check(target)
     from jspec.controllers.calibration import load_calibration

@@ -16,8 +16,8 @@ import numpy as np
 from flax import struct
 
 from ports import cache as kvc
-from jspec import guidance as G
-from jspec import sampling as S
+from jspec import guidance as GD
+from jspec import sampling as SM
 from jspec import sharding as SH
 from jspec.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
 from ports.prompts import model_prompt, normalize_prompt
@@ -41,7 +41,7 @@ def check_vocab_size(target, vocab_size: int, who: str = "draft") -> None:
 def draft_log_probs(logits: jax.Array, env: DraftEnv) -> jax.Array:
     """Draft log-probabilities used to rank and draw children: the sampler's distribution when sampling (-inf
     where top-k/top-p filter), the plain softmax when greedy (so lower ranks are the draft's next guesses)."""
-    return jax.nn.log_softmax(S.process_logits(logits, env.ctx.sampling, env.sp), axis=-1)
+    return jax.nn.log_softmax(SM.process_logits(logits, env.ctx.sampling, env.sp), axis=-1)
 
 
 def default_view(target, draft, prompt, tokens, lengths, inputs):
@@ -113,7 +113,7 @@ class ModelDrafter(Drafter):
         if setup.guidance is not None or setup.constraint is not None:
             if inputs:
                 raise ValueError("guidance / constraint take token prompts only (no image inputs)")
-            model = G.guide(model, lengths, setup.guidance, setup.constraint)
+            model = GD.guide(model, lengths, setup.guidance, setup.constraint)
             longest, width = int(np.max(np.asarray(model.prompt_end))), max(width, model.uncond.shape[1])
         return Prepared(self.replace(model=model, tensor_parallel=tensor_parallel), (tokens, lengths, inputs),
                         longest, width)

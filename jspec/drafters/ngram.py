@@ -85,7 +85,7 @@ class NgramDrafter(Drafter):
         hist = jnp.zeros((B, max_len), jnp.int32).at[:, :T].set(tokens.astype(jnp.int32))
         hist = jnp.where(jnp.arange(max_len)[None] < lengths[:, None], hist, 0)
         return NgramState(hist, lengths.astype(jnp.int32), jnp.zeros((B, max_len + 1), bool),
-                          jnp.full((B, max(env.plan_scratch, 1)), -1, jnp.int32))
+                          jnp.full((B, max(env.needs.scratch, 1)), -1, jnp.int32))
 
     def _vocab(self, env: DraftEnv) -> int:
         return env.target.vocab_size

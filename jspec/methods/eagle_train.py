@@ -48,7 +48,7 @@ import optax
 
 from ports import cache as kvc
 from jspec import train as jt
-from jspec.drafters import eagle as E
+from jspec.drafters import eagle as EG
 from ports import chameleon as CH
 from ports import llama
 
@@ -69,7 +69,7 @@ class LossOptions:
 
 
 def _forward_fn(cfg):
-    return CH.forward if E.family_of(cfg) == "chameleon" else llama.forward
+    return CH.forward if EG.family_of(cfg) == "chameleon" else llama.forward
 
 
 def target_features(cfg, lm: dict, ids: jax.Array, positions: jax.Array, new_mask=None) -> jax.Array:
@@ -79,7 +79,7 @@ def target_features(cfg, lm: dict, ids: jax.Array, positions: jax.Array, new_mas
     cache = kvc.init_cache(cfg.num_layers, B, cfg.num_kv_heads, T, cfg.head_dim, lm["embed"].dtype)
     fo = _forward_fn(cfg)(cfg, lm, ids, positions, cache, new_mask, hidden_layers=(cfg.num_layers,),
                           compute_logits=False, fresh=True)
-    return jax.lax.stop_gradient(E.features(cfg, lm, fo.hidden[0]).astype(jnp.float32))
+    return jax.lax.stop_gradient(EG.features(cfg, lm, fo.hidden[0]).astype(jnp.float32))
 
 
 def pick_rows(batch: dict, key: jax.Array, uncond_prob: float) -> tuple[dict, jax.Array]:
@@ -123,7 +123,7 @@ def smooth_l1(a: jax.Array, b: jax.Array, beta: float = 1.0) -> jax.Array:
     return jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta)
 
 
-def loss_terms(cfg, lm: dict, head: E.EagleHead, batch: dict, key: jax.Array | None, opts: LossOptions):
+def loss_terms(cfg, lm: dict, head: EG.EagleHead, batch: dict, key: jax.Array | None, opts: LossOptions):
     """(loss, {loss, vloss, ploss, top1, weight}) of one batch (module docstring); key None: no noise, no
     unconditional rows (evaluation)."""
     if key is None:
@@ -141,11 +141,11 @@ def loss_terms(cfg, lm: dict, head: E.EagleHead, batch: dict, key: jax.Array | N
     f_next = jnp.concatenate([f[:, 1:], jnp.zeros((B, 1, D), f.dtype)], axis=1)
     emb = llama.embed(lm, nxt).astype(jnp.float32)
     cache = kvc.init_cache(1, B, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
-    fhat, _ = E.head_forward(cfg, head, emb, f_in, npos, cache, new_mask=hvis, fresh=True)
+    fhat, _ = EG.head_forward(cfg, head, emb, f_in, npos, cache, new_mask=hvis, fresh=True)
     fhat = fhat.astype(jnp.float32)
     vl = smooth_l1(fhat, f_next, opts.beta).mean(-1)
-    lt = E.lm_logits(cfg, lm, f_next)
-    lh = E.lm_logits(cfg, lm, fhat)
+    lt = EG.lm_logits(cfg, lm, f_next)
+    lh = EG.lm_logits(cfg, lm, fhat)
     p = jax.nn.softmax(lt, axis=-1)
     logp = jax.nn.log_softmax(lh, axis=-1)
     ce = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
@@ -173,7 +173,7 @@ def set_lr(opt_state, lr):
 
 
 def _loss(cfg, spec, opts, params, lm, batch, key):
-    return loss_terms(cfg, lm, E.EagleHead(params, *spec), batch, key, opts)
+    return loss_terms(cfg, lm, EG.EagleHead(params, *spec), batch, key, opts)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
@@ -196,13 +196,13 @@ def _eval_step(cfg, spec, opts, params, lm, batch):
 def training_config(target):
     """The target's text config as the loss reads it: a Chameleon's LM head raw (HF's text-mode suppression of the
     image tokens off, as LANTERN's loss reads `lm_head` directly), whatever mode the target is in."""
-    cfg, _ = E.text_parts(target)
+    cfg, _ = EG.text_parts(target)
     if getattr(cfg, "suppress_image_logits", False):
         cfg = dataclasses.replace(cfg, suppress_image_logits=False)
     return cfg
 
 
-def make_steps(target, head: E.EagleHead, tx: optax.GradientTransformation, opts: LossOptions = LossOptions()):
+def make_steps(target, head: EG.EagleHead, tx: optax.GradientTransformation, opts: LossOptions = LossOptions()):
     """(train_step(params, opt_state, lm, batch, lr, key) -> (params, opt_state, metrics),
     eval_step(params, lm, batch) -> (loss, vloss, ploss, top1 sums over weighted entries, their count)). `lm` is
     the target's language-model params (`eagle.text_parts(target)[1]`), an argument so it is not baked into the
@@ -363,12 +363,12 @@ def batches(items: Sequence | Iterable | Callable[[int], Iterator], batch_size: 
 # ---------------------------------------------------------------------------------------------- the run
 
 
-def trainable(head: E.EagleHead, target) -> E.EagleHead:
+def trainable(head: EG.EagleHead, target) -> EG.EagleHead:
     """The head with float32 parameters and without what its forward never reads (the copied input norm of a head
     without one), so its parameters are exactly what the PyTorch layout stores (`eagle_io`)."""
     params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), head.params)  # copies: training donates them
     layer = dict(params["layer"])
-    cfg, _ = E.text_parts(target)
+    cfg, _ = EG.text_parts(target)
     swin = head.family == "chameleon" and getattr(cfg, "swin_norm", False)  # a swin layer reads attn_norm anyway
     if not head.input_norm and "attn_norm" in layer and not swin:
         del layer["attn_norm"]
@@ -376,12 +376,12 @@ def trainable(head: E.EagleHead, target) -> E.EagleHead:
 
 
 def fit_head(target, data, workdir, *, steps: int | None = None, minutes: float | None = None, lr: float = 1e-3,
-             warmup: int | None = None, head: E.EagleHead | None = None, seed: int = 0, resume: bool = True,
+             warmup: int | None = None, head: EG.EagleHead | None = None, seed: int = 0, resume: bool = True,
              batch_size: int = 8, seq_len: int = 256, pack: bool = False, opts: LossOptions = LossOptions(),
              weight_decay: float = 0.0, clip_value: float = 0.5, input_norm: bool | None = None,
              heldout: Sequence[dict] | None = None, log_every: int = 10, ckpt_minutes: float = 3.0,
              progress: bool = True, name: str = "eagle", argv: list[str] | None = None,
-             interrupt_at: int | None = None) -> tuple[E.EagleHead, dict]:
+             interrupt_at: int | None = None) -> tuple[EG.EagleHead, dict]:
     """Train an EAGLE head for `target` with `jspec.train.fit`; returns (head, run meta).
 
     data: a callable start -> iterator of `fit` batches (batch, next index, tokens), e.g. the zoo's text stream,
@@ -401,8 +401,8 @@ def fit_head(target, data, workdir, *, steps: int | None = None, minutes: float 
 
         shutil.rmtree(workdir / "ckpt")
         (workdir / "log.jsonl").unlink(missing_ok=True)
-    _, lm = E.text_parts(target)
-    head = trainable(head if head is not None else E.init_head(target, jax.random.key(seed), input_norm), target)
+    _, lm = EG.text_parts(target)
+    head = trainable(head if head is not None else EG.init_head(target, jax.random.key(seed), input_norm), target)
     head.check(target)
     tx = optimizer(weight_decay, clip_value)
     state = {"params": head.params, "opt_state": tx.init(head.params)}
@@ -432,7 +432,7 @@ def fit_head(target, data, workdir, *, steps: int | None = None, minutes: float 
     return head.replace(params=state["params"]), meta
 
 
-def train_head(target, data, workdir, **kw) -> E.EagleHead:
+def train_head(target, data, workdir, **kw) -> EG.EagleHead:
     """`fit_head`'s head (see there for the arguments)."""
     return fit_head(target, data, workdir, **kw)[0]
 

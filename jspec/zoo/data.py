@@ -55,16 +55,16 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from jspec.zoo import tokenizer as TK
-from jspec.zoo import world as W
+from jspec.zoo import world as ZW
 
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
 CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
 # uint8 value -> normalised float, per channel: [3, 256]
 _LUT = ((np.arange(256, dtype=np.float32)[None, :] / np.float32(255.0)) - CLIP_MEAN[:, None]) / CLIP_STD[:, None]
 
-TARGET_TASKS = W.tasks_of("caption", "vqa", "second_turn", "two_image", "text", "ood")
-DRAFT_TASKS = tuple(n for n in TARGET_TASKS if W.TASKS[n].max_images <= 1 and not W.TASKS[n].ood) + W.tasks_of("prior")
-TEXT_TASKS = W.tasks_of("text")
+TARGET_TASKS = ZW.tasks_of("caption", "vqa", "second_turn", "two_image", "text", "ood")
+DRAFT_TASKS = tuple(n for n in TARGET_TASKS if ZW.TASKS[n].max_images <= 1 and not ZW.TASKS[n].ood) + ZW.tasks_of("prior")
+TEXT_TASKS = ZW.tasks_of("text")
 VIEWS = ("M", "T")
 
 # Text versions of the image tasks, for the text pair: each image is replaced by its detailed description, so
@@ -72,9 +72,9 @@ VIEWS = ("M", "T")
 # world's task registry (scenario "text", no images) by `register_described_tasks()`; the task sets above are
 # fixed before that, so they never include them.
 DESCRIBED = {  # task name -> (inner tasks, weight)
-    "described_vqa": (tuple(W.tasks_of("vqa")), 1.0),
+    "described_vqa": (tuple(ZW.tasks_of("vqa")), 1.0),
     "described_caption": (("caption",), 0.5),
-    "described_turn2": (tuple(W.tasks_of("second_turn")), 0.5),
+    "described_turn2": (tuple(ZW.tasks_of("second_turn")), 0.5),
 }
 TEXT_PAIR_TASKS = TEXT_TASKS + tuple(DESCRIBED)  # what the text pair is trained on
 
@@ -84,18 +84,18 @@ def described(turns, scenes, rng) -> list:
     out, k = [], 0
     for t in turns:
         if t.n_images:
-            pics = "".join(f"Picture: {W.caption_text(rng, s, detailed=True)}\n" for s in scenes[k:k + t.n_images])
+            pics = "".join(f"Picture: {ZW.caption_text(rng, s, detailed=True)}\n" for s in scenes[k:k + t.n_images])
             k += t.n_images
-            out.append(W.Turn(t.role, pics + t.text, 0))
+            out.append(ZW.Turn(t.role, pics + t.text, 0))
         else:
-            out.append(W.Turn(t.role, t.text, t.n_images))   # no focus: there is no image to look at
+            out.append(ZW.Turn(t.role, t.text, t.n_images))   # no focus: there is no image to look at
     return out
 
 
 def _described_task(inner: tuple[str, ...]):
     def make(rng, split):
-        name = rng.choices(inner, weights=[W.TASKS[n].weight for n in inner])[0] if len(inner) > 1 else inner[0]
-        turns, scenes = W.TASKS[name].make(rng, split)
+        name = rng.choices(inner, weights=[ZW.TASKS[n].weight for n in inner])[0] if len(inner) > 1 else inner[0]
+        turns, scenes = ZW.TASKS[name].make(rng, split)
         return described(turns, scenes, rng), []
     return make
 
@@ -103,13 +103,13 @@ def _described_task(inner: tuple[str, ...]):
 def register_described_tasks() -> None:
     """Add the `described_*` tasks to the world's registry (scenario "text", no images); idempotent."""
     for name, (inner, weight) in DESCRIBED.items():
-        if name not in W.TASKS:
-            W.register(name, "text", weight=weight, max_images=0)(_described_task(inner))
+        if name not in ZW.TASKS:
+            ZW.register(name, "text", weight=weight, max_images=0)(_described_task(inner))
 
 
-def pixels(scene: W.Scene, size: int = 64) -> np.ndarray:
+def pixels(scene: ZW.Scene, size: int = 64) -> np.ndarray:
     """The rendered scene as CLIP-normalised float32 [3, size, size]."""
-    a = np.asarray(W.render(scene, size))                      # [S, S, 3] uint8
+    a = np.asarray(ZW.render(scene, size))                      # [S, S, 3] uint8
     return np.stack([_LUT[c][a[..., c]] for c in range(3)])
 
 
@@ -147,7 +147,7 @@ class Encoder:
                 self._cache[text] = ids
         return ids
 
-    def encode(self, example: W.Example, upto_last_answer: bool = False, view: str | None = None) -> Encoded:
+    def encode(self, example: ZW.Example, upto_last_answer: bool = False, view: str | None = None) -> Encoded:
         """Token ids and loss mask of the whole example (or of the prompt for its final answer)."""
         view = self.view if view is None else view
         if view not in VIEWS:
@@ -155,7 +155,7 @@ class Encoder:
         turns = example.turns[:-1] if upto_last_answer else example.turns
         ids, mask, focus = [TK.BOS_ID], [0], [-1]
         used, runs = 0, []
-        cells = view == "M" and self.image_tokens == W.GRID ** 2
+        cells = view == "M" and self.image_tokens == ZW.GRID ** 2
         for t in turns:
             if t.role == "user":
                 seg = [TK.USER_ID]
@@ -182,7 +182,7 @@ class Encoder:
                     if image >= len(runs):
                         raise ValueError(f"{example.task} example {example.index}: an answer's focus is on image "
                                          f"{image}, but the turns before it show {len(runs)} image(s)")
-                    f = runs[image] + row * W.GRID + col
+                    f = runs[image] + row * ZW.GRID + col
                 focus += [-1] + [f] * len(ans)
             else:
                 raise ValueError(f"unknown chat role {t.role!r}")
@@ -193,7 +193,7 @@ class Encoder:
         images = tuple(example.images[:used]) if view == "M" else ()
         return Encoded(np.asarray(ids, np.int32), np.asarray(mask, np.uint8), images, np.asarray(focus, np.int32))
 
-    def prompt(self, example: W.Example, view: str | None = None) -> dict:
+    def prompt(self, example: ZW.Example, view: str | None = None) -> dict:
         """Model input for generating the example's final answer (batch of 1), like an HF processor's output."""
         enc = self.encode(example, upto_last_answer=True, view=view)
         out = {"input_ids": enc.ids[None], "attention_mask": np.ones((1, len(enc.ids)), np.int32)}
@@ -243,11 +243,11 @@ def batches(split: str, batch_size: int, seq_len: int, seed: int = 0, *, tasks: 
         raise ValueError(f"batch_size must be >= 1 and seq_len >= 8, got {batch_size}, {seq_len}")
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
-    names = W.allowed_tasks(split, tasks, allow_ood)
+    names = ZW.allowed_tasks(split, tasks, allow_ood)
     enc = encoder or Encoder(tokenizer, image_tokens, image_size, view, t_view_text)
     any_m = view == "M" and t_view_prob < 1.0
     if images_per_row is None:
-        most = max(W.TASKS[n].max_images for n in names)
+        most = max(ZW.TASKS[n].max_images for n in names)
         images_per_row = (max(most, seq_len // (image_tokens + 24)) if pack else most) if any_m else 0
     K, S, B, T = images_per_row, enc.image_size, batch_size, seq_len
     stats = stats if stats is not None else Stats()
@@ -262,7 +262,7 @@ def batches(split: str, batch_size: int, seq_len: int, seed: int = 0, *, tasks: 
     while True:
         out, row, used, n_img, seg = new_batch(), 0, 0, 0, 0
         while row < B:
-            ex = W.example(split, index, seed, names, allow_ood)
+            ex = ZW.example(split, index, seed, names, allow_ood)
             e = enc.encode(ex, view=_view_of(seed, split, index, t_view_prob, view))
             index += 1
             stats.examples += 1
@@ -305,18 +305,18 @@ def batches(split: str, batch_size: int, seq_len: int, seed: int = 0, *, tasks: 
         yield out
 
 
-def eval_set(scenario: str, n: int = 100, seed: int = 0, tasks: Sequence[str] | None = None) -> list[W.Example]:
+def eval_set(scenario: str, n: int = 100, seed: int = 0, tasks: Sequence[str] | None = None) -> list[ZW.Example]:
     """n held-out examples of one scenario, round-robin over its tasks (or over `tasks`)."""
-    names = list(tasks) if tasks is not None else list(W.tasks_of(scenario))
-    bad = [t for t in names if t not in W.TASKS or W.TASKS[t].scenario != scenario]
+    names = list(tasks) if tasks is not None else list(ZW.tasks_of(scenario))
+    bad = [t for t in names if t not in ZW.TASKS or ZW.TASKS[t].scenario != scenario]
     if bad or not names:
-        raise ValueError(f"{bad or 'no tasks'}: expected tasks of scenario {scenario!r}: {W.tasks_of(scenario)}")
-    return [W.example("heldout", i, seed, [names[i % len(names)]]) for i in range(n)]
+        raise ValueError(f"{bad or 'no tasks'}: expected tasks of scenario {scenario!r}: {ZW.tasks_of(scenario)}")
+    return [ZW.example("heldout", i, seed, [names[i % len(names)]]) for i in range(n)]
 
 
-def eval_sets(n: int = 100, seed: int = 0) -> dict[str, list[W.Example]]:
+def eval_sets(n: int = 100, seed: int = 0) -> dict[str, list[ZW.Example]]:
     """`eval_set` for every scenario."""
-    return {s: eval_set(s, n, seed) for s in W.SCENARIOS}
+    return {s: eval_set(s, n, seed) for s in ZW.SCENARIOS}
 
 
 def length_stats(split: str = "train", n: int = 5000, seed: int = 0, image_tokens: int = 16, view: str = "M",
@@ -325,9 +325,9 @@ def length_stats(split: str = "train", n: int = 5000, seed: int = 0, image_token
     `split` (held-out: balanced eval sets of n per scenario)."""
     enc = encoder or Encoder(tokenizer, image_tokens=image_tokens, view=view)
     if split == "train":
-        exs = list(W.examples("train", n, seed))
+        exs = list(ZW.examples("train", n, seed))
     else:
-        exs = [e for s in W.SCENARIOS for e in eval_set(s, n, seed)]
+        exs = [e for s in ZW.SCENARIOS for e in eval_set(s, n, seed)]
     by: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for ex in exs:
         e = enc.encode(ex, view=view)
@@ -344,7 +344,7 @@ def benchmark(n: int = 50_000, image_tokens: int = 16, image_size: int = 64, seq
               batch_size: int = 32) -> dict[str, float]:
     """Seconds to generate n examples, to encode them, and examples/s of the full batch pipeline (with pixels)."""
     t0 = time.perf_counter()
-    exs = list(W.examples("train", n))
+    exs = list(ZW.examples("train", n))
     t1 = time.perf_counter()
     enc = Encoder(image_tokens=image_tokens, image_size=image_size)
     for ex in exs:

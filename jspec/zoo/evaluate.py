@@ -3,11 +3,11 @@ gains per scenario, with the draft reading the image (TABED's M view) or a text 
 
 Used by scripts/eval_zoo.py, `jspec demo` and `jspec bench sd`:
 
-    from jspec.zoo import evaluate as E
-    pair = E.load_pair("image")                       # target, draft, tokenizer, encoder of the shipped pair
-    exs = E.scenario_examples("image", 20)["vqa"]
-    E.exact_match(pair.target, pair, exs)             # [bool] per example
-    E.sd_scenario(pair, exs, views=("M", "T"))        # per draft view: mean accepted, speedup over AR, ...
+    from jspec.zoo import evaluate as ZE
+    pair = ZE.load_pair("image")                       # target, draft, tokenizer, encoder of the shipped pair
+    exs = ZE.scenario_examples("image", 20)["vqa"]
+    ZE.exact_match(pair.target, pair, exs)             # [bool] per example
+    ZE.sd_scenario(pair, exs, views=("M", "T"))        # per draft view: mean accepted, speedup over AR, ...
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from jspec.zoo import data as D
-from jspec.zoo import world as W
+from jspec.zoo import data as ZD
+from jspec.zoo import world as ZW
 
 PAIRS = {"text": ("text-target", "text-draft"), "image": ("image-target", "image-draft")}
 
@@ -26,7 +26,7 @@ class Pair(NamedTuple):
     target: object  # ports.Model
     draft: object
     tokenizer: object
-    encoder: D.Encoder  # the target's view: T for the text pair, M for the image pair
+    encoder: ZD.Encoder  # the target's view: T for the text pair, M for the image pair
 
     @property
     def view(self) -> str:
@@ -48,32 +48,32 @@ def load_pair(name: str) -> Pair:
     target, draft = zoo.load(t_name), zoo.load(d_name)
     tok = zoo.load_tokenizer(t_name)
     if name == "image":
-        enc = D.Encoder(tok, image_tokens=target.config.tokens_per_image,
+        enc = ZD.Encoder(tok, image_tokens=target.config.tokens_per_image,
                         image_size=target.config.vision.image_size, view="M")
     else:
-        enc = D.Encoder(tok, view="T")
+        enc = ZD.Encoder(tok, view="T")
     return Pair(name, target, draft, tok, enc)
 
 
 def exact_match_tasks(pair: str) -> tuple[str, ...]:
     """The tasks whose exact match is reported for a pair (the image pair includes the OOD tasks)."""
-    D.register_described_tasks()
+    ZD.register_described_tasks()
     if pair == "text":
-        return D.TEXT_PAIR_TASKS + W.tasks_of("second_turn")
-    return D.TARGET_TASKS
+        return ZD.TEXT_PAIR_TASKS + ZW.tasks_of("second_turn")
+    return ZD.TARGET_TASKS
 
 
-def scenario_examples(pair: str, n: int, seed: int = 0) -> dict[str, list[W.Example]]:
+def scenario_examples(pair: str, n: int, seed: int = 0) -> dict[str, list[ZW.Example]]:
     """n held-out examples per evaluation scenario of a pair. Image pair: the world's scenarios (caption, VQA,
     second turn, two images, OOD, text). Text pair: text chats, the described-scene versions of VQA / captions /
     image-grounded second turns, and the world's second turns in the T view."""
-    D.register_described_tasks()
+    ZD.register_described_tasks()
     if pair == "image":
-        return {s: D.eval_set(s, n, seed) for s in ("caption", "vqa", "second_turn", "two_image", "ood", "text")}
-    held = lambda task: [W.example("heldout", i, seed, [task]) for i in range(n)]
-    return {"text": D.eval_set("text", n, seed, tasks=list(D.TEXT_TASKS)), "described_vqa": held("described_vqa"),
+        return {s: ZD.eval_set(s, n, seed) for s in ("caption", "vqa", "second_turn", "two_image", "ood", "text")}
+    held = lambda task: [ZW.example("heldout", i, seed, [task]) for i in range(n)]
+    return {"text": ZD.eval_set("text", n, seed, tasks=list(ZD.TEXT_TASKS)), "described_vqa": held("described_vqa"),
             "described_caption": held("described_caption"), "described_turn2": held("described_turn2"),
-            "second_turn": D.eval_set("second_turn", n, seed)}
+            "second_turn": ZD.eval_set("second_turn", n, seed)}
 
 
 def answer_text(tokenizer, ids) -> str:
@@ -97,7 +97,7 @@ def captioner(pair: Pair, max_new_tokens: int = 48):
                                 prefix=ids("image: "), max_new_tokens=max_new_tokens, eos_token_id=TK.EOS_ID)
 
 
-def batch_prompt(enc: D.Encoder, examples: Sequence[W.Example], view: str | None = None) -> dict:
+def batch_prompt(enc: ZD.Encoder, examples: Sequence[ZW.Example], view: str | None = None) -> dict:
     """One ragged batch prompt for `jspec.decode`: input_ids rows and the rows' images in row order."""
     ps = [enc.prompt(ex, view=view) for ex in examples]
     out = {"input_ids": [p["input_ids"][0] for p in ps]}
@@ -107,7 +107,7 @@ def batch_prompt(enc: D.Encoder, examples: Sequence[W.Example], view: str | None
     return out
 
 
-def exact_match(model, pair: Pair, examples: Sequence[W.Example], view: str | None = None, max_new: int = 64,
+def exact_match(model, pair: Pair, examples: Sequence[ZW.Example], view: str | None = None, max_new: int = 64,
                 batch: int = 16) -> list[bool]:
     """Greedy answer == reference, per example (`view`: the prompt's view; default the pair's)."""
     import jspec
@@ -124,15 +124,15 @@ def exact_match(model, pair: Pair, examples: Sequence[W.Example], view: str | No
 SHAPE_VQA = ("vqa_colour", "vqa_shape", "vqa_count", "vqa_position", "vqa_size", "vqa_exists")
 
 
-def described_example(ex: W.Example, seed: int = 0) -> W.Example:
+def described_example(ex: ZW.Example, seed: int = 0) -> ZW.Example:
     """The same example with each image replaced by its detailed description (what the text pair reads)."""
     import random
 
-    turns = D.described(ex.turns, ex.images, random.Random(f"described/{seed}/{ex.split}/{ex.index}"))
-    return W.Example(ex.task, ex.scenario, ex.split, ex.index, tuple(turns), ())
+    turns = ZD.described(ex.turns, ex.images, random.Random(f"described/{seed}/{ex.split}/{ex.index}"))
+    return ZW.Example(ex.task, ex.scenario, ex.split, ex.index, tuple(turns), ())
 
 
-def by_objects(examples: Sequence[W.Example], hits: Sequence[bool]) -> dict[int, dict]:
+def by_objects(examples: Sequence[ZW.Example], hits: Sequence[bool]) -> dict[int, dict]:
     """Exact match grouped by the number of objects in each example's first image: {n: {"n": count, "exact_match":
     mean}} (shape scenes only; other examples are left out)."""
     groups: dict[int, list[bool]] = {}
@@ -146,12 +146,12 @@ def binding(pair: Pair, n: int, seed: int = 0) -> dict[int, dict]:
     """The pair's target on n held-out examples of each shape-scene VQA task, grouped by the number of objects in
     the scene: one object needs no lookup, several need the asked-about object found first. The text pair reads
     each scene as its description."""
-    exs = [W.example("heldout", i, seed, [t]) for t in SHAPE_VQA for i in range(n)]
+    exs = [ZW.example("heldout", i, seed, [t]) for t in SHAPE_VQA for i in range(n)]
     prompts = exs if pair.view == "M" else [described_example(e, seed) for e in exs]
     return by_objects(exs, exact_match(pair.target, pair, prompts))
 
 
-def sd_scenario(pair: Pair, examples: Sequence[W.Example], views: Sequence[str] | None = None, runs: int = 3,
+def sd_scenario(pair: Pair, examples: Sequence[ZW.Example], views: Sequence[str] | None = None, runs: int = 3,
                 gamma: int = 5, max_new: int = 64) -> dict[str, dict]:
     """Greedy AR vs greedy Chain(gamma) at batch 1 over the examples, for each draft view.
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from ports import vqgan as VQ
 from jspec.zoo import tokenizer as TK
-from jspec.zoo import world as W
+from jspec.zoo import world as ZW
 
 ZOO_DIR = Path(__file__).resolve().parent
 IMAGE_SIZE = 64  # pixels of the images the pair reads and writes
@@ -105,13 +105,13 @@ def codes_from_tokens(tokens: np.ndarray, rows: int = GRID, cols: int = GRID) ->
 OBJECT_COUNTS = (1, 1, 2, 2, 2, 3)  # objects per training scene (captions stay short)
 
 
-def scene(split: str, index: int, seed: int = 0, counts: Sequence[int] = OBJECT_COUNTS) -> W.Scene:
+def scene(split: str, index: int, seed: int = 0, counts: Sequence[int] = OBJECT_COUNTS) -> ZW.Scene:
     """Shape scene `index` of a split (the world's held-out rule: 1 scene in 8 by content hash is "heldout")."""
     rng = random.Random(f"jspec.zoo.t2i/{seed}/{split}/{index}")
-    return W.scene_in(rng, split, lambda r: W.random_shapes(r, r.choice(tuple(counts))))
+    return ZW.scene_in(rng, split, lambda r: ZW.random_shapes(r, r.choice(tuple(counts))))
 
 
-def caption(s: W.Scene) -> str:
+def caption(s: ZW.Scene) -> str:
     """'a big red circle in the top left and a small blue square in the bottom right' (reading order)."""
     parts = [f"{o.phrase()} in the {o.position}" for o in s.by_position()]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
@@ -127,9 +127,9 @@ def caption_ids(text: str) -> list[int]:
     return [TK.BOS_ID] + _backend().encode(text, add_special_tokens=False).ids
 
 
-def render(s: W.Scene, size: int = IMAGE_SIZE) -> np.ndarray:
+def render(s: ZW.Scene, size: int = IMAGE_SIZE) -> np.ndarray:
     """uint8 [size, size, 3]."""
-    return np.asarray(W.render(s, size))
+    return np.asarray(ZW.render(s, size))
 
 
 def to_signed(images_u8: np.ndarray) -> np.ndarray:
@@ -174,7 +174,7 @@ def vq_forward(cfg: VQ.VQConfig, params: dict, images: jax.Array) -> dict:
     return {"z": z, "codes": codes, "zq": zq, "recon": VQ.decode_latents(cfg, params, z_st)}
 
 
-BACKGROUND_SIGNED = np.asarray(W.BACKGROUND, np.float32) / 127.5 - 1.0
+BACKGROUND_SIGNED = np.asarray(ZW.BACKGROUND, np.float32) / 127.5 - 1.0
 
 
 def foreground(images: jax.Array, tol: float = 0.08) -> jax.Array:
@@ -400,18 +400,18 @@ def clip_pixels(images_u8: np.ndarray, size: int) -> np.ndarray:
     image target's processor normalises its renders."""
     from PIL import Image
 
-    from jspec.zoo import data as D
+    from jspec.zoo import data as ZD
 
     out = []
     for a in np.asarray(images_u8):
         if a.shape[0] != size:
             a = np.asarray(Image.fromarray(a).resize((size, size), Image.BILINEAR))
-        out.append(np.stack([D._LUT[c][a[..., c]] for c in range(3)]))
+        out.append(np.stack([ZD._LUT[c][a[..., c]] for c in range(3)]))
     return np.stack(out).astype(np.float32)
 
 
-def questions(scenes: Sequence[W.Scene], per_scene: int = 3, seed: int = 0,
-              tasks: Sequence[str] = ASK_TASKS) -> list[tuple[int, W.Example]]:
+def questions(scenes: Sequence[ZW.Scene], per_scene: int = 3, seed: int = 0,
+              tasks: Sequence[str] = ASK_TASKS) -> list[tuple[int, ZW.Example]]:
     """(scene index, question example) pairs: `per_scene` questions per scene, the tasks in turn (the world's own
     question generators, their answer styles included)."""
     out = []
@@ -419,9 +419,9 @@ def questions(scenes: Sequence[W.Scene], per_scene: int = 3, seed: int = 0,
         for q in range(per_scene):
             task = tasks[(si + q) % len(tasks)]
             rng = random.Random(f"jspec.zoo.t2i/ask/{seed}/{si}/{q}")
-            qa = W.SINGLE_IMAGE_QA[task][1](rng, s)
-            turns = (W.Turn("user", qa.question, 1), W.answer_turn(qa))
-            out.append((si, W.Example(task, "vqa", "heldout", si, turns, (s,))))
+            qa = ZW.SINGLE_IMAGE_QA[task][1](rng, s)
+            turns = (ZW.Turn("user", qa.question, 1), ZW.answer_turn(qa))
+            out.append((si, ZW.Example(task, "vqa", "heldout", si, turns, (s,))))
     return out
 
 
@@ -435,11 +435,11 @@ class Asker:
     @classmethod
     def load(cls) -> "Asker":
         from jspec import zoo
-        from jspec.zoo import data as D
+        from jspec.zoo import data as ZD
 
         model = zoo.load("image-target")
         tok = zoo.load_tokenizer("image-target")
-        enc = D.Encoder(tok, image_tokens=model.config.tokens_per_image,
+        enc = ZD.Encoder(tok, image_tokens=model.config.tokens_per_image,
                         image_size=model.config.vision.image_size, view="M")
         return cls(model, enc, tok)
 
@@ -447,12 +447,12 @@ class Asker:
     def image_size(self) -> int:
         return self.encoder.image_size
 
-    def ask(self, images_u8: np.ndarray | None, qs: Sequence[tuple[int, W.Example]], batch: int = 32) -> dict:
+    def ask(self, images_u8: np.ndarray | None, qs: Sequence[tuple[int, ZW.Example]], batch: int = 32) -> dict:
         """Exact match of the image target's greedy answers to questions about images_u8[scene index] (None: the
         scenes rendered at the target's own size). Returns {"all": rate, task: rate, "hits": [bool]}."""
         import jspec
-        from jspec.zoo import data as D
-        from jspec.zoo import evaluate as E
+        from jspec.zoo import data as ZD
+        from jspec.zoo import evaluate as ZE
 
         S = self.image_size
         hits = []
@@ -465,7 +465,7 @@ class Asker:
                 pv = clip_pixels(np.stack([images_u8[si] for si, _ in chunk]), S)
             out = jspec.decode(self.model, {"input_ids": [p["input_ids"][0] for p in ps], "pixel_values": pv},
                                max_new_tokens=24)
-            hits += [E.answer_text(self.tokenizer, out.tokens[b, :out.lengths[b]]) == ex.answer
+            hits += [ZE.answer_text(self.tokenizer, out.tokens[b, :out.lengths[b]]) == ex.answer
                      for b, (_, ex) in enumerate(chunk)]
         res = {"all": float(np.mean(hits)), "n": len(hits)}
         for t in sorted({ex.task for _, ex in qs}):

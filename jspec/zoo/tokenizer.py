@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from jspec.zoo import world as W
+from jspec.zoo import world as ZW
 
 PAD, BOS, EOS, IMAGE, USER, ASSISTANT = "<pad>", "<s>", "</s>", "<image>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IMAGE, USER, ASSISTANT)          # ids 0..5 in this order
@@ -48,12 +48,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def turn_text(turn: W.Turn) -> str:
+def turn_text(turn: ZW.Turn) -> str:
     """A turn's content as the template renders it ('<image>\\n' per image, then the text)."""
     return f"{IMAGE}\n" * turn.n_images + turn.text
 
 
-def chat_text(example: W.Example, upto_last_answer: bool = False) -> str:
+def chat_text(example: ZW.Example, upto_last_answer: bool = False) -> str:
     """The example in the chat format; with upto_last_answer=True, the generation prompt for its final answer."""
     turns = example.turns[:-1] if upto_last_answer else example.turns
     out = [BOS]
@@ -72,14 +72,14 @@ def chat_text(example: W.Example, upto_last_answer: bool = False) -> str:
 def corpus(n_examples: int = CORPUS_EXAMPLES, seed: int = 0) -> Iterator[str]:
     """Training text for the BPE: the turn texts of `n_examples` training examples (text between special tokens)
     plus every knowledge-base entry and every word of the world's vocabulary."""
-    for ex in W.examples("train", n_examples, seed=seed):
+    for ex in ZW.examples("train", n_examples, seed=seed):
         for t in ex.turns:
             yield ("\n" * t.n_images) + t.text
-    for country, capital in W.KB_COUNTRIES.items():
+    for country, capital in ZW.KB_COUNTRIES.items():
         yield f"The capital of {country} is {capital}."
-    for name, (colour, legs, food) in W.KB_CREATURES.items():
+    for name, (colour, legs, food) in ZW.KB_CREATURES.items():
         yield f"A {name} is {colour}, has {legs} legs and eats {food}."
-    yield " ".join(list(W.COLOURS) + list(W.SHAPES) + list(W.PLURAL.values()) + list(W.POSITIONS.values()))
+    yield " ".join(list(ZW.COLOURS) + list(ZW.SHAPES) + list(ZW.PLURAL.values()) + list(ZW.POSITIONS.values()))
 
 
 def train_tokenizer(vocab_size: int = VOCAB_SIZE, n_examples: int = CORPUS_EXAMPLES, seed: int = 0):

@@ -59,7 +59,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from jspec.zoo import tokenizer as TK
-from jspec.zoo import world as W
+from jspec.zoo import world as ZW
 
 # ---------------------------------------------------------------------------------------------------- geometry
 
@@ -70,20 +70,20 @@ MERGE = 2
 TEMPORAL_PATCH = 2
 GROUPS = FRAMES // TEMPORAL_PATCH                      # temporal patch groups (32)
 GRID_PATCHES = FRAME_SIZE // PATCH                     # patches per side (6)
-CELLS = W.GRID ** 2
+CELLS = ZW.GRID ** 2
 TOKENS_PER_GROUP = (GRID_PATCHES // MERGE) ** 2        # 9: one merged token per grid cell
 VIDEO_TOKENS = GROUPS * TOKENS_PER_GROUP               # 288
 PATCH_DIM = 3 * TEMPORAL_PATCH * PATCH * PATCH          # 384
 SECONDS_PER_GROUP = 0.5                                # 4 fps
 TOKENS_PER_SECOND = 2                                  # temporal M-RoPE ids: 2 * 0.5 = 1 per group
 SUPERSAMPLE = 4
-BORDER = W.AXIS                                        # a 1 px frame around every frame (drawn over the shapes):
+BORDER = ZW.AXIS                                        # a 1 px frame around every frame (drawn over the shapes):
                                                        # Qwen's tower has no absolute positions, and the border
                                                        # tells each cell's patches where they are
 EVENT_FIRST, EVENT_LAST = 6, 28                        # events happen within groups 6..28 of 32
 SCENARIO = "video"
-SPLITS = W.SPLITS
-HELDOUT_EVERY = W.HELDOUT_EVERY
+SPLITS = ZW.SPLITS
+HELDOUT_EVERY = ZW.HELDOUT_EVERY
 
 # token ids (see the module docstring)
 VIDEO_ID = TK.IMAGE_ID
@@ -119,7 +119,7 @@ class Track:
     """One object of a clip. `obj` holds its shape, colour, size and start cell; it moves to `end` during groups
     move[0] .. move[1] (None: it stays), appears at the start of group `appear` (None: there from the start) or
     leaves at the start of group `leave` (None: there until the end). Times are in temporal groups (0..GROUPS)."""
-    obj: W.Obj
+    obj: ZW.Obj
     end: tuple[int, int]
     move: tuple[int, int] | None = None
     appear: int | None = None
@@ -163,7 +163,7 @@ class Track:
         """(x, y) pixel centres at times t [N]: `world.object_centre` of the object moved by its progress (the same
         float operations), rounded to the renderer's sub-pixel grid (1 / SUPERSAMPLE px)."""
         p = self.progress(np.atleast_1d(np.asarray(t, np.float64)))
-        cell = size / W.GRID
+        cell = size / ZW.GRID
         x = (self.obj.col + 0.5 + ((self.end[1] - self.start[1]) * p) * 1.0) * cell
         y = (self.obj.row + 0.5 + ((self.end[0] - self.start[0]) * p) * 1.0) * cell
         q = lambda v: np.floor(v * SUPERSAMPLE + 0.5) / SUPERSAMPLE
@@ -176,8 +176,8 @@ class Track:
 
     def cell_at(self, t: float) -> tuple[int, int]:
         """The grid cell nearest to its centre at time t."""
-        x, y = self.centre(t, 3 * W.GRID)                   # 3 px per cell: cell = floor(px / 3)
-        return min(W.GRID - 1, int(y // 3)), min(W.GRID - 1, int(x // 3))
+        x, y = self.centre(t, 3 * ZW.GRID)                   # 3 px per cell: cell = floor(px / 3)
+        return min(ZW.GRID - 1, int(y // 3)), min(ZW.GRID - 1, int(x // 3))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,11 +217,11 @@ class Clip:
     def track(self, name: str) -> Track:
         return next(t for t in self.tracks if t.name == name)
 
-    def scene_at(self, t: float) -> W.Scene:
+    def scene_at(self, t: float) -> ZW.Scene:
         """The world scene shown at time t (objects at their nearest cells; exact between motions)."""
         objs = [dataclasses.replace(tr.obj, row=tr.cell_at(t)[0], col=tr.cell_at(t)[1])
                 for tr in self.tracks if tr.present(t)]
-        return W.Scene("shapes", objects=tuple(sorted(objs, key=lambda o: (o.row, o.col))))
+        return ZW.Scene("shapes", objects=tuple(sorted(objs, key=lambda o: (o.row, o.col))))
 
 
 def frame_times(frames: int = FRAMES) -> np.ndarray:
@@ -239,7 +239,7 @@ def _line_ends(r: int, c: int) -> list[tuple[int, int]]:
     for dr, dc in DIRECTIONS:
         for k in (1, 2):
             rr, cc = r + k * dr, c + k * dc
-            if 0 <= rr < W.GRID and 0 <= cc < W.GRID:
+            if 0 <= rr < ZW.GRID and 0 <= cc < ZW.GRID:
                 out.append((rr, cc))
     return out
 
@@ -249,11 +249,11 @@ def random_clip(rng: random.Random) -> Clip:
     cells are distinct, and no end cell is another object's start cell (so the first and last groups each show
     every object whole); at least one shape is left at the end."""
     n = rng.choice((1, 2, 2, 3, 3, 4))
-    cells = rng.sample(sorted(W.POSITIONS), n)
+    cells = rng.sample(sorted(ZW.POSITIONS), n)
     taken: set = set()
     objs = []
     for r, c in cells:
-        o = W._random_obj(rng, r, c, taken)
+        o = ZW._random_obj(rng, r, c, taken)
         taken.add((o.colour, o.shape))
         objs.append(o)
     tracks = {i: Track(o, (o.row, o.col)) for i, o in enumerate(objs)}
@@ -272,10 +272,10 @@ def random_clip(rng: random.Random) -> Clip:
                 g0 = rng.randint(EVENT_FIRST, 18)
                 tracks[k] = dataclasses.replace(t, end=rng.choice(ends), move=(g0, g0 + rng.randint(6, 10)))
         elif kind == "appear":
-            free = [p for p in sorted(W.POSITIONS) if p not in blocked()]
+            free = [p for p in sorted(ZW.POSITIONS) if p not in blocked()]
             if free:
                 r, c = rng.choice(free)
-                o = W._random_obj(rng, r, c, taken)
+                o = ZW._random_obj(rng, r, c, taken)
                 taken.add((o.colour, o.shape))
                 tracks[len(tracks)] = Track(o, (r, c), appear=rng.randint(8, 24))
         elif kind == "leave" and len(idle) > 1:     # someone stays
@@ -301,16 +301,16 @@ def _sprite(shape: str, size: str, fx: int, fy: int, frame_size: int) -> tuple[n
     sub-pixel phase (fx, fy) / SUPERSAMPLE of pixel (R, R); pixel (i, j) of it lands on (floor(cy) - R + i,
     floor(cx) - R + j)."""
     ss = SUPERSAMPLE
-    cell = frame_size / W.GRID
-    r = W.SIZES[size] * cell * ss / 2
+    cell = frame_size / ZW.GRID
+    r = ZW.SIZES[size] * cell * ss / 2
     R = int(math.ceil(r / ss)) + 1
     n = 2 * R + 1
     img = Image.new("L", (n * ss, n * ss), 0)
-    W._draw_shape(ImageDraw.Draw(img), shape, R * ss + fx, R * ss + fy, r, 1)
+    ZW._draw_shape(ImageDraw.Draw(img), shape, R * ss + fx, R * ss + fy, r, 1)
     return np.asarray(img, np.int32).reshape(n, ss, n, ss).sum((1, 3)), R
 
 
-def _paste(out: np.ndarray, f0: int, f1: int, obj: W.Obj, cx: float, cy: float) -> None:
+def _paste(out: np.ndarray, f0: int, f1: int, obj: ZW.Obj, cx: float, cy: float) -> None:
     """Blend one object into frames f0..f1-1 of out [F, S, S, 3] (uint8, in place) as a box filter of the
     supersampled drawing would: (k * colour + (ss^2 - k) * under + ss^2 / 2) // ss^2 for coverage k."""
     S = out.shape[1]
@@ -323,14 +323,14 @@ def _paste(out: np.ndarray, f0: int, f1: int, obj: W.Obj, cx: float, cy: float) 
     a1, b1 = min(n, S - y0), min(n, S - x0)
     k = cov[a0:a1, b0:b1, None].astype(np.uint16)
     region = out[f0:f1, y0 + a0:y0 + a1, x0 + b0:x0 + b1]
-    col = np.asarray(W.COLOURS[obj.colour], np.uint16)
+    col = np.asarray(ZW.COLOURS[obj.colour], np.uint16)
     region[...] = (k * col + (ss2 - k) * region + ss2 // 2) // ss2         # < 2^16: 16 * 255 + 8
 
 
 @functools.lru_cache(maxsize=4)
 def _background(frames: int, size: int) -> np.ndarray:
     out = np.empty((frames, size, size, 3), np.uint8)
-    out[...] = np.asarray(W.BACKGROUND, np.uint8)
+    out[...] = np.asarray(ZW.BACKGROUND, np.uint8)
     out.flags.writeable = False
     return out
 
@@ -374,16 +374,16 @@ def render_clip(clip: Clip, frames: int = FRAMES, size: int = FRAME_SIZE, out: n
 def render_clip_reference(clip: Clip, frames: int = FRAMES, size: int = FRAME_SIZE) -> np.ndarray:
     """`render_clip` drawn frame by frame with Pillow exactly as `world.render` draws a scene (slow; tests)."""
     ss = SUPERSAMPLE
-    cell = size / W.GRID
+    cell = size / ZW.GRID
     out = []
     for t in frame_times(frames):
-        img = Image.new("RGB", (size * ss, size * ss), W.BACKGROUND)
+        img = Image.new("RGB", (size * ss, size * ss), ZW.BACKGROUND)
         d = ImageDraw.Draw(img)
         for tr in clip.tracks:
             if tr.present(t):
                 cx, cy = tr.centre(t, size)
-                W._draw_shape(d, tr.obj.shape, cx * ss, cy * ss, W.SIZES[tr.obj.size] * cell * ss / 2,
-                              W.COLOURS[tr.obj.colour])
+                ZW._draw_shape(d, tr.obj.shape, cx * ss, cy * ss, ZW.SIZES[tr.obj.size] * cell * ss / 2,
+                              ZW.COLOURS[tr.obj.colour])
         out.append(np.asarray(img.reduce(ss)))
     out = np.stack(out)
     _draw_border(out)
@@ -468,15 +468,15 @@ def _styled(rng: random.Random, q: str, short: str, sentence: str, clauses: Sequ
     """As the image world: a sentence clause asks for `sentence`, else the short answer (maybe with a brevity
     clause)."""
     r = rng.random()
-    if r < W.P_SENTENCE:
-        return QA(q + " " + rng.choice(W._SENTENCE), sentence, focus)
-    if clauses and r > 1.0 - W.P_SHORT_CLAUSE:
+    if r < ZW.P_SENTENCE:
+        return QA(q + " " + rng.choice(ZW._SENTENCE), sentence, focus)
+    if clauses and r > 1.0 - ZW.P_SHORT_CLAUSE:
         return QA(q + " " + rng.choice(clauses), short, focus)
     return QA(q, short, focus)
 
 
 def _pos(cell: tuple[int, int]) -> str:
-    return W.POSITIONS[cell]
+    return ZW.POSITIONS[cell]
 
 
 def _count_sentence(n: int, what: str, when: str) -> str:
@@ -503,26 +503,26 @@ def _video_move(rng: random.Random, clip: Clip) -> QA | None:
         if mode == "end":
             q = _q(rng, ("Where does the {c} {sh} move to?", "Where does the {c} {sh} end up?",
                          "Where is the {c} {sh} at the end?", "Where does the {c} {sh} go?"), c=c, sh=sh)
-            return _styled(rng, q, _pos(t.end), f"The {c} {sh} moves to the {_pos(t.end)}.", W._PHRASE,
+            return _styled(rng, q, _pos(t.end), f"The {c} {sh} moves to the {_pos(t.end)}.", ZW._PHRASE,
                            ("end",) + t.end)
         if mode == "start":
             q = _q(rng, ("Where does the {c} {sh} start?", "Where is the {c} {sh} at the beginning?",
                          "Where does the {c} {sh} come from?"), c=c, sh=sh)
-            return _styled(rng, q, _pos(t.start), f"The {c} {sh} starts in the {_pos(t.start)}.", W._PHRASE,
+            return _styled(rng, q, _pos(t.start), f"The {c} {sh} starts in the {_pos(t.start)}.", ZW._PHRASE,
                            ("start",) + t.start)
         if mode == "direction":
             q = _q(rng, ("Which way does the {c} {sh} move?", "In which direction does the {c} {sh} move?",
                          "Which direction does the {c} {sh} go?"), c=c, sh=sh)
-            return _styled(rng, q, t.direction, f"The {c} {sh} moves {t.direction}.", W._PHRASE)
+            return _styled(rng, q, t.direction, f"The {c} {sh} moves {t.direction}.", ZW._PHRASE)
         q = _q(rng, ("From where to where does the {c} {sh} move?", "Where does the {c} {sh} move from and to?"),
                c=c, sh=sh)
         short = f"from the {_pos(t.start)} to the {_pos(t.end)}"
         return _styled(rng, q, short, f"The {c} {sh} moves from the {_pos(t.start)} to the {_pos(t.end)}.",
-                       W._PHRASE)
+                       ZW._PHRASE)
     if mode == "which":
         t = movers[0]
         q = _q(rng, ("Which shape moves?", "Which object moves in the video?", "What moves?"))
-        return _styled(rng, q, t.name, f"The {t.name} moves {t.direction}.", W._PHRASE)
+        return _styled(rng, q, t.name, f"The {t.name} moves {t.direction}.", ZW._PHRASE)
     if mode == "does":
         t = rng.choice(movers if m and rng.random() < 0.5 else clip.tracks)
         yes = t.move is not None
@@ -530,11 +530,11 @@ def _video_move(rng: random.Random, clip: Clip) -> QA | None:
                c=t.obj.colour, sh=t.obj.shape)
         return _styled(rng, q, "yes" if yes else "no",
                        f"Yes, the {t.name} moves {t.direction}." if yes else f"No, the {t.name} does not move.",
-                       W._YESNO)
+                       ZW._YESNO)
     q = _q(rng, ("Does any shape move?", "Is anything moving in the video?", "Does something move?"))
     return _styled(rng, q, "yes" if m else "no",
                    f"Yes, {len(movers)} {'shape moves' if len(movers) == 1 else 'shapes move'}." if m else
-                   "No, nothing moves.", W._YESNO)
+                   "No, nothing moves.", ZW._YESNO)
 
 
 @register("video_appear", weight=1.5)
@@ -549,36 +549,36 @@ def _video_appear(rng: random.Random, clip: Clip) -> QA | None:
     if mode == "which_appears":
         t = app[0]
         q = _q(rng, ("Which shape appears?", "What new shape shows up?", "Which object appears in the video?"))
-        return _styled(rng, q, t.name, f"{t.obj.phrase('A')} appears in the {_pos(t.end)}.", W._PHRASE,
+        return _styled(rng, q, t.name, f"{t.obj.phrase('A')} appears in the {_pos(t.end)}.", ZW._PHRASE,
                        ("end",) + t.end)
     if mode == "which_leaves":
         t = lea[0]
         q = _q(rng, ("Which shape disappears?", "Which shape leaves?", "Which object vanishes in the video?"))
-        return _styled(rng, q, t.name, f"The {t.name} disappears from the {_pos(t.start)}.", W._PHRASE,
+        return _styled(rng, q, t.name, f"The {t.name} disappears from the {_pos(t.start)}.", ZW._PHRASE,
                        ("start",) + t.start)
     if mode == "where_appears":
         t = rng.choice(app)
         q = _q(rng, ("Where does the {c} {sh} appear?", "In which part of the video does the {c} {sh} show up?",
                      "Where does the new {c} {sh} appear?"), c=t.obj.colour, sh=t.obj.shape)
-        return _styled(rng, q, _pos(t.end), f"The {t.name} appears in the {_pos(t.end)}.", W._PHRASE,
+        return _styled(rng, q, _pos(t.end), f"The {t.name} appears in the {_pos(t.end)}.", ZW._PHRASE,
                        ("end",) + t.end)
     if mode == "where_leaves":
         t = rng.choice(lea)
         q = _q(rng, ("Where was the {c} {sh} before it disappeared?", "Where does the {c} {sh} disappear from?"),
                c=t.obj.colour, sh=t.obj.shape)
-        return _styled(rng, q, _pos(t.start), f"The {t.name} disappears from the {_pos(t.start)}.", W._PHRASE,
+        return _styled(rng, q, _pos(t.start), f"The {t.name} disappears from the {_pos(t.start)}.", ZW._PHRASE,
                        ("start",) + t.start)
     if mode == "any_appear":
         q = _q(rng, ("Does any shape appear?", "Does a new shape show up?", "Does anything appear in the video?"))
         n = len(app)
         return _styled(rng, q, "yes" if n else "no",
                        (f"Yes, {n} {'shape appears' if n == 1 else 'shapes appear'}." if n else
-                        "No, no shape appears."), W._YESNO)
+                        "No, no shape appears."), ZW._YESNO)
     q = _q(rng, ("Does any shape disappear?", "Does a shape leave?", "Does anything vanish in the video?"))
     n = len(lea)
     return _styled(rng, q, "yes" if n else "no",
                    (f"Yes, {n} {'shape disappears' if n == 1 else 'shapes disappear'}." if n else
-                    "No, no shape disappears."), W._YESNO)
+                    "No, no shape disappears."), ZW._YESNO)
 
 
 @register("video_count", weight=1.5)
@@ -589,22 +589,22 @@ def _video_count(rng: random.Random, clip: Clip) -> QA | None:
         when = "at the end" if mode.startswith("end") else "at the start"
         objs = clip.at_end if mode.startswith("end") else clip.at_start
         if mode.endswith("colour"):
-            col = rng.choice([t.obj.colour for t in clip.tracks] + [rng.choice(tuple(W.COLOURS))])
+            col = rng.choice([t.obj.colour for t in clip.tracks] + [rng.choice(tuple(ZW.COLOURS))])
             n = sum(t.obj.colour == col for t in objs)
             q = _q(rng, ("How many {c} shapes are there {w}?", "How many {c} objects can you see {w}?",
                          "Count the {c} shapes {w}."), c=col, w=when)
-            return _styled(rng, q, str(n), _count_sentence(n, col, when), W._NUMBER)
+            return _styled(rng, q, str(n), _count_sentence(n, col, when), ZW._NUMBER)
         n = len(objs)
         q = _q(rng, ("How many shapes are there {w}?", "How many objects can you see {w}?",
                      "Count the shapes {w}."), w=when)
-        return _styled(rng, q, str(n), _count_sentence(n, "", when), W._NUMBER)
+        return _styled(rng, q, str(n), _count_sentence(n, "", when), ZW._NUMBER)
     what = {"appear": (clip.appearing, "appear", "appears"), "leave": (clip.leaving, "disappear", "disappears"),
             "move": (clip.movers, "move", "moves")}[mode]
     n = len(what[0])
     q = _q(rng, ("How many shapes {v}?", "How many shapes {v} in the video?", "Count the shapes that {v}."),
            v=what[1])
     return _styled(rng, q, str(n), f"{n} {'shape' if n == 1 else 'shapes'} {what[2] if n == 1 else what[1]}.",
-                   W._NUMBER)
+                   ZW._NUMBER)
 
 
 def describe(clip: Clip) -> str:
@@ -612,7 +612,7 @@ def describe(clip: Clip) -> str:
     starts, then the shapes that appear, in reading order of where they appear), how many moved, appeared and
     disappeared, and the shapes at the end."""
     def count(n: int, one: str = "shape", many: str = "shapes") -> str:
-        return f"{W.NUMBER_WORDS[n]} {one if n == 1 else many}"
+        return f"{ZW.NUMBER_WORDS[n]} {one if n == 1 else many}"
 
     def events(n: int, one: str, many: str) -> str:
         return "none " + one if n == 0 else count(n, "shape " + one, "shapes " + many)
@@ -723,7 +723,7 @@ def focus_index(focus: tuple[str, int, int] | None) -> int:
         return -1
     when, r, c = focus
     g = 0 if when == "start" else GROUPS - 1
-    return PREFIX_VIDEO_START + g * TOKENS_PER_GROUP + r * W.GRID + c
+    return PREFIX_VIDEO_START + g * TOKENS_PER_GROUP + r * ZW.GRID + c
 
 
 @functools.lru_cache(maxsize=None)
@@ -731,10 +731,10 @@ def prefix_positions() -> np.ndarray:
     """int32 [3, PREFIX_LEN] M-RoPE (t, h, w) ids of <s><|user|>[clip]\\n (HF's get_rope_index, transformers 5.23
     rules: text +1 per token, the clip at (start + group, start + row, start + col), text after it from start +
     max(rows, cols))."""
-    g, r, c = np.meshgrid(np.arange(GROUPS), np.arange(W.GRID), np.arange(W.GRID), indexing="ij")
+    g, r, c = np.meshgrid(np.arange(GROUPS), np.arange(ZW.GRID), np.arange(ZW.GRID), indexing="ij")
     s = PREFIX_VIDEO_START
     vid = np.stack([g.ravel() * int(TOKENS_PER_SECOND * SECONDS_PER_GROUP), r.ravel(), c.ravel()]) + s
-    after = s + W.GRID
+    after = s + ZW.GRID
     return np.concatenate([np.broadcast_to(np.arange(s), (3, s)), vid, np.full((3, 1), after)],
                           axis=1).astype(np.int32)
 
@@ -760,9 +760,9 @@ class VideoEncoder:
     """Token ids of video examples in the zoo chat format, and processor-style prompts (see the module docstring)."""
 
     def __init__(self, tokenizer=None):
-        from jspec.zoo import data as D
+        from jspec.zoo import data as ZD
 
-        self.text = D.Encoder(tokenizer)            # its text_ids cache and the special-token checks
+        self.text = ZD.Encoder(tokenizer)            # its text_ids cache and the special-token checks
         self.tokenizer = self.text.tokenizer
         self.ids = special_ids()
         self.prefix = np.array([TK.BOS_ID, TK.USER_ID] + [VIDEO_ID] * VIDEO_TOKENS
@@ -956,10 +956,10 @@ def pooled(fn: Callable, starts: Iterable, workers: int = 0, prefetch: int = 4) 
 # ------------------------------------------------------------------------------------------- tower labels
 
 LABELS = ("colour", "shape", "size", "row", "col", "motion")
-LABEL_CLASSES = (len(W.COLOURS) + 1, len(W.SHAPES) + 1, len(W.SIZES) + 1, W.GRID, W.GRID, len(DIRECTIONS) + 1)
-_COLOUR = {c: i + 1 for i, c in enumerate(W.COLOURS)}
-_SHAPE = {s: i + 1 for i, s in enumerate(W.SHAPES)}
-_SIZE = {s: i + 1 for i, s in enumerate(W.SIZES)}
+LABEL_CLASSES = (len(ZW.COLOURS) + 1, len(ZW.SHAPES) + 1, len(ZW.SIZES) + 1, ZW.GRID, ZW.GRID, len(DIRECTIONS) + 1)
+_COLOUR = {c: i + 1 for i, c in enumerate(ZW.COLOURS)}
+_SHAPE = {s: i + 1 for i, s in enumerate(ZW.SHAPES)}
+_SIZE = {s: i + 1 for i, s in enumerate(ZW.SIZES)}
 
 
 def tower_labels(clip: Clip) -> np.ndarray:
@@ -967,16 +967,16 @@ def tower_labels(clip: Clip) -> np.ndarray:
     centre is nearest that cell at the group's mid time (0: none), the cell's row and column, and the shape's
     direction while it moves (0: still or none)."""
     y = np.zeros((GROUPS, CELLS, len(LABELS)), np.int32)
-    y[:, :, 3] = np.arange(CELLS) // W.GRID
-    y[:, :, 4] = np.arange(CELLS) % W.GRID
+    y[:, :, 3] = np.arange(CELLS) // ZW.GRID
+    y[:, :, 4] = np.arange(CELLS) % ZW.GRID
     for g in range(GROUPS):
         t = group_time(g)
         for tr in clip.tracks:
             if tr.present(t):
                 r, c = tr.cell_at(t)
                 o = tr.obj
-                y[g, r * W.GRID + c, :3] = _COLOUR[o.colour], _SHAPE[o.shape], _SIZE[o.size]
-                y[g, r * W.GRID + c, 5] = DIRECTION_IDS[tr.step] if tr.moving(t) else 0
+                y[g, r * ZW.GRID + c, :3] = _COLOUR[o.colour], _SHAPE[o.shape], _SIZE[o.size]
+                y[g, r * ZW.GRID + c, 5] = DIRECTION_IDS[tr.step] if tr.moving(t) else 0
     return y
 
 
