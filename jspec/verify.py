@@ -9,8 +9,8 @@ compared with (`draft_mass`), and the residual after a rejection (`reject`). A c
 have one child, so one walk serves both.
 
 `Residual` is exact multi-draft speculative sampling (children drawn without replacement, `draws = True`);
-`Q1` is EAGLE-2's q = 1 rule (exact whatever tokens are offered). The relaxed rules `Lantern` (additive delta) and
-`LanternPP` (LANTERN++'s multiplicative lambda) accept a drafted image token for the target mass of its latent
+`Q1` is EAGLE-2's q = 1 rule (exact whatever tokens are offered). The relaxed rules `LanternRule` (additive delta) and
+`LanternPPRule` (LANTERN++'s multiplicative lambda) accept a drafted image token for the target mass of its latent
 neighbours too (a `jspec.neighbours.NeighbourTable` in their fields): they override `target_mass` and `reject`,
 are lossy by design (`exact = False`; delta = 0, lambda = 1 or k = 0 give the target back) and come with sampled
 drafts (static trees) or deterministic ones (`drafts="deterministic"`: the q = 1 form for EAGLE-2 dynamic trees).
@@ -145,7 +145,7 @@ def _prefix(ok: jax.Array) -> jax.Array:
 
 
 class _Relaxed(Rule):
-    """Latent-neighbour relaxation (LANTERN and LANTERN++; shared by `Lantern` and `LanternPP`).
+    """Latent-neighbour relaxation (LANTERN and LANTERN++; shared by `LanternRule` and `LanternPPRule`).
 
     For a candidate x against the current target residual r [B, V] (in jspec's notation r is the TARGET's and q
     the draft's; the paper writes them the other way round): nb = the first k entries of table.ids[x] (entries
@@ -201,7 +201,7 @@ class _Relaxed(Rule):
 
     def bound(self, rx: jax.Array) -> jax.Array:
         """[B] the bound on S_m given r(x) [B] (each relaxed rule defines its own)."""
-        raise NotImplementedError(f"{type(self).__name__} defines no bound (LanternPP: (lam - 1) r(x); Lantern: delta)")
+        raise NotImplementedError(f"{type(self).__name__} defines no bound (LanternPPRule: (lam - 1) r(x); LanternRule: delta)")
 
     def relax(self, resid: jax.Array, x: jax.Array):
         """(nb [B, kmax] neighbour ids, in_a [B, kmax] the neighbours in A, m* [B], q~(x) [B]) of candidates x."""
@@ -272,7 +272,7 @@ class _Relaxed(Rule):
 
 
 @struct.dataclass
-class LanternPP(_Relaxed):
+class LanternPPRule(_Relaxed):
     """LANTERN++: the relaxation of `_Relaxed` with the multiplicative bound S_m <= (lam - 1) r(x), so that
     q~(x) <= lam * r(x). lam = 1 is exact. Paper settings: k = 10, lam in {2, 3}."""
 
@@ -289,12 +289,12 @@ class LanternPP(_Relaxed):
         """ValueError for lam < 1, k out of [0, table.kmax], an unknown mode; with `vocab_size` / `codebook` also
         for a table made for another vocabulary or codebook."""
         if not float(jnp.asarray(self.lam)) >= 1.0:
-            raise ValueError(f"LanternPP: lam must be >= 1 (lam = 1 is the exact rule), got {self.lam!r}")
+            raise ValueError(f"LanternPPRule: lam must be >= 1 (lam = 1 is the exact rule), got {self.lam!r}")
         self._check_common(vocab_size, codebook)
 
 
 @struct.dataclass
-class Lantern(_Relaxed):
+class LanternRule(_Relaxed):
     """LANTERN: the relaxation of `_Relaxed` with the additive bound S_m <= delta (the total variation between r
     and q~ is S_m*). delta = 0 is exact. LANTERN's default: k = 1000, delta = 0.1; LANTERN++'s ablation: delta in
     {1e-4, 2e-4, 5e-4}."""
@@ -312,7 +312,7 @@ class Lantern(_Relaxed):
         """ValueError for delta < 0, k out of [0, table.kmax], an unknown mode; with `vocab_size` / `codebook` also
         for a table made for another vocabulary or codebook."""
         if not float(jnp.asarray(self.delta)) >= 0.0:
-            raise ValueError(f"Lantern: delta must be >= 0 (delta = 0 is the exact rule), got {self.delta!r}")
+            raise ValueError(f"LanternRule: delta must be >= 0 (delta = 0 is the exact rule), got {self.delta!r}")
         self._check_common(vocab_size, codebook)
 
 

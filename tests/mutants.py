@@ -90,9 +90,9 @@ def _frozen_posterior(original):
 
 
 def _lantern_owner():
-    from jspec.verify import LanternPP
+    from jspec.verify import LanternPPRule
 
-    return LanternPP
+    return LanternPPRule
 
 
 def _no_neighbour_mass(original):

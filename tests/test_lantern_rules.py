@@ -1,4 +1,4 @@
-"""LANTERN / LANTERN++ (jspec.neighbours, jspec.verify.Lantern / LanternPP): the latent-neighbour table against a
+"""LANTERN / LANTERN++ (jspec.neighbours, jspec.verify.LanternRule / LanternPP): the latent-neighbour table against a
 brute force, the relaxed acceptance probability against its closed form, q~ <= lambda r, the residual modes against
 numpy references of the spec and of the official code, exactness at lambda = 1 / delta = 0 (static and dynamic
 trees; under CFG + the image grammar in `-m slow`) with a lambda = 3 negative control, greedy == AR, one compiled
@@ -138,13 +138,13 @@ def acceptance_rate(rule, x=3, n=20000):
 
 
 @pytest.mark.parametrize("rule, alpha", [
-    (Vf.LanternPP(HAND, 3, 2.0), 0.38),  # bound .1: S = .05, .09, .29 -> m* = 2, q~ = .19
-    (Vf.LanternPP(HAND, 3, 4.0), 0.78),  # bound .3: m* = 3, q~ = .39
-    (Vf.LanternPP(HAND, 1, 4.0), 0.30),  # k = 1: q~ = .15
-    (Vf.LanternPP(HAND, 3, 1.0), 0.20),  # lambda = 1: no relaxation
-    (Vf.Lantern(HAND, 3, 0.07), 0.30),  # delta .07: m* = 1
-    (Vf.LanternPP(HAND, 3, 2.0, drafts="deterministic"), 0.19),  # q' = 1: min(1, q~)
-    (Vf.Lantern(HAND, 3, 0.1, drafts="deterministic"), 0.19),
+    (Vf.LanternPPRule(HAND, 3, 2.0), 0.38),  # bound .1: S = .05, .09, .29 -> m* = 2, q~ = .19
+    (Vf.LanternPPRule(HAND, 3, 4.0), 0.78),  # bound .3: m* = 3, q~ = .39
+    (Vf.LanternPPRule(HAND, 1, 4.0), 0.30),  # k = 1: q~ = .15
+    (Vf.LanternPPRule(HAND, 3, 1.0), 0.20),  # lambda = 1: no relaxation
+    (Vf.LanternRule(HAND, 3, 0.07), 0.30),  # delta .07: m* = 1
+    (Vf.LanternPPRule(HAND, 3, 2.0, drafts="deterministic"), 0.19),  # q' = 1: min(1, q~)
+    (Vf.LanternRule(HAND, 3, 0.1, drafts="deterministic"), 0.19),
 ])
 def test_acceptance_probability_is_min_one_relaxed_over_draft(rule, alpha):
     rate, n = acceptance_rate(rule)
@@ -154,7 +154,7 @@ def test_acceptance_probability_is_min_one_relaxed_over_draft(rule, alpha):
 def test_non_image_tokens_are_never_relaxed():
     r = jnp.asarray(R_ROOT)[None]
     for x in (0, 1):  # rows of -1
-        assert float(Vf.LanternPP(HAND, 3, 50.0).target_mass(r, jnp.array([x]))[0]) == pytest.approx(R_ROOT[x])
+        assert float(Vf.LanternPPRule(HAND, 3, 50.0).target_mass(r, jnp.array([x]))[0]) == pytest.approx(R_ROOT[x])
 
 
 # ------------------------------------------------------------------------------- rules against numpy references
@@ -267,7 +267,7 @@ def test_relaxed_mass_bounds_and_m_star_match_the_spec(batched):
         k = int(rng.integers(0, K_MAX + 1))
         lam = float(rng.choice([1.0, 1.5, 2.0, 3.0, 10.0])) if trial % 2 else float(rng.uniform(1, 20))
         delta = float(rng.choice([0.0, 1 / 64, 1 / 16, 0.25]))
-        m, qt = map(np.asarray, relax(Vf.LanternPP(table, k, lam), jnp.asarray(r), jnp.asarray(x)))
+        m, qt = map(np.asarray, relax(Vf.LanternPPRule(table, k, lam), jnp.asarray(r), jnp.asarray(x)))
         rx = r[np.arange(16), x]
         assert np.all(qt >= rx) and np.all(qt <= lam * rx * (1 + 1e-6) + 1e-12)
         for b in range(16):
@@ -276,7 +276,7 @@ def test_relaxed_mass_bounds_and_m_star_match_the_spec(batched):
                 assert m[b] == m_ref and qt[b] == np.float32(qt_ref)
             else:
                 assert abs(qt[b] - qt_ref) < 1e-6
-        m, qt = map(np.asarray, relax(Vf.Lantern(table, k, delta), jnp.asarray(r), jnp.asarray(x)))
+        m, qt = map(np.asarray, relax(Vf.LanternRule(table, k, delta), jnp.asarray(r), jnp.asarray(x)))
         assert np.all(qt >= rx) and np.all(qt - rx <= delta + 1e-7)
         if trial % 2:
             for b in range(16):
@@ -296,7 +296,7 @@ def test_residual_modes_equal_numpy_references(batched, mode, drafts):
         x = np.where(np.arange(12) < 10, rng.choice(IMG_R, 12), rng.integers(0, 8, 12))  # 2 non-image rows
         k = int(rng.integers(1, K_MAX))  # code modes zero k + 1 <= kmax neighbours
         lam = float(rng.choice([1.5, 2.0, 3.0, 8.0]))
-        new_r, new_q = map(np.asarray, reject(make_rule(Vf.LanternPP, table, k, lam, mode, drafts),
+        new_r, new_q = map(np.asarray, reject(make_rule(Vf.LanternPPRule, table, k, lam, mode, drafts),
                                               jnp.asarray(r), jnp.asarray(q), jnp.asarray(x)))
         for b in range(12):
             ref_r, ref_q = np_reject(mode, drafts, r[b], q[b], ids, x[b], k, (lam - 1) * r[b, x[b]])
@@ -316,7 +316,7 @@ def test_principled_residual_is_the_residual_of_the_relaxed_target(batched):
     q = rng.dirichlet(np.full(V_R, 0.5), 64).astype(np.float32)
     q[np.arange(64), x] += 3.0  # the draft is sure of x: q~(x) < q'(x)
     q /= q.sum(1, keepdims=True)
-    new_r = np.asarray(reject(Vf.LanternPP(table, 4, 3.0), jnp.asarray(r), jnp.asarray(q), jnp.asarray(x))[0])
+    new_r = np.asarray(reject(Vf.LanternPPRule(table, 4, 3.0), jnp.asarray(r), jnp.asarray(q), jnp.asarray(x))[0])
     for b in range(64):
         nb, m, qt = np_relax(r[b], ids, x[b], 4, 2.0 * r[b, x[b]])
         assert qt < q[b, x[b]]
@@ -339,7 +339,7 @@ def test_modes_agree_with_the_exact_rules_when_nothing_is_relaxed():
     r = jnp.asarray(rng.dirichlet(np.full(V_R, 0.5), 32).astype(np.float32))
     q = jnp.asarray(rng.dirichlet(np.full(V_R, 0.5), 32).astype(np.float32))
     x = jnp.asarray(rng.choice(IMG_R, 32))
-    rules = [Vf.LanternPP(table, 4, 1.0), Vf.Lantern(table, 4, 0.0), Vf.LanternPP(table, 0, 5.0)]
+    rules = [Vf.LanternPPRule(table, 4, 1.0), Vf.LanternRule(table, 4, 0.0), Vf.LanternPPRule(table, 0, 5.0)]
     for base in rules:
         for mode in Vf.RESIDUAL_MODES:
             for drafts, exact in (("sampled", Vf.Residual()), ("deterministic", Vf.Q1())):
@@ -362,19 +362,19 @@ def test_new_bounds_do_not_recompile(models):
 
     r = jnp.full((2, V_R), 1.0 / V_R)
     x = jnp.array([8, 9])
-    outs = [mass(Vf.LanternPP(table, k, lam), r, x) for lam, k in ((1.0, 2), (3.0, 4), (2.5, 6))]
+    outs = [mass(Vf.LanternPPRule(table, k, lam), r, x) for lam, k in ((1.0, 2), (3.0, 4), (2.5, 6))]
     assert len(traces) == 1
     assert float(outs[0][0]) < float(outs[1][0])
     tab2 = table.replace(ids=jnp.roll(table.ids, 1, axis=1))  # other ids, same codebook metadata: data too
-    mass(Vf.LanternPP(tab2, 3, 2.0), r, x)
+    mass(Vf.LanternPPRule(tab2, 3, 2.0), r, x)
     assert len(traces) == 1
     # jspec's strategy split keeps lambda, k, delta and the ids as dynamic leaves: one static key
     _, draft = models
     tab = tiny_table()
-    s1, _ = split(jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPP(tab, 2, 1.0)).parts())
-    s2, _ = split(jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPP(tab, 1, 3.0)).parts())
+    s1, _ = split(jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPPRule(tab, 2, 1.0)).parts())
+    s2, _ = split(jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPPRule(tab, 1, 3.0)).parts())
     assert s1 == s2 and hash(s1) == hash(s2)
-    s3, _ = split(jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPP(tab, 1, 3.0, residual="lumina_code")).parts())
+    s3, _ = split(jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPPRule(tab, 1, 3.0, residual="lumina_code")).parts())
     assert s3 != s1
 
 
@@ -395,10 +395,10 @@ def models():
 def test_lantern_pp_static_tree_exact_at_lambda_one_and_not_at_three(models):
     target, draft = models
     tab = tiny_table()
-    pval, _, out = exactness(target, jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPP(tab, 2, 1.0)),
+    pval, _, out = exactness(target, jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPPRule(tab, 2, 1.0)),
                              jax.random.key(2))
     assert pval > 1e-3
-    pval3, tv3, out3 = exactness(target, jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPP(tab, 2, 3.0)),
+    pval3, tv3, out3 = exactness(target, jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPPRule(tab, 2, 3.0)),
                                  jax.random.key(2))
     assert pval3 < 1e-8 and tv3 > 0.025  # the negative control: a large relaxation is measurably lossy
     assert out3.stats["acceptance_rate"].mean() > out.stats["acceptance_rate"].mean()
@@ -408,7 +408,7 @@ def test_lantern_pp_dynamic_tree_exact_at_lambda_one_and_not_at_three(models):
     target, draft = models
     tab = tiny_table()
     make = lambda lam: jspec.DynamicTree(draft, depth=2, top_k=2, total=4,  # noqa: E731
-                                         rule=Vf.LanternPP(tab, 2, lam, drafts="deterministic"))
+                                         rule=Vf.LanternPPRule(tab, 2, lam, drafts="deterministic"))
     pval, _, out = exactness(target, make(1.0), jax.random.key(3))
     assert pval > 1e-3
     pval3, tv3, out3 = exactness(target, make(3.0), jax.random.key(3))
@@ -422,11 +422,11 @@ def test_lantern_delta_zero_is_exact(models, mode):
     """LANTERN at delta = 0, every residual mode, static (sampled) and dynamic (deterministic) trees."""
     target, draft = models
     tab = tiny_table()
-    pval, _, _ = exactness(target, jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.Lantern(tab, 2, 0.0, residual=mode)),
+    pval, _, _ = exactness(target, jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternRule(tab, 2, 0.0, residual=mode)),
                            jax.random.key(4))
     assert pval > 1e-3
     dyn = jspec.DynamicTree(draft, depth=2, top_k=2, total=4,
-                            rule=Vf.Lantern(tab, 2, 0.0, residual=mode, drafts="deterministic"))
+                            rule=Vf.LanternRule(tab, 2, 0.0, residual=mode, drafts="deterministic"))
     pval, _, _ = exactness(target, dyn, jax.random.key(5))
     assert pval > 1e-3
 
@@ -436,7 +436,7 @@ def test_greedy_equals_ar(models):
     tab = tiny_table()
     prompts = np.random.default_rng(9).integers(0, TV, (3, 4))
     ar = jspec.decode(target, prompts, max_new_tokens=10, eos_token_id=())
-    sd = jspec.decode(target, prompts, jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPP(tab, 3, 3.0)),
+    sd = jspec.decode(target, prompts, jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPPRule(tab, 3, 3.0)),
                       max_new_tokens=10, eos_token_id=())
     np.testing.assert_array_equal(sd.tokens, ar.tokens)
 
@@ -445,13 +445,13 @@ def test_clear_errors(models):
     target, draft = models
     tab = tiny_table()
     tree = lambda rule: jspec.Tree(draft, tree=SMALL_TREE, rule=rule)  # noqa: E731
-    cases = [(Vf.LanternPP(tab, 2, 0.5), "lam must be >= 1"), (Vf.Lantern(tab, 2, -0.1), "delta must be >= 0"),
-             (Vf.LanternPP(tab, 4, 2.0), "k=4 neighbours but the table holds 3"),
-             (Vf.LanternPP(tab, -1, 2.0), "non-negative integer"), (Vf.LanternPP(tab, 1.5, 2.0), "non-negative"),
-             (Vf.LanternPP(tab, 2, 2.0, residual="lumina"), "unknown residual mode"),
-             (Vf.LanternPP(tab, 2, 2.0, drafts="greedy"), "unknown drafts"),
-             (Vf.LanternPP(tab, 3, 2.0, residual="llamagen_code"), "k \\+ 1 = 4"),
-             (Vf.LanternPP(np.zeros((6, 3)), 2, 2.0), "NeighbourTable")]
+    cases = [(Vf.LanternPPRule(tab, 2, 0.5), "lam must be >= 1"), (Vf.LanternRule(tab, 2, -0.1), "delta must be >= 0"),
+             (Vf.LanternPPRule(tab, 4, 2.0), "k=4 neighbours but the table holds 3"),
+             (Vf.LanternPPRule(tab, -1, 2.0), "non-negative integer"), (Vf.LanternPPRule(tab, 1.5, 2.0), "non-negative"),
+             (Vf.LanternPPRule(tab, 2, 2.0, residual="lumina"), "unknown residual mode"),
+             (Vf.LanternPPRule(tab, 2, 2.0, drafts="greedy"), "unknown drafts"),
+             (Vf.LanternPPRule(tab, 3, 2.0, residual="llamagen_code"), "k \\+ 1 = 4"),
+             (Vf.LanternPPRule(np.zeros((6, 3)), 2, 2.0), "NeighbourTable")]
     for rule, msg in cases:
         with pytest.raises(ValueError, match=msg):
             rule.check()
@@ -459,17 +459,17 @@ def test_clear_errors(models):
             jspec.decode(target, [[1, 2]], tree(rule), max_new_tokens=2, temperature=1.0, key=jax.random.key(0))
     with pytest.raises(ValueError, match="DynamicTree supports"):  # sampled drafts cannot verify a dynamic tree
         jspec.decode(target, [[1, 2]], jspec.DynamicTree(draft, depth=2, top_k=2, total=4,
-                                                         rule=Vf.LanternPP(tab, 2, 2.0)), max_new_tokens=2)
+                                                         rule=Vf.LanternPPRule(tab, 2, 2.0)), max_new_tokens=2)
     wide = NeighbourTable.from_codebook(np.random.default_rng(0).normal(size=(4, 3)), 2, np.arange(2, 6), TV + 1)
     with pytest.raises(ValueError, match="vocabulary of 7"):
-        Vf.LanternPP(wide, 2, 2.0).check(vocab_size=TV)
+        Vf.LanternPPRule(wide, 2, 2.0).check(vocab_size=TV)
     with pytest.raises(ValueError, match="vocabulary of 7"):  # caught when the rule meets the target's logits
-        jspec.decode(target, [[1, 2]], tree(Vf.LanternPP(wide, 2, 2.0)), max_new_tokens=2, temperature=1.0,
+        jspec.decode(target, [[1, 2]], tree(Vf.LanternPPRule(wide, 2, 2.0)), max_new_tokens=2, temperature=1.0,
                      key=jax.random.key(0))
     with pytest.raises(ValueError, match="another codebook"):
-        Vf.LanternPP(tab, 2, 2.0).check(vocab_size=TV, codebook=np.ones((4, 3)))
-    assert Vf.as_rule(Vf.LanternPP(tab, 2, 2.0)).draws and not Vf.LanternPP(tab, 2, 2.0, drafts="deterministic").draws
-    assert not Vf.LanternPP(tab, 2, 2.0).exact
+        Vf.LanternPPRule(tab, 2, 2.0).check(vocab_size=TV, codebook=np.ones((4, 3)))
+    assert Vf.as_rule(Vf.LanternPPRule(tab, 2, 2.0)).draws and not Vf.LanternPPRule(tab, 2, 2.0, drafts="deterministic").draws
+    assert not Vf.LanternPPRule(tab, 2, 2.0).exact
 
 
 # ------------------------------------------------------------------------------ CFG + the image grammar (exact)
@@ -511,9 +511,9 @@ def test_exact_under_cfg_and_image_grammar(chameleon_pair, tree):
         full[index] = p
         return chi2_pvalue(counts, full), 0.5 * np.abs(counts / rows - full).sum(), out
 
-    static = lambda lam: jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPP(table, 3, lam))  # noqa: E731
+    static = lambda lam: jspec.Tree(draft, tree=SMALL_TREE, rule=Vf.LanternPPRule(table, 3, lam))  # noqa: E731
     dynamic = lambda lam: jspec.DynamicTree(draft, depth=2, top_k=2, total=4,  # noqa: E731
-                                            rule=Vf.LanternPP(table, 3, lam, drafts="deterministic"))
+                                            rule=Vf.LanternPPRule(table, 3, lam, drafts="deterministic"))
     for make in {"static": (static,), "dynamic": (dynamic,)}[tree]:
         pval, _, out = measure(make(1.0), jax.random.key(11))
         assert pval > 1e-3

@@ -2,8 +2,8 @@
 
 A strategy here is the engine's parts: a drafter (an EAGLE-1 feature head, `jspec.drafters.eagle`, or a separate
 draft model), a tree plan (the static EAGLE-1 trees with drafts sampled without replacement, or EAGLE-2's dynamic
-tree with deterministic drafts) and a relaxed acceptance rule (`jspec.verify.LanternPP`: the neighbours' target
-mass may raise a draft's up to lambda times its own; `jspec.verify.Lantern`: by at most delta). The neighbour
+tree with deterministic drafts) and a relaxed acceptance rule (`jspec.verify.LanternPPRule`: the neighbours' target
+mass may raise a draft's up to lambda times its own; `jspec.verify.LanternRule`: by at most delta). The neighbour
 table (`jspec.neighbours.NeighbourTable`, from the VQ codebook) and lambda, delta and k are data: new values do not
 recompile. lambda = 1 or delta = 0 (or k = 0) is exact speculative sampling; greedy decoding is never relaxed.
 """
@@ -18,7 +18,7 @@ from jspec.methods import preset
 from jspec.neighbours import NeighbourTable
 from jspec.plans import DynamicPlan, StaticPlan
 from jspec.strategy import Speculative, Strategy
-from jspec.verify import RESIDUAL_MODES, Lantern as LanternRule, LanternPP as LanternPPRule
+from jspec.verify import RESIDUAL_MODES, LanternPPRule, LanternRule
 
 # EAGLE-2's dynamic tree as LANTERN++'s baseline runs it (spec 2.6): top_k 10, 5 levels, 58 drafts kept
 DYNAMIC = dict(depth=5, top_k=10, total=58)
