@@ -3,6 +3,7 @@
     jspec bench spec-bench                                         # every category, 2 questions each, greedy
     jspec bench spec-bench --categories summarization rag --questions 10 --runs 3
     jspec bench spec-bench --temperature 1 --strategies ar pld
+    jspec bench spec-bench --strategies ar pld-4 pld-4-bf16    # a "-bf16" method runs bfloat16 weights
 
 The questions are Spec-Bench's 480 (`jspec/benchdata/spec_bench`, Apache-2.0), asked through the model's chat
 template; a second turn (MT-bench's categories) is asked after jspec AR's first answer, the same prompt for every
@@ -14,7 +15,8 @@ It writes Spec-Bench's answer JSONL per method (`question_id`, `category`, `choi
 wall_time / accept_lengths`: Spec-Bench's `evaluation/speed.py` reads it), and a summary (JSON, markdown and a
 plot): per category and overall, mean accepted tokens per target step (the bonus included), tokens/s, the step's
 cost in AR steps (decode loop time per target step, prefill excluded), the wall speedup over jspec AR (the median over runs of the ratio of the category's total times),
-and whether every greedy answer equals jspec AR's.
+and whether every greedy answer equals jspec AR's (with the same weights: a "-bf16" method against "ar-bf16", which
+then runs too; its speedup is still over float32 "ar").
 """
 from __future__ import annotations
 
@@ -35,10 +37,23 @@ def strategies() -> dict:
     """The jspec methods this bench knows that need no trained drafter, by name."""
     import jspec
 
-    return {"ar": jspec.AR(),
+    base = {"ar": jspec.AR(),
             "pld": jspec.PromptLookup(max_ngram=3, gamma=10),  # Spec-Bench's PLD: window 3, 10 candidates
             "pld-4": jspec.PromptLookup(max_ngram=3, gamma=4),  # shorter copies: cheaper verifies on a CPU
             "pld-tree": jspec.PromptLookup(max_ngram=3, gamma=4, branches=3)}
+    return {**base, **{f"{name}{BF16}": s for name, s in base.items()}}
+
+
+BF16 = "-bf16"  # a method name with this suffix runs the model with bfloat16 weights
+
+
+def dtype_of(method: str) -> str:
+    return "bfloat16" if method.endswith(BF16) else "float32"
+
+
+def reference_of(method: str) -> str:
+    """The AR run whose greedy tokens `method`'s must equal: AR with the same weights."""
+    return "ar" + BF16 if method.endswith(BF16) else "ar"
 
 
 HF_METHODS = {"hf": {}, "hf-pld": {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 3}}
@@ -71,18 +86,20 @@ class Runner:
     """Decodes one prompt with one method; returns (tokens, accept lengths per step or None, wall seconds, the
     decode loop's seconds without the prefill or None)."""
 
-    def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, pad_to: int, hf=None):
+    def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, pad_to: int, hf=None,
+                 models: dict | None = None):
         self.model, self.tok, self.N, self.T, self.pad_to, self.hf = model, tokenizer, max_new_tokens, temperature, \
             pad_to, hf
+        self.models = models or {"float32": model}  # by weight dtype
         self.eos = tuple(np.atleast_1d(tokenizer.eos_token_id).tolist())
 
-    def jspec(self, strategy, ids: np.ndarray, seed: int):
+    def jspec(self, strategy, ids: np.ndarray, seed: int, dtype: str = "float32"):
         import jax
 
         import jspec
 
         t = time.perf_counter()
-        out = jspec.decode(self.model, ids, strategy, max_new_tokens=self.N, temperature=self.T,
+        out = jspec.decode(self.models[dtype], ids, strategy, max_new_tokens=self.N, temperature=self.T,
                            key=jax.random.key(seed), eos_token_id=self.eos, pad_prompt_to=self.pad_to)
         wall = time.perf_counter() - t
         n = int(out.lengths[0])
@@ -113,7 +130,7 @@ def _warm(runner: Runner, methods: dict, widths: list[int], progress) -> None:
         ids = (np.arange(w) % 500 + 100).astype(np.int32)
         for name, s in methods.items():
             progress(f"compile {name} width {w}")
-            runner.jspec(s, ids, 0)
+            runner.jspec(s, ids, 0, dtype_of(name))
 
 
 def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questions: int | None = 2,
@@ -135,19 +152,24 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
         raise ValueError(f"unknown methods {bad}; jspec: {', '.join(known)}; transformers: {', '.join(HF_METHODS)}")
     if "ar" not in strategies_:
         strategies_ = ("ar",) + tuple(strategies_)
+    if any(m.endswith(BF16) for m in strategies_) and "ar" + BF16 not in strategies_:
+        strategies_ = ("ar" + BF16,) + tuple(strategies_)
     if runs < 1 or max_new_tokens < 1:
         raise ValueError(f"runs and max_new_tokens must be >= 1, got {runs}, {max_new_tokens}")
     qs = load_questions(categories, questions)
     say = (lambda m: tqdm.write(m)) if progress else (lambda m: None)
     compilation.enable_cache()
     model, tok = models.load(model_name)
+    by_dtype = {"float32": model}
+    if any(m.endswith(BF16) for m in strategies_):
+        by_dtype["bfloat16"] = models.load(model_name, dtype="bfloat16")[0]
     hf = None
     if hf_methods:
         import torch
 
         torch.set_num_threads(os.cpu_count() or 1)
         hf = BENCH._hf_from(model, model_name)
-    runner = Runner(model, tok, max_new_tokens, temperature, pad_to, hf)
+    runner = Runner(model, tok, max_new_tokens, temperature, pad_to, hf, by_dtype)
     methods = {s: known[s] for s in strategies_}
 
     # first turns (and, from jspec AR's answers, second turns): the prompts every method answers
@@ -173,7 +195,7 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
         for i, t, ids in turns:
             for m in names:
                 seed = 1000 * i + t
-                out = runner.jspec(methods[m], ids, seed) if m in methods else \
+                out = runner.jspec(methods[m], ids, seed, dtype_of(m)) if m in methods else \
                     runner.transformers(HF_METHODS[m], ids, seed)
                 res[m].setdefault((i, t), []).append(out)
                 bar.update()
@@ -250,8 +272,9 @@ def summarize(qs, turns, res, methods, hf_methods, temperature) -> dict:
                 loop = [sum(out[k][r][3] for k in keys) for r in range(n_runs)]
                 steps = sum(len(out[k][0][1]) - 1 for k in keys)
                 row["step_cost_ar_steps"] = round((np.median(loop) / steps) / (np.median(ar_loop) / ar_steps), 3)
-            if temperature == 0:
-                row["equal_to_ar"] = f"{sum(np.array_equal(out[k][0][0], ar[k][0][0]) for k in keys)}/{len(keys)}"
+            if temperature == 0:  # against AR with the same weights (bf16 methods: bf16 AR)
+                ref = res[reference_of(m)] if m in methods else ar
+                row["equal_to_ar"] = f"{sum(np.array_equal(out[k][0][0], ref[k][0][0]) for k in keys)}/{len(keys)}"
             rows.append(row)
     return {"rows": rows}
 
@@ -302,7 +325,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES, metavar="CATEGORY")
     ap.add_argument("--questions", type=int, default=2, help="questions per category (0: all)")
     ap.add_argument("--strategies", nargs="+", default=["ar", "pld", "pld-4", "pld-tree"],
-                    help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-tree (3 branches of 4)")
+                    help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-tree (3 branches of 4), each also "
+                         "with bfloat16 weights as NAME-bf16")
     ap.add_argument("--baselines", nargs="*", default=list(HF_METHODS), help="transformers baselines: hf (generate), "
                                                                               "hf-pld (its prompt lookup); none: omit")
     ap.add_argument("--max-new-tokens", type=int, default=256)

@@ -63,8 +63,8 @@ def unembed(cfg: TextConfig, params: dict, h: jax.Array) -> jax.Array:
     """Final norm + LM head (tied or not), logits in float32."""
     h = LY.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if cfg.tie_word_embeddings:  # contract with the stored [V, D] table: a transposed view made XLA:CPU copy it
-        return LY.einsum_f32("btd,vd->btv", h, params["embed"])
-    return LY.einsum_f32("btd,dv->btv", h, params["lm_head"])
+        return LY.weight_dot("btd,vd->btv", h, params["embed"], jnp.float32)
+    return LY.weight_dot("btd,dv->btv", h, params["lm_head"], jnp.float32)
 
 
 def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,

@@ -5,6 +5,7 @@
     python scripts/profile_real_model.py --loops      # decode loop ms per step: AR, prompt lookup trimmed / 11 wide
     python scripts/profile_real_model.py --ops        # the AR and prompt-lookup loops by XLA operation
     python scripts/profile_real_model.py --matmul     # XLA:CPU matmuls of 1-11 rows on 30 layers' gate/up weights
+    python scripts/profile_real_model.py --widths --loops --dtype bfloat16   # the same with bf16 weights
 
 Medians of repeated warm calls; this machine is shared, so compare numbers taken in one run.
 """
@@ -108,13 +109,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag in ("--widths", "--loops", "--ops", "--matmul"):
         ap.add_argument(flag, action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's weights")
     a = ap.parse_args(argv)
     if not (a.widths or a.loops or a.ops or a.matmul):
         a.widths = a.loops = a.ops = a.matmul = True
     if a.matmul:
         matmul()
     if a.widths or a.loops or a.ops:
-        model, _ = models.load(NAME)
+        model, _ = models.load(NAME, dtype=a.dtype)
         if a.widths:
             widths(model)
         if a.loops:

@@ -61,3 +61,15 @@ def test_answer_files_are_what_spec_bench_reads(tmp_path):
     # evaluation/speed.py: sum(new_tokens) / sum(wall_time) per answer, accept_lengths extended over answers
     assert sum(c["new_tokens"]) / sum(c["wall_time"]) == pytest.approx(12 / (1.0 + 0.5))
     assert c["accept_lengths"] == res["pld"][0, 0][0][1] + res["pld"][0, 1][0][1]
+
+
+def test_bf16_methods_are_checked_against_bf16_ar_and_timed_against_f32_ar():
+    qs, turns, res = _results()
+    res = {**res, "ar-bf16": res["pld"], "pld-bf16": res["pld"]}  # bf16 AR's tokens are the bf16 methods' own
+    methods = {m: None for m in ("ar", "pld", "ar-bf16", "pld-bf16")}
+    rows = {(r["group"], r["method"]): r for r in SB.summarize(qs, turns, res, methods, (), 0.0)["rows"]}
+    assert rows["rag", "pld"]["equal_to_ar"] == "0/1"  # f32 prompt lookup against f32 AR
+    assert rows["rag", "pld-bf16"]["equal_to_ar"] == "1/1"  # bf16 prompt lookup against bf16 AR
+    assert rows["overall", "pld-bf16"]["speedup_vs_ar"] == pytest.approx(2.0)  # timed against float32 AR
+    assert SB.dtype_of("pld-4-bf16") == "bfloat16" and SB.dtype_of("pld-4") == "float32"
+    assert set(SB.strategies()) >= {"ar-bf16", "pld-bf16", "pld-4-bf16", "pld-tree-bf16"}
