@@ -76,7 +76,7 @@ class Needs(NamedTuple):
 
     asks: Asks  # what the controller reads from each step (`Record` fields, per-node top-k)
     draws: bool  # the rule draws children from the draft distribution when sampling (drafts record it)
-    hidden: bool  # the verify forward returns the target's last hidden states (the controller or the drafter reads them)
+    hidden: bool  # the verify forward returns the target's last hidden states (read by the controller or drafter)
     prefill_hidden: bool  # the target's prefill keeps its last hidden states (the controller starts from them)
     stops: bool  # the controller may end a row's draft after any level (`Controller.stop`)
     depth: int  # the plan's deepest level
@@ -125,7 +125,8 @@ class Speculative(Strategy):
                              f"{type(self.plan).__name__} cannot stop there (use a chain or a static tree)")
         if self.needs.asks.node_topk and not self.plan.node_outputs:
             raise ValueError(f"the controller {type(self.controller).__name__} reads every drafted node's "
-                             f"distribution; the plan {type(self.plan).__name__} does not keep them (use a static tree)")
+                             f"distribution; the plan {type(self.plan).__name__} does not keep them (use a static "
+                             "tree)")
         if self.controller is not None:
             self.controller.check(target, self.drafter)
 

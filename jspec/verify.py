@@ -201,7 +201,8 @@ class _Relaxed(Rule):
 
     def bound(self, rx: jax.Array) -> jax.Array:
         """[B] the bound on S_m given r(x) [B] (each relaxed rule defines its own)."""
-        raise NotImplementedError(f"{type(self).__name__} defines no bound (LanternPPRule: (lam - 1) r(x); LanternRule: delta)")
+        raise NotImplementedError(f"{type(self).__name__} defines no bound (LanternPPRule: (lam - 1) r(x); "
+                                  "LanternRule: delta)")
 
     def relax(self, resid: jax.Array, x: jax.Array):
         """(nb [B, kmax] neighbour ids, in_a [B, kmax] the neighbours in A, m* [B], q~(x) [B]) of candidates x."""
