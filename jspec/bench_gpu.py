@@ -702,7 +702,8 @@ def load_pair(name: str, rec: Recorder) -> Pair:
         qs = SB.load_questions(("summarization", "rag", "translation"), 1)
         ps = [SB.chat_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in qs]
         eos = tuple(np.atleast_1d(tok.eos_token_id).tolist())
-        strats = [("AR" if k == "ar" else k, s) for k, s in SB.strategies().items()]
+        strats = [("AR" if k == "ar" else k, s) for k, s in SB.strategies().items()
+                  if SB.dtype_of(k) == "float32"]  # the model is loaded in `dtype` already
         rec.note("SmolLM2's strategies as `jspec bench spec-bench` names them: pld = PromptLookup(max_ngram=3, "
                  "gamma=10) (Spec-Bench's PLD), pld-4 gamma 4, pld-tree gamma 4 with 3 branches")
         return Pair(name, t, ps, strats, rows(t, ps, eos, 128),
