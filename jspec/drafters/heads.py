@@ -62,15 +62,11 @@ def write_meta(path: str, meta: dict) -> None:
 
 def read_meta(path: str, fmt: str | None = None, what: str = "head") -> dict:
     """The JSON object at `path`; ValueError when it is missing, not JSON, or (given `fmt`) of another format."""
+    from ports.hf_checkpoint import read_json
+
     if not os.path.exists(path):
         raise ValueError(f"{os.path.dirname(path) or '.'} holds no {what} ({os.path.basename(path)} is missing)")
-    with open(path) as f:
-        try:
-            meta = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path}: holds a JSON {type(meta).__name__}, not an object")
+    meta = read_json(path)
     if fmt is not None and meta.get("format") != fmt:
         raise ValueError(f"{path} is not an {what} ({meta.get('format')!r}, expected {fmt!r})")
     return meta
