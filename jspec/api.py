@@ -333,9 +333,8 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
         state, phases = PF.host_timed(r)
     else:
         state = r.run(state)
-    out, n_out, steps, accepted, drafted, decided = SH.host_get(
-        (state.out, state.n_out, state.step, state.accepted, state.drafted,
-         state.aux.decided if r.parts is not None else {}))
+    out, n_out, steps, accepted, drafted, (decided, prefilled) = SH.host_get(
+        (state.out, state.n_out, state.step, state.accepted, state.drafted, aux_stats(state, r.parts)))
     t2 = time.perf_counter()
     phases.update({k: v * int(steps) for k, v in per_step.items()})
     decided = {k: v[:, :int(steps)] for k, v in decided.items()}
@@ -345,8 +344,16 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
                  "(%.1f tokens/s)", type(strategy or AR()).__name__, len(n_out), new, int(steps), r.prefill_s,
                  t2 - t1, new / max(t2 - t1, 1e-9))
     return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, r.pad,
-                   {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **(r.prep_stats or {}), **decided, **phases},
+                   {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **(r.prep_stats or {}), **prefilled,
+                    **decided, **phases},
                    depth=0 if r.parts is None else r.parts.plan.max_depth)
+
+
+def aux_stats(state, parts) -> tuple[dict, dict]:
+    """(per-step decisions [B, max_steps, ...], the prefill hook's per-row facts) of a decode state, as arrays."""
+    if parts is None:
+        return {}, {}
+    return state.aux.decided, state.aux.prefilled
 
 
 def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings, depth: int = 0) -> DecodeOutput:

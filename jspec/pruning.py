@@ -44,7 +44,8 @@ def _stride_pick(eligible: jax.Array, count: jax.Array) -> jax.Array:
     return eligible & hit[jnp.clip(rank, 0, V - 1)]
 
 
-def _specvlm_row(a, n, k, top_p):
+def _stage_one_row(a, n, k, top_p):
+    """(c, the score order): stage I's count for one row."""
     V = a.shape[0]
     live = jnp.arange(V) < n
     a = jnp.where(live, a, -jnp.inf)
@@ -52,7 +53,13 @@ def _specvlm_row(a, n, k, top_p):
     sorted_a = jnp.where(jnp.isfinite(a[order]), a[order], 0.0)
     cs = jnp.cumsum(sorted_a)
     c = jnp.minimum(jnp.searchsorted(cs, top_p * cs[-1], side="left") + 1, k)
-    c = jnp.minimum(c, n)
+    return jnp.minimum(c, n), order
+
+
+def _specvlm_row(a, n, k, top_p):
+    V = a.shape[0]
+    live = jnp.arange(V) < n
+    c, order = _stage_one_row(a, n, k, top_p)
     rank_of = jnp.zeros((V,), jnp.int32).at[order].set(jnp.arange(V, dtype=jnp.int32))
     in_r = live & (rank_of < c)
     return in_r | _stride_pick(live & ~in_r, k - c)
@@ -110,6 +117,17 @@ def select(scores: jax.Array, n: jax.Array, ratio: float, method: str = "specvlm
     return jax.vmap(lambda n, k: _window_row(n, k, method, V))(n, k)
 
 
+def stage_one(scores: jax.Array, n: jax.Array, ratio: float, top_p: float = 0.4) -> jax.Array:
+    """[B] int32: the tokens SpecVLM's stage I keeps per row (the top-scored holding `top_p` of the mass, at least
+    one, at most K_b); stage II keeps the other K_b - c. Every K_b: stage I filled the budget."""
+    scores = jnp.asarray(scores, jnp.float32)
+    B = scores.shape[0]
+    n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
+    k = jnp.minimum(budget(n, ratio), n)
+    c = jax.vmap(_stage_one_row, in_axes=(0, 0, 0, None))(scores, n, k, jnp.asarray(top_p, jnp.float32))[0]
+    return c.astype(jnp.int32)
+
+
 def keep_indices(mask: jax.Array, size: int) -> jax.Array:
     """[B, V] keep mask -> [B, size] kept indices in ascending order, -1 past each row's count."""
     V = mask.shape[1]
@@ -127,4 +145,4 @@ def specvlm_keep(a, ratio: float, top_p: float = 0.4) -> np.ndarray:
     return np.flatnonzero(m)
 
 
-__all__ = ["SELECTORS", "budget", "check_ratio", "keep_indices", "select", "specvlm_keep"]
+__all__ = ["SELECTORS", "budget", "check_ratio", "keep_indices", "select", "specvlm_keep", "stage_one"]

@@ -32,6 +32,7 @@ class SDAux:
     draft: Any  # the drafter's state
     ctrl: Any  # the controller's state (None without a controller)
     decided: dict  # per-step decisions kept for the stats: name -> [B, max_steps, ...]
+    prefilled: dict  # the prefill hook's per-row facts kept for the stats (`PrefillHook.info`): name -> [B, ...]
 
 
 class Verified(NamedTuple):
@@ -43,8 +44,9 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
              max_len: int) -> loop.DecodeState:
     """After the target's prefill: the prefill hook picks the drafter's prompt from the prefill's by-products, the
     drafter prefills, the controller starts."""
-    d_len = max_len
+    d_len, prefilled = max_len, {}
     if parts.prefill is not None:
+        prefilled = dict(parts.prefill.info(prefill))
         prompt = parts.prefill.draft_prompt(prefill, prompt)
         d_len = parts.prefill.draft_len(max_len)  # a hook that shortens the draft's prompt shortens its cache
     needs = parts.needs
@@ -59,7 +61,7 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
         steps = state.accepted.shape[1]
         made = {"depth": shapes.depth, "weights": shapes.weights, **(shapes.info or {})}
         decided = {name: jnp.zeros((B, steps) + s.shape[1:], s.dtype) for name, s in made.items() if s is not None}
-    return state.replace(aux=SDAux(ds, ctrl, decided))
+    return state.replace(aux=SDAux(ds, ctrl, decided, prefilled))
 
 
 def sd_draft(ctx, parts, target, carry):

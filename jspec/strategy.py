@@ -9,7 +9,8 @@ Prefill hook protocol: `asks(tokens, lengths, inputs) -> dict` of forward option
 (e.g. `attn_query_weights`, `hidden_layers`), then `draft_prompt(prefill: TargetPrefill, prompt) -> prompt`
 picks the drafter's prompt from what the prefill returned, inside the same program (SpecVLM's pruning).
 Optional: `prepare(setup, prepared) -> hook` on the host before any compute (checks of the prompts, static
-widths), and `draft_len(max_len) -> int`, the drafter's cache length when the hook shortens its prompt.
+widths), `draft_len(max_len) -> int`, the drafter's cache length when the hook shortens its prompt, and
+`info(prefill) -> dict` of per-row facts [B, ...] that `out.stats` reports (in program).
 
 Inside the jitted programs a strategy travels as `split(parts)`: its array and number leaves are arguments (new
 values do not recompile), everything else (shapes, layouts, flags, plain objects) is the static key.
@@ -68,6 +69,10 @@ class PrefillHook:
 
     def draft_len(self, max_len: int) -> int:
         return max_len
+
+    def info(self, prefill) -> dict:
+        """Per-row facts of what the hook did, name -> [B, ...] arrays, put into `out.stats` (in program)."""
+        return {}
 
 
 class Needs(NamedTuple):

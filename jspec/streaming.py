@@ -63,13 +63,13 @@ class Stream:
             piece = [np.asarray(out[b, sent[b]:n_out[b]], np.int32) for b in range(len(sent))]
             sent = np.asarray(n_out).copy()
             yield piece
-        accepted, drafted, decided = SH.host_get(
-            (state.accepted, state.drafted, state.aux.decided if r.parts is not None else {}))
+        accepted, drafted, (decided, prefilled) = SH.host_get(
+            (state.accepted, state.drafted, api.aux_stats(state, r.parts)))
         steps = int(step)
         decided = {k: v[:, :steps] for k, v in decided.items()}
         self.output = api._finish(out, n_out, steps, accepted, drafted, self._max_new, r.pad,
                                   {"prefill_s": r.prefill_s, "decode_s": time.perf_counter() - t0,
-                                   "chunks": self.chunks, **(r.prep_stats or {}), **decided},
+                                   "chunks": self.chunks, **(r.prep_stats or {}), **prefilled, **decided},
                                   depth=0 if r.parts is None else r.parts.plan.max_depth)
 
 

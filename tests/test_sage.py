@@ -156,6 +156,15 @@ def test_history_rule_moves_d_max_by_one_on_full_windows_with_hysteresis():
         s = ctrl.observe(s, record([5, 2, 0], active=[True, True, False]))
     assert s.d_max.tolist() == [8, 8, 8]  # up one per round from the 6th (mean > 3), capped at d_cap
     assert s.first.tolist() == [False, False, True]
+    low = EntropyTree(TreeSpec(init_tree=INIT), d_start=4)  # started below its cap, the rule can climb
+    s = low.init(2, 8)
+    assert s.d_max.tolist() == [4, 4]
+    seen = []
+    for _ in range(16):
+        s = low.observe(s, record([5, 2]))
+        seen.append(s.d_max.tolist())
+    assert seen[8] == [4, 4] and seen[9] == [5, 4] and seen[12] == [8, 4] and seen[15] == [8, 4]
+    assert jspec.SAGE(None, d_start=4).controller().init(1, 8).d_max.tolist() == [4]
     off = EntropyTree(TreeSpec(init_tree=INIT), history=False)
     s = off.init(1, 8)
     for _ in range(15):
@@ -183,10 +192,8 @@ def test_alpha_and_the_proxy_come_from_the_rounds_root_distribution():
 def test_greedy_sage_equals_ar_at_every_alpha(pair, alpha):
     target, draft = pair
     ar = jspec.decode(target, PROMPTS, max_new_tokens=24, eos_token_id=())
-    parts = jspec.SAGE(draft, d_max=6, n_max=40, window=3).parts()
-    if alpha is not None:
-        parts = parts.replace(controller=parts.controller.replace(force_alpha=alpha))
-    out = jspec.decode(target, PROMPTS, parts, max_new_tokens=24, eos_token_id=())
+    out = jspec.decode(target, PROMPTS, jspec.SAGE(draft, d_max=6, n_max=40, window=3, force_alpha=alpha),
+                       max_new_tokens=24, eos_token_id=())
     np.testing.assert_array_equal(out.tokens, ar.tokens)
     st = out.stats
     planned = st["depth"][:, 1:]
@@ -230,7 +237,8 @@ def test_mean_nodes_confidence_and_the_static_tree_switch(pair):
 @pytest.mark.parametrize("kw, match", [
     ({"d_min": 6, "d_max": 5}, "d_min <= d_max"), ({"k": 1}, "k >= 2"), ({"n_max": 10}, "initial tree"),
     ({"n_max": 300}, "<= 256"), ({"w_max": 12}, "w_max <= k"), ({"threshold": "max"}, "threshold"),
-    ({"confidence": "leaf"}, "confidence"), ({"d_max": 4}, "deeper than d_max")])
+    ({"confidence": "leaf"}, "confidence"), ({"d_max": 4}, "deeper than d_max"), ({"d_start": 2}, "d_start"),
+    ({"d_start": 9}, "d_start"), ({"force_alpha": 1.5}, "force_alpha")])
 def test_bad_settings_are_refused_before_any_compute(pair, kw, match):
     with pytest.raises(ValueError, match=match):
         jspec.SAGE(pair[1], **kw)

@@ -111,6 +111,37 @@ def test_in_program_compaction_equals_host_prune_prompt(jx_models, positions):
     np.testing.assert_allclose(np.asarray(ours), want, atol=5e-5, rtol=1e-5)
 
 
+def test_stage_one_count_and_the_family_top_p(jx_models):
+    """`top_p=None` takes the paper's lambda_r for the draft's family (0.5 on Qwen2.5-VL, 0.4 on LLaVA); the decode's
+    stats give each row's vision tokens, the kept ones and stage I's count, which equals the spec's count on the
+    target's own scores: the whole budget at top_p 1 (stage II idle), a few tokens at top_p 0.05 (stage II keeps
+    the rest); greedy output equals AR either way."""
+    from jspec.methods.specvlm import family_top_p
+
+    target, draft = jx_models["q25"], jx_models["q25_draft"]
+    assert (family_top_p("qwen2_5_vl"), family_top_p("qwen2_vl"), family_top_p("llava_onevision")) == (0.5, 0.5, 0.4)
+    batch = video_batch()
+    hook, (tokens, lengths, inputs), _ = prepared_hook(target, draft, batch, ratio=0.5)
+    assert hook.top_p == 0.5
+    a, n_vis = (np.asarray(x) for x in hook.scores(target_prefill(target, hook, tokens, lengths, inputs)))
+    ar = jspec.decode(target, batch, max_new_tokens=8)
+    counts = {}
+    for top_p in (1.0, 0.05):
+        out = jspec.decode(target, batch, SpecVLM(draft, ratio=0.5, top_p=top_p, tree=SMALL_TREE), max_new_tokens=8)
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+        K = np.floor(n_vis * 0.5 + 1e-3).astype(int)
+        np.testing.assert_array_equal(out.stats["vision_tokens"], n_vis)
+        np.testing.assert_array_equal(out.stats["kept_vision_tokens"], K)
+        for b in range(len(n_vis)):  # the spec's stage I: the top-scored holding top_p of the mass, capped at K
+            cs = np.cumsum(np.sort(a[b, :n_vis[b]])[::-1])
+            c = min(int(np.searchsorted(cs, top_p * cs[-1], side="left")) + 1, K[b])
+            assert out.stats["stage_one"][b] == c, (top_p, b)
+        counts[top_p] = np.asarray(out.stats["stage_one"])
+    assert (counts[1.0] == K).all() and (counts[0.05] < K).all()
+    assert "stage_one" not in jspec.decode(target, batch, SpecVLM(draft, ratio=0.5, select="uniform",
+                                                                  tree=SMALL_TREE), max_new_tokens=4).stats
+
+
 # ------------------------------------------------------------------------------------------ decoding
 
 

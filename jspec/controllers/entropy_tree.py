@@ -230,7 +230,8 @@ class EntropyTree(Controller):
     """SAGE's controller (module docstring): per row, a tree planned from the last round's draft confidence, and
     the history rule on d_max. `adaptive=False` drafts the initial tree every round (SD-Tree on the same
     program); `force_alpha` plans every round with that alpha (p~ still comes from the draft: an ablation and a test
-    hook); alpha0, force_alpha, low and high are data."""
+    hook); `d_start` is the history rule's first d_max (None: its cap); alpha0, force_alpha, low and high are
+    data."""
 
     spec: TreeSpec = struct.field(pytree_node=False)
     confidence_from: str = struct.field(pytree_node=False, default="root")
@@ -241,12 +242,18 @@ class EntropyTree(Controller):
     high: float = 3.0
     alpha0: float = 0.5
     force_alpha: float | None = None
+    d_start: int | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         if self.confidence_from not in ("root", "mean_nodes"):
             raise ValueError(f"SAGE confidence must be 'root' or 'mean_nodes', got {self.confidence_from!r}")
         if not self.window >= 1:
             raise ValueError(f"SAGE's history window must be >= 1, got {self.window}")
+        if self.d_start is not None and not self.spec.d_min <= self.d_start <= self.spec.d_cap:
+            raise ValueError(f"SAGE d_start={self.d_start} must lie in [d_min, d_max] = "
+                             f"[{self.spec.d_min}, {self.spec.d_cap}]")
+        if isinstance(self.force_alpha, (int, float)) and not 0.0 <= float(self.force_alpha) <= 1.0:
+            raise ValueError(f"SAGE force_alpha must be in [0, 1], got {self.force_alpha}")
 
     @property
     def asks(self) -> Asks:
@@ -264,7 +271,8 @@ class EntropyTree(Controller):
                              "deep (build both from one TreeSpec: jspec.SAGE does)")
         k = self.spec.k
         return SageState(jnp.full((batch,), self.alpha0, jnp.float32), jnp.full((batch, k), 1.0 / k, jnp.float32),
-                         jnp.full((batch,), self.spec.d_cap, jnp.int32), jnp.zeros((batch, self.window), jnp.float32),
+                         jnp.full((batch,), self.spec.d_cap if self.d_start is None else self.d_start, jnp.int32),
+                         jnp.zeros((batch, self.window), jnp.float32),
                          jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool))
 
     def plan(self, state: SageState, key) -> Decision:

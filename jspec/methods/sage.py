@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jspec.controllers.combined import Both
 from jspec.controllers.entropy_tree import EntropyTree, TreeSpec
 from jspec.drafters import Drafter, ModelDrafter
 from jspec.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
@@ -55,9 +56,12 @@ def as_drafter(draft):
 class SAGE(Strategy):
     """SAGE over any drafter.
 
-    draft: a draft model, an `EarlyExitHead`, or any drafter object (`jspec.drafters`). d_min, d_max, w_min, w_max,
-    k, n_max, theta0: the paper's Eq. 10-12 and threshold (d_max is the history rule's ceiling). history: the
-    sliding-window rule on d_max (`window`, `low`, `high`). confidence: "root" (the round's root distribution) or
+    draft: a draft model, an `EarlyExitHead`, any drafter object (`jspec.drafters`), or a speculative strategy
+    whose drafter drafts SAGE's trees and whose controller (e.g. TABED's adaptive weights) runs beside SAGE's
+    (`SAGE(TABED(...))`). d_min, d_max, w_min, w_max, k, n_max, theta0: the paper's Eq. 10-12 and threshold (d_max
+    is the history rule's ceiling). history: the sliding-window rule on d_max (`window`, `low`, `high`), starting
+    at `d_start` (None: d_max). force_alpha: plan every tree from this confidence instead of the draft's (an
+    ablation: p~ still comes from the draft). confidence: "root" (the round's root distribution) or
     "mean_nodes" (the mean over its drafted nodes). threshold: "cumulative" (a path's proxy probability) or "local"
     (each candidate's own). adaptive_tree=False drafts `init_tree` every round (SD-Tree on SAGE's program).
     rule: "q1" (default; greedy decoding uses the longest match under any rule) or "residual": both are exact,
@@ -87,6 +91,8 @@ class SAGE(Strategy):
     prefill: Any = None
     prune_ratio: float | None = None
     prune_modality: str = "video"
+    force_alpha: float | None = None
+    d_start: int | None = None
 
     def spec(self) -> TreeSpec:
         init = tuple(build_tree(self.init_tree if isinstance(self.init_tree, str) else
@@ -96,7 +102,7 @@ class SAGE(Strategy):
 
     def __post_init__(self):
         self.spec()  # bad settings fail here, before any compute
-        EntropyTree(self.spec(), self.confidence, window=self.window)
+        self.controller()
         if self.prune_ratio is not None and self.prefill is not None:
             raise ValueError("SAGE takes prune_ratio or a prefill hook, not both")
         self.hook()
@@ -111,12 +117,24 @@ class SAGE(Strategy):
 
     def controller(self) -> EntropyTree:
         return EntropyTree(self.spec(), self.confidence, self.adaptive_tree, self.history, self.window,
-                           float(self.low), float(self.high), float(self.alpha0))
+                           float(self.low), float(self.high), float(self.alpha0),
+                           None if self.force_alpha is None else float(self.force_alpha), self.d_start)
 
     def parts(self) -> Speculative:
         spec = self.spec()
         plan = StaticPlan.of(_plan_tree(spec), verify_nodes=spec.n_max + 1, level_buckets=True)
-        return Speculative(as_drafter(self.draft), plan, as_rule(self.rule), self.controller(), self.hook())
+        controller = self.controller()
+        if isinstance(self.draft, Strategy):
+            inner = self.draft.parts()
+            if inner is None:
+                raise ValueError("SAGE's draft cannot be autoregressive decoding (AR has no drafter)")
+            if inner.prefill is not None:
+                raise ValueError(f"SAGE over {type(self.draft).__name__}: its draft-prefill hook would be dropped; "
+                                 "pass the hook to SAGE (prefill=) and the drafter alone")
+            if inner.controller is not None:
+                controller = Both(controller, inner.controller)
+            return Speculative(inner.drafter, plan, as_rule(self.rule), controller, self.hook())
+        return Speculative(as_drafter(self.draft), plan, as_rule(self.rule), controller, self.hook())
 
 
 def _plan_tree(spec: TreeSpec):

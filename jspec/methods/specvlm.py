@@ -40,6 +40,15 @@ PRESETS = {
                                "--max-len 16832 --device-memory 80GB"},
 }
 TREE_NODES = 26  # the 25-node tree and its root, verified per step
+# lambda_r, stage I's share of the attention mass, by the draft's family (the paper's Tables 1-2: 0.4 on LLaVA-OV,
+# 0.5 on Qwen2.5-VL; its code passes 0.4 for both); `top_p=None` picks it
+TOP_P = {"qwen2_vl": 0.5, "qwen2_5_vl": 0.5}
+DEFAULT_TOP_P = 0.4
+
+
+def family_top_p(model_type: str) -> float:
+    """The paper's lambda_r for a draft of this model type (0.4 for the LLaVA family, 0.5 for Qwen2(.5)-VL)."""
+    return TOP_P.get(model_type, DEFAULT_TOP_P)
 
 
 def specvlm_budget(config: str, max_len: int, video_tokens: int | None = None, ratio: float | None = None):
@@ -91,14 +100,16 @@ def _frame_tokens(model, prompt, modality: str) -> int | None:
 @struct.dataclass
 class VisionPruning(PrefillHook):
     """Prefill hook: the draft keeps K = int(|V| (1 - ratio)) of each row's vision tokens (`jspec.pruning.select`
-    with `select`, `top_p`), every text token, in order. positions: "original" (each kept token's M-RoPE ids;
+    with `select`, `top_p`; None: the paper's value for the draft's family, `family_top_p`), every text token, in
+    order. `out.stats` reports each row's "vision_tokens", "kept_vision_tokens" and, for select="specvlm",
+    "stage_one" (the tokens stage I kept; stage II kept the rest). positions: "original" (each kept token's M-RoPE ids;
     Qwen2-VL's default) or "renumbered" (0..D-1, the authors' code; LLaVA's only choice); None picks the default.
     modality: which placeholders are pruned ("video", "image", or "vision" for both). `ratio` sets the draft's
     static prompt width, so a new ratio compiles a new prefill; `top_p` is data. `prepare` fills the fields after
     `seed` from the prompts (the engine calls it)."""
 
     ratio: float = struct.field(pytree_node=False, default=0.9)
-    top_p: Any = 0.4
+    top_p: Any = None
     select: str = struct.field(pytree_node=False, default="specvlm")
     positions: str | None = struct.field(pytree_node=False, default=None)
     modality: str = struct.field(pytree_node=False, default="video")
@@ -164,9 +175,10 @@ class VisionPruning(PrefillHook):
                 raise ValueError("select='frames' needs frame_tokens (vision tokens per frame) for these inputs")
         keep = np.asarray(PR.budget(n_t, self.ratio))
         width = int(np.max(np.asarray(d_lengths) - n_d + np.minimum(keep, n_d)))
-        return self.replace(positions=positions, frame_tokens=frame_tokens, target_ids=t_ids, draft_ids=d_ids,
-                            v_max=max(1, int(n_t.max())), width=max(1, width), full_width=int(d_tokens.shape[1]),
-                            draft_config=model.config)
+        top_p = family_top_p(model.config.model_type) if self.top_p is None else self.top_p
+        return self.replace(top_p=top_p, positions=positions, frame_tokens=frame_tokens, target_ids=t_ids,
+                            draft_ids=d_ids, v_max=max(1, int(n_t.max())), width=max(1, width),
+                            full_width=int(d_tokens.shape[1]), draft_config=model.config)
 
     def draft_len(self, max_len: int) -> int:
         """The draft's cache length: the full prompt's, less what pruning removed from its widest row."""
@@ -197,6 +209,14 @@ class VisionPruning(PrefillHook):
         where = PR.keep_indices(vis, self.v_max)
         a = jnp.take_along_axis(prefill.attn, jnp.maximum(where, 0), axis=1)
         return jnp.where(where >= 0, a, 0.0), jnp.sum(vis, axis=1).astype(jnp.int32)
+
+    def info(self, prefill: TargetPrefill) -> dict:
+        """Per row: its vision tokens, those the draft kept and, for SpecVLM's selector, stage I's share of them."""
+        a, n = self.scores(prefill)
+        out = {"vision_tokens": n, "kept_vision_tokens": jnp.sum(self.keep(prefill), axis=1).astype(jnp.int32)}
+        if self.select == "specvlm":
+            out["stage_one"] = PR.stage_one(a, n, self.ratio, self.top_p)
+        return out
 
     def keep(self, prefill: TargetPrefill) -> jax.Array:
         """[B, v_max] the vision tokens each row's draft keeps (in prompt order)."""
@@ -235,12 +255,13 @@ class SpecVLM(Strategy):
     SpecVLM's two-stage selection (or an ablation `select`: uniform, attention, random, front, middle, end,
     frames). draft=None: Self-SD (the target drafts for itself from a pruned cache; its weights are shared).
     tree: "mc_sim_7b_63" (the paper's 25-node tree) or "chain5" / any path list (the chain ablation). rule:
-    "residual" (exact sampling; greedy decoding is the paper's). positions, modality, frame_tokens: see
+    "residual" (exact sampling; greedy decoding is the paper's). top_p: stage I's share of the attention mass
+    (None: the paper's per family, 0.4 LLaVA, 0.5 Qwen2(.5)-VL). positions, modality, frame_tokens: see
     `VisionPruning`; seed: the random selector's."""
 
     draft: Any = None
     ratio: float = 0.9
-    top_p: float = 0.4
+    top_p: float | None = None
     select: str = "specvlm"
     tree: Any = "mc_sim_7b_63"
     positions: str | None = None
@@ -254,8 +275,8 @@ class SpecVLM(Strategy):
         self.pruning()  # bad settings fail here
 
     def pruning(self) -> VisionPruning:
-        return VisionPruning(float(self.ratio), float(self.top_p), self.select, self.positions, self.modality,
-                             self.frame_tokens, int(self.seed))
+        return VisionPruning(float(self.ratio), None if self.top_p is None else float(self.top_p), self.select,
+                             self.positions, self.modality, self.frame_tokens, int(self.seed))
 
     def parts(self) -> Speculative:
         tree = cached_tree(self.tree)
@@ -270,5 +291,5 @@ def preset_draft(name: str) -> str:
     return preset(PRESETS, name, "SpecVLM", "pass --draft")["draft"]
 
 
-__all__ = ["MODALITIES", "POSITIONS", "PRESETS", "SpecVLM", "VisionPruning", "placeholder_ids", "preset_draft",
-           "specvlm_budget"]
+__all__ = ["MODALITIES", "POSITIONS", "PRESETS", "SpecVLM", "TOP_P", "VisionPruning", "family_top_p",
+           "placeholder_ids", "preset_draft", "specvlm_budget"]

@@ -99,15 +99,23 @@ class TABED(Strategy):
                                     float(self.tau), self.window, fixed)
 
     def drafter(self) -> MultiViewDrafter:
-        """The multi-view drafter alone (its own uniform or fixed weights), to put under another plan or
-        controller (e.g. `jspec.SAGE(TABED(...).drafter())`)."""
+        """The multi-view drafter alone, mixing with TABED's static (uniform or given) weights. An adaptive policy
+        ("grid", "inverse") lives in TABED's controller, so this raises for one: put the strategy itself under the
+        other method (`jspec.SAGE(TABED(...))` runs the weight controller beside SAGE's) to keep it."""
         c = self.controller()
+        if isinstance(self.weights, str) and self.weights != "static":
+            raise ValueError(f"TABED's {self.weights!r} weights are re-picked by its controller, which the drafter "
+                             "alone does not carry: pass the TABED strategy itself (jspec.SAGE(TABED(...)) keeps "
+                             "them), or weights='static' / fixed numbers for the drafter alone")
+        return self._views(c)
+
+    def _views(self, c: EnsembleWeights) -> MultiViewDrafter:
         return MultiViewDrafter(self.draft, self.views, c.fixed, self.newline_id, int(self.pool), self.captioner)
 
     def parts(self) -> Speculative:
         paths = chain(int(self.gamma)) if self.tree is None else self.tree
-        return Speculative(self.drafter(), StaticPlan.from_paths(paths), as_rule(self.rule),
-                           self.controller())
+        c = self.controller()
+        return Speculative(self._views(c), StaticPlan.from_paths(paths), as_rule(self.rule), c)
 
 
 # ------------------------------------------------------------------------------------------------------ metrics
