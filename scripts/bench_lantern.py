@@ -4,6 +4,12 @@ as LANTERN++'s Tables 1-5 measure them, and whether the paper's claims hold on o
 
     python scripts/bench_lantern.py            # writes scripts/results/lantern-zoo.{json,md,png} and -grid.png
     python scripts/bench_lantern.py --prompts 64 --runs 2 --quality 64
+    python scripts/bench_lantern.py --grid --prompts 16 --quality 48 --runs 1   # -> lantern-zoo-grid-points.*
+
+`--grid` runs the paper's grid points the main run leaves out (Tables 3-5): lambda 20 (and 10 beside it) at every k,
+delta 1e-4 / 2e-4 / 5e-4 at every k, the original tree at lambda 10 and 20 and at k = 5, 20, 50, and LANTERN's
+additive delta on EAGLE-2's dynamic tree (the paper's LANTERN baseline), with AR, EAGLE-1 and LANTERN++ k10 lambda
+3 as references measured in the same run.
 
 Setup: the zoo's t2i-target (a 4-layer Chameleon, 8 x 8 codes of the t2i-vq tokenizer, 73 generated tokens per
 image with the end-of-row and end-of-image tokens) and its EAGLE-1 head (jspec/zoo/t2i-eagle, trained on the
@@ -66,6 +72,26 @@ def methods(head, table, quick: bool) -> dict:
     return m
 
 
+def grid_methods(head, table) -> dict:
+    """The paper's grid points missing from `methods` (module docstring); quality on the k = 10 points only."""
+    P, L = jspec.LanternPP, jspec.Lantern
+    m = {"AR": (None, True), "EAGLE-1": (P(head, table, k=0, lam=1.0, tree=EXT), True),
+         "LANTERN++ k10 lam3": (P(head, table, k=10, lam=3.0, tree=EXT), True)}
+    for k in (5, 10, 20, 50):
+        for lam in (10.0, 20.0):
+            m[f"LANTERN++ k{k} lam{lam:g}"] = (P(head, table, k=k, lam=lam, tree=EXT), k == 10 and lam == 20)
+    for k in (5, 10, 20, 50):
+        for d in (1e-4, 2e-4, 5e-4):
+            m[f"LANTERN k{k} delta{d:g}"] = (L(head, table, k=k, delta=d, tree=EXT), k == 10)
+    for lam in (10.0, 20.0):
+        m[f"LANTERN++ k10 lam{lam:g} orig. tree"] = (P(head, table, k=10, lam=lam, tree=ORIG), False)
+    for k in (5, 20, 50):
+        m[f"LANTERN++ k{k} lam3 orig. tree"] = (P(head, table, k=k, lam=3.0, tree=ORIG), False)
+    for d in (0.01, 0.05):
+        m[f"LANTERN k10 delta{d:g} dynamic"] = (L(head, table, k=10, delta=d, tree="dynamic"), False)
+    return m
+
+
 def generate(target, caps, strategy, key, decoder=None):
     return jspec.generate_image(target, caps, T.GRID, T.GRID, strategy=strategy, key=key, decoder=decoder,
                                 image_prefix_ids=T.image_prefix(), **SAMPLING)
@@ -91,6 +117,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--head", default=str(ROOT / "jspec/zoo/t2i-eagle"))
     ap.add_argument("--out", default=str(ROOT / "scripts/results"))
     ap.add_argument("--quick", action="store_true", help="a few settings only")
+    ap.add_argument("--grid", action="store_true", help="the paper's grid points the main run leaves out (docstring)")
     args = ap.parse_args(argv)
 
     target = IG._generating(T.load_target())
@@ -100,7 +127,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{args.head} has no neighbour table (neighbours.npz)")
     scenes = [T.scene("heldout", i) for i in range(max(args.prompts, args.quality))]
     caps = [T.caption_ids(T.caption(s)) for s in scenes]
-    todo = methods(head, table, args.quick)
+    todo = grid_methods(head, table) if args.grid else methods(head, table, args.quick)
     res = {name: {"decode_s": []} for name in todo}
     steps = {name: [] for name in todo}  # target steps per generated image, pooled over every batch of a method
 
@@ -154,17 +181,19 @@ def main(argv=None) -> dict:
         print(f"{name}: S {res[name]['S']:.2f} +- {res[name]['S_se']:.2f}, speedup {res[name]['speedup']:.2f}, "
               f"consistency {res[name]['consistency']:.3f}, zoo-FID {res[name]['zoo_fid']:.2f}", flush=True)
 
-    claims = judge(res)
+    claims = judge_grid(res) if args.grid else judge(res)
+    stem = "lantern-zoo-grid-points" if args.grid else "lantern-zoo"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, jax=jax.__version__,
                 prompts=args.prompts, quality=args.quality, runs=args.runs, sampling=SAMPLING,
                 command="python scripts/bench_lantern.py " + " ".join(sys.argv[1:] if argv is None else argv))
-    (out_dir / "lantern-zoo.json").write_text(json.dumps(dict(meta=meta, results=res, claims=claims,
-                                                              paper=PAPER), indent=2))
-    (out_dir / "lantern-zoo.md").write_text(markdown(res, claims, meta))
-    plot(res, out_dir / "lantern-zoo.png")
-    image_grid(grid_images, real[:6], [T.caption(s) for s in scenes[:6]], out_dir / "lantern-zoo-grid.png")
+    (out_dir / f"{stem}.json").write_text(json.dumps(dict(meta=meta, results=res, claims=claims, paper=PAPER),
+                                                     indent=2))
+    (out_dir / f"{stem}.md").write_text(markdown(res, claims, meta))
+    plot(res, out_dir / f"{stem}.png")
+    if not args.grid:
+        image_grid(grid_images, real[:6], [T.caption(s) for s in scenes[:6]], out_dir / "lantern-zoo-grid.png")
     print(markdown(res, claims, meta))
     return res
 
@@ -205,6 +234,37 @@ def judge(res: dict) -> list[dict]:
                     holds=bool(all(wins)) if wins else None,
                     detail=f"{sum(wins)} of {len(wins)} delta points beaten" if wins else
                     "no lambda point reached a delta point's consistency: not comparable at this size"))
+    return out
+
+
+def judge_grid(res: dict) -> list[dict]:
+    """The claims the grid points bear on, checked on our numbers (same run)."""
+    g = lambda n, k: res.get(n, {}).get(k)  # noqa: E731
+
+    def gap(a: str, b: str) -> str:
+        d, se = g(a, "S") - g(b, "S"), float(np.hypot(g(a, "S_se") or 0.0, g(b, "S_se") or 0.0))
+        return f"{d:+.2f} ({d / se:+.1f} s.e.)" if se else f"{d:+.2f}"
+
+    out = []
+    ks = (5, 10, 20, 50)
+    up = [g(f"LANTERN++ k{k} lam20", "S") > g(f"LANTERN++ k{k} lam10", "S") for k in ks]
+    out.append(dict(claim="S grows from lambda 10 to 20 at every k (Tables 3-4)", holds=bool(all(up)),
+                    detail="; ".join(f"k{k}: {gap(f'LANTERN++ k{k} lam20', f'LANTERN++ k{k} lam10')}" for k in ks)))
+    up = [g(f"LANTERN k{k} delta0.0005", "S") > g(f"LANTERN k{k} delta0.0001", "S") for k in ks]
+    out.append(dict(claim="S grows with delta from 1e-4 to 5e-4 at every k (Table 5)", holds=bool(all(up)),
+                    detail="; ".join(f"k{k}: {gap(f'LANTERN k{k} delta0.0005', f'LANTERN k{k} delta0.0001')}"
+                                     for k in ks)))
+    ext, orig = "LANTERN++ k{k} lam3", "LANTERN++ k{k} lam3 orig. tree"
+    beats = [g(ext.format(k=k), "S") > g(orig.format(k=k), "S") for k in (5, 20, 50)]
+    out.append(dict(claim="the extended tree compresses more steps than the original at every k (lambda 3)",
+                    holds=bool(all(beats)),
+                    detail="; ".join(f"k{k}: {gap(ext.format(k=k), orig.format(k=k))}" for k in (5, 20, 50))))
+    dyn = [g(f"LANTERN k10 delta{d:g} dynamic", "S") for d in (0.01, 0.05)]
+    out.append(dict(claim="LANTERN++ (static tree, lambda 3) compresses more steps than LANTERN on EAGLE-2's dynamic "
+                          "tree (delta 0.01 / 0.05)",
+                    holds=bool(all(g("LANTERN++ k10 lam3", "S") > x for x in dyn)),
+                    detail="; ".join(f"delta {d:g}: {gap('LANTERN++ k10 lam3', f'LANTERN k10 delta{d:g} dynamic')}"
+                                     for d in (0.01, 0.05))))
     return out
 
 

@@ -7,6 +7,12 @@ accepted length per round.
     python scripts/bench_sage.py                   # writes scripts/results/sage-zoo.{json,md,png}
     python scripts/bench_sage.py --runs 5 --prompts 8
     python scripts/bench_sage.py --pairs "zoo video" --out scripts/results/sage-zoo-video   # + SpecVLM's pruning
+    python scripts/bench_sage.py --controls --pairs "zoo text" "zoo image" "zoo video" \
+        --out scripts/results/sage-zoo-controls   # the controls: a depth-8 chain, alpha forced, history switched
+
+`--controls` runs, beside AR, SD-Chain and SAGE, what tells SAGE's mechanisms from their absence: a chain as deep
+as SAGE's deepest tree (gamma 8), SAGE with alpha forced to 0 (every tree shallow and wide), 0.5 and 1 (deep and
+narrow), SAGE without the history rule, and the history rule started at d_max 4, below its cap of 8.
 
 Each scenario's prompts decode as one batch (greedy, EOS honoured); every case runs once to compile, then `--runs`
 interleaved timed rounds (median reported).
@@ -65,6 +71,16 @@ def cases(draft, pruning: bool = False) -> list[tuple[str, object]]:
     return out
 
 
+def controls(draft) -> list[tuple[str, object]]:
+    """The controls (module docstring): each differs from SAGE in one mechanism."""
+    return [("AR", None), ("SD-Chain", jspec.Chain(draft, gamma=5)), ("SD-Chain gamma=8", jspec.Chain(draft, gamma=8)),
+            ("SAGE", jspec.SAGE(draft)), ("SAGE, alpha forced 0", jspec.SAGE(draft, force_alpha=0.0)),
+            ("SAGE, alpha forced 0.5", jspec.SAGE(draft, force_alpha=0.5)),
+            ("SAGE, alpha forced 1", jspec.SAGE(draft, force_alpha=1.0)),
+            ("SAGE, no history rule", jspec.SAGE(draft, history=False)),
+            ("SAGE, history from d_max 4", jspec.SAGE(draft, d_start=4))]
+
+
 def video_pair(n: int):
     """(target, draft, {scenario: prompt}, eos, max_new) of the zoo's video pair: held-out detailed descriptions and
     video QA questions, each scenario one batch prompt."""
@@ -107,6 +123,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--pairs", nargs="*", default=list(DEFAULT_PAIRS), choices=list(SCENARIOS))
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "sage-zoo"))
+    ap.add_argument("--controls", action="store_true", help="the controls instead of the comparison (docstring)")
     args = ap.parse_args(argv)
     pairs = bench.zoo_pairs(args.prompts)
     if "zoo video" in args.pairs:
@@ -117,7 +134,7 @@ def main(argv=None) -> None:
         for scen in SCENARIOS[pname]:
             prompts = as_batch(scenarios[scen])
             jax.clear_caches()
-            todo = cases(draft, pruning=pname == "zoo video")
+            todo = controls(draft) if args.controls else cases(draft, pruning=pname == "zoo video")
             res = bench.interleaved([bench.Case(n, (lambda s=s: jspec.decode(target, prompts, s, max_new_tokens=N)))
                                      for n, s in todo], args.runs)
             dec = {n: float(np.median([o.stats["decode_s"] for o in res[n]["results"]])) for n, _ in todo}
@@ -137,7 +154,11 @@ def main(argv=None) -> None:
                     row.update(depth=float(np.mean(st["depth"][:, 1:])), nodes=float(np.mean(st["nodes"][:, 1:])),
                                width=float(np.mean(st.get("width", np.full((1, 2), np.nan))[:, 1:])),
                                d_max=float(np.mean(st.get("d_max", np.nan))))
-                    if s.adaptive_tree:
+                    if "alpha" in st:
+                        al = np.asarray(st["alpha"], float)[:, 1:]
+                        al = al[np.isfinite(al)]
+                        row["alpha"] = float(al.mean()) if al.size else float("nan")
+                    if s.adaptive_tree and (n == "SAGE" or not args.controls):
                         row["planner_share"] = planner_seconds(s, len(out.lengths)) * rounds / dec[n]
                         if n == "SAGE":
                             acc = np.asarray(st["accepted"])[:, 1:] - 1
@@ -147,13 +168,18 @@ def main(argv=None) -> None:
                 rows.append(row)
                 print(f"{pname:9s} {scen:18s} {n:30s} tau {t0:.2f} (+1 {t1:.2f})  {tok_s:7.1f} tok/s  "
                       f"x{row['speedup']:.2f}{'' if row['same_as_ar'] else '  DIFFERS FROM AR'}")
-        lengths += length_study(pname, target, draft, as_batch(scenarios[SCENARIOS[pname][0]]), SCENARIOS[pname][0])
+        if not args.controls:
+            lengths += length_study(pname, target, draft, as_batch(scenarios[SCENARIOS[pname][0]]),
+                                    SCENARIOS[pname][0])
     meta = bench.meta("sage", args.runs, False)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows, "lengths": lengths,
                                                      "alpha_vs_accepted": scatter}, indent=1))
     Path(args.out + ".md").write_text(markdown(rows, lengths, scatter))
-    plot(rows, lengths, scatter, args.out + ".png")
+    if args.controls:
+        plot_controls(rows, args.out + ".png")
+    else:
+        plot(rows, lengths, scatter, args.out + ".png")
     print(f"wrote {args.out}.json / .md / .png")
 
 
@@ -185,13 +211,16 @@ def _binned(scatter, pname):
 
 def markdown(rows, lengths, scatter) -> str:
     lines = ["| pair | scenario | strategy | tau | tau + 1 | tok/s (decode) | speedup | depth | width | nodes | "
-             "planner share | same as AR |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "alpha | d_max | planner share | same as AR |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda r, k, fmt: format(r[k], fmt) if k in r else ""  # noqa: E731
     for r in rows:
         lines.append(f"| {r['pair']} | {r['scenario']} | {r['strategy']} | {r['tau']:.2f} | {r['tau_bonus']:.2f} | "
                      f"{r['tok_s']:.0f} | {r['speedup']:.2f} | {f(r, 'depth', '.2f')} | {f(r, 'width', '.2f')} | "
-                     f"{f(r, 'nodes', '.1f')} | {f(r, 'planner_share', '.1%')} | "
+                     f"{f(r, 'nodes', '.1f')} | {f(r, 'alpha', '.2f')} | {f(r, 'd_max', '.2f')} | "
+                     f"{f(r, 'planner_share', '.1%')} | "
                      f"{'yes' if r['same_as_ar'] else 'NO'} |")
+    if not lengths:
+        return "\n".join(lines) + "\n"
     lines += ["", "SAGE's tau against SD-Tree's with the answer capped (EOS honoured):", "",
               "| pair | scenario | cap | mean length | tau SD-Tree | tau SAGE | gain |", "|---|---|---|---|---|---|---|"]
     for x in lengths:
@@ -244,6 +273,30 @@ def plot(rows, lengths, scatter, path: str) -> None:
     ax.set_ylabel("accepted drafts that round")
     ax.set_title("does confidence predict acceptance?")
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_controls(rows, path: str) -> None:
+    """tau and speedup of each control beside SAGE's, per scenario."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["pair"], r["scenario"]) for r in rows))
+    names = [n for n, _ in controls(None)][1:]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    w = 0.8 / len(names)
+    for ax, (key, label) in zip(axes, (("tau", "accepted drafts per round (tau)"), ("speedup", "decode speedup over AR"))):
+        for i, n in enumerate(names):
+            vals = [next((r[key] for r in rows if (r["pair"], r["scenario"]) == g and r["strategy"] == n), 0)
+                    for g in groups]
+            ax.bar(np.arange(len(groups)) + i * w, vals, w, label=n)
+        ax.set_xticks(np.arange(len(groups)) + 0.4 - w / 2, [f"{p}\n{s}" for p, s in groups], fontsize=8)
+        ax.set_title(label)
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

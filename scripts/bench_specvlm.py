@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import bench  # noqa: E402
+from jspec.methods.specvlm import family_top_p  # noqa: E402
 
 RATIOS = (0.0, 0.3, 0.6, 0.8, 0.9, 0.95)
 ABLATIONS = ("uniform", "attention", "front", "middle", "end", "frames")
@@ -98,6 +99,10 @@ def cases(draft, quick: bool = False) -> list[tuple[str, dict, object]]:
         for r in (0.6, 0.9):
             out.append((f"SD-{sel} r={r}", dict(select=sel, ratio=r, draft="std", tree="tree"),
                         S(draft, ratio=r, select=sel)))
+    for r in (0.6, 0.9):  # stage I's share of the mass: the authors' code (0.4) and one small enough that stage II
+        for top_p in (0.4, 0.1):  # keeps most of the budget (the default is the paper's 0.5 for Qwen2.5-VL)
+            out.append((f"SpecVLM r={r} top_p={top_p}", dict(select="specvlm", ratio=r, draft="std", tree="tree",
+                                                             top_p=top_p), S(draft, ratio=r, top_p=top_p)))
     for r in (0.0, 0.9):
         out.append((f"{'SD' if r == 0 else 'SpecVLM'}-Chain r={r}", dict(select="specvlm", ratio=r, draft="std",
                                                                          tree="chain"), S(draft, ratio=r, tree="chain5")))
@@ -197,6 +202,11 @@ def main(argv=None) -> None:
         row = {"case": n, **settings, "tau": tau(out), "tau_bonus": tau(out) + 1, "tok_s": tok_s,
                "speedup": tok_s / ar_tok_s, "same_as_ar": bool(np.array_equal(out.tokens, ar.tokens)),
                "compile_s": res[n]["compile_s"], "mean_len": float(np.mean(out.lengths))}
+        if "kept_vision_tokens" in out.stats:  # how the draft's video tokens were chosen, per row
+            row["kept"] = float(np.mean(out.stats["kept_vision_tokens"]))
+            if "stage_one" in out.stats:
+                row["stage_one"] = float(np.mean(out.stats["stage_one"]))
+                row["top_p"] = float(family_top_p((draft or target).config.model_type) if s.top_p is None else s.top_p)
         rows.append(row)
         print(f"{n:24s} tau {row['tau']:.2f} (+1 {row['tau_bonus']:.2f})  {tok_s:7.1f} tok/s  x{row['speedup']:.2f}"
               f"{'' if row['same_as_ar'] else '  DIFFERS FROM AR'}")
@@ -223,12 +233,16 @@ def markdown(meta, rows, phases, clips) -> str:
              f"{meta['video_tokens']} video tokens, prompts of {min(meta['prompt_tokens'])}-{max(meta['prompt_tokens'])} "
              f"tokens, up to {meta['max_new']} new tokens, greedy; {meta['date']}, {meta['device']}, jax {meta['jax']}, "
              f"median of {meta['runs']} runs)", "",
-             "| case | selector | ratio | draft | tree | tau | tau + 1 | tok/s (decode) | speedup | same as AR |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | selector | ratio | draft | tree | top_p | kept | stage I | tau | tau + 1 | tok/s (decode) | "
+             "speedup | same as AR |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda r, k, fmt: format(r[k], fmt) if k in r else ""  # noqa: E731
     for r in rows:
         lines.append(f"| {r['case']} | {r.get('select', '')} | {r.get('ratio', '')} | {r.get('draft', '')} | "
-                     f"{r.get('tree', '')} | {r['tau']:.2f} | {r['tau_bonus']:.2f} | {r['tok_s']:.0f} | "
+                     f"{r.get('tree', '')} | {f(r, 'top_p', 'g')} | {f(r, 'kept', '.1f')} | {f(r, 'stage_one', '.1f')} | "
+                     f"{r['tau']:.2f} | {r['tau_bonus']:.2f} | {r['tok_s']:.0f} | "
                      f"{r['speedup']:.2f} | {'yes' if r['same_as_ar'] else 'NO'} |")
+    lines += ["", "kept: the draft's video tokens per row (mean); stage I: those SpecVLM's stage I chose by attention "
+              "mass (top_p), the rest are stage II's uniform stride. top_p is the paper's per family unless named."]
     lines += ["", "Per decode step (the loop run phase by phase, host-synced), ms:", "",
               "| case | draft | verify | other |", "|---|---|---|---|"]
     for n, p in phases.items():

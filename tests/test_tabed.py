@@ -301,14 +301,18 @@ def test_under_a_sage_tree_with_adaptive_weights(zoo):
     """The multi-view drafter under SAGE's per-row trees, SAGE's controller and the weight policy side by side."""
     pair, prompt = zoo
     tab = TABED(pair.draft, views=("M", "T"), newline_id=ZOO_NEWLINE)
-    sage = jspec.SAGE(tab.drafter(), d_min=2, d_max=4, w_min=2, w_max=4, k=4, n_max=12,
+    sage = jspec.SAGE(tab, d_min=2, d_max=4, w_min=2, w_max=4, k=4, n_max=12,
                       init_tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]], window=2)
-    strat = sage.parts().replace(controller=Both(sage.controller(), tab.controller()))
-    out = jspec.decode(pair.target, prompt, strategy=strat, max_new_tokens=24)
+    assert isinstance(sage.parts().controller, Both)
+    out = jspec.decode(pair.target, prompt, strategy=sage, max_new_tokens=24)
     assert _same(out, _ar(pair, prompt))
     w = out.stats["weights"]
     assert w.shape[2] == 2 and not np.allclose(w[0, 1:out.stats["steps"][0]], 0.5)  # the policy decided
     assert out.stats["nodes"].shape == w.shape[:2]  # SAGE's own decisions are kept beside the weights
+    with pytest.raises(ValueError, match="re-picked by its controller"):  # the drafter alone would run MT* as MT
+        tab.drafter()
+    fixed = TABED(pair.draft, views=("M", "T"), weights=(0.7, 0.3), newline_id=ZOO_NEWLINE).drafter()
+    assert np.allclose(np.asarray(fixed.weights), (0.7, 0.3))
 
 
 def test_sampling_is_exact_with_images_for_fixed_and_adaptive_weights():
@@ -330,6 +334,55 @@ def test_sampling_is_exact_with_images_for_fixed_and_adaptive_weights():
         assert out.stats["mean_accepted"].mean() > 1.1  # drafts were accepted and rejected
         assert out.stats["mean_accepted"].mean() < 2.9
     check(counts(draft, None)[0], p, exact=False)  # negative control: the draft's own samples are told apart
+
+
+def _two_sample_pvalue(a, b, min_expected=5.0):
+    """p-value of the chi-square test that histograms `a` and `b` (same bins) are draws from one distribution:
+    bins whose expected count in either sample is under `min_expected` are pooled into one bin."""
+    from scipy import stats
+
+    tab = np.stack([a, b]).astype(np.float64)
+    rare = tab.sum(0) * tab.sum(1).min() / tab.sum() < min_expected
+    tab = np.concatenate([tab[:, ~rare], tab[:, rare].sum(1, keepdims=True)], axis=1)
+    tab = tab[:, tab.sum(0) > 0]
+    return float(stats.chi2_contingency(tab, correction=False).pvalue)
+
+
+def test_sampling_stays_exact_while_the_adaptive_weights_move_over_many_blocks():
+    """Sampled TABED is lossless while its weight policy acts: with gamma 1 (MT*'s grid) and 2 (the inverse policy
+    over M, T, P), 11 new tokens give every row at least 4 blocks, the weights leave uniform and keep moving
+    between blocks, and the joint distribution of the last two generated tokens (a marginal of the full sequence,
+    which losslessness fixes to the target's) matches plain sampling of the target by a two-sample chi-square
+    test. The draft's own samples, compared the same way, are told apart (the comparison has power)."""
+    target, draft = tiny_llava(10, 0.4), tiny_llava(11, 0.6)
+    rows, n = 8000, 11
+    prompt = {"input_ids": np.tile(IMAGE_PROMPT, (rows, 1)), "pixel_values": np.repeat(PIXELS, rows, 0)}
+
+    def last_two(model, strat, seed):
+        out = jspec.decode(model, prompt, strategy=strat, max_new_tokens=n, temperature=1.0, eos_token_id=(),
+                           key=jax.random.key(seed))
+        assert (out.lengths == n).all()
+        return np.bincount(out.tokens[:, n - 2] * V + out.tokens[:, n - 1], minlength=V * V), out
+
+    ref, _ = last_two(target, None, 1)  # plain autoregressive sampling of the target
+    for seed, strat in ((4, TABED(draft, views=("M", "T"), weights="grid", newline_id=3, gamma=1)),
+                        (5, TABED(draft, views=("M", "T", "P"), weights="inverse", newline_id=3, gamma=2))):
+        c, out = last_two(target, strat, seed)
+        steps, w = out.stats["steps"], out.stats["weights"]
+        assert steps.min() >= 4, np.bincount(steps)
+        m = w.shape[2]
+        np.testing.assert_allclose(w[:, 0], 1.0 / m)  # the first block is uniform, later ones are the policy's
+        later = (np.arange(w.shape[1])[None] >= 1) & (np.arange(w.shape[1])[None] < steps[:, None])
+        moved = later & (np.abs(w - 1.0 / m).max(-1) > 1e-3)  # [B, steps]: a later block off uniform
+        assert (moved.sum(1) >= 2).mean() > 0.9, moved.sum(1)  # most rows drafted with re-picked weights
+        changed = later[:, 2:] & (np.abs(w[:, 2:] - w[:, 1:-1]).max(-1) > 1e-3)  # block s vs block s - 1, s >= 2
+        assert changed.any(1).mean() > 0.5, changed.sum(1)  # and the weights kept moving between blocks
+        acc = out.stats["mean_accepted"].mean()
+        assert 1.1 < acc < strat.gamma + 0.9, acc  # drafts were accepted and rejected
+        pval = _two_sample_pvalue(c, ref)
+        assert pval > 1e-4, (strat.weights, pval)
+    pval = _two_sample_pvalue(last_two(draft, None, 3)[0], ref)
+    assert pval < 1e-6, pval  # negative control: the draft's own samples are told apart
 
 
 def test_new_weights_do_not_recompile(zoo):
