@@ -12,7 +12,8 @@ accepted length per round.
 
 `--controls` runs, beside AR, SD-Chain and SAGE, what tells SAGE's mechanisms from their absence: a chain as deep
 as SAGE's deepest tree (gamma 8), SAGE with alpha forced to 0 (every tree shallow and wide), 0.5 and 1 (deep and
-narrow), SAGE without the history rule, and the history rule started at d_max 4, below its cap of 8.
+narrow), SAGE without the history rule, and the history rule started at d_max 4, below its cap of 8. Rows give
+the planned depth D ("depth") beside "reach", the deepest level a node survived the threshold at.
 
 Each scenario's prompts decode as one batch (greedy, EOS honoured); every case runs once to compile, then `--runs`
 interleaved timed rounds (median reported).
@@ -153,7 +154,8 @@ def main(argv=None) -> None:
                     rounds = int(np.asarray(st["steps"]).max())
                     row.update(depth=float(np.mean(st["depth"][:, 1:])), nodes=float(np.mean(st["nodes"][:, 1:])),
                                width=float(np.mean(st.get("width", np.full((1, 2), np.nan))[:, 1:])),
-                               d_max=float(np.mean(st.get("d_max", np.nan))))
+                               d_max=float(np.mean(st.get("d_max", np.nan))),
+                               reach=float(np.mean(st.get("reach", np.full((1, 2), np.nan))[:, 1:])))
                     if "alpha" in st:
                         al = np.asarray(st["alpha"], float)[:, 1:]
                         al = al[np.isfinite(al)]
@@ -210,12 +212,13 @@ def _binned(scatter, pname):
 
 
 def markdown(rows, lengths, scatter) -> str:
-    lines = ["| pair | scenario | strategy | tau | tau + 1 | tok/s (decode) | speedup | depth | width | nodes | "
-             "alpha | d_max | planner share | same as AR |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| pair | scenario | strategy | tau | tau + 1 | tok/s (decode) | speedup | depth | reach | width | nodes | "
+             "alpha | d_max | planner share | same as AR |", "|---" * 15 + "|"]
     f = lambda r, k, fmt: format(r[k], fmt) if k in r else ""  # noqa: E731
     for r in rows:
         lines.append(f"| {r['pair']} | {r['scenario']} | {r['strategy']} | {r['tau']:.2f} | {r['tau_bonus']:.2f} | "
-                     f"{r['tok_s']:.0f} | {r['speedup']:.2f} | {f(r, 'depth', '.2f')} | {f(r, 'width', '.2f')} | "
+                     f"{r['tok_s']:.0f} | {r['speedup']:.2f} | {f(r, 'depth', '.2f')} | {f(r, 'reach', '.2f')} | "
+                     f"{f(r, 'width', '.2f')} | "
                      f"{f(r, 'nodes', '.1f')} | {f(r, 'alpha', '.2f')} | {f(r, 'd_max', '.2f')} | "
                      f"{f(r, 'planner_share', '.1%')} | "
                      f"{'yes' if r['same_as_ar'] else 'NO'} |")

@@ -34,6 +34,7 @@ from jspec.methods.tabed import METHODS, TABED, TQ_TP, block_efficiency, expecte
 SCENARIOS = ("first turn", "two images", "OOD", "second turn")
 # The paper's Table 1 / 10 (68M draft -> LLaVA-1.5-7B): first-turn average, OOD = mean of PororoSV and VIST, second
 # turn average; "two images" are part of its first-turn average (IEdit, MagicBrush, Spot-the-Diff).
+PAPER_BASIS = ("first turn", "two images", "second turn")  # the paper's averages: its benchmarks and turns, no OOD
 PAPER = {"M": (2.24, None, 1.175, 2.00), "T": (2.23, None, 2.05, 2.28), "C": (2.29, None, 2.09, 2.30),
          "P": (2.23, None, 2.08, 2.25), "MT": (2.31, None, 1.925, 2.25), "MT*": (2.31, None, 2.03, 2.27),
          "MTCP": (2.32, None, 2.115, 2.31), "MTCP*": (2.32, None, 2.125, 2.32)}
@@ -108,6 +109,7 @@ def main(argv=None) -> None:
     phases = {n: phase_ms(pair, prompts["first turn"], strategies[n], args.max_new) for n in ("M", "MT", "MTCP")}
     for n, per in rows.items():
         per["average"] = {"tau": float(np.mean([per[s]["tau"] for s in SCENARIOS]))}
+        per["paper_average"] = {"tau": float(np.mean([per[s]["tau"] for s in PAPER_BASIS]))}
         for v in per.values():
             v["eq1_here"] = expected_speedup(v["tau"], args.gamma, ratio)
             v["eq1_paper"] = expected_speedup(v["tau"], args.gamma, TQ_TP[("7b", "68m")])
@@ -127,6 +129,7 @@ def orderings(rows) -> list[tuple[str, bool, str]]:
     """The paper's orderings, checked on our taus: (claim, holds, the numbers)."""
     t = lambda n, s: rows[n][s]["tau"]  # noqa: E731
     avg = lambda n: rows[n]["average"]["tau"]  # noqa: E731
+    pav = lambda n: rows[n]["paper_average"]["tau"]  # noqa: E731
     singles, ensembles = ("M", "T", "C", "P"), ("MT", "MT*", "MTCP", "MTCP*")
     gap = {s: t("MT*", s) - t("MT", s) for s in SCENARIOS}
     best = max(METHODS, key=avg)
@@ -142,6 +145,12 @@ def orderings(rows) -> list[tuple[str, bool, str]]:
         ("MT*'s largest gain over MT is on OOD", max(gap, key=gap.get) == "OOD",
          ", ".join(f"{s} {g:+.3f}" for s, g in gap.items())),
         ("MTCP* is best on average", best == "MTCP*", f"best: {best} {avg(best):.3f}; MTCP* {avg('MTCP*'):.3f}"),
+        ("MT* >= MT on the paper's basis (benchmarks and turns, no OOD)", pav("MT*") >= pav("MT"),
+         f"MT* {pav('MT*'):.3f} vs MT {pav('MT'):.3f}"),
+        ("MT* beats every single view on the paper's basis", pav("MT*") > max(pav(s) for s in singles),
+         f"MT* {pav('MT*'):.3f}; best single view {max(singles, key=pav)} {max(pav(s) for s in singles):.3f}"),
+        ("MT* or MTCP* is best on the paper's basis", max(METHODS, key=pav) in ("MT*", "MTCP*"),
+         "order: " + " > ".join(f"{n} {pav(n):.3f}" for n in sorted(METHODS, key=pav, reverse=True))),
     ]
 
 
@@ -151,15 +160,16 @@ def markdown(meta, rows, claims, phases) -> str:
             f"{meta['jax']}, median of {meta['runs']} runs). tau: tokens per target step (1 + accepted drafts), "
             f"pooled over blocks; the paper's Table 1 value beside it (68M draft -> LLaVA-1.5-7B; its two-image sets "
             f"are in its first-turn average).")
-    lines = [head, "", "| method | " + " | ".join(f"{s} tau (paper)" for s in SCENARIOS) + " | average | same as AR |",
-             "|---" * (len(SCENARIOS) + 3) + "|"]
+    lines = [head, "", "| method | " + " | ".join(f"{s} tau (paper)" for s in SCENARIOS) +
+             " | average | paper's basis (no OOD) | same as AR |", "|---" * (len(SCENARIOS) + 4) + "|"]
     for n, per in rows.items():
         cells = []
         for i, s in enumerate(SCENARIOS):
             p = PAPER[n][i]
             cells.append(f"{per[s]['tau']:.2f}" + ("" if p is None else f" ({p:.2f})"))
         same = all(per[s]["same_as_ar"] for s in SCENARIOS)
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {per['average']['tau']:.3f} | {'yes' if same else 'NO'} |")
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {per['average']['tau']:.3f} | "
+                     f"{per['paper_average']['tau']:.3f} | {'yes' if same else 'NO'} |")
     lines += ["", f"Expected speedup, Eq. (1) = tau / (gamma T_q/T_p + 1): with T_q/T_p = {meta['tq_tp_here']:.3f} "
               f"measured here (draft vs target decode time per token) and with the paper's {meta['tq_tp_paper']} "
               "(A6000, 68M -> 7B); and the wall-time decode speedup over AR measured in the same run:", "",

@@ -198,6 +198,11 @@ def test_greedy_sage_equals_ar_at_every_alpha(pair, alpha):
     st = out.stats
     planned = st["depth"][:, 1:]
     assert (st["nodes"][:, 1:] <= 40).all() and (planned >= 3).all() and (planned <= st["d_max"][:, 1:]).all()
+    reach = st["reach"][:, 1:]  # the deepest node the threshold kept: within D, and D itself when alpha = 1
+    assert (reach >= 1).all() and (reach <= planned).all() and (st["reach"][:, 0] == 5).all()
+    # a round accepts no deeper than its tree reaches
+    acc = st["accepted"][:, 1:st["reach"].shape[1]]
+    assert ((acc - 1 <= reach[:, :acc.shape[1]]) | (acc == 0)).all()
     steps = st["steps"]
     # the engine drafts the trees the controller planned: every node offered, each round's own tree
     assert st["drafted"].tolist() == [int(st["nodes"][b, :steps[b]].sum()) for b in range(len(steps))]

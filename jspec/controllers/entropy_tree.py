@@ -14,7 +14,9 @@
   every (D, W) pair that some alpha and d_max in [D_min, d_cap] reach (a level's nodes have disjoint paths, so
   under the cumulative threshold at most 1 / theta_l of them pass), with the initial static tree. The target
   verifies the planned nodes packed into `n_max + 1` slots, not the layout.
-- `EntropyTree`: the controller. Round 1 drafts the initial static tree (`mc_sim_7b_63`); every round's root
+- `EntropyTree`: the controller. Round 1 drafts the initial static tree (`mc_sim_7b_63`); the stats keep each round's
+  planned depth D ("depth"), width W, nodes, alpha, d_max and "reach", the deepest level the threshold left a node
+  at (D caps it; a path whose proxy probability falls under theta_l ends sooner); every round's root
   distribution ("root", the default) or the mean over its drafted nodes ("mean_nodes") gives alpha and p~ for
   the next round. The history rule moves d_max by one within [D_min, d_cap] when the mean accepted length of the
   last `window` rounds is below `low` or above `high` (hysteresis between them; acting on full windows, no reset).
@@ -290,8 +292,12 @@ class EntropyTree(Controller):
         pick = lambda a, x: jnp.where(first.reshape((B,) + (1,) * (x.ndim - 1)), a, x)  # noqa: E731
         tree = LayeredTree(*(pick(b(a), x) for a, x in zip(init, got.tree)))
         depth = jnp.where(first, init_depth, got.depth)
+        level = np.zeros((spec.layout.num_nodes,), np.int32)  # each slot's depth in the layout
+        for d, (a, e) in enumerate(spec.layout.levels):
+            level[a:e] = d
+        reach = jnp.max(jnp.where(tree.valid, jnp.asarray(level)[None], 0), axis=1)
         info = {"alpha": jnp.where(first, jnp.nan, alpha), "width": jnp.where(first, 0, got.width),
-                "nodes": jnp.where(first, len(spec.init_tree), got.nodes), "d_max": state.d_max}
+                "nodes": jnp.where(first, len(spec.init_tree), got.nodes), "d_max": state.d_max, "reach": reach}
         return Decision(depth=depth.astype(jnp.int32), tree=tree, info=info)
 
     def observe(self, state: SageState, record: Record) -> SageState:
