@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jspec.self_data import chat_ids
+
 QUESTIONS = Path(__file__).resolve().parent / "benchdata" / "spec_bench" / "question.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = MT_BENCH + ("translation", "summarization", "qa", "math_reasoning", "rag")
@@ -72,14 +74,6 @@ def load_questions(categories=CATEGORIES, per_category: int | None = None) -> li
             seen[c] += 1
             out.append(q)
     return out
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> np.ndarray:
-    """The chat template's token ids for `messages`, ready for the assistant's answer."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return np.asarray(ids, np.int32).reshape(-1)
 
 
 class Runner:
