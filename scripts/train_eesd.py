@@ -3,6 +3,8 @@
     python scripts/train_eesd.py --target text-target --exit-layer 1 --steps 600          # a zoo target
     python scripts/train_eesd.py --target text-target --exit-layer 1 --steps 600 --resume # continue a stopped run
     python scripts/train_eesd.py --target DIR --texts open.jsonl --exit-layer 3 ...       # an HF checkpoint
+    python scripts/train_eesd.py --target smollm2-135m-instruct --data build/self-data/smollm2-135m-instruct.jsonl \
+        --exit-layer 3 --seq-len 512 --minutes 60 --resume                               # a registered model
 
 The head: `--layers` decoder layers initialised from the target's last ones (0: the head-only ablation), the final
 norm and an untied LM head initialised from the target's. Data: open text (a zoo target: the answers of the zoo's
@@ -14,6 +16,8 @@ once and kept in the work directory. Loss: next-token cross-entropy; AdamW, warm
 Orbax checkpoints every --ckpt-minutes and on Ctrl-C / SIGTERM; `--resume` continues bit-identically. At the end
 the head is saved (`jspec.drafters.early_exit.save_head`: model.safetensors in the PyTorch layout + eesd_head.json)
 to --out (default: jspec/zoo/<target>-eesd-n<N> for a zoo target), with a loss plot beside the run's log.
+`--data` (a file of `scripts/make_self_data.py`: prompts the target wrote and its answers, drawn greedy-first then
+T = 1) is already the target's own text: it replaces both sources, the answers weighted, its last 5% held out.
 """
 from __future__ import annotations
 
@@ -38,13 +42,37 @@ from jspec.methods import eesd_train as EST  # noqa: E402
 
 
 def load_target(spec: str):
-    from jspec import zoo
+    from jspec import models, zoo
 
     if spec in zoo.MODEL_NAMES:
         return zoo.load(spec), True
+    if spec in models.REGISTRY:
+        return models.load(spec)[0], False
     import ports
 
     return ports.load_hf(spec), False
+
+
+def data_streams(path: str, batch: int, seq_len: int, start: int):
+    """(train stream, held-out batches) of a self-written data file (`jspec.self_data`), answers weighted."""
+    from jspec import self_data as SD
+
+    seqs, starts = SD.sequences(SD.read(path))
+    if len(seqs) < 2:
+        raise SystemExit(f"{path} holds {len(seqs)} answered records: write the data first "
+                         "(scripts/make_self_data.py)")
+    longest = max(len(q) for q in seqs)
+    if longest > seq_len:  # packing would cut them, and with them the answers' ends
+        over = sum(len(q) > seq_len for q in seqs)
+        raise SystemExit(f"{over} of {len(seqs)} records of {path} are longer than --seq-len {seq_len} (the longest: "
+                         f"{longest} tokens): pass --seq-len {longest} or more")
+    cut = max(1, len(seqs) // 20)
+    train, held = (seqs[:-cut], starts[:-cut]), (seqs[-cut:], starts[-cut:])
+    stream = EST.pack(train[0], batch, seq_len, start, train[1])
+    held_batches = [b for b, _ in (next(it) for it in [EST.pack(held[0], batch, seq_len, 0, held[1])] * 4)]
+    print(f"{path}: {len(seqs)} answered prompts ({len(seqs) - cut} train, {cut} held out), "
+          f"{int(sum(len(q) - st for q, st in zip(seqs, starts)))} answer tokens")
+    return stream, held_batches
 
 
 def zoo_open_stream(batch: int, seq_len: int, seed: int, start: int, split: str = "train"):
@@ -84,6 +112,8 @@ def main(argv=None) -> None:
     ap.add_argument("--exit-layer", type=int, required=True, help="N: the head reads the target after N layers")
     ap.add_argument("--layers", type=int, default=1, help="early-exit decoder layers (0: head only)")
     ap.add_argument("--texts", default=None, help="open text, JSON lines of {'text': ...} (non-zoo targets)")
+    ap.add_argument("--data", default=None, help="the target's self-written data (scripts/make_self_data.py), "
+                                                  "instead of --texts and the generations")
     ap.add_argument("--gen-share", type=float, default=0.5, help="share of each batch's rows from the target's "
                     "own generations (0: open text only)")
     ap.add_argument("--gen-prompts", type=int, default=512)
@@ -104,10 +134,13 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     target, is_zoo = load_target(args.target)
-    if not is_zoo and not args.texts:
-        raise SystemExit("a target outside the zoo needs --texts (open text to train on)")
+    if not is_zoo and not (args.texts or args.data):
+        raise SystemExit("a target outside the zoo needs --texts (open text to train on) or --data (its own text)")
+    if args.data and args.texts:
+        raise SystemExit("--data is the target's own text: give it or --texts, not both")
+    own = 1.0 if args.data else args.gen_share  # the share of the target's own text in each batch
     tag = f"{Path(args.target).name}-eesd-n{args.exit_layer}" + (f"-k{args.layers}" if args.layers != 1 else "") + (
-        "-open" if args.gen_share == 0 else "")
+        "-open" if own == 0 else "")
     workdir = Path(args.workdir or ROOT / "build" / "eesd" / tag).resolve()
     if workdir.exists() and not args.resume:
         shutil.rmtree(workdir)
@@ -117,7 +150,7 @@ def main(argv=None) -> None:
     tx = jt.adamw(weight_decay=0.0)
     state = {"params": head.params, "opt_state": tx.init(head.params)}
     meta = jt.new_meta(tag, args.seed, args.steps, args.lr, args.warmup, next_index=[0, 0],
-                       exit_layer=args.exit_layer, layers=args.layers, gen_share=args.gen_share)
+                       exit_layer=args.exit_layer, layers=args.layers, gen_share=own)
     if args.resume:
         state, meta, resumed = jt.resume(jt.Checkpoints(workdir), state, meta, args.steps, args.lr * 0.5)
         if resumed:
@@ -126,7 +159,7 @@ def main(argv=None) -> None:
           f"{cfg.num_layers}-layer {args.target} exiting after layer {args.exit_layer}; workdir {workdir}")
 
     gen = gen_starts = None
-    if args.gen_share > 0:
+    if args.gen_share > 0 and not args.data:
         cache = workdir / "generations.npz"
         if cache.exists():
             z = np.load(cache)
@@ -140,7 +173,9 @@ def main(argv=None) -> None:
             np.savez(cache, tokens=np.concatenate(gen), ends=np.cumsum([len(g) for g in gen]), starts=gen_starts)
         print(f"{len(gen)} target generations, {sum(map(len, gen))} tokens")
 
-    if is_zoo:
+    if args.data:
+        open_stream, held = data_streams(args.data, args.batch, args.seq_len, meta["next_index"][0])
+    elif is_zoo:
         open_stream = zoo_open_stream(args.batch, args.seq_len, args.seed, meta["next_index"][0])
         held = [b for b, _ in (next(it) for it in [zoo_open_stream(args.batch, args.seq_len, args.seed, 0,
                                                                    "heldout")] * 4)]
@@ -156,7 +191,8 @@ def main(argv=None) -> None:
         params, opt, m = train_step(state["params"], state["opt_state"], lm, batch, np.float32(lr))
         return {"params": params, "opt_state": opt}, m
 
-    state, meta = jt.fit(step, state, EST.mix(open_stream, gen_stream, args.gen_share), meta, workdir,
+    batches = EST.mix(open_stream, gen_stream, 0.0 if args.data else args.gen_share)
+    state, meta = jt.fit(step, state, batches, meta, workdir,
                          budget_s=60 * args.minutes, ckpt_minutes=args.ckpt_minutes, log_every=args.log_every,
                          evaluate=lambda s: EST.evaluate(eval_step, s["params"], lm, held), desc=tag)
     jt.plot_log(workdir / "log.jsonl", ROOT / "scripts" / "results" / f"{tag}-loss.png", tag)
@@ -169,7 +205,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     EE.save_head(head, target, str(out), dtype=jnp.bfloat16 if is_zoo else None, extra={
-        "steps": meta["step"], "train_minutes": round(meta["elapsed_s"] / 60, 1), "gen_share": args.gen_share,
+        "steps": meta["step"], "train_minutes": round(meta["elapsed_s"] / 60, 1), "gen_share": own,
         "heldout": {k: round(v, 4) for k, v in last.items() if k.startswith("heldout")},
         "command": "python scripts/train_eesd.py " + " ".join(sys.argv[1:] if argv is None else argv)})
     print(f"saved the head to {out}: held-out {last}")
