@@ -39,9 +39,10 @@ class EESD(Strategy):
 
     head: an `EarlyExitHead` (`jspec.drafters.early_exit.load_head` / `init_head`; it names the target layer N it
     exits at and is checked against the target). controller: "beta" (`BetaTS()`), "cali" (`CaliTS` with the
-    head's own calibration predictor), an int k (`FixedK(k)`) or any controller object. k_max: the longest draft (the static buffer). tree: None drafts a chain; a tree (a name or
-    child-rank paths, as `Tree` takes) drafts that tree down to the controller's depth (greedy: the longest
-    matching path wins). rule: as `Chain`'s.
+    head's own calibration predictor), an int k (`FixedK(k)`), any controller object, or None (no controller:
+    every round drafts k_max). k_max: the longest draft (the static buffer). tree: None drafts a chain; a tree (a
+    name or child-rank paths, as `Tree` takes) drafts that tree down to the controller's depth (greedy: the
+    longest matching path wins). rule: as `Chain`'s.
     """
 
     head: EarlyExitHead
