@@ -238,6 +238,20 @@ def markdown(rows, lengths, scatter) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bar_panels(axes, rows, groups, names) -> None:
+    """Two bar panels on `axes`: tau and the speedup over AR of each strategy in `names`, per (pair, scenario)."""
+    w = 0.8 / len(names)
+    for ax, (key, label) in zip(axes, (("tau", "accepted drafts per round (tau)"), ("speedup", "decode speedup over AR"))):
+        for i, n in enumerate(names):
+            vals = [next((r[key] for r in rows if (r["pair"], r["scenario"]) == g and r["strategy"] == n), 0)
+                    for g in groups]
+            ax.bar(np.arange(len(groups)) + i * w, vals, w, label=n)
+        ax.set_xticks(np.arange(len(groups)) + 0.4 - w / 2, [f"{p}\n{s}" for p, s in groups], fontsize=8)
+        ax.set_title(label)
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[0].legend(fontsize=7)
+
+
 def plot(rows, lengths, scatter, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -246,18 +260,7 @@ def plot(rows, lengths, scatter, path: str) -> None:
     groups = sorted({(r["pair"], r["scenario"]) for r in rows})
     names = [n for n, _ in cases(None, pruning=any(r["pair"] == "zoo video" for r in rows))][1:]
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    w = 0.8 / len(names)
-    for j, (key, label) in enumerate((("tau", "accepted drafts per round (tau)"), ("speedup", "decode speedup over AR"))):
-        ax = axes[0, j]
-        for i, n in enumerate(names):
-            vals = [next((r[key] for r in rows if (r["pair"], r["scenario"]) == g and r["strategy"] == n), 0)
-                    for g in groups]
-            ax.bar(np.arange(len(groups)) + i * w, vals, w, label=n)
-        ax.set_xticks(np.arange(len(groups)) + 0.4 - w / 2, [f"{p}\n{s}" for p, s in groups], fontsize=8)
-        ax.set_title(label)
-        if key == "speedup":
-            ax.axhline(1.0, color="k", lw=0.8)
-    axes[0, 0].legend(fontsize=7)
+    bar_panels(axes[0], rows, groups, names)
     ax = axes[1, 0]
     for pname in sorted({x["pair"] for x in lengths}):
         xs = [x for x in lengths if x["pair"] == pname]
@@ -290,16 +293,7 @@ def plot_controls(rows, path: str) -> None:
     groups = list(dict.fromkeys((r["pair"], r["scenario"]) for r in rows))
     names = [n for n, _ in controls(None)][1:]
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
-    w = 0.8 / len(names)
-    for ax, (key, label) in zip(axes, (("tau", "accepted drafts per round (tau)"), ("speedup", "decode speedup over AR"))):
-        for i, n in enumerate(names):
-            vals = [next((r[key] for r in rows if (r["pair"], r["scenario"]) == g and r["strategy"] == n), 0)
-                    for g in groups]
-            ax.bar(np.arange(len(groups)) + i * w, vals, w, label=n)
-        ax.set_xticks(np.arange(len(groups)) + 0.4 - w / 2, [f"{p}\n{s}" for p, s in groups], fontsize=8)
-        ax.set_title(label)
-    axes[1].axhline(1.0, color="k", lw=0.8)
-    axes[0].legend(fontsize=7)
+    bar_panels(axes, rows, groups, names)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
