@@ -58,21 +58,14 @@ def data_streams(path: str, batch: int, seq_len: int, start: int):
     from jspec import self_data as SD
 
     seqs, starts = SD.sequences(SD.read(path))
-    if len(seqs) < 2:
-        raise SystemExit(f"{path} holds {len(seqs)} answered records: write the data first "
-                         "(scripts/make_self_data.py)")
-    longest = max(len(q) for q in seqs)
-    if longest > seq_len:  # packing would cut them, and with them the answers' ends
-        over = sum(len(q) > seq_len for q in seqs)
-        raise SystemExit(f"{over} of {len(seqs)} records of {path} are longer than --seq-len {seq_len} (the longest: "
-                         f"{longest} tokens): pass --seq-len {longest} or more")
+    try:
+        stream, held = EST.answer_streams(seqs, starts, batch, seq_len, start)
+    except ValueError as e:
+        raise SystemExit(f"{path}: {e} (write the data with scripts/make_self_data.py; --seq-len sets seq_len)")
     cut = max(1, len(seqs) // 20)
-    train, held = (seqs[:-cut], starts[:-cut]), (seqs[-cut:], starts[-cut:])
-    stream = EST.pack(train[0], batch, seq_len, start, train[1])
-    held_batches = [b for b, _ in (next(it) for it in [EST.pack(held[0], batch, seq_len, 0, held[1])] * 4)]
     print(f"{path}: {len(seqs)} answered prompts ({len(seqs) - cut} train, {cut} held out), "
           f"{int(sum(len(q) - st for q, st in zip(seqs, starts)))} answer tokens")
-    return stream, held_batches
+    return stream, held
 
 
 def zoo_open_stream(batch: int, seq_len: int, seed: int, start: int, split: str = "train"):

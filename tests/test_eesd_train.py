@@ -23,6 +23,20 @@ def test_pack_weights_next_tokens_of_the_continuation():
     assert nxt == 4
 
 
+def test_answer_streams_hold_out_the_last_sequences_and_refuse_what_packing_would_cut():
+    seqs = [np.arange(i, i + 5 + i % 3) for i in range(40)]  # prompt + answer, the answer from position 3
+    starts = [3] * 40
+    stream, held = EST.answer_streams(seqs, starts, 2, 8, held_batches=2)
+    train_ids = {int(x) for _ in range(30) for x in next(stream)[0]["input_ids"][:, 0]}
+    held_ids = {int(x) for b in held for x in b["input_ids"][:, 0]}
+    assert held_ids == {38, 39} and not held_ids & train_ids  # the last 5% (2 of 40), apart from the training rows
+    assert all(b["weights"][:, :2].sum() == 0 and b["weights"].sum() > 0 for b in held)  # answers only
+    with pytest.raises(ValueError, match="longer than seq_len 6 .*use a seq_len of 7"):
+        EST.answer_streams(seqs, starts, 2, 6)
+    with pytest.raises(ValueError, match="at least 2"):
+        EST.answer_streams(seqs[:1], starts[:1], 2, 8)
+
+
 def test_training_lowers_the_loss_and_reads_the_targets_own_states():
     target, _ = tiny_pair()
     head = EE.init_head(target, exit_layer=1, num_layers=1)

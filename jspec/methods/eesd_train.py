@@ -141,6 +141,24 @@ def pack(seqs: Sequence[np.ndarray], batch_size: int, seq_len: int, start: int =
         yield b, i
 
 
+def answer_streams(seqs: Sequence[np.ndarray], starts: Sequence[int], batch_size: int, seq_len: int, start: int = 0,
+                   held_batches: int = 4) -> tuple[Iterator[tuple[dict, int]], list[dict]]:
+    """(train stream, held-out batches) of prompt + answer sequences whose answers start at `starts` (answers
+    weighted; the last 5% of the sequences held out, at least one). ValueError for fewer than two sequences or
+    for one longer than `seq_len` (packing would cut its answer)."""
+    if len(seqs) < 2:
+        raise ValueError(f"{len(seqs)} answered sequences: at least 2 are needed (one is held out)")
+    longest = max(len(q) for q in seqs)
+    if longest > seq_len:
+        over = sum(len(q) > seq_len for q in seqs)
+        raise ValueError(f"{over} of {len(seqs)} sequences are longer than seq_len {seq_len} (the longest: "
+                         f"{longest} tokens): use a seq_len of {longest} or more")
+    cut = max(1, len(seqs) // 20)
+    stream = pack(seqs[:-cut], batch_size, seq_len, start, starts[:-cut])
+    held = pack(seqs[-cut:], batch_size, seq_len, 0, starts[-cut:])
+    return stream, [next(held)[0] for _ in range(held_batches)]
+
+
 def mix(a: Iterator[tuple[dict, int]], b: Iterator[tuple[dict, int]] | None, share_b: float
         ) -> Iterator[tuple[dict, tuple[int, int], int]]:
     """Batches whose first rows come from `a` and the last round(share_b * B) from `b`; yields (batch, (a's next
