@@ -82,19 +82,16 @@ def chat_ids(tokenizer, messages: list[dict]) -> np.ndarray:
     return np.asarray(ids, np.int32).reshape(-1)
 
 
-def eos_ids(tokenizer) -> tuple[int, ...]:
-    return tuple(int(x) for x in np.atleast_1d(tokenizer.eos_token_id))
-
-
 def write_prompts(model, tokenizer, batch: list[dict], key, max_new: int = 96, temperature: float = 0.7
                   ) -> list[str | None]:
     """The model's written prompt for each seed of `batch` (`clean`ed; None when dropped)."""
     import jspec
+    from jspec.api import eos_ids
 
     asks = [chat_ids(tokenizer, [{"role": "user", "content": KINDS[s["kind"]].format(topic=s["topic"])}])
             for s in batch]
     out = jspec.decode(model, asks, max_new_tokens=max_new, temperature=temperature, key=key,
-                       eos_token_id=eos_ids(tokenizer))
+                       eos_token_id=eos_ids(model, tokenizer.eos_token_id))
     return [clean(tokenizer.decode(out.tokens[b, :out.lengths[b]], skip_special_tokens=True))
             for b in range(len(batch))]
 
@@ -119,6 +116,7 @@ def make(model, tokenizer, path: str, n: int, max_new: int = 256, greedy_first: 
     """Writes (or completes) the n-seed data file at `path` (module docstring) and returns its records."""
     import jax
 
+    from jspec.api import eos_ids
     from jspec.methods.eesd_train import self_distillation_texts
 
     have = read(path)
@@ -139,7 +137,7 @@ def make(model, tokenizer, path: str, n: int, max_new: int = 256, greedy_first: 
         live = [i for i, p in enumerate(prompts) if p is not None]
         asks = [chat_ids(tokenizer, [{"role": "user", "content": prompts[i]}]) for i in live]
         seqs = self_distillation_texts(model, asks, max_new, greedy_first, key=jax.random.fold_in(ck, 1),
-                                       eos_token_id=eos_ids(tokenizer), batch_size=len(asks) or 1,
+                                       eos_token_id=eos_ids(model, tokenizer.eos_token_id), batch_size=len(asks) or 1,
                                        progress=False) if asks else []
         got = dict(zip(live, zip(asks, seqs)))
         new = []
