@@ -61,15 +61,15 @@ class Step:
     title: str
 
 
-STEPS = (
-    Step("attention", 80, "jspec.bench_gpu:step_attention",
+STEPS = (  # budgets from the 2026-11-27 H200 run: what each step used, and what the steps it skipped needed
+    Step("attention", 85, "jspec.bench_gpu:step_attention",
          "cuDNN vs blockwise prefill attention; a first decode with and without compile-ahead"),
-    Step("ar-7b", 65, "jspec.bench_gpu:step_ar", "AR on a random 7B LLaMA, bf16, against the HBM floor (batch 1, 8)"),
-    Step("methods", 160, "jspec.bench_gpu:step_methods",
+    Step("ar-7b", 40, "jspec.bench_gpu:step_ar", "AR on a random 7B LLaMA, bf16, against the HBM floor (batch 1, 8)"),
+    Step("methods", 200, "jspec.bench_gpu:step_methods",
          "strategies and methods on SmolLM2-135M-Instruct and the zoo pairs: tau, speedup, greedy == AR"),
-    Step("paper", 115, "jspec.bench_gpu:step_paper",
+    Step("paper", 110, "jspec.bench_gpu:step_paper",
          "the papers' regime by cost: AR step, verify of k tokens, draft steps; predicted speedups"),
-    Step("long", 90, "jspec.bench_gpu:step_long", "7B bf16 prefill at 16k and 32k tokens; Qwen2.5-VL-7B video, 12.5k"),
+    Step("long", 75, "jspec.bench_gpu:step_long", "7B bf16 prefill at 16k and 32k tokens; Qwen2.5-VL-7B video, 12.5k"),
     Step("train", 30, "jspec.bench_gpu:step_train", "EESD (13B shape) and EAGLE head (Lumina-7B shape) training steps"),
 )
 
@@ -177,10 +177,11 @@ def plan_lines(plan: list[Step], scale: float, dry: bool) -> list[str]:
 def run(steps: str | list[Step] | None = None, out_dir: str | None = None, dry_run: bool = False,
         budget_scale: float = 1.0, isolate: bool = True, opts: dict | None = None,
         after_step: Callable[[str, list], None] | None = None, env: dict | None = None) -> dict:
-    """Run the steps in order, each under its budget, rewriting `<out_dir>/gpu[-dry]-<date>.{json,md,png}` after
-    each; returns the result. The steps an earlier call of the same day wrote there and this one does not run are
-    kept (marked "earlier"), so that a second call adds to the first. `after_step(name, files)` is called after
-    each write (tests)."""
+    """Run the steps in order, each under its budget plus what the steps before it left unspent (so the plan's sum
+    bounds the whole run, and a step that skips or ends early hands its time on), rewriting
+    `<out_dir>/gpu[-dry]-<date>.{json,md,png}` after each; returns the result. What an earlier call of the same day
+    wrote there and this one does not measure is kept (`merge_earlier`), so that a second call adds to the first.
+    `after_step(name, files)` is called after each write (tests)."""
     plan = steps if isinstance(steps, list) else select(steps)
     if budget_scale <= 0:
         raise ValueError(f"budget scale must be > 0, got {budget_scale}")
@@ -196,30 +197,37 @@ def run(steps: str | list[Step] | None = None, out_dir: str | None = None, dry_r
                         "budget_s": s.budget_s * budget_scale} for i, s in enumerate(plan)],
               "steps": {}}
     earlier = _read_part(stem + ".json")
-    names = {s.name for s in plan}
-    for p in earlier.get("plan", []):
-        if p["name"] not in names and p["name"] in earlier.get("steps", {}):
-            result["plan"].append(p)
-            result["steps"][p["name"]] = {**earlier["steps"][p["name"]], "earlier": True}
-    result["plan"].sort(key=lambda p: p["step"])
+    merge_earlier(result, earlier)
+    this_call = {"argv": sys.argv[1:], "budget_scale": budget_scale, "seconds": 0.0, "steps": [s.name for s in plan]}
+    if earlier.get("steps"):  # the calls of the day, each with the steps it ran
+        em = earlier.get("meta", {})
+        result["meta"]["calls"] = em.get("calls") or [
+            {"argv": em.get("argv", []), "budget_scale": em.get("budget_scale", 1), "seconds": em.get("seconds", 0),
+             "steps": [n for n, st in earlier["steps"].items() if not st.get("earlier")]}]
+        result["meta"]["calls"].append(this_call)
     print("\n".join(plan_lines(plan, budget_scale, dry_run)), flush=True)
     work = tempfile.mkdtemp(prefix="jspec-bench-gpu-")
     files = write(result, stem)  # the plan, before anything runs
     t_all = time.time()
+    planned = 0.0  # seconds from t_all by which the steps so far were to end
     for i, step in enumerate(plan):
-        budget = DRY_BUDGET_S if dry_run else step.budget_s * budget_scale
-        part = os.path.join(work, f"{step.name}.json")
-        print(f"\n[{i + 1}/{len(plan)}] {step.name} (budget {budget:.0f} s): {step.title}", flush=True)
+        own = DRY_BUDGET_S if dry_run else step.budget_s * budget_scale
+        planned += own
         t0 = time.time()
+        budget = own if dry_run else max(planned - (t0 - t_all), own)
+        part = os.path.join(work, f"{step.name}.json")
+        extra = f" ({budget - own:+.0f} s from the steps before)" if round(budget - own) else ""
+        print(f"\n[{i + 1}/{len(plan)}] {step.name} (budget {budget:.0f} s{extra}): {step.title}", flush=True)
         go = _run_isolated if isolate else _run_inline
         status, error = go(step, part, t0 + budget, dry_run, stem + ".json", opts or {}, env or {})
         data = _read_part(part)
         if status == "ok" and data.get("skipped"):
             status = "partial"
         error = error or data.pop("error", None)
-        result["steps"][step.name] = {"status": status, "seconds": round(time.time() - t0, 1), "budget_s": budget,
-                                      **({"error": error} if error else {}), **data}
-        result["meta"]["seconds"] = round(time.time() - t_all, 1)
+        result["steps"][step.name] = {"status": status, "seconds": round(time.time() - t0, 1),
+                                      "budget_s": round(budget, 1), **({"error": error} if error else {}), **data}
+        merge_earlier(result, earlier)
+        result["meta"]["seconds"] = this_call["seconds"] = round(time.time() - t_all, 1)
         files = write(result, stem)
         if after_step is not None:
             after_step(step.name, files)
@@ -230,6 +238,51 @@ def run(steps: str | list[Step] | None = None, out_dir: str | None = None, dry_r
     print("wrote " + ", ".join(files), flush=True)
     result["files"] = files
     return result
+
+
+def merge_earlier(result: dict, earlier: dict) -> None:
+    """Fold an earlier call of the same day into `result` (in place): its steps this call does not run (marked
+    "earlier"); when both ran the methods step, the earlier rows, notes and skips of the pairs this call measured
+    nothing of (each row marked "call": "earlier"); and when the paper step is the earlier one while step 3 ran
+    now, its predictions made again from its recorded costs and the merged step 3 (`repredict`)."""
+    steps = earlier.get("steps", {})
+    planned = {p["name"] for p in result["plan"]}
+    for p in earlier.get("plan", []):
+        if p["name"] not in planned and p["name"] in steps:
+            result["plan"].append(p)
+            result["steps"][p["name"]] = {**steps[p["name"]], "earlier": True}
+    result["plan"].sort(key=lambda p: p["step"])
+    now, before = result["steps"].get("methods"), steps.get("methods")
+    if now and not now.get("earlier") and before and not now.get("merged"):
+        tables = now.setdefault("tables", {})
+        ours = {r["pair"] for r in tables.get("rows", [])}
+        mine = lambda text: any(text.startswith(p + ":") or text == f"pair {p}" for p in ours)  # noqa: E731
+        kept = [{**r, "call": "earlier"} for r in before.get("tables", {}).get("rows", []) if r["pair"] not in ours]
+        if kept:
+            tables["rows"] = kept + tables.get("rows", [])
+            now["notes"] = [n for n in before.get("notes", []) if not mine(n)] + now.get("notes", [])
+            now["skipped"] = [n for n in before.get("skipped", []) if not mine(n)] + now.get("skipped", [])
+            now["merged"] = (f"rows of {sorted({r['pair'] for r in kept})} from an earlier call of the same day")
+            now["headline"] = methods_headline(tables["rows"])
+    paper = result["steps"].get("paper")
+    if paper and paper.get("earlier") and now and not now.get("earlier") and not paper.get("repredicted"):
+        repredict(result)
+
+
+def repredict(result: dict) -> None:
+    """The paper step's methods table made again (in place) from its recorded costs and the result's step 3 rows
+    (then the recorded GPU runs', as `measured_rows`): the same arithmetic the step does, over the same costs."""
+    paper = result["steps"]["paper"]
+    costs = {(c["shape"], c["k"]): c["ms"] / 1e3 for c in paper.get("tables", {}).get("costs", [])}
+    by: dict = {}
+    for r in result["steps"].get("methods", {}).get("tables", {}).get("rows", []):
+        if r.get("tau") is not None:
+            by.setdefault((r["pair"].split(" (stand-in")[0], r["strategy"]), {**r, "source": "this day's run"})
+    if not result["meta"].get("dry_run"):
+        for key, row in measured_rows(Recorder(os.devnull, 0, False)).items():
+            by.setdefault(key, row)
+    paper.setdefault("tables", {})["methods"] = method_rows(costs, by)
+    paper["repredicted"] = "predictions made again from the recorded costs after a later call's step 3"
 
 
 def _read_part(path: str) -> dict:
@@ -330,8 +383,12 @@ def markdown(result: dict) -> str:
     dev = next((s["device"] for s in result["steps"].values() if s.get("device")), {})
     out = [f"# jspec bench gpu, {m['date']}" + (" (dry run on the CPU: the numbers mean nothing)" if m["dry_run"]
                                                  else ""), "",
-           f"{dev.get('kind', 'device unknown')}, jax {dev.get('jax', '?')}; budgets x{m['budget_scale']:g}, "
-           f"{m.get('seconds', 0):.0f} s in all.", "", *summary_lines(result)]
+           f"{dev.get('kind', 'device unknown')}, jax {dev.get('jax', '?')}; "
+           + (f"{len(m['calls'])} calls" if m.get("calls") else f"budgets x{m['budget_scale']:g}")
+           + f", {m.get('seconds', 0):.0f} s in all.", *([""] + [
+               f"- call {i + 1}: `{' '.join(c['argv'])}` (budgets x{c['budget_scale']:g}, "
+               f"{c['seconds']:.0f} s): {', '.join(c['steps'])}" for i, c in enumerate(m.get("calls", []))]
+               if m.get("calls") else []), "", *summary_lines(result)]
     for p in result["plan"]:
         s = result["steps"].get(p["name"])
         if not s:
@@ -339,7 +396,7 @@ def markdown(result: dict) -> str:
         out += ["", f"## {p['step']}. {p['name']}: {p['title']}", "",
                 f"{s['status']}, {s['seconds']:.0f} s of {s['budget_s']:.0f}"
                 + (f"; error: {s['error']}" if s.get("error") else "")]
-        for key in ("headline",):
+        for key in ("headline", "merged", "repredicted"):
             if s.get(key):
                 out += ["", s[key]]
         for name, rows in s.get("tables", {}).items():
@@ -665,14 +722,17 @@ def step_methods(rec: Recorder) -> None:
         if pair.note:
             rec.note(f"{pair.name}: {pair.note}")
         compiles += _measure_pair(rec, pair)
-    rows = rec.data["tables"].get("rows", [])
+    rec.put(headline=methods_headline(rec.data["tables"].get("rows", [])))
+
+
+def methods_headline(rows: list[dict]) -> str:
     best = sorted((r for r in rows if r["strategy"] != "AR" and r.get("wall_speedup")),
                   key=lambda r: -r["wall_speedup"])[:3]
     bad = [r for r in rows if r.get("verdict", "").startswith("DIFFERS")]
-    rec.put(headline=(f"{len(rows)} rows; best wall speedups: " + ", ".join(
+    return (f"{len(rows)} rows; best wall speedups: " + ", ".join(
         f"{r['pair']} {r['strategy']} {r['wall_speedup']}x (tau {r['tau']})" for r in best)
         + (f"; {len(bad)} greedy rows differ from AR beyond near-ties" if bad else "; greedy rows equal AR's "
-           "(or near-ties)")))
+           "(or near-ties)"))
 
 
 PAIR_NAMES = ("SmolLM2-135M-Instruct", "zoo text", "zoo image", "zoo video", "zoo text-to-image", "random damped 7B")

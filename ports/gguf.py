@@ -264,15 +264,46 @@ def convert_gguf(source, out_dir: str, dtype=None, progress: bool = False) -> tu
     return convert_stream(stream_gguf(reader, dtype, progress), path, out_dir, dtype, progress)
 
 
+# llama.cpp's tokenizer metadata keys (under "tokenizer.") -> the names transformers' GGUF tokenizer converter reads
+# ("tokenizer") and the tokenizer constructor's kwargs ("tokenizer_config").
+TOKENIZER_KEYS = {
+    "tokenizer": {
+        "ggml.model": "tokenizer_type", "ggml.pre": "pre_tokenizer_type", "ggml.tokens": "tokens",
+        "ggml.scores": "scores", "ggml.token_type": "token_type", "ggml.merges": "merges",
+        "ggml.precompiled_charsmap": "precompiled_charsmap", "ggml.bos_token_id": "bos_token_id",
+        "ggml.eos_token_id": "eos_token_id", "ggml.unknown_token_id": "unk_token_id",
+        "ggml.padding_token_id": "pad_token_id", "ggml.add_space_prefix": "add_prefix_space",
+    },
+    "tokenizer_config": {
+        "chat_template": "chat_template", "ggml.add_bos_token": "add_bos_token",
+        "ggml.add_eos_token": "add_eos_token",
+    },
+}
+
+
+def _tokenizer_converter():
+    """transformers' `convert_gguf_tokenizer(architecture, vocab) -> (backend, kwargs)`, wherever this version keeps
+    it (`integrations.gguf.gguf_tokenizer_mapping` from 5.23, `integrations.ggml` before)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+        try:
+            from transformers.integrations.ggml import convert_gguf_tokenizer
+        except ImportError as e:
+            import transformers
+
+            raise ImportError(f"transformers {transformers.__version__} has no GGUF tokenizer converter "
+                              f"(convert_gguf_tokenizer); jspec pins transformers==5.23.0") from e
+    return convert_gguf_tokenizer
+
+
 def _tokenizer_fields(reader, path: str) -> tuple[dict, dict]:
     """(the vocabulary dict transformers' GGUF tokenizer converter takes, tokenizer constructor kwargs)."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
-
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ValueError(f"{path}: holds no tokenizer (no tokenizer.ggml.tokens metadata)")
     groups = {group: {name: _meta(reader, f"tokenizer.{key}", path) for key, name in renames.items()
                       if f"tokenizer.{key}" in reader.fields}
-              for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+              for group, renames in TOKENIZER_KEYS.items()}
     vocab, kwargs = groups["tokenizer"], groups["tokenizer_config"]
     if vocab.get("tokenizer_type") == "llama":  # a sentencepiece vocabulary: llama.cpp adds BOS unless told not to
         kwargs.setdefault("add_bos_token", True)
@@ -287,9 +318,9 @@ def tokenizer_from_gguf(source):
     holds one: the tokenizer `AutoTokenizer.from_pretrained(dir, gguf_file=name)` builds, without importing torch
     (transformers' GGUF reader does). ValueError when the file holds no tokenizer."""
     import transformers
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
+    convert_gguf_tokenizer = _tokenizer_converter()
     reader, path = _as_reader(source)
     vocab, kwargs = _tokenizer_fields(reader, path)
     backend, extra = convert_gguf_tokenizer(_meta(reader, "general.architecture", path), vocab)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs, **extra)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **kwargs})  # the file's ids win

@@ -58,31 +58,79 @@ def fake_after(rec):
 
 
 def test_a_failing_or_hanging_step_loses_only_itself(tmp_path):
-    steps = [BG.Step(n, budget, f"test_bench_gpu:fake_{n}", n) for n, budget in
-             (("ok", 60), ("raises", 60), ("hangs", 8), ("after", 60))]
+    steps = [BG.Step(n, budget, f"test_bench_gpu:fake_{n}", n) for n, budget in  # the hang first: nothing carried
+             (("hangs", 8), ("ok", 60), ("raises", 60), ("after", 60))]
     snaps = []
     t0 = time.time()
     res = BG.run(steps, str(tmp_path), env={"PYTHONPATH": HERE},
                  after_step=lambda name, files: snaps.append((name, json.load(open(files[0])))))
     st = res["steps"]
-    assert {n: s["status"] for n, s in st.items()} == {"ok": "ok", "raises": "failed", "hangs": "timed out",
+    assert {n: s["status"] for n, s in st.items()} == {"hangs": "timed out", "ok": "ok", "raises": "failed",
                                                       "after": "ok"}
     assert "RuntimeError: boom" in st["raises"]["error"]
     assert st["raises"]["tables"]["rows"] == [{"x": 2}] and st["hangs"]["tables"]["rows"] == [{"x": 3}]
     assert st["hangs"]["seconds"] < 8 + 2 and time.time() - t0 < 60  # killed at its budget
     assert st["after"]["headline"] == "ran after the hang"
     # the file is rewritten after each step, holding every step so far
-    assert [n for n, _ in snaps] == ["ok", "raises", "hangs", "after"]
+    assert [n for n, _ in snaps] == ["hangs", "ok", "raises", "after"]
     for i, (_, snap) in enumerate(snaps):
-        assert list(snap["steps"]) == ["ok", "raises", "hangs", "after"][:i + 1]
+        assert list(snap["steps"]) == ["hangs", "ok", "raises", "after"][:i + 1]
     md = open(res["files"][1]).read()
     assert "timed out" in md and "boom" in md and "ran after the hang" in md
     # a second call the same day adds to the first: its steps rerun, the others kept as they were
-    again = BG.run([steps[0]], str(tmp_path), isolate=False)
+    again = BG.run([steps[1]], str(tmp_path), isolate=False)
     assert {n: (s["status"], s.get("earlier", False)) for n, s in again["steps"].items()} == {
-        "ok": ("ok", False), "raises": ("failed", True), "hangs": ("timed out", True), "after": ("ok", True)}
-    assert [p["name"] for p in again["plan"]] == ["ok", "raises", "hangs", "after"]
+        "hangs": ("timed out", True), "ok": ("ok", False), "raises": ("failed", True), "after": ("ok", True)}
+    assert sorted(p["name"] for p in again["plan"]) == ["after", "hangs", "ok", "raises"]
     assert "timed out (earlier call)" in open(again["files"][1]).read()
+    assert [c["steps"] for c in again["meta"]["calls"]] == [["hangs", "ok", "raises", "after"], ["ok"]]
+
+
+def fake_left(rec):
+    rec.put(left=rec.left())
+
+
+def test_unspent_budget_passes_to_the_next_steps(tmp_path):
+    """A step that ends early hands its time on: the next step's deadline is the plan's cumulative one, so the
+    whole run stays within the budgets' sum."""
+    steps = [BG.Step("quick", 20, "test_bench_gpu:fake_after", "quick"),
+             BG.Step("left", 2, "test_bench_gpu:fake_left", "left")]
+    res = BG.run(steps, str(tmp_path), isolate=False)
+    st = res["steps"]
+    assert st["quick"]["budget_s"] == 20 and 18 < st["left"]["budget_s"] <= 22
+    assert 15 < st["left"]["left"] <= 22 - BG.MARGIN_S  # the step saw the carried time as its own
+
+
+def test_a_later_call_keeps_the_earlier_pairs_and_predicts_again():
+    """Step 3 rerun for some pairs keeps the earlier call's rows of the others (marked), their notes and skips, and
+    an earlier paper step's predictions are made again from its recorded costs with the merged taus."""
+    earlier = {"plan": [{"step": 3, "name": "methods"}, {"step": 4, "name": "paper"}], "steps": {
+        "methods": {"status": "partial", "tables": {"rows": [
+            {"pair": "zoo text", "strategy": "AR", "tau": 1.0, "wall_speedup": 1.0},
+            {"pair": "zoo text", "strategy": "Chain g=5", "tau": 4.75, "wall_speedup": 0.77}]},
+            "notes": ["SmolLM2-135M-Instruct: not run (ImportError: x)"],
+            "skipped": ["zoo text: DynamicTree 6x10/60", "pair zoo image"]},
+        "paper": {"status": "partial", "tables": {"costs": [
+            {"shape": "llama-2-7b", "k": 1, "ms": 4.0}, {"shape": "llama-2-7b", "k": 6, "ms": 4.4},
+            {"shape": "llama-68m x2", "k": 1, "ms": 0.1}, {"shape": "llama-68m", "k": 1, "ms": 0.15}]}}}}
+    result = {"meta": {"dry_run": True}, "plan": [{"step": 3, "name": "methods"}], "steps": {
+        "methods": {"status": "ok", "tables": {"rows": [
+            {"pair": "zoo image", "strategy": "AR", "tau": 1.0, "wall_speedup": 1.0},
+            {"pair": "zoo image", "strategy": "TABED MT*", "tau": 2.25, "wall_speedup": 0.5}]},
+            "notes": [], "skipped": []}}}
+    BG.merge_earlier(result, earlier)
+    m, p = result["steps"]["methods"], result["steps"]["paper"]
+    assert [(r["pair"], r["strategy"], r.get("call")) for r in m["tables"]["rows"]] == [
+        ("zoo text", "AR", "earlier"), ("zoo text", "Chain g=5", "earlier"), ("zoo image", "AR", None),
+        ("zoo image", "TABED MT*", None)]
+    assert m["notes"] == ["SmolLM2-135M-Instruct: not run (ImportError: x)"]
+    assert m["skipped"] == ["zoo text: DynamicTree 6x10/60"]  # zoo image was measured now
+    assert "4 rows" in m["headline"] and "zoo text Chain g=5 0.77x" in m["headline"]
+    assert p["earlier"] and p["repredicted"]
+    tabed = next(r for r in p["tables"]["methods"] if r["method"] == "TABED MT*")
+    assert tabed["tau"] == 2.25 and tabed["predicted"] == pytest.approx(2.25 * 4.0 / (4.4 + 5 * 0.1), rel=1e-2)
+    BG.merge_earlier(result, earlier)  # idempotent
+    assert len(m["tables"]["rows"]) == 4
 
 
 # ------------------------------------------------------------------------------------------------ the dry run

@@ -271,6 +271,35 @@ def test_tokenizer_matches_transformers(tok_file, f32_file):
         ports.tokenizer_from_gguf(str(f32_file))
 
 
+def test_tokenizer_keys_and_older_transformers(tok_file, monkeypatch):
+    """The tokenizer key table is transformers' (where it has one); where a transformers version keeps the converter
+    at `integrations.ggml` (5.17: the GPU machine's) the tokenizer is built from there, with the file's special
+    tokens winning over the converter's extra kwargs; with neither, the error names the version."""
+    import sys
+    import transformers.integrations.ggml as ggml
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as new
+
+    assert GF.TOKENIZER_KEYS == new.GGUF_TOKENIZER_MAPPING
+    path, _ = tok_file
+    text = "hello, hello\nworld!"
+    expected = ports.tokenizer_from_gguf(str(path))(text)["input_ids"]
+    real = new.convert_gguf_tokenizer
+    seen = []
+
+    def old_style(arch, vocab):  # as 5.17's converter: its kwargs repeat a special token, with another value
+        seen.append(arch)
+        backend, extra = real(arch, vocab)
+        return backend, {**extra, "eos_token": "<unk>"}
+
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.gguf_tokenizer_mapping", None)
+    monkeypatch.setattr(ggml, "convert_gguf_tokenizer", old_style, raising=False)
+    tok = ports.tokenizer_from_gguf(str(path))
+    assert seen == ["llama"] and tok(text)["input_ids"] == expected and tok.eos_token == "<|im_end|>"
+    monkeypatch.delattr(ggml, "convert_gguf_tokenizer")
+    with pytest.raises(ImportError, match=r"transformers \S+ has no GGUF tokenizer converter"):
+        ports.tokenizer_from_gguf(str(path))
+
+
 def test_cli_convert_gguf_then_decode(tok_file, tmp_path, capsys):
     """`jspec convert model.gguf OUT` writes the checkpoint and the tokenizer: `jspec decode --model OUT --prompt`
     then gives the tokens jspec.decode gives on the GGUF model (the checkpoint's EOS is the file's)."""
