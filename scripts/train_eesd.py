@@ -7,7 +7,7 @@
         --exit-layer 3 --seq-len 512 --minutes 60 --resume                               # a registered model
 
 The head: `--layers` decoder layers initialised from the target's last ones (0: the head-only ablation), the final
-norm and an untied LM head initialised from the target's. Data: open text (a zoo target: the answers of the zoo's
+norm and an untied LM head initialised from the target's (`--share-lm-head`: none; the target's, frozen). Data: open text (a zoo target: the answers of the zoo's
 own text tasks, the text a zoo model is trained to write; otherwise --texts, a JSON-lines file of {"text": ...})
 mixed with the target's own generations for prompts of the
 same data (`--gen-share` of each batch's rows, the continuations weighted; the first --greedy-first tokens greedy, the rest sampled: the
@@ -104,6 +104,8 @@ def main(argv=None) -> None:
     ap.add_argument("--target", required=True, help="a zoo model name or an HF checkpoint directory")
     ap.add_argument("--exit-layer", type=int, required=True, help="N: the head reads the target after N layers")
     ap.add_argument("--layers", type=int, default=1, help="early-exit decoder layers (0: head only)")
+    ap.add_argument("--share-lm-head", action="store_true", help="no LM head of the head's own: draft and train "
+                                                                 "through the target's, frozen")
     ap.add_argument("--texts", default=None, help="open text, JSON lines of {'text': ...} (non-zoo targets)")
     ap.add_argument("--data", default=None, help="the target's self-written data (scripts/make_self_data.py), "
                                                   "instead of --texts and the generations")
@@ -133,22 +135,24 @@ def main(argv=None) -> None:
         raise SystemExit("--data is the target's own text: give it or --texts, not both")
     own = 1.0 if args.data else args.gen_share  # the share of the target's own text in each batch
     tag = f"{Path(args.target).name}-eesd-n{args.exit_layer}" + (f"-k{args.layers}" if args.layers != 1 else "") + (
-        "-open" if own == 0 else "")
+        "-open" if own == 0 else "") + ("-shared" if args.share_lm_head else "")
     workdir = Path(args.workdir or ROOT / "build" / "eesd" / tag).resolve()
     if workdir.exists() and not args.resume:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    head = EE.init_head(target, args.exit_layer, args.layers)
+    head = EE.init_head(target, args.exit_layer, args.layers, share_lm_head=args.share_lm_head)
     cfg, lm = EST.head_target_lm(target, head)
     tx = jt.adamw(weight_decay=0.0)
     state = {"params": head.params, "opt_state": tx.init(head.params)}
     meta = jt.new_meta(tag, args.seed, args.steps, args.lr, args.warmup, next_index=[0, 0],
-                       exit_layer=args.exit_layer, layers=args.layers, gen_share=own)
+                       exit_layer=args.exit_layer, layers=args.layers, gen_share=own,
+                       shares_lm_head=args.share_lm_head)
     if args.resume:
         state, meta, resumed = jt.resume(jt.Checkpoints(workdir), state, meta, args.steps, args.lr * 0.5)
         if resumed:
             print(f"resumed {tag} at step {meta['step']} from {workdir}")
-    print(f"{tag}: head {head.num_params / 1e6:.2f}M params ({args.layers} layer(s) + norm + LM head) on "
+    print(f"{tag}: head {head.num_params / 1e6:.2f}M params ({args.layers} layer(s) + norm"
+          f"{' (the target' + chr(39) + 's LM head, shared)' if args.share_lm_head else ' + LM head'}) on "
           f"{cfg.num_layers}-layer {args.target} exiting after layer {args.exit_layer}; workdir {workdir}")
 
     gen = gen_starts = None

@@ -71,10 +71,10 @@ register("two_views", lambda t, d: jspec.Speculative(TwoViews(ModelDrafter(d), M
          slow=True)  # tests/test_parts.py proves the two-view drafter greedy and exact in the default suite
 
 
-def eesd_head(target, num_layers=1):
+def eesd_head(target, num_layers=1, share_lm_head=False):
     """An early-exit head after the target's first layer, nudged off the target's own layers so that drafts are
     both accepted and rejected."""
-    head = init_head(target, exit_layer=1, num_layers=num_layers)
+    head = init_head(target, exit_layer=1, num_layers=num_layers, share_lm_head=share_lm_head)
     leaves, tree = jax.tree.flatten(head.params)
     keys = jax.random.split(jax.random.key(7), len(leaves))
     noisy = [a + 0.3 * jnp.std(a) * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)]
@@ -87,6 +87,8 @@ register("eesd_fixed_tree", lambda t, d: jspec.EESD(eesd_head(t), controller=2, 
          exact=True, separate_draft=False, target_layers=2, slow=True)
 register("eesd_head_only", lambda t, d: jspec.EESD(eesd_head(t, 0), controller=3, k_max=4), exact=True,
          separate_draft=False, target_layers=2, slow=True)
+register("eesd_shared_lm_head", lambda t, d: jspec.EESD(eesd_head(t, share_lm_head=True), k_max=4), exact=True,
+         separate_draft=False, target_layers=2, slow=True)  # tests/test_eesd.py proves it greedy in the default suite
 def cali_ts(target):
     """Cali-TS with a random predictor whose stop bits depend on the drafted tokens' head states (a draft length
     that depends on the drafts themselves: still exact)."""

@@ -71,6 +71,35 @@ def test_the_drafter_holds_only_its_own_layers_and_head(pair):
     assert EE.init_head(target, 1, 0).num_params == D + D * V   # the head-only ablation
 
 
+def test_a_head_sharing_the_target_lm_head(pair, tmp_path):
+    """`share_lm_head`: the head holds no LM head and drafts through the target's (a head of the target's layers 2-3
+    and norm over it is the target's own function: every draft accepted); it saves without `lm_head.weight`, loads
+    as shared, and its logits need the target's LM params."""
+    target, _ = pair
+    D = CFG.hidden_size
+    layer_bytes = sum(a.nbytes for a in jax.tree.leaves(target.params["layers"][0]))
+    tied = ports.random_model(dataclasses.replace(CFG, tie_word_embeddings=True), key=3, std=0.3)
+    for t in (target, tied):  # the target's untied LM head, and its embedding table (SmolLM2's case)
+        head = EE.init_head(t, exit_layer=1, num_layers=2, share_lm_head=True)
+        assert head.shares_lm_head and "lm_head" not in head.params
+        assert sum(a.nbytes for a in jax.tree.leaves(EE.EarlyExitDrafter(head))) == 2 * layer_bytes + 4 * D
+        ar = jspec.decode(t, PROMPTS, max_new_tokens=16, eos_token_id=())
+        out = jspec.decode(t, PROMPTS, jspec.EESD(head, controller=4, k_max=4), max_new_tokens=16, eos_token_id=())
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+        assert (out.stats["accepted"][:, :2] == 5).all(), out.stats["accepted"]
+    head = EE.init_head(target, exit_layer=1, num_layers=2, share_lm_head=True)
+    EE.save_head(head, target, str(tmp_path / "h"))
+    assert "lm_head.weight" not in EE.torch_state_dict(head, CFG)
+    back = EE.load_head(str(tmp_path / "h"), target)
+    assert back.shares_lm_head and back.num_params == head.num_params
+    with pytest.raises(ValueError, match="shares the target's LM head: pass"):
+        EE.head_logits(back.params, jnp.zeros((1, 1, D)))
+    with pytest.raises(ValueError, match=r"lack \['lm_head.weight'\]"):
+        EE.from_torch_state_dict(EE.torch_state_dict(head, CFG), CFG, 1, head.target)
+    with pytest.raises(ValueError, match="shares the target's LM head"):
+        EE.from_torch_state_dict(EE.torch_state_dict(EE.init_head(target, 1), CFG), CFG, 1, head.target, True)
+
+
 def test_bad_inputs_are_refused(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="out of range"):

@@ -70,6 +70,27 @@ def test_training_lowers_the_loss_and_reads_the_targets_own_states():
     assert EST.evaluate(eval_step, EE.init_head(target, 1, 0).params, lm, [batch])["heldout_agreement"] < 0.9
 
 
+def test_a_shared_lm_head_trains_without_touching_the_target():
+    """A head that shares the target's LM head trains its layers and norm only: the loss falls, the target's LM
+    params (its LM head among them) stay as they were, and the held-out metrics read the same head."""
+    target, _ = tiny_pair()
+    head = EE.init_head(target, exit_layer=1, num_layers=1, share_lm_head=True)
+    cfg, lm = EST.head_target_lm(target, head)
+    texts = EST.self_distillation_texts(target, PROMPTS, max_new_tokens=10, greedy_first=3, progress=False)
+    batch, _ = next(EST.pack(texts, 3, 32, starts=[len(p) for p in PROMPTS]))
+    tx = jt.adamw(0.0)
+    step, eval_step = EST.make_steps(cfg, 1, tx)
+    params, opt = head.params, tx.init(head.params)
+    before = jax.tree.map(np.asarray, lm)
+    first = float(EST.loss_fn(cfg, 1, params, lm, batch)[0])
+    for _ in range(30):
+        params, opt, m = step(params, opt, lm, batch, 3e-3)
+    assert "lm_head" not in params and float(EST.loss_fn(cfg, 1, params, lm, batch)[0]) < 0.7 * first
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(lm)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert EST.evaluate(eval_step, params, lm, [batch])["heldout_acc"] > 0.3
+
+
 @pytest.mark.parametrize("train", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["labels", "training"])
 def test_calibration_labels_and_training(train):
     """The predictor's labels are the head's greedy drafts judged by the target under teacher forcing; its pairs

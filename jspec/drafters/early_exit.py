@@ -2,7 +2,8 @@
 
 The head (`EarlyExitHead`) holds only what is new: k decoder layers of the target's family (initialised from the
 target's last k layers; k = 0 is the paper's head-only ablation), a final RMSNorm (from the target's) and an
-untied LM head [D, V] (from the target's). Drafting a token runs the target's layers 1..N on it, reading the
+untied LM head [D, V] (from the target's), or none: a head that shares the target's LM head (frozen, never
+copied) is a tenth of the size on a small-hidden, large-vocabulary target. Drafting a token runs the target's layers 1..N on it, reading the
 target's KV cache for every committed token (so the shared layers are never recomputed for them), then the head's
 layers over their own KV cache, the norm and the head.
 
@@ -87,7 +88,8 @@ def signature(target) -> TargetSig:
 @struct.dataclass
 class EarlyExitHead:
     """The trained part of an early-exit drafter: `params` = {"layers": [k decoder layers, run layout], "norm": [D],
-    "lm_head": [D, V]}; it exits the target after layer `exit_layer` (N, 1-based count of shared layers)."""
+    "lm_head": [D, V]} (no "lm_head": the head uses the target's, `shares_lm_head`); it exits the target after
+    layer `exit_layer` (N, 1-based count of shared layers)."""
 
     params: dict
     exit_layer: int = struct.field(pytree_node=False)
@@ -97,6 +99,10 @@ class EarlyExitHead:
     @property
     def num_layers(self) -> int:
         return len(self.params["layers"])
+
+    @property
+    def shares_lm_head(self) -> bool:
+        return "lm_head" not in self.params
 
     @property
     def num_params(self) -> int:
@@ -115,16 +121,17 @@ class EarlyExitHead:
                              f"target given is {sig.describe()}")
 
 
-def init_head(target, exit_layer: int, num_layers: int = 1, dtype=None) -> EarlyExitHead:
+def init_head(target, exit_layer: int, num_layers: int = 1, dtype=None, share_lm_head: bool = False) -> EarlyExitHead:
     """A new head for `target` exiting after layer `exit_layer`: `num_layers` decoder layers copied from the
-    target's last ones (0: head only), the final norm and the LM head copied (untied), all owned by the head."""
+    target's last ones (0: head only), the final norm and the LM head copied (untied), all owned by the head;
+    `share_lm_head`: no LM head of its own (drafting and training use the target's, frozen)."""
     cfg, lm = check_exit_layer(target, exit_layer)
     if not 0 <= num_layers <= cfg.num_layers:
         raise ValueError(f"num_layers must be in [0, {cfg.num_layers}], got {num_layers}")
     head = lm["embed"].T if cfg.tie_word_embeddings else lm["lm_head"]
     layers = [FU.fuse_layer(cfg, dict(p)) if "wqkv" not in p else dict(p)
               for p in lm["layers"][cfg.num_layers - num_layers:]]
-    params = {"layers": layers, "norm": lm["final_norm"], "lm_head": head}
+    params = {"layers": layers, "norm": lm["final_norm"], **({} if share_lm_head else {"lm_head": head})}
     params = jax.tree.map(lambda a: jnp.array(a, dtype=dtype or a.dtype), params)  # copies: the head owns them
     return EarlyExitHead(params, exit_layer, signature(target))
 
@@ -199,16 +206,23 @@ def head_states(cfg, params: dict, h, positions, cache: kvc.KVCache | None, new_
     return LY.rms_norm(h, params["norm"], cfg.rms_norm_eps), cache
 
 
-def head_logits(params: dict, states) -> jax.Array:
-    """The head's LM head over `head_states`' output: logits [B, T, V] f32."""
-    return LY.einsum_f32("btd,dv->btv", states, params["lm_head"])
+def head_logits(params: dict, states, lm: dict | None = None) -> jax.Array:
+    """The head's LM head over `head_states`' output: logits [B, T, V] f32. A head that shares the target's LM head
+    uses `lm`'s (the target's LM params: its untied head, else its embedding table)."""
+    if "lm_head" in params:
+        return LY.einsum_f32("btd,dv->btv", states, params["lm_head"])
+    if lm is None:
+        raise ValueError("this early-exit head shares the target's LM head: pass the target's LM params (lm=)")
+    if "lm_head" in lm:
+        return LY.weight_dot("btd,dv->btv", states, lm["lm_head"], jnp.float32)
+    return LY.weight_dot("btd,vd->btv", states, lm["embed"], jnp.float32)
 
 
 def head_forward(cfg, params: dict, h, positions, cache: kvc.KVCache | None, new_mask=None, write_offset: int = 0,
-                 fresh: bool = False, logits_at=None):
+                 fresh: bool = False, logits_at=None, lm: dict | None = None):
     """`head_states` then `head_logits`: (logits [B, T or K, V] f32, the new cache)."""
     states, cache = head_states(cfg, params, h, positions, cache, new_mask, write_offset, fresh, logits_at)
-    return head_logits(params, states), cache
+    return head_logits(params, states, lm), cache
 
 
 # ---------------------------------------------------------------------------------------------- the drafter
@@ -231,7 +245,8 @@ class EarlyExitDrafter(Drafter):
     aux_keys = ("hidden",)  # per-node outputs: the head's post-norm hidden states (Cali-TS reads them)
 
     def check(self, target) -> None:
-        check_vocab_size(target, self.head.params["lm_head"].shape[1], "early-exit head")
+        if not self.head.shares_lm_head:
+            check_vocab_size(target, self.head.params["lm_head"].shape[1], "early-exit head")
         self.head.check(target)
 
     def map_models(self, fn) -> "EarlyExitDrafter":
@@ -257,7 +272,7 @@ class EarlyExitDrafter(Drafter):
         return cfg, lm, env.tcache.k[0].shape[0], cfg.head_dim
 
     def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> EEState:
-        cfg, _, rows, hd = self._shapes(env)
+        cfg, lm, rows, hd = self._shapes(env)
         B, T = prefill.tokens.shape
         h = prefill.hidden_at(self.head.exit_layer)
         cache = None
@@ -266,7 +281,7 @@ class EarlyExitDrafter(Drafter):
                                    self.head.params["norm"].dtype)
             pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) + prefill.cache.pos_offset[:, None]
             _, cache = head_forward(cfg, self.head.params, h, pos, cache, fresh=True,
-                                    logits_at=jnp.zeros((B, 1), jnp.int32))
+                                    logits_at=jnp.zeros((B, 1), jnp.int32), lm=lm)
             cache = kvc.rollback(cache, prefill.lengths).replace(pos_offset=prefill.cache.pos_offset)
             cache = SH.constrain(env.ctx.placement, cache, replicated=True)
         pending = jnp.zeros((B, pending_width), jnp.int32).at[:, 0].set(env.last)
@@ -290,7 +305,7 @@ class EarlyExitDrafter(Drafter):
         states, cache = head_states(cfg, self.head.params, h, pos, ds.cache, logits_at=at)
         if cache is not None:
             cache = kvc.commit(cache, ds.n_pending)
-        logp = draft_log_probs(head_logits(self.head.params, states), env)
+        logp = draft_log_probs(head_logits(self.head.params, states, lm), env)
         return logp, {"hidden": states}, ds.replace(cache=cache, scratch_k=sk, scratch_v=sv)
 
     def level(self, env: DraftEnv, ds: EEState, tokens, depth, mask, offset: int, run):
@@ -310,7 +325,7 @@ class EarlyExitDrafter(Drafter):
             h, sk, sv = shared_layers(cfg, lm, self.head.exit_layer, x, positions, tc, base, ds.scratch_k,
                                       ds.scratch_v, P + offset, vis)
             states, cache = head_states(cfg, self.head.params, h, positions, ds.cache, mask, offset)
-            return (head_logits(self.head.params, states), states), ds.replace(cache=cache, scratch_k=sk,
+            return (head_logits(self.head.params, states, lm), states), ds.replace(cache=cache, scratch_k=sk,
                                                                                scratch_v=sv)
 
         if run is None:
@@ -337,7 +352,7 @@ def _head_text_cfg(target_cfg, num_layers: int):
 
 def torch_state_dict(head: EarlyExitHead, cfg) -> dict[str, np.ndarray]:
     """The head as a PyTorch user holds it: `layers.{i}.` + the LlamaDecoderLayer names ([out, in] matrices),
-    `norm.weight`, `lm_head.weight` [V, D]."""
+    `norm.weight`, `lm_head.weight` [V, D] (none for a head that shares the target's)."""
     unf = [FU.unfuse_layer(cfg, p) for p in head.params["layers"]]
     out = {}
     hcfg = _head_text_cfg(cfg, head.num_layers)
@@ -347,16 +362,19 @@ def torch_state_dict(head: EarlyExitHead, cfg) -> dict[str, np.ndarray]:
         a = np.asarray(jax.device_get(unf[path[1]][path[2]]))
         out[name] = a.T if tr == "T" else a
     out["norm.weight"] = np.asarray(jax.device_get(head.params["norm"]))
-    out["lm_head.weight"] = np.asarray(jax.device_get(head.params["lm_head"])).T
+    if not head.shares_lm_head:
+        out["lm_head.weight"] = np.asarray(jax.device_get(head.params["lm_head"])).T
     return out
 
 
-def from_torch_state_dict(sd: dict, cfg, exit_layer: int, target: TargetSig) -> EarlyExitHead:
-    """The inverse of `torch_state_dict` (missing or unexpected tensors raise ValueError)."""
+def from_torch_state_dict(sd: dict, cfg, exit_layer: int, target: TargetSig,
+                          shares_lm_head: bool = False) -> EarlyExitHead:
+    """The inverse of `torch_state_dict` (missing or unexpected tensors raise ValueError; `shares_lm_head`: the
+    weights hold no LM head)."""
     k = len({n.split(".")[1] for n in sd if n.startswith("layers.")})
     hcfg = _head_text_cfg(cfg, k)
     layers = [{} for _ in range(k)]
-    used = {"norm.weight", "lm_head.weight"}
+    used = {"norm.weight"} | (set() if shares_lm_head else {"lm_head.weight"})
     for name, path, tr in llama.hf_key_map(hcfg, prefix=""):
         if path[0] != "layers":
             continue
@@ -365,10 +383,13 @@ def from_torch_state_dict(sd: dict, cfg, exit_layer: int, target: TargetSig) -> 
         layers[path[1]][path[2]] = jnp.asarray(sd[name].T if tr == "T" else sd[name])
         used.add(name)
     extra = sorted(set(sd) - used)
-    if extra or "norm.weight" not in sd or "lm_head.weight" not in sd:
-        raise ValueError(f"unexpected head weights {extra[:5]}" if extra else "the head's weights lack norm / lm_head")
-    params = {"layers": [FU.fuse_layer(cfg, p) for p in layers], "norm": jnp.asarray(sd["norm.weight"]),
-              "lm_head": jnp.asarray(sd["lm_head.weight"]).T}
+    if extra or not used <= set(sd):
+        raise ValueError(f"unexpected head weights {extra[:5]}" + (" (this head shares the target's LM head)"
+                                                                   if shares_lm_head else "")
+                         if extra else f"the head's weights lack {sorted(used - set(sd))}")
+    params = {"layers": [FU.fuse_layer(cfg, p) for p in layers], "norm": jnp.asarray(sd["norm.weight"])}
+    if not shares_lm_head:
+        params["lm_head"] = jnp.asarray(sd["lm_head.weight"]).T
     return EarlyExitHead(params, exit_layer, target)
 
 
@@ -378,7 +399,7 @@ def save_head(head: EarlyExitHead, target, directory: str, dtype=None, extra: di
     H.write_weights(os.path.join(directory, WEIGHTS_NAME), torch_state_dict(head, cfg), dtype)
     H.write_meta(os.path.join(directory, CONFIG_NAME), {
         "format": FORMAT, "exit_layer": head.exit_layer, "num_layers": head.num_layers,
-        "target": head.target._asdict(), **(extra or {})})
+        "shares_lm_head": head.shares_lm_head, "target": head.target._asdict(), **(extra or {})})
 
 
 def load_head(directory: str, target, dtype=None) -> EarlyExitHead:
@@ -387,7 +408,8 @@ def load_head(directory: str, target, dtype=None) -> EarlyExitHead:
     meta = H.read_meta(os.path.join(directory, CONFIG_NAME), FORMAT, "early-exit head")
     cfg, _ = text_model(target)
     sd = H.read_weights(os.path.join(directory, WEIGHTS_NAME), np.dtype(dtype or getattr(target, "dtype", np.float32)))
-    head = from_torch_state_dict(sd, cfg, int(meta["exit_layer"]), TargetSig(**meta["target"]))
+    head = from_torch_state_dict(sd, cfg, int(meta["exit_layer"]), TargetSig(**meta["target"]),
+                                 bool(meta.get("shares_lm_head", False)))
     head.check(target)
     from jspec.controllers.calibration import load_calibration
 

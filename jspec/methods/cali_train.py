@@ -36,7 +36,7 @@ def features(cfg, n: int, head_params: dict, lm: dict, batch: dict):
     if head_params["layers"]:
         hcache = kvc.init_cache(len(head_params["layers"]), B, cfg.num_kv_heads, T, cfg.head_dim, h_exit.dtype)
     states, _ = head_states(cfg, head_params, h_exit, batch["positions"], hcache, mask, fresh=hcache is not None)
-    match = jnp.argmax(head_logits(head_params, states), -1) == jnp.argmax(fo.logits, -1)
+    match = jnp.argmax(head_logits(head_params, states, lm), -1) == jnp.argmax(fo.logits, -1)
     return jax.lax.stop_gradient(h_last), jax.lax.stop_gradient(states), match
 
 

@@ -35,18 +35,20 @@ def exit_states(cfg, lm: dict, n: int, batch: dict) -> jax.Array:
     return jax.lax.stop_gradient(fo.hidden[0])
 
 
-def head_logits(cfg, params: dict, h: jax.Array, batch: dict) -> jax.Array:
+def head_logits(cfg, params: dict, h: jax.Array, batch: dict, lm: dict | None = None) -> jax.Array:
+    """The head's logits over H^n; `lm`: the target's LM params (a head that shares its LM head reads it there,
+    frozen: it is not among the trained `params`)."""
     B, T, _ = h.shape
     cache = None
     if params["layers"]:
         cache = kvc.init_cache(len(params["layers"]), B, cfg.num_kv_heads, T, cfg.head_dim, h.dtype)
     return head_forward(cfg, params, h, batch["positions"], cache, jt.segment_mask(batch["segment_ids"]),
-                        fresh=cache is not None)[0]
+                        fresh=cache is not None, lm=lm)[0]
 
 
 def loss_fn(cfg, n: int, params: dict, lm: dict, batch: dict):
     """(mean cross-entropy over the weighted next tokens, (that loss, top-1 accuracy))."""
-    logits = head_logits(cfg, params, exit_states(cfg, lm, n, batch), batch)
+    logits = head_logits(cfg, params, exit_states(cfg, lm, n, batch), batch, lm)
     nll = jt.token_nll(logits, batch["targets"])
     w = batch["weights"]
     loss = jt.masked_mean(nll, w)
@@ -69,7 +71,7 @@ def make_steps(cfg, n: int, tx: optax.GradientTransformation):
 
     @jax.jit
     def eval_step(params, lm, batch):
-        logits = head_logits(cfg, params, exit_states(cfg, lm, n, batch), batch)
+        logits = head_logits(cfg, params, exit_states(cfg, lm, n, batch), batch, lm)
         full = llama.forward(cfg, lm, batch["input_ids"], batch["positions"],
                              kvc.init_cache(cfg.num_layers, *batch["input_ids"].shape[:1], cfg.num_kv_heads,
                                             batch["input_ids"].shape[1], cfg.head_dim, lm["embed"].dtype),
