@@ -48,6 +48,26 @@ def strategies() -> dict:
 
 BF16 = "-bf16"  # a method name with this suffix runs the model with bfloat16 weights
 
+# methods over a trained drafter the package ships for the model (`jspec.models.head`): name -> (drafter kind,
+# strategy from the loaded head)
+HEAD_METHODS = {
+    "eesd": ("eesd", lambda h: _jspec().EESD(h, k_max=8)),  # Beta-TS draft lengths up to 8
+    "eesd-cali": ("eesd", lambda h: _jspec().EESD(h, controller="cali", k_max=8)),
+    **{f"eesd-k{k}": ("eesd", lambda h, k=k: _jspec().EESD(h, controller=k, k_max=k)) for k in (2, 4, 6)},
+    "sage-eesd": ("eesd", lambda h: _jspec().SAGE(h)),  # SAGE's trees over the early-exit drafter
+}
+
+
+def _jspec():
+    import jspec
+
+    return jspec
+
+
+def head_method(name: str) -> tuple[str, object] | None:
+    """(drafter kind, builder) of a trained-drafter method name (a "-bf16" one too), or None."""
+    return HEAD_METHODS.get(name[:-len(BF16)] if name.endswith(BF16) else name)
+
 
 def dtype_of(method: str) -> str:
     return "bfloat16" if method.endswith(BF16) else "float32"
@@ -78,7 +98,7 @@ def load_questions(categories=CATEGORIES, per_category: int | None = None) -> li
 
 class Runner:
     """Decodes one prompt with one method; returns (tokens, accept lengths per step or None, wall seconds, the
-    decode loop's seconds without the prefill or None)."""
+    decode loop's seconds without the prefill or None, tokens drafted or None)."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, pad_to: int, hf=None,
                  models: dict | None = None):
@@ -99,7 +119,7 @@ class Runner:
         n = int(out.lengths[0])
         steps = int(out.stats["steps"][0])
         acc = [1] + out.stats["accepted"][0, :steps].tolist()  # the prefill's token, then each target step's
-        return out.tokens[0, :n], acc, wall, float(out.stats["decode_s"])
+        return out.tokens[0, :n], acc, wall, float(out.stats["decode_s"]), int(out.stats["drafted"][0])
 
     def transformers(self, kw: dict, ids: np.ndarray, seed: int):
         import torch
@@ -115,7 +135,7 @@ class Runner:
         wall = time.perf_counter() - t
         toks = o[0, len(ids):].numpy()
         stop = np.flatnonzero(np.isin(toks, self.eos))
-        return toks[:stop[0] + 1] if stop.size else toks, None, wall, None
+        return toks[:stop[0] + 1] if stop.size else toks, None, wall, None, None
 
 
 def _warm(runner: Runner, methods: dict, widths: list[int], progress) -> None:
@@ -141,9 +161,16 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     from jspec import models
 
     known = strategies()
-    bad = [s for s in strategies_ if s not in known] + [h for h in hf_methods if h not in HF_METHODS]
+    bad = [s for s in strategies_ if s not in known and head_method(s) is None] + [
+        h for h in hf_methods if h not in HF_METHODS]
     if bad:
-        raise ValueError(f"unknown methods {bad}; jspec: {', '.join(known)}; transformers: {', '.join(HF_METHODS)}")
+        raise ValueError(f"unknown methods {bad}; jspec: {', '.join(known)}; over a trained drafter: "
+                         f"{', '.join(HEAD_METHODS)}; transformers: {', '.join(HF_METHODS)}")
+    shipped = {k for _, k in models.heads(model_name)}
+    missing = [s for s in strategies_ if head_method(s) and head_method(s)[0] not in shipped]
+    if missing:
+        raise ValueError(f"{missing} need a trained drafter that is not shipped for {model_name} "
+                         f"(shipped: {sorted(shipped) or 'none'})")
     if "ar" not in strategies_:
         strategies_ = ("ar",) + tuple(strategies_)
     if any(m.endswith(BF16) for m in strategies_) and "ar" + BF16 not in strategies_:
@@ -164,7 +191,13 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
         torch.set_num_threads(os.cpu_count() or 1)
         hf = BENCH._hf_from(model, model_name)
     runner = Runner(model, tok, max_new_tokens, temperature, pad_to, hf, by_dtype)
-    methods = {s: known[s] for s in strategies_}
+    methods = {}
+    for s in strategies_:
+        if s in known:
+            methods[s] = known[s]
+        else:
+            kind, build = head_method(s)
+            methods[s] = build(models.head(model_name, kind, by_dtype[dtype_of(s)]))
 
     # first turns (and, from jspec AR's answers, second turns): the prompts every method answers
     turns = []  # (question index, turn, ids)
@@ -266,6 +299,9 @@ def summarize(qs, turns, res, methods, hf_methods, temperature) -> dict:
                 loop = [sum(out[k][r][3] for k in keys) for r in range(n_runs)]
                 steps = sum(len(out[k][0][1]) - 1 for k in keys)
                 row["step_cost_ar_steps"] = round((np.median(loop) / steps) / (np.median(ar_loop) / ar_steps), 3)
+                drafted = [out[k][0][4] for k in keys if len(out[k][0]) > 4 and out[k][0][4] is not None]
+                if drafted and m != "ar" and steps:  # a controller's draft length, on average
+                    row["drafts_per_step"] = round(sum(drafted) / steps, 2)
             if temperature == 0:  # against AR with the same weights (bf16 methods: bf16 AR)
                 ref = res[reference_of(m)] if m in methods else ar
                 row["equal_to_ar"] = f"{sum(np.array_equal(out[k][0][0], ref[k][0][0]) for k in keys)}/{len(keys)}"
@@ -275,8 +311,8 @@ def summarize(qs, turns, res, methods, hf_methods, temperature) -> dict:
 
 def markdown(summary: dict) -> str:
     rows = summary["rows"]
-    cols = ["group", "method", "turns", "mean_accepted", "step_cost_ar_steps", "tokens_s", "speedup_vs_ar",
-            "equal_to_ar"]
+    cols = ["group", "method", "turns", "mean_accepted", "drafts_per_step", "step_cost_ar_steps", "tokens_s",
+            "speedup_vs_ar", "equal_to_ar"]
     cols = [c for c in cols if any(c in r for r in rows)]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in cols) + " |" for r in rows]
@@ -319,8 +355,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES, metavar="CATEGORY")
     ap.add_argument("--questions", type=int, default=2, help="questions per category (0: all)")
     ap.add_argument("--strategies", nargs="+", default=["ar", "pld", "pld-4", "pld-tree"],
-                    help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-tree (3 branches of 4), each also "
-                         "with bfloat16 weights as NAME-bf16")
+                    help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-tree (3 branches of 4); over the "
+                         "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/4/6 (fixed K), "
+                         "sage-eesd; each also with bfloat16 weights as NAME-bf16")
     ap.add_argument("--baselines", nargs="*", default=list(HF_METHODS), help="transformers baselines: hf (generate), "
                                                                               "hf-pld (its prompt lookup); none: omit")
     ap.add_argument("--max-new-tokens", type=int, default=256)

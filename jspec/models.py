@@ -147,3 +147,39 @@ def load(name: str, dtype=None, cache_dir: str | None = None):
 
     reader = GF.open_gguf(path(name, cache_dir))
     return GF.load_gguf(reader, dtype), GF.tokenizer_from_gguf(reader)
+
+
+# ---------------------------------------------------------------------------------------------- trained drafters
+
+HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
+HEAD_KINDS = ("eesd",)  # the drafter kinds `head` can load
+
+
+def head_dir(name: str, kind: str) -> str:
+    """Where the package keeps `name`'s trained `kind` drafter (whether or not it is there)."""
+    return os.path.join(HEADS_DIR, name, kind)
+
+
+def heads(name: str | None = None) -> list[tuple[str, str]]:
+    """The (model, kind) pairs the package ships a trained drafter for (of `name` only, when given)."""
+    if not os.path.isdir(HEADS_DIR):
+        return []
+    return sorted((m, k) for m in os.listdir(HEADS_DIR) if name in (None, m)
+                  for k in HEAD_KINDS if os.path.isdir(head_dir(m, k)))
+
+
+def head(name: str, kind: str, target=None, dtype=None):
+    """The trained `kind` drafter shipped for the registered model `name`, checked against `target` (default: the
+    model itself, loaded from the cache): kind "eesd" -> an `EarlyExitHead` (with its Cali-TS predictor when one was
+    trained), for `jspec.EESD(head)`. ValueError naming what is shipped when there is none."""
+    entry(name)
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"unknown drafter kind {kind!r}; the kinds are {list(HEAD_KINDS)}")
+    d = head_dir(name, kind)
+    if not os.path.isdir(d):
+        raise ValueError(f"no trained {kind} drafter is shipped for {name}; shipped: {heads() or 'none'}")
+    if target is None:
+        target, _ = load(name, dtype)
+    from jspec.drafters import early_exit as EE
+
+    return EE.load_head(d, target, dtype)

@@ -34,7 +34,7 @@ def _results():
     for k, t in toks.items():
         out = t if k != (1, 0) else t[::-1]
         acc = [1] + [2] * ((len(t) - 1) // 2) + [1] * ((len(t) - 1) % 2)
-        pld[k] = [(out, acc, ar[k][0][2] / 2, 0.3 * (len(acc) - 1)) for _ in range(2)]
+        pld[k] = [(out, acc, ar[k][0][2] / 2, 0.3 * (len(acc) - 1), 3 * (len(acc) - 1)) for _ in range(2)]
     return qs, turns, {"ar": ar, "pld": pld}
 
 
@@ -48,6 +48,7 @@ def test_summary_speedups_step_costs_and_equality():
     assert rows["writing", "pld"]["equal_to_ar"] == "2/2" and rows["rag", "pld"]["equal_to_ar"] == "0/1"
     assert rows["overall", "ar"]["mean_accepted"] == 1.0
     assert rows["rag", "pld"]["mean_accepted"] == pytest.approx(np.mean([1, 2, 2, 1]))
+    assert rows["overall", "pld"]["drafts_per_step"] == 3.0 and "drafts_per_step" not in rows["overall", "ar"]
 
 
 def test_answer_files_are_what_spec_bench_reads(tmp_path):

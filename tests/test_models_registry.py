@@ -108,3 +108,41 @@ def test_cli_fetch(fake, monkeypatch, capsys):
 def test_registry_entries_are_pinned():
     for name, e in models.REGISTRY.items():
         assert "==" in e.package and len(e.wheel_sha256) == len(e.sha256) == 64, name
+
+
+def test_shipped_heads_load_by_name_and_checked(tmp_path, monkeypatch):
+    """`models.head(name, kind, target)` loads the drafter the package ships under heads/<name>/<kind>, checked
+    against the target; what is not shipped, an unknown kind and a Spec-Bench method over a missing head are
+    refused by name before anything loads."""
+    import jax
+    import ports
+    from jspec import bench_specbench as SB
+    from jspec.drafters import early_exit as EE
+    from tiny_pairs import CFG
+
+    monkeypatch.setattr(models, "HEADS_DIR", str(tmp_path))
+    name = "smollm2-135m-instruct"
+    assert models.heads() == []
+    with pytest.raises(ValueError, match=r"no trained eesd drafter is shipped for smollm2-135m-instruct; shipped: "
+                                         r"none"):
+        models.head(name, "eesd")
+    with pytest.raises(ValueError, match=r"need a trained drafter that is not shipped.*\(shipped: none\)"):
+        SB.run(name, ("rag",), 1, ("ar", "eesd"), (), out_dir=str(tmp_path / "out"), progress=False)
+    target = ports.random_model(CFG, key=0, std=0.3)
+    head = EE.init_head(target, exit_layer=1, num_layers=1, share_lm_head=True)
+    head = head.replace(params=jax.tree.map(lambda a: a * 1.5, head.params))
+    EE.save_head(head, target, models.head_dir(name, "eesd"))
+    assert models.heads() == models.heads(name) == [(name, "eesd")] and models.heads("other") == []
+    back = models.head(name, "eesd", target)
+    assert back.shares_lm_head and back.exit_layer == 1
+    for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
+        assert (a == b).all()
+    with pytest.raises(ValueError, match="made for another target"):
+        models.head(name, "eesd", ports.random_model(CFG, key=9))
+    with pytest.raises(ValueError, match="unknown drafter kind 'medusa'"):
+        models.head(name, "medusa", target)
+    with pytest.raises(ValueError, match="unknown model"):
+        models.head("nope", "eesd", target)
+    with pytest.raises(ValueError, match=r"unknown methods \['eesd-k3'\].*over a trained drafter: eesd, "):
+        SB.run(name, ("rag",), 1, ("ar", "eesd-k3"), (), out_dir=str(tmp_path / "out"), progress=False)
+    assert SB.head_method("eesd-k4-bf16")[0] == "eesd" and SB.head_method("pld") is None
