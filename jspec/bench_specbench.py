@@ -55,6 +55,7 @@ HEAD_METHODS = {
     "eesd-cali": ("eesd", lambda h: _jspec().EESD(h, controller="cali", k_max=8)),
     **{f"eesd-k{k}": ("eesd", lambda h, k=k: _jspec().EESD(h, controller=k, k_max=k)) for k in (2, 4, 6)},
     "sage-eesd": ("eesd", lambda h: _jspec().SAGE(h)),  # SAGE's trees over the early-exit drafter
+    "self-sd": ("layer-skip", lambda m: _jspec().Chain(m, gamma=4)),  # the target with searched layers skipped
 }
 
 
@@ -357,7 +358,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--strategies", nargs="+", default=["ar", "pld", "pld-4", "pld-tree"],
                     help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-tree (3 branches of 4); over the "
                          "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/4/6 (fixed K), "
-                         "sage-eesd; each also with bfloat16 weights as NAME-bf16")
+                         "sage-eesd; self-sd (layer skipping, a chain of 4); each also with bfloat16 weights as "
+                         "NAME-bf16")
     ap.add_argument("--baselines", nargs="*", default=list(HF_METHODS), help="transformers baselines: hf (generate), "
                                                                               "hf-pld (its prompt lookup); none: omit")
     ap.add_argument("--max-new-tokens", type=int, default=256)

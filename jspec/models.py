@@ -152,7 +152,7 @@ def load(name: str, dtype=None, cache_dir: str | None = None):
 # ---------------------------------------------------------------------------------------------- trained drafters
 
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
-HEAD_KINDS = ("eesd",)  # the drafter kinds `head` can load
+HEAD_KINDS = ("eesd", "layer-skip")  # the drafter kinds `head` can load
 
 
 def head_dir(name: str, kind: str) -> str:
@@ -171,7 +171,9 @@ def heads(name: str | None = None) -> list[tuple[str, str]]:
 def head(name: str, kind: str, target=None, dtype=None):
     """The trained `kind` drafter shipped for the registered model `name`, checked against `target` (default: the
     model itself, loaded from the cache): kind "eesd" -> an `EarlyExitHead` (with its Cali-TS predictor when one was
-    trained), for `jspec.EESD(head)`. ValueError naming what is shipped when there is none."""
+    trained), for `jspec.EESD(head)`; "layer-skip" -> the target with the searched layers left out
+    (`jspec.drafters.layer_skip`), a draft model for `jspec.Chain`. ValueError naming what is shipped when there is
+    none."""
     entry(name)
     if kind not in HEAD_KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}; the kinds are {list(HEAD_KINDS)}")
@@ -180,6 +182,16 @@ def head(name: str, kind: str, target=None, dtype=None):
         raise ValueError(f"no trained {kind} drafter is shipped for {name}; shipped: {heads() or 'none'}")
     if target is None:
         target, _ = load(name, dtype)
+    if kind == "layer-skip":
+        import json
+
+        from jspec.drafters import layer_skip as LS
+
+        with open(os.path.join(d, "layers.json")) as f:
+            meta = json.load(f)
+        if meta.get("format") != "jspec-layer-skip" or meta.get("model") != name:
+            raise ValueError(f"{d}/layers.json is not a layer-skip set for {name}")
+        return LS.skip_layers(target, meta["skip"])
     from jspec.drafters import early_exit as EE
 
     return EE.load_head(d, target, dtype)
