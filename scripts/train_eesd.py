@@ -124,6 +124,8 @@ def main(argv=None) -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ship", action="store_true", help="a registered model's head: save it (bfloat16) where the "
+                                                        "package ships it, `jspec.models.head(target, 'eesd')`")
     ap.add_argument("--ckpt-minutes", type=float, default=3.0)
     ap.add_argument("--log-every", type=int, default=10)
     args = ap.parse_args(argv)
@@ -196,12 +198,17 @@ def main(argv=None) -> None:
     if not jt.finished(meta):
         print(f"{tag}: stopped at step {meta['step']} of {meta['total_steps']}: rerun with --resume")
         return
-    out = Path(args.out or (ROOT / "jspec" / "zoo" / tag if is_zoo else workdir / "head"))
+    if args.ship:
+        from jspec import models
+
+        out = Path(models.head_dir(args.target, "eesd"))
+    else:
+        out = Path(args.out or (ROOT / "jspec" / "zoo" / tag if is_zoo else workdir / "head"))
     last = [r for r in jt.read_log(workdir / "log.jsonl") if "heldout_loss" in r][-1]
     head = head.replace(params=state["params"])
     import jax.numpy as jnp
 
-    EE.save_head(head, target, str(out), dtype=jnp.bfloat16 if is_zoo else None, extra={
+    EE.save_head(head, target, str(out), dtype=jnp.bfloat16 if is_zoo or args.ship else None, extra={
         "steps": meta["step"], "train_minutes": round(meta["elapsed_s"] / 60, 1), "gen_share": own,
         "heldout": {k: round(v, 4) for k, v in last.items() if k.startswith("heldout")},
         "command": "python scripts/train_eesd.py " + " ".join(sys.argv[1:] if argv is None else argv)})
