@@ -3,9 +3,9 @@
 The head (`EarlyExitHead`) holds only what is new: k decoder layers of the target's family (initialised from the
 target's last k layers; k = 0 is the paper's head-only ablation), a final RMSNorm (from the target's) and an
 untied LM head [D, V] (from the target's), or none: a head that shares the target's LM head (frozen, never
-copied) is a tenth of the size on a small-hidden, large-vocabulary target. Drafting a token runs the target's layers 1..N on it, reading the
-target's KV cache for every committed token (so the shared layers are never recomputed for them), then the head's
-layers over their own KV cache, the norm and the head.
+copied) is a tenth of the size on a small-hidden, large-vocabulary target. Drafting a token runs the target's
+layers 1..N on it, reading the target's KV cache for every committed token (so the shared layers are never
+recomputed for them), then the head's layers over their own KV cache, the norm and the head.
 
 Where the K/V of layers 1..N go while drafting: the target's cache is read only here (verification writes those
 slots itself), so the drafter keeps a small scratch per shared layer, `pending_width + plan scratch` slots, and
