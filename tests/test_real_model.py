@@ -72,3 +72,24 @@ def test_prompt_lookup_equals_ar_and_copies_on_a_rewrite(pair):
     np.testing.assert_array_equal(pld.tokens, ar.tokens)
     assert "fox" in tok.decode(ar.tokens[0, :ar.lengths[0]])
     assert pld.stats["mean_accepted"][0] > 2.0, pld.stats["accepted"]
+
+
+@pytest.mark.parametrize("kind", ["eesd", "layer-skip"])
+def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
+    """The drafters the package ships for this model load by name and keep greedy decoding equal to AR on a
+    Spec-Bench question; the EESD head shares the target's LM head and drafts some accepted tokens."""
+    from jspec import bench_specbench as SB
+
+    model, tok, _, _ = pair
+    q = SB.load_questions(("writing",), 1)[0]
+    ids = SB.chat_ids(tok, [{"role": "user", "content": q["turns"][0]}])
+    drafter = models.head(NAME, kind, model)
+    strat = jspec.EESD(drafter, k_max=4) if kind == "eesd" else jspec.Chain(drafter, gamma=3)
+    ar = jspec.decode(model, ids, max_new_tokens=32, eos_token_id=tok.eos_token_id)
+    out = jspec.decode(model, ids, strat, max_new_tokens=32, eos_token_id=tok.eos_token_id)
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    assert out.stats["mean_accepted"][0] > 1.0
+    if kind == "eesd":
+        assert drafter.shares_lm_head and drafter.exit_layer == 3
+    else:
+        assert drafter.config.num_layers < model.config.num_layers
