@@ -230,8 +230,7 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     bar.close()
 
     stamp = time.strftime("%Y-%m-%d")
-    stem = os.path.join(out_dir, f"spec-bench-{model_name}-T{temperature:g}-{stamp}")
-    os.makedirs(stem, exist_ok=True)
+    stem = fresh_dir(os.path.join(out_dir, f"spec-bench-{model_name}-T{temperature:g}-{stamp}"))
     files = [_write_answers(os.path.join(stem, f"{m}.jsonl"), m, qs, res[m], tok, model_name) for m in names]
     summary = summarize(qs, turns, res, methods, hf_methods, temperature)
     summary["meta"] = {**BENCH.meta("spec-bench", runs, False), "model": model_name, "max_new_tokens": max_new_tokens,
@@ -247,6 +246,17 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     summary["files"] = files + ([png] if png else [])
     summary["markdown"] = md
     return summary
+
+
+def fresh_dir(stem: str) -> str:
+    """`stem`, or `stem-2`, `stem-3`, ... when an earlier run wrote there: a run never overwrites another's files.
+    Creates it."""
+    path, i = stem, 1
+    while os.path.exists(path):
+        i += 1
+        path = f"{stem}-{i}"
+    os.makedirs(path)
+    return path
 
 
 def _write_answers(path: str, method: str, qs: list, res: dict, tok, model_name: str) -> str:

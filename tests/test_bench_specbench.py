@@ -74,3 +74,10 @@ def test_bf16_methods_are_checked_against_bf16_ar_and_timed_against_f32_ar():
     assert rows["overall", "pld-bf16"]["speedup_vs_ar"] == pytest.approx(2.0)  # timed against float32 AR
     assert SB.dtype_of("pld-4-bf16") == "bfloat16" and SB.dtype_of("pld-4") == "float32"
     assert set(SB.strategies()) >= {"ar-bf16", "pld-bf16", "pld-4-bf16", "pld-tree-bf16"}
+
+
+def test_a_run_never_overwrites_an_earlier_one(tmp_path):
+    first = SB.fresh_dir(str(tmp_path / "spec-bench-m-T0-2026-01-01"))
+    (tmp_path / "spec-bench-m-T0-2026-01-01" / "summary.md").write_text("kept")
+    assert SB.fresh_dir(first) == first + "-2" and SB.fresh_dir(first) == first + "-3"
+    assert (tmp_path / "spec-bench-m-T0-2026-01-01" / "summary.md").read_text() == "kept"
