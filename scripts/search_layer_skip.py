@@ -42,6 +42,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--verify-cost", type=float, default=1.5, help="a verify of gamma + 1 tokens, in AR steps")
     ap.add_argument("--ship", action="store_true")
+    ap.add_argument("--rescore", action="store_true", help="no search: the predictions made again from the rounds "
+                                                           "of the last results file (another --gamma / --verify-cost)")
     a = ap.parse_args(argv)
 
     import numpy as np
@@ -52,14 +54,20 @@ def main(argv=None) -> dict:
     from jspec.methods import eesd_train as EST
 
     target, _ = models.load(a.model)
-    seqs, starts = SD.sequences(SD.read(a.data or str(ROOT / "build" / "self-data" / f"{a.model}.jsonl")))
-    batches = [b for b, _ in itertools.islice(EST.pack(seqs, 1, a.seq_len, starts=starts), a.rows)]
-    n_tok = int(sum(float(np.asarray(b["weights"]).sum()) for b in batches))
+    out = ROOT / "scripts" / "results" / f"layer-skip-{a.model}"
     t0 = time.time()
-    print(f"{a.model}: {target.config.num_layers} layers; scoring on {len(batches)} packed rows, {n_tok} answer "
-          f"positions", flush=True)
-    skipped, rounds = LS.search(target, batches, a.max_skip, progress=lambda r, i, ag: print(
-        f"  round {r + 1}: skip layer {i}, agreement {ag:.4f} ({time.time() - t0:.0f} s)", flush=True))
+    if a.rescore:
+        last = json.loads(Path(f"{out}.json").read_text())
+        n_tok, rounds = last["answer_positions"], last["rounds"]
+        t0 -= last["seconds"]
+    else:
+        seqs, starts = SD.sequences(SD.read(a.data or str(ROOT / "build" / "self-data" / f"{a.model}.jsonl")))
+        batches = [b for b, _ in itertools.islice(EST.pack(seqs, 1, a.seq_len, starts=starts), a.rows)]
+        n_tok = int(sum(float(np.asarray(b["weights"]).sum()) for b in batches))
+        print(f"{a.model}: {target.config.num_layers} layers; scoring on {len(batches)} packed rows, {n_tok} answer "
+              f"positions", flush=True)
+        _, rounds = LS.search(target, batches, a.max_skip, progress=lambda r, i, ag: print(
+            f"  round {r + 1}: skip layer {i}, agreement {ag:.4f} ({time.time() - t0:.0f} s)", flush=True))
     rows = []
     for r in rounds:
         s = len(r["skip"])
@@ -73,8 +81,8 @@ def main(argv=None) -> dict:
               "answer_positions": n_tok, "rows": rows, "choice": best,
               "rounds": [{"skip": r["skip"], "agreement": r["agreement"],
                           "candidates": {str(k): round(v, 4) for k, v in r["candidates"].items()}} for r in rounds],
-              "seconds": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d")}
-    out = ROOT / "scripts" / "results" / f"layer-skip-{a.model}"
+              "seconds": round(time.time() - t0, 1),
+              "date": last["date"] if a.rescore else time.strftime("%Y-%m-%d")}
     with open(f"{out}.json", "w") as f:
         json.dump(result, f, indent=1)
     cols = list(rows[0])

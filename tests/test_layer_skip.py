@@ -55,7 +55,10 @@ def test_search_drops_the_layer_that_does_nothing(target):
     assert rounds[0]["candidates"][0] < 1.0 and rounds[0]["candidates"][2] < 1.0
     assert rounds[1]["agreement"] < 1.0 and rounds[1]["skip"] == skipped
     assert LS.agreement(target, [], LS.reference_top1(target, batches)) == pytest.approx(1.0)
-    assert 0 < LS.draft_cost(target, 2) < LS.draft_cost(target, 1) < 1.0
+    D, V, Q, KV, F = CFG.hidden_size, CFG.vocab_size, 4 * 16, 2 * 16, CFG.intermediate_size
+    layer = D * (Q + 2 * KV) + Q * D + 3 * D * F  # q/k/v, o, gate/up/down: every matrix of a layer
+    assert LS.draft_cost(target, 1) == pytest.approx((2 * layer + V * D) / (3 * layer + V * D))
+    assert LS.draft_cost(target, 0) == 1.0 and LS.draft_cost(target, 2) < LS.draft_cost(target, 1)
 
 
 def test_a_shipped_layer_set_loads_by_name(target, tmp_path, monkeypatch):

@@ -110,6 +110,6 @@ def draft_cost(target, n_skip: int) -> float:
     """The reduced model's share of the target's multiply-adds per token (layers + LM head; attention over the
     cache left out): what skipping saves when the LM head is large."""
     cfg = target.config
-    layer = sum(np.prod(a.shape) for a in jax.tree.leaves(target.params["layers"][0]) if a.ndim == 2)
+    layer = sum(a.size for a in jax.tree.leaves(target.params["layers"][0]) if a.ndim >= 2)  # fused: 3-4 dims
     head = cfg.vocab_size * cfg.hidden_size
     return float(((cfg.num_layers - n_skip) * layer + head) / (cfg.num_layers * layer + head))
