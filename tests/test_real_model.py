@@ -74,7 +74,8 @@ def test_prompt_lookup_equals_ar_and_copies_on_a_rewrite(pair):
     assert pld.stats["mean_accepted"][0] > 2.0, pld.stats["accepted"]
 
 
-@pytest.mark.parametrize("kind", ["eesd", "layer-skip"])
+@pytest.mark.parametrize("kind", ["eesd", pytest.param("layer-skip", marks=pytest.mark.slow)])  # layer skipping:
+# tests/test_layer_skip.py in the default suite
 def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
     """The drafters the package ships for this model load by name and keep greedy decoding equal to AR on a
     Spec-Bench question; the EESD head shares the target's LM head and drafts some accepted tokens."""
