@@ -274,13 +274,7 @@ def repredict(result: dict) -> None:
     (then the recorded GPU runs', as `measured_rows`): the same arithmetic the step does, over the same costs."""
     paper = result["steps"]["paper"]
     costs = {(c["shape"], c["k"]): c["ms"] / 1e3 for c in paper.get("tables", {}).get("costs", [])}
-    by: dict = {}
-    for r in result["steps"].get("methods", {}).get("tables", {}).get("rows", []):
-        if r.get("tau") is not None:
-            by.setdefault((r["pair"].split(" (stand-in")[0], r["strategy"]), {**r, "source": "this day's run"})
-    if not result["meta"].get("dry_run"):
-        for key, row in measured_rows(Recorder(os.devnull, 0, False)).items():
-            by.setdefault(key, row)
+    by = measured_rows(Recorder(os.devnull, 0, bool(result["meta"].get("dry_run"))), current=result)
     paper.setdefault("tables", {})["methods"] = method_rows(costs, by)
     paper["repredicted"] = "predictions made again from the recorded costs after a later call's step 3"
 
@@ -1110,10 +1104,11 @@ def predict(tau: float | None, ar_s: float, verify_s: float, draft_s: float) -> 
     return tau * ar_s / (verify_s + draft_s)
 
 
-def measured_rows(rec: Recorder) -> dict[tuple[str, str], dict]:
-    """Step 3's rows by (pair, strategy), each with its "source": this run's first, then the newest recorded
-    `jspec bench gpu` run's (`gpu-<date>.json`), then the older gpu suite's (`gpu-<pair>-<date>.json`, whose
-    mean_accepted is the same tau; its first scenario). A dry run reads only its own."""
+def measured_rows(rec: Recorder, current: dict | None = None) -> dict[tuple[str, str], dict]:
+    """Step 3's rows by (pair, strategy), each with its "source": this run's first (`current`, a result, else the
+    one `rec.results` names), then the newest recorded `jspec bench gpu` run's (`gpu-<date>.json`), then the older
+    gpu suite's (`gpu-<pair>-<date>.json`, whose mean_accepted is the same tau; its first scenario). A dry run reads
+    only its own."""
     found: dict[tuple[str, str], dict] = {}
 
     def take(rows: list, source: str) -> None:
@@ -1123,7 +1118,9 @@ def measured_rows(rec: Recorder) -> dict[tuple[str, str], dict]:
                 found[key] = {**r, "tau": tau, "source": source}
 
     methods = lambda d: d.get("steps", {}).get("methods", {}).get("tables", {}).get("rows", [])  # noqa: E731
-    if rec.results and os.path.exists(rec.results):
+    if current is not None:
+        take(methods(current), "this run")
+    elif rec.results and os.path.exists(rec.results):
         take(methods(_read_part(rec.results)), "this run")
     if not rec.dry:
         res = ROOT / "scripts" / "results"
