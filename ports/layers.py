@@ -9,6 +9,7 @@ import numpy as np
 
 from ports import cache as kvc
 from ports import blockwise as BW
+from ports import cpu_dot as CD
 from ports.config import TextConfig, rope_inv_freq
 
 
@@ -22,12 +23,48 @@ def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
+def _row_product(spec: str, x: jax.Array, w: jax.Array) -> bool | None:
+    """For an einsum that contracts x's last axis with w's first (-> False: w is [K, ...]) or with a 2-D w's last
+    (-> True: w is [N, K]) and keeps x's other axes then w's in order, which form it is; None for any other."""
+    lhs, out = spec.split("->")
+    xs, ws = lhs.split(",")
+    c = xs[-1]
+    if ws[0] == c and c not in ws[1:] and out == xs[:-1] + ws[1:]:
+        return False
+    if len(ws) == 2 and ws[1] == c and ws[0] != c and out == xs[:-1] + ws[0]:
+        return True
+    return None
+
+
+def _small_rows_dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
+    """The float32 product through `ports.cpu_dot` when it applies (XLA:CPU, a few rows, a plain row product)."""
+    if not (x.dtype == w.dtype == jnp.float32 and x.ndim >= 1):
+        return None
+    m = int(np.prod(x.shape[:-1]))
+    nk = _row_product(spec, x, w)
+    if nk is None or m < (1 if nk else 2) or m > CD.MAX_ROWS or not CD.enabled():
+        return None
+    x2 = x.reshape(m, x.shape[-1])
+    if nk:
+        return CD.dot(x2, w, True).reshape(*x.shape[:-1], w.shape[0])
+    return CD.dot(x2, w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:])
+
+
 def weight_dot(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """einsum(spec, x, w) of activations x (contracted on their last axis) with a weight w; `out_dtype` float32
-    asks for a float32 result (`einsum_f32`), else the einsum's own dtype. On XLA:CPU, bf16 / f16 activations and
-    weights multiply in their dtype with float32 accumulation, a one-row product computed as two: XLA:CPU's
-    one-row bf16 dot took 72 ms on 30 [576, 3072] matrices against 8 ms for two rows (jax 0.10.2), and its 2-8
-    row bf16 dots run at about its float32 one-row speed. Everywhere else this is the plain einsum."""
+    asks for a float32 result (`einsum_f32`), else the einsum's own dtype.
+
+    On XLA:CPU:
+    - float32 products of up to `cpu_dot.MAX_ROWS` rows go to `ports.cpu_dot`'s kernel (XLA's dot of 2-16 rows
+      costs about two of one row; one row of a [K, N] weight stays with XLA's matrix-vector product, which the
+      kernel matched bit for bit where measured);
+    - bf16 / f16 activations and weights multiply in their dtype with float32 accumulation, a one-row product
+      computed as two: XLA:CPU's one-row bf16 dot took 72 ms on 30 [576, 3072] matrices against 8 ms for two rows
+      (jax 0.10.2), and its 2-8 row bf16 dots run at about its float32 one-row speed.
+    Everywhere else this is the plain einsum."""
+    small = _small_rows_dot(spec, x, w)
+    if small is not None:
+        return small
     low = x.dtype == w.dtype and w.dtype in (jnp.bfloat16, jnp.float16)
     if not (low and jax.default_backend() == "cpu"):
         return einsum_f32(spec, x, w) if out_dtype == jnp.float32 else jnp.einsum(spec, x, w)
@@ -138,7 +175,7 @@ def kv_rows(x: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = weight_dot("...d,dn->...n", x, w) if x.dtype == w.dtype != jnp.float32 and w.ndim == 2 else x @ w
+    y = weight_dot("...d,dn->...n", x, w) if x.dtype == w.dtype and w.ndim == 2 else x @ w
     return y + b if b is not None else y
 
 

@@ -4,7 +4,7 @@
     python scripts/profile_real_model.py --widths     # a k-token forward against the cache, in AR steps
     python scripts/profile_real_model.py --loops      # decode loop ms per step: AR, prompt lookup trimmed / 11 wide
     python scripts/profile_real_model.py --ops        # the AR and prompt-lookup loops by XLA operation
-    python scripts/profile_real_model.py --matmul     # XLA:CPU matmuls of 1-11 rows on 30 layers' gate/up weights
+    python scripts/profile_real_model.py --matmul     # matmuls of 1-16 rows on 30 layers' gate/up weights
     python scripts/profile_real_model.py --widths --loops --dtype bfloat16   # the same with bf16 weights
 
 Medians of repeated warm calls; this machine is shared, so compare numbers taken in one run.
@@ -28,6 +28,7 @@ import jspec  # noqa: E402
 import ports  # noqa: E402
 from jspec import api, loop, models, profiling  # noqa: E402
 from ports import cache as kvc  # noqa: E402
+from ports import cpu_dot  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
 
@@ -99,8 +100,11 @@ def matmul(d: int = 576, f: int = 3072, layers: int = 30) -> None:
              "W [out, in]": (jax.jit(lambda x, ws: sum(jnp.einsum("md,nd->mn", x, w) for w in ws)), wts),
              "YNNPACK dot": (jax.jit(lambda x, ws: sum(jnp.dot(x, w) for w in ws), compiler_options=ynn), ws),
              "a gemv per row": (jax.jit(lambda x, ws: sum(jnp.stack([jnp.dot(r, w) for r in x]) for w in ws)), ws)}
+    if cpu_dot.enabled():  # jspec's few-row kernel (`ports.cpu_dot`), on both layouts
+        kinds["kernel [in, out]"] = (jax.jit(lambda x, ws: sum(cpu_dot.dot(x, w) for w in ws)), ws)
+        kinds["kernel [out, in]"] = (jax.jit(lambda x, ws: sum(cpu_dot.dot(x, w, True) for w in ws)), wts)
     print(f"{layers} matrices of {d} x {f} ({layers * d * f * 4 / 1e6:.0f} MB), ms per call:")
-    for m in (1, 2, 4, 8, 11):
+    for m in (1, 2, 4, 8, 11, 16):
         x = jnp.ones((m, d), jnp.float32)
         print(f"rows {m:2d}: " + ", ".join(f"{k} {_median_ms(fn, x, w):.2f}" for k, (fn, w) in kinds.items()))
 
