@@ -20,10 +20,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kVec = 16;        // floats per SIMD group the compiler vectorizes
-constexpr int64_t kColBlock = 256; // "kn": columns per work block (1 KB of each weight row)
+constexpr int64_t kColBlock = 512;  // "kn": most columns per work block (2 KB of each weight row)
 constexpr int64_t kRowBlock = 64;   // "nk": weight rows (output columns) per work block
 constexpr int64_t kMaxRows = 12;    // "nk": activation rows held in registers at once
-constexpr int64_t kMaxM = 32;       // rows of x a call may have
+constexpr int64_t kMaxM = 16;       // rows of x a call may have
 
 using Vec = float __attribute__((vector_size(kVec * sizeof(float))));
 
@@ -44,7 +44,7 @@ inline float lane_sum(Vec v) {
 }
 
 // "kn": columns [c0, c1) of y for every row. y[m, c] = sum over k in increasing order of x[m, k] * w[k, c]. The
-// weight rows are read kUnroll at a time, 1 KB of each; every row of x then sweeps them out of L1 into its running
+// weight rows are read kUnroll at a time, up to 2 KB of each; every row of x then sweeps them out of L1 into its running
 // sums, kept in a small buffer that stays in L1 too.
 constexpr int64_t kUnroll = 8;
 
@@ -150,7 +150,7 @@ ffi::Error SmallMDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   const int64_t m = xd[0], k = xd[1];
   const int64_t n = nk ? wd[0] : wd[1];
   if ((nk ? wd[1] : wd[0]) != k) return ffi::Error::InvalidArgument("small_m_dot: contracted sizes differ");
-  if (m > kMaxM) return ffi::Error::InvalidArgument("small_m_dot: at most 32 rows");
+  if (m > kMaxM) return ffi::Error::InvalidArgument("small_m_dot: at most 16 rows");
   auto work = std::make_shared<Work>();
   work->x = x.typed_data();
   work->w = w.typed_data();
@@ -159,7 +159,10 @@ ffi::Error SmallMDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   work->k = k;
   work->n = n;
   work->nk = nk;
-  work->block = nk ? kRowBlock : kColBlock;
+  // "kn": as few blocks as threads where they fit, so that narrow matrices (576 or 960 columns) split evenly
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t even = ((n + threads - 1) / threads + kVec - 1) / kVec * kVec;
+  work->block = nk ? kRowBlock : std::min(kColBlock, even);
   work->blocks = (n + work->block - 1) / work->block;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->blocks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
