@@ -92,18 +92,28 @@ def sd_verify(ctx, parts, target, carry):
     hidden = parts.needs.hidden
     N = prop.tokens.shape[1]
 
-    def forward(n):
+    def forward(n, defer=False):
         def run(tc):
             kw = {"hidden_layers": (target.kv_layout[0],)} if hidden else {}
+            if defer:
+                kw["defer_writes"] = True
             fo = target.forward(prop.tokens[:, :n], pos[:, :n], tc, prop.tree.ancestor[:, :n, :n], **kw)
             pad = lambda x: jnp.pad(x, ((0, 0), (0, N - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
-            return fo.cache, pad(fo.logits), pad(fo.hidden[0]) if hidden else None
+            out = pad(fo.logits), pad(fo.hidden[0]) if hidden else None
+            if defer:  # the new keys / values, padded to N (slots past n are scratch no node reads)
+                return jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, N - n), (0, 0))), fo.pending), *out
+            return fo.cache, *out
         return run
 
     sizes, pick = parts.plan.verify_size(prop, state.done)
     if pick is None or len(sizes) < 2:
         tc, logits, hid = forward(N)(tc)
-    else:  # verify only what some row drafted: the smallest static width that holds every row's tree
+    elif getattr(target, "defers_writes", False):
+        # verify only what some row drafted: the smallest static width that holds every row's tree. The branches
+        # return the new keys / values and write nothing: a cache written inside the switch is copied in and out
+        (ks, vs), logits, hid = jax.lax.switch(pick, [forward(n, defer=True) for n in sizes], tc)
+        tc = kvc.write_pending(tc, ks, vs)
+    else:
         tc, logits, hid = jax.lax.switch(pick, [forward(n) for n in sizes], tc)
     return state.replace(cache=tc), prop, Verified(logits, hid)
 

@@ -49,6 +49,8 @@ class ForwardOut(NamedTuple):
     hidden: tuple  # requested hidden states, each [B, T, D]
     cache: KVCache
     attn: jax.Array | None = None  # [B, S] attention scores when asked (`attn_query_weights`)
+    # with `defer_writes`: the new keys and values per layer, ([B * KVH, T, Dh], ...) each, not yet in `cache`
+    pending: tuple | None = None
 
 
 def init_cache(num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype) -> KVCache:
@@ -73,6 +75,14 @@ def write_layer(k_buf, v_buf, k_new, v_new, start):
     rows = jnp.repeat(start, H)
     return (_write_rows(k_buf, k_new.reshape(B * H, T, D), rows),
             _write_rows(v_buf, v_new.reshape(B * H, T, D), rows))
+
+
+def write_pending(cache: KVCache, ks, vs) -> KVCache:
+    """The cache with a deferred forward's new keys / values (`ForwardOut.pending`: per layer [B * KVH, T, Dh]) at
+    slots length[b].. of each row, as the forward would have written them (length not advanced)."""
+    rows = jnp.repeat(cache.length, cache.kv_heads)
+    return cache.replace(k=[_write_rows(b, n, rows) for b, n in zip(cache.k, ks)],
+                         v=[_write_rows(b, n, rows) for b, n in zip(cache.v, vs)])
 
 
 def positions(cache: KVCache, offsets: jax.Array) -> jax.Array:
@@ -131,6 +141,13 @@ def visibility(length: jax.Array, max_len: int, num_new: int, new_mask: jax.Arra
         vis = jnp.take_along_axis(jnp.broadcast_to(new_mask.astype(bool), (length.shape[0], num_new, W)), relc, axis=2)
     out = committed | (in_scratch & vis)
     return out if start is None else out & (j >= start[:, None, None])
+
+
+def committed_visibility(cache: KVCache, num_new: int) -> jax.Array:
+    """bool [B, T, S]: the committed slots (start[b] <= j < length[b]), which every new token sees."""
+    j = jnp.arange(cache.max_len)[None, None, :]
+    vis = (j >= cache.start[:, None, None]) & (j < cache.length[:, None, None])
+    return jnp.broadcast_to(vis, (cache.batch, num_new, cache.max_len))
 
 
 def cache_visibility(cache: KVCache, num_new: int, new_mask: jax.Array | None = None, offset: int = 0) -> jax.Array:

@@ -168,6 +168,29 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     return out, jnp.einsum("bkgts,bt->bs", probs32, score_weights.astype(jnp.float32)) / H
 
 
+def attention_deferred(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                       visible: "Deferred") -> jax.Array:
+    """`attention` over the cache's committed slots and T new keys / values not written into it: k_new, v_new
+    [B * KVH, T, Dh] (`kv_rows`); one softmax over both, so the result is `attention` after the write up to the
+    order of its float32 sums. Returns [B, T, H, Dh]."""
+    B, T, H, Dh = q.shape
+    N, S, _ = k_buf.shape
+    kvh = N // B
+    G = H // kvh
+    qg = q.reshape(B, T, kvh, G, Dh).transpose(0, 2, 3, 1, 4).reshape(N, G * T, Dh)
+    scale = Dh ** -0.5
+    s_old = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * scale
+    s_new = einsum_f32("nqd,nsd->nqs", qg, k_new).reshape(B, kvh, G, T, T) * scale
+    vis = jnp.concatenate([visible.old, visible.new], axis=-1)[:, None, None]
+    scores = jnp.where(vis, jnp.concatenate([s_old, s_new], axis=-1), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    p_old = probs[..., :S].astype(v_buf.dtype).reshape(N, G * T, S)
+    p_new = probs[..., S:].astype(v_new.dtype).reshape(N, G * T, T)
+    out = (einsum_f32("nqs,nsd->nqd", p_old, v_buf) + einsum_f32("nqs,nsd->nqd", p_new, v_new))
+    out = out.reshape(B, kvh, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
+    return out.astype(q.dtype)
+
+
 def kv_rows(x: jax.Array) -> jax.Array:
     """Keys or values [B, T, KVH, Dh] as the flat rows `attention` reads: [B * KVH, T, Dh]."""
     B, T, H, D = x.shape
@@ -248,6 +271,21 @@ class Prefix(NamedTuple):
     length: jax.Array  # [B]
 
 
+class Deferred(NamedTuple):
+    """The visibility of a forward that does not write its keys / values into the cache (`defer_writes`): the
+    committed slots each new token sees, bool [B, T, S], and the new tokens each sees, bool [B, T, T]."""
+
+    old: jax.Array
+    new: jax.Array
+
+
+def deferred_visibility(cache, num_new: int, new_mask) -> Deferred:
+    """`Deferred` of T new tokens after the committed ones; new_mask [B, T, T] (default causal)."""
+    new = jnp.tril(jnp.ones((num_new, num_new), bool))[None] if new_mask is None else new_mask[..., :num_new]
+    return Deferred(kvc.committed_visibility(cache, num_new),
+                    jnp.broadcast_to(new.astype(bool), (cache.batch, num_new, num_new)))
+
+
 def prefill_visibility(cache, num_new: int, new_mask, write_offset: int, fresh: bool):
     """The visibility a forward attends under: `Causal` for a fresh prefill and `Prefix` for a chunk of a prefill
     (new tokens after the committed ones, no tree mask) when they are long enough to take the blockwise path, else
@@ -267,8 +305,14 @@ def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.A
     only slots < T can be visible, so attention runs over the new keys alone and the buffers are the new rows padded
     to S: the same result without reading, masking or copying the S - T empty slots (a prefill's cost no longer
     grows with the cache length). A `Causal` visibility (a long fresh prefill) attends blockwise: no [T, T] scores;
-    so does a `Prefix` one (a long chunk of a chunked prefill): no [T, S] scores.
+    so does a `Prefix` one (a long chunk of a chunked prefill): no [T, S] scores. A `Deferred` one writes nothing:
+    it returns the new rows [B * KVH, T, Dh] in place of the buffers (`attention_deferred`).
     """
+    if isinstance(visible, Deferred):
+        if score_weights is not None or fresh:
+            raise ValueError("a deferred write attends over a filled cache and returns no scores")
+        kr, vr = kv_rows(k).astype(k_buf.dtype), kv_rows(v).astype(v_buf.dtype)
+        return attention_deferred(q, k_buf, v_buf, kr, vr, visible), kr, vr
     if isinstance(visible, Causal):
         if not fresh:
             raise ValueError("a Causal (structural) visibility is for fresh prefills")

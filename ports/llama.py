@@ -71,7 +71,8 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
             new_mask: jax.Array | None = None, *, embeds: jax.Array | None = None,
             hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
             compute_logits: bool = True, write_offset: int = 0,
-            attn_query_weights: jax.Array | None = None, rope: tuple | None = None, fresh: bool = False) -> ForwardOut:
+            attn_query_weights: jax.Array | None = None, rope: tuple | None = None, fresh: bool = False,
+            defer_writes: bool = False) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
     tokens [B, T] (or embeds [B, T, D]); positions [B, T] RoPE positions; the new K/V are written at slots
@@ -85,11 +86,21 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     [B, T, rot_dim] tables that replace the ones of `positions` (e.g. Qwen2-VL's M-RoPE, `layers.mrope_tables`).
     fresh: the cache is empty (every row's length is 0; a prefill): same result, computed without the cache's
     empty slots (`layers.write_and_attend`).
+    defer_writes: write nothing into the cache; the new keys and values come back as `ForwardOut.pending` (for
+    `ports.cache.write_pending`) and `cache` is the one given. For a forward whose writes would go at the committed
+    length (write_offset 0, not fresh, no attention scores asked): inside a conditional, a write into the cache
+    makes XLA copy every layer's buffers in and out.
     """
     check_fresh(fresh, write_offset)
     x = embed(params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
-    visible = LY.prefill_visibility(cache, T, new_mask, write_offset, fresh)
+    if defer_writes:
+        if fresh or write_offset or attn_query_weights is not None:
+            raise ValueError("defer_writes is for a forward at the committed length over a filled cache "
+                             "(not fresh, write_offset 0, no attn_query_weights)")
+        visible = LY.deferred_visibility(cache, T, new_mask)
+    else:
+        visible = LY.prefill_visibility(cache, T, new_mask, write_offset, fresh)
     start = cache.length + write_offset
     cos, sin = LY.rope_tables(cfg, positions, LY.whole_sequence_len(cfg, positions, fresh)) if rope is None else rope
     want = set(hidden_layers)
@@ -112,6 +123,9 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     if attn is not None:
         attn = attn / len(params["layers"])
     head = (lambda xs: unembed(cfg, params, xs)) if compute_logits else None
+    if defer_writes:
+        return finish_forward(x, cache.k, cache.v, cache, hidden, hidden_layers, logits_at, head)._replace(
+            pending=(tuple(ks), tuple(vs)))
     return finish_forward(x, ks, vs, cache, hidden, hidden_layers, logits_at, head, attn)
 
 

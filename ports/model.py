@@ -45,11 +45,13 @@ class Family(NamedTuple):
     # compact_prompt(cfg, tokens, inputs, idx, lengths, new_lengths, positions) -> inputs: the prepared inputs of the prompt
     # made of the positions idx [B, D] (SpecVLM's pruned draft prompt, inside a program); None: not prunable
     compact_prompt: Callable | None = None
+    # whether forward takes defer_writes (`ports.llama.forward`): new K/V returned, not written
+    defers_writes: bool = False
 
 
 _TEXT = Family(PC.text_config_from_hf, PC.text_config_to_hf, llama.param_shapes, llama.init_params, llama.forward,
                llama.hf_key_map, llama.IGNORED_HF_KEYS, llama.kv_layout,
-               lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed)
+               lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed, defers_writes=True)
 _LLAVA = Family(llava.config_from_hf, llava.config_to_hf, llava.param_shapes, llava.init_params, llava.forward,
                 llava.hf_key_map, llava.IGNORED_HF_KEYS, llava.kv_layout, llava.embed, llava.unembed,
                 llava.rename_hf_key, llava.prepare_inputs, llava.prompt_embeds, llava.compact_prompt)
@@ -134,6 +136,11 @@ class Model:
     def kv_layout(self) -> tuple[int, int, int]:
         """(num_layers, kv_heads, head_dim) of the KV cache this model decodes with."""
         return self.family.kv_layout(self.config)
+
+    @property
+    def defers_writes(self) -> bool:
+        """Whether `forward` takes defer_writes=True (`ports.llama.forward`)."""
+        return self.family.defers_writes
 
     def forward(self, *args, **kwargs):
         """Family forward: see `ports.llama.forward` for the contract."""

@@ -2,7 +2,7 @@
 "Where a step's time goes"). Needs `jspec fetch smollm2-135m-instruct`.
 
     python scripts/profile_real_model.py --widths     # a k-token forward against the cache, in AR steps
-    python scripts/profile_real_model.py --loops      # decode loop ms per step: AR, prompt lookup trimmed / 11 wide
+    python scripts/profile_real_model.py --loops      # decode loop ms per step: AR, prompt lookup trimmed / 5 or 11 wide
     python scripts/profile_real_model.py --ops        # the AR and prompt-lookup loops by XLA operation
     python scripts/profile_real_model.py --matmul     # matmuls of 1-16 rows on 30 layers' gate/up weights
     python scripts/profile_real_model.py --widths --loops --dtype bfloat16   # the same with bf16 weights
@@ -73,8 +73,9 @@ def loops(model) -> None:
     ids = np.random.default_rng(0).integers(100, 4000, 300).astype(np.int32)
     pl = jspec.PromptLookup(3, 10)
     wide = Speculative(NgramDrafter(3, 1), StaticPlan.from_paths(pl.tree), as_rule("residual"))
+    wide5 = Speculative(NgramDrafter(3, 1), StaticPlan.from_paths(jspec.PromptLookup(3, 4).tree), as_rule("residual"))
     for name, s in (("AR", jspec.AR()), ("PromptLookup gamma=10, trimmed", pl), ("the same, 11 wide", wide),
-                    ("PromptLookup gamma=4", jspec.PromptLookup(3, 4))):
+                    ("PromptLookup gamma=4", jspec.PromptLookup(3, 4)), ("gamma=4, always 5 wide", wide5)):
         jspec.decode(model, ids, s, max_new_tokens=128, eos_token_id=())
         outs = [jspec.decode(model, ids, s, max_new_tokens=128, eos_token_id=()) for _ in range(3)]
         dec = float(np.median([o.stats["decode_s"] for o in outs]))
