@@ -86,3 +86,40 @@ def test_trimmed_verify_copies_no_cache_and_keeps_tokens():
     b = jspec.decode(target, prompts, max_new_tokens=24, eos_token_id=())
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert np.max(a.stats["accepted"]) >= 2  # copies were found and verified
+
+
+def _llava():
+    from sampling_check import tiny_llava
+    return tiny_llava(key=1, std=0.3)
+
+
+def _qwen2_vl():
+    import ports
+    import transformers
+    from test_qwen2_vl import PATCH, TOKENS, text_config
+    vision = dict(depth=1, embed_dim=32, hidden_size=48, num_heads=4, mlp_ratio=2, patch_size=PATCH)
+    hf = transformers.Qwen2VLConfig(text_config=text_config(48, 2, (2, 2, 2)), vision_config=vision, **TOKENS)
+    return ports.random_model(ports.family("qwen2_vl").config_from_hf(hf.to_dict()), key=2, std=0.3)
+
+
+# (Qwen2-VL's case builds transformers' config and a vision tower: slow; LLaVA's covers the pass-through by default)
+@pytest.mark.parametrize("make", [_llava, pytest.param(_qwen2_vl, marks=pytest.mark.slow)], ids=["llava", "qwen2_vl"])
+def test_vlm_families_defer_their_writes_too(make):
+    """LLaVA's and Qwen2-VL's forwards take defer_writes (they run the LLaMA forward), so their trimmed verifies
+    skip the cache copies as well: the deferred forward equals the writing one there too."""
+    model = make()
+    assert model.defers_writes
+    B, P, T = 2, 6, 3
+    V = model.vocab_size
+    cache = loop.new_cache_for(model, B, 24)
+    fwd = jax.jit(lambda t, p, c, defer: model.forward(t, p, c, defer_writes=defer), static_argnums=3)
+    prompt = jnp.asarray(np.arange(B * P).reshape(B, P) % (V - 2), jnp.int32)
+    fo = fwd(prompt, kvc.positions(cache, jnp.broadcast_to(jnp.arange(P), (B, P))), cache, False)
+    cache = kvc.commit(fo.cache, jnp.asarray([P, P - 2]))
+    new = jnp.asarray(np.arange(B * T).reshape(B, T) % (V - 2), jnp.int32)
+    pos = kvc.positions(cache, jnp.broadcast_to(jnp.arange(T), (B, T)))
+    ref, got = fwd(new, pos, cache, False), fwd(new, pos, cache, True)
+    assert_layout_close(got.logits, ref.logits, reduction=64, depth=2)
+    written = kvc.write_pending(cache, *got.pending)
+    for a, b in zip(written.k + written.v, ref.cache.k + ref.cache.v):
+        assert_layout_close(a, b, reduction=64, depth=2)
