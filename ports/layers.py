@@ -143,6 +143,21 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([out, xp], axis=-1) if xp.shape[-1] else out
 
 
+def _group_queries(q: jax.Array, rows: int) -> tuple[int, int, jax.Array]:
+    """(kv heads, queries per kv head G, q [B, T, H, Dh] as [B * KVH, G * T, Dh]) for `rows` = B * KVH cache rows."""
+    B, T, H, Dh = q.shape
+    kvh = rows // B
+    G = H // kvh
+    return kvh, G, q.reshape(B, T, kvh, G, Dh).transpose(0, 2, 3, 1, 4).reshape(rows, G * T, Dh)
+
+
+def _ungroup(out: jax.Array, q: jax.Array) -> jax.Array:
+    """Attention outputs [B * KVH, G * T, Dh] back to q's [B, T, H, Dh] layout and dtype."""
+    B, T, H, Dh = q.shape
+    kvh = out.shape[0] // B
+    return out.reshape(B, kvh, H // kvh, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype)
+
+
 def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Array,
               score_weights: jax.Array | None = None):
     """Grouped-query attention of new queries over the whole cache.
@@ -154,15 +169,12 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     """
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape
-    kvh = N // B
-    G = H // kvh
-    qg = q.reshape(B, T, kvh, G, Dh).transpose(0, 2, 3, 1, 4).reshape(N, G * T, Dh)
+    kvh, G, qg = _group_queries(q, N)
     scores = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * (Dh ** -0.5)
     scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs32 = jax.nn.softmax(scores, axis=-1)
     probs = probs32.astype(v_buf.dtype).reshape(N, G * T, S)
-    out = einsum_f32("nqs,nsd->nqd", probs, v_buf).reshape(B, kvh, G, T, Dh)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype)
+    out = _ungroup(einsum_f32("nqs,nsd->nqd", probs, v_buf), q)
     if score_weights is None:
         return out
     return out, jnp.einsum("bkgts,bt->bs", probs32, score_weights.astype(jnp.float32)) / H
@@ -175,9 +187,7 @@ def attention_deferred(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, k_new: 
     order of its float32 sums. Returns [B, T, H, Dh]."""
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape
-    kvh = N // B
-    G = H // kvh
-    qg = q.reshape(B, T, kvh, G, Dh).transpose(0, 2, 3, 1, 4).reshape(N, G * T, Dh)
+    kvh, G, qg = _group_queries(q, N)
     scale = Dh ** -0.5
     s_old = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * scale
     s_new = einsum_f32("nqd,nsd->nqs", qg, k_new).reshape(B, kvh, G, T, T) * scale
@@ -186,9 +196,7 @@ def attention_deferred(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, k_new: 
     probs = jax.nn.softmax(scores, axis=-1)
     p_old = probs[..., :S].astype(v_buf.dtype).reshape(N, G * T, S)
     p_new = probs[..., S:].astype(v_new.dtype).reshape(N, G * T, T)
-    out = (einsum_f32("nqs,nsd->nqd", p_old, v_buf) + einsum_f32("nqs,nsd->nqd", p_new, v_new))
-    out = out.reshape(B, kvh, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
-    return out.astype(q.dtype)
+    return _ungroup(einsum_f32("nqs,nsd->nqd", p_old, v_buf) + einsum_f32("nqs,nsd->nqd", p_new, v_new), q)
 
 
 def kv_rows(x: jax.Array) -> jax.Array:
