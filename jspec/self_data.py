@@ -82,8 +82,8 @@ def chat_ids(tokenizer, messages: list[dict]) -> np.ndarray:
     return np.asarray(ids, np.int32).reshape(-1)
 
 
-def write_prompts(model, tokenizer, batch: list[dict], key, max_new: int = 96, temperature: float = 0.7
-                  ) -> list[str | None]:
+def write_prompts(model, tokenizer, batch: list[dict], key, max_new: int = 96, temperature: float = 0.7,
+                  pad_prompt_to: int = 16) -> list[str | None]:
     """The model's written prompt for each seed of `batch` (`clean`ed; None when dropped)."""
     import jspec
     from jspec.api import eos_ids
@@ -91,7 +91,7 @@ def write_prompts(model, tokenizer, batch: list[dict], key, max_new: int = 96, t
     asks = [chat_ids(tokenizer, [{"role": "user", "content": KINDS[s["kind"]].format(topic=s["topic"])}])
             for s in batch]
     out = jspec.decode(model, asks, max_new_tokens=max_new, temperature=temperature, key=key,
-                       eos_token_id=eos_ids(model, tokenizer.eos_token_id))
+                       eos_token_id=eos_ids(model, tokenizer.eos_token_id), pad_prompt_to=pad_prompt_to)
     return [clean(tokenizer.decode(out.tokens[b, :out.lengths[b]], skip_special_tokens=True))
             for b in range(len(batch))]
 
@@ -111,9 +111,12 @@ def read(path: str) -> list[dict]:
 
 
 def make(model, tokenizer, path: str, n: int, max_new: int = 256, greedy_first: int = 4, chunk: int = 16,
-         seed: int = 0, prompt_temperature: float = 0.7, progress: Callable[[int, int], None] | None = None
-         ) -> list[dict]:
-    """Writes (or completes) the n-seed data file at `path` (module docstring) and returns its records."""
+         seed: int = 0, prompt_temperature: float = 0.7, progress: Callable[[int, int], None] | None = None,
+         pad_prompt_to: int = 16) -> list[dict]:
+    """Writes (or completes) the n-seed data file at `path` (module docstring) and returns its records. Every
+    chunk decodes as a batch of `chunk` rows (a dropped prompt's row is filled with another row's and discarded)
+    and pads prompts to a multiple of `pad_prompt_to`, so that chunks share compiled programs; a row's tokens do
+    not depend on the rows beside it."""
     import jax
 
     from jspec.api import eos_ids
@@ -133,12 +136,14 @@ def make(model, tokenizer, path: str, n: int, max_new: int = 256, greedy_first: 
         if c[0]["id"] in done:
             continue
         ck = jax.random.fold_in(key, ci)
-        prompts = write_prompts(model, tokenizer, c, jax.random.fold_in(ck, 0), temperature=prompt_temperature)
+        prompts = write_prompts(model, tokenizer, c, jax.random.fold_in(ck, 0), temperature=prompt_temperature,
+                                pad_prompt_to=pad_prompt_to)
         live = [i for i, p in enumerate(prompts) if p is not None]
         asks = [chat_ids(tokenizer, [{"role": "user", "content": prompts[i]}]) for i in live]
-        seqs = self_distillation_texts(model, asks, max_new, greedy_first, key=jax.random.fold_in(ck, 1),
-                                       eos_token_id=eos_ids(model, tokenizer.eos_token_id), batch_size=len(asks) or 1,
-                                       progress=False) if asks else []
+        fill = asks + asks[-1:] * (len(c) - len(asks)) if asks else []
+        seqs = self_distillation_texts(model, fill, max_new, greedy_first, key=jax.random.fold_in(ck, 1),
+                                       eos_token_id=eos_ids(model, tokenizer.eos_token_id), batch_size=len(fill) or 1,
+                                       progress=False, pad_prompt_to=pad_prompt_to)[:len(asks)] if asks else []
         got = dict(zip(live, zip(asks, seqs)))
         new = []
         for i, s in enumerate(c):

@@ -28,6 +28,8 @@ def main(argv=None) -> None:
     ap.add_argument("--greedy-first", type=int, default=4, help="answer tokens drawn greedily before T = 1")
     ap.add_argument("--chunk", type=int, default=32, help="seeds decoded as one batch and written at once")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pad-prompt-to", type=int, default=16,
+                    help="prompt widths padded to a multiple of this: fewer compiles (a GPU run passes e.g. 128)")
     ap.add_argument("--out", default=None, help="default: build/self-data/<model>.jsonl")
     args = ap.parse_args(argv)
 
@@ -46,7 +48,7 @@ def main(argv=None) -> None:
         bar.update(done - bar.n)
 
     recs = SD.make(model, tok, str(out), args.n, args.max_new, args.greedy_first, args.chunk, args.seed,
-                   progress=progress)
+                   progress=progress, pad_prompt_to=args.pad_prompt_to)
     bar.close()
     seqs, starts = SD.sequences(recs)
     answer_tokens = int(sum(len(s) - st for s, st in zip(seqs, starts)))

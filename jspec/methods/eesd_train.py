@@ -87,7 +87,7 @@ def make_steps(cfg, n: int, tx: optax.GradientTransformation):
 
 def self_distillation_texts(target, prompts: Sequence[np.ndarray], max_new_tokens: int, greedy_first: int = 4,
                             temperature: float = 1.0, key=None, eos_token_id=None, batch_size: int = 32,
-                            progress: bool = True) -> list[np.ndarray]:
+                            progress: bool = True, pad_prompt_to: int = 16) -> list[np.ndarray]:
     """Prompt + the target's own continuation, per prompt (the LLM-QAT hybrid: the first `greedy_first` tokens
     greedy, the rest sampled at `temperature`), each ending at its EOS or after `max_new_tokens`. The prompt's
     length is len(prompts[i]): `pack(..., starts=)` trains on the continuation alone."""
@@ -98,14 +98,15 @@ def self_distillation_texts(target, prompts: Sequence[np.ndarray], max_new_token
     out = []
     for i in tqdm(range(0, len(prompts), batch_size), desc="target generations", disable=not progress):
         rows = [np.asarray(p, np.int32) for p in prompts[i:i + batch_size]]
-        head = jspec.decode(target, rows, max_new_tokens=greedy_first, eos_token_id=eos_token_id)
+        head = jspec.decode(target, rows, max_new_tokens=greedy_first, eos_token_id=eos_token_id,
+                            pad_prompt_to=pad_prompt_to)
         cont = [np.concatenate([r, head.tokens[b, :head.lengths[b]]]) for b, r in enumerate(rows)]
         ended = head.lengths < greedy_first
         if max_new_tokens <= greedy_first:  # all greedy
             out.extend(cont)
             continue
         rest = jspec.decode(target, cont, max_new_tokens=max_new_tokens - greedy_first, temperature=temperature,
-                            key=jax.random.fold_in(key, i), eos_token_id=eos_token_id)
+                            key=jax.random.fold_in(key, i), eos_token_id=eos_token_id, pad_prompt_to=pad_prompt_to)
         for b, c in enumerate(cont):
             out.append(c if ended[b] else np.concatenate([c, rest.tokens[b, :rest.lengths[b]]]))
     return out
