@@ -152,7 +152,8 @@ def load(name: str, dtype=None, cache_dir: str | None = None):
 # ---------------------------------------------------------------------------------------------- trained drafters
 
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
-HEAD_KINDS = ("eesd", "layer-skip")  # the drafter kinds `head` can load
+HEAD_KINDS = ("eesd", "layer-skip", "eagle")  # the drafter kinds `head` can load
+SHIPPED = "shipped"  # `head(..., draft_vocab=)`: the draft vocabulary size the shipped head names
 
 
 def head_dir(name: str, kind: str) -> str:
@@ -168,12 +169,14 @@ def heads(name: str | None = None) -> list[tuple[str, str]]:
                   for k in HEAD_KINDS if os.path.isdir(head_dir(m, k)))
 
 
-def head(name: str, kind: str, target=None, dtype=None):
+def head(name: str, kind: str, target=None, dtype=None, draft_vocab: int | str | None = SHIPPED):
     """The trained `kind` drafter shipped for the registered model `name`, checked against `target` (default: the
     model itself, loaded from the cache): kind "eesd" -> an `EarlyExitHead` (with its Cali-TS predictor when one was
     trained), for `jspec.EESD(head)`; "layer-skip" -> the target with the searched layers left out
-    (`jspec.drafters.layer_skip`), a draft model for `jspec.Chain`. ValueError naming what is shipped when there is
-    none."""
+    (`jspec.drafters.layer_skip`), a draft model for `jspec.Chain`; "eagle" -> an EAGLE-1 `EagleHead` for
+    `jspec.Chain` / `jspec.Tree` / `jspec.DynamicTree` / `jspec.SAGE`, drafting over the `draft_vocab` tokens most
+    frequent in its training answers (`EagleHead.with_vocab`; "shipped": the size its eagle_head.json names; None:
+    the whole vocabulary). ValueError naming what is shipped when there is none."""
     entry(name)
     if kind not in HEAD_KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}; the kinds are {list(HEAD_KINDS)}")
@@ -192,6 +195,27 @@ def head(name: str, kind: str, target=None, dtype=None):
         if meta.get("format") != "jspec-layer-skip" or meta.get("model") != name:
             raise ValueError(f"{d}/layers.json is not a layer-skip set for {name}")
         return LS.skip_layers(target, meta["skip"])
+    if kind == "eagle":
+        return _eagle_head(d, target, dtype, draft_vocab)
     from jspec.drafters import early_exit as EE
 
     return EE.load_head(d, target, dtype)
+
+
+def _eagle_head(d: str, target, dtype, draft_vocab):
+    import json
+
+    import numpy as np
+
+    from jspec.drafters import eagle_io as IO
+
+    h = IO.load_head(d, target, dtype)
+    if draft_vocab == SHIPPED:
+        with open(os.path.join(d, IO.CONFIG_NAME)) as f:
+            draft_vocab = json.load(f).get("draft_vocab")
+    if draft_vocab is None:
+        return h
+    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 1:
+        raise ValueError(f"draft_vocab must be a positive number of tokens, {SHIPPED!r} or None; got {draft_vocab!r}")
+    counts = np.load(os.path.join(d, IO.COUNTS_NAME))
+    return h.with_vocab(IO.frequent_tokens(counts, draft_vocab))

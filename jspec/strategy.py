@@ -26,6 +26,7 @@ from flax import struct
 
 from jspec.controllers import Asks, Controller, asks_of
 from jspec.drafters import Drafter, ModelDrafter
+from jspec.drafters.eagle import EagleDrafter, EagleHead
 from jspec.drafters.ngram import NgramDrafter
 from jspec.plans import DynamicPlan, Plan, StaticPlan
 from jspec.trees import Layout, StaticTree, cached_tree, chain
@@ -136,9 +137,20 @@ class Speculative(Strategy):
             self.controller.check(target, self.drafter)
 
 
+def as_drafter(draft) -> Drafter:
+    """A `Chain` / `Tree` / `DynamicTree` draft as its drafter: a drafter as is, an EAGLE feature head
+    (`jspec.drafters.eagle.EagleHead`) over the target's features, anything else as a separate draft model."""
+    if isinstance(draft, Drafter):
+        return draft
+    if isinstance(draft, EagleHead):
+        return EagleDrafter(draft)
+    return ModelDrafter(draft)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tree(Strategy):
-    """Static-tree speculative decoding with a separate draft model.
+    """Static-tree speculative decoding with a separate draft model, an EAGLE feature head or any drafter
+    (`as_drafter`).
 
     tree: a named tree ("mc_sim_7b_63" = EAGLE-1/SpecVLM/SAGE initial tree, "naive_extend_57" = LANTERN++'s,
     "chain5") or a list of child-rank paths. rule: "residual" (default, min(1, p/q) acceptance over children
@@ -157,13 +169,14 @@ class Tree(Strategy):
         return cached_tree(self.tree, self.budget)
 
     def parts(self) -> Speculative:
-        return Speculative(ModelDrafter(self.draft), StaticPlan.of(self.static_tree()), as_rule(self.rule),
+        return Speculative(as_drafter(self.draft), StaticPlan.of(self.static_tree()), as_rule(self.rule),
                            self.controller)
 
 
 @dataclasses.dataclass(frozen=True)
 class Chain(Strategy):
-    """Chain speculative decoding: the draft proposes `gamma` tokens per step, the target verifies them at once."""
+    """Chain speculative decoding: the draft (a model, an EAGLE feature head or any drafter: `as_drafter`) proposes
+    `gamma` tokens per step, the target verifies them at once."""
 
     draft: Any
     gamma: int = 5
@@ -179,7 +192,7 @@ class Chain(Strategy):
         return tuple(tuple(p) for p in chain(int(self.gamma)))
 
     def parts(self) -> Speculative:
-        return Speculative(ModelDrafter(self.draft), StaticPlan.from_paths(self.tree),
+        return Speculative(as_drafter(self.draft), StaticPlan.from_paths(self.tree),
                            as_rule(self.rule), self.controller)
 
 
@@ -222,7 +235,8 @@ class PromptLookup(Strategy):
 
 @dataclasses.dataclass(frozen=True)
 class DynamicTree(Strategy):
-    """EAGLE-2 dynamic-tree speculative decoding with a separate draft model (see `plans.DynamicPlan`).
+    """EAGLE-2 dynamic-tree speculative decoding with a separate draft model, an EAGLE feature head or any drafter
+    (`as_drafter`; see `plans.DynamicPlan`).
 
     depth: deepest draft level; top_k: children per expanded node and nodes expanded per level; total: draft
     nodes kept per step after reranking. Sampling uses the q = 1 rule, the lossless one for trees whose shape
@@ -238,7 +252,7 @@ class DynamicTree(Strategy):
     controller: Any = None
 
     def parts(self) -> Speculative:
-        return Speculative(ModelDrafter(self.draft), DynamicPlan(int(self.depth), int(self.top_k), int(self.total)),
+        return Speculative(as_drafter(self.draft), DynamicPlan(int(self.depth), int(self.top_k), int(self.total)),
                            as_rule(self.rule), self.controller)
 
     def check(self, target) -> None:

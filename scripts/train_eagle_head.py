@@ -4,6 +4,8 @@
     python scripts/train_eagle_head.py --target text-target --out build/eagle/text-target --minutes 20
     python scripts/train_eagle_head.py --target DIR --texts chats.jsonl --out OUT --steps 2000 --lr 1e-4
     python scripts/train_eagle_head.py --target t2i-target --out jspec/zoo/t2i-eagle --seq-len 112 --batch 16
+    python scripts/train_eagle_head.py --target smollm2-135m-instruct --data build/self-data/smollm2-135m-instruct.jsonl \
+        --out build/eagle/smollm2-135m-instruct --seq-len 512 --minutes 50 --ship
 
 The head (`jspec.drafters.eagle.EagleHead`): fc [2D -> D] with bias over [token embedding; target feature] and one
 decoder layer of the target's family, initialised from the target's last layer (`eagle.init_head`); the target's
@@ -17,7 +19,11 @@ Data: a zoo target (`jspec.zoo.available()`: text-target, image-target's languag
 text chats (the tasks the zoo's text pair is trained on, T view, packed rows), weighted on the answers (the zoo's
 `target_mask`), with 4 held-out batches evaluated at each checkpoint. Another target (an HF checkpoint directory)
 needs --texts: JSON lines of {"text": ...} (every token weighted) or {"prompt": ..., "answer": ...} (the answer's
-tokens weighted), tokenized with the directory's tokenizer; the last 5% are held out. The zoo's text-to-image
+tokens weighted), tokenized with the directory's tokenizer; the first 5% are held out. A registered real model
+(`jspec.models`, e.g. smollm2-135m-instruct) trains on the data it wrote itself (--data, `jspec.self_data`: the
+answers weighted, the first 5% of the records held out); --ship saves its head in bfloat16 where the package ships
+it (`jspec.models.head(name, "eagle")`), with the answer tokens' counts (`token_counts.npy`) from which the
+drafter's reduced vocabulary is taken. The zoo's text-to-image
 target (`--target t2i-target`) trains on its own images, generated from the training scenes' captions under CFG 3,
 T = 1, top-k 128 and cached (LANTERN++ trains its drafters on self-generated images), each as a conditional and an
 unconditional row (`eagle_train.cfg_item`, 10% unconditional), the loss on the image tokens; the neighbour table of
@@ -43,6 +49,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jspec import train as jt  # noqa: E402
@@ -63,6 +70,10 @@ def load_target(spec: str):
         return zoo.load(spec), True
     if spec in zoo.MODEL_NAMES:
         zoo.model_dir(spec)  # raises: named but not shipped
+    from jspec import models
+
+    if spec in models.REGISTRY:
+        return models.load(spec)[0], False
     import ports
 
     if not os.path.isdir(spec):
@@ -93,7 +104,6 @@ def t2i_items(target, n: int, seed: int, split: str, cache_dir: Path, batch: int
     """CFG training items of the zoo's text-to-image target from its own images (as LANTERN++ trains its drafters:
     images the target generated from captions, under the sampling it decodes with): [<s> caption] + prefix +
     image tokens, and the prefix alone + the same image tokens. Generated once and cached in `cache_dir`."""
-    import jax
 
     import jspec
     from jspec.zoo import t2i as T
@@ -141,12 +151,34 @@ def file_items(path: str, target_dir: str) -> list:
     return items
 
 
+def self_data_items(path: str) -> list:
+    """Training items of a self-written data file (`jspec.self_data`): each answered record's tokens, with the
+    answer's entries weighted."""
+    from jspec import self_data as SD
+
+    seqs, starts = SD.sequences(SD.read(path))
+    if not seqs:
+        raise SystemExit(f"{path} holds no answered record (write it with scripts/make_self_data.py)")
+    return [(s, EGT.generated_mask(len(s), int(st))) for s, st in zip(seqs, starts)]
+
+
+def answer_counts(items, vocab_size: int) -> np.ndarray:
+    """How often each token id occurs as a weighted (answer) token of `items` [vocab_size] int64."""
+    c = np.zeros(vocab_size, np.int64)
+    for ids, m in items:
+        np.add.at(c, ids[1:][m[:-1] > 0], 1)
+    return c
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--target", required=True, help="a zoo model name or an HF checkpoint directory")
     ap.add_argument("--out", required=True, help="the run's directory: checkpoints, log, plot and the exported head")
     ap.add_argument("--texts", default=None, help="JSON lines of training text (targets outside the zoo)")
+    ap.add_argument("--data", default=None, help="a registered model's self-written data (scripts/make_self_data.py)")
+    ap.add_argument("--ship", action="store_true", help="a registered model's head: also save it (bfloat16) where the "
+                                                        "package ships it, `jspec.models.head(name, 'eagle')`")
     ap.add_argument("--t2i-images", type=int, default=2048, help="t2i-target: self-generated training images")
     ap.add_argument("--neighbours", type=int, default=51, help="t2i-target: neighbours per code in the table saved "
                                                               "with the head (LANTERN's k up to this; its code "
@@ -162,6 +194,9 @@ def main(argv=None) -> None:
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--input-norm", choices=("auto", "on", "off"), default="auto",
                     help="the head's layer normalises its input (auto: Chameleon yes, as LANTERN; LLaMA no, as EAGLE)")
+    ap.add_argument("--branch-scale", type=float, default=1.0,
+                    help="the initial layer's output projections x this (0: the head starts as the identity on the "
+                         "feature; `eagle.init_head`)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                     help="continue from the checkpoint in --out (default); --no-resume starts over")
@@ -175,8 +210,15 @@ def main(argv=None) -> None:
 
     target, is_zoo = load_target(args.target)
     EG.text_parts(target)  # a clear error for targets a feature head cannot serve
-    if not is_zoo and not args.texts:
+    from jspec import models
+
+    registered = args.target in models.REGISTRY
+    if registered and not args.data:
+        raise SystemExit(f"{args.target} trains on the data it writes itself: pass --data (scripts/make_self_data.py)")
+    if not is_zoo and not registered and not args.texts:
         raise SystemExit("a target outside the zoo needs --texts (JSON lines of training text)")
+    if args.ship and not registered:
+        raise SystemExit(f"--ship is for a registered model ({', '.join(sorted(models.REGISTRY))})")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     name = f"eagle-{Path(args.target).name}"
@@ -203,7 +245,7 @@ def main(argv=None) -> None:
         held_stream = zoo_text_stream(args.batch, args.seq_len, args.seed, "heldout")(0)
         heldout = [next(held_stream)[0] for _ in range(4)]
     else:
-        items = file_items(args.texts, args.target)
+        items = self_data_items(args.data) if registered else file_items(args.texts, args.target)
         cut = max(1, len(items) // 20)
         held_it = EGT.batches(items[:cut], args.batch, args.seq_len, pack=True)
         heldout = [next(held_it)[0] for _ in range(min(4, cut))]
@@ -215,7 +257,9 @@ def main(argv=None) -> None:
     opts = EGT.LossOptions(p_w=args.p_w, noise=args.noise)
     head, meta = EGT.fit_head(target, data, out, steps=args.steps, minutes=args.minutes, lr=args.lr,
                              warmup=args.warmup, seed=args.seed, resume=args.resume, opts=opts,
-                             weight_decay=args.weight_decay, input_norm=input_norm, heldout=heldout,
+                             weight_decay=args.weight_decay, heldout=heldout,
+                             head=EG.init_head(target, jax.random.key(args.seed), input_norm,
+                                               branch_scale=args.branch_scale),
                              log_every=args.log_every, ckpt_minutes=args.ckpt_minutes, name=name,
                              argv=sys.argv[1:] if argv is None else argv)
     jt.plot_log(out / "log.jsonl", out / "loss.png", name, ylabel="loss (SmoothL1 + 0.1 CE)")
@@ -226,6 +270,15 @@ def main(argv=None) -> None:
         "steps": meta["step"], "total_steps": meta["total_steps"], "finished": done,
         "train_minutes": round(meta["elapsed_s"] / 60, 1), "lr": args.lr, "noise": args.noise, "heldout": last,
         "command": "python scripts/train_eagle_head.py " + " ".join(sys.argv[1:] if argv is None else argv)})
+    if args.ship:
+        ship = Path(models.head_dir(args.target, "eagle"))
+        IO.save_head(head, str(ship), target=target, dtype="bfloat16", extra={
+            "model": args.target, "steps": meta["step"], "total_steps": meta["total_steps"], "finished": done,
+            "train_minutes": round(meta["elapsed_s"] / 60, 1), "lr": args.lr, "noise": args.noise, "heldout": last,
+            "train_records": len(train_items), "heldout_records": cut,
+            "command": "python scripts/train_eagle_head.py " + " ".join(sys.argv[1:] if argv is None else argv)})
+        np.save(ship / IO.COUNTS_NAME, answer_counts(train_items, cfg.vocab_size))
+        print(f"shipped to {ship}")
     print(f"saved the head ({head.num_params / 1e6:.2f}M params, step {meta['step']} of {meta['total_steps']}) to "
           f"{out}: held-out {last}")
     if not done:

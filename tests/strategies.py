@@ -13,6 +13,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jspec
 from jspec.drafters import ModelDrafter
@@ -123,6 +124,23 @@ def eagle_head(target):
 register("eagle_head", lambda t, d: jspec.Speculative(
     eagle.EagleDrafter(eagle_head(t)), StaticPlan.of(build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]]))),
     exact=True, separate_draft=False)
+
+def every_third_dropped(target):
+    """A draft vocabulary of the target's tokens without every third id (EAGLE-3's reduced vocabulary, in small)."""
+    V = target.config.vocab_size
+    return np.arange(V)[np.arange(V) % 3 != 2]
+
+
+# the same head as `Tree`'s draft, over a reduced draft vocabulary: q is zero on a third of the tokens
+register("eagle_tree_vocab", lambda t, d: jspec.Tree(eagle_head(t).with_vocab(every_third_dropped(t)),
+                                                    tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+         exact=True, separate_draft=False)
+# SAGE's trees over the head
+register("sage_eagle", lambda t, d: jspec.SAGE(eagle_head(t), **SAGE_SMALL), exact=True, separate_draft=False,
+         slow=True)
+# EAGLE-2's dynamic tree over the head (the q = 1 rule)
+register("eagle_dynamic", lambda t, d: jspec.DynamicTree(eagle_head(t), depth=3, top_k=3, total=8), exact=True,
+         separate_draft=False, slow=True)
 
 # prompt lookup: drafts copied from the text (no draft model), a chain and a tree of several matches; their
 # sampling prompts repeat what the tiny-vocabulary target tends to write, so copies are drafted and accepted

@@ -193,3 +193,42 @@ def test_cfg_streams_and_the_image_grammar():
     sd = jspec.generate_image(target, prompts(), ROWS, COLS, strategy=eagle(head, "naive_extend_57"),
                               temperature=0.0, image_prefix_ids=PREFIX)
     np.testing.assert_array_equal(sd.tokens, ar.tokens)
+
+
+def test_a_draft_vocabulary_scores_its_tokens_only(pair):
+    """With a draft vocabulary, the drafter's LM head gives the full head's logits at its tokens and the lowest
+    float32 elsewhere; decoding over it gives each committed token outside it no draft probability (the whole
+    vocabulary's head gives it some), and greedy decoding still equals AR."""
+    target, head = pair
+    cfg, lm = EG.text_parts(target)
+    ids = np.arange(0, cfg.vocab_size, 2)
+    f = jax.random.normal(jax.random.key(4), (2, 3, cfg.hidden_size))
+    full = np.asarray(EG.lm_logits(cfg, lm, f))
+    small = np.asarray(EG.lm_logits(cfg, lm, f, (jnp.asarray(ids), EG.vocab_rows(cfg, lm, jnp.asarray(ids)))))
+    assert_f32_close(small[..., ids], full[..., ids], atol=1e-5)
+    assert (small[..., 1::2] == np.finfo(np.float32).min).all()
+
+    vhead = head.with_vocab(ids[::-1])  # any order: kept sorted
+    np.testing.assert_array_equal(np.asarray(vhead.vocab), ids)
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=16, eos_token_id=())
+    q_odd = {}
+    for name, h in (("all", head), ("even", vhead)):
+        s = api.start(target, PROMPTS, jspec.Chain(h, gamma=3, controller=RecordingController()),
+                      max_new_tokens=16, eos_token_id=())
+        state = s.run()
+        rec, out = jax.device_get((state.aux.ctrl, state.out))
+        np.testing.assert_array_equal(out[:, :16], ar.tokens)
+        odd = rec["q_known"][:, :15].astype(bool) & (out[:, 1:16] % 2 == 1)  # q of generated token t at t - 1
+        assert odd.sum() >= 5
+        q_odd[name] = rec["q"][:, :15][odd]
+    assert (q_odd["all"] > -1e3).all()
+    assert (q_odd["even"] < -1e30).all()
+
+
+def test_draft_vocabulary_errors(pair):
+    _, head = pair
+    V = head.target.vocab_size
+    for bad in ([], [0, V], [-1, 2], [0.5, 1.0]):
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            head.with_vocab(bad)
+    assert head.with_vocab([3, 1]).with_vocab(None).vocab is None

@@ -146,3 +146,37 @@ def test_shipped_heads_load_by_name_and_checked(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"unknown methods \['eesd-k3'\].*over a trained drafter: eesd, "):
         SB.run(name, ("rag",), 1, ("ar", "eesd-k3"), (), out_dir=str(tmp_path / "out"), progress=False)
     assert SB.head_method("eesd-k4-bf16")[0] == "eesd" and SB.head_method("pld") is None
+
+
+def test_shipped_eagle_head_drafts_over_its_frequent_tokens(tmp_path, monkeypatch):
+    """An EAGLE head shipped with its training answers' token counts loads by name with the draft vocabulary its
+    eagle_head.json names (the most frequent tokens), another size, or the whole vocabulary."""
+    import json
+
+    import jax
+    import numpy as np
+    import ports
+    from jspec.drafters import eagle as EG
+    from jspec.drafters import eagle_io as IO
+    from tiny_pairs import CFG
+
+    monkeypatch.setattr(models, "HEADS_DIR", str(tmp_path))
+    name = "smollm2-135m-instruct"
+    target = ports.random_model(CFG, key=0, std=0.3)
+    d = models.head_dir(name, "eagle")
+    IO.save_head(EG.init_head(target, jax.random.key(0)), d, target=target, extra={"draft_vocab": 4})
+    counts = np.zeros(CFG.vocab_size, np.int64)
+    counts[[9, 2, 30, 7, 5]] = [50, 40, 40, 30, 1]
+    np.save(f"{d}/{IO.COUNTS_NAME}", counts)
+    assert models.heads(name) == [(name, "eagle")]
+    np.testing.assert_array_equal(np.asarray(models.head(name, "eagle", target).vocab), [2, 7, 9, 30])
+    np.testing.assert_array_equal(np.asarray(models.head(name, "eagle", target, draft_vocab=2).vocab), [2, 9])
+    assert models.head(name, "eagle", target, draft_vocab=None).vocab is None
+    with pytest.raises(ValueError, match="draft_vocab must be"):
+        models.head(name, "eagle", target, draft_vocab=0)
+    with pytest.raises(ValueError, match="draft vocabulary of 1000 tokens"):
+        models.head(name, "eagle", target, draft_vocab=1000)
+    meta = json.load(open(f"{d}/{IO.CONFIG_NAME}"))
+    meta.pop("draft_vocab")
+    json.dump(meta, open(f"{d}/{IO.CONFIG_NAME}", "w"))
+    assert models.head(name, "eagle", target).vocab is None  # no size named: the whole vocabulary

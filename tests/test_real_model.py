@@ -74,11 +74,12 @@ def test_prompt_lookup_equals_ar_and_copies_on_a_rewrite(pair):
     assert pld.stats["mean_accepted"][0] > 2.0, pld.stats["accepted"]
 
 
-@pytest.mark.parametrize("kind", ["eesd", pytest.param("layer-skip", marks=pytest.mark.slow)])  # layer skipping:
-# tests/test_layer_skip.py in the default suite
+@pytest.mark.parametrize("kind", ["eesd", "eagle", pytest.param("layer-skip", marks=pytest.mark.slow)])  # layer
+# skipping: tests/test_layer_skip.py in the default suite
 def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
     """The drafters the package ships for this model load by name and keep greedy decoding equal to AR on a
-    Spec-Bench question; the EESD head shares the target's LM head and drafts some accepted tokens."""
+    Spec-Bench question and draft some accepted tokens; the EESD head shares the target's LM head, the EAGLE head
+    drafts over its shipped vocabulary."""
     from jspec import bench_specbench as SB
 
     model, tok, _, _ = pair
@@ -86,6 +87,8 @@ def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
     ids = SB.chat_ids(tok, [{"role": "user", "content": q["turns"][0]}])
     drafter = models.head(NAME, kind, model)
     strat = jspec.EESD(drafter, k_max=4) if kind == "eesd" else jspec.Chain(drafter, gamma=3)
+    if kind == "eagle":  # the shipped draft vocabulary, from the training answers' counts
+        assert drafter.vocab is not None and 1000 < drafter.vocab.shape[0] < model.config.vocab_size
     ar = jspec.decode(model, ids, max_new_tokens=32, eos_token_id=tok.eos_token_id)
     out = jspec.decode(model, ids, strat, max_new_tokens=32, eos_token_id=tok.eos_token_id)
     np.testing.assert_array_equal(out.tokens, ar.tokens)

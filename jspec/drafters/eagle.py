@@ -81,16 +81,30 @@ def signature(target) -> TargetSig:
 class EagleHead:
     """The trained part of an EAGLE-1 drafter: params = {"fc": [2D, D], "fc_b": [D] (optional), "layer": one
     decoder layer of the target's family, run layout}. `input_norm`: the layer normalises its input (LANTERN's
-    Chameleon heads do; EAGLE's LLaMA heads drop that norm in their first layer)."""
+    Chameleon heads do; EAGLE's LLaMA heads drop that norm in their first layer). `vocab`: the draft vocabulary
+    (sorted token ids [Vd]; None: the target's whole vocabulary): the drafter's LM head then scores only these
+    tokens (EAGLE-3's reduced draft vocabulary), and the others get no draft probability. Speculative sampling
+    stays exact, since acceptance only reads q at drafted tokens."""
 
     params: dict
     family: str = struct.field(pytree_node=False)
     input_norm: bool = struct.field(pytree_node=False)
     target: TargetSig = struct.field(pytree_node=False)
+    vocab: jax.Array | None = None
 
     @property
     def num_params(self) -> int:
         return H.num_params(self.params)
+
+    def with_vocab(self, ids) -> "EagleHead":
+        """This head drafting over the token ids `ids` only (sorted and deduplicated; None: every token)."""
+        if ids is None:
+            return self.replace(vocab=None)
+        v = np.unique(np.asarray(ids).reshape(-1))
+        if v.size == 0 or not np.issubdtype(v.dtype, np.integer) or v[0] < 0 or v[-1] >= self.target.vocab_size:
+            raise ValueError(f"a draft vocabulary holds token ids in [0, {self.target.vocab_size}); got {v.size} ids "
+                             f"of dtype {v.dtype}" + (f" in [{v[0]}, {v[-1]}]" if v.size else ""))
+        return self.replace(vocab=jnp.asarray(v, jnp.int32))
 
     def check(self, target) -> None:
         cfg, _ = text_parts(target)
@@ -108,10 +122,14 @@ def head_config(cfg):
     return dataclasses.replace(cfg, num_layers=1)
 
 
-def init_head(target, key: jax.Array, input_norm: bool | None = None, dtype=None, noise: float = 0.02) -> EagleHead:
+def init_head(target, key: jax.Array, input_norm: bool | None = None, dtype=None, noise: float = 0.02,
+              branch_scale: float = 1.0) -> EagleHead:
     """A new head for `target`: its decoder layer a copy of the target's last layer; fc = [noise * N(0, 1) on the
     embedding half; identity on the feature half] with a zero bias, so an untrained head starts as the target's
-    last layer over the target's own features (a better start for training than EAGLE's random one)."""
+    last layer over the target's own features (a better start for training than EAGLE's random one).
+    `branch_scale` multiplies the layer's output projections (attention's and the MLP's): 0 starts the head as
+    the identity on the feature, for targets whose last layer writes far larger values than the normalised
+    features it is fed here (SmolLM2's)."""
     cfg, lm = text_parts(target)
     fam = family_of(cfg)
     D = cfg.hidden_size
@@ -119,6 +137,8 @@ def init_head(target, key: jax.Array, input_norm: bool | None = None, dtype=None
     fc = jnp.concatenate([noise * jax.random.normal(key, (D, D), jnp.float32), jnp.eye(D, dtype=jnp.float32)], 0)
     layer = dict(lm["layers"][-1])
     layer = FU.fuse_layer(cfg, layer) if "wq" in layer else layer
+    if branch_scale != 1.0:
+        layer.update({k: layer[k] * branch_scale for k in ("wo", "bo", "w_down", "b_down") if k in layer})
     params = {"fc": fc, "fc_b": jnp.zeros((D,), jnp.float32), "layer": layer}
     params = jax.tree.map(lambda a: jnp.array(a, dtype=dt), params)
     return EagleHead(params, fam, fam == "chameleon" if input_norm is None else bool(input_norm), signature(target))
@@ -132,15 +152,29 @@ def features(cfg, lm: dict, h: jax.Array) -> jax.Array:
     return LY.rms_norm(h, lm["final_norm"], cfg.rms_norm_eps)
 
 
-def lm_logits(cfg, lm: dict, f: jax.Array) -> jax.Array:
-    """The target's LM head over features f [R, T, D] (no norm: f is already normalised), float32 logits."""
-    if cfg.tie_word_embeddings:
-        logits = LY.einsum_f32("btd,vd->btv", f, lm["embed"])
+def lm_logits(cfg, lm: dict, f: jax.Array, rows: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """The target's LM head over features f [R, T, D] (no norm: f is already normalised), float32 logits. rows:
+    (token ids [Vd], their LM-head rows [Vd, D], `vocab_rows`): only those tokens are scored, the others get the
+    lowest float32."""
+    if rows is not None:
+        ids, w = rows
+        part = LY.weight_dot("btd,vd->btv", f, w, jnp.float32)
+        logits = jnp.full(part.shape[:-1] + (cfg.vocab_size,), jnp.finfo(jnp.float32).min, jnp.float32)
+        logits = logits.at[..., ids].set(part)
+    elif cfg.tie_word_embeddings:
+        logits = LY.weight_dot("btd,vd->btv", f, lm["embed"], jnp.float32)
     else:
-        logits = LY.einsum_f32("btd,dv->btv", f, lm["lm_head"])
+        logits = LY.weight_dot("btd,dv->btv", f, lm["lm_head"], jnp.float32)
     if getattr(cfg, "suppress_image_logits", False):
         logits = jnp.where(jnp.asarray(CH.image_logit_mask(cfg)), jnp.finfo(jnp.float32).min, logits)
     return logits
+
+
+def vocab_rows(cfg, lm: dict, ids: jax.Array) -> jax.Array:
+    """The LM-head rows [Vd, D] of token ids [Vd] (a copy, made once per decode)."""
+    if cfg.tie_word_embeddings:
+        return jnp.take(lm["embed"], ids, axis=0)
+    return jnp.take(lm["lm_head"], ids, axis=1).T
 
 
 def head_forward(cfg, head: EagleHead, emb: jax.Array, feat: jax.Array, positions: jax.Array,
@@ -208,6 +242,7 @@ class EagleDrafter(Drafter):
 
     head: EagleHead
     layers: int = struct.field(pytree_node=False, default=0)  # the target's depth (set by `prepare`)
+    rows: jax.Array | None = None  # the draft vocabulary's LM-head rows [Vd, D] (set by `prepare`)
     verify_hidden = True
 
     def check(self, target) -> None:
@@ -232,8 +267,13 @@ class EagleDrafter(Drafter):
         if setup.guidance is not None or setup.constraint is not None:
             g = GD.guide(setup.target, setup.lengths, setup.guidance, setup.constraint)
             longest, width = int(np.max(np.asarray(g.prompt_end))), max(width, g.uncond.shape[1])
-        layers = text_parts(setup.target)[0].num_layers
-        return Prepared(self.replace(head=head, layers=layers), None, longest, width)
+        cfg, lm = text_parts(setup.target)
+        rows = None
+        if head.vocab is not None:
+            rows = vocab_rows(cfg, lm, head.vocab)
+            if setup.mesh is not None:
+                rows = jax.device_put(rows, jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec()))
+        return Prepared(self.replace(head=head, layers=cfg.num_layers, rows=rows), None, longest, width)
 
     def prefill_asks(self, tokens, lengths, inputs) -> dict:
         return {"hidden_layers": (self.layers,)}
@@ -268,7 +308,7 @@ class EagleDrafter(Drafter):
         """Draft log-probs [B, K, V] from f-hat [R, K, D] of nodes at `depth` [B, K] below the root: the target's
         LM head, its guidance and constraint, then the sampler's processing."""
         cfg, lm = text_parts(env.target)
-        logits = lm_logits(cfg, lm, f)
+        logits = lm_logits(cfg, lm, f, None if self.rows is None else (self.head.vocab, self.rows))
         if isinstance(env.target, GD.Guided):
             g = env.tcache.length[:, None] + depth + 1 - env.target.prompt_end[:, None]
             logits = env.target._process(logits, g)

@@ -37,6 +37,7 @@ CONFIG_NAME = EG.CONFIG_NAME          # eagle_head.json
 WEIGHTS_NAME = EG.WEIGHTS_NAME        # model.safetensors
 TORCH_WEIGHTS_NAME = "pytorch_model.bin"
 TABLE_NAME = "neighbours.npz"
+COUNTS_NAME = "token_counts.npy"  # how often each token id was an answer token of the head's training data
 HF_CONFIG_NAME = "config.json"
 FORMAT = "jspec-eagle-head"
 # tensors a PyTorch head may carry that the head does not use (the target's embedding is checked, then dropped)
@@ -325,6 +326,14 @@ def load_drafter(directory: str, target):
 
         codebook = np.asarray(jax.device_get(VQ.codebook(params["vqmodel"])))
     return head, NeighbourTable.load(path, vocab_size=cfg.vocab_size, codebook=codebook)
+
+
+def frequent_tokens(counts, n: int) -> np.ndarray:
+    """The ids of the n most frequent tokens of `counts` [V] (ties: the lower id first), sorted."""
+    counts = np.asarray(counts)
+    if counts.ndim != 1 or not 1 <= n <= counts.size:
+        raise ValueError(f"a draft vocabulary of {n} tokens out of counts of shape {counts.shape}")
+    return np.sort(np.argsort(-counts, kind="stable")[:n]).astype(np.int32)
 
 
 def same_params(a: EG.EagleHead, b: EG.EagleHead) -> bool:

@@ -8,11 +8,10 @@ from typing import Any
 
 from jspec.controllers.combined import Both
 from jspec.controllers.entropy_tree import EntropyTree, TreeSpec
-from jspec.drafters import Drafter, ModelDrafter
 from jspec.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
 from jspec.methods import preset
 from jspec.plans import StaticPlan
-from jspec.strategy import Speculative, Strategy
+from jspec.strategy import Speculative, Strategy, as_drafter as strategy_drafter
 from jspec.trees import build_tree, cached_tree
 from jspec.verify import as_rule
 
@@ -44,12 +43,11 @@ def sage_budget(**settings) -> tuple[int, str]:
 
 
 def as_drafter(draft):
-    """A drafter object as is; an `EarlyExitHead` as its drafter; a model as a separate draft model."""
+    """An `EarlyExitHead` as its drafter; otherwise as `jspec.strategy.as_drafter` (a drafter as is, an EAGLE head
+    over the target's features, a model as a separate draft model)."""
     if isinstance(draft, EarlyExitHead):
         return EarlyExitDrafter(draft.replace(calibration=None))
-    if isinstance(draft, Drafter):
-        return draft
-    return ModelDrafter(draft)
+    return strategy_drafter(draft)
 
 
 @dataclasses.dataclass(frozen=True)
