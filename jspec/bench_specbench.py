@@ -58,7 +58,7 @@ HEAD_METHODS = {
     "self-sd": ("layer-skip", lambda m: _jspec().Chain(m, gamma=4)),  # the target with searched layers skipped
     # EAGLE-1's feature head over the shipped draft vocabulary: chains, EAGLE-1's static tree, EAGLE-2's dynamic
     # tree, SAGE's trees
-    **{f"eagle-c{g}": ("eagle", lambda h, g=g: _jspec().Chain(h, gamma=g)) for g in (3, 4, 6)},
+    **{f"eagle-c{g}": ("eagle", lambda h, g=g: _jspec().Chain(h, gamma=g)) for g in (2, 3, 4)},
     "eagle-tree": ("eagle", lambda h: _jspec().Tree(h, tree="mc_sim_7b_63")),
     "eagle2": ("eagle", lambda h: _jspec().DynamicTree(h, depth=5, top_k=4, total=12)),
     "sage-eagle": ("eagle", lambda h: _jspec().SAGE(h)),

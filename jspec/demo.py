@@ -100,7 +100,8 @@ REAL_TASKS = ("Summarize this text in three sentences.", "Rewrite this text in t
 
 def real_section(seed: int = 0, model: str = "smollm2-135m-instruct") -> Section:
     """A real pretrained model (`jspec fetch`) summarizes and rewrites a real text in one ragged batch: AR beside
-    prompt lookup (Spec-Bench's 10-token copies and 4-token ones), greedy, and prompt lookup sampled."""
+    prompt lookup (Spec-Bench's 10-token copies and 4-token ones), greedy, and prompt lookup sampled; and, where
+    the package ships them for the model, its trained drafters (the EAGLE head's chain, EESD's Beta-TS), greedy."""
     import jspec
     from jspec import models
 
@@ -111,6 +112,11 @@ def real_section(seed: int = 0, model: str = "smollm2-135m-instruct") -> Section
     both = ("greedy", "sampled")
     s = {"AR": (None, both), "PromptLookup gamma=10": (jspec.PromptLookup(max_ngram=3, gamma=10), ("greedy",)),
          "PromptLookup gamma=4": (jspec.PromptLookup(max_ngram=3, gamma=4), both)}
+    shipped = {kind for _, kind in models.heads(model)}
+    if "eagle" in shipped:
+        s["EAGLE head, chain of 3"] = (jspec.Chain(models.head(model, "eagle", target), gamma=3), ("greedy",))
+    if "eesd" in shipped:
+        s["EESD head, Beta-TS"] = (jspec.EESD(models.head(model, "eesd", target), k_max=8), ("greedy",))
     return Section(f"{model}: {target.num_params / 1e6:.0f}M parameters, f32 (a summary and a rewrite of one text)",
                    target, tok, rows, [(task, "(a real model: no reference)") for task in REAL_TASKS], s)
 
@@ -120,7 +126,7 @@ def run_real(seed: int = 0, out_dir: str = "jspec-demo", max_new_tokens: int = 1
     """`jspec demo real`: `real_section` measured (as `run` does) with its table, the why-slower lines and a
     figure; needs `jspec fetch smollm2-135m-instruct` first."""
     cache_dir = CJ.enable_cache(cache)
-    print_fn("jspec demo real: a real model, AR against prompt lookup"
+    print_fn("jspec demo real: a real model, AR against prompt lookup and its trained drafters"
              + (f" (compiled programs cached in {cache_dir})" if cache_dir else ""))
     sec = real_section(seed)
     res = measure(sec, max_new_tokens, rounds, seed, print_fn)
