@@ -120,10 +120,11 @@ def eagle_head(target):
     return head.replace(params=dict(head.params, fc=fc, layer=dict(target.params["layers"][0])))
 
 
-# EAGLE-1's feature head over the target's own features (LANTERN++'s drafter), on a small static tree
+# EAGLE-1's feature head over the target's own features (LANTERN++'s drafter), on a small static tree; slow, since
+# eagle_tree_vocab runs the same tree and head (over a reduced vocabulary) by default
 register("eagle_head", lambda t, d: jspec.Speculative(
     eagle.EagleDrafter(eagle_head(t)), StaticPlan.of(build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]]))),
-    exact=True, separate_draft=False)
+    exact=True, separate_draft=False, slow=True)
 
 def every_third_dropped(target):
     """A draft vocabulary of the target's tokens without every third id (EAGLE-3's reduced vocabulary, in small)."""

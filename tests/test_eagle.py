@@ -109,7 +109,7 @@ def test_draft_distributions_are_the_teacher_forced_heads(pair):
         assert checked >= 20
 
 
-@pytest.mark.slow  # the conformance entry "eagle_head" and the CFG test below prove greedy == AR by default
+@pytest.mark.slow  # the conformance entry "eagle_tree_vocab" and the CFG test below prove greedy == AR
 def test_greedy_equals_ar_on_trees(pair):
     target, head = pair
     ar = jspec.decode(target, PROMPTS, max_new_tokens=20, eos_token_id=())
@@ -118,7 +118,7 @@ def test_greedy_equals_ar_on_trees(pair):
         np.testing.assert_array_equal(out.tokens, ar.tokens)
 
 
-@pytest.mark.slow  # the conformance entry "eagle_head" runs the same exactness check by default
+@pytest.mark.slow  # the conformance entry "eagle_tree_vocab" runs the same exactness check
 def test_sampling_is_exact():
     target, _ = tiny_vocab_pair()
     head = EG.init_head(target, jax.random.key(2), noise=0.5)
