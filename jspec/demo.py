@@ -114,7 +114,7 @@ def real_section(seed: int = 0, model: str = "smollm2-135m-instruct") -> Section
          "PromptLookup gamma=4": (jspec.PromptLookup(max_ngram=3, gamma=4), both)}
     shipped = {kind for _, kind in models.heads(model)}
     if "eagle" in shipped:
-        s["EAGLE head, chain of 3"] = (jspec.Chain(models.head(model, "eagle", target), gamma=3), ("greedy",))
+        s["EAGLE head, chain of 2"] = (jspec.Chain(models.head(model, "eagle", target), gamma=2), ("greedy",))
     if "eesd" in shipped:
         s["EESD head, Beta-TS"] = (jspec.EESD(models.head(model, "eesd", target), k_max=8), ("greedy",))
     return Section(f"{model}: {target.num_params / 1e6:.0f}M parameters, f32 (a summary and a rewrite of one text)",
