@@ -374,8 +374,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--strategies", nargs="+", default=["ar", "pld", "pld-4", "pld-tree"],
                     help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-tree (3 branches of 4); over the "
                          "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/4/6 (fixed K), "
-                         "sage-eesd; self-sd (layer skipping, a chain of 4); each also with bfloat16 weights as "
-                         "NAME-bf16")
+                         "sage-eesd; self-sd (layer skipping, a chain of 4); eagle-c2/3/4 (the EAGLE head's chains), "
+                         "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; each also with "
+                         "bfloat16 weights as NAME-bf16")
     ap.add_argument("--baselines", nargs="*", default=list(HF_METHODS), help="transformers baselines: hf (generate), "
                                                                               "hf-pld (its prompt lookup); none: omit")
     ap.add_argument("--max-new-tokens", type=int, default=256)
