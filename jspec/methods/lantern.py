@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jspec.drafters import ModelDrafter
-from jspec.drafters.eagle import EagleDrafter, EagleHead
+from jspec.drafters import Drafter
+from jspec.drafters.eagle import EagleHead
 from jspec.methods import preset
 from jspec.neighbours import NeighbourTable
 from jspec.plans import DynamicPlan, StaticPlan
-from jspec.strategy import Speculative, Strategy
+from jspec.strategy import Speculative, Strategy, as_drafter
 from jspec.verify import RESIDUAL_MODES, LanternPPRule, LanternRule
 
 # EAGLE-2's dynamic tree as LANTERN++'s baseline runs it (spec 2.6): top_k 10, 5 levels, 58 drafts kept
@@ -54,12 +54,9 @@ def lantern_budget(config_name: str) -> tuple[int, int, str]:
 
 
 def _drafter(draft):
-    if isinstance(draft, EagleHead):
-        return EagleDrafter(draft)
-    if isinstance(draft, (EagleDrafter, ModelDrafter)):
-        return draft
-    if hasattr(draft, "config") and hasattr(draft, "params"):
-        return ModelDrafter(draft)
+    """`jspec.strategy.as_drafter` of an EAGLE head, a drafter or a draft model; anything else is refused."""
+    if isinstance(draft, (EagleHead, Drafter)) or (hasattr(draft, "config") and hasattr(draft, "params")):
+        return as_drafter(draft)
     raise ValueError(f"draft must be an EagleHead (jspec.drafters.eagle_io.load_head), a draft model or a drafter, "
                      f"got {type(draft).__name__}")
 
