@@ -297,7 +297,8 @@ Step = Callable[[Any, Any, float, int], tuple[Any, dict]]
 def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *, ckpts: Checkpoints | None = None,
         budget_s: float = float("inf"), ckpt_minutes: float = 3.0, log_every: int = 10,
         evaluate: Callable[[Any], dict] | None = None, desc: str = "train", progress: bool = True,
-        argv: list[str] | None = None, schedule_s: float | None = None) -> tuple[Any, dict]:
+        argv: list[str] | None = None, schedule_s: float | None = None,
+        max_steps: int | None = None) -> tuple[Any, dict]:
     """Run `step_fn` until the schedule's last step, the time budget, Ctrl-C or SIGTERM; returns (state, meta).
 
     - `step_fn(state, batch, lr, step) -> (state, metrics)`: one update at the schedule's learning rate; metrics
@@ -307,7 +308,8 @@ def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *
     - Every `log_every` steps a row (window means, lr, tok_s, tokens, elapsed_s) goes to `workdir/log.jsonl`;
       every `ckpt_minutes` and at the end, `evaluate(state)`'s dict is logged and a checkpoint saved.
     - Without a schedule length, the first 20 timed steps size it to fill `budget_s` (or `schedule_s`, when the
-      schedule is to span several runs of `budget_s` each).
+      schedule is to span several runs of `budget_s` each), at most `max_steps` (a fast device's budget would
+      otherwise repeat a small data set for many epochs).
     - The log is cut back to the checkpoint's step first, and the checkpoint keeps the unlogged window's metrics,
       so a resumed run's log rows equal an uninterrupted one's.
     """
@@ -367,6 +369,8 @@ def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *
                 left = (budget_s if schedule_s is None else schedule_s) - (time.perf_counter() - run_start)
                 warm = meta["schedule"][-1]["warmup"]
                 total = meta["step"] + max(warm - meta["step"], int(0.92 * left / per_step))
+                if max_steps is not None:
+                    total = max(meta["step"] + 1, min(total, max_steps))
                 meta["total_steps"] = meta["schedule"][-1]["total"] = total
                 bar.total = total
                 bar.write(f"{per_step:.2f} s/step: schedule of {total} steps to fill {budget_s / 60:.0f} minutes")

@@ -3,9 +3,12 @@
     python scripts/train_cali.py --target text-target --head jspec/zoo/text-target-eesd-n1 --steps 300
     python scripts/train_cali.py --target text-target --head jspec/zoo/text-target-eesd-n1 --steps 300 --resume
     python scripts/train_cali.py --target DIR --head HEAD_DIR --texts prompts.jsonl ...     # an HF checkpoint
+    python scripts/train_cali.py --target smollm2-135m-instruct --head jspec/heads/smollm2-135m-instruct/eesd \
+        --data build/self-data/smollm2-135m-instruct.jsonl --gen-tokens 256 --seq-len 384  # a registered model
 
 Data: the target's greedy continuations (--gen-tokens) of prompts (a zoo target: the zoo's text tasks, other
-examples than the head was trained on; otherwise --texts), made once and kept in the work directory; labels by
+examples than the head was trained on; a registered model: the last prompts of its self-written data, --data;
+otherwise --texts), made once and kept in the work directory; labels by
 teacher forcing (`jspec.methods.cali_train`). The last --heldout generations are held out: their cross-entropy,
 accuracy and calibration are logged. AdamW, warmup + cosine (`jspec.train`); orbax checkpoints every --ckpt-minutes
 and on Ctrl-C; `--resume` continues. At the end the predictor is saved into the head's directory
@@ -36,14 +39,30 @@ from jspec.methods import cali_train as CT  # noqa: E402
 from jspec.methods import eesd_train as EST  # noqa: E402
 
 
+def data_prompts(path: str, n: int) -> list[np.ndarray]:
+    """The prompts of the last `n` answered records of a self-written data file (`jspec.self_data`): the EESD
+    trainer holds out the last 5% of its records, so these are mostly prompts the head never saw."""
+    from jspec import self_data as SD
+
+    seqs, starts = SD.sequences(SD.read(path))
+    if len(seqs) < n:
+        raise SystemExit(f"{path} holds {len(seqs)} answered prompts; --gen-prompts + --heldout asks for {n}")
+    return [np.asarray(q[:int(st)], np.int32) for q, st in zip(seqs[-n:], starts[-n:])]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="a zoo model name or an HF checkpoint directory")
     ap.add_argument("--head", required=True, help="the early-exit head's directory (save_head)")
     ap.add_argument("--texts", default=None, help="prompts, JSON lines of {'text': ...} (non-zoo targets)")
+    ap.add_argument("--data", default=None, help="a registered model's self-written data (scripts/make_self_data.py): "
+                                                  "its last prompts, instead of --texts")
     ap.add_argument("--positions", type=int, default=10, help="P: W^1..W^P (draft offsets past P share W^P)")
     ap.add_argument("--gen-prompts", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=96)
+    ap.add_argument("--gen-batch", type=int, default=32, help="prompts decoded together")
+    ap.add_argument("--pad-prompt-to", type=int, default=16, help="prompts padded to a multiple of this (one "
+                                                                   "compiled program for prompts up to it)")
     ap.add_argument("--heldout", type=int, default=32)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--minutes", type=float, default=20.0)
@@ -60,11 +79,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     target, is_zoo = TE.load_target(args.target)
-    if not is_zoo and not args.texts:
-        raise SystemExit("a target outside the zoo needs --texts (prompts to continue)")
+    if not is_zoo and not (args.texts or args.data):
+        raise SystemExit("a target outside the zoo needs --texts or --data (prompts to continue)")
+    if args.texts and args.data:
+        raise SystemExit("give --texts or --data, not both")
     head = EE.load_head(args.head, target)
     cfg, lm = EST.head_target_lm(target, head)
-    tag = f"{Path(args.head).name}-cali"
+    hd = Path(args.head).resolve()
+    tag = f"{hd.parent.name}-{hd.name}-cali" if hd.name == "eesd" else f"{hd.name}-cali"  # a shipped head: <model>/eesd
     workdir = Path(args.workdir or ROOT / "build" / "eesd" / tag).resolve()
     if workdir.exists() and not args.resume:  # a fresh run keeps the generations it would make again
         for p in workdir.iterdir():
@@ -86,8 +108,14 @@ def main(argv=None) -> None:
         texts, starts = np.split(z["tokens"], z["ends"][:-1]), z["starts"]
     else:
         n = args.gen_prompts + args.heldout
-        prompts = TE.zoo_prompts(n, args.seed + 100) if is_zoo else TE.file_texts(args.texts, args.target)[:n]
-        texts = EST.self_distillation_texts(target, prompts, args.gen_tokens, greedy_first=args.gen_tokens)
+        if args.data:
+            prompts = data_prompts(args.data, n)
+        elif is_zoo:
+            prompts = TE.zoo_prompts(n, args.seed + 100)
+        else:
+            prompts = TE.file_texts(args.texts, args.target)[:n]
+        texts = EST.self_distillation_texts(target, prompts, args.gen_tokens, greedy_first=args.gen_tokens,
+                                            batch_size=args.gen_batch, pad_prompt_to=args.pad_prompt_to)
         starts = np.asarray([len(p) for p in prompts])
         np.savez(cache, tokens=np.concatenate(texts), ends=np.cumsum([len(t) for t in texts]), starts=starts)
     k = min(args.heldout, len(texts) // 5)

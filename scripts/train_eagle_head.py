@@ -185,6 +185,8 @@ def main(argv=None) -> None:
                                                               "residual modes read k + 1)")
     ap.add_argument("--steps", type=int, default=None, help="the schedule's length")
     ap.add_argument("--minutes", type=float, default=None, help="time budget (sizes the schedule without --steps)")
+    ap.add_argument("--max-steps", type=int, default=None, help="with --minutes alone: the sized schedule's cap "
+                                                                  "(a fast device would otherwise run many epochs)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=None, help="warmup steps (default 3%% of --steps)")
     ap.add_argument("--batch", type=int, default=8)
@@ -261,6 +263,7 @@ def main(argv=None) -> None:
                              head=EG.init_head(target, jax.random.key(args.seed), input_norm,
                                                branch_scale=args.branch_scale),
                              log_every=args.log_every, ckpt_minutes=args.ckpt_minutes, name=name,
+                             max_steps=args.max_steps,
                              argv=sys.argv[1:] if argv is None else argv)
     jt.plot_log(out / "log.jsonl", out / "loss.png", name, ylabel="loss (SmoothL1 + 0.1 CE)")
     evals = [r for r in jt.read_log(out / "log.jsonl") if "heldout_loss" in r]

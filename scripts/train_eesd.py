@@ -116,6 +116,8 @@ def main(argv=None) -> None:
     ap.add_argument("--greedy-first", type=int, default=4)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--minutes", type=float, default=20.0)
+    ap.add_argument("--max-steps", type=int, default=None, help="without --steps: the schedule sized to fill "
+                                                                  "--minutes holds at most this many steps")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -193,7 +195,8 @@ def main(argv=None) -> None:
     batches = EST.mix(open_stream, gen_stream, 0.0 if args.data else args.gen_share)
     state, meta = jt.fit(step, state, batches, meta, workdir,
                          budget_s=60 * args.minutes, ckpt_minutes=args.ckpt_minutes, log_every=args.log_every,
-                         evaluate=lambda s: EST.evaluate(eval_step, s["params"], lm, held), desc=tag)
+                         evaluate=lambda s: EST.evaluate(eval_step, s["params"], lm, held), desc=tag,
+                         max_steps=args.max_steps)
     jt.plot_log(workdir / "log.jsonl", ROOT / "scripts" / "results" / f"{tag}-loss.png", tag)
     if not jt.finished(meta):
         print(f"{tag}: stopped at step {meta['step']} of {meta['total_steps']}: rerun with --resume")

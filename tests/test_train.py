@@ -162,6 +162,16 @@ def test_schedule_sized_for_several_runs(tmp_path):
     assert meta["total_steps"] > 5 * meta["step"] and meta["schedule"][0]["total"] == meta["total_steps"]
 
 
+def test_budget_sized_schedule_is_capped_by_max_steps(tmp_path):
+    """A budget that would hold thousands of fast steps sizes a schedule of at most `max_steps`, which the run
+    then finishes (its learning rate decayed to the end) well inside the budget."""
+    step, state, meta, ckpts, _ = _setup(tmp_path, None)
+    state, meta = jt.fit(step, state, _data(0), meta, tmp_path, ckpts=ckpts, budget_s=60.0, max_steps=30,
+                         progress=False, argv=[])
+    assert jt.finished(meta) and meta["step"] == meta["total_steps"] == 30
+    assert meta["schedule"][0]["total"] == 30 and meta["elapsed_s"] < 30
+
+
 def test_prefetch_surfaces_the_producers_error():
     def bad():
         yield 1

@@ -381,13 +381,13 @@ def fit_head(target, data, workdir, *, steps: int | None = None, minutes: float 
              weight_decay: float = 0.0, clip_value: float = 0.5, input_norm: bool | None = None,
              heldout: Sequence[dict] | None = None, log_every: int = 10, ckpt_minutes: float = 3.0,
              progress: bool = True, name: str = "eagle", argv: list[str] | None = None,
-             interrupt_at: int | None = None) -> tuple[EG.EagleHead, dict]:
+             interrupt_at: int | None = None, max_steps: int | None = None) -> tuple[EG.EagleHead, dict]:
     """Train an EAGLE head for `target` with `jspec.train.fit`; returns (head, run meta).
 
     data: a callable start -> iterator of `fit` batches (batch, next index, tokens), e.g. the zoo's text stream,
         or token sequences / items for `batches(data, batch_size, seq_len, pack=pack)`.
-    steps / minutes: the schedule's length, or a time budget (the schedule sized to fill it); warmup: default 3%
-        of the steps (10 steps when only a budget is given).
+    steps / minutes: the schedule's length, or a time budget (the schedule sized to fill it, at most max_steps);
+        warmup: default 3% of the steps (10 steps when only a budget is given).
     head: the start (default `eagle.init_head(target, key(seed), input_norm)`), trained in float32.
     resume: continue from the orbax checkpoint in workdir/ckpt (same name and seed), bit-identical to a run that
         was never interrupted; False starts over (the checkpoints are replaced).
@@ -428,7 +428,8 @@ def fit_head(target, data, workdir, *, steps: int | None = None, minutes: float 
     evaluate_fn = (lambda s: evaluate(eval_step, s["params"], lm, heldout)) if heldout else None
     budget = 60.0 * minutes if minutes is not None else float("inf")
     state, meta = jt.fit(step, state, stream, meta, workdir, ckpts=ckpts, budget_s=budget, ckpt_minutes=ckpt_minutes,
-                         log_every=log_every, evaluate=evaluate_fn, desc=name, progress=progress, argv=argv)
+                         log_every=log_every, evaluate=evaluate_fn, desc=name, progress=progress, argv=argv,
+                         max_steps=max_steps)
     return head.replace(params=state["params"]), meta
 
 
