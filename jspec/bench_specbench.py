@@ -7,7 +7,8 @@
 
 The questions are Spec-Bench's 480 (`jspec/benchdata/spec_bench`, Apache-2.0), asked through the model's chat
 template; a second turn (MT-bench's categories) is asked after jspec AR's first answer, the same prompt for every
-method. Batch 1, as Spec-Bench decodes. Each method decodes each turn once per run; runs are interleaved (every
+method. Batch 1, as Spec-Bench decodes (`--batch B`: B turns at a time as one ragged batch, the summary then
+overall only). Each method decodes each turn once per run; runs are interleaved (every
 method once per turn, then the next run), and every timed call is warm (each prompt width's programs are compiled
 before the first run). A call's wall time includes its prefill, as Spec-Bench's does.
 
@@ -53,12 +54,12 @@ BF16 = "-bf16"  # a method name with this suffix runs the model with bfloat16 we
 HEAD_METHODS = {
     "eesd": ("eesd", lambda h: _jspec().EESD(h, k_max=8)),  # Beta-TS draft lengths up to 8
     "eesd-cali": ("eesd", lambda h: _jspec().EESD(h, controller="cali", k_max=8)),
-    **{f"eesd-k{k}": ("eesd", lambda h, k=k: _jspec().EESD(h, controller=k, k_max=k)) for k in (2, 4, 6)},
+    **{f"eesd-k{k}": ("eesd", lambda h, k=k: _jspec().EESD(h, controller=k, k_max=k)) for k in (2, 4, 6, 8)},
     "sage-eesd": ("eesd", lambda h: _jspec().SAGE(h)),  # SAGE's trees over the early-exit drafter
     "self-sd": ("layer-skip", lambda m: _jspec().Chain(m, gamma=4)),  # the target with searched layers skipped
     # EAGLE-1's feature head over the shipped draft vocabulary: chains, EAGLE-1's static tree, EAGLE-2's dynamic
     # tree, SAGE's trees
-    **{f"eagle-c{g}": ("eagle", lambda h, g=g: _jspec().Chain(h, gamma=g)) for g in (2, 3, 4)},
+    **{f"eagle-c{g}": ("eagle", lambda h, g=g: _jspec().Chain(h, gamma=g)) for g in (2, 3, 4, 5, 6, 8)},
     "eagle-tree": ("eagle", lambda h: _jspec().Tree(h, tree="mc_sim_7b_63")),
     "eagle2": ("eagle", lambda h: _jspec().DynamicTree(h, depth=5, top_k=4, total=12)),
     "sage-eagle": ("eagle", lambda h: _jspec().SAGE(h)),
@@ -103,9 +104,14 @@ def load_questions(categories=CATEGORIES, per_category: int | None = None) -> li
     return out
 
 
+PLAN_STATS = ("depth", "width", "nodes", "alpha")  # a controller's per-step decision (`out.stats`), when it has one
+
+
 class Runner:
     """Decodes one prompt with one method; returns (tokens, accept lengths per step or None, wall seconds, the
-    decode loop's seconds without the prefill or None, tokens drafted or None)."""
+    decode loop's seconds without the prefill or None, tokens drafted or None, the controller's per-step plan or
+    None: {stat: one value per target step} of `PLAN_STATS` (EESD's draft length K as "depth"; SAGE's tree depth,
+    width, nodes and confidence alpha))."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, pad_to: int, hf=None,
                  models: dict | None = None):
@@ -126,7 +132,30 @@ class Runner:
         n = int(out.lengths[0])
         steps = int(out.stats["steps"][0])
         acc = [1] + out.stats["accepted"][0, :steps].tolist()  # the prefill's token, then each target step's
-        return out.tokens[0, :n], acc, wall, float(out.stats["decode_s"]), int(out.stats["drafted"][0])
+        plan = {k: [float(v) for v in np.asarray(out.stats[k], np.float64)[0, :steps]] for k in PLAN_STATS
+                if k in out.stats and np.ndim(out.stats[k]) == 2}
+        return out.tokens[0, :n], acc, wall, float(out.stats["decode_s"]), int(out.stats["drafted"][0]), plan or None
+
+    def jspec_rows(self, strategy, rows: list[np.ndarray], seed: int, dtype: str = "float32") -> list[tuple]:
+        """`rows` decoded together as one ragged batch; per row, `jspec`'s tuple with the batch's wall and
+        decode-loop seconds split evenly over the rows (their sums are the batch's)."""
+        import jax
+
+        import jspec
+
+        t = time.perf_counter()
+        out = jspec.decode(self.models[dtype], list(rows), strategy, max_new_tokens=self.N, temperature=self.T,
+                           key=jax.random.key(seed), eos_token_id=self.eos, pad_prompt_to=self.pad_to)
+        wall = (time.perf_counter() - t) / len(rows)
+        loop = float(out.stats["decode_s"]) / len(rows)
+        res = []
+        for b in range(len(rows)):
+            steps = int(out.stats["steps"][b])
+            plan = {k: [float(v) for v in np.asarray(out.stats[k], np.float64)[b, :steps]] for k in PLAN_STATS
+                    if k in out.stats and np.ndim(out.stats[k]) == 2}
+            res.append((out.tokens[b, :int(out.lengths[b])], [1] + out.stats["accepted"][b, :steps].tolist(), wall,
+                        loop, int(out.stats["drafted"][b]), plan or None))
+        return res
 
     def transformers(self, kw: dict, ids: np.ndarray, seed: int):
         import torch
@@ -142,7 +171,7 @@ class Runner:
         wall = time.perf_counter() - t
         toks = o[0, len(ids):].numpy()
         stop = np.flatnonzero(np.isin(toks, self.eos))
-        return toks[:stop[0] + 1] if stop.size else toks, None, wall, None, None
+        return toks[:stop[0] + 1] if stop.size else toks, None, wall, None, None, None
 
 
 def _warm(runner: Runner, methods: dict, widths: list[int], progress) -> None:
@@ -154,11 +183,21 @@ def _warm(runner: Runner, methods: dict, widths: list[int], progress) -> None:
             runner.jspec(s, ids, 0, dtype_of(name))
 
 
+def _warm_batches(runner: Runner, methods: dict, chunks: list, pad_to: int, progress) -> None:
+    """Compiles each method's programs for every (rows, padded width) the batches need (dummy prompts)."""
+    for n, w in sorted({(len(c), max(-(-len(ids) // pad_to) * pad_to for _, _, ids in c)) for c in chunks}):
+        ids = (np.arange(w) % 500 + 100).astype(np.int32)
+        for name, s in methods.items():
+            progress(f"compile {name}, {n} rows of width {w}")
+            runner.jspec_rows(s, [ids] * n, 0, dtype_of(name))
+
+
 def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questions: int | None = 2,
         strategies_: tuple = ("ar", "pld", "pld-4", "pld-tree"), hf_methods: tuple = ("hf", "hf-pld"),
         max_new_tokens: int = 256, temperature: float = 0.0, runs: int = 1, second_turn: bool = True,
-        pad_to: int = 128, out_dir: str = "scripts/results", progress: bool = True) -> dict:
-    """Run the bench (see the module docstring); returns the summary and writes the files it lists."""
+        pad_to: int = 128, out_dir: str = "scripts/results", progress: bool = True, batch: int = 1) -> dict:
+    """Run the bench (see the module docstring); returns the summary and writes the files it lists. batch > 1:
+    the turns are decoded `batch` at a time, in order, as ragged batches (jspec methods only)."""
     import jax
     from tqdm import tqdm
 
@@ -182,8 +221,11 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
         strategies_ = ("ar",) + tuple(strategies_)
     if any(m.endswith(BF16) for m in strategies_) and "ar" + BF16 not in strategies_:
         strategies_ = ("ar" + BF16,) + tuple(strategies_)
-    if runs < 1 or max_new_tokens < 1:
-        raise ValueError(f"runs and max_new_tokens must be >= 1, got {runs}, {max_new_tokens}")
+    if runs < 1 or max_new_tokens < 1 or batch < 1:
+        raise ValueError(f"runs, max_new_tokens and batch must be >= 1, got {runs}, {max_new_tokens}, {batch}")
+    if batch > 1 and hf_methods:
+        raise ValueError(f"the transformers baselines {list(hf_methods)} decode batch 1 only: pass --baselines none "
+                         f"with --batch {batch}")
     qs = load_questions(categories, questions)
     say = (lambda m: tqdm.write(m)) if progress else (lambda m: None)
     compilation.enable_cache()
@@ -211,7 +253,8 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     for i, q in enumerate(qs):
         turns.append((i, 0, chat_ids(tok, [{"role": "user", "content": q["turns"][0]}])))
     widths = sorted({-(-len(ids) // pad_to) * pad_to for _, _, ids in turns})
-    _warm(runner, methods, widths, say)
+    if batch == 1:
+        _warm(runner, methods, widths, say)
     if second_turn:
         for i, q in enumerate(qs):
             if len(q["turns"]) > 1:
@@ -221,27 +264,37 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
                         {"role": "user", "content": q["turns"][1]}]
                 turns.append((i, 1, chat_ids(tok, msgs)))
         more = sorted({-(-len(ids) // pad_to) * pad_to for _, _, ids in turns} - set(widths))
-        _warm(runner, methods, more, say)
+        if batch == 1:
+            _warm(runner, methods, more, say)
+    chunks = [turns[j:j + batch] for j in range(0, len(turns), batch)]
+    if batch > 1:
+        _warm_batches(runner, methods, chunks, pad_to, say)
     names = list(methods) + list(hf_methods)
     res = {m: {} for m in names}  # method -> (q, turn) -> list over runs of (tokens, acc, wall)
-    bar = tqdm(total=runs * len(turns) * len(names), desc="spec-bench", unit="call", disable=not progress)
+    bar = tqdm(total=runs * len(chunks) * len(names), desc="spec-bench", unit="call", disable=not progress)
     for r in range(runs):
-        for i, t, ids in turns:
+        for chunk in chunks:
             for m in names:
-                seed = 1000 * i + t
-                out = runner.jspec(methods[m], ids, seed, dtype_of(m)) if m in methods else \
-                    runner.transformers(HF_METHODS[m], ids, seed)
-                res[m].setdefault((i, t), []).append(out)
+                seed = 1000 * chunk[0][0] + chunk[0][1]
+                if batch > 1:
+                    outs = runner.jspec_rows(methods[m], [ids for _, _, ids in chunk], seed, dtype_of(m))
+                else:
+                    outs = [runner.jspec(methods[m], chunk[0][2], seed, dtype_of(m)) if m in methods else
+                            runner.transformers(HF_METHODS[m], chunk[0][2], seed)]
+                for (i, t, _), out in zip(chunk, outs):
+                    res[m].setdefault((i, t), []).append(out)
                 bar.update()
     bar.close()
 
     stamp = time.strftime("%Y-%m-%d")
-    stem = fresh_dir(os.path.join(out_dir, f"spec-bench-{model_name}-T{temperature:g}-{stamp}"))
+    stem = fresh_dir(os.path.join(out_dir, f"spec-bench-{model_name}-T{temperature:g}"
+                                           f"{f'-B{batch}' if batch > 1 else ''}-{stamp}"))
     files = [_write_answers(os.path.join(stem, f"{m}.jsonl"), m, qs, res[m], tok, model_name) for m in names]
-    summary = summarize(qs, turns, res, methods, hf_methods, temperature)
+    summary = summarize(qs, turns, res, methods, hf_methods, temperature, overall_only=batch > 1)
     summary["meta"] = {**BENCH.meta("spec-bench", runs, False), "model": model_name, "max_new_tokens": max_new_tokens,
                        "temperature": temperature, "questions_per_category": questions, "pad_prompt_to": pad_to,
-                       "turns": len(turns), "jspec": jspec.__version__, "jax_backend": jax.default_backend()}
+                       "turns": len(turns), "batch": batch, "jspec": jspec.__version__,
+                       "jax_backend": jax.default_backend()}
     with open(os.path.join(stem, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     md = markdown(summary)
@@ -270,28 +323,35 @@ def _write_answers(path: str, method: str, qs: list, res: dict, tok, model_name:
     run's) and accept lengths."""
     with open(path, "w") as f:
         for i, q in enumerate(qs):
-            turns, new, wall, acc = [], [], [], []
+            turns, new, wall, acc, plan = [], [], [], [], {}
             for t in range(len(q["turns"])):
                 outs = res.get((i, t))
                 if not outs:
                     continue
                 walls = [o[2] for o in outs]
-                toks, a = outs[int(np.argsort(walls)[len(walls) // 2])][:2]
+                med = outs[int(np.argsort(walls)[len(walls) // 2])]
+                toks, a = med[:2]
                 turns.append(tok.decode(toks, skip_special_tokens=True))
                 new.append(int(len(toks)))
                 wall.append(float(np.median(walls)))
                 acc.extend(a or [])
+                for k, v in (med[5] if len(med) > 5 and med[5] else {}).items():  # aligned with accept_lengths
+                    plan.setdefault(k, []).extend([None] + [x if np.isfinite(x) else None for x in v])
             f.write(json.dumps({"question_id": q["question_id"], "category": q["category"], "model_id":
                                 f"{model_name}-{method}", "choices": [{"index": 0, "turns": turns, "new_tokens": new,
-                                                                        "wall_time": wall, "accept_lengths": acc}],
+                                                                        "wall_time": wall, "accept_lengths": acc,
+                                                                        **({"plan": plan} if plan else {})}],
                                 "tstamp": time.time()}) + "\n")
     return path
 
 
-def summarize(qs, turns, res, methods, hf_methods, temperature) -> dict:
+def summarize(qs, turns, res, methods, hf_methods, temperature, overall_only: bool = False) -> dict:
     """Per category and overall, per method: mean accepted tokens per step, tokens/s, step cost in AR steps,
-    speedup over jspec AR (median over runs of the total-time ratio), greedy answers equal to AR."""
-    groups = {c: [k for k in turns if qs[k[0]]["category"] == c] for c in dict.fromkeys(q["category"] for q in qs)}
+    speedup over jspec AR (median over runs of the total-time ratio), greedy answers equal to AR. overall_only:
+    the overall group alone (batched runs, whose rows share a batch's time evenly: only the sums over every turn
+    are measured times)."""
+    groups = {} if overall_only else {c: [k for k in turns if qs[k[0]]["category"] == c]
+                                      for c in dict.fromkeys(q["category"] for q in qs)}
     if any(c in MT_BENCH for c in groups):
         groups["mt_bench"] = [k for k in turns if qs[k[0]]["category"] in MT_BENCH]
     groups["overall"] = list(turns)
@@ -319,6 +379,7 @@ def summarize(qs, turns, res, methods, hf_methods, temperature) -> dict:
                 drafted = [out[k][0][4] for k in keys if len(out[k][0]) > 4 and out[k][0][4] is not None]
                 if drafted and m != "ar" and steps:  # a controller's draft length, on average
                     row["drafts_per_step"] = round(sum(drafted) / steps, 2)
+                row.update(plan_summary([out[k][0] for k in keys]))
             if temperature == 0:  # against AR with the same weights (bf16 methods: bf16 AR)
                 ref = res[reference_of(m)] if m in methods else ar
                 row["equal_to_ar"] = f"{sum(np.array_equal(out[k][0][0], ref[k][0][0]) for k in keys)}/{len(keys)}"
@@ -326,10 +387,30 @@ def summarize(qs, turns, res, methods, hf_methods, temperature) -> dict:
     return {"rows": rows}
 
 
+def plan_summary(outs: list) -> dict:
+    """A controller's decisions over the given runner outputs: mean planned depth (EESD's K, SAGE's tree depth),
+    width and nodes, and the Pearson r between SAGE's confidence alpha and the drafts accepted at that step (its
+    claim: confident steps plan deeper trees and accept more). Empty for methods without a controller."""
+    plans = [(o[5], o[1][1:]) for o in outs if len(o) > 5 and o[5]]
+    if not plans:
+        return {}
+    row = {}
+    for k, name in (("depth", "planned_depth"), ("width", "tree_width"), ("nodes", "tree_nodes")):
+        v = [x for p, _ in plans for x in p.get(k, [])]
+        if v:
+            row[name] = round(float(np.mean(v)), 2)
+    pairs = [(al, a - 1) for p, acc in plans for al, a in zip(p.get("alpha", []), acc) if np.isfinite(al)]
+    if len(pairs) > 2:
+        al, ac = np.asarray(pairs, np.float64).T
+        if al.std() > 0 and ac.std() > 0:
+            row["alpha_accept_r"] = round(float(np.corrcoef(al, ac)[0, 1]), 3)
+    return row
+
+
 def markdown(summary: dict) -> str:
     rows = summary["rows"]
-    cols = ["group", "method", "turns", "mean_accepted", "drafts_per_step", "step_cost_ar_steps", "tokens_s",
-            "speedup_vs_ar", "equal_to_ar"]
+    cols = ["group", "method", "turns", "mean_accepted", "drafts_per_step", "planned_depth", "tree_width",
+            "tree_nodes", "alpha_accept_r", "step_cost_ar_steps", "tokens_s", "speedup_vs_ar", "equal_to_ar"]
     cols = [c for c in cols if any(c in r for r in rows)]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in cols) + " |" for r in rows]
@@ -373,8 +454,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--questions", type=int, default=2, help="questions per category (0: all)")
     ap.add_argument("--strategies", nargs="+", default=["ar", "pld", "pld-4", "pld-tree"],
                     help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-tree (3 branches of 4); over the "
-                         "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/4/6 (fixed K), "
-                         "sage-eesd; self-sd (layer skipping, a chain of 4); eagle-c2/3/4 (the EAGLE head's chains), "
+                         "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/4/6/8 (fixed K), "
+                         "sage-eesd; self-sd (layer skipping, a chain of 4); eagle-c2/3/4/5/6/8 (the EAGLE head's chains), "
                          "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; each also with "
                          "bfloat16 weights as NAME-bf16")
     ap.add_argument("--baselines", nargs="*", default=list(HF_METHODS), help="transformers baselines: hf (generate), "
@@ -385,6 +466,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--first-turn-only", action="store_true")
     ap.add_argument("--pad-to", type=int, default=128, help="prompt widths padded to a multiple of this (programs "
                                                             "shared by nearby lengths)")
+    ap.add_argument("--batch", type=int, default=1, help="turns decoded together as one ragged batch (jspec methods "
+                                                         "only; the summary then reports the overall group)")
     ap.add_argument("--out", default="scripts/results")
 
 
@@ -394,4 +477,4 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     return run(a.model, tuple(a.categories), a.questions or None, tuple(a.strategies),
                tuple(b for b in a.baselines if b != "none"), a.max_new_tokens, a.temperature, a.runs,
-               not a.first_turn_only, a.pad_to, a.out)
+               not a.first_turn_only, a.pad_to, a.out, batch=a.batch)

@@ -1,5 +1,6 @@
-"""`jspec bench spec-bench`'s pieces that need no model: the shipped question set, the summary's arithmetic and the
-answer files Spec-Bench's own `evaluation/speed.py` reads (the run itself is a benchmark, not a test)."""
+"""`jspec bench spec-bench`'s pieces: the shipped question set, the summary's arithmetic, the answer files
+Spec-Bench's own `evaluation/speed.py` reads, and batched rows on a tiny model (the run itself is a benchmark, not
+a test)."""
 import json
 from types import SimpleNamespace
 
@@ -64,6 +65,35 @@ def test_answer_files_are_what_spec_bench_reads(tmp_path):
     assert c["accept_lengths"] == res["pld"][0, 0][0][1] + res["pld"][0, 1][0][1]
 
 
+def test_a_controllers_plan_is_summarised_and_written_per_step(tmp_path):
+    """SAGE-like plans: depth / width / nodes averaged over steps, alpha against the drafts accepted at the same
+    step (r = 1 when acceptance rises with alpha, -1 when it falls), and the per-step plan written aligned with
+    accept_lengths (None at each turn's prefill)."""
+    qs, turns, res = _results()
+
+    def with_plan(sign):
+        out = {}
+        for k, runs in res["pld"].items():
+            acc = runs[0][1]
+            al = [0.5 + sign * 0.1 * (a - 1.5) for a in acc[1:]]
+            plan = {"depth": [4.0] * (len(acc) - 1), "nodes": [6.0] * (len(acc) - 1), "alpha": al}
+            out[k] = [r + (plan,) for r in runs]
+        return out
+    for sign in (1, -1):
+        res2 = {**res, "pld": with_plan(sign)}
+        row = {(r["group"], r["method"]): r for r in SB.summarize(qs, turns, res2, {"ar": None, "pld": None}, (),
+                                                                     0.0)["rows"]}[("overall", "pld")]
+        assert row["planned_depth"] == 4.0 and row["tree_nodes"] == 6.0 and "tree_width" not in row
+        assert row["alpha_accept_r"] == pytest.approx(sign)
+    assert "planned_depth" not in {(r["group"], r["method"]): r for r in SB.summarize(
+        qs, turns, res, {"ar": None, "pld": None}, (), 0.0)["rows"]}[("overall", "pld")]
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+    path = SB._write_answers(str(tmp_path / "s.jsonl"), "s", qs, res2["pld"], tok, "m")
+    c = json.loads(open(path).readline())["choices"][0]
+    assert len(c["plan"]["depth"]) == len(c["accept_lengths"])
+    assert [i for i, v in enumerate(c["plan"]["depth"]) if v is None] == [0, len(res["pld"][0, 0][0][1])]
+
+
 def test_bf16_methods_are_checked_against_bf16_ar_and_timed_against_f32_ar():
     qs, turns, res = _results()
     res = {**res, "ar-bf16": res["pld"], "pld-bf16": res["pld"]}  # bf16 AR's tokens are the bf16 methods' own
@@ -81,3 +111,24 @@ def test_a_run_never_overwrites_an_earlier_one(tmp_path):
     (tmp_path / "spec-bench-m-T0-2026-01-01" / "summary.md").write_text("kept")
     assert SB.fresh_dir(first) == first + "-2" and SB.fresh_dir(first) == first + "-3"
     assert (tmp_path / "spec-bench-m-T0-2026-01-01" / "summary.md").read_text() == "kept"
+
+
+def test_batched_rows_are_each_rows_own_decode_and_share_the_batch_time(llama_pair):
+    """--batch: ragged rows decoded together give each row the tokens, accept lengths and plan of decoding it
+    alone, and the rows' time shares add up to the batch's; the summary of a batched run is overall only."""
+    import jspec
+
+    _, model = llama_pair
+    runner = SB.Runner(model, SimpleNamespace(eos_token_id=100), 12, 0.0, 16)
+    rows = [np.arange(3, 3 + n, dtype=np.int32) % 90 + 5 for n in (5, 11, 8)]
+    strategy = jspec.Chain(model, gamma=2)  # the model drafting for itself
+    batched = runner.jspec_rows(strategy, rows, 0)
+    for ids, got in zip(rows, batched):
+        alone = runner.jspec(strategy, ids, 0)
+        np.testing.assert_array_equal(got[0], alone[0])
+        assert got[1] == alone[1] and got[4] == alone[4]
+    assert len({b[2] for b in batched}) == 1 and len({b[3] for b in batched}) == 1
+    qs, turns, res = _results()
+    summary = SB.summarize(qs, turns, res, {"ar": None, "pld": None}, (), 0.0, overall_only=True)
+    assert {r["group"] for r in summary["rows"]} == {"overall"}
+    assert {(r["method"], r["speedup_vs_ar"]) for r in summary["rows"]} == {("ar", 1.0), ("pld", 2.0)}

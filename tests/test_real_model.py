@@ -74,26 +74,29 @@ def test_prompt_lookup_equals_ar_and_copies_on_a_rewrite(pair):
     assert pld.stats["mean_accepted"][0] > 2.0, pld.stats["accepted"]
 
 
-@pytest.mark.parametrize("kind", ["eesd", "eagle", pytest.param("layer-skip", marks=pytest.mark.slow)])  # layer
-# skipping: tests/test_layer_skip.py in the default suite
+# layer skipping: tests/test_layer_skip.py in the default suite
+@pytest.mark.parametrize("kind", ["eesd", "eesd-cali", "eagle", pytest.param("layer-skip", marks=pytest.mark.slow)])
 def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
     """The drafters the package ships for this model load by name and keep greedy decoding equal to AR on a
-    Spec-Bench question and draft some accepted tokens; the EESD head shares the target's LM head, the EAGLE head
-    drafts over its shipped vocabulary."""
+    Spec-Bench question and draft some accepted tokens; the EESD head shares the target's LM head and brings its
+    Cali-TS predictor, the EAGLE head drafts over its shipped vocabulary."""
     from jspec import bench_specbench as SB
 
     model, tok, _, _ = pair
     q = SB.load_questions(("writing",), 1)[0]
     ids = SB.chat_ids(tok, [{"role": "user", "content": q["turns"][0]}])
-    drafter = models.head(NAME, kind, model)
-    strat = jspec.EESD(drafter, k_max=4) if kind == "eesd" else jspec.Chain(drafter, gamma=3)
+    drafter = models.head(NAME, kind.removesuffix("-cali"), model)
+    if kind.startswith("eesd"):
+        strat = jspec.EESD(drafter, controller="cali" if kind == "eesd-cali" else "beta", k_max=4)
+    else:
+        strat = jspec.Chain(drafter, gamma=3)
     if kind == "eagle":  # the shipped draft vocabulary, from the training answers' counts
         assert drafter.vocab is not None and 1000 < drafter.vocab.shape[0] < model.config.vocab_size
     ar = jspec.decode(model, ids, max_new_tokens=32, eos_token_id=tok.eos_token_id)
     out = jspec.decode(model, ids, strat, max_new_tokens=32, eos_token_id=tok.eos_token_id)
     np.testing.assert_array_equal(out.tokens, ar.tokens)
     assert out.stats["mean_accepted"][0] > 1.0
-    if kind == "eesd":
-        assert drafter.shares_lm_head and drafter.exit_layer == 3
+    if kind.startswith("eesd"):
+        assert drafter.shares_lm_head and drafter.exit_layer == 3 and drafter.calibration is not None
     elif kind == "layer-skip":
         assert drafter.config.num_layers < model.config.num_layers
