@@ -54,7 +54,7 @@ BF16 = "-bf16"  # a method name with this suffix runs the model with bfloat16 we
 HEAD_METHODS = {
     "eesd": ("eesd", lambda h: _jspec().EESD(h, k_max=8)),  # Beta-TS draft lengths up to 8
     "eesd-cali": ("eesd", lambda h: _jspec().EESD(h, controller="cali", k_max=8)),
-    **{f"eesd-k{k}": ("eesd", lambda h, k=k: _jspec().EESD(h, controller=k, k_max=k)) for k in (2, 4, 6, 8)},
+    **{f"eesd-k{k}": ("eesd", lambda h, k=k: _jspec().EESD(h, controller=k, k_max=k)) for k in (2, 3, 4, 6, 8)},
     "sage-eesd": ("eesd", lambda h: _jspec().SAGE(h)),  # SAGE's trees over the early-exit drafter
     "self-sd": ("layer-skip", lambda m: _jspec().Chain(m, gamma=4)),  # the target with searched layers skipped
     # EAGLE-1's feature head over the shipped draft vocabulary: chains, EAGLE-1's static tree, EAGLE-2's dynamic
@@ -454,7 +454,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--questions", type=int, default=2, help="questions per category (0: all)")
     ap.add_argument("--strategies", nargs="+", default=["ar", "pld", "pld-4", "pld-tree"],
                     help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-tree (3 branches of 4); over the "
-                         "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/4/6/8 (fixed K), "
+                         "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/3/4/6/8 (fixed K), "
                          "sage-eesd; self-sd (layer skipping, a chain of 4); eagle-c2/3/4/5/6/8 (the EAGLE head's chains), "
                          "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; each also with "
                          "bfloat16 weights as NAME-bf16")
