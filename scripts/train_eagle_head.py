@@ -104,7 +104,6 @@ def t2i_items(target, n: int, seed: int, split: str, cache_dir: Path, batch: int
     """CFG training items of the zoo's text-to-image target from its own images (as LANTERN++ trains its drafters:
     images the target generated from captions, under the sampling it decodes with): [<s> caption] + prefix +
     image tokens, and the prefix alone + the same image tokens. Generated once and cached in `cache_dir`."""
-
     import jspec
     from jspec.zoo import t2i as T
 

@@ -143,8 +143,8 @@ def test_shipped_heads_load_by_name_and_checked(tmp_path, monkeypatch):
         models.head(name, "medusa", target)
     with pytest.raises(ValueError, match="unknown model"):
         models.head("nope", "eesd", target)
-    with pytest.raises(ValueError, match=r"unknown methods \['eesd-k3'\].*over a trained drafter: eesd, "):
-        SB.run(name, ("rag",), 1, ("ar", "eesd-k3"), (), out_dir=str(tmp_path / "out"), progress=False)
+    with pytest.raises(ValueError, match=r"unknown methods \['eesd-k7'\].*over a trained drafter: eesd, "):
+        SB.run(name, ("rag",), 1, ("ar", "eesd-k7"), (), out_dir=str(tmp_path / "out"), progress=False)
     assert SB.head_method("eesd-k4-bf16")[0] == "eesd" and SB.head_method("pld") is None
 
 
