@@ -74,8 +74,9 @@ def test_prompt_lookup_equals_ar_and_copies_on_a_rewrite(pair):
     assert pld.stats["mean_accepted"][0] > 2.0, pld.stats["accepted"]
 
 
-# layer skipping: tests/test_layer_skip.py in the default suite
-@pytest.mark.parametrize("kind", ["eesd", "eesd-cali", "eagle", pytest.param("layer-skip", marks=pytest.mark.slow)])
+# Beta-TS and layer skipping are slow here: the conformance suite and tests/test_layer_skip.py cover them by default
+@pytest.mark.parametrize("kind", [pytest.param("eesd", marks=pytest.mark.slow), "eesd-cali", "eagle",
+                                  pytest.param("layer-skip", marks=pytest.mark.slow)])
 def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
     """The drafters the package ships for this model load by name and keep greedy decoding equal to AR on a
     Spec-Bench question and draft some accepted tokens; the EESD head shares the target's LM head and brings its
