@@ -373,7 +373,9 @@ def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *
                     total = max(meta["step"] + 1, min(total, max_steps))
                 meta["total_steps"] = meta["schedule"][-1]["total"] = total
                 bar.total = total
-                bar.write(f"{per_step:.2f} s/step: schedule of {total} steps to fill {budget_s / 60:.0f} minutes")
+                capped = max_steps is not None and total == max_steps
+                bar.write(f"{per_step:.2f} s/step: schedule of {total} steps "
+                          + ("(the max_steps cap)" if capped else f"to fill {budget_s / 60:.0f} minutes"))
             if meta["step"] % log_every == 0:
                 keys = window[0][0].keys()
                 row = {"step": meta["step"], **{k: float(np.mean([w[0][k] for w in window])) for k in keys},

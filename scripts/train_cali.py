@@ -4,7 +4,7 @@
     python scripts/train_cali.py --target text-target --head jspec/zoo/text-target-eesd-n1 --steps 300 --resume
     python scripts/train_cali.py --target DIR --head HEAD_DIR --texts prompts.jsonl ...     # an HF checkpoint
     python scripts/train_cali.py --target smollm2-135m-instruct --head jspec/heads/smollm2-135m-instruct/eesd \
-        --data build/self-data/smollm2-135m-instruct.jsonl --gen-tokens 256 --seq-len 384  # a registered model
+        --data build/self-data/smollm2-135m-instruct.jsonl --gen-tokens 256 --seq-len 400 --pad-prompt-to 144
 
 Data: the target's greedy continuations (--gen-tokens) of prompts (a zoo target: the zoo's text tasks, other
 examples than the head was trained on; a registered model: the last prompts of its self-written data, --data;
