@@ -107,6 +107,16 @@ def load_questions(categories=CATEGORIES, per_category: int | None = None) -> li
 PLAN_STATS = ("depth", "width", "nodes", "alpha")  # a controller's per-step decision (`out.stats`), when it has one
 
 
+def _row(out, b: int, wall: float, loop: float) -> tuple:
+    """Row b of a decode as `Runner` returns it: (tokens, accept lengths: the prefill's token then each target
+    step's, wall seconds, decode-loop seconds, tokens drafted, the controller's per-step plan or None)."""
+    steps = int(out.stats["steps"][b])
+    plan = {k: [float(v) for v in np.asarray(out.stats[k], np.float64)[b, :steps]] for k in PLAN_STATS
+            if k in out.stats and np.ndim(out.stats[k]) == 2}
+    return (out.tokens[b, :int(out.lengths[b])], [1] + out.stats["accepted"][b, :steps].tolist(), wall, loop,
+            int(out.stats["drafted"][b]), plan or None)
+
+
 class Runner:
     """Decodes one prompt with one method; returns (tokens, accept lengths per step or None, wall seconds, the
     decode loop's seconds without the prefill or None, tokens drafted or None, the controller's per-step plan or
@@ -129,12 +139,7 @@ class Runner:
         out = jspec.decode(self.models[dtype], ids, strategy, max_new_tokens=self.N, temperature=self.T,
                            key=jax.random.key(seed), eos_token_id=self.eos, pad_prompt_to=self.pad_to)
         wall = time.perf_counter() - t
-        n = int(out.lengths[0])
-        steps = int(out.stats["steps"][0])
-        acc = [1] + out.stats["accepted"][0, :steps].tolist()  # the prefill's token, then each target step's
-        plan = {k: [float(v) for v in np.asarray(out.stats[k], np.float64)[0, :steps]] for k in PLAN_STATS
-                if k in out.stats and np.ndim(out.stats[k]) == 2}
-        return out.tokens[0, :n], acc, wall, float(out.stats["decode_s"]), int(out.stats["drafted"][0]), plan or None
+        return _row(out, 0, wall, float(out.stats["decode_s"]))
 
     def jspec_rows(self, strategy, rows: list[np.ndarray], seed: int, dtype: str = "float32") -> list[tuple]:
         """`rows` decoded together as one ragged batch; per row, `jspec`'s tuple with the batch's wall and
@@ -147,15 +152,7 @@ class Runner:
         out = jspec.decode(self.models[dtype], list(rows), strategy, max_new_tokens=self.N, temperature=self.T,
                            key=jax.random.key(seed), eos_token_id=self.eos, pad_prompt_to=self.pad_to)
         wall = (time.perf_counter() - t) / len(rows)
-        loop = float(out.stats["decode_s"]) / len(rows)
-        res = []
-        for b in range(len(rows)):
-            steps = int(out.stats["steps"][b])
-            plan = {k: [float(v) for v in np.asarray(out.stats[k], np.float64)[b, :steps]] for k in PLAN_STATS
-                    if k in out.stats and np.ndim(out.stats[k]) == 2}
-            res.append((out.tokens[b, :int(out.lengths[b])], [1] + out.stats["accepted"][b, :steps].tolist(), wall,
-                        loop, int(out.stats["drafted"][b]), plan or None))
-        return res
+        return [_row(out, b, wall, float(out.stats["decode_s"]) / len(rows)) for b in range(len(rows))]
 
     def transformers(self, kw: dict, ids: np.ndarray, seed: int):
         import torch
