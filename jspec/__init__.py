@@ -14,6 +14,7 @@ from jspec.imagegen import ImageOutput, generate_image
 from jspec.sharding import make_mesh, shard
 from jspec.strategy import AR, Chain, DynamicTree, PrefillHook, PromptLookup, Speculative, Strategy, Tree
 from jspec.methods.eesd import EESD
+from jspec.methods.eagle3 import Eagle3
 from jspec.methods.lantern import Lantern, LanternPP
 from jspec.neighbours import NeighbourTable
 from jspec.methods.sage import SAGE
@@ -21,6 +22,6 @@ from jspec.methods.specvlm import SpecVLM, VisionPruning
 from jspec.methods.tabed import TABED, ModelCaptioner
 from jspec import models  # the registry of real checkpoints (fetch / load); imports nothing heavy
 
-__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "FixedK", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
+__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "Eagle3", "FixedK", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
            "Strategy", "Tree", "VisionPruning", "decode", "generate_image", "make_mesh", "shard"]
 __version__ = "0.1.0"

@@ -37,7 +37,16 @@ class SDAux:
 
 class Verified(NamedTuple):
     logits: jax.Array  # [B, N, V] the target's logits after each node
-    hidden: jax.Array | None = None  # [B, N, (streams,) D] the target's last hidden states, when a part asks
+    hidden: tuple = ()  # [B, N, (streams,) D] per layer of `verify_layers`: the target's residual streams there
+
+
+def verify_layers(parts, target) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(every layer whose residual stream the verify forward returns, in `Verified.hidden`'s order; the drafter's
+    own, in the order `Catchup.hidden` concatenates them): the drafter's `verify_layers` when it reads hidden
+    states, and the last layer when the controller does."""
+    last = target.kv_layout[0]
+    mine = tuple(int(i) for i in parts.drafter.verify_layers(last)) if parts.drafter.verify_hidden else ()
+    return tuple(dict.fromkeys(mine + ((last,) if parts.needs.asks.hidden else ()))), mine
 
 
 def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, prefill: TargetPrefill, prompt,
@@ -89,17 +98,17 @@ def sd_verify(ctx, parts, target, carry):
     state, prop, _ = carry
     tc = state.cache
     pos = kvc.positions(tc, prop.tree.depth)
-    hidden = parts.needs.hidden
+    layers = verify_layers(parts, target)[0]
     N = prop.tokens.shape[1]
 
     def forward(n, defer=False):
         def run(tc):
-            kw = {"hidden_layers": (target.kv_layout[0],)} if hidden else {}
+            kw = {"hidden_layers": layers} if layers else {}
             if defer:
                 kw["defer_writes"] = True
             fo = target.forward(prop.tokens[:, :n], pos[:, :n], tc, prop.tree.ancestor[:, :n, :n], **kw)
             pad = lambda x: jnp.pad(x, ((0, 0), (0, N - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
-            out = pad(fo.logits), pad(fo.hidden[0]) if hidden else None
+            out = pad(fo.logits), tuple(pad(h) for h in fo.hidden) if layers else ()
             if defer:  # the new keys / values, padded to N (slots past n are scratch no node reads)
                 return jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, N - n), (0, 0))), fo.pending), *out
             return fo.cache, *out
@@ -123,7 +132,7 @@ def _along(x: jax.Array, path: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def _record(parts, prop, ver: Verified, verdict, new, n_eff, active, depth, drafted) -> Record:
+def _record(parts, target, prop, ver: Verified, verdict, new, n_eff, active, depth, drafted) -> Record:
     asks = parts.needs.asks
     path, a = verdict.path, verdict.accepted
     B, N = prop.tokens.shape
@@ -144,7 +153,8 @@ def _record(parts, prop, ver: Verified, verdict, new, n_eff, active, depth, draf
         rec = rec._replace(node_topk=prop.node_topk, node_known=prop.node_known & active[:, None])
     if asks.hidden:
         end = jnp.take_along_axis(path, a[:, None], axis=1)  # the node the bonus token follows
-        rec = rec._replace(hidden=_along(ver.hidden, end)[:, 0])
+        last = ver.hidden[verify_layers(parts, target)[0].index(target.kv_layout[0])]
+        rec = rec._replace(hidden=_along(last, end)[:, 0])
     return rec
 
 
@@ -169,14 +179,17 @@ def sd_accept(ctx, parts, target, carry):
     state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
     env = DraftEnv(ctx, state.sp, target, tc, state.last, prop.decision, parts.needs, state.out, state.n_out)
-    hid = _along(ver.hidden, verdict.path) if parts.drafter.verify_hidden else None
+    hid = None
+    if parts.drafter.verify_hidden:  # the drafter's layers, concatenated on the last axis
+        every, mine = verify_layers(parts, target)
+        hid = jnp.concatenate([_along(ver.hidden[every.index(i)], verdict.path) for i in mine], axis=-1)
     ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid))
     drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
     ctrl, decided = aux.ctrl, aux.decided
     if parts.controller is not None:
         depth = prop.decision.depth
         depth = jnp.full((B,), D, jnp.int32) if depth is None else depth
-        ctrl = parts.controller.observe(ctrl, _record(parts, prop, ver, verdict, new, n_eff, active, depth, drafted))
+        ctrl = parts.controller.observe(ctrl, _record(parts, target, prop, ver, verdict, new, n_eff, active, depth, drafted))
         made = {"depth": depth, "weights": prop.decision.weights, **(prop.decision.info or {})}
         decided = {k: v.at[:, state.step].set(made[k].astype(v.dtype)) for k, v in decided.items()}
     state = state.replace(aux=aux.replace(draft=ds, ctrl=ctrl, decided=decided))

@@ -27,6 +27,7 @@ from flax import struct
 from jspec.controllers import Asks, Controller, asks_of
 from jspec.drafters import Drafter, ModelDrafter
 from jspec.drafters.eagle import EagleDrafter, EagleHead
+from jspec.drafters.eagle3 import Eagle3Drafter, Eagle3Head
 from jspec.drafters.ngram import NgramDrafter
 from jspec.plans import DynamicPlan, Plan, StaticPlan
 from jspec.trees import Layout, StaticTree, cached_tree, chain
@@ -138,10 +139,13 @@ class Speculative(Strategy):
 
 
 def as_drafter(draft) -> Drafter:
-    """A `Chain` / `Tree` / `DynamicTree` draft as its drafter: a drafter as is, an EAGLE feature head
-    (`jspec.drafters.eagle.EagleHead`) over the target's features, anything else as a separate draft model."""
+    """A `Chain` / `Tree` / `DynamicTree` draft as its drafter: a drafter as is, an EAGLE-1 feature head
+    (`jspec.drafters.eagle.EagleHead`) or an EAGLE-3 head (`jspec.drafters.eagle3.Eagle3Head`) over the target's
+    states, anything else as a separate draft model."""
     if isinstance(draft, Drafter):
         return draft
+    if isinstance(draft, Eagle3Head):
+        return Eagle3Drafter(draft)
     if isinstance(draft, EagleHead):
         return EagleDrafter(draft)
     return ModelDrafter(draft)

@@ -22,7 +22,7 @@ from jspec.trees import Layout, build_tree, chain
 from toy_parts import CycleDepth, FixedTrees, TwoViews, per_row_trees
 from jspec.controllers.calibration import CaliTS, init_predictor
 from jspec.drafters.early_exit import init_head
-from jspec.drafters import eagle
+from jspec.drafters import eagle, eagle3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +142,29 @@ register("sage_eagle", lambda t, d: jspec.SAGE(eagle_head(t), **SAGE_SMALL), exa
 # EAGLE-2's dynamic tree over the head (the q = 1 rule)
 register("eagle_dynamic", lambda t, d: jspec.DynamicTree(eagle_head(t), depth=3, top_k=3, total=8), exact=True,
          separate_draft=False, slow=True)
+
+def eagle3_head(target, vocab=None):
+    """An untrained EAGLE-3 head that still drafts some accepted tokens: it passes on the token two back (fc picks
+    the embedding stream, layer 0, at the entry's feature position; the layer's branches are damped) and scores it
+    against the target's embedding, so it guesses repeats and two-token cycles, which the tiny targets write."""
+    L = target.config.num_layers
+    head = eagle3.init_head(target, jax.random.key(7), aux_layers=(0, L // 2, L), draft_vocab=vocab, scale=0.3)
+    D = target.config.hidden_size
+    emb = target.params["embed"]
+    fc = jnp.zeros((3 * D, D)).at[:D].set(jnp.eye(D)).astype(head.params["fc"].dtype)
+    layer = dict(head.params["layers"][0])
+    layer.update(wo=layer["wo"] * 0.1, w_down=layer["w_down"] * 0.1)
+    rows = emb if head.vocab is None else emb[head.vocab]
+    return head.replace(params=dict(head.params, fc=fc, layers=[layer], lm_head=rows))
+
+
+# EAGLE-3's head: a chain over a reduced draft vocabulary, EAGLE-3's own dynamic tree, and (slow) a static tree
+register("eagle3_chain", lambda t, d: jspec.Eagle3(eagle3_head(t, every_third_dropped(t)), tree="chain", depth=3),
+         exact=True, separate_draft=False)
+register("eagle3_dynamic", lambda t, d: jspec.Eagle3(eagle3_head(t), depth=3, top_k=3, total=8), exact=True,
+         separate_draft=False)
+register("eagle3_tree", lambda t, d: jspec.Eagle3(eagle3_head(t), tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+         exact=True, separate_draft=False, slow=True)
 
 # prompt lookup: drafts copied from the text (no draft model), a chain and a tree of several matches; their
 # sampling prompts repeat what the tiny-vocabulary target tends to write, so copies are drafted and accepted

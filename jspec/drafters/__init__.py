@@ -23,8 +23,9 @@ once per decode (`check`, `prepare`) and on the device inside the jitted step:
 - `commit(env, state, catchup: Catchup) -> state`: the state after verification accepted a path; the committed
   tokens are the path's (`catchup.prop.tokens` along `catchup.path`, root first), so a drafter that reads the
   generated text keeps it from here (`jspec.drafters.ngram`, prompt lookup).
-- optional class attribute `verify_hidden = True`: the drafter reads the target's last-layer hidden states at the
-  accepted path's nodes from verification (`Catchup.hidden`; an EAGLE feature head).
+- optional class attribute `verify_hidden = True`: the drafter reads the target's hidden states at the accepted
+  path's nodes from verification (`Catchup.hidden`): the last layer's (an EAGLE-1 feature head), or those of the
+  layers `verify_layers(num_layers)` names, concatenated (an EAGLE-3 head's low, middle and high layers).
 
 logp is the log of the distribution the plan ranks and draws children from (the sampler's processed distribution
 when sampling, the plain softmax when greedy); aux is a per-node pytree [B, K, ...] of the drafter's own
@@ -33,7 +34,7 @@ when sampling, the plain softmax when greedy); aux is a per-node pytree [B, K, .
 start (read only), the controller's decision for this step, the tokens generated so far (`out`, `n_out`) and the
 strategy's `Needs` (`needs`: the plan's depth and scratch, to size buffers at `init`; what the controller asks).
 A drafter subclasses `Drafter` (`jspec.drafters.base`), whose optional hooks (`check`, `map_models`,
-`prefill_asks`, `verify_hidden`) do nothing by default.
+`prefill_asks`, `verify_hidden`, `verify_layers`) do nothing by default.
 """
 from jspec.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
 from jspec.drafters.model import ModelDrafter

@@ -69,15 +69,16 @@ class Catchup(NamedTuple):
     accepted: jax.Array  # [B] drafts accepted (bonus excluded)
     active: jax.Array  # [B] the row was decoding this step
     is_chain: bool  # the plan's nodes sit in depth order (accepted scratch entries are already a prefix)
-    hidden: jax.Array | None = None  # [B, D+1, (streams,) D_model] the target's last-layer residual stream at the
-    # accepted path's nodes (root first), for a drafter with `verify_hidden = True`
+    hidden: jax.Array | None = None  # [B, D+1, (streams,) n * D_model] the target's residual streams at the
+    # drafter's `verify_layers` (concatenated on the last axis, in that order) at the accepted path's nodes (root
+    # first), for a drafter with `verify_hidden = True`
 
 
 class Drafter:
     """Base of drafters (the protocol: `jspec.drafters`). A drafter subclasses it (as a `flax.struct` dataclass)
     and defines `prepare`, `init`, `root`, `level` and `commit`; the optional hooks default to doing nothing."""
 
-    verify_hidden = False  # reads the target's last-layer states at the accepted nodes (`Catchup.hidden`)
+    verify_hidden = False  # reads the target's hidden states at the accepted nodes (`Catchup.hidden`)
 
     def check(self, target) -> None:
         """ValueError before any compute when the drafter cannot serve `target` (default: nothing to check)."""
@@ -85,6 +86,11 @@ class Drafter:
     def map_models(self, fn) -> "Drafter":
         """The drafter with `fn` applied to every model it runs (default: it runs none of its own)."""
         return self
+
+    def verify_layers(self, num_layers: int) -> tuple[int, ...]:
+        """With `verify_hidden`: the target layers i (the residual stream after its first i of `num_layers`
+        layers) whose states `Catchup.hidden` concatenates, in that order (default: the last layer's)."""
+        return (num_layers,)
 
     def prefill_asks(self, tokens, lengths, inputs) -> dict:
         """Forward options of the target's prefill whose by-products `init` reads (default: none)."""

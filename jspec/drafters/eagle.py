@@ -268,15 +268,39 @@ class EagleDrafter(Drafter):
             g = GD.guide(setup.target, setup.lengths, setup.guidance, setup.constraint)
             longest, width = int(np.max(np.asarray(g.prompt_end))), max(width, g.uncond.shape[1])
         cfg, lm = text_parts(setup.target)
-        rows = None
-        if head.vocab is not None:
-            rows = vocab_rows(cfg, lm, head.vocab)
+        rows = self.draft_rows(cfg, lm, head)
+        if rows is not None:
             if setup.mesh is not None:
                 rows = jax.device_put(rows, jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec()))
         return Prepared(self.replace(head=head, layers=cfg.num_layers, rows=rows), None, longest, width)
 
     def prefill_asks(self, tokens, lengths, inputs) -> dict:
-        return {"hidden_layers": (self.layers,)}
+        return {"hidden_layers": tuple(self.verify_layers(self.layers))}
+
+    def draft_rows(self, cfg, lm: dict, head) -> jax.Array | None:
+        """The target LM head's rows of the head's draft vocabulary (None: it drafts over every token)."""
+        return None if head.vocab is None else vocab_rows(cfg, lm, head.vocab)
+
+    # the head's own computation; an EAGLE-3 head (`jspec.drafters.eagle3`) overrides these, and the states,
+    # buffers and slots below are shared
+
+    def features(self, cfg, lm: dict, h: jax.Array) -> jax.Array:
+        """The head's input features [R, T, D] from the target's states at `verify_layers` [R, T, n * D]."""
+        return features(cfg, lm, h)
+
+    def embed(self, lm: dict, tokens: jax.Array) -> jax.Array:
+        return llama.embed(lm, tokens)
+
+    def new_cache(self, cfg, rows: int, max_len: int, dtype) -> kvc.KVCache:
+        return kvc.init_cache(1, rows, cfg.num_kv_heads, max_len, cfg.head_dim, dtype)
+
+    def forward(self, cfg, emb, feat, positions, cache, new_mask=None, write_offset: int = 0, fresh: bool = False):
+        """(f-hat [R, T, D], cache): `head_forward`'s contract."""
+        return head_forward(cfg, self.head, emb, feat, positions, cache, new_mask, write_offset, fresh)
+
+    def logits(self, cfg, lm: dict, f: jax.Array) -> jax.Array:
+        """Float32 draft logits over the target's vocabulary [R, K, V] from f-hat [R, K, D]."""
+        return lm_logits(cfg, lm, f, None if self.rows is None else (self.head.vocab, self.rows))
 
     def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> EagleState:
         target = env.target
@@ -287,12 +311,13 @@ class EagleDrafter(Drafter):
         else:
             toks, end, starts = prefill.tokens, prefill.lengths, prefill.cache.start
         R, W = toks.shape
-        f = features(cfg, lm, prefill.hidden_at(cfg.num_layers))  # [R, W, D]
+        f = self.features(cfg, lm, jnp.concatenate([prefill.hidden_at(i) for i in self.verify_layers(cfg.num_layers)],
+                                                   axis=-1))  # [R, W, D]
         dt = lm["embed"].dtype
-        cache = kvc.init_cache(1, R, cfg.num_kv_heads, max_len, cfg.head_dim, dt).replace(start=starts)
+        cache = self.new_cache(cfg, R, max_len, dt).replace(start=starts)
         if W > 1:  # entry of target slot j (token j, feature j - 1) at head slot j - 1
             pos = jnp.maximum(jnp.arange(1, W)[None] - starts[:, None], 0)
-            _, cache = head_forward(cfg, self.head, llama.embed(lm, toks[:, 1:]), f[:, :-1], pos, cache, fresh=True)
+            _, cache = self.forward(cfg, self.embed(lm, toks[:, 1:]), f[:, :-1], pos, cache, fresh=True)
         cache = cache.replace(length=jnp.maximum(_rep(end, n) - 1, 0))
         cache = SH.constrain(env.ctx.placement, cache, replicated=True)
         B = end.shape[0]
@@ -308,7 +333,7 @@ class EagleDrafter(Drafter):
         """Draft log-probs [B, K, V] from f-hat [R, K, D] of nodes at `depth` [B, K] below the root: the target's
         LM head, its guidance and constraint, then the sampler's processing."""
         cfg, lm = text_parts(env.target)
-        logits = lm_logits(cfg, lm, f, None if self.rows is None else (self.head.vocab, self.rows))
+        logits = self.logits(cfg, lm, f)
         if isinstance(env.target, GD.Guided):
             g = env.tcache.length[:, None] + depth + 1 - env.target.prompt_end[:, None]
             logits = env.target._process(logits, g)
@@ -320,7 +345,7 @@ class EagleDrafter(Drafter):
         c = ds.cache
         P = ds.pending.shape[1]
         pos = (c.length + 1 - c.start)[:, None] + jnp.arange(P)[None]
-        x, c = head_forward(cfg, self.head, llama.embed(lm, _rep(ds.pending, n)), ds.feats_in, pos, c)
+        x, c = self.forward(cfg, self.embed(lm, _rep(ds.pending, n)), ds.feats_in, pos, c)
         at = _rep(ds.n_pending - 1, n)
         root = jnp.take_along_axis(x, at[:, None, None], axis=1)[:, 0]
         last_in = jnp.take_along_axis(ds.feats_in, at[:, None, None], axis=1)[:, 0]
@@ -344,8 +369,7 @@ class EagleDrafter(Drafter):
             pf = jnp.where(parent[..., None] >= 0, from_scratch, ds.root[:, None])
             c = ds.cache
             pos = (c.length - c.start)[:, None] + _rep(depth, n)
-            x, c = head_forward(cfg, self.head, llama.embed(lm, _rep(tokens, n)), pf, pos, c, _rep(mask, n),
-                                offset)
+            x, c = self.forward(cfg, self.embed(lm, _rep(tokens, n)), pf, pos, c, _rep(mask, n), offset)
             scratch = jax.lax.dynamic_update_slice_in_dim(ds.scratch, x.astype(ds.scratch.dtype), offset, axis=1)
             return x, ds.replace(cache=c, scratch=scratch)
 
@@ -361,7 +385,7 @@ class EagleDrafter(Drafter):
         n = _streams(env.target)
         if c.hidden is None:
             raise ValueError("the EAGLE drafter needs the target's hidden states from verification (Catchup.hidden)")
-        f = features(cfg, lm, _rows(c.hidden, n)).astype(ds.feats_in.dtype)  # [R, D+1, D]
+        f = self.features(cfg, lm, _rows(c.hidden, n)).astype(ds.feats_in.dtype)  # [R, D+1, D]
         B, P = ds.pending.shape
         W = c.new.shape[1]
         new = jnp.zeros((B, P), jnp.int32).at[:, :W].set(c.new)
