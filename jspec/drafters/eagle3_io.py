@@ -173,7 +173,7 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
                      f"{TORCH_WEIGHTS_NAME})")
 
 
-def _parse_config(conf: dict, tensors: dict, target) -> dict:
+def _parse_config(conf: dict, eagle_layout: bool, target, aux_layers=None) -> dict:
     """The head's settings from either layout's config (module docstring)."""
     cfg, _ = E3.text_parts(target)
     if conf.get("speculators_model_type") is not None:
@@ -188,7 +188,7 @@ def _parse_config(conf: dict, tensors: dict, target) -> dict:
         aux = conf.get("eagle_aux_hidden_state_layer_ids")
         flags = {k: bool(conf.get(k, False)) for k in ("norm_before_residual", "norm_output", "fc_norm",
                                                          "norm_before_fc")}
-    elif any(k.startswith("midlayer.") for k in tensors):
+    elif eagle_layout:
         layer, aux = dict(conf), None
         flags = {"norm_before_residual": bool(conf.get("norm_before_residual", False)), "norm_output": False,
                  "fc_norm": False, "norm_before_fc": False}
@@ -202,19 +202,24 @@ def _parse_config(conf: dict, tensors: dict, target) -> dict:
     hcfg = text_config_from_hf({**layer, "model_type": "llama"})
     if hcfg.hidden_size != cfg.hidden_size:
         raise ValueError(f"this EAGLE-3 head is {hcfg.hidden_size} wide; the target is {cfg.hidden_size}")
+    if aux_layers is not None:
+        if aux is not None and tuple(aux) != tuple(aux_layers):
+            raise ValueError(f"this EAGLE-3 head was trained on target layers {list(aux)}, not {list(aux_layers)}")
+        aux = aux_layers
     aux = tuple(int(i) for i in aux) if aux is not None else E3.default_aux_layers(cfg.num_layers)
     return {"config": hcfg, "aux_layers": aux, "draft_vocab_size": conf.get("draft_vocab_size"), **flags}
 
 
-def from_state_dict(sd: dict, conf: dict, target) -> E3.Eagle3Head:
-    """An `Eagle3Head` for `target` from a checkpoint's tensors and config.json (either layout). Missing,
-    unexpected or mis-shaped tensors raise one ValueError naming them."""
+def from_state_dict(sd: dict, conf: dict, target, aux_layers=None) -> E3.Eagle3Head:
+    """An `Eagle3Head` for `target` from a checkpoint's tensors and config.json (either layout; `aux_layers` as
+    `load_head`'s). Missing, unexpected or mis-shaped tensors raise one ValueError naming them."""
     from ports.hf_checkpoint import key_mismatch_error
 
     cfg, lm = E3.text_parts(target)
+    eagle_layout = any(k.startswith("midlayer.") for k in sd)
     sd = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()
           if not k.endswith(IGNORED_SUFFIXES)}
-    s = _parse_config(conf, sd, target)
+    s = _parse_config(conf, eagle_layout, target, aux_layers)
     hcfg = s["config"]
     D, V, n = cfg.hidden_size, cfg.vocab_size, len(s["aux_layers"])
     Vd = int(sd["lm_head.weight"].shape[0]) if "lm_head.weight" in sd else int(s["draft_vocab_size"] or V)
@@ -276,13 +281,14 @@ def from_state_dict(sd: dict, conf: dict, target) -> E3.Eagle3Head:
                          s["norm_output"])
 
 
-def load_head(path_or_repo_id: str, target, dtype=None) -> E3.Eagle3Head:
+def load_head(path_or_repo_id: str, target, dtype=None, aux_layers=None) -> E3.Eagle3Head:
     """An EAGLE-3 head for `target` from a directory or a cached Hugging Face repo id in either layout (module
     docstring), in `dtype` (default: the target's); ValueError when it is not one or was made for another
-    target's shapes."""
+    target's shapes. aux_layers: the target layers it reads, when the checkpoint does not say (the EAGLE
+    repository's layout never does; default (2, L // 2, L - 3))."""
     directory = _resolve(str(path_or_repo_id))
     conf = H.read_meta(os.path.join(directory, CONFIG_NAME), None, "EAGLE-3 head")
-    head = from_state_dict(_read_tensors(directory), conf, target)
+    head = from_state_dict(_read_tensors(directory), conf, target, aux_layers)
     dt = np.dtype(dtype or E3.text_parts(target)[1]["embed"].dtype)
     head = head.replace(params=jax.tree.map(lambda a: jnp.asarray(a, dt), head.params))
     head.check(target)
