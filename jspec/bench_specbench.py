@@ -124,11 +124,12 @@ class Runner:
     width, nodes and confidence alpha))."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float, pad_to: int, hf=None,
-                 models: dict | None = None):
+                 models: dict | None = None, ignore_eos: bool = False):
         self.model, self.tok, self.N, self.T, self.pad_to, self.hf = model, tokenizer, max_new_tokens, temperature, \
             pad_to, hf
         self.models = models or {"float32": model}  # by weight dtype
-        self.eos = tuple(np.atleast_1d(tokenizer.eos_token_id).tolist())
+        # ignore_eos: every answer is exactly max_new_tokens long (EESD's protocol); EOS is then an ordinary token
+        self.eos = () if ignore_eos else tuple(np.atleast_1d(tokenizer.eos_token_id).tolist())
 
     def jspec(self, strategy, ids: np.ndarray, seed: int, dtype: str = "float32"):
         import jax
@@ -192,9 +193,11 @@ def _warm_batches(runner: Runner, methods: dict, chunks: list, pad_to: int, prog
 def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questions: int | None = 2,
         strategies_: tuple = ("ar", "pld", "pld-4", "pld-tree"), hf_methods: tuple = ("hf", "hf-pld"),
         max_new_tokens: int = 256, temperature: float = 0.0, runs: int = 1, second_turn: bool = True,
-        pad_to: int = 128, out_dir: str = "scripts/results", progress: bool = True, batch: int = 1) -> dict:
+        pad_to: int = 128, out_dir: str = "scripts/results", progress: bool = True, batch: int = 1,
+        ignore_eos: bool = False) -> dict:
     """Run the bench (see the module docstring); returns the summary and writes the files it lists. batch > 1:
-    the turns are decoded `batch` at a time, in order, as ragged batches (jspec methods only)."""
+    the turns are decoded `batch` at a time, in order, as ragged batches (jspec methods only). ignore_eos: every
+    answer runs to `max_new_tokens` (jspec methods only)."""
     import jax
     from tqdm import tqdm
 
@@ -223,6 +226,9 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     if batch > 1 and hf_methods:
         raise ValueError(f"the transformers baselines {list(hf_methods)} decode batch 1 only: pass --baselines none "
                          f"with --batch {batch}")
+    if ignore_eos and hf_methods:
+        raise ValueError(f"the transformers baselines {list(hf_methods)} stop at EOS: pass --baselines none with "
+                         f"--ignore-eos")
     qs = load_questions(categories, questions)
     say = (lambda m: tqdm.write(m)) if progress else (lambda m: None)
     compilation.enable_cache()
@@ -236,7 +242,7 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
 
         torch.set_num_threads(os.cpu_count() or 1)
         hf = BENCH._hf_from(model, model_name)
-    runner = Runner(model, tok, max_new_tokens, temperature, pad_to, hf, by_dtype)
+    runner = Runner(model, tok, max_new_tokens, temperature, pad_to, hf, by_dtype, ignore_eos)
     methods = {}
     for s in strategies_:
         if s in known:
@@ -284,13 +290,13 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     bar.close()
 
     stamp = time.strftime("%Y-%m-%d")
-    stem = fresh_dir(os.path.join(out_dir, f"spec-bench-{model_name}-T{temperature:g}"
-                                           f"{f'-B{batch}' if batch > 1 else ''}-{stamp}"))
+    tags = (f"-B{batch}" if batch > 1 else "") + (f"-N{max_new_tokens}" if ignore_eos else "")
+    stem = fresh_dir(os.path.join(out_dir, f"spec-bench-{model_name}-T{temperature:g}{tags}-{stamp}"))
     files = [_write_answers(os.path.join(stem, f"{m}.jsonl"), m, qs, res[m], tok, model_name) for m in names]
     summary = summarize(qs, turns, res, methods, hf_methods, temperature, overall_only=batch > 1)
     summary["meta"] = {**BENCH.meta("spec-bench", runs, False), "model": model_name, "max_new_tokens": max_new_tokens,
                        "temperature": temperature, "questions_per_category": questions, "pad_prompt_to": pad_to,
-                       "turns": len(turns), "batch": batch, "jspec": jspec.__version__,
+                       "turns": len(turns), "batch": batch, "ignore_eos": ignore_eos, "jspec": jspec.__version__,
                        "jax_backend": jax.default_backend()}
     with open(os.path.join(stem, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -465,6 +471,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                                             "shared by nearby lengths)")
     ap.add_argument("--batch", type=int, default=1, help="turns decoded together as one ragged batch (jspec methods "
                                                          "only; the summary then reports the overall group)")
+    ap.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens per answer, EOS "
+                                                              "included (EESD's protocol; jspec methods only)")
     ap.add_argument("--out", default="scripts/results")
 
 
@@ -474,4 +482,4 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     return run(a.model, tuple(a.categories), a.questions or None, tuple(a.strategies),
                tuple(b for b in a.baselines if b != "none"), a.max_new_tokens, a.temperature, a.runs,
-               not a.first_turn_only, a.pad_to, a.out, batch=a.batch)
+               not a.first_turn_only, a.pad_to, a.out, batch=a.batch, ignore_eos=a.ignore_eos)

@@ -132,3 +132,19 @@ def test_batched_rows_are_each_rows_own_decode_and_share_the_batch_time(llama_pa
     summary = SB.summarize(qs, turns, res, {"ar": None, "pld": None}, (), 0.0, overall_only=True)
     assert {r["group"] for r in summary["rows"]} == {"overall"}
     assert {(r["method"], r["speedup_vs_ar"]) for r in summary["rows"]} == {("ar", 1.0), ("pld", 2.0)}
+
+
+def test_ignore_eos_decodes_exactly_max_new_tokens(llama_pair):
+    """--ignore-eos (EESD's protocol): an answer runs to max_new_tokens through the EOS that would have ended it;
+    the transformers baselines, which stop at EOS, are refused before anything loads."""
+    import jspec
+
+    _, model = llama_pair
+    ids = np.arange(3, 10, dtype=np.int32)
+    first = int(jspec.decode(model, ids, max_new_tokens=1).tokens[0, 0])
+    tok = SimpleNamespace(eos_token_id=first)
+    stops = SB.Runner(model, tok, 12, 0.0, 16).jspec(jspec.AR(), ids, 0)[0]
+    runs = SB.Runner(model, tok, 12, 0.0, 16, ignore_eos=True).jspec(jspec.AR(), ids, 0)[0]
+    assert len(stops) == 1 and len(runs) == 12 and runs[0] == first
+    with pytest.raises(ValueError, match="stop at EOS"):
+        SB.run(strategies_=("ar",), hf_methods=("hf",), ignore_eos=True, progress=False)
