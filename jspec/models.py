@@ -152,7 +152,7 @@ def load(name: str, dtype=None, cache_dir: str | None = None):
 # ---------------------------------------------------------------------------------------------- trained drafters
 
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
-HEAD_KINDS = ("eesd", "layer-skip", "eagle")  # the drafter kinds `head` can load
+HEAD_KINDS = ("eesd", "layer-skip", "eagle", "eagle3")  # the drafter kinds `head` can load
 SHIPPED = "shipped"  # `head(..., draft_vocab=)`: the draft vocabulary size the shipped head names
 
 
@@ -176,7 +176,8 @@ def head(name: str, kind: str, target=None, dtype=None, draft_vocab: int | str |
     (`jspec.drafters.layer_skip`), a draft model for `jspec.Chain`; "eagle" -> an EAGLE-1 `EagleHead` for
     `jspec.Chain` / `jspec.Tree` / `jspec.DynamicTree` / `jspec.SAGE`, drafting over the `draft_vocab` tokens most
     frequent in its training answers (`EagleHead.with_vocab`; "shipped": the size its eagle_head.json names; None:
-    the whole vocabulary). ValueError naming what is shipped when there is none."""
+    the whole vocabulary); "eagle3" -> an EAGLE-3 `Eagle3Head` (its own draft vocabulary) for `jspec.Eagle3` and
+    the same strategies. ValueError naming what is shipped when there is none."""
     entry(name)
     if kind not in HEAD_KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}; the kinds are {list(HEAD_KINDS)}")
@@ -197,6 +198,10 @@ def head(name: str, kind: str, target=None, dtype=None, draft_vocab: int | str |
         return LS.skip_layers(target, meta["skip"])
     if kind == "eagle":
         return _eagle_head(d, target, dtype, draft_vocab)
+    if kind == "eagle3":
+        from jspec.drafters import eagle3_io as IO3
+
+        return IO3.load_head(d, target, dtype)
     from jspec.drafters import early_exit as EE
 
     return EE.load_head(d, target, dtype)

@@ -172,13 +172,18 @@ def head_forward(head: Eagle3Head, emb: jax.Array, g: jax.Array, positions: jax.
     return x, cache.replace(k=ks, v=vs)
 
 
-def head_logits(head: Eagle3Head, x: jax.Array, vocab_size: int) -> jax.Array:
-    """Float32 logits over the target's vocabulary [R, K, V] of the fed-forward states x [R, K, D]: the head's
-    norm (unless `norm_output` applied it already) and LM head over its draft vocabulary; tokens outside it get
-    the lowest float32."""
+def draft_logits(head: Eagle3Head, x: jax.Array) -> jax.Array:
+    """Float32 logits over the draft vocabulary [R, K, Vd] of the fed-forward states x [R, K, D]: the head's norm
+    (unless `norm_output` applied it already) and its LM head."""
     if not head.norm_output:
         x = LY.rms_norm(x, head.params["norm"], head.config.rms_norm_eps)
-    part = LY.weight_dot("btd,vd->btv", x, head.params["lm_head"], jnp.float32)
+    return LY.weight_dot("btd,vd->btv", x, head.params["lm_head"], jnp.float32)
+
+
+def head_logits(head: Eagle3Head, x: jax.Array, vocab_size: int) -> jax.Array:
+    """`draft_logits` over the target's vocabulary [R, K, V]: tokens outside the draft vocabulary get the lowest
+    float32."""
+    part = draft_logits(head, x)
     if head.vocab is None:
         return part
     logits = jnp.full(part.shape[:-1] + (vocab_size,), jnp.finfo(jnp.float32).min, jnp.float32)

@@ -32,6 +32,8 @@ from ports.config import text_config_from_hf, text_config_to_hf
 
 FORMATS = ("speculators", "eagle")
 CONFIG_NAME = "config.json"
+META_NAME = "eagle3_head.json"  # jspec's own note beside either layout: the target's signature, how it was trained
+META_FORMAT = "jspec-eagle3-head"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 EMBED_KEY = "embed_tokens.weight"
@@ -103,11 +105,12 @@ def _arch(model_type: str) -> str:
 
 
 def save_head(head: E3.Eagle3Head, directory: str, fmt: str = "speculators", *, target=None, embed: bool = False,
-              verifier: str | None = None, dtype=None) -> None:
+              verifier: str | None = None, dtype=None, extra: dict | None = None) -> None:
     """`directory/config.json` and `model.safetensors` in `fmt` ("speculators" or "eagle", module docstring), in
-    `dtype` (default the head's). embed: also store the target's token embedding (needs `target`; a head with
-    its own embedding always stores it). verifier: the target's name or path recorded in the speculators
-    config (what `speculators` loads missing weights from)."""
+    `dtype` (default the head's), and `eagle3_head.json` (the target's signature, which `load_head` checks, and
+    `extra`). embed: also store the target's token embedding (needs `target`; a head with its own embedding
+    always stores it). verifier: the target's name or path recorded in the speculators config (what
+    `speculators` loads missing weights from)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown EAGLE-3 head format {fmt!r}; one of {FORMATS}")
     if embed and target is None and "embed" not in head.params:
@@ -123,6 +126,8 @@ def save_head(head: E3.Eagle3Head, directory: str, fmt: str = "speculators", *, 
     conf = _config(head, fmt, verifier)
     conf["dtype"] = str(np.dtype(dtype or np.asarray(jax.device_get(head.params["norm"])).dtype))
     H.write_meta(os.path.join(directory, CONFIG_NAME), conf)
+    H.write_meta(os.path.join(directory, META_NAME), {"format": META_FORMAT, "layout": fmt,
+                                                      "target": head.target._asdict(), **(extra or {})})
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -288,7 +293,12 @@ def load_head(path_or_repo_id: str, target, dtype=None, aux_layers=None) -> E3.E
     repository's layout never does; default (2, L // 2, L - 3))."""
     directory = _resolve(str(path_or_repo_id))
     conf = H.read_meta(os.path.join(directory, CONFIG_NAME), None, "EAGLE-3 head")
+    sig = None
+    if os.path.exists(os.path.join(directory, META_NAME)):  # saved by jspec: made for which weights
+        sig = EG.TargetSig(**H.read_meta(os.path.join(directory, META_NAME), META_FORMAT, "EAGLE-3 head")["target"])
     head = from_state_dict(_read_tensors(directory), conf, target, aux_layers)
+    if sig is not None:
+        head = head.replace(target=sig)
     dt = np.dtype(dtype or E3.text_parts(target)[1]["embed"].dtype)
     head = head.replace(params=jax.tree.map(lambda a: jnp.asarray(a, dt), head.params))
     head.check(target)
