@@ -63,6 +63,11 @@ HEAD_METHODS = {
     "eagle-tree": ("eagle", lambda h: _jspec().Tree(h, tree="mc_sim_7b_63")),
     "eagle2": ("eagle", lambda h: _jspec().DynamicTree(h, depth=5, top_k=4, total=12)),
     "sage-eagle": ("eagle", lambda h: _jspec().SAGE(h)),
+    # EAGLE-3's head (its own draft vocabulary): chains, EAGLE-1's static tree, the dynamic tree of eagle2, SAGE
+    **{f"eagle3-c{g}": ("eagle3", lambda h, g=g: _jspec().Eagle3(h, tree="chain", depth=g)) for g in (2, 3, 4, 6)},
+    "eagle3-tree": ("eagle3", lambda h: _jspec().Eagle3(h, tree="mc_sim_7b_63")),
+    "eagle3": ("eagle3", lambda h: _jspec().Eagle3(h, depth=5, top_k=4, total=12)),
+    "sage-eagle3": ("eagle3", lambda h: _jspec().SAGE(h)),
 }
 
 
@@ -459,8 +464,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-tree (3 branches of 4); over the "
                          "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/3/4/6/8 (fixed K), "
                          "sage-eesd; self-sd (layer skipping, a chain of 4); eagle-c2/3/4/5/6/8 (the EAGLE head's chains), "
-                         "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; each also with "
-                         "bfloat16 weights as NAME-bf16")
+                         "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; "
+                         "eagle3-c2/3/4/6, eagle3-tree, eagle3 (dynamic tree), sage-eagle3 (an EAGLE-3 head); each "
+                         "also with bfloat16 weights as NAME-bf16")
     ap.add_argument("--baselines", nargs="*", default=list(HF_METHODS), help="transformers baselines: hf (generate), "
                                                                               "hf-pld (its prompt lookup); none: omit")
     ap.add_argument("--max-new-tokens", type=int, default=256)

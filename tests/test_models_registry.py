@@ -180,3 +180,30 @@ def test_shipped_eagle_head_drafts_over_its_frequent_tokens(tmp_path, monkeypatc
     meta.pop("draft_vocab")
     json.dump(meta, open(f"{d}/{IO.CONFIG_NAME}", "w"))
     assert models.head(name, "eagle", target).vocab is None  # no size named: the whole vocabulary
+
+
+def test_shipped_eagle3_head_loads_by_name_and_checks_its_target(tmp_path, monkeypatch):
+    """An EAGLE-3 head shipped in the speculators format loads by name, with its draft vocabulary; its
+    eagle3_head.json pins the target's weights (another model of the same shapes is refused), and the Spec-Bench
+    bench knows its methods."""
+    import jax
+    import numpy as np
+    import ports
+    from jspec.drafters import eagle3 as E3
+    from jspec.drafters import eagle3_io as IO
+    from tiny_pairs import CFG
+
+    monkeypatch.setattr(models, "HEADS_DIR", str(tmp_path))
+    name = "smollm2-135m-instruct"
+    target = ports.random_model(CFG, key=0, std=0.3)
+    head = E3.init_head(target, jax.random.key(0), aux_layers=(0, 1, 3), draft_vocab=[2, 7, 9, 30])
+    IO.save_head(head, models.head_dir(name, "eagle3"), target=target, dtype="bfloat16", verifier=name)
+    assert models.heads(name) == [(name, "eagle3")]
+    got = models.head(name, "eagle3", target)
+    np.testing.assert_array_equal(np.asarray(got.vocab), [2, 7, 9, 30])
+    assert got.aux_layers == (0, 1, 3) and got.params["fc"].dtype == target.params["embed"].dtype
+    with pytest.raises(ValueError, match="made for another target's weights"):
+        models.head(name, "eagle3", ports.random_model(CFG, key=1, std=0.3))
+    from jspec import bench_specbench as SB
+
+    assert SB.head_method("eagle3")[0] == "eagle3" and SB.head_method("sage-eagle3-bf16")[0] == "eagle3"
