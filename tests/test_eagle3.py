@@ -259,3 +259,21 @@ def test_speculators_loads_what_jspec_saves_and_jspec_what_it_makes(verifier, tm
     _reference(["make", str(made), "--seed", "11"], str(tmp_path))
     target = ports.load_hf(str(made / "verifier"))
     _assert_same_logits(IO.load_head(str(made / "head"), target), target, np.load(made / "reference.npz"))
+
+
+def test_a_qwen2_target_gets_a_llama_head(tmp_path):
+    """A Qwen2 target (attention biases) gets a head of bias-free LLaMA layers, as the heads vLLM serves for Qwen2
+    are; it drafts losslessly and round-trips through the speculators format."""
+    import dataclasses
+
+    from tiny_pairs import CFG
+
+    target = ports.random_model(dataclasses.replace(CFG, model_type="qwen2", qkv_bias=True), key=4, std=0.3)
+    head = E3.init_head(target, jax.random.key(0), aux_layers=(0, 1, 3), scale=0.3)
+    assert head.config.model_type == "llama" and not head.config.qkv_bias and "bqkv" not in head.params["layers"][0]
+    IO.save_head(head, str(tmp_path / "h"), target=target)
+    back = IO.load_head(str(tmp_path / "h"), target)
+    assert _same(back, head) and back.vocab is None
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=8, eos_token_id=())
+    out = jspec.decode(target, PROMPTS, jspec.Eagle3(back, tree="chain", depth=2), max_new_tokens=8, eos_token_id=())
+    np.testing.assert_array_equal(out.tokens, ar.tokens)

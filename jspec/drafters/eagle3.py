@@ -94,8 +94,10 @@ class Eagle3Head:
 
 
 def head_config(target_cfg: TextConfig, num_layers: int = 1, **over) -> TextConfig:
-    """The head's decoder config: the target's shapes with `num_layers` layers (and any field of `over`)."""
-    return dataclasses.replace(target_cfg, num_layers=num_layers, **over)
+    """The head's decoder config: LLaMA layers (no biases, as EAGLE-3 heads are for LLaMA and Qwen2 targets alike)
+    of the target's shapes, `num_layers` of them (and any field of `over`)."""
+    base = dict(model_type="llama", num_layers=num_layers, qkv_bias=False, o_bias=False, mlp_bias=False)
+    return dataclasses.replace(target_cfg, **{**base, **over})
 
 
 def init_head(target, key: jax.Array, aux_layers=None, draft_vocab=None, num_layers: int = 1, dtype=None,

@@ -231,7 +231,8 @@ def from_state_dict(sd: dict, conf: dict, target, aux_layers=None) -> E3.Eagle3H
     layers = sorted({int(k.split(".")[1]) for k in sd if k.startswith("layers.") and k.split(".")[1].isdigit()})
     if layers != list(range(len(layers))) or not layers:
         raise ValueError(f"an EAGLE-3 head's decoder layers are numbered 0..; these weights hold layers {layers}")
-    hcfg = E3.head_config(hcfg, len(layers), vocab_size=V)
+    hcfg = E3.head_config(hcfg, len(layers), vocab_size=V, qkv_bias=hcfg.qkv_bias, o_bias=hcfg.o_bias,
+                          mlp_bias=hcfg.mlp_bias)
     want = {"fc.weight": (D, n * D), "norm.weight": (D,), "lm_head.weight": (Vd, D), "layers.0.hidden_norm.weight":
             (D,)}
     shapes = llama.param_shapes(hcfg)["layers"]
