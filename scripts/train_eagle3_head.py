@@ -42,18 +42,12 @@ from jspec.drafters import eagle3 as E3  # noqa: E402
 from jspec.drafters import eagle3_io as IO  # noqa: E402
 from jspec.drafters import eagle_io as EIO  # noqa: E402
 from jspec.methods import eagle3_train as E3T  # noqa: E402
-from jspec.methods import eagle_train as EGT  # noqa: E402
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--target", required=True, help="a zoo model, a registered model or an HF checkpoint directory")
-    ap.add_argument("--out", required=True, help="the run's directory: checkpoints, log, plot and the exported head")
-    ap.add_argument("--texts", default=None, help="JSON lines of training text (an HF checkpoint directory target)")
-    ap.add_argument("--data", default=None, help="a registered model's self-written data (scripts/make_self_data.py)")
-    ap.add_argument("--ship", action="store_true", help="a registered model's head: also save it (bfloat16) where the "
-                                                        "package ships it, `jspec.models.head(name, 'eagle3')`")
+    TE.add_source_arguments(ap, "eagle3")
     ap.add_argument("--aux-layers", type=int, nargs=3, default=None, help="the target layers fused (default EAGLE-3's)")
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary: the answers' most frequent tokens "
                                                                "(0: the target's whole vocabulary)")
@@ -80,33 +74,16 @@ def main(argv=None) -> dict:
     cfg, _ = E3.text_parts(target)  # a clear error for targets an EAGLE-3 head cannot serve
     from jspec import models
 
-    registered = args.target in models.REGISTRY
-    if registered and not args.data:
-        raise SystemExit(f"{args.target} trains on the data it writes itself: pass --data (scripts/make_self_data.py)")
-    if not is_zoo and not registered and not args.texts:
-        raise SystemExit("a target outside the zoo needs --texts (JSON lines of training text)")
-    if args.ship and not registered:
-        raise SystemExit(f"--ship is for a registered model ({', '.join(sorted(models.REGISTRY))})")
+    registered = TE.check_sources(args, is_zoo)
+    if is_zoo and args.draft_vocab:
+        raise SystemExit("--draft-vocab needs token counts of the training answers: a zoo target drafts over its "
+                         "whole (small) vocabulary")
     aux = tuple(args.aux_layers) if args.aux_layers else E3.default_aux_layers(cfg.num_layers)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     name = f"eagle3-{Path(args.target).name}"
 
-    items = None
-    if is_zoo:
-        data = TE.zoo_text_stream(args.batch, args.seq_len, args.seed)
-        held_stream = TE.zoo_text_stream(args.batch, args.seq_len, args.seed, "heldout")(0)
-        heldout = [next(held_stream)[0] for _ in range(4)]
-        if args.draft_vocab:
-            raise SystemExit("--draft-vocab needs token counts of the training answers: a zoo target drafts over its "
-                             "whole (small) vocabulary")
-    else:
-        items = TE.self_data_items(args.data) if registered else TE.file_items(args.texts, args.target)
-        cut = max(1, len(items) // 20)
-        held_it = EGT.batches(items[:cut], args.batch, args.seq_len, pack=True)
-        heldout = [next(held_it)[0] for _ in range(min(4, cut))]
-        train_items = items[cut:] or items
-        data = lambda start: EGT.batches(train_items, args.batch, args.seq_len, start, pack=True)  # noqa: E731
+    data, heldout, train_items, cut = TE.text_data(args, is_zoo, registered)
     vocab = None
     if args.draft_vocab:
         vocab = EIO.frequent_tokens(TE.answer_counts(train_items, cfg.vocab_size), args.draft_vocab)

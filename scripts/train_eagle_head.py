@@ -169,15 +169,51 @@ def answer_counts(items, vocab_size: int) -> np.ndarray:
     return c
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--target", required=True, help="a zoo model name or an HF checkpoint directory")
+def add_source_arguments(ap: argparse.ArgumentParser, kind: str) -> None:
+    """The target, output and data arguments every head trainer here takes (`kind`: the shipped drafter kind)."""
+    ap.add_argument("--target", required=True, help="a zoo model, a registered model or an HF checkpoint directory")
     ap.add_argument("--out", required=True, help="the run's directory: checkpoints, log, plot and the exported head")
     ap.add_argument("--texts", default=None, help="JSON lines of training text (targets outside the zoo)")
     ap.add_argument("--data", default=None, help="a registered model's self-written data (scripts/make_self_data.py)")
     ap.add_argument("--ship", action="store_true", help="a registered model's head: also save it (bfloat16) where the "
-                                                        "package ships it, `jspec.models.head(name, 'eagle')`")
+                                                        f"package ships it, `jspec.models.head(name, '{kind}')`")
+
+
+def check_sources(args, is_zoo: bool) -> bool:
+    """SystemExit naming what is missing for the target's data or --ship; returns whether the target is a
+    registered real model."""
+    from jspec import models
+
+    registered = args.target in models.REGISTRY
+    if registered and not args.data:
+        raise SystemExit(f"{args.target} trains on the data it writes itself: pass --data (scripts/make_self_data.py)")
+    if not is_zoo and not registered and not args.texts:
+        raise SystemExit("a target outside the zoo needs --texts (JSON lines of training text)")
+    if args.ship and not registered:
+        raise SystemExit(f"--ship is for a registered model ({', '.join(sorted(models.REGISTRY))})")
+    return registered
+
+
+def text_data(args, is_zoo: bool, registered: bool):
+    """(data for `fit_head`, held-out batches, training items or None, held-out record count or None): the zoo's
+    text chats for a zoo target; else the self-written data or --texts, the first 5% of the records held out."""
+    if is_zoo:
+        held_stream = zoo_text_stream(args.batch, args.seq_len, args.seed, "heldout")(0)
+        return zoo_text_stream(args.batch, args.seq_len, args.seed), [next(held_stream)[0] for _ in range(4)], None, \
+            None
+    items = self_data_items(args.data) if registered else file_items(args.texts, args.target)
+    cut = max(1, len(items) // 20)
+    held_it = EGT.batches(items[:cut], args.batch, args.seq_len, pack=True)
+    heldout = [next(held_it)[0] for _ in range(min(4, cut))]
+    train_items = items[cut:] or items
+    data = lambda start: EGT.batches(train_items, args.batch, args.seq_len, start, pack=True)  # noqa: E731
+    return data, heldout, train_items, cut
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    add_source_arguments(ap, "eagle")
     ap.add_argument("--t2i-images", type=int, default=2048, help="t2i-target: self-generated training images")
     ap.add_argument("--neighbours", type=int, default=51, help="t2i-target: neighbours per code in the table saved "
                                                               "with the head (LANTERN's k up to this; its code "
@@ -213,13 +249,7 @@ def main(argv=None) -> None:
     EG.text_parts(target)  # a clear error for targets a feature head cannot serve
     from jspec import models
 
-    registered = args.target in models.REGISTRY
-    if registered and not args.data:
-        raise SystemExit(f"{args.target} trains on the data it writes itself: pass --data (scripts/make_self_data.py)")
-    if not is_zoo and not registered and not args.texts:
-        raise SystemExit("a target outside the zoo needs --texts (JSON lines of training text)")
-    if args.ship and not registered:
-        raise SystemExit(f"--ship is for a registered model ({', '.join(sorted(models.REGISTRY))})")
+    registered = check_sources(args, is_zoo)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     name = f"eagle-{Path(args.target).name}"
@@ -241,17 +271,8 @@ def main(argv=None) -> None:
         data = lambda start: EGT.batches(items, args.batch, args.seq_len, start)  # noqa: E731
         _, vq_params = T.load_vq()
         table = NeighbourTable.for_chameleon(target.config, VQ.codebook(vq_params), args.neighbours)
-    elif is_zoo:
-        data = zoo_text_stream(args.batch, args.seq_len, args.seed)
-        held_stream = zoo_text_stream(args.batch, args.seq_len, args.seed, "heldout")(0)
-        heldout = [next(held_stream)[0] for _ in range(4)]
     else:
-        items = self_data_items(args.data) if registered else file_items(args.texts, args.target)
-        cut = max(1, len(items) // 20)
-        held_it = EGT.batches(items[:cut], args.batch, args.seq_len, pack=True)
-        heldout = [next(held_it)[0] for _ in range(min(4, cut))]
-        train_items = items[cut:] or items
-        data = lambda start: EGT.batches(train_items, args.batch, args.seq_len, start, pack=True)  # noqa: E731
+        data, heldout, train_items, cut = text_data(args, is_zoo, registered)
     cfg, _ = EG.text_parts(target)
     print(f"{name}: {cfg.model_type} target, hidden {cfg.hidden_size}, {cfg.num_layers} layers; out {out}")
 

@@ -85,6 +85,13 @@ def test_the_eagle_repository_layout_is_the_same_head(verifier, tmp_path):
     head = IO.load_head(str(d), verifier, aux_layers=(1, 3, 5))
     ref = IO.load_head(src, verifier)
     assert _same(head, ref)
+    import torch  # the EAGLE repository ships pytorch_model.bin
+
+    pt = tmp_path / "eagle-pt"
+    pt.mkdir()
+    torch.save({k: torch.from_numpy(np.asarray(v)) for k, v in theirs.items()}, str(pt / "pytorch_model.bin"))
+    H.write_meta(str(pt / "config.json"), flat)
+    assert _same(IO.load_head(str(pt), verifier, aux_layers=(1, 3, 5)), ref)
     out = tmp_path / "ours"
     IO.save_head(head, str(out), "eagle", target=verifier)
     back = H.read_weights(str(out / "model.safetensors"))

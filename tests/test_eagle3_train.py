@@ -16,6 +16,7 @@ from jspec.drafters import eagle3_io as IO
 from jspec.methods import eagle3_train as E3T
 from jspec.methods import eagle_train as EGT
 from ports import cache as kvc
+from train_checks import assert_resumes_bit_identical
 from tiny_pairs import PROMPTS, tiny_pair
 
 NEW = 12
@@ -108,16 +109,7 @@ def test_training_raises_every_step_s_agreement_and_acceptance(target, own_text,
 def test_interrupted_run_resumes_bit_identical(target, own_text, tmp_path):
     kw = dict(steps=12, lr=1e-2, batch_size=3, seq_len=32, progress=False, argv=[], log_every=2, seed=3, opts=OPTS,
               draft_vocab=VOCAB, aux_layers=_aux(target))
-    whole, _ = E3T.fit_head(target, own_text, tmp_path / "a", **kw)
-    part, meta = E3T.fit_head(target, own_text, tmp_path / "b", interrupt_at=7, **kw)
-    assert meta["step"] == 7 and not jt.finished(meta)
-    resumed, meta = E3T.fit_head(target, own_text, tmp_path / "b", **kw)
-    assert meta["step"] == 12 and [r["from_step"] for r in meta["runs"]] == [0, 7]
-    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("tok_s", "elapsed_s")}  # noqa: E731
-                          for r in rows if "loss" in r]
-    assert strip(jt.read_log(tmp_path / "a" / "log.jsonl")) == strip(jt.read_log(tmp_path / "b" / "log.jsonl"))
+    assert_resumes_bit_identical(E3T.fit_head, target, own_text, tmp_path, **kw)
 
 
 def test_the_script_trains_resumes_and_exports(tmp_path):

@@ -14,6 +14,7 @@ from jspec.drafters import eagle as EG
 from jspec.methods import eagle_train as EGT
 from jspec.plans import StaticPlan
 from jspec.trees import build_tree
+from train_checks import assert_resumes_bit_identical
 from tiny_pairs import PROMPTS, tiny_pair
 
 TREE = [[0], [1], [0, 0], [0, 0, 0]]  # the tree test_eagle_io decodes with (one compile for both files)
@@ -112,18 +113,9 @@ def test_training_lowers_the_loss_and_raises_agreement_and_acceptance(target, un
 def test_interrupted_run_resumes_bit_identical(target, own_text, tmp_path):
     kw = dict(steps=12, lr=1e-2, batch_size=3, seq_len=32, progress=False, argv=[], log_every=2, seed=3,
               opts=OPTS)  # (the options and shapes of the test above: its compiled step is reused)
-    whole, _ = EGT.fit_head(target, own_text, tmp_path / "a", **kw)
-    part, meta = EGT.fit_head(target, own_text, tmp_path / "b", interrupt_at=7, **kw)
-    assert meta["step"] == 7 and not jt.finished(meta)
-    resumed, meta = EGT.fit_head(target, own_text, tmp_path / "b", **kw)
-    assert meta["step"] == 12 and [r["from_step"] for r in meta["runs"]] == [0, 7]
-    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("tok_s", "elapsed_s")}  # noqa: E731
-                          for r in rows if "loss" in r]
-    assert strip(jt.read_log(tmp_path / "a" / "log.jsonl")) == strip(jt.read_log(tmp_path / "b" / "log.jsonl"))
+    run = assert_resumes_bit_identical(EGT.fit_head, target, own_text, tmp_path, **kw)
     with pytest.raises(ValueError, match="seed"):
-        EGT.fit_head(target, own_text, tmp_path / "b", **{**kw, "seed": 4})
+        EGT.fit_head(target, own_text, run, **{**kw, "seed": 4})
 
 
 @pytest.mark.slow  # compiles a Chameleon training step (the CFG batches and picks are checked above)

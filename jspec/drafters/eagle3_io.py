@@ -167,13 +167,7 @@ def _read_tensors(directory: str) -> dict[str, np.ndarray]:
         return tidy(H.read_weights(st))
     pt = os.path.join(directory, TORCH_WEIGHTS_NAME)
     if os.path.exists(pt):
-        try:
-            import torch
-        except ImportError:
-            raise ValueError(f"{pt} is a PyTorch pickle and torch is not installed: install torch, or convert it "
-                             f"to {WEIGHTS_NAME}") from None
-        sd = torch.load(pt, map_location="cpu", weights_only=True)
-        return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in sd.items() if hasattr(v, "numpy")}
+        return H.read_torch_weights(pt)
     raise ValueError(f"{directory} holds no EAGLE-3 head weights ({WEIGHTS_NAME}, {INDEX_NAME} or "
                      f"{TORCH_WEIGHTS_NAME})")
 

@@ -254,15 +254,7 @@ def _read_weights(directory: str) -> dict[str, np.ndarray]:
     if os.path.exists(st):
         return H.read_weights(st)
     if os.path.exists(pt):
-        try:
-            import torch
-        except ImportError:
-            raise ValueError(f"{pt} is a PyTorch pickle and torch is not installed: install torch, or convert it "
-                             f"to {WEIGHTS_NAME}") from None
-        sd = torch.load(pt, map_location="cpu", weights_only=True)
-        if not isinstance(sd, dict):
-            raise ValueError(f"{pt} does not hold a state dict (got {type(sd).__name__})")
-        return {k: v.detach().float().numpy() for k, v in sd.items() if hasattr(v, "detach")}
+        return {k: v.astype(np.float32) for k, v in H.read_torch_weights(pt).items()}
     raise ValueError(f"{directory} holds no EAGLE head weights ({WEIGHTS_NAME} or {TORCH_WEIGHTS_NAME})")
 
 

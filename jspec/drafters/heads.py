@@ -55,6 +55,21 @@ def read_weights(path: str, dtype=None) -> dict[str, np.ndarray]:
     return {k: np.asarray(f.get(k)) if dtype is None else np.asarray(f.get(k)).astype(dtype) for k in f.keys()}
 
 
+def read_torch_weights(path: str) -> dict[str, np.ndarray]:
+    """The tensors of a PyTorch state-dict pickle (pytorch_model.bin) as numpy arrays, floating ones as float32;
+    ValueError when torch is missing or the file holds no state dict."""
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"{path} is a PyTorch pickle and torch is not installed: install torch, or convert it to "
+                         "model.safetensors") from None
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(sd, dict):
+        raise ValueError(f"{path} does not hold a state dict (got {type(sd).__name__})")
+    return {k: (v.detach().float() if v.is_floating_point() else v.detach()).numpy() for k, v in sd.items()
+            if hasattr(v, "detach")}
+
+
 def write_meta(path: str, meta: dict) -> None:
     with open(path, "w") as f:
         json.dump(meta, f, indent=2)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -172,46 +171,27 @@ def fit_head(target, data, workdir, *, steps: int | None = None, minutes: float 
     """Train an EAGLE-3 head for `target` with `jspec.train.fit`; returns (head, run meta). The arguments are
     `eagle_train.fit_head`'s, plus: draft_vocab (target ids of the draft vocabulary; None: all), aux_layers
     (default EAGLE-3's), opts (training-time-test steps and decay); head: a start other than `start_head`'s."""
-    if steps is None and minutes is None:
-        raise ValueError("give steps or minutes")
-    workdir = Path(workdir).resolve()
-    if not resume and (workdir / "ckpt").exists():
-        import shutil
-
-        shutil.rmtree(workdir / "ckpt")
-        (workdir / "log.jsonl").unlink(missing_ok=True)
+    workdir = ET.start_run(workdir, resume, steps, minutes)
     cfg, lm = E3.text_parts(target)
     head = head if head is not None else start_head(target, jax.random.key(seed), draft_vocab, aux_layers)
     head = head.replace(params=jax.tree.map(lambda a: jnp.array(a, jnp.float32), head.params))
     head.check(target)
     tx = ET.optimizer(weight_decay, clip_value)
-    state = {"params": head.params, "opt_state": tx.init(head.params)}
-    if warmup is None:
-        warmup = max(1, int(round(0.03 * steps))) if steps else 10
-    meta = jt.new_meta(name, seed, steps, lr, warmup, aux_layers=list(head.aux_layers),
+    meta = jt.new_meta(name, seed, steps, lr, ET.default_warmup(warmup, steps), aux_layers=list(head.aux_layers),
                        draft_vocab=head.draft_vocab_size, target=head.target._asdict(), ttt_steps=opts.steps,
                        decay=opts.decay)
-    ckpts = jt.Checkpoints(workdir)
-    state, meta, resumed = jt.resume(ckpts, state, meta, steps, restart_peak=lr * 0.5)
-    if resumed and progress:
-        print(f"resumed {name} at step {meta['step']} from {workdir}")
     spec = _spec(head)
     train_step = functools.partial(_train_step, cfg, spec, opts, tx)
     eval_step = functools.partial(_eval_step, cfg, spec, opts)
     vocab = head.vocab
 
-    def step(state, batch, lr_now, i):
-        if i == interrupt_at:
-            raise KeyboardInterrupt
-        params, opt, m = train_step(state["params"], state["opt_state"], vocab, lm, batch, np.float32(lr_now))
-        return {"params": params, "opt_state": opt}, m
+    def step(params, opt_state, batch, lr_now, i):
+        return train_step(params, opt_state, vocab, lm, batch, lr_now)
 
-    stream = data(meta["next_index"]) if callable(data) else ET.batches(data, batch_size, seq_len,
-                                                                         meta["next_index"], pack)
     evaluate_fn = (lambda s: evaluate(lambda p, l, b: eval_step(p, vocab, l, b), s["params"], lm, heldout,
                                       opts.steps)) if heldout else None
-    budget = 60.0 * minutes if minutes is not None else float("inf")
-    state, meta = jt.fit(step, state, stream, meta, workdir, ckpts=ckpts, budget_s=budget, ckpt_minutes=ckpt_minutes,
-                         log_every=log_every, evaluate=evaluate_fn, desc=name, progress=progress, argv=argv,
-                         max_steps=max_steps)
+    state, meta = ET.run(step, {"params": head.params, "opt_state": tx.init(head.params)}, meta, workdir, data,
+                         batch_size=batch_size, seq_len=seq_len, pack=pack, steps=steps, lr=lr, minutes=minutes,
+                         evaluate_fn=evaluate_fn, ckpt_minutes=ckpt_minutes, log_every=log_every, name=name,
+                         progress=progress, argv=argv, interrupt_at=interrupt_at, max_steps=max_steps)
     return head.replace(params=state["params"]), meta

@@ -393,6 +393,30 @@ def fit_head(target, data, workdir, *, steps: int | None = None, minutes: float 
         was never interrupted; False starts over (the checkpoints are replaced).
     heldout: batches evaluated at every checkpoint (heldout_loss, _vloss, _ploss, _top1 in the log).
     interrupt_at: act as if Ctrl-C came at the start of this step (tests: the run checkpoints and returns)."""
+    workdir = start_run(workdir, resume, steps, minutes)
+    _, lm = EG.text_parts(target)
+    head = trainable(head if head is not None else EG.init_head(target, jax.random.key(seed), input_norm), target)
+    head.check(target)
+    tx = optimizer(weight_decay, clip_value)
+    meta = jt.new_meta(name, seed, steps, lr, default_warmup(warmup, steps), family=head.family,
+                       input_norm=head.input_norm, target=head.target._asdict(), p_w=opts.p_w, noise=opts.noise,
+                       uncond_prob=opts.uncond_prob)
+    train_step, eval_step = make_steps(target, head, tx, opts)
+
+    def step(params, opt_state, batch, lr_now, i):
+        return train_step(params, opt_state, lm, batch, lr_now, step_key(seed, i))
+
+    evaluate_fn = (lambda s: evaluate(eval_step, s["params"], lm, heldout)) if heldout else None
+    state, meta = run(step, {"params": head.params, "opt_state": tx.init(head.params)}, meta, workdir, data,
+                      batch_size=batch_size, seq_len=seq_len, pack=pack, steps=steps, lr=lr, minutes=minutes,
+                      evaluate_fn=evaluate_fn, ckpt_minutes=ckpt_minutes, log_every=log_every, name=name,
+                      progress=progress, argv=argv, interrupt_at=interrupt_at, max_steps=max_steps)
+    return head.replace(params=state["params"]), meta
+
+
+def start_run(workdir, resume: bool, steps: int | None, minutes: float | None) -> Path:
+    """A head-training run's directory, resolved; ValueError without a schedule length or budget; with `resume`
+    False, an earlier run's checkpoints and log there are removed."""
     if steps is None and minutes is None:
         raise ValueError("give steps or minutes")
     workdir = Path(workdir).resolve()
@@ -401,36 +425,39 @@ def fit_head(target, data, workdir, *, steps: int | None = None, minutes: float 
 
         shutil.rmtree(workdir / "ckpt")
         (workdir / "log.jsonl").unlink(missing_ok=True)
-    _, lm = EG.text_parts(target)
-    head = trainable(head if head is not None else EG.init_head(target, jax.random.key(seed), input_norm), target)
-    head.check(target)
-    tx = optimizer(weight_decay, clip_value)
-    state = {"params": head.params, "opt_state": tx.init(head.params)}
-    if warmup is None:
-        warmup = max(1, int(round(0.03 * steps))) if steps else 10
-    meta = jt.new_meta(name, seed, steps, lr, warmup, family=head.family, input_norm=head.input_norm,
-                       target=head.target._asdict(), p_w=opts.p_w, noise=opts.noise, uncond_prob=opts.uncond_prob)
+    return workdir
+
+
+def default_warmup(warmup: int | None, steps: int | None) -> int:
+    """3% of the steps (10 steps when only a budget is given), unless given."""
+    if warmup is not None:
+        return warmup
+    return max(1, int(round(0.03 * steps))) if steps else 10
+
+
+def run(train_step, state: dict, meta: dict, workdir: Path, data, *, batch_size: int, seq_len: int, pack: bool,
+        steps: int | None, lr: float, minutes: float | None, evaluate_fn, ckpt_minutes: float, log_every: int,
+        name: str, progress: bool, argv, interrupt_at: int | None, max_steps: int | None) -> tuple[dict, dict]:
+    """The checkpointed loop every head trainer shares: resume from workdir's checkpoint (same name and seed), then
+    `jspec.train.fit` over `data` (a callable start -> batches, or items for `batches`) with
+    train_step(params, opt_state, batch, lr, step index) -> (params, opt_state, metrics). Returns (state, meta)."""
     ckpts = jt.Checkpoints(workdir)
     state, meta, resumed = jt.resume(ckpts, state, meta, steps, restart_peak=lr * 0.5)
     if resumed and progress:
         print(f"resumed {name} at step {meta['step']} from {workdir}")
-    train_step, eval_step = make_steps(target, head, tx, opts)
 
     def step(state, batch, lr_now, i):
         if i == interrupt_at:
             raise KeyboardInterrupt
-        params, opt, m = train_step(state["params"], state["opt_state"], lm, batch, np.float32(lr_now),
-                                    step_key(seed, i))
+        params, opt, m = train_step(state["params"], state["opt_state"], batch, np.float32(lr_now), i)
         return {"params": params, "opt_state": opt}, m
 
     stream = data(meta["next_index"]) if callable(data) else batches(data, batch_size, seq_len, meta["next_index"],
                                                                       pack)
-    evaluate_fn = (lambda s: evaluate(eval_step, s["params"], lm, heldout)) if heldout else None
     budget = 60.0 * minutes if minutes is not None else float("inf")
-    state, meta = jt.fit(step, state, stream, meta, workdir, ckpts=ckpts, budget_s=budget, ckpt_minutes=ckpt_minutes,
-                         log_every=log_every, evaluate=evaluate_fn, desc=name, progress=progress, argv=argv,
-                         max_steps=max_steps)
-    return head.replace(params=state["params"]), meta
+    return jt.fit(step, state, stream, meta, workdir, ckpts=ckpts, budget_s=budget, ckpt_minutes=ckpt_minutes,
+                  log_every=log_every, evaluate=evaluate_fn, desc=name, progress=progress, argv=argv,
+                  max_steps=max_steps)
 
 
 def train_head(target, data, workdir, **kw) -> EG.EagleHead:
