@@ -158,11 +158,11 @@ def eagle3_head(target, vocab=None):
     return head.replace(params=dict(head.params, fc=fc, layers=[layer], lm_head=rows))
 
 
-# EAGLE-3's head: a chain over a reduced draft vocabulary, EAGLE-3's own dynamic tree, and (slow) a static tree
+# EAGLE-3's head: a chain over a reduced draft vocabulary; (slow) EAGLE-3's own dynamic tree and a static tree
 register("eagle3_chain", lambda t, d: jspec.Eagle3(eagle3_head(t, every_third_dropped(t)), tree="chain", depth=3),
          exact=True, separate_draft=False)
 register("eagle3_dynamic", lambda t, d: jspec.Eagle3(eagle3_head(t), depth=3, top_k=3, total=8), exact=True,
-         separate_draft=False)
+         separate_draft=False, slow=True)  # the dynamic plan over a feature head: eagle_dynamic's path, slow too
 register("eagle3_tree", lambda t, d: jspec.Eagle3(eagle3_head(t), tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
          exact=True, separate_draft=False, slow=True)
 

@@ -133,6 +133,7 @@ def test_speculators_round_trip_keeps_every_setting(verifier, tmp_path):
 
 
 NMAX = 64
+_ttt4 = jax.jit(lambda head, embed, h, toks: E3.ttt_logits(head, embed, h, toks, 4))
 
 
 @functools.partial(jax.jit, static_argnames="layers_idx")
@@ -164,8 +165,8 @@ def test_draft_distributions_are_training_time_tests():
             padded = jnp.asarray(np.pad(seq, (0, NMAX - len(seq))).astype(np.int32))
             h = _states(target, padded, head.aux_layers)
             toks = np.pad(np.asarray(padded)[None], ((0, 0), (0, 4)))
-            logp = [np.asarray(jax.nn.log_softmax(x[0])) for x in
-                    E3.ttt_logits(head, target.params["embed"], h, jnp.asarray(toks), 4)]
+            logp = [np.asarray(jax.nn.log_softmax(x[0])) for x in _ttt4(head, target.params["embed"], h,
+                                                                            jnp.asarray(toks))]
             c = 1
             for n in acc[b]:
                 for k in range(n):

@@ -46,23 +46,31 @@ def own_text(target):
     return [(s, EGT.generated_mask(len(s), len(p))) for s, p in zip(seqs, PROMPTS)]
 
 
+_ttt3 = jax.jit(lambda head, embed, h, toks: E3.ttt_logits(head, embed, h, toks, 3))
+
+
 def test_the_loss_is_training_time_test(target, own_text):
     """Each step's KL and top-1, computed here from the head unrolled from scratch (`eagle3.ttt_logits`, the
     computation `speculators` checks) and the target's own logits, one row at a time."""
     head = E3.init_head(target, jax.random.key(2), _aux(target), VOCAB, scale=0.3)
     batch, _, _ = next(EGT.batches(own_text, 3, 32))
     cfg, lm = EG.text_parts(target)
-    _, aux = E3T.loss_terms(cfg, lm, head, {k: jnp.asarray(v) for k, v in batch.items()}, OPTS)
+    _, aux = jax.jit(lambda h, b: E3T.loss_terms(cfg, lm, h, b, OPTS))(head, {k: jnp.asarray(v) for k, v in
+                                                                             batch.items()})
     kls, top1s = [[] for _ in range(3)], [[] for _ in range(3)]
+    @jax.jit
+    def forward(seq):
+        n = seq.shape[0]
+        cache = kvc.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim, jnp.float32)
+        fo = target.forward(seq[None], jnp.arange(n)[None], cache, fresh=True, hidden_layers=head.aux_layers)
+        return jnp.concatenate(fo.hidden, axis=-1), fo.logits[0]
+
     for b, (seq, mask) in enumerate(own_text):
         n = len(seq)
-        cache = kvc.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim, jnp.float32)
-        fo = target.forward(jnp.asarray(seq[None]), jnp.arange(n)[None], cache, fresh=True,
-                            hidden_layers=head.aux_layers)
-        h = jnp.concatenate(fo.hidden, axis=-1)
-        p = np.asarray(jax.nn.log_softmax(fo.logits[0][:, VOCAB], axis=-1))  # the target over the draft vocabulary
+        h, logits = forward(jnp.asarray(seq))
+        p = np.asarray(jax.nn.log_softmax(logits[:, VOCAB], axis=-1))  # the target over the draft vocabulary
         toks = np.pad(seq, (0, 3))[None]
-        for s, x in enumerate(E3.ttt_logits(head, lm["embed"], h, jnp.asarray(toks), 3)):
+        for s, x in enumerate(_ttt3(head, lm["embed"], h, jnp.asarray(toks))):
             q = np.asarray(jax.nn.log_softmax(np.asarray(x[0])[:, VOCAB], axis=-1))
             for t in range(n - 2 - s):  # entry t of step s predicts token t + 2 + s, drawn from p[t + 1 + s]
                 if mask[t + 1 + s]:
