@@ -165,6 +165,8 @@ register("eagle3_dynamic", lambda t, d: jspec.Eagle3(eagle3_head(t), depth=3, to
          separate_draft=False, slow=True)  # the dynamic plan over a feature head: eagle_dynamic's path, slow too
 register("eagle3_tree", lambda t, d: jspec.Eagle3(eagle3_head(t), tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
          exact=True, separate_draft=False, slow=True)
+register("sage_eagle3", lambda t, d: jspec.SAGE(eagle3_head(t), **SAGE_SMALL), exact=True, separate_draft=False,
+         slow=True)
 
 # prompt lookup: drafts copied from the text (no draft model), a chain and a tree of several matches; their
 # sampling prompts repeat what the tiny-vocabulary target tends to write, so copies are drafted and accepted
