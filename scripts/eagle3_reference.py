@@ -74,8 +74,12 @@ def logits(head: str, verifier: str, out: str, steps: int, seed: int = 0) -> Non
     model._attn_impl = "eager"
     from speculators.models.attention import create_float_mask
     model._create_mask_fn = create_float_mask
-    if model.embed_tokens.weight.isnan().any():  # a head saved without its embedding reads the verifier's
-        model.load_verifier_weights()
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(head, "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    if "embed_tokens.weight" not in stored:  # a head saved without its embedding reads the verifier's, as vLLM
+        model._load_verifier_weights(overwrite_embed_tokens=True)  # does (from_pretrained may init it at random)
     D = model.hidden_size
     n = len(model.config.eagle_aux_hidden_state_layer_ids)
     V = model.embed_tokens.weight.shape[0]

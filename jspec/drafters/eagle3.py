@@ -192,29 +192,37 @@ def head_logits(head: Eagle3Head, x: jax.Array, vocab_size: int) -> jax.Array:
     return logits.at[..., head.vocab].set(part)
 
 
-def ttt_logits(head: Eagle3Head, embed: jax.Array, h: jax.Array, tokens: jax.Array, steps: int) -> list[jax.Array]:
-    """Training-time test unrolled: per step s < `steps`, the logits [B, T, V] at each position t of a sequence
-    whose entries 0..t are (tokens[t + 1], fused target state h[t]) and whose s further entries pair tokens[t + 2 ..
-    t + 1 + s] with the head's own states (EAGLE-3's training forward, and what a chain draft computes when its
-    drafts are those tokens). embed: the token embedding [V, D]; h [B, T, n * D]; tokens [B, T + steps]."""
-    B, T = h.shape[:2]
-    D = head.config.hidden_size
+def ttt_states(head: Eagle3Head, embeds, g: jax.Array, positions: jax.Array, visible: jax.Array, steps: int,
+               dtype=jnp.float32) -> list[jax.Array]:
+    """Training-time test unrolled over T positions: per step s < `steps`, the states [B, T, D] the head feeds
+    forward. Step 0's entry t pairs embeds(0)[:, t] with g[:, t] at positions[:, t] and sees the step-0 entries
+    `visible` [B, T, T] allows; step s's entry t pairs embeds(s)[:, t] with step s - 1's state at t, sits at
+    positions + s, and sees the same step-0 entries plus its own entries at t of steps 1..s (the keys a chain
+    draft sees when its drafts were those tokens)."""
+    B, T = positions.shape
     cfg = head.config
-    cache = kvc.init_cache(cfg.num_layers, B, cfg.num_kv_heads, T * steps, cfg.head_dim, embed.dtype)
-    g = fuse(head, h)
+    cache = kvc.init_cache(cfg.num_layers, B, cfg.num_kv_heads, T * steps, cfg.head_dim, dtype)
+    eye = jnp.broadcast_to(jnp.eye(T, dtype=bool)[None], (B, T, T))
     out = []
-    ar = jnp.arange(T)
-    causal = ar[None, :] <= ar[:, None]
     for s in range(steps):
-        emb = jnp.take(embed, tokens[:, 1 + s:1 + s + T], axis=0)
-        pos = jnp.broadcast_to(ar + 1 + s, (B, T))
-        # entry (s, t) sees step 0's entries 0..t and its own at steps 1..s
-        see = [causal] + [jnp.eye(T, dtype=bool)] * s
-        mask = jnp.broadcast_to(jnp.concatenate(see, axis=1)[None], (B, T, T * (s + 1)))
-        x, cache = head_forward(head, emb, g, pos, cache, mask, write_offset=T * s)
-        out.append(head_logits(head, x, head.target.vocab_size))
-        g = x.reshape(B, T, D)
+        mask = jnp.concatenate([visible] + [eye] * s, axis=2)
+        g, cache = head_forward(head, embeds(s), g, positions + s, cache, mask, write_offset=T * s)
+        out.append(g)
     return out
+
+
+def ttt_logits(head: Eagle3Head, embed: jax.Array, h: jax.Array, tokens: jax.Array, steps: int) -> list[jax.Array]:
+    """Training-time test unrolled (`ttt_states`) on one causal sequence: per step s < `steps`, the logits [B, T, V]
+    at each position t of a sequence whose entries 0..t are (tokens[t + 1], fused target state h[t]) and whose s
+    further entries pair tokens[t + 2 .. t + 1 + s] with the head's own states (EAGLE-3's training forward, and
+    what a chain draft computes when its drafts are those tokens). embed: the token embedding [V, D];
+    h [B, T, n * D]; tokens [B, T + steps]."""
+    B, T = h.shape[:2]
+    ar = jnp.arange(T)
+    causal = jnp.broadcast_to((ar[None, :] <= ar[:, None])[None], (B, T, T))
+    xs = ttt_states(head, lambda s: jnp.take(embed, tokens[:, 1 + s:1 + s + T], axis=0), fuse(head, h),
+                    jnp.broadcast_to(ar + 1, (B, T)), causal, steps, embed.dtype)
+    return [head_logits(head, x, head.target.vocab_size) for x in xs]
 
 
 # ---------------------------------------------------------------------------------------------- the drafter

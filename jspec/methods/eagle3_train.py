@@ -87,16 +87,10 @@ def loss_terms(cfg, lm: dict, head: E3.Eagle3Head, batch: dict, opts: TTTOptions
     else:
         inside = jnp.arange(T)[None] < batch["lengths"][:, None]
         same = lambda s: _shift(inside, s, False) & inside  # noqa: E731
-    hc = head.config
-    cache = kvc.init_cache(hc.num_layers, B, hc.num_kv_heads, T * opts.steps, hc.head_dim, jnp.float32)
-    g = E3.fuse(head, h)
-    eye = jnp.broadcast_to(jnp.eye(T, dtype=bool)[None], (B, T, T))
-    see = [hvis]
+    xs = E3.ttt_states(head, lambda s: llama.embed(lm, _shift(nxt, s)).astype(jnp.float32), E3.fuse(head, h),
+                       npos, hvis, opts.steps)
     total, aux = 0.0, {}
-    for s in range(opts.steps):
-        emb = llama.embed(lm, _shift(nxt, s)).astype(jnp.float32)
-        mask = jnp.concatenate(see, axis=2)
-        x, cache = E3.head_forward(head, emb, g, npos + s, cache, mask, write_offset=T * s)
+    for s, x in enumerate(xs):
         q = E3.draft_logits(head, x)
         p_logp = _shift(logp_t, 1 + s)  # the target's distribution of x_{t+2+s}
         w = _shift(mk, 1 + s) * same(1 + s)
@@ -106,8 +100,6 @@ def loss_terms(cfg, lm: dict, head: E3.Eagle3Head, batch: dict, opts: TTTOptions
         k = jt.masked_mean(kl, w)
         total = total + (opts.decay ** s) * k
         aux.update({f"kl{s}": k, f"top1_{s}": jt.masked_mean(top1, w), f"weight{s}": w.sum()})
-        g = x
-        see.append(eye)
     return total, {"loss": total, **aux}
 
 
