@@ -253,6 +253,13 @@ PRESETS = {
                           seq_len=512, batch=32, lr=2e-3, warmup=100, init_lm="image-draft", tower_steps=1000,
                           align_steps=200, tower_lr_scale=0.3, focus_loss=0.1, focus_head=(1, 0), focus_readout=0.1,
                           time_loss=0.1, time_layer=1, minutes=8.0),
+    # SpecVLM's control: the video draft's recipe stopped early on a CPU (batch 8, 25 minutes, about 3% of
+    # video-draft's training rows), so that its drafts sit below the ceiling of what the answers allow
+    "video-draft-weak": Preset("video", dict(hidden=128, layers=3, heads=2, ffn=352),
+                               dict(hidden=64, layers=2, heads=2, ffn=256, fullatt=(1,)), tasks=VID.ALL_TASKS,
+                               view="M", seq_len=512, batch=8, lr=1e-3, warmup=50, init_lm="image-draft",
+                               tower_steps=300, align_steps=100, tower_lr_scale=0.3, focus_loss=0.1,
+                               focus_head=(1, 0), focus_readout=0.1, time_loss=0.1, time_layer=1, minutes=25.0),
 }
 # One patch per grid cell: image token (r, c) sees exactly cell (r, c), so the tower can give each token the
 # attributes of its own cell's object (bound together), which the LM then finds by content.
@@ -503,6 +510,8 @@ def tower_head_logits(head: dict, feats: jax.Array) -> jax.Array:
 def run_tower_pretraining(loss, tp, data, steps: int, warmup: int):
     """`steps` AdamW steps (peak 2e-3 after `warmup`, cosine to 2e-4, global-norm clipping 1.0, weight decay 0.05) on
     `loss(tp, x, y)` over the prefetched batches `data` (closed at the end), with a progress bar; returns tp."""
+    from tqdm import tqdm
+
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
         optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup, steps, 2e-4), weight_decay=0.05))
     opt = tx.init(tp)
