@@ -4,6 +4,7 @@ draft's time per step against pruning and clip length (Table 6's shape).
 
     python scripts/bench_specvlm.py                  # writes scripts/results/specvlm-zoo.{json,md,png}
     python scripts/bench_specvlm.py --runs 5 --prompts 8 --max-new 128
+    python scripts/bench_specvlm.py --draft video-draft-weak   # a draft below the ceiling -> specvlm-zoo-weak-draft.*
 
 Prompts: held-out clips with the detailed-description question (the paper's VDC setting: long answers) and, with
 `--qa`, the short video QA questions. Each case decodes the prompts as one batch (greedy, EOS honoured) once to
@@ -38,13 +39,13 @@ CLIP_REPEATS = (1, 2, 3)  # Table 6's shape: the clip's frames each shown 1x, 2x
 # zoo models' 1024 positions hold no 4x clip)
 
 
-def load_pair():
+def load_pair(draft: str = "video-draft"):
     from jspec import zoo
 
-    missing = [n for n in ("video-target", "video-draft") if n not in zoo.available()]
+    missing = [n for n in ("video-target", draft) if n not in zoo.available()]
     if missing:
         raise SystemExit(f"the zoo has no {missing}: train them (scripts/train_zoo.py, README 'Zoo models')")
-    return zoo.load("video-target"), zoo.load("video-draft")
+    return zoo.load("video-target"), zoo.load(draft)
 
 
 def prompts(n: int, qa: bool):
@@ -153,6 +154,31 @@ def clip_study(target, draft, exs, max_new: int, runs: int, repeats=CLIP_REPEATS
     return out
 
 
+CLIP_TAU_CASES = (("SpecVLM r=0.0", dict(ratio=0.0)), ("SpecVLM r=0.9", dict(ratio=0.9)),
+                  ("SD-Rand r=0.9", dict(ratio=0.9, select="random")))
+
+
+def clip_tau(target, draft, exs, max_new: int, repeats=CLIP_REPEATS) -> list[dict]:
+    """tau against the clip length (each frame shown `repeat` times: the same content, `repeat` times the video
+    tokens): the unpruned tree, SpecVLM and random pruning at 0.9, each checked against AR on the same prompt."""
+    from jspec.zoo import video as ZV
+
+    out = []
+    for rep in repeats:
+        prompt = long_prompt(exs, rep)
+        ar = jspec.decode(target, prompt, max_new_tokens=max_new)
+        row = {"repeat": rep, "video_tokens": int(np.sum(np.asarray(prompt["input_ids"][0]) == ZV.VIDEO_ID)),
+               "mean_len": float(np.mean(ar.lengths))}
+        for name, kw in CLIP_TAU_CASES:
+            o = jspec.decode(target, prompt, jspec.SpecVLM(draft, **kw), max_new_tokens=max_new)
+            row[name] = {"tau": tau(o), "same_as_ar": bool(np.array_equal(o.tokens, ar.tokens)),
+                         "kept": float(np.mean(o.stats["kept_vision_tokens"]))}
+        out.append(row)
+        print(f"clip x{rep} ({row['video_tokens']} video tokens): tau " +
+              ", ".join(f"{n} {row[n]['tau']:.2f}" for n, _ in CLIP_TAU_CASES))
+    return out
+
+
 def pruned_keep(target, draft, prompt, hook) -> np.ndarray:
     """[B, T] the video tokens SpecVLM's hook keeps for `prompt` (one target prefill, as decoding runs it)."""
     import jax.numpy as jnp
@@ -185,10 +211,25 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--qa", action="store_true", help="the short video QA questions instead of descriptions")
     ap.add_argument("--quick", action="store_true", help="a smoke run: a few cases, short clips study")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "specvlm-zoo"))
+    ap.add_argument("--clip-tau-only", action="store_true",
+                    help="only tau against the clip length (frames repeated), to OUT-clip-tau.json")
+    ap.add_argument("--draft", default="video-draft", choices=("video-draft", "video-draft-weak"),
+                    help="the draft: the shipped one, or video-draft-weak (trained briefly: below the ceiling)")
+    ap.add_argument("--out", default=None, help="results path without suffix (default scripts/results/specvlm-zoo, "
+                    "with -weak-draft for video-draft-weak)")
     args = ap.parse_args(argv)
-    target, draft = load_pair()
+    if args.out is None:
+        args.out = str(ROOT / "scripts" / "results" / ("specvlm-zoo" + ("-weak-draft" if args.draft != "video-draft"
+                                                                         else "")))
+    target, draft = load_pair(args.draft)
     prompt, exs = prompts(args.prompts, args.qa)
+    if args.clip_tau_only:
+        taus = clip_tau(target, draft, exs, args.max_new)
+        meta = {**bench.meta("specvlm-clip-tau", 0, False), "prompts": args.prompts, "max_new": args.max_new,
+                "scenario": "qa" if args.qa else "describe", "draft": args.draft}
+        Path(args.out + "-clip-tau.json").write_text(json.dumps({"meta": meta, "clip_tau": taus}, indent=1))
+        print(f"wrote {args.out}-clip-tau.json")
+        return
     todo = cases(draft, args.quick)
     t0 = time.perf_counter()
     res = bench.interleaved([bench.Case(n, (lambda s=s: jspec.decode(target, prompt, s, max_new_tokens=args.max_new)))
@@ -216,21 +257,24 @@ def main(argv=None) -> None:
         if n in ("SpecVLM r=0.0", "SpecVLM r=0.9", "Self-SD r=0.0", "Self-SD r=0.9"):
             phases[n] = draft_phase(target, prompt, s, args.max_new, args.runs)
             print(f"{n:24s} per step: draft {phases[n]['draft']:.2f} ms, verify {phases[n]['verify']:.2f} ms")
-    clips = clip_study(target, draft, exs[:4], 32, args.runs, CLIP_REPEATS[:2] if args.quick else CLIP_REPEATS)
+    reps = CLIP_REPEATS[:2] if args.quick else CLIP_REPEATS
+    clips = clip_study(target, draft, exs[:4], 32, args.runs, reps)
+    taus = clip_tau(target, draft, exs, args.max_new, reps)
     meta = {**bench.meta("specvlm", args.runs, False), "prompts": args.prompts, "max_new": args.max_new,
-            "scenario": "qa" if args.qa else "describe", "wall_s": time.perf_counter() - t0,
+            "scenario": "qa" if args.qa else "describe", "draft": args.draft, "wall_s": time.perf_counter() - t0,
             "video_tokens": int(np.sum(np.asarray(prompt["input_ids"][0]) == video_id())),
             "prompt_tokens": [int(x) for x in np.asarray(prompt["attention_mask"]).sum(1)]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows, "phases": phases, "clips": clips},
-                                                   indent=1))
-    Path(args.out + ".md").write_text(markdown(meta, rows, phases, clips))
-    plot(rows, phases, clips, args.out + ".png")
+    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows, "phases": phases, "clips": clips,
+                                                    "clip_tau": taus}, indent=1))
+    Path(args.out + ".md").write_text(markdown(meta, rows, phases, clips, taus))
+    plot(rows, phases, clips, args.out + ".png", taus)
     print(f"wrote {args.out}.json / .md / .png")
 
 
-def markdown(meta, rows, phases, clips) -> str:
-    lines = [f"SpecVLM on the zoo video pair ({meta['scenario']}, {meta['prompts']} held-out clips of "
+def markdown(meta, rows, phases, clips, taus=()) -> str:
+    lines = [f"SpecVLM on the zoo video pair (draft {meta.get('draft', 'video-draft')}; {meta['scenario']}, "
+             f"{meta['prompts']} held-out clips of "
              f"{meta['video_tokens']} video tokens, prompts of {min(meta['prompt_tokens'])}-{max(meta['prompt_tokens'])} "
              f"tokens, up to {meta['max_new']} new tokens, greedy; {meta['date']}, {meta['device']}, jax {meta['jax']}, "
              f"median of {meta['runs']} runs)", "",
@@ -253,20 +297,31 @@ def markdown(meta, rows, phases, clips) -> str:
     for c in clips:
         lines.append(f"| x{c['repeat']} | {c['video_tokens']} | {c['full_ms_per_token']:.2f} | "
                      f"{c['pruned_ms_per_token']:.2f} |")
+    if taus:
+        names = [n for n, _ in CLIP_TAU_CASES]
+        lines += ["", f"tau against the clip length (frames repeated; all {meta['prompts']} clips, up to "
+                  f"{meta['max_new']} new tokens; in brackets the video tokens the draft keeps, and whether the "
+                  "tokens equal AR's on the same prompt):", "",
+                  "| clip | video tokens | answer tokens | " + " | ".join(names) + " |",
+                  "|---|---|---|" + "---|" * len(names)]
+        for t in taus:
+            lines.append(f"| x{t['repeat']} | {t['video_tokens']} | {t['mean_len']:.1f} | " + " | ".join(
+                f"{t[n]['tau']:.2f} ({t[n]['kept']:.0f}, {'= AR' if t[n]['same_as_ar'] else 'DIFFERS'})"
+                for n in names) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(rows, phases, clips, path: str) -> None:
+def plot(rows, phases, clips, path: str, taus=()) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 4 if taus else 3, figsize=(21 if taus else 16, 4.8))
     for key, ax, label in (("tau", axes[0], "accepted drafts per step (tau)"),
                            ("speedup", axes[1], "decode speedup over AR")):
         for sel, style in (("specvlm", "o-"), ("random", "s--")):
             pts = sorted((r["ratio"], r[key]) for r in rows if r.get("select") == sel and r.get("tree") == "tree"
-                         and r.get("draft") == "std")
+                         and r.get("draft") == "std" and "top_p=" not in r["case"])
             if sel == "random":  # r = 0 prunes nothing: the unpruned tree is both curves' start
                 pts = [(0.0, next(r[key] for r in rows if r["case"] == "SpecVLM r=0.0"))] + pts
             ax.plot(*zip(*pts), style, label="SpecVLM" if sel == "specvlm" else "SD-Rand")
@@ -287,6 +342,14 @@ def plot(rows, phases, clips, path: str) -> None:
     ax.set_title("the draft's per-token time vs clip length")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    if taus:
+        ax = axes[3]
+        for (name, _), style in zip(CLIP_TAU_CASES, ("o-", "s-", "^--")):
+            ax.plot([t["video_tokens"] for t in taus], [t[name]["tau"] for t in taus], style, label=name)
+        ax.set_xlabel("video tokens in the clip (frames repeated)")
+        ax.set_title("tau vs clip length")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -639,3 +639,16 @@ def test_shipped_video_pair_loads_in_transformers_and_drafts(enc):
     r = ZV.sd_acceptance(_load("video-target"), _load("video-draft"), ZV.eval_set(8, tasks=["video_describe"]),
                         encoder=enc)
     assert r["same_tokens"] and r["mean_accepted"] >= MIN_VIDEO_MEAN_ACCEPTED, r
+
+
+@pytest.mark.skipif(not (_shipped("video-target") and _shipped("video-draft") and _shipped("video-draft-weak")),
+                    reason="needs the shipped video-target, video-draft and video-draft-weak")
+@pytest.mark.slow
+def test_weak_video_draft_sits_below_the_shipped_draft(enc):
+    """SpecVLM's control: the briefly trained draft stays lossless and accepts clearly less than the shipped one on
+    the detailed descriptions, so pruning its video tokens has room to cost acceptance."""
+    target, exs = _load("video-target"), ZV.eval_set(8, tasks=["video_describe"])
+    strong = ZV.sd_acceptance(target, _load("video-draft"), exs, encoder=enc)
+    weak = ZV.sd_acceptance(target, _load("video-draft-weak"), exs, encoder=enc)
+    assert strong["same_tokens"] and weak["same_tokens"], (strong, weak)
+    assert weak["mean_accepted"] <= strong["mean_accepted"] - 0.5, (strong, weak)

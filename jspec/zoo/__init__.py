@@ -17,7 +17,8 @@ from pathlib import Path
 
 from jspec.zoo import tokenizer as _tokenizer_module
 
-MODEL_NAMES = ("text-target", "text-draft", "image-target", "image-draft", "video-target", "video-draft")
+MODEL_NAMES = ("text-target", "text-draft", "image-target", "image-draft", "video-target", "video-draft",
+               "video-draft-weak")
 ZOO_DIR = Path(__file__).resolve().parent
 
 
