@@ -10,7 +10,7 @@ template; a second turn (MT-bench's categories) is asked after jspec AR's first 
 method. Batch 1, as Spec-Bench decodes (`--batch B`: B turns at a time as one ragged batch, the summary then
 overall only). Each method decodes each turn once per run; runs are interleaved (every
 method once per turn, then the next run), and every timed call is warm (each prompt width's programs are compiled
-before the first run). A call's wall time includes its prefill, as Spec-Bench's does.
+before the first run, by a prefill whose decode loop is compiled but not run). A call's wall time includes its prefill, as Spec-Bench's does.
 
 It writes Spec-Bench's answer JSONL per method (`question_id`, `category`, `choices[0].turns / new_tokens /
 wall_time / accept_lengths`: Spec-Bench's `evaluation/speed.py` reads it), and a summary (JSON, markdown and a
@@ -147,6 +147,21 @@ class Runner:
         wall = time.perf_counter() - t
         return _row(out, 0, wall, float(out.stats["decode_s"]))
 
+    def compile(self, strategy, rows, dtype: str = "float32") -> None:
+        """Compiles what `jspec` (one row) or `jspec_rows` (a list) runs for prompts of these widths, without
+        decoding: the prefill runs once and the decode loop is only compiled (`api.start`)."""
+        import jax
+
+        from jspec import api
+
+        st = api.start(self.models[dtype], rows, strategy, max_new_tokens=self.N, temperature=self.T,
+                       key=jax.random.key(0), eos_token_id=self.eos, pad_prompt_to=self.pad_to)
+        if st.ahead is not None:
+            st.ahead.wait()
+        else:
+            fn, args = st.loop_call()
+            fn.lower(*args).compile()
+
     def jspec_rows(self, strategy, rows: list[np.ndarray], seed: int, dtype: str = "float32") -> list[tuple]:
         """`rows` decoded together as one ragged batch; per row, `jspec`'s tuple with the batch's wall and
         decode-loop seconds split evenly over the rows (their sums are the batch's)."""
@@ -183,7 +198,7 @@ def _warm(runner: Runner, methods: dict, widths: list[int], progress) -> None:
         ids = (np.arange(w) % 500 + 100).astype(np.int32)
         for name, s in methods.items():
             progress(f"compile {name} width {w}")
-            runner.jspec(s, ids, 0, dtype_of(name))
+            runner.compile(s, ids, dtype_of(name))
 
 
 def _warm_batches(runner: Runner, methods: dict, chunks: list, pad_to: int, progress) -> None:
@@ -192,7 +207,7 @@ def _warm_batches(runner: Runner, methods: dict, chunks: list, pad_to: int, prog
         ids = (np.arange(w) % 500 + 100).astype(np.int32)
         for name, s in methods.items():
             progress(f"compile {name}, {n} rows of width {w}")
-            runner.jspec_rows(s, [ids] * n, 0, dtype_of(name))
+            runner.compile(s, [ids] * n, dtype_of(name))
 
 
 def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questions: int | None = 2,
