@@ -10,7 +10,8 @@ template; a second turn (MT-bench's categories) is asked after jspec AR's first 
 method. Batch 1, as Spec-Bench decodes (`--batch B`: B turns at a time as one ragged batch, the summary then
 overall only). Each method decodes each turn once per run; runs are interleaved (every
 method once per turn, then the next run), and every timed call is warm (each prompt width's programs are compiled
-before the first run, by a prefill whose decode loop is compiled but not run). A call's wall time includes its prefill, as Spec-Bench's does.
+before the first run, by a prefill whose decode loop is compiled but not run). A call's wall time includes its
+prefill, as Spec-Bench's does.
 
 It writes Spec-Bench's answer JSONL per method (`question_id`, `category`, `choices[0].turns / new_tokens /
 wall_time / accept_lengths`: Spec-Bench's `evaluation/speed.py` reads it), and a summary (JSON, markdown and a
