@@ -253,8 +253,9 @@ PRESETS = {
                           seq_len=512, batch=32, lr=2e-3, warmup=100, init_lm="image-draft", tower_steps=1000,
                           align_steps=200, tower_lr_scale=0.3, focus_loss=0.1, focus_head=(1, 0), focus_readout=0.1,
                           time_loss=0.1, time_layer=1, minutes=8.0),
-    # SpecVLM's control: the video draft's recipe stopped early on a CPU (batch 8, 25 minutes, about 3% of
-    # video-draft's training rows), so that its drafts sit below the ceiling of what the answers allow
+    # SpecVLM's control: the video draft's recipe stopped early on a CPU (batch 8, a 25-minute budget: the tower's
+    # 300 steps, then 1,656 steps in 19.8 minutes, 2.8% of video-draft's tokens), so that its drafts sit below the
+    # ceiling of what the answers allow
     "video-draft-weak": Preset("video", dict(hidden=128, layers=3, heads=2, ffn=352),
                                dict(hidden=64, layers=2, heads=2, ffn=256, fullatt=(1,)), tasks=VID.ALL_TASKS,
                                view="M", seq_len=512, batch=8, lr=1e-3, warmup=50, init_lm="image-draft",
