@@ -62,3 +62,22 @@ def test_a_deeper_dynamic_tree_traces_as_much_as_a_shallow_one(pair):
     a = traced(pair, jspec.DynamicTree(None, depth=2, top_k=2, total=4), False)
     b = traced(pair, jspec.DynamicTree(None, depth=7, top_k=2, total=4), False)
     assert a["level"] > 0 and a == b
+
+
+def test_sages_planner_does_not_grow_with_its_depth_cap():
+    """SAGE's per-row planner scans its levels: a depth cap of 8 traces as many operations as one of 3."""
+    from jspec.controllers.entropy_tree import TreeSpec
+
+    def ops(d_cap):
+        spec = TreeSpec(d_min=2, d_cap=d_cap, init_tree=((0,), (1,), (0, 0)))
+        p = jax.numpy.full((spec.k,), 1.0 / spec.k)
+        jaxpr = jax.make_jaxpr(spec.plan)(p, jax.numpy.float32(0.5), jax.numpy.int32(d_cap))
+        return len(jaxpr.jaxpr.eqns)
+
+    assert ops(3) == ops(8)
+
+
+def test_sage_verifies_at_a_few_packed_widths():
+    """Each packed verify width is one target forward in SAGE's program: 9, 17 and the whole budget."""
+    assert jspec.SAGE(None).parts().plan.packed_sizes == (9, 17, 65)
+    assert jspec.SAGE(None, n_max=12, init_tree=[[0], [1]]).parts().plan.packed_sizes == (9, 13)

@@ -164,57 +164,81 @@ class TreeSpec:
         return LayeredTree(t.parent, t.rank, t.valid)
 
     def plan(self, p: jax.Array, alpha: jax.Array, d_max: jax.Array) -> PlannedTree:
-        """One row's tree from the sorted renormalised top-k p [k], alpha and the current d_max (jit-able)."""
-        k, caps = self.k, self.caps[0]
+        """One row's tree from the sorted renormalised top-k p [k], alpha and the current d_max (jit-able). The
+        levels are three `lax.scan`s (grow, subtree sizes bottom-up, pre-order and slots), each over every level
+        held in `C` = the widest level's slots (a level's slots past its own cap stay empty), so the program does
+        not grow with d_max."""
+        k, caps, L = self.k, self.caps[0], self.d_cap
+        C = max(caps)
+        i32, f32 = jnp.int32, jnp.float32
         D = jnp.clip(_half_up(self.d_min + alpha * (d_max - self.d_min)), self.d_min, d_max)
         W = jnp.clip(_half_up(self.w_min + (1.0 - alpha) * (self.w_max - self.w_min)), 1, k)
         cumulative = self.threshold == "cumulative"
-        ranks = jnp.arange(k, dtype=jnp.int32)
-        # per level: valid, parent (index into the level above; the root is level 0 index 0), rank, probabilities
-        valid, par, rank, cum, loc = [jnp.ones((1,), bool)], [None], [None], [jnp.ones((1,))], [jnp.ones((1,))]
-        for lvl in range(1, self.d_cap + 1):
-            theta = self.theta0 * lvl / D.astype(jnp.float32)
-            pp = cum[-1] if cumulative else loc[-1]
-            wl = jnp.broadcast_to(W, pp.shape) if lvl == 1 else jnp.clip(_half_up(W * (0.5 + pp) / lvl), 1, k)
-            c = cum[-1][:, None] * p[None, :]
+        ranks = jnp.arange(k, dtype=i32)
+        flat = jnp.arange(C * k, dtype=i32)
+        lvls = jnp.arange(1, L + 1, dtype=i32)
+        # theta_l's numerator as the unrolled planner computed it: theta0 * l in double precision, then float32
+        theta_num = jnp.asarray([self.theta0 * lvl for lvl in range(1, L + 1)], f32)
+        first = lambda x, fill: jnp.full((C,), fill, x.dtype).at[0].set(x)  # noqa: E731  the root as a level
+
+        def grow(carry, x):
+            """Level lvl's nodes from level lvl - 1's: (valid, parent index, rank) in `C` slots each."""
+            valid_p, cum_p, loc_p = carry
+            lvl, cap, tnum = x
+            theta = tnum / D.astype(f32)
+            pp = cum_p if cumulative else loc_p
+            wl = jnp.where(lvl == 1, jnp.broadcast_to(W, pp.shape),
+                           jnp.clip(_half_up(W * (0.5 + pp) / lvl.astype(f32)), 1, k))
+            c = cum_p[:, None] * p[None, :]
             crit = c if cumulative else jnp.broadcast_to(p[None, :], c.shape)
-            ok = (valid[-1][:, None] & (ranks[None, :] < wl[:, None]) & (crit > theta) & (lvl <= D)).reshape(-1)
-            cap = caps[lvl - 1]
-            slot = jnp.where(ok, jnp.cumsum(ok) - 1, cap)  # in order: parents in order, then ranks
-            flat = jnp.arange(ok.shape[0], dtype=jnp.int32)
-            put = lambda x: jnp.zeros((cap,), x.dtype).at[slot].set(x, mode="drop")  # noqa: E731
-            valid.append(put(ok))
-            par.append(put(flat // k))
-            rank.append(put(flat % k))
-            cum.append(put(c.reshape(-1)))
-            loc.append(put(jnp.broadcast_to(p[None, :], c.shape).reshape(-1)))
-        L = self.d_cap
+            ok = (valid_p[:, None] & (ranks[None, :] < wl[:, None]) & (crit > theta) & (lvl <= D)).reshape(-1)
+            at = jnp.cumsum(ok) - 1  # in order: parents in order, then ranks
+            slot = jnp.where(ok & (at < cap), at, C)
+            put = lambda v: jnp.zeros((C,), v.dtype).at[slot].set(v, mode="drop")  # noqa: E731
+            valid = put(ok)
+            return (valid, put(c.reshape(-1)), put(jnp.broadcast_to(p[None, :], c.shape).reshape(-1))), \
+                (valid, put(flat // k), put(flat % k))
+
+        root = (first(jnp.asarray(True), False), first(jnp.asarray(1.0, f32), 0.0), first(jnp.asarray(1.0, f32), 0.0))
+        _, (valid, par, rank) = jax.lax.scan(grow, root, (lvls, jnp.asarray(caps, i32), theta_num))  # [L, C]
+        valid0 = root[0]
+
         # depth-first (pre-order) index: subtree sizes bottom-up, then parent's index + 1 + earlier siblings' sizes
-        size = [v.astype(jnp.int32) for v in valid]
-        for lvl in range(L, 0, -1):
-            size[lvl - 1] = size[lvl - 1] + jnp.zeros_like(size[lvl - 1]).at[par[lvl]].add(
-                jnp.where(valid[lvl], size[lvl], 0))
-        pre = [jnp.zeros((1,), jnp.int32)]
-        for lvl in range(1, L + 1):
-            same = (par[lvl][:, None] == par[lvl][None, :]) & (rank[lvl][None, :] < rank[lvl][:, None]) \
-                & valid[lvl][None, :]
-            before = jnp.sum(jnp.where(same, size[lvl][None, :], 0), axis=1)
-            pre.append(jnp.take(pre[lvl - 1], par[lvl]) + 1 + before)
+        def up(size_child, x):
+            v_child, par_child, v_parent = x
+            add = jnp.zeros((C,), i32).at[par_child].add(jnp.where(v_child, size_child, 0))
+            return v_parent.astype(i32) + add, size_child
+
+        parents_valid = jnp.concatenate([valid0[None], valid[:-1]])
+        _, sizes = jax.lax.scan(up, valid[-1].astype(i32), (valid, par, parents_valid), reverse=True)  # [L, C]
+
+        def order(pre_p, x):
+            v, pa, rk, size = x
+            same = (pa[:, None] == pa[None, :]) & (rk[None, :] < rk[:, None]) & v[None, :]
+            before = jnp.sum(jnp.where(same, size[None, :], 0), axis=1)
+            pre = jnp.take(pre_p, pa) + 1 + before
+            return pre, pre
+
+        _, pre = jax.lax.scan(order, jnp.zeros((C,), i32), (valid, par, rank, sizes))
         layout = self.layout
         N = layout.num_nodes
-        parent = jnp.full((N,), -1, jnp.int32)
-        out_rank = jnp.zeros((N,), jnp.int32)
-        out_valid = jnp.zeros((N,), bool).at[0].set(True)
-        at = [jnp.zeros((1,), jnp.int32)]  # each kept node's layout slot
-        for lvl in range(1, L + 1):
-            keep = valid[lvl] & (pre[lvl] <= self.n_max)
-            start, end = layout.levels[lvl]
+        starts = jnp.asarray([layout.levels[lvl][0] for lvl in range(1, L + 1)], i32)
+        ends = jnp.asarray([layout.levels[lvl][1] for lvl in range(1, L + 1)], i32)
+
+        def place(carry, x):
+            parent, out_rank, out_valid, at_p = carry
+            v, pa, rk, pr, start, end = x
+            keep = v & (pr <= self.n_max)
             slot = jnp.where(keep, start + jnp.cumsum(keep) - 1, N)
             slot = jnp.where(slot < end, slot, N)  # never binds: the layout holds every kept level
-            at.append(slot)
-            parent = parent.at[slot].set(jnp.take(at[lvl - 1], par[lvl]), mode="drop")
-            out_rank = out_rank.at[slot].set(rank[lvl], mode="drop")
+            parent = parent.at[slot].set(jnp.take(at_p, pa), mode="drop")
+            out_rank = out_rank.at[slot].set(rk, mode="drop")
             out_valid = out_valid.at[slot].set(True, mode="drop")
+            return (parent, out_rank, out_valid, slot), None
+
+        init = (jnp.full((N,), -1, i32), jnp.zeros((N,), i32), jnp.zeros((N,), bool).at[0].set(True),
+                jnp.zeros((C,), i32))
+        (parent, out_rank, out_valid, _), _ = jax.lax.scan(place, init, (valid, par, rank, pre, starts, ends))
         return PlannedTree(LayeredTree(parent, out_rank, out_valid), D, W, jnp.sum(out_valid) - 1)
 
 
