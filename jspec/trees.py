@@ -237,11 +237,18 @@ def _ancestors(parent: jax.Array, max_depth: int) -> jax.Array:
     B, N = parent.shape
     up = jnp.where(parent < 0, jnp.arange(N)[None], parent)  # a root is its own parent
     cur = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
-    ancestor = jax.nn.one_hot(cur, N, dtype=bool)
-    for _ in range(max_depth):
+
+    def jump(_, c):
+        cur, ancestor = c
         cur = jnp.take_along_axis(up, cur, axis=1)
-        ancestor = ancestor | jax.nn.one_hot(cur, N, dtype=bool)
-    return ancestor
+        return cur, ancestor | jax.nn.one_hot(cur, N, dtype=bool)
+
+    return jax.lax.fori_loop(0, max_depth, jump, (cur, jax.nn.one_hot(cur, N, dtype=bool)))[1]
+
+
+def _closed(ok: jax.Array, par: jax.Array, max_depth: int) -> jax.Array:
+    """ok [B, N] and'ed with every ancestor's (parent indices par [B, N], a root its own parent)."""
+    return jax.lax.fori_loop(0, max_depth, lambda _, ok: ok & jnp.take_along_axis(ok, par, axis=1), ok)
 
 
 def layered_arrays(parent: jax.Array, rank: jax.Array, valid: jax.Array, layout: Layout) -> tuple[jax.Array, TreeArrays]:
@@ -258,9 +265,7 @@ def layered_arrays(parent: jax.Array, rank: jax.Array, valid: jax.Array, layout:
     par = jnp.clip(parent, 0, N - 1)
     depth = jnp.asarray(depth)
     ok = valid & (jnp.take(depth, par) == depth[None] - 1) & (rank >= 0) & (rank < jnp.take(lim, par))
-    ok = ok.at[:, 0].set(True)
-    for _ in range(layout.max_depth):
-        ok = ok & jnp.take_along_axis(ok, par, axis=1)
+    ok = _closed(ok.at[:, 0].set(True), par, layout.max_depth)
     parent = jnp.where(ok, parent, -1).at[:, 0].set(-1)
     ancestor = _ancestors(parent, layout.max_depth)
     rows = jnp.arange(B)[:, None]
@@ -292,9 +297,7 @@ def tree_from_pool(pool_parent: jax.Array, pool_depth: jax.Array, pool_score: ja
     parent = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), jnp.where(ok, par, 0)], axis=1)
     depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.take_along_axis(pool_depth, sel, axis=1)], axis=1)
     valid = jnp.concatenate([jnp.ones((B, 1), bool), ok], axis=1)
-    up = jnp.maximum(parent, 0)
-    for _ in range(max_depth):
-        valid = valid & jnp.take_along_axis(valid, up, axis=1)
+    valid = _closed(valid, jnp.maximum(parent, 0), max_depth)
     ancestor = _ancestors(parent, max_depth)
     # sibling rank = earlier valid nodes with the same parent; children listed in node order
     i = jnp.arange(N)
