@@ -18,6 +18,7 @@ from jspec import rowkeys as RK
 from jspec import sampling as SM
 from jspec import sharding as SH
 from ports import layers as LY
+from ports.scanned import is_scanned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ class DecodeState:
 
 def new_cache_for(model, batch: int, max_len: int) -> kvc.KVCache:
     layers, kvh, hd = model.kv_layout
-    return kvc.init_cache(layers, batch, kvh, max_len, hd, model.dtype)
+    return kvc.init_cache(layers, batch, kvh, max_len, hd, model.dtype, stacked=is_scanned(model))
 
 
 def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, inputs=None, chunk: int | None = None,

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ports.scanned import is_scanned
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis -> mesh axes it is split over (in order)
@@ -190,6 +192,9 @@ def run_layout(model, mesh: Mesh, rules=None):
 def shard(model, mesh: Mesh, rules=None):
     """The model with its params placed on `mesh` by the rules (each device holds only its shards), in
     `run_layout`."""
+    if is_scanned(model):
+        raise ValueError("a model with scanned (stacked) layers cannot be sharded yet: pass "
+                         "ports.scanned.unscan_layers(model) with a mesh")
     model = run_layout(model, mesh, rules)
     shardings = param_shardings(model, mesh, rules)
     return dataclasses.replace(model, params=jax.device_put(model.params, shardings), _hf_aux=model._hf_aux)
@@ -236,6 +241,10 @@ class Placement:
         kv = NamedSharding(self.mesh, spec)
         row = NamedSharding(self.mesh, P() if replicated else P(self.logical_cache_spec(cache)[0]))
         wsc = jax.lax.with_sharding_constraint
+        if cache.stacked:  # one [L, ...] array each: the layer axis is not split
+            kv = NamedSharding(self.mesh, P(None, *spec))
+            return cache.replace(k=wsc(cache.k, kv), v=wsc(cache.v, kv), length=wsc(cache.length, row),
+                                 start=wsc(cache.start, row), pos_offset=wsc(cache.pos_offset, row))
         return cache.replace(k=[wsc(b, kv) for b in cache.k], v=[wsc(b, kv) for b in cache.v],
                              length=wsc(cache.length, row), start=wsc(cache.start, row),
                              pos_offset=wsc(cache.pos_offset, row))

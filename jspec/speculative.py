@@ -109,8 +109,9 @@ def sd_verify(ctx, parts, target, carry):
             fo = target.forward(prop.tokens[:, :n], pos[:, :n], tc, prop.tree.ancestor[:, :n, :n], **kw)
             pad = lambda x: jnp.pad(x, ((0, 0), (0, N - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
             out = pad(fo.logits), tuple(pad(h) for h in fo.hidden) if layers else ()
-            if defer:  # the new keys / values, padded to N (slots past n are scratch no node reads)
-                return jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, N - n), (0, 0))), fo.pending), *out
+            if defer:  # the new keys / values, padded to N on their token axis (slots past n: scratch no node reads)
+                rows = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 2) + ((0, N - n), (0, 0)))  # noqa: E731
+                return jax.tree.map(rows, fo.pending), *out
             return fo.cache, *out
         return run
 

@@ -23,8 +23,8 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: list  # per layer [B * KVH, S, Dh]
-    v: list
+    k: list | jax.Array  # per layer [B * KVH, S, Dh], or stacked [L, B * KVH, S, Dh] (a scanned model's)
+    v: list | jax.Array
     length: jax.Array  # [B] int32
     start: jax.Array  # [B] int32: first visible slot
     pos_offset: jax.Array  # [B] int32: the RoPE position of the token at slot j is j + pos_offset[b]
@@ -41,6 +41,11 @@ class KVCache:
     def kv_heads(self) -> int:
         return self.k[0].shape[0] // self.length.shape[0]
 
+    @property
+    def stacked(self) -> bool:
+        """Keys and values in one [L, ...] array each (`ports.scanned`), not a list per layer."""
+        return not isinstance(self.k, (list, tuple))
+
 
 class ForwardOut(NamedTuple):
     """What every model forward returns (`ports.llama.forward` gives the contract)."""
@@ -49,15 +54,20 @@ class ForwardOut(NamedTuple):
     hidden: tuple  # requested hidden states, each [B, T, D]
     cache: KVCache
     attn: jax.Array | None = None  # [B, S] attention scores when asked (`attn_query_weights`)
-    # with `defer_writes`: the new keys and values per layer, ([B * KVH, T, Dh], ...) each, not yet in `cache`
+    # with `defer_writes`: the new keys and values per layer, ([B * KVH, T, Dh], ...) each (stacked [L, ...] for a
+    # scanned model), not yet in `cache`
     pending: tuple | None = None
 
 
-def init_cache(num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype) -> KVCache:
+def init_cache(num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype,
+               stacked: bool = False) -> KVCache:
+    """An empty cache: a buffer per layer, or with `stacked` one [num_layers, ...] array for a scanned model."""
     shape = (batch * kv_heads, max_len, head_dim)
+    new = (lambda: jnp.zeros((num_layers,) + shape, dtype)) if stacked else (
+        lambda: [jnp.zeros(shape, dtype) for _ in range(num_layers)])
     return KVCache(
-        k=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
-        v=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
+        k=new(),
+        v=new(),
         length=jnp.zeros((batch,), jnp.int32),
         start=jnp.zeros((batch,), jnp.int32),
         pos_offset=jnp.zeros((batch,), jnp.int32),
@@ -77,12 +87,20 @@ def write_layer(k_buf, v_buf, k_new, v_new, start):
             _write_rows(v_buf, v_new.reshape(B * H, T, D), rows))
 
 
+def _each_layer(fn, bufs, *per_layer):
+    """fn(buffer, *that layer's arrays) over every layer of a cache's keys or values, in its layout."""
+    if not isinstance(bufs, (list, tuple)):
+        return jax.vmap(fn)(bufs, *per_layer)
+    return [fn(b, *xs) for b, *xs in zip(bufs, *per_layer)]
+
+
 def write_pending(cache: KVCache, ks, vs) -> KVCache:
-    """The cache with a deferred forward's new keys / values (`ForwardOut.pending`: per layer [B * KVH, T, Dh]) at
-    slots length[b].. of each row, as the forward would have written them (length not advanced)."""
+    """The cache with a deferred forward's new keys / values (`ForwardOut.pending`: per layer [B * KVH, T, Dh], or
+    stacked [L, B * KVH, T, Dh]) at slots length[b].. of each row, as the forward would have written them (length not
+    advanced)."""
     rows = jnp.repeat(cache.length, cache.kv_heads)
-    return cache.replace(k=[_write_rows(b, n, rows) for b, n in zip(cache.k, ks)],
-                         v=[_write_rows(b, n, rows) for b, n in zip(cache.v, vs)])
+    write = lambda b, n: _write_rows(b, n, rows)  # noqa: E731
+    return cache.replace(k=_each_layer(write, cache.k, ks), v=_each_layer(write, cache.v, vs))
 
 
 def positions(cache: KVCache, offsets: jax.Array) -> jax.Array:
@@ -115,7 +133,7 @@ def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
     def move(buf):
         return _write_rows(buf, jnp.take_along_axis(buf, idx[:, :, None], axis=1), rows)
 
-    return cache.replace(k=[move(b) for b in cache.k], v=[move(b) for b in cache.v],
+    return cache.replace(k=_each_layer(move, cache.k), v=_each_layer(move, cache.v),
                          length=start + n.astype(jnp.int32))
 
 

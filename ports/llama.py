@@ -5,8 +5,8 @@ Params are a plain pytree:
 with per-layer keys attn_norm, wq, wk, wv, wo (+ bq, bk, bv, bo), mlp_norm, w_gate, w_up, w_down (+ b_*): the
 checkpoint layout `param_shapes`, `init_params` and `hf_key_map` describe. The loaders hand out the run layout
 (`ports.fused`: wqkv and w_gate_up in place of the q/k/v and gate/up matrices); `forward` takes either.
-Matrices are stored [in, out]. Layers are a Python list (unrolled in the jitted forward): on CPU a scanned,
-stacked layout copies each layer's weights per step and runs ~2.5x slower at batch 1.
+Matrices are stored [in, out]. Layers are a Python list, unrolled in the jitted forward, or stacked
+(`ports.scanned.scan_layers`: one `lax.scan` over them, with a stacked KV cache; `forward` takes either).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from ports import cache as kvc
 from ports.cache import ForwardOut
 from ports import layers as LY
+from ports import scanned as SC
 from ports.config import TextConfig
 
 
@@ -105,27 +106,36 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     cos, sin = LY.rope_tables(cfg, positions, LY.whole_sequence_len(cfg, positions, fresh)) if rope is None else rope
     want = set(hidden_layers)
     hidden = {0: x} if 0 in want else {}
-    ks, vs = [], []
-    attn = None
-    for i, p in enumerate(params["layers"]):
-        h = LY.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        out = LY.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], start, visible,
-                                     attn_query_weights, fresh)
-        a, kb, vb = out[:3]
-        if attn_query_weights is not None:
-            attn = out[3] if attn is None else attn + out[3]
-        x = x + a
-        x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
-        ks.append(kb)
-        vs.append(vb)
-        if i + 1 in want:
-            hidden[i + 1] = x
+    if SC.is_stacked(params["layers"]):
+        x, ks, vs, hs, attn = SC.run_layers(cfg, params["layers"], x, cache.k, cache.v, cos, sin, start, visible,
+                                            attn_query_weights, fresh, keep_hidden=bool(want - {0}))
+        hidden.update({i: hs[i - 1] for i in want - {0}})
+        num_layers = ks.shape[0]
+    else:
+        ks, vs = [], []
+        attn = None
+        for i, p in enumerate(params["layers"]):
+            h = LY.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            out = LY.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], start, visible,
+                                         attn_query_weights, fresh)
+            a, kb, vb = out[:3]
+            if attn_query_weights is not None:
+                attn = out[3] if attn is None else attn + out[3]
+            x = x + a
+            x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
+            ks.append(kb)
+            vs.append(vb)
+            if i + 1 in want:
+                hidden[i + 1] = x
+        num_layers = len(params["layers"])
+        if defer_writes:
+            ks, vs = tuple(ks), tuple(vs)
     if attn is not None:
-        attn = attn / len(params["layers"])
+        attn = attn / num_layers
     head = (lambda xs: unembed(cfg, params, xs)) if compute_logits else None
     if defer_writes:
         return finish_forward(x, cache.k, cache.v, cache, hidden, hidden_layers, logits_at, head)._replace(
-            pending=(tuple(ks), tuple(vs)))
+            pending=(ks, vs))
     return finish_forward(x, ks, vs, cache, hidden, hidden_layers, logits_at, head, attn)
 
 

@@ -47,15 +47,17 @@ class Family(NamedTuple):
     compact_prompt: Callable | None = None
     # whether forward takes defer_writes (`ports.llama.forward`, which the LLaVA and Qwen2-VL forwards call)
     defers_writes: bool = False
+    # whether forward takes stacked layers (`ports.scanned`: the LLaMA forward, and the families that run it)
+    scans: bool = False
 
 
 _TEXT = Family(PC.text_config_from_hf, PC.text_config_to_hf, llama.param_shapes, llama.init_params, llama.forward,
                llama.hf_key_map, llama.IGNORED_HF_KEYS, llama.kv_layout,
-               lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed, defers_writes=True)
+               lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed, defers_writes=True, scans=True)
 _LLAVA = Family(llava.config_from_hf, llava.config_to_hf, llava.param_shapes, llava.init_params, llava.forward,
                 llava.hf_key_map, llava.IGNORED_HF_KEYS, llava.kv_layout, llava.embed, llava.unembed,
                 llava.rename_hf_key, llava.prepare_inputs, llava.prompt_embeds, llava.compact_prompt,
-                defers_writes=True)
+                defers_writes=True, scans=True)
 _CHAMELEON = Family(chameleon.config_from_hf, chameleon.config_to_hf, chameleon.param_shapes, chameleon.init_params,
                     chameleon.forward, chameleon.hf_key_map, chameleon.IGNORED_HF_KEYS, chameleon.kv_layout,
                     chameleon.embed, chameleon.unembed, prepare_inputs=chameleon.prepare_inputs,
@@ -63,11 +65,11 @@ _CHAMELEON = Family(chameleon.config_from_hf, chameleon.config_to_hf, chameleon.
 _LLAVA_NEXT = Family(llava_next.config_from_hf, llava_next.config_to_hf, llava_next.param_shapes,
                      llava_next.init_params, llava.forward, llava_next.hf_key_map, llava_next.IGNORED_HF_KEYS,
                      llava.kv_layout, llava.embed, llava.unembed, llava_next.rename_hf_key, llava_next.prepare_inputs,
-                     llava_next.prompt_embeds, llava_next.compact_prompt, defers_writes=True)
+                     llava_next.prompt_embeds, llava_next.compact_prompt, defers_writes=True, scans=True)
 _QWEN_VL = Family(qwen2_vl.config_from_hf, qwen2_vl.config_to_hf, qwen2_vl.param_shapes, qwen2_vl.init_params,
                   qwen2_vl.forward, qwen2_vl.hf_key_map, qwen2_vl.IGNORED_HF_KEYS, qwen2_vl.kv_layout,
                   qwen2_vl.embed, qwen2_vl.unembed, qwen2_vl.rename_hf_key, qwen2_vl.prepare_inputs,
-                  qwen2_vl.prompt_embeds, qwen2_vl.compact_prompt, defers_writes=True)
+                  qwen2_vl.prompt_embeds, qwen2_vl.compact_prompt, defers_writes=True, scans=True)
 FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "llava": _LLAVA, "llava_next": _LLAVA_NEXT,
                                "llava_next_video": _LLAVA_NEXT, "llava_onevision": _LLAVA_NEXT,
                                "chameleon": _CHAMELEON, "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL}

@@ -74,6 +74,9 @@ def fingerprint(target) -> float:
 def check_exit_layer(target, exit_layer: int):
     """(text config, LM params) of `target`, or ValueError when no head can exit after `exit_layer` layers."""
     cfg, lm = text_model(target)
+    if not isinstance(lm["layers"], list):
+        raise ValueError("an early-exit head runs the target's first layers one by one: pass the target with its "
+                         "layers unscanned (ports.scanned.unscan_layers)")
     if not 1 <= exit_layer < cfg.num_layers:
         raise ValueError(f"exit layer N={exit_layer} is out of range: the target has {cfg.num_layers} layers "
                          f"(1 <= N < {cfg.num_layers})")

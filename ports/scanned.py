@@ -1,0 +1,114 @@
+"""Scanned decoder layers: a model whose per-layer params are stacked ([num_layers, ...] per weight) runs its
+layers as one `lax.scan` over them, with a stacked KV cache (keys and values [num_layers, B * KVH, S, Dh]).
+
+A program then holds one decoder layer whatever the depth, so it compiles in about the time of a one-layer model;
+each step reads every layer's weights and cache through the scan's per-layer slices, and writes each layer's
+buffer back as the scan's output. The layer body is the unrolled forward's, so tokens and logits are the same.
+`scan_layers(model)` and `unscan_layers(model)` convert between the layouts; `ports.llama.forward` (and the
+families that run it: LLaVA, LLaVA-NeXT, Qwen2-VL) takes either, the engine's caches follow the model's layout
+(`ports.cache.init_cache(stacked=...)`). `scripts/probe_scan_layers.py` measures what it buys and costs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ports import layers as LY
+
+
+def is_stacked(layers) -> bool:
+    """Whether a params' "layers" entry is the stacked layout (a dict of [L, ...] arrays, not a list of dicts)."""
+    return isinstance(layers, dict)
+
+
+def stack_layers(layers: list) -> dict:
+    """[per-layer dict, ...] -> {name: [L, ...]} (every layer must hold the same names and shapes)."""
+    if not layers:
+        raise ValueError("a model without decoder layers has nothing to scan")
+    keys = {tuple(sorted(p)) for p in layers}
+    if len(keys) != 1:
+        raise ValueError(f"the layers hold different weights ({sorted(keys)}); they cannot be stacked")
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def unstack_layers(layers: dict) -> list:
+    """{name: [L, ...]} -> [per-layer dict, ...]."""
+    n = len(jax.tree.leaves(layers)[0])
+    return [jax.tree.map(lambda a: a[i], layers) for i in range(n)]
+
+
+def _lm_key(params: dict) -> str | None:
+    """Where a model's decoder params live: the top level (a language model; None) or a VLM's "lm" entry."""
+    if "layers" in params:
+        return None
+    if isinstance(params.get("lm"), dict) and "layers" in params["lm"]:
+        return "lm"
+    raise ValueError(f"no decoder layers found in the params (top-level keys: {sorted(params)})")
+
+
+def is_scanned(model) -> bool:
+    """Whether `model` (a `ports.Model`, or a wrapper that holds one's params) runs stacked layers."""
+    params = getattr(model, "params", None)
+    if not isinstance(params, dict):
+        return False
+    try:
+        key = _lm_key(params)
+    except ValueError:
+        return False
+    return is_stacked(params["layers"] if key is None else params[key]["layers"])
+
+
+def _with_layers(model, fn):
+    from ports.model import Model
+
+    if not model.family.scans:
+        raise ValueError(f"{model.config.model_type} models do not run scanned layers (the LLaMA forward and the "
+                         "families built on it do)")
+    params = dict(model.params)
+    key = _lm_key(params)
+    if key is None:
+        params["layers"] = fn(params["layers"])
+    else:
+        params[key] = {**params[key], "layers": fn(params[key]["layers"])}
+    return dataclasses.replace(model, params=params) if isinstance(model, Model) else model.replace(params=params)
+
+
+def scan_layers(model):
+    """The model with its decoder layers stacked: its forward runs them as one `lax.scan` (same results)."""
+    return _with_layers(model, lambda ls: ls if is_stacked(ls) else stack_layers(ls))
+
+
+def unscan_layers(model):
+    """The model with its decoder layers as a list again (the unrolled forward)."""
+    return _with_layers(model, lambda ls: unstack_layers(ls) if is_stacked(ls) else ls)
+
+
+def run_layers(cfg, layers: dict, x, k_all, v_all, cos, sin, start, visible, score_weights, fresh: bool,
+               keep_hidden: bool):
+    """The decoder layers over x [B, T, D] as one scan. k_all, v_all [L, N, S, Dh]. Returns (x, ks, vs, hiddens,
+    attn): ks / vs each layer's buffer after its write (or its new rows, under a deferred visibility), stacked;
+    hiddens [L, B, T, D] the residual stream after each layer (None unless `keep_hidden`); attn the attention
+    scores summed over layers (None unless `score_weights`)."""
+    eps = cfg.rms_norm_eps
+
+    def body(carry, xs):
+        x, attn = carry
+        p, kb, vb = xs
+        out = LY.self_attention_layer(cfg, p, LY.rms_norm(x, p["attn_norm"], eps), cos, sin, kb, vb, start,
+                                      visible, score_weights, fresh)
+        a, kb, vb = out[:3]
+        if score_weights is not None:
+            attn = attn + out[3]
+        x = x + a
+        x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], eps), p)
+        return (x, attn), (kb, vb, x if keep_hidden else None)
+
+    B = x.shape[0]
+    attn0 = None if score_weights is None else jnp.zeros((B, k_all.shape[2]), jnp.float32)
+    (x, attn), (ks, vs, hiddens) = jax.lax.scan(body, (x, attn0), (layers, k_all, v_all))
+    return x, ks, vs, hiddens, attn
+
+
+__all__ = ["is_scanned", "is_stacked", "run_layers", "scan_layers", "stack_layers", "unscan_layers", "unstack_layers"]

@@ -1,0 +1,132 @@
+"""Scanned layers (`ports.scanned`): a model with stacked layers gives the unrolled model's logits, caches and
+tokens, for every forward the engine runs and for the strategies that read the target's hidden states or defer
+its writes; what cannot run scanned says so."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+import ports
+from ports import cache as kvc
+from ports import scanned as SC
+from strategies import REGISTRY
+from tiny_pairs import PROMPTS, tiny_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+def caches(model, B=2, S=24):
+    layers, kvh, hd = model.kv_layout
+    return (kvc.init_cache(layers, B, kvh, S, hd, model.dtype),
+            kvc.init_cache(layers, B, kvh, S, hd, model.dtype, stacked=True))
+
+
+def same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def stacked_as_list(cache):
+    return cache.replace(k=list(cache.k), v=list(cache.v))
+
+
+def test_layouts_convert_both_ways_and_save_as_checkpoints_do(pair, tmp_path):
+    target, _ = pair
+    s = SC.scan_layers(target)
+    assert SC.is_scanned(s) and not SC.is_scanned(target)
+    assert jax.tree.leaves(s.params["layers"])[0].shape[0] == target.config.num_layers
+    same(SC.unscan_layers(s).params, target.params)
+    assert SC.is_scanned(SC.scan_layers(s))
+    ports.save_hf(s, str(tmp_path / "hf"))
+    ports.save(s, str(tmp_path / "orbax"))
+    same(ports.load(str(tmp_path / "orbax")).params, target.params)
+    same(ports.load_hf(str(tmp_path / "hf")).params, target.params)
+
+
+def fwd(model):
+    """The model's forward, jitted (its keyword options static), as the engine runs it."""
+    run = jax.jit(lambda m, *a, **kw: m.forward(*a, **kw), static_argnames=("fresh", "hidden_layers", "defer_writes"))
+    return lambda *a, **kw: run(model, *a, **kw)
+
+
+def test_every_forward_matches_the_unrolled_one(pair):
+    """Prefill, a decode step, a tree verify with hidden states and a mask, attention scores and a deferred
+    write, each jitted: the same logits, hidden states, scores and cache contents, bit for bit."""
+    model, _ = pair
+    target, s = fwd(model), fwd(SC.scan_layers(model))
+    c0, c1 = caches(model)
+    tok = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab_size, (2, 6)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    a = target(tok, pos, c0, fresh=True, hidden_layers=(0, 1, 2))
+    b = s(tok, pos, c1, fresh=True, hidden_layers=(0, 1, 2))
+    same((a.logits, a.hidden, a.cache.k, a.cache.v), (b.logits, b.hidden, list(b.cache.k), list(b.cache.v)))
+    c0, c1 = kvc.commit(a.cache, jnp.array([6, 4])), kvc.commit(b.cache, jnp.array([6, 4]))
+    nxt, npos = tok[:, :3], kvc.positions(c0, jnp.broadcast_to(jnp.arange(3), (2, 3)))
+    tree = jnp.asarray([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]] * 2, bool)
+    for kw in ({}, {"hidden_layers": (model.config.num_layers,)}, {"attn_query_weights": jnp.ones((2, 3))}):
+        a = target(nxt, npos, c0, tree, **kw)
+        b = s(nxt, npos, c1, tree, **kw)
+        same((a.logits, a.hidden, a.attn, a.cache.k), (b.logits, b.hidden, b.attn, list(b.cache.k)))
+    a = target(nxt, npos, c0, tree, defer_writes=True)
+    b = s(nxt, npos, c1, tree, defer_writes=True)
+    same((a.logits, a.pending[0]), (b.logits, list(b.pending[0])))
+    same(kvc.write_pending(c0, *a.pending), stacked_as_list(kvc.write_pending(c1, *b.pending)))
+    src = jnp.asarray([[2, 0, 1], [1, 2, 0]], jnp.int32)
+    same(kvc.commit_path(c0, src, jnp.array([2, 1])), stacked_as_list(kvc.commit_path(c1, src, jnp.array([2, 1]))))
+
+
+@pytest.mark.parametrize("name", ["sage", "eagle_head", "prompt_lookup"] + [
+    pytest.param(n, marks=pytest.mark.slow) for n in ("chain", "tree", "dynamic", "eagle3_chain")])
+def test_a_scanned_target_decodes_the_same_tokens(pair, name):
+    """Greedy and sampled (same key): the scanned target's tokens are the unrolled target's, through the deferred
+    verify switch (SAGE, prompt lookup) and the hidden states EAGLE heads read."""
+    target, draft = pair
+    s = SC.scan_layers(target)
+    strategy = REGISTRY[name].make(target, draft)
+    for temperature in (0.0, 1.0):
+        kw = dict(max_new_tokens=10, eos_token_id=(), temperature=temperature, key=jax.random.key(3))
+        a = jspec.decode(target, PROMPTS[:2], strategy, **kw)
+        b = jspec.decode(s, PROMPTS[:2], strategy, **kw)
+        assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens)), (name, temperature)
+
+
+def test_a_scanned_draft_and_a_scanned_vlm(pair):
+    """A draft model may be scanned too (its tree levels write at an offset), and a LLaVA target runs its language
+    model scanned."""
+    from sampling_check import IMAGE_PROMPT, PIXELS, tiny_llava
+
+    target, draft = pair
+    strategy = jspec.Tree(draft, tree=[[0], [1], [0, 0]])
+    kw = dict(max_new_tokens=8, eos_token_id=())
+    a = jspec.decode(target, PROMPTS[:2], strategy, **kw)
+    b = jspec.decode(target, PROMPTS[:2], jspec.Tree(SC.scan_layers(draft), tree=[[0], [1], [0, 0]]), **kw)
+    assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    vlm = tiny_llava(10, 0.4)
+    prompt = {"input_ids": IMAGE_PROMPT[None], "pixel_values": PIXELS[:1]}
+    a = jspec.decode(vlm, prompt, None, **kw)
+    b = jspec.decode(SC.scan_layers(vlm), prompt, None, **kw)
+    assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+
+
+def test_what_cannot_run_scanned_says_so(pair):
+    from strategies import eesd_head
+    from jspec.drafters.layer_skip import skip_layers
+    from sampling_check import tiny_chameleon
+
+    target, _ = pair
+    s = SC.scan_layers(target)
+    with pytest.raises(ValueError, match="unscan"):
+        jspec.decode(s, PROMPTS[:1], jspec.EESD(eesd_head(target), k_max=3), max_new_tokens=4)
+    with pytest.raises(ValueError, match="list of layers"):
+        skip_layers(s, [0])
+    with pytest.raises(ValueError, match="cannot be sharded"):
+        jspec.shard(s, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",)))
+    with pytest.raises(ValueError, match="do not run scanned layers"):
+        SC.scan_layers(tiny_chameleon())
+    with pytest.raises(ValueError, match="nothing to scan"):
+        SC.stack_layers([])
+    assert isinstance(ports.scanned.unscan_layers(s).params["layers"], list)
