@@ -49,7 +49,9 @@ def _lm_key(params: dict) -> str | None:
 
 
 def is_scanned(model) -> bool:
-    """Whether `model` (a `ports.Model`, or a wrapper that holds one's params) runs stacked layers."""
+    """Whether `model` (a `ports.Model`, or a wrapper of one in its `model` field) runs stacked layers."""
+    while not hasattr(model, "params") and hasattr(model, "model"):
+        model = model.model
     params = getattr(model, "params", None)
     if not isinstance(params, dict):
         return False

@@ -94,16 +94,23 @@ def test_a_scanned_target_decodes_the_same_tokens(pair, name):
         assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens)), (name, temperature)
 
 
-def test_a_scanned_draft_and_a_scanned_vlm(pair):
-    """A draft model may be scanned too (its tree levels write at an offset), and a LLaVA target runs its language
-    model scanned."""
+def test_a_scanned_draft_guidance_a_chunked_prefill_and_a_scanned_vlm(pair):
+    """A draft model may be scanned too (its tree levels write at an offset), under classifier-free guidance (the
+    guided wrapper's caches follow the layout); a chunked prefill; a LLaVA target runs its language model scanned."""
     from sampling_check import IMAGE_PROMPT, PIXELS, tiny_llava
 
     target, draft = pair
-    strategy = jspec.Tree(draft, tree=[[0], [1], [0, 0]])
+    scanned = SC.scan_layers(target)
     kw = dict(max_new_tokens=8, eos_token_id=())
-    a = jspec.decode(target, PROMPTS[:2], strategy, **kw)
+    a = jspec.decode(target, PROMPTS[:2], jspec.Tree(draft, tree=[[0], [1], [0, 0]]), **kw)
     b = jspec.decode(target, PROMPTS[:2], jspec.Tree(SC.scan_layers(draft), tree=[[0], [1], [0, 0]]), **kw)
+    assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    cfg = dict(kw, guidance=jspec.CFG(2.0, [np.asarray([1, 2])]))
+    a = jspec.decode(target, PROMPTS[:2], jspec.Chain(draft, gamma=3), **cfg)
+    b = jspec.decode(scanned, PROMPTS[:2], jspec.Chain(SC.scan_layers(draft), gamma=3), **cfg)
+    assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    a = jspec.decode(target, PROMPTS[:2], None, prefill_chunk=2, **kw)
+    b = jspec.decode(scanned, PROMPTS[:2], None, prefill_chunk=2, **kw)
     assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     vlm = tiny_llava(10, 0.4)
     prompt = {"input_ids": IMAGE_PROMPT[None], "pixel_values": PIXELS[:1]}
