@@ -79,17 +79,25 @@ def _jspec():
 
 
 def head_method(name: str) -> tuple[str, object] | None:
-    """(drafter kind, builder) of a trained-drafter method name (a "-bf16" one too), or None."""
-    return HEAD_METHODS.get(name[:-len(BF16)] if name.endswith(BF16) else name)
+    """(drafter kind, builder) of a trained-drafter method name (a "-bf16" one too, and NAME@HEAD, the method over
+    a head of its kind read from a directory HEAD rather than the one shipped), or None."""
+    base = name.partition("@")[0]
+    return HEAD_METHODS.get(base[:-len(BF16)] if base.endswith(BF16) else base)
+
+
+def head_label(name: str) -> tuple[str, str | None]:
+    """(the method's label in results, the head directory it names or None): NAME@DIR -> NAME@basename(DIR)."""
+    base, at, d = name.partition("@")
+    return (f"{base}@{os.path.basename(os.path.normpath(d))}", d) if at else (name, None)
 
 
 def dtype_of(method: str) -> str:
-    return "bfloat16" if method.endswith(BF16) else "float32"
+    return "bfloat16" if method.partition("@")[0].endswith(BF16) else "float32"
 
 
 def reference_of(method: str) -> str:
     """The AR run whose greedy tokens `method`'s must equal: AR with the same weights."""
-    return "ar" + BF16 if method.endswith(BF16) else "ar"
+    return "ar" + BF16 if dtype_of(method) == "bfloat16" else "ar"
 
 
 HF_METHODS = {"hf": {}, "hf-pld": {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 3}}
@@ -234,10 +242,15 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
         raise ValueError(f"unknown methods {bad}; jspec: {', '.join(known)}; over a trained drafter: "
                          f"{', '.join(HEAD_METHODS)}; transformers: {', '.join(HF_METHODS)}")
     shipped = {k for _, k in models.heads(model_name)}
-    missing = [s for s in strategies_ if head_method(s) and head_method(s)[0] not in shipped]
+    missing = [s for s in strategies_ if head_method(s) and "@" not in s and head_method(s)[0] not in shipped]
     if missing:
         raise ValueError(f"{missing} need a trained drafter that is not shipped for {model_name} "
                          f"(shipped: {sorted(shipped) or 'none'})")
+    head_dirs = dict(head_label(s) for s in strategies_ if "@" in s)
+    absent = [d for d in head_dirs.values() if not os.path.isdir(d)]
+    if absent:
+        raise ValueError(f"no head directory at {absent}")
+    strategies_ = tuple(head_label(s)[0] for s in strategies_)
     if "ar" not in strategies_:
         strategies_ = ("ar",) + tuple(strategies_)
     if any(m.endswith(BF16) for m in strategies_) and "ar" + BF16 not in strategies_:
@@ -270,7 +283,9 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
             methods[s] = known[s]
         else:
             kind, build = head_method(s)
-            methods[s] = build(models.head(model_name, kind, by_dtype[dtype_of(s)]))
+            target = by_dtype[dtype_of(s)]
+            methods[s] = build(models.load_head_dir(head_dirs[s], kind, target) if s in head_dirs else
+                               models.head(model_name, kind, target))
 
     # first turns (and, from jspec AR's answers, second turns): the prompts every method answers
     turns = []  # (question index, turn, ids)
@@ -482,7 +497,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "sage-eesd; self-sd (layer skipping, a chain of 4); eagle-c2/3/4/5/6/8 (the EAGLE head's chains), "
                          "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; "
                          "eagle3-c2/3/4/6, eagle3-tree, eagle3 (dynamic tree), sage-eagle3 (an EAGLE-3 head); each "
-                         "also with bfloat16 weights as NAME-bf16")
+                         "also with bfloat16 weights as NAME-bf16, and over a head of its kind in a directory as "
+                         "NAME@DIR")
     ap.add_argument("--baselines", nargs="*", default=list(HF_METHODS), help="transformers baselines: hf (generate), "
                                                                               "hf-pld (its prompt lookup); none: omit")
     ap.add_argument("--max-new-tokens", type=int, default=256)

@@ -186,6 +186,15 @@ def head(name: str, kind: str, target=None, dtype=None, draft_vocab: int | str |
         raise ValueError(f"no trained {kind} drafter is shipped for {name}; shipped: {heads() or 'none'}")
     if target is None:
         target, _ = load(name, dtype)
+    return load_head_dir(d, kind, target, dtype, draft_vocab, name)
+
+
+def load_head_dir(d: str, kind: str, target, dtype=None, draft_vocab: int | str | None = SHIPPED,
+                  name: str | None = None):
+    """A trained `kind` drafter (as `head` returns it) from directory `d`, for `target`: a shipped one, or one a
+    training script wrote (`--out`). A layer-skip set names its model; `name`, when given, must be it."""
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"unknown drafter kind {kind!r}; the kinds are {list(HEAD_KINDS)}")
     if kind == "layer-skip":
         import json
 
@@ -193,7 +202,7 @@ def head(name: str, kind: str, target=None, dtype=None, draft_vocab: int | str |
 
         with open(os.path.join(d, "layers.json")) as f:
             meta = json.load(f)
-        if meta.get("format") != "jspec-layer-skip" or meta.get("model") != name:
+        if meta.get("format") != "jspec-layer-skip" or name not in (None, meta.get("model")):
             raise ValueError(f"{d}/layers.json is not a layer-skip set for {name}")
         return LS.skip_layers(target, meta["skip"])
     if kind == "eagle":

@@ -148,3 +148,15 @@ def test_ignore_eos_decodes_exactly_max_new_tokens(llama_pair):
     assert len(stops) == 1 and len(runs) == 12 and runs[0] == first
     with pytest.raises(ValueError, match="stop at EOS"):
         SB.run(strategies_=("ar",), hf_methods=("hf",), ignore_eos=True, progress=False)
+
+
+def test_a_method_over_a_head_in_a_directory(tmp_path):
+    """NAME@DIR: the method NAME over the head of its kind that DIR holds (a training run's output), labelled by
+    the directory's name; its dtype and AR reference follow NAME; a missing directory is refused before any work."""
+    assert SB.head_label("eesd@build/runs/eesd-head-only/") == ("eesd@eesd-head-only", "build/runs/eesd-head-only/")
+    assert SB.head_label("eesd") == ("eesd", None)
+    assert SB.head_method("eesd-k2-bf16@x")[0] == "eesd" and SB.head_method("nope@x") is None
+    assert SB.dtype_of("eesd-bf16@x") == "bfloat16" and SB.reference_of("eesd-bf16@x") == "ar-bf16"
+    assert SB.dtype_of("eesd@x-bf16") == "float32"
+    with pytest.raises(ValueError, match="no head directory"):
+        SB.run(strategies_=("eesd@" + str(tmp_path / "absent"),), hf_methods=())
