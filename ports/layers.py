@@ -363,3 +363,14 @@ def self_attention_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf
         return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf, scores
     k_buf, v_buf = rest
     return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf
+
+
+def decoder_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf, v_buf, start, visible,
+                  score_weights: jax.Array | None = None, fresh: bool = False):
+    """One pre-norm LLaMA decoder layer over x [B, T, D] (`self_attention_layer`, then the SwiGLU MLP, each added
+    to the residual stream). Returns (x, k, v, scores or None)."""
+    out = self_attention_layer(cfg, p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), cos, sin, k_buf, v_buf,
+                               start, visible, score_weights, fresh)
+    x = x + out[0]
+    x = x + swiglu(rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
+    return x, out[1], out[2], (out[3] if score_weights is not None else None)

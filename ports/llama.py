@@ -115,14 +115,10 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
         ks, vs = [], []
         attn = None
         for i, p in enumerate(params["layers"]):
-            h = LY.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            out = LY.self_attention_layer(cfg, p, h, cos, sin, cache.k[i], cache.v[i], start, visible,
-                                         attn_query_weights, fresh)
-            a, kb, vb = out[:3]
-            if attn_query_weights is not None:
-                attn = out[3] if attn is None else attn + out[3]
-            x = x + a
-            x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
+            x, kb, vb, scores = LY.decoder_layer(cfg, p, x, cos, sin, cache.k[i], cache.v[i], start, visible,
+                                                 attn_query_weights, fresh)
+            if scores is not None:
+                attn = scores if attn is None else attn + scores
             ks.append(kb)
             vs.append(vb)
             if i + 1 in want:

@@ -1,7 +1,7 @@
 """Scanned decoder layers: a model whose per-layer params are stacked ([num_layers, ...] per weight) runs its
 layers as one `lax.scan` over them, with a stacked KV cache (keys and values [num_layers, B * KVH, S, Dh]).
 
-A program then holds one decoder layer whatever the depth, so it compiles in about the time of a one-layer model;
+A program then holds one decoder layer whatever the depth, so its compile time no longer grows with the depth;
 each step reads every layer's weights and cache through the scan's per-layer slices, and writes each layer's
 buffer back as the scan's output. The layer body is the unrolled forward's, so tokens and logits are the same.
 `scan_layers(model)` and `unscan_layers(model)` convert between the layouts; `ports.llama.forward` (and the
@@ -63,8 +63,6 @@ def is_scanned(model) -> bool:
 
 
 def _with_layers(model, fn):
-    from ports.model import Model
-
     if not model.family.scans:
         raise ValueError(f"{model.config.model_type} models do not run scanned layers (the LLaMA forward and the "
                          "families built on it do)")
@@ -74,11 +72,12 @@ def _with_layers(model, fn):
         params["layers"] = fn(params["layers"])
     else:
         params[key] = {**params[key], "layers": fn(params[key]["layers"])}
-    return dataclasses.replace(model, params=params) if isinstance(model, Model) else model.replace(params=params)
+    return dataclasses.replace(model, params=params)
 
 
 def scan_layers(model):
-    """The model with its decoder layers stacked: its forward runs them as one `lax.scan` (same results)."""
+    """The model with its decoder layers stacked (a new copy of their weights): its forward runs them as one
+    `lax.scan`, with the same results."""
     return _with_layers(model, lambda ls: ls if is_stacked(ls) else stack_layers(ls))
 
 
@@ -93,18 +92,12 @@ def run_layers(cfg, layers: dict, x, k_all, v_all, cos, sin, start, visible, sco
     attn): ks / vs each layer's buffer after its write (or its new rows, under a deferred visibility), stacked;
     hiddens [L, B, T, D] the residual stream after each layer (None unless `keep_hidden`); attn the attention
     scores summed over layers (None unless `score_weights`)."""
-    eps = cfg.rms_norm_eps
-
     def body(carry, xs):
         x, attn = carry
         p, kb, vb = xs
-        out = LY.self_attention_layer(cfg, p, LY.rms_norm(x, p["attn_norm"], eps), cos, sin, kb, vb, start,
-                                      visible, score_weights, fresh)
-        a, kb, vb = out[:3]
-        if score_weights is not None:
-            attn = attn + out[3]
-        x = x + a
-        x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], eps), p)
+        x, kb, vb, scores = LY.decoder_layer(cfg, p, x, cos, sin, kb, vb, start, visible, score_weights, fresh)
+        if scores is not None:
+            attn = attn + scores
         return (x, attn), (kb, vb, x if keep_hidden else None)
 
     B = x.shape[0]
