@@ -246,10 +246,13 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     if missing:
         raise ValueError(f"{missing} need a trained drafter that is not shipped for {model_name} "
                          f"(shipped: {sorted(shipped) or 'none'})")
-    head_dirs = dict(head_label(s) for s in strategies_ if "@" in s)
-    absent = [d for d in head_dirs.values() if not os.path.isdir(d)]
+    labelled = [head_label(s) for s in strategies_ if "@" in s]
+    head_dirs = dict(labelled)
+    absent = [d for _, d in labelled if not os.path.isdir(d)]
     if absent:
         raise ValueError(f"no head directory at {absent}")
+    if len(head_dirs) < len(labelled):
+        raise ValueError(f"two head directories share a name (a method's label): {[d for _, d in labelled]}")
     strategies_ = tuple(head_label(s)[0] for s in strategies_)
     if "ar" not in strategies_:
         strategies_ = ("ar",) + tuple(strategies_)

@@ -160,3 +160,7 @@ def test_a_method_over_a_head_in_a_directory(tmp_path):
     assert SB.dtype_of("eesd@x-bf16") == "float32"
     with pytest.raises(ValueError, match="no head directory"):
         SB.run(strategies_=("eesd@" + str(tmp_path / "absent"),), hf_methods=())
+    for d in ("a/head", "b/head"):
+        (tmp_path / d).mkdir(parents=True)
+    with pytest.raises(ValueError, match="share a name"):
+        SB.run(strategies_=tuple(f"eesd@{tmp_path / d}" for d in ("a/head", "b/head")), hf_methods=())
