@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from ports import layers as LY
+from ports.fused import layers_path
+from ports.param_paths import get_path, set_path
 
 
 def is_stacked(layers) -> bool:
@@ -39,15 +41,6 @@ def unstack_layers(layers: dict) -> list:
     return [jax.tree.map(lambda a: a[i], layers) for i in range(n)]
 
 
-def _lm_key(params: dict) -> str | None:
-    """Where a model's decoder params live: the top level (a language model; None) or a VLM's "lm" entry."""
-    if "layers" in params:
-        return None
-    if isinstance(params.get("lm"), dict) and "layers" in params["lm"]:
-        return "lm"
-    raise ValueError(f"no decoder layers found in the params (top-level keys: {sorted(params)})")
-
-
 def is_scanned(model) -> bool:
     """Whether `model` (a `ports.Model`, or a wrapper of one in its `model` field) runs stacked layers."""
     while not hasattr(model, "params") and hasattr(model, "model"):
@@ -56,22 +49,20 @@ def is_scanned(model) -> bool:
     if not isinstance(params, dict):
         return False
     try:
-        key = _lm_key(params)
-    except ValueError:
+        return is_stacked(get_path(params, layers_path(params)))
+    except (KeyError, TypeError):
         return False
-    return is_stacked(params["layers"] if key is None else params[key]["layers"])
 
 
 def _with_layers(model, fn):
     if not model.family.scans:
         raise ValueError(f"{model.config.model_type} models do not run scanned layers (the LLaMA forward and the "
                          "families built on it do)")
+    lp = layers_path(model.params)
     params = dict(model.params)
-    key = _lm_key(params)
-    if key is None:
-        params["layers"] = fn(params["layers"])
-    else:
-        params[key] = {**params[key], "layers": fn(params[key]["layers"])}
+    if len(lp) == 2:  # a VLM's language model: copy the dict the layers sit in, not the caller's
+        params[lp[0]] = dict(params[lp[0]])
+    set_path(params, lp, fn(get_path(params, lp)))
     return dataclasses.replace(model, params=params)
 
 

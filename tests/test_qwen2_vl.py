@@ -633,3 +633,13 @@ def test_bad_inputs_fail_early_with_clear_errors(jx_models):
         QW.prune_prompt(m.config, batch, np.ones(3, bool))
     with pytest.raises(ValueError, match="positions must be one of"):
         QW.prune_prompt(m.config, batch, np.ones(26, bool), positions="sequential")
+
+
+def test_a_scanned_qwen25_vl_target_decodes_the_same_tokens(jx_models):
+    """`ports.scan_layers` on a Qwen2.5-VL target (M-RoPE tables into the LLaMA forward, its layers as one scan):
+    greedy AR's tokens on the ragged image / video batch."""
+    target = jx_models["q25"]
+    batch = sd_batch()
+    ar = jspec.decode(target, batch, max_new_tokens=8)
+    scanned = jspec.decode(ports.scan_layers(target), batch, max_new_tokens=8)
+    np.testing.assert_array_equal(scanned.tokens, ar.tokens)
