@@ -76,11 +76,12 @@ def test_prompt_lookup_equals_ar_and_copies_on_a_rewrite(pair):
 
 # Beta-TS and layer skipping are slow here: the conformance suite and tests/test_layer_skip.py cover them by default
 @pytest.mark.parametrize("kind", [pytest.param("eesd", marks=pytest.mark.slow), "eesd-cali", "eagle",
-                                  pytest.param("layer-skip", marks=pytest.mark.slow)])
+                                  "eagle3", pytest.param("layer-skip", marks=pytest.mark.slow)])
 def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
     """The drafters the package ships for this model load by name and keep greedy decoding equal to AR on a
     Spec-Bench question and draft some accepted tokens; the EESD head shares the target's LM head and brings its
-    Cali-TS predictor, the EAGLE head drafts over its shipped vocabulary."""
+    Cali-TS predictor, the EAGLE head drafts over its shipped vocabulary, the EAGLE-3 head over its own draft
+    vocabulary from three fused target layers."""
     from jspec import bench_specbench as SB
 
     model, tok, _, _ = pair
@@ -89,6 +90,8 @@ def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
     drafter = models.head(NAME, kind.removesuffix("-cali"), model)
     if kind.startswith("eesd"):
         strat = jspec.EESD(drafter, controller="cali" if kind == "eesd-cali" else "beta", k_max=4)
+    elif kind == "eagle3":
+        strat = jspec.Eagle3(drafter, tree="chain", depth=3)
     else:
         strat = jspec.Chain(drafter, gamma=3)
     if kind == "eagle":  # the shipped draft vocabulary, from the training answers' counts
@@ -99,5 +102,8 @@ def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
     assert out.stats["mean_accepted"][0] > 1.0
     if kind.startswith("eesd"):
         assert drafter.shares_lm_head and drafter.exit_layer == 3 and drafter.calibration is not None
+    elif kind == "eagle3":
+        assert drafter.aux_layers == (2, 15, 27) and drafter.draft_vocab_size == 8192
+        assert drafter.vocab is not None and drafter.vocab.shape == (8192,)
     elif kind == "layer-skip":
         assert drafter.config.num_layers < model.config.num_layers
