@@ -79,11 +79,11 @@ def test_every_forward_matches_the_unrolled_one(pair):
     same(kvc.commit_path(c0, src, jnp.array([2, 1])), stacked_as_list(kvc.commit_path(c1, src, jnp.array([2, 1]))))
 
 
-@pytest.mark.parametrize("name", ["sage", "eagle_head"] + [
-    pytest.param(n, marks=pytest.mark.slow) for n in ("prompt_lookup", "chain", "tree", "dynamic", "eagle3_chain")])
+@pytest.mark.parametrize("name", ["prompt_lookup", "eagle_head"] + [
+    pytest.param(n, marks=pytest.mark.slow) for n in ("sage", "chain", "tree", "dynamic", "eagle3_chain")])
 def test_a_scanned_target_decodes_the_same_tokens(pair, name):
     """Greedy and sampled (same key): the scanned target's tokens are the unrolled target's, through the deferred
-    verify switch (SAGE; prompt lookup under -m slow) and the hidden states EAGLE heads read."""
+    verify switch (prompt lookup; SAGE under -m slow) and the hidden states EAGLE heads read."""
     target, draft = pair
     s = SC.scan_layers(target)
     strategy = REGISTRY[name].make(target, draft)
