@@ -4,11 +4,14 @@ against jspec AR, for draft vocabularies of the N tokens most frequent in the he
     python scripts/probe_eagle_vocab.py                                  # SmolLM2, N = 4k, 8k, 16k and all; gamma 3, 4
     python scripts/probe_eagle_vocab.py --sizes 8192 0 --gammas 4 --prompts 6 --runs 3
     python scripts/probe_eagle_vocab.py --ship 8192                      # also name N in the shipped eagle_head.json
+    python scripts/probe_eagle_vocab.py --sizes 8192 --gammas 2 3 --eagle3 2 3 --stem eagle-heads   # beside EAGLE-3
 
 The prompts are the self-written records the head was held out from (`train_eagle_head.py --data` holds out the
 first 5%), none from Spec-Bench, so the choice is not fitted to the benchmark. Greedy, batch 1, each prompt once
 per run, runs interleaved (every configuration, then the next run), medians over runs of the summed wall time.
-Writes scripts/results/eagle-vocab-<model>.{json,md}; every configuration's greedy tokens are checked against AR's.
+`--eagle3 G ...` adds the shipped EAGLE-3 head's chains (its own draft vocabulary; its training held out the same
+first 5% of its file). Writes scripts/results/<stem>-<model>.{json,md} (stem "eagle-vocab"); every configuration's
+greedy tokens are checked against AR's.
 """
 from __future__ import annotations
 
@@ -47,6 +50,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--eagle3", type=int, nargs="*", default=[], help="also the shipped EAGLE-3 head's chains, these "
+                                                                     "depths")
+    ap.add_argument("--stem", default="eagle-vocab", help="the results files' name before -<model>")
     ap.add_argument("--ship", type=int, default=None, help="write this size into the shipped head's eagle_head.json")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results"))
     args = ap.parse_args(argv)
@@ -65,7 +71,12 @@ def main(argv=None) -> None:
     for n in args.sizes:
         h = head.with_vocab(IO.frequent_tokens(counts, n)) if n else head
         for g in args.gammas:
-            configs[f"chain g={g}, vocab {n or 'all'}"] = (jspec.Chain(h, gamma=g), n, g)
+            configs[f"chain g={g}, vocab {n or 'all'}"] = (jspec.Chain(h, gamma=g), n, g, "eagle")
+    if args.eagle3:
+        h3 = models.head(args.model, "eagle3", model)
+        for g in args.eagle3:
+            configs[f"EAGLE-3 chain g={g}"] = (jspec.Eagle3(h3, tree="chain", depth=g), h3.draft_vocab_size, g,
+                                               "eagle3")
 
     def once(strategy):
         walls, toks, acc = 0.0, [], []
@@ -95,20 +106,20 @@ def main(argv=None) -> None:
     for name, s in configs.items():
         toks, acc = res[name]
         w = statistics.median(walls[name])
-        rows.append({"config": name, "vocab": None if s is None else (s[1] or "all"),
+        rows.append({"config": name, "head": None if s is None else s[3], "vocab": None if s is None else (s[1] or "all"),
                      "gamma": None if s is None else s[2], "tau": round(float(np.mean(acc)), 3),
                      "wall_s": round(w, 3), "speedup": round(ar_wall / w, 3),
                      "equal_to_ar": f"{sum(np.array_equal(a, b) for a, b in zip(toks, ar_toks))}/{len(toks)}",
-                     "coverage": None if s is None or not s[1] else
+                     "coverage": None if s is None or not s[1] or s[3] != "eagle" else
                      round(float(np.sort(counts)[::-1][:s[1]].sum() / counts.sum()), 4)})
     meta = {"model": args.model, "prompts": args.prompts, "max_new_tokens": args.max_new, "runs": args.runs,
             "date": time.strftime("%Y-%m-%d"), "head": json.load(open(os.path.join(d, IO.CONFIG_NAME)))}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"eagle-vocab-{args.model}")
+    stem = os.path.join(args.out, f"{args.stem}-{args.model}")
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     cols = ["config", "tau", "wall_s", "speedup", "coverage", "equal_to_ar"]
-    lines = [f"# EAGLE head draft vocabulary, {args.model}, {meta['date']}", "",
+    lines = [f"# EAGLE heads' chains and draft vocabularies, {args.model}, {meta['date']}", "",
              f"{args.prompts} held-out self-written prompts, greedy, batch 1, up to {args.max_new} new tokens, medians "
              f"of {args.runs} interleaved runs; coverage = the vocabulary's share of the training answers' tokens.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
