@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ports.packed import is_packed
 from ports.scanned import is_scanned
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -195,6 +196,9 @@ def shard(model, mesh: Mesh, rules=None):
     if is_scanned(model):
         raise ValueError("a model with scanned (stacked) layers cannot be sharded yet: pass "
                          "ports.scanned.unscan_layers(model) with a mesh")
+    if is_packed(model):
+        raise ValueError("a model with packed CPU weights cannot be sharded: pass ports.unpack_weights(model) with a "
+                         "mesh")
     model = run_layout(model, mesh, rules)
     shardings = param_shardings(model, mesh, rules)
     return dataclasses.replace(model, params=jax.device_put(model.params, shardings), _hf_aux=model._hf_aux)

@@ -14,6 +14,7 @@ import numpy as np
 from ports import fused as FU
 from ports.hf_checkpoint import layer_stream, read_hf_config, read_json, stream_hf
 from ports.model import Model, family, resolve_dtype
+from ports.packed import unpack_weights
 from ports.scanned import is_scanned, unscan_layers
 from ports.param_paths import empty_like_shapes, get_path, layers_path, set_path, without_layers
 
@@ -128,7 +129,7 @@ def save(model: Model, directory: str) -> None:
     """A jspec checkpoint (what `jspec convert` writes): config.json, an orbax checkpoint `params/` of everything
     but the decoder layers, and one orbax checkpoint per layer under `layers/`, so conversion can stream (a scanned
     model's layers too: `load` restores the unrolled layout)."""
-    model = unscan_layers(model) if is_scanned(model) else model
+    model = unpack_weights(unscan_layers(model) if is_scanned(model) else model)
     directory = os.path.abspath(directory)
     _start_writing(directory)
     write_config(model.hf_config or model.family.config_to_hf(model.config), directory)

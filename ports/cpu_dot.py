@@ -25,9 +25,12 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MAX_ROWS = 16  # rows up to which the kernel beats XLA:CPU's dot (measured on SmolLM2's matrices)
 TARGET = "jspec_small_m_dot"
+PACKED_TARGET = "jspec_packed_dot"
+PANEL = 32  # columns per panel of a packed weight (`csrc/small_m_dot.cc`'s kPanel)
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "small_m_dot.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV_SWITCH = "JSPEC_CPU_DOT"
@@ -85,6 +88,7 @@ def _load() -> bool:
     try:
         lib = ctypes.cdll.LoadLibrary(build(library_path()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecSmallMDot), platform="cpu")
+        jax.ffi.register_ffi_target(PACKED_TARGET, jax.ffi.pycapsule(lib.JspecPackedDot), platform="cpu")
     except (OSError, RuntimeError) as e:
         warnings.warn(f"jspec's small-row CPU kernel is unavailable, XLA's dot is used instead: {e}", stacklevel=3)
         return False
@@ -126,3 +130,56 @@ def _dot_jvp(nk, primals, tangents):
     dx, dw = tangents
     spec = "mk,nk->mn" if nk else "mk,kn->mn"
     return dot(x, w, nk), jnp.einsum(spec, dx, w) + jnp.einsum(spec, x, dw)
+
+
+def pack(w) -> jax.Array:
+    """A [K, N] weight as column panels [ceil(N / PANEL), K, PANEL] (the last one zero-padded): the layout
+    `packed_dot` streams. numpy or jax in, the same kind out."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    if w.ndim != 2:
+        raise ValueError(f"pack takes a 2-D [K, N] weight, got shape {w.shape}")
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    if panels * PANEL != n:
+        w = xp.concatenate([w, xp.zeros((k, panels * PANEL - n), w.dtype)], axis=1)
+    return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def unpack(wp, n: int) -> jax.Array:
+    """Inverse of `pack`: the [K, N] weight of panels [P, K, PANEL]."""
+    p, k, _ = wp.shape
+    return wp.transpose(1, 0, 2).reshape(k, p * PANEL)[:, :n]
+
+
+def _packed_call(x: jax.Array, wp: jax.Array, n: int) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(PACKED_TARGET, out, vmap_method="sequential")(x, wp)
+
+
+def _packed_einsum(x: jax.Array, wp: jax.Array, n: int) -> jax.Array:
+    y = jnp.einsum("mk,pkj->mpj", x, wp, preferred_element_type=jnp.float32)
+    return y.reshape(x.shape[0], -1)[:, :n]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def packed_dot(x: jax.Array, wp: jax.Array, n: int) -> jax.Array:
+    """x [M, K] . W for a weight packed by `pack` (wp [P, K, PANEL], N = n columns) -> [M, N] float32, any M.
+    Through the kernel for float32 operands on the CPU when it is available, else an einsum over the panels.
+    Each output sums over k in increasing order whatever M is, so a row's result does not depend on the rows beside
+    it. Differentiable (the tangents are einsums)."""
+    if x.ndim != 2 or wp.ndim != 3 or wp.shape[2] != PANEL:
+        raise ValueError(f"packed_dot takes x [M, K] and panels [P, K, {PANEL}], got {x.shape} and {wp.shape}")
+    if x.shape[1] != wp.shape[1]:
+        raise ValueError(f"packed_dot: x {x.shape} and panels {wp.shape} do not contract")
+    if not (wp.shape[0] - 1) * PANEL < n <= wp.shape[0] * PANEL:
+        raise ValueError(f"packed_dot: {wp.shape[0]} panels cannot hold {n} columns")
+    if x.dtype == wp.dtype == jnp.float32 and enabled() and x.shape[0] > 0:
+        return _packed_call(x, wp, n)
+    return _packed_einsum(x, wp, n)
+
+
+@packed_dot.defjvp
+def _packed_dot_jvp(n, primals, tangents):
+    x, wp = primals
+    dx, dwp = tangents
+    return packed_dot(x, wp, n), _packed_einsum(dx, wp, n) + _packed_einsum(x, dwp, n)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ports import fused as FU
 from ports.model import Model, family, resolve_dtype
+from ports.packed import unpack_weights
 from ports.scanned import is_scanned, unscan_layers
 from ports.param_paths import empty_like_shapes, get_path, layers_path, leaf_paths, set_path, without_layers
 from ports.safetensors_io import FLOAT_DTYPES, SafetensorsFile, checkpoint_files, write_safetensors
@@ -223,7 +224,7 @@ def layer_stream(cfg, shapes, tensors):
 def save_hf(model: Model, directory: str, dtype=None) -> None:
     """Write `model` as an HF checkpoint (config.json + model.safetensors) that transformers loads (a scanned
     model's layers are written one by one, as the checkpoint holds them)."""
-    model = unscan_layers(model) if is_scanned(model) else model
+    model = unpack_weights(unscan_layers(model) if is_scanned(model) else model)
     os.makedirs(directory, exist_ok=True)
     fam = model.family
     rows = fam.hf_key_map(model.config)

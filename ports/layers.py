@@ -10,6 +10,7 @@ import numpy as np
 from ports import cache as kvc
 from ports import blockwise as BW
 from ports import cpu_dot as CD
+from ports import packed as PK
 from ports.config import TextConfig, rope_inv_freq
 
 
@@ -61,7 +62,13 @@ def weight_dot(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Arr
     - bf16 / f16 activations and weights multiply in their dtype with float32 accumulation, a one-row product
       computed as two: XLA:CPU's one-row bf16 dot took 72 ms on 30 [576, 3072] matrices against 8 ms for two rows
       (jax 0.10.2), and its 2-8 row bf16 dots run at about its float32 one-row speed.
+    A weight packed by `ports.packed` (a `PackedWeight`) always goes to its panel kernel (any number of rows), for a
+    row product spec; x is cast to float32 and the result to `out_dtype` (default: x's dtype).
     Everywhere else this is the plain einsum."""
+    if isinstance(w, PK.PackedWeight):
+        if _row_product(spec, x, w) is not False:
+            raise ValueError(f"a packed weight takes row products (x's last axis with the weight's first), not {spec}")
+        return PK.dot(x.astype(jnp.float32), w).astype(out_dtype or x.dtype)
     small = _small_rows_dot(spec, x, w)
     if small is not None:
         return small
@@ -206,7 +213,8 @@ def kv_rows(x: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = weight_dot("...d,dn->...n", x, w) if x.dtype == w.dtype and w.ndim == 2 else x @ w
+    packed = isinstance(w, PK.PackedWeight)
+    y = weight_dot("...d,dn->...n", x, w) if packed or (x.dtype == w.dtype and w.ndim == 2) else x @ w
     return y + b if b is not None else y
 
 

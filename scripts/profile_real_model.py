@@ -6,6 +6,7 @@
     python scripts/profile_real_model.py --ops        # the AR and prompt-lookup loops by XLA operation
     python scripts/profile_real_model.py --matmul     # matmuls of 1-16 rows on 30 layers' gate/up weights
     python scripts/profile_real_model.py --widths --loops --dtype bfloat16   # the same with bf16 weights
+    python scripts/profile_real_model.py --widths --loops --packed   # float32 weights packed (ports.pack_weights)
 
 Medians of repeated warm calls; this machine is shared, so compare numbers taken in one run.
 """
@@ -115,6 +116,7 @@ def main(argv=None) -> None:
     for flag in ("--widths", "--loops", "--ops", "--matmul"):
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's weights")
+    ap.add_argument("--packed", action="store_true", help="float32 weights packed for the CPU (ports.pack_weights)")
     a = ap.parse_args(argv)
     if not (a.widths or a.loops or a.ops or a.matmul):
         a.widths = a.loops = a.ops = a.matmul = True
@@ -122,6 +124,8 @@ def main(argv=None) -> None:
         matmul()
     if a.widths or a.loops or a.ops:
         model, _ = models.load(NAME, dtype=a.dtype)
+        if a.packed:
+            model = ports.pack_weights(model)
         if a.widths:
             widths(model)
         if a.loops:

@@ -9,6 +9,8 @@ import transformers
 import jspec
 import ports
 from jspec import models
+from ports import cpu_dot
+from ports import packed as PK
 
 NAME = "smollm2-135m-instruct"
 pytestmark = pytest.mark.skipif(not models.available(NAME),
@@ -27,13 +29,17 @@ def pair():
 
 
 def test_logits_match_transformers_gguf_loader(pair):
+    """The model as `models.load` gives it (on this CPU: packed, `ports.packed`) and unpacked."""
     model, tok, theirs, ids = pair
     assert (model.config.num_layers, model.config.num_kv_heads, model.vocab_size) == (30, 3, 49152)
+    assert PK.is_packed(model) == cpu_dot.available()
     ours = ports.logits(model, ids)
+    plain = ports.logits(ports.unpack_weights(model), ids)
     with torch.no_grad():
         ref = theirs(torch.tensor(ids[None].astype(np.int64))).logits.numpy()
     scale = np.abs(ref).max()
     assert scale > 10 and np.abs(ours - ref).max() <= 1e-3 * scale, (np.abs(ours - ref).max(), scale)
+    assert np.abs(plain - ref).max() <= 1e-3 * scale, (np.abs(plain - ref).max(), scale)
 
 
 def test_tokenizer_matches_transformers(pair):
