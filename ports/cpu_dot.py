@@ -31,7 +31,8 @@ MAX_ROWS = 16  # rows up to which the kernel beats XLA:CPU's dot (measured on Sm
 TARGET = "jspec_small_m_dot"
 PACKED_TARGET = "jspec_packed_dot"
 PANEL = 32  # columns per panel of a packed weight (`csrc/small_m_dot.cc`'s kPanel)
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "small_m_dot.cc")
+SOURCES = tuple(os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("small_m_dot.cc", "cache_attention.cc"))
+ATTENTION_TARGETS = ("jspec_cache_attention", "jspec_cache_attention2")  # one segment; two, one softmax
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV_SWITCH = "JSPEC_CPU_DOT"
 DIR_ENV = "JSPEC_KERNELS_DIR"
@@ -51,8 +52,9 @@ def _cpu_signature() -> str:
 def library_path() -> str:
     """Where the compiled kernel for this source, compiler flags, jaxlib and CPU lives."""
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            h.update(f.read())
     h.update(" ".join(FLAGS).encode())
     h.update(jax.__version__.encode())
     h.update(_cpu_signature().encode())
@@ -72,11 +74,11 @@ def build(path: str) -> str:
             raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)
-        cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+        cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)
-            raise RuntimeError(f"compiling {SOURCE} failed:\n{done.stderr[-2000:]}")
+            raise RuntimeError(f"compiling {' '.join(SOURCES)} failed:\n{done.stderr[-2000:]}")
         os.replace(tmp, path)
     return path
 
@@ -89,6 +91,8 @@ def _load() -> bool:
         lib = ctypes.cdll.LoadLibrary(build(library_path()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecSmallMDot), platform="cpu")
         jax.ffi.register_ffi_target(PACKED_TARGET, jax.ffi.pycapsule(lib.JspecPackedDot), platform="cpu")
+        for target, fn in zip(ATTENTION_TARGETS, (lib.JspecCacheAttention, lib.JspecCacheAttention2)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
     except (OSError, RuntimeError) as e:
         warnings.warn(f"jspec's small-row CPU kernel is unavailable, XLA's dot is used instead: {e}", stacklevel=3)
         return False
@@ -183,3 +187,31 @@ def _packed_dot_jvp(n, primals, tangents):
     x, wp = primals
     dx, dwp = tangents
     return packed_dot(x, wp, n), _packed_einsum(dx, wp, n) + _packed_einsum(x, dwp, n)
+
+
+ATTENTION_MAX_ROWS = 64  # query rows per cache row (query heads per KV head x new tokens) the kernel takes
+ATTENTION_SWITCH = "JSPEC_CPU_ATTENTION"  # "0": attention stays with XLA's einsums
+
+
+def attention(qg: jax.Array, segments, scale: float) -> jax.Array:
+    """Softmax attention of grouped queries qg [N, Q, D] (row r: query group r // T at position r % T) over one or
+    two segments (k [N, S, D], v [N, S, D], visible bool [B, T, S]), one softmax over all visible slots, through the
+    kernel: float32, D a multiple of 16 (<= 256), Q <= ATTENTION_MAX_ROWS. A row sees nothing -> zeros. Each row is
+    computed alone, so a row's result does not depend on the rows beside it. Call only when `enabled()`."""
+    if not 1 <= len(segments) <= 2:
+        raise ValueError(f"attention takes one or two segments, got {len(segments)}")
+    args = [qg]
+    for k, v, vis in segments:
+        args += [k, v, vis.astype(bool)]
+    out = jax.ShapeDtypeStruct(qg.shape, jnp.float32)
+    target = ATTENTION_TARGETS[len(segments) - 1]
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, scale=np.float32(scale))
+
+
+def attention_applies(qg: jax.Array, *arrays) -> bool:
+    """Whether `attention` takes these operands here (the kernel is enabled, float32, the row and width limits)."""
+    n, q, d = qg.shape
+    if os.environ.get(ATTENTION_SWITCH, "1") == "0":
+        return False
+    return (all(a.dtype == jnp.float32 for a in (qg, *arrays)) and d % 16 == 0 and d <= 256
+            and q <= ATTENTION_MAX_ROWS and enabled())

@@ -177,6 +177,8 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape
     kvh, G, qg = _group_queries(q, N)
+    if score_weights is None and CD.attention_applies(qg, k_buf, v_buf):
+        return _ungroup(CD.attention(qg, [(k_buf, v_buf, visible)], Dh ** -0.5), q)
     scores = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * (Dh ** -0.5)
     scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs32 = jax.nn.softmax(scores, axis=-1)
@@ -196,6 +198,8 @@ def attention_deferred(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, k_new: 
     N, S, _ = k_buf.shape
     kvh, G, qg = _group_queries(q, N)
     scale = Dh ** -0.5
+    if CD.attention_applies(qg, k_buf, v_buf, k_new, v_new):
+        return _ungroup(CD.attention(qg, [(k_buf, v_buf, visible.old), (k_new, v_new, visible.new)], scale), q)
     s_old = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * scale
     s_new = einsum_f32("nqd,nsd->nqs", qg, k_new).reshape(B, kvh, G, T, T) * scale
     vis = jnp.concatenate([visible.old, visible.new], axis=-1)[:, None, None]

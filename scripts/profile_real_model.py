@@ -65,13 +65,13 @@ def widths(model, slots: int = 1024, prompt: int = 300) -> None:
     print(f"weights {nbytes / 1e6:.0f} MB: {nbytes / 29e9 * 1e3:.1f} ms at 29 GB/s")
 
 
-def loops(model) -> None:
+def loops(model, prompt: int = 300) -> None:
     from jspec.drafters.ngram import NgramDrafter
     from jspec.plans import StaticPlan
     from jspec.strategy import Speculative
     from jspec.verify import as_rule
 
-    ids = np.random.default_rng(0).integers(100, 4000, 300).astype(np.int32)
+    ids = np.random.default_rng(0).integers(100, 4000, prompt).astype(np.int32)
     pl = jspec.PromptLookup(3, 10)
     wide = Speculative(NgramDrafter(3, 1), StaticPlan.from_paths(pl.tree), as_rule("residual"))
     wide5 = Speculative(NgramDrafter(3, 1), StaticPlan.from_paths(jspec.PromptLookup(3, 4).tree), as_rule("residual"))
@@ -84,8 +84,8 @@ def loops(model) -> None:
         print(f"{name}: {steps} steps, {1e3 * dec / steps:.1f} ms per step, decode {dec:.2f} s")
 
 
-def ops(model, top: int = 14) -> None:
-    ids = np.random.default_rng(0).integers(100, 4000, 300).astype(np.int32)
+def ops(model, top: int = 14, prompt: int = 300) -> None:
+    ids = np.random.default_rng(0).integers(100, 4000, prompt).astype(np.int32)
     for name, s in (("AR", jspec.AR()), ("PromptLookup gamma=4", jspec.PromptLookup(3, 4))):
         r = profiling.op_costs(api.start(model, ids, s, max_new_tokens=64, eos_token_id=()), top=top)
         print(f"{name}: {r['steps']} steps, {r['total_us_per_step']:.0f} us per step summed over instructions")
@@ -117,6 +117,7 @@ def main(argv=None) -> None:
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's weights")
     ap.add_argument("--packed", action="store_true", help="float32 weights packed for the CPU (ports.pack_weights)")
+    ap.add_argument("--prompt", type=int, default=300, help="--loops / --ops: the random prompt's length")
     a = ap.parse_args(argv)
     if not (a.widths or a.loops or a.ops or a.matmul):
         a.widths = a.loops = a.ops = a.matmul = True
@@ -129,9 +130,9 @@ def main(argv=None) -> None:
         if a.widths:
             widths(model)
         if a.loops:
-            loops(model)
+            loops(model, prompt=a.prompt)
         if a.ops:
-            ops(model)
+            ops(model, prompt=a.prompt)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,346 @@
+// Float32 attention of a few query rows over a KV cache, for decode steps and speculative verifies on the CPU.
+//
+// out[n, r] = softmax over the visible slots of (q[n, r] . k[n, s]) * scale, times v[n, s], where the slots are those
+// of one or two segments (the cache, and a deferred forward's new keys and values), one softmax over both. Row r of
+// cache row n is query group r / T at position t = r % T of batch row b = n / heads_per_row; slot s of segment j is
+// visible where vis_j[b, t, s]. Work units are (n, a block of kBlock slots of one segment), claimed by the threads of
+// XLA's intra-op pool; each keeps every row's running max, sum and weighted values, and the calling thread merges the
+// units in a fixed order. Each row is computed alone, in an order that depends only on the segments' lengths, so a
+// row's result does not depend on the rows beside it: a verified token attends as its AR step does, bit for bit. A
+// row that sees no slot gets zeros.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kVec = 16;
+constexpr int64_t kBlock = 256;  // slots per work unit
+constexpr int64_t kMaxDim = 256;
+constexpr int64_t kMaxQ = 64;  // query rows per cache row
+constexpr int64_t kRowGroup = 6;  // rows whose weighted values accumulate together
+
+using Vec = float __attribute__((vector_size(kVec * sizeof(float))));
+using IVec = int32_t __attribute__((vector_size(kVec * sizeof(int32_t))));
+using CVec = uint8_t __attribute__((vector_size(kVec)));  // kVec visibility flags (bool is one byte)
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(Vec));
+  return v;
+}
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
+
+inline float lane_sum(Vec v) {
+  float a[kVec];
+  std::memcpy(a, &v, sizeof(Vec));
+  for (int64_t w = kVec / 2; w >= 1; w /= 2)
+    for (int64_t i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
+}
+
+// Lane j of the result = the sum of a[j]'s lanes, in a fixed order: halves added pairwise, four times.
+inline Vec transpose_sum(const Vec* a) {
+  Vec c[8], d[4], e[2];
+  for (int p = 0; p < 8; ++p)
+    c[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * p], a[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int p = 0; p < 4; ++p)
+    d[p] = __builtin_shufflevector(c[2 * p], c[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(c[2 * p], c[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int p = 0; p < 2; ++p)
+    e[p] = __builtin_shufflevector(d[2 * p], d[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(d[2 * p], d[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial of r scaled by 2^n; 0 below -87.
+inline Vec vexp(Vec x) {
+  const Vec lo = x < -87.0f ? Vec{} + 1.0f : Vec{};
+  x = x < -87.0f ? Vec{} - 87.0f : x;
+  x = x > 88.0f ? Vec{} + 88.0f : x;
+  const Vec t = x * 1.44269504088896341f;
+  const IVec n = __builtin_convertvector(t + (t < 0.0f ? Vec{} - 0.5f : Vec{} + 0.5f), IVec);
+  const Vec nf = __builtin_convertvector(n, Vec);
+  Vec r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  Vec p = Vec{} + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const IVec bits = (n + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &bits, sizeof(Vec));
+  const Vec out = p * scale;
+  return lo > 0.0f ? Vec{} : out;
+}
+
+struct Segment {
+  const float* k;
+  const float* v;
+  const bool* vis;  // [B, T, S]
+  int64_t slots;
+};
+
+struct Work {
+  const float* q;  // [N, Q, D]
+  Segment seg[2];
+  int64_t segments, n_rows, q_rows, dim, t_len, heads_per_row;
+  float scale;
+  std::vector<std::pair<int64_t, int64_t>> units;  // (segment, first slot), for every n in turn
+  int64_t units_per_n;
+  std::vector<float> part;  // [N, units_per_n, Q, D + 2]: max, sum, weighted values
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+
+  float* slot(int64_t n, int64_t u, int64_t r) { return part.data() + ((n * units_per_n + u) * q_rows + r) * (dim + 2); }
+
+  // Scores of one query row against kVec slots (keys ks[j * dim ..], j < kVec): lane j = q . k_j.
+  Vec scores16(const Vec* qv, const float* ks, int64_t vecs) const {
+    Vec a[kVec];
+    for (int64_t j = 0; j < kVec; ++j) {
+      const float* kj = ks + j * dim;
+      Vec x = qv[0] * load(kj);
+      for (int64_t i = 1; i < vecs; ++i) x += qv[i] * load(kj + i * kVec);
+      a[j] = x;
+    }
+    return transpose_sum(a);
+  }
+
+  void unit(int64_t n, int64_t u) {
+    const auto [j, s0] = units[u];
+    const Segment& g = seg[j];
+    const int64_t s1 = std::min(g.slots, s0 + kBlock), len = s1 - s0;
+    const int64_t b = n / heads_per_row, vecs = dim / kVec, full = len / kVec * kVec;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    thread_local std::vector<float> scratch;
+    scratch.resize(q_rows * kBlock);
+    Vec qv[kMaxQ][kMaxDim / kVec];
+    for (int64_t r = 0; r < q_rows; ++r)
+      for (int64_t i = 0; i < vecs; ++i) qv[r][i] = load(q + (n * q_rows + r) * dim + i * kVec);
+    // scores, kVec slots at a time for every row (the keys stay in L1), masked to -inf
+    for (int64_t s = 0; s < full; s += kVec) {
+      const float* ks = g.k + (n * g.slots + s0 + s) * dim;
+      for (int64_t r = 0; r < q_rows; ++r) {
+        const bool* vis = g.vis + (b * t_len + r % t_len) * g.slots + s0 + s;
+        CVec seen;
+        std::memcpy(&seen, vis, sizeof(CVec));
+        const Vec x = scores16(qv[r], ks, vecs) * scale;
+        store(scratch.data() + r * kBlock + s, __builtin_convertvector(seen, IVec) != 0 ? x : Vec{} + kNegInf);
+      }
+    }
+    for (int64_t r = 0; r < q_rows; ++r) {
+      const bool* vis = g.vis + (b * t_len + r % t_len) * g.slots + s0;
+      for (int64_t s = full; s < len; ++s) {
+        float x = kNegInf;
+        if (vis[s]) {
+          const float* ks = g.k + (n * g.slots + s0 + s) * dim;
+          Vec a = qv[r][0] * load(ks);
+          for (int64_t i = 1; i < vecs; ++i) a += qv[r][i] * load(ks + i * kVec);
+          x = lane_sum(a) * scale;
+        }
+        scratch[r * kBlock + s] = x;
+      }
+    }
+    // per row: max, exponentials and their sum
+    for (int64_t r = 0; r < q_rows; ++r) {
+      float* sc = scratch.data() + r * kBlock;
+      float m = kNegInf;
+      for (int64_t i = 0; i < len; ++i) m = std::max(m, sc[i]);
+      float* out = slot(n, u, r);
+      out[0] = m;
+      if (m == kNegInf) {
+        std::fill(sc, sc + len, 0.0f);
+        out[1] = 0.0f;
+        continue;
+      }
+      Vec l = Vec{};
+      int64_t s = 0;
+      for (; s + kVec <= len; s += kVec) {
+        const Vec e = vexp(load(sc + s) - m);
+        store(sc + s, e);
+        l += e;
+      }
+      if (s < len) {
+        alignas(64) float tail[kVec];
+        std::fill(tail, tail + kVec, kNegInf);
+        std::memcpy(tail, sc + s, (len - s) * sizeof(float));
+        const Vec e = vexp(load(tail) - m);
+        l += e;
+        store(tail, e);
+        std::memcpy(sc + s, tail, (len - s) * sizeof(float));
+      }
+      out[1] = lane_sum(l);
+    }
+    // the weighted values, kRowGroup rows at a time: each value row is loaded once per group
+    const int64_t vecs_d = vecs;
+    for (int64_t r0 = 0; r0 < q_rows; r0 += kRowGroup) {
+      const int64_t rows = std::min<int64_t>(kRowGroup, q_rows - r0);
+      Vec acc[kRowGroup][kMaxDim / kVec];
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < vecs_d; ++d) acc[r][d] = Vec{};
+      for (int64_t i = 0; i < len; ++i) {
+        float p[kRowGroup];
+        bool any = false;
+        for (int64_t r = 0; r < rows; ++r) {
+          p[r] = scratch[(r0 + r) * kBlock + i];
+          any |= p[r] != 0.0f;
+        }
+        if (!any) continue;
+        const float* vs = g.v + (n * g.slots + s0 + i) * dim;
+        for (int64_t d = 0; d < vecs_d; ++d) {
+          const Vec vv = load(vs + d * kVec);
+          for (int64_t r = 0; r < rows; ++r) acc[r][d] += p[r] * vv;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = slot(n, u, r0 + r);
+        for (int64_t d = 0; d < vecs_d; ++d) store(out + 2 + d * kVec, acc[r][d]);
+      }
+    }
+  }
+
+  void drain() {
+    for (;;) {
+      const int64_t i = next.fetch_add(1);
+      if (i >= total) return;
+      unit(i / units_per_n, i % units_per_n);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void merge(float* y) {
+    for (int64_t n = 0; n < n_rows; ++n)
+      for (int64_t r = 0; r < q_rows; ++r) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t u = 0; u < units_per_n; ++u) m = std::max(m, slot(n, u, r)[0]);
+        float* yr = y + (n * q_rows + r) * dim;
+        std::fill(yr, yr + dim, 0.0f);
+        if (m == -std::numeric_limits<float>::infinity()) continue;
+        float l = 0.0f;
+        for (int64_t u = 0; u < units_per_n; ++u) {
+          const float* p = slot(n, u, r);
+          if (p[0] == -std::numeric_limits<float>::infinity()) continue;
+          const float c = std::exp(p[0] - m);
+          l += p[1] * c;
+          for (int64_t d = 0; d < dim; ++d) yr[d] += p[2 + d] * c;
+        }
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < dim; ++d) yr[d] *= inv;
+      }
+  }
+};
+
+ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const Segment* segs, int64_t segments,
+                  const int64_t* slots, int64_t batch, int64_t t_len, float scale, ffi::ResultBuffer<ffi::F32>& y) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3) return ffi::Error::InvalidArgument("cache_attention: q must be [N, Q, D]");
+  const int64_t n_rows = qd[0], q_rows = qd[1], dim = qd[2];
+  if (dim % kVec || dim > kMaxDim) return ffi::Error::InvalidArgument("cache_attention: D must be a multiple of 16, <= 256");
+  if (q_rows > kMaxQ) return ffi::Error::InvalidArgument("cache_attention: at most 64 query rows per cache row");
+  if (batch <= 0 || n_rows % batch || t_len <= 0 || q_rows % t_len)
+    return ffi::Error::InvalidArgument("cache_attention: N, Q and the visibility's [B, T] do not agree");
+  auto work = std::make_shared<Work>();
+  work->q = q.typed_data();
+  work->segments = segments;
+  work->n_rows = n_rows;
+  work->q_rows = q_rows;
+  work->dim = dim;
+  work->t_len = t_len;
+  work->heads_per_row = n_rows / batch;
+  work->scale = scale;
+  for (int64_t j = 0; j < segments; ++j) {
+    work->seg[j] = segs[j];
+    for (int64_t s0 = 0; s0 < slots[j]; s0 += kBlock) work->units.emplace_back(j, s0);
+  }
+  work->units_per_n = static_cast<int64_t>(work->units.size());
+  work->total = n_rows * work->units_per_n;
+  work->part.assign(work->total * q_rows * (dim + 2), 0.0f);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+  work->merge(y->typed_data());
+  return ffi::Error::Success();
+}
+
+bool check_kv(ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::PRED>& vis, int64_t n_rows,
+              int64_t dim, int64_t* slots, int64_t* batch, int64_t* t_len) {
+  const auto kd = k.dimensions(), vd = v.dimensions(), md = vis.dimensions();
+  if (kd.size() != 3 || vd.size() != 3 || md.size() != 3) return false;
+  if (kd[0] != n_rows || kd[2] != dim || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || md[2] != kd[1])
+    return false;
+  *slots = kd[1];
+  *batch = md[0];
+  *t_len = md[1];
+  return true;
+}
+
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> vis, ffi::ResultBuffer<ffi::F32> y,
+                          float scale) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3) return ffi::Error::InvalidArgument("cache_attention: q must be [N, Q, D]");
+  int64_t slots, batch, t_len;
+  if (!check_kv(k, v, vis, qd[0], qd[2], &slots, &batch, &t_len))
+    return ffi::Error::InvalidArgument("cache_attention: k, v [N, S, D] and visibility [B, T, S] expected");
+  const Segment seg{k.typed_data(), v.typed_data(), reinterpret_cast<const bool*>(vis.typed_data()), slots};
+  return Attend(pool, q, &seg, 1, &slots, batch, t_len, scale, y);
+}
+
+ffi::Error CacheAttention2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> vis, ffi::Buffer<ffi::F32> k2,
+                           ffi::Buffer<ffi::F32> v2, ffi::Buffer<ffi::PRED> vis2, ffi::ResultBuffer<ffi::F32> y,
+                           float scale) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3) return ffi::Error::InvalidArgument("cache_attention: q must be [N, Q, D]");
+  int64_t slots[2], batch[2], t_len[2];
+  if (!check_kv(k, v, vis, qd[0], qd[2], &slots[0], &batch[0], &t_len[0]) ||
+      !check_kv(k2, v2, vis2, qd[0], qd[2], &slots[1], &batch[1], &t_len[1]) || batch[0] != batch[1] ||
+      t_len[0] != t_len[1])
+    return ffi::Error::InvalidArgument("cache_attention: two segments k, v [N, S, D], visibility [B, T, S] expected");
+  const Segment segs[2] = {
+      {k.typed_data(), v.typed_data(), reinterpret_cast<const bool*>(vis.typed_data()), slots[0]},
+      {k2.typed_data(), v2.typed_data(), reinterpret_cast<const bool*>(vis2.typed_data()), slots[1]}};
+  return Attend(pool, q, segs, 2, slots, batch[0], t_len[0], scale, y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecCacheAttention, CacheAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecCacheAttention2, CacheAttention2,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));

@@ -1,0 +1,95 @@
+"""The CPU attention kernel over a KV cache (`ports.cpu_dot.attention`, `ports/csrc/cache_attention.cc`), as
+`ports.layers.attention` and `attention_deferred` run it: a float64 reference, one softmax over two segments, rows
+that see nothing, and each row's result independent of the rows beside it."""
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ports import cpu_dot as CD
+from ports import layers as LY
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="no C++ compiler here: the kernel cannot build and XLA's einsums are used")
+
+
+def reference(q, k, v, vis, kvh):
+    """float64 grouped-query attention; a row that sees nothing gives zeros."""
+    B, T, H, D = q.shape
+    G = H // kvh
+    out = np.zeros((B, T, H, D))
+    for b in range(B):
+        for t in range(T):
+            if not vis[b, t].any():
+                continue
+            for h in range(H):
+                n = b * kvh + h // G
+                s = np.where(vis[b, t], k[n].astype(np.float64) @ q[b, t, h] / np.sqrt(D), -np.inf)
+                p = np.exp(s - s.max())
+                out[b, t, h] = (p / p.sum()) @ v[n]
+    return out
+
+
+def operands(B, T, H, KVH, D, S, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    k = rng.standard_normal((B * KVH, S, D)).astype(np.float32)
+    v = rng.standard_normal((B * KVH, S, D)).astype(np.float32)
+    vis = rng.random((B, T, S)) < 0.6
+    return q, k, v, vis
+
+
+@pytest.mark.parametrize("B,T,H,KVH,D,S", [(1, 1, 9, 3, 64, 1000), (2, 4, 6, 2, 64, 300), (3, 5, 4, 4, 16, 37),
+                                           (1, 7, 8, 1, 128, 530)])
+def test_matches_float64_reference(B, T, H, KVH, D, S):
+    """Slot counts off the 16-slot groups and the 256-slot work units, G from 1 to 8, D from 16 to 128."""
+    q, k, v, vis = operands(B, T, H, KVH, D, S)
+    vis[-1, -1] = False  # a row that sees nothing
+    f = jax.jit(LY.attention)
+    assert "jspec_cache_attention" in f.lower(q, k, v, vis).as_text()
+    y = np.asarray(f(q, k, v, vis))
+    np.testing.assert_allclose(y, reference(q, k, v, vis, KVH), atol=2e-6, rtol=1e-5)
+    assert not y[-1, -1].any()
+
+
+def test_a_deferred_block_shares_the_cache_softmax():
+    """attention_deferred (two segments: the cache, and new keys / values under a causal mask) equals attention over
+    the two concatenated."""
+    B, T, H, KVH, D, S = 2, 4, 6, 2, 64, 300
+    q, k, v, vis = operands(B, T, H, KVH, D, S, seed=1)
+    rng = np.random.default_rng(2)
+    kn = rng.standard_normal((B * KVH, T, D)).astype(np.float32)
+    vn = rng.standard_normal((B * KVH, T, D)).astype(np.float32)
+    causal = np.tril(np.ones((T, T), bool))[None].repeat(B, 0)
+    y = np.asarray(jax.jit(LY.attention_deferred)(q, k, v, kn, vn, LY.Deferred(jnp.asarray(vis),
+                                                                               jnp.asarray(causal))))
+    ref = reference(q, np.concatenate([k, kn], 1), np.concatenate([v, vn], 1), np.concatenate([vis, causal], -1),
+                    KVH)
+    np.testing.assert_allclose(y, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_a_row_does_not_depend_on_its_neighbours():
+    """A verify of T tokens attends, row by row, bit for bit as T one-token steps over the same cache do."""
+    q, k, v, vis = operands(2, 6, 9, 3, 64, 700, seed=3)
+    f = jax.jit(LY.attention)
+    full = np.asarray(f(q, k, v, vis))
+    for t in range(6):
+        np.testing.assert_array_equal(np.asarray(f(q[:, t:t + 1], k, v, vis[:, t:t + 1]))[:, 0], full[:, t])
+
+
+def test_what_the_kernel_does_not_take_stays_with_xla(monkeypatch):
+    q, k, v, vis = operands(1, 2, 4, 2, 64, 40)
+    qg = jnp.zeros((2, 65, 64), jnp.float32)
+    assert CD.attention_applies(qg[:, :64], jnp.asarray(k), jnp.asarray(v))
+    assert not CD.attention_applies(qg, jnp.asarray(k), jnp.asarray(v))  # too many rows
+    assert not CD.attention_applies(qg[:, :4, :24], jnp.asarray(k[..., :24]), jnp.asarray(v[..., :24]))
+    assert not CD.attention_applies(qg[:, :4].astype(jnp.bfloat16), jnp.asarray(k), jnp.asarray(v))
+    monkeypatch.setenv(CD.ATTENTION_SWITCH, "0")
+    assert not CD.attention_applies(qg[:, :4], jnp.asarray(k), jnp.asarray(v))
+    assert "jspec_cache_attention" not in jax.jit(LY.attention).lower(q, k, v, vis).as_text()
+    # attention scores for SpecVLM's pruning are XLA's
+    monkeypatch.delenv(CD.ATTENTION_SWITCH)
+    txt = jax.jit(LY.attention).lower(q, k, v, vis, jnp.ones((1, 2), jnp.float32)).as_text()
+    assert "jspec_cache_attention" not in txt
