@@ -197,15 +197,46 @@ def attention(qg: jax.Array, segments, scale: float) -> jax.Array:
     """Softmax attention of grouped queries qg [N, Q, D] (row r: query group r // T at position r % T) over one or
     two segments (k [N, S, D], v [N, S, D], visible bool [B, T, S]), one softmax over all visible slots, through the
     kernel: float32, D a multiple of 16 (<= 256), Q <= ATTENTION_MAX_ROWS. A row sees nothing -> zeros. Each row is
-    computed alone, so a row's result does not depend on the rows beside it. Call only when `enabled()`."""
+    computed alone, so a row's result does not depend on the rows beside it. Differentiable (the tangents are those
+    of `attention_reference`). Call only when `enabled()`."""
     if not 1 <= len(segments) <= 2:
         raise ValueError(f"attention takes one or two segments, got {len(segments)}")
+    ks, vs, viss = zip(*segments)
+    return _attention(qg, tuple(ks), tuple(vs), tuple(v.astype(bool) for v in viss), float(scale))
+
+
+def attention_reference(qg, ks, vs, viss, scale: float) -> jax.Array:
+    """What `attention` computes, as XLA einsums (its tangents are `attention`'s)."""
+    n, q, _ = qg.shape
+    b, t, _ = viss[0].shape
+    groups = q // t
+
+    def rows_mask(vis):  # [B, T, S] -> [N, Q, S]: cache row n reads batch row n // (N / B); query row r position r % T
+        return jnp.tile(jnp.repeat(vis, n // b, axis=0), (1, groups, 1))
+
+    scores = jnp.concatenate([jnp.einsum("nqd,nsd->nqs", qg, k) * scale for k in ks], axis=-1)
+    mask = jnp.concatenate([rows_mask(v) for v in viss], axis=-1)
+    probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+    out = jnp.einsum("nqs,nsd->nqd", probs, jnp.concatenate(vs, axis=1))
+    return jnp.where(jnp.any(mask, axis=-1, keepdims=True), out, 0.0)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _attention(qg, ks, vs, viss, scale):
     args = [qg]
-    for k, v, vis in segments:
-        args += [k, v, vis.astype(bool)]
+    for k, v, vis in zip(ks, vs, viss):
+        args += [k, v, vis]
     out = jax.ShapeDtypeStruct(qg.shape, jnp.float32)
-    target = ATTENTION_TARGETS[len(segments) - 1]
+    target = ATTENTION_TARGETS[len(ks) - 1]
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, scale=np.float32(scale))
+
+
+@_attention.defjvp
+def _attention_jvp(scale, primals, tangents):
+    qg, ks, vs, viss = primals
+    dq, dks, dvs, _ = tangents
+    _, dout = jax.jvp(lambda q, k, v: attention_reference(q, k, v, viss, scale), (qg, ks, vs), (dq, dks, dvs))
+    return _attention(qg, ks, vs, viss, scale), dout
 
 
 def attention_applies(qg: jax.Array, *arrays) -> bool:

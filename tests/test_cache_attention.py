@@ -93,3 +93,23 @@ def test_what_the_kernel_does_not_take_stays_with_xla(monkeypatch):
     monkeypatch.delenv(CD.ATTENTION_SWITCH)
     txt = jax.jit(LY.attention).lower(q, k, v, vis, jnp.ones((1, 2), jnp.float32)).as_text()
     assert "jspec_cache_attention" not in txt
+
+
+def test_gradients_are_the_reference_attentions():
+    """Training runs through the kernel (the zoo's and the heads' trainers attend over caches): its gradients are
+    those of the same attention in XLA einsums."""
+    q, k, v, vis = operands(2, 3, 6, 2, 16, 40, seed=4)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _, _, qg = LY._group_queries(q, k.shape[0])
+    w = jnp.asarray(np.random.default_rng(5).standard_normal(qg.shape).astype(np.float32))
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * w)
+
+    ours = jax.grad(loss(lambda q, k, v: CD.attention(q, [(k, v, vis)], 0.25)), (0, 1, 2))(qg, k, v)
+    ref = jax.grad(loss(lambda q, k, v: CD.attention_reference(q, (k,), (v,), (jnp.asarray(vis),), 0.25)),
+                   (0, 1, 2))(qg, k, v)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(CD.attention(qg, [(k, v, vis)], 0.25),
+                               CD.attention_reference(qg, (k,), (v,), (jnp.asarray(vis),), 0.25), rtol=1e-5, atol=1e-6)

@@ -212,6 +212,19 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work) {
   while (work->done.load(std::memory_order_acquire) < work->blocks) std::this_thread::yield();
 }
 
+std::shared_ptr<Work> new_work(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w, ffi::ResultBuffer<ffi::F32>& y,
+                               int64_t m, int64_t k, int64_t n, Form form) {
+  auto work = std::make_shared<Work>();
+  work->x = x.typed_data();
+  work->w = w.typed_data();
+  work->y = y->typed_data();
+  work->m = m;
+  work->k = k;
+  work->n = n;
+  work->form = form;
+  return work;
+}
+
 ffi::Error SmallMDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                      ffi::ResultBuffer<ffi::F32> y, bool nk) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -220,14 +233,7 @@ ffi::Error SmallMDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   const int64_t n = nk ? wd[0] : wd[1];
   if ((nk ? wd[1] : wd[0]) != k) return ffi::Error::InvalidArgument("small_m_dot: contracted sizes differ");
   if (m > kMaxM) return ffi::Error::InvalidArgument("small_m_dot: at most 16 rows");
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
-  work->m = m;
-  work->k = k;
-  work->n = n;
-  work->form = nk ? Form::nk : Form::kn;
+  auto work = new_work(x, w, y, m, k, n, nk ? Form::nk : Form::kn);
   // "kn": as few blocks as threads where they fit, so that narrow matrices (576 or 960 columns) split evenly
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t even = ((n + threads - 1) / threads + kVec - 1) / kVec * kVec;
@@ -246,14 +252,7 @@ ffi::Error PackedDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (wd[1] != k || wd[2] != kPanel) return ffi::Error::InvalidArgument("packed_dot: w is not [P, K, 32] for x's K");
   if (yd[0] != m || panels != (n + kPanel - 1) / kPanel)
     return ffi::Error::InvalidArgument("packed_dot: y's shape does not match x and w");
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
-  work->m = m;
-  work->k = k;
-  work->n = n;
-  work->form = Form::packed;
+  auto work = new_work(x, w, y, m, k, n, Form::packed);
   // a panel a block: the threads claim them in turn
   work->block = 1;
   work->blocks = panels;
