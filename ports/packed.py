@@ -78,12 +78,6 @@ def dot(x: jax.Array, w: PackedWeight) -> jax.Array:
     return y.reshape(*x.shape[:-1], *w.shape[1:])
 
 
-def _text_params(params: dict) -> dict:
-    """The dict holding the decoder's layers and LM head (a VLM's language model, or the params themselves)."""
-    lp = layers_path(params)
-    return params[lp[0]] if len(lp) == 2 else params
-
-
 def is_packed(model) -> bool:
     """Whether `model` (a `ports.Model`, or a wrapper of one in its `model` field) holds packed weights."""
     while not hasattr(model, "params") and hasattr(model, "model"):
