@@ -160,7 +160,7 @@ def test_what_cannot_run_packed_says_so(pair):
         SH.shard(ports.pack_weights(target), mesh)
 
 
-def test_a_packed_vlm_decodes_as_its_ar():
+def test_a_packed_vlm_gives_the_plain_models_logits():
     """A LLaVA target packs its language model (the vision tower stays as it is): the same logits as the plain
     model, a decode's first token, and it unpacks to the same params."""
     from sampling_check import IMAGE_PROMPT, PIXELS, tiny_llava
