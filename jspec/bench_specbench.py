@@ -44,6 +44,8 @@ def strategies() -> dict:
     base = {"ar": jspec.AR(),
             "pld": jspec.PromptLookup(max_ngram=3, gamma=10),  # Spec-Bench's PLD: window 3, 10 candidates
             "pld-4": jspec.PromptLookup(max_ngram=3, gamma=4),  # shorter copies: cheaper verifies on a CPU
+            # copies as long as the match is: 2 drafts after a 1- or 2-token match, 8 after a 3-token one
+            "pld-m": jspec.PromptLookup(max_ngram=3, gamma=8, depths=(2, 2, 8)),
             "pld-tree": jspec.PromptLookup(max_ngram=3, gamma=4, branches=3)}
     return {**base, **{f"{name}{BF16}": s for name, s in base.items()}}
 
@@ -220,7 +222,7 @@ def _warm_batches(runner: Runner, methods: dict, chunks: list, pad_to: int, prog
 
 
 def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questions: int | None = 2,
-        strategies_: tuple = ("ar", "pld", "pld-4", "pld-tree"), hf_methods: tuple = ("hf", "hf-pld"),
+        strategies_: tuple = ("ar", "pld", "pld-4", "pld-m", "pld-tree"), hf_methods: tuple = ("hf", "hf-pld"),
         max_new_tokens: int = 256, temperature: float = 0.0, runs: int = 1, second_turn: bool = True,
         pad_to: int = 128, out_dir: str = "scripts/results", progress: bool = True, batch: int = 1,
         ignore_eos: bool = False) -> dict:
@@ -494,8 +496,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a `jspec fetch` name")
     ap.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES, metavar="CATEGORY")
     ap.add_argument("--questions", type=int, default=2, help="questions per category (0: all)")
-    ap.add_argument("--strategies", nargs="+", default=["ar", "pld", "pld-4", "pld-tree"],
-                    help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-tree (3 branches of 4); over the "
+    ap.add_argument("--strategies", nargs="+", default=["ar", "pld", "pld-4", "pld-m", "pld-tree"],
+                    help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-m (8 drafts after a 3-token match, "
+                         "2 after a shorter one), pld-tree (3 branches of 4); over the "
                          "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/3/4/6/8 (fixed K), "
                          "sage-eesd; self-sd (layer skipping, a chain of 4); eagle-c2/3/4/5/6/8 (the EAGLE head's chains), "
                          "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; "

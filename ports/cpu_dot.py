@@ -33,6 +33,7 @@ PACKED_TARGET = "jspec_packed_dot"
 PANEL = 32  # columns per panel of a packed weight (`csrc/small_m_dot.cc`'s kPanel)
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("small_m_dot.cc", "cache_attention.cc"))
 ATTENTION_TARGETS = ("jspec_cache_attention", "jspec_cache_attention2")  # one segment; two, one softmax
+LONG_ATTENTION_TARGET = "jspec_long_attention"  # more query rows than ATTENTION_MAX_ROWS, one segment
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV_SWITCH = "JSPEC_CPU_DOT"
 DIR_ENV = "JSPEC_KERNELS_DIR"
@@ -91,7 +92,8 @@ def _load() -> bool:
         lib = ctypes.cdll.LoadLibrary(build(library_path()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecSmallMDot), platform="cpu")
         jax.ffi.register_ffi_target(PACKED_TARGET, jax.ffi.pycapsule(lib.JspecPackedDot), platform="cpu")
-        for target, fn in zip(ATTENTION_TARGETS, (lib.JspecCacheAttention, lib.JspecCacheAttention2)):
+        for target, fn in zip(ATTENTION_TARGETS + (LONG_ATTENTION_TARGET,),
+                              (lib.JspecCacheAttention, lib.JspecCacheAttention2, lib.JspecLongAttention)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
     except (OSError, RuntimeError) as e:
         warnings.warn(f"jspec's small-row CPU kernel is unavailable, XLA's dot is used instead: {e}", stacklevel=3)
@@ -196,13 +198,52 @@ ATTENTION_SWITCH = "JSPEC_CPU_ATTENTION"  # "0": attention stays with XLA's eins
 def attention(qg: jax.Array, segments, scale: float) -> jax.Array:
     """Softmax attention of grouped queries qg [N, Q, D] (row r: query group r // T at position r % T) over one or
     two segments (k [N, S, D], v [N, S, D], visible bool [B, T, S]), one softmax over all visible slots, through the
-    kernel: float32, D a multiple of 16 (<= 256), Q <= ATTENTION_MAX_ROWS. A row sees nothing -> zeros. Each row is
-    computed alone, so a row's result does not depend on the rows beside it. Differentiable (the tangents are those
-    of `attention_reference`). Call only when `enabled()`."""
+    kernel: float32, D a multiple of 16 (<= 256), Q <= ATTENTION_MAX_ROWS, or any Q over one segment (a prefill:
+    the long-query kernel, which skips the slots no row of a block sees and sums in another order). A row sees
+    nothing -> zeros. Each row is computed alone, so a row's result does not depend on the rows beside it.
+    Differentiable (the tangents are those of `attention_reference`). Call only when `enabled()`."""
     if not 1 <= len(segments) <= 2:
         raise ValueError(f"attention takes one or two segments, got {len(segments)}")
+    if qg.shape[1] > ATTENTION_MAX_ROWS and len(segments) != 1:
+        raise ValueError(f"attention over two segments takes at most {ATTENTION_MAX_ROWS} query rows, got "
+                         f"{qg.shape[1]}")
     ks, vs, viss = zip(*segments)
     return _attention(qg, tuple(ks), tuple(vs), tuple(v.astype(bool) for v in viss), float(scale))
+
+
+def long_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> jax.Array:
+    """`attention` of any number of query rows over one segment, with q in the model's layout [B, T, H, D] (query
+    head h reads cache row b * KVH + h // (H / KVH)) and the result in it too: no grouping transposes around the
+    kernel. Differentiable like `attention`. Call only when `enabled()`."""
+    return _long_attention(q, k, v, visible.astype(bool), float(scale))
+
+
+def _group(q: jax.Array, kv_heads: int) -> jax.Array:
+    B, T, H, D = q.shape
+    return q.reshape(B, T, kv_heads, H // kv_heads, D).transpose(0, 2, 3, 1, 4).reshape(B * kv_heads, -1, D)
+
+
+def _ungroup(out: jax.Array, shape) -> jax.Array:
+    B, T, H, D = shape
+    kvh = out.shape[0] // B
+    return out.reshape(B, kvh, H // kvh, T, D).transpose(0, 3, 1, 2, 4).reshape(shape)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _long_attention(q, k, v, visible, scale):
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(LONG_ATTENTION_TARGET, out, vmap_method="sequential")(q, k, v, visible,
+                                                                                   scale=np.float32(scale))
+
+
+@_long_attention.defjvp
+def _long_attention_jvp(scale, primals, tangents):
+    q, k, v, visible = primals
+    dq, dk, dv, _ = tangents
+    kvh = k.shape[0] // q.shape[0]
+    ref = lambda q, k, v: _ungroup(attention_reference(_group(q, kvh), (k,), (v,), (visible,), scale), q.shape)  # noqa: E731
+    _, dout = jax.jvp(ref, (q, k, v), (dq, dk, dv))
+    return _long_attention(q, k, v, visible, scale), dout
 
 
 def attention_reference(qg, ks, vs, viss, scale: float) -> jax.Array:
@@ -227,7 +268,7 @@ def _attention(qg, ks, vs, viss, scale):
     for k, v, vis in zip(ks, vs, viss):
         args += [k, v, vis]
     out = jax.ShapeDtypeStruct(qg.shape, jnp.float32)
-    target = ATTENTION_TARGETS[len(ks) - 1]
+    target = LONG_ATTENTION_TARGET if qg.shape[1] > ATTENTION_MAX_ROWS else ATTENTION_TARGETS[len(ks) - 1]
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, scale=np.float32(scale))
 
 
@@ -240,9 +281,10 @@ def _attention_jvp(scale, primals, tangents):
 
 
 def attention_applies(qg: jax.Array, *arrays) -> bool:
-    """Whether `attention` takes these operands here (the kernel is enabled, float32, the row and width limits)."""
+    """Whether `attention` takes these operands here (the kernel is enabled, float32, the width limits, and at most
+    ATTENTION_MAX_ROWS query rows over two segments: k, v and the new k, v)."""
     n, q, d = qg.shape
     if os.environ.get(ATTENTION_SWITCH, "1") == "0":
         return False
     return (all(a.dtype == jnp.float32 for a in (qg, *arrays)) and d % 16 == 0 and d <= 256
-            and q <= ATTENTION_MAX_ROWS and enabled())
+            and (q <= ATTENTION_MAX_ROWS or len(arrays) <= 2) and enabled())

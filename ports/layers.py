@@ -178,6 +178,8 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     N, S, _ = k_buf.shape
     kvh, G, qg = _group_queries(q, N)
     if score_weights is None and CD.attention_applies(qg, k_buf, v_buf):
+        if qg.shape[1] > CD.ATTENTION_MAX_ROWS:  # a prefill: the long-query kernel reads q in place
+            return CD.long_attention(q, k_buf, v_buf, visible, Dh ** -0.5).astype(q.dtype)
         return _ungroup(CD.attention(qg, [(k_buf, v_buf, visible)], Dh ** -0.5), q)
     scores = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * (Dh ** -0.5)
     scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
@@ -187,6 +189,13 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     if score_weights is None:
         return out
     return out, jnp.einsum("bkgts,bt->bs", probs32, score_weights.astype(jnp.float32)) / H
+
+
+def _kernel_takes(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array) -> bool:
+    """Whether `attention` of q [B, T, H, Dh] over cache rows k_rows, v_rows [B * KVH, S, Dh] runs the CPU kernel."""
+    B, T, H, Dh = q.shape
+    N = k_rows.shape[0]
+    return CD.attention_applies(jax.ShapeDtypeStruct((N, H // (N // B) * T, Dh), q.dtype), k_rows, v_rows)
 
 
 def attention_deferred(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, k_new: jax.Array, v_new: jax.Array,
@@ -337,6 +346,12 @@ def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.A
         if not fresh:
             raise ValueError("a Causal (structural) visibility is for fresh prefills")
         T, S = q.shape[1], k_buf.shape[1]
+        kr, vr = kv_rows(k).astype(k_buf.dtype), kv_rows(v).astype(v_buf.dtype)
+        if score_weights is None and _kernel_takes(q, kr, vr):  # the CPU kernel skips the hidden blocks itself
+            t = jnp.arange(T)
+            vis = (t[None, None, :] <= t[None, :, None]) & (t[None, None, :] >= visible.start[:, None, None])
+            pad = ((0, 0), (0, S - T), (0, 0))
+            return attention(q, kr, vr, vis), jnp.pad(kr, pad), jnp.pad(vr, pad)
         out = _as_tuple(BW.causal_attention(q, k, v, visible.start, score_weights))
         if score_weights is not None:
             out = (out[0], jnp.pad(out[1], ((0, 0), (0, S - T))))

@@ -83,7 +83,8 @@ def test_what_the_kernel_does_not_take_stays_with_xla(monkeypatch):
     q, k, v, vis = operands(1, 2, 4, 2, 64, 40)
     qg = jnp.zeros((2, 65, 64), jnp.float32)
     assert CD.attention_applies(qg[:, :64], jnp.asarray(k), jnp.asarray(v))
-    assert not CD.attention_applies(qg, jnp.asarray(k), jnp.asarray(v))  # too many rows
+    assert CD.attention_applies(qg, jnp.asarray(k), jnp.asarray(v))  # many rows: the long-query kernel
+    assert not CD.attention_applies(qg, *(jnp.asarray(a) for a in (k, v, k, v)))  # many rows, two segments
     assert not CD.attention_applies(qg[:, :4, :24], jnp.asarray(k[..., :24]), jnp.asarray(v[..., :24]))
     assert not CD.attention_applies(qg[:, :4].astype(jnp.bfloat16), jnp.asarray(k), jnp.asarray(v))
     monkeypatch.setenv(CD.ATTENTION_SWITCH, "0")
@@ -113,3 +114,62 @@ def test_gradients_are_the_reference_attentions():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(CD.attention(qg, [(k, v, vis)], 0.25),
                                CD.attention_reference(qg, (k,), (v,), (jnp.asarray(vis),), 0.25), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("B,T,H,KVH,D,S,causal", [(1, 40, 9, 3, 64, 40, True), (2, 30, 6, 2, 32, 75, False),
+                                                  (1, 70, 4, 1, 128, 70, True), (2, 23, 8, 2, 16, 23, True)])
+def test_many_query_rows_match_float64_reference(B, T, H, KVH, D, S, causal):
+    """More than 64 query rows per cache row (a prefill) go to the long-query kernel: causal prompts with a padded
+    start, and an arbitrary mask (blocks with holes), rows off the 16-row blocks, a row that sees nothing."""
+    q, k, v, vis = operands(B, T, H, KVH, D, S, seed=7)
+    if causal:
+        t, j = np.arange(T)[:, None], np.arange(S)[None]
+        vis = np.stack([(j <= t) & (j >= start) for start in (0, 3)[:B]])
+    vis[-1, -1] = False
+    f = jax.jit(LY.attention)
+    assert "jspec_long_attention" in f.lower(q, k, v, vis).as_text()
+    y = np.asarray(f(q, k, v, vis))
+    np.testing.assert_allclose(y, reference(q, k, v, vis, KVH), atol=3e-6, rtol=1e-5)
+    assert not y[-1, -1].any()
+
+
+def test_a_prefill_row_does_not_depend_on_its_neighbours():
+    """The long-query kernel's rows sum in an order set by the slots alone: a prompt's first 50 positions attend
+    bit for bit as a 50-token prompt's do, though the two group their rows into other 16-row blocks."""
+    q, k, v, _ = operands(1, 90, 9, 3, 64, 90, seed=8)
+    causal = np.tril(np.ones((90, 90), bool))[None]
+    f = jax.jit(LY.attention)
+    full = np.asarray(f(q, k, v, causal))
+    part = np.asarray(f(q[:, :50], k[:, :50], v[:, :50], causal[:, :50, :50]))
+    np.testing.assert_array_equal(part, full[:, :50])
+
+
+def test_a_fresh_prefill_attends_through_the_long_kernel():
+    """write_and_attend on an empty cache: the short path (a [B, T, T] mask) and the structural causal one (long
+    prompts) both run the kernel and give the float64 reference; the gradients are the einsum reference's."""
+    B, T, H, KVH, D, S = 2, 40, 6, 2, 32, 64
+    q, k, v, _ = operands(B, T, H, KVH, D, S, seed=9)
+    kn = np.random.default_rng(10).standard_normal((B, T, KVH, D)).astype(np.float32)
+    vn = np.random.default_rng(11).standard_normal((B, T, KVH, D)).astype(np.float32)
+    start = jnp.asarray([0, 5])
+    t, j = np.arange(T)[:, None], np.arange(T)[None]
+    vis = np.stack([(j <= t) & (j >= s) for s in (0, 5)])
+    want = reference(q, LY.kv_rows(jnp.asarray(kn)), LY.kv_rows(jnp.asarray(vn)), vis, KVH)
+    kb = jnp.zeros((B * KVH, S, D), jnp.float32)
+    for visible in (jnp.asarray(np.pad(vis, ((0, 0), (0, 0), (0, S - T)))), LY.Causal(start)):
+        f = jax.jit(lambda q, k, v: LY.write_and_attend(q, k, v, kb, kb, jnp.zeros((B,), jnp.int32), visible,
+                                                        fresh=True))
+        assert "jspec_long_attention" in f.lower(q, kn, vn).as_text()
+        y, k_buf, _ = f(q, kn, vn)
+        y = np.array(y)
+        y[1, :5] = 0  # rows before their start see nothing (the structural path leaves them undefined)
+        np.testing.assert_allclose(y, np.where(vis.any(-1)[..., None, None], want, 0), atol=3e-6, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(k_buf)[:, :T], np.asarray(LY.kv_rows(jnp.asarray(kn))))
+    vis_j = jnp.asarray(vis)
+    ours = jax.grad(lambda q: jnp.sum(jnp.sin(CD.long_attention(q, jnp.asarray(LY.kv_rows(jnp.asarray(kn))),
+                                                                jnp.asarray(LY.kv_rows(jnp.asarray(vn))), vis_j,
+                                                                0.3))))(jnp.asarray(q))
+    ref = jax.grad(lambda q: jnp.sum(jnp.sin(CD._ungroup(CD.attention_reference(
+        CD._group(q, KVH), (LY.kv_rows(jnp.asarray(kn)),), (LY.kv_rows(jnp.asarray(vn)),), (vis_j,), 0.3),
+        q.shape))))(jnp.asarray(q))
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)

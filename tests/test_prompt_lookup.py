@@ -45,7 +45,7 @@ def _state(text, scratch=8, width=32):
     hist = np.zeros((1, width), np.int32)
     hist[0, :len(text)] = text
     return NgramState(jnp.asarray(hist), jnp.asarray([len(text)], jnp.int32), jnp.zeros((1, width + 1), bool),
-                      jnp.full((1, scratch), -1, jnp.int32))
+                      jnp.full((1, scratch), -1, jnp.int32), jnp.zeros((1,), jnp.int32))
 
 
 def _env(last):
@@ -74,6 +74,17 @@ def test_a_chain_copies_the_matched_continuation_until_the_newest_token():
     # the longest suffix wins over more frequent short ones: "9" is followed by 1 twice, "2 9" by 3 once
     assert _chain(drafter, _state([9, 1, 9, 1, 2, 9, 3, 4, 2]), _env(9), 3) == [3, 4, 2]
     assert _chain(drafter, _state([1, 2, 3]), _env(4), 3) == []  # nothing to copy: no draft
+
+
+def test_depths_stop_a_copy_at_the_depth_of_its_match_length():
+    drafter = NgramDrafter(max_ngram=3, depths=(1, 2, 3))
+    assert _chain(drafter, _state([5, 6, 7, 8, 5, 6]), _env(7), 8) == [8, 5, 6]  # a 3-token match: 3 drafts
+    assert _chain(drafter, _state([4, 9, 1, 2, 3, 5, 6]), _env(4), 8) == [9]  # a 1-token match ("4"): 1 draft
+    assert _chain(drafter, _state([2, 4, 9, 1, 2, 3, 5, 2]), _env(4), 8) == [9, 1]  # "2 4" matched: 2 drafts
+    with pytest.raises(ValueError, match="depths"):
+        jspec.PromptLookup(max_ngram=3, gamma=4, depths=(1, 2))
+    with pytest.raises(ValueError, match="depths"):
+        jspec.PromptLookup(max_ngram=2, gamma=4, depths=(1, 5))
 
 
 def test_the_root_distribution_counts_continuations_and_a_tree_follows_each():
@@ -132,13 +143,17 @@ def test_nothing_drafted_costs_an_ar_width_verify():
     assert sizes[int(pick)] == 7  # depth 3 takes the next bucket, the deepest: root + 6 chain nodes
 
 
-def _reference_draft(text, max_ngram, gamma):
+def _reference_draft(text, max_ngram, gamma, depths=None):
     """Prompt lookup's chain draft after `text` (plain Python): the most weighted continuation of the longest
-    repeated suffix, copied from its latest source until the copy reaches the end of the text."""
+    repeated suffix, copied from its latest source until the copy reaches the end of the text (or, with `depths`,
+    the depth allowed after a match of that length)."""
     n = len(text)
     found = _reference_matches(text, n, max_ngram, 1)
     if not found:
         return []
+    if depths is not None:
+        g = next(g for g in range(max_ngram, 0, -1) if _reference_matches(text, n, g, g))
+        gamma = min(gamma, depths[g - 1])
     weight = {}
     for c in found:
         weight[text[c]] = weight.get(text[c], 0.0) + 1.0 + 1e-3 * c / n
@@ -169,7 +184,8 @@ def cycling_target():
     return ports.Model(target.config, p, target.hf_config)
 
 
-def test_every_step_accepts_what_the_copied_draft_predicts():
+@pytest.mark.parametrize("depths", [None, (1, 2, 4)])
+def test_every_step_accepts_what_the_copied_draft_predicts(depths):
     """The tokens committed per target step equal a plain-Python simulation of prompt lookup against the target's
     greedy text: each step drafts the reference's copy, accepts its longest prefix that AR agrees with, and adds
     the bonus. A drafter that copied from the wrong place, or a plan that lost drafts, changes the sequence."""
@@ -178,14 +194,14 @@ def test_every_step_accepts_what_the_copied_draft_predicts():
             np.asarray(PROMPTS[1].tolist() * 2, np.int32)]
     N, gamma = 24, 4
     ar = jspec.decode(target, rows, max_new_tokens=N, eos_token_id=())
-    pld = jspec.decode(target, rows, jspec.PromptLookup(max_ngram=3, gamma=gamma), max_new_tokens=N,
-                       eos_token_id=())
+    pld = jspec.decode(target, rows, jspec.PromptLookup(max_ngram=3, gamma=gamma, depths=depths),
+                       max_new_tokens=N, eos_token_id=())
     np.testing.assert_array_equal(pld.tokens, ar.tokens)
     for b, prompt in enumerate(rows):
         gen = ar.tokens[b].tolist()
         done, want = 1, []  # the prefill committed the first token
         while done < N:
-            draft = _reference_draft(prompt.tolist() + gen[:done], 3, gamma)
+            draft = _reference_draft(prompt.tolist() + gen[:done], 3, gamma, depths)
             a = 0
             while a < len(draft) and done + a < N and draft[a] == gen[done + a]:
                 a += 1

@@ -6,7 +6,10 @@ proposes what followed each earlier occurrence: the root's distribution is the c
 over those occurrences (among equal counts, the later ones weigh more), so a chain drafts the most frequent continuation and a tree's
 branches the next ones. Below the root a node continues the copy it came from: the token after its source
 position, a one-hot distribution, until the copy reaches the newest committed token; nothing is drafted past a
-copy's end (the node's children get probability zero, which the plan treats as undrafted).
+copy's end (the node's children get probability zero, which the plan treats as undrafted). With `depths`, a copy
+also stops at the depth allowed for the length of the suffix that matched: a one-token match is a weak guess, a
+three-token match a likely repetition, so a step can draft a few tokens after the first and many after the second
+(a trimmed plan then verifies only as deep as some row drafted).
 
 The distributions are real (the plan draws from them and the rule reads them), so every lossless rule stays exact:
 greedy decoding equals AR, sampling draws from the target's distribution.
@@ -29,6 +32,7 @@ class NgramState:
     n: jax.Array  # [B] how many
     roots: jax.Array  # [B, H] bool: positions whose token continues a match of the root's suffix
     src: jax.Array  # [B, S] per draft scratch slot: the text position its node copies, -1 none
+    cap: jax.Array  # [B] this step's deepest draft (`NgramDrafter.depths` of the root's match length)
 
 
 def _with_last(st: NgramState, last: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -38,14 +42,17 @@ def _with_last(st: NgramState, last: jax.Array) -> tuple[jax.Array, jax.Array]:
     return seq, st.n + 1
 
 
-def suffix_matches(seq: jax.Array, n: jax.Array, max_ngram: int, min_ngram: int) -> jax.Array:
+def suffix_matches(seq: jax.Array, n: jax.Array, max_ngram: int, min_ngram: int,
+                   with_length: bool = False):
     """[B, L] bool: positions c < n whose preceding g tokens equal the text's last g tokens, for the largest g in
     [min_ngram, max_ngram] with any such position in the row (none: all False). Position c's token is then a
-    continuation of that suffix; the suffix itself is excluded (c < n)."""
+    continuation of that suffix; the suffix itself is excluded (c < n). With `with_length`, also that g per row
+    [B] (0: no match)."""
     B, L = seq.shape
     pos = jnp.arange(L)[None, :]
     found = jnp.zeros((B, L), bool)
     have = jnp.zeros((B,), bool)
+    length = jnp.zeros((B,), jnp.int32)
     for g in range(max_ngram, min_ngram - 1, -1):
         same = (pos >= g) & (pos < n[:, None]) & (n[:, None] > g)
         for j in range(1, g + 1):  # seq[c - j] == seq[n - j]
@@ -53,8 +60,9 @@ def suffix_matches(seq: jax.Array, n: jax.Array, max_ngram: int, min_ngram: int)
             same = same & (jnp.pad(seq, ((0, 0), (j, 0)))[:, :L] == tail)
         take = ~have & jnp.any(same, axis=1)
         found = jnp.where(take[:, None], same, found)
+        length = jnp.where(take, g, length)
         have = have | take
-    return found
+    return (found, length) if with_length else found
 
 
 @struct.dataclass
@@ -64,11 +72,17 @@ class NgramDrafter(Drafter):
 
     max_ngram: int = struct.field(pytree_node=False, default=3)
     min_ngram: int = struct.field(pytree_node=False, default=1)
+    depths: tuple | None = struct.field(pytree_node=False, default=None)  # deepest draft after a g-token match,
+    # g = 1 .. max_ngram (None: the plan's depth)
 
     def check(self, target) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram <= 64:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram <= 64, got min_ngram="
                              f"{self.min_ngram}, max_ngram={self.max_ngram}")
+        if self.depths is not None and (len(self.depths) != self.max_ngram or
+                                        any(not isinstance(d, (int, np.integer)) or d < 1 for d in self.depths)):
+            raise ValueError(f"prompt lookup depths needs one positive draft depth per match length 1 .. "
+                             f"max_ngram={self.max_ngram}, got {self.depths!r}")
 
     def map_models(self, fn) -> "NgramDrafter":
         return self
@@ -85,7 +99,7 @@ class NgramDrafter(Drafter):
         hist = jnp.zeros((B, max_len), jnp.int32).at[:, :T].set(tokens.astype(jnp.int32))
         hist = jnp.where(jnp.arange(max_len)[None] < lengths[:, None], hist, 0)
         return NgramState(hist, lengths.astype(jnp.int32), jnp.zeros((B, max_len + 1), bool),
-                          jnp.full((B, max(env.needs.scratch, 1)), -1, jnp.int32))
+                          jnp.full((B, max(env.needs.scratch, 1)), -1, jnp.int32), jnp.zeros((B,), jnp.int32))
 
     def _vocab(self, env: DraftEnv) -> int:
         return env.target.vocab_size
@@ -93,11 +107,12 @@ class NgramDrafter(Drafter):
     def root(self, env: DraftEnv, st: NgramState):
         seq, n = _with_last(st, env.last)
         B, L = seq.shape
-        found = suffix_matches(seq, n, self.max_ngram, self.min_ngram)
+        found, g = suffix_matches(seq, n, self.max_ngram, self.min_ngram, with_length=True)
+        cap = jnp.asarray((0,) + tuple(self.depths or (1 << 20,) * self.max_ngram), jnp.int32)[g]
         weight = jnp.where(found, 1.0 + _TIE * jnp.arange(L)[None] / n[:, None], 0.0)
         counts = jnp.zeros((B, self._vocab(env)), jnp.float32).at[jnp.arange(B)[:, None], seq].add(weight)
         logp = jnp.where(counts > 0, jnp.log(counts / jnp.maximum(counts.sum(-1, keepdims=True), 1e-30)), -jnp.inf)
-        return logp[:, None], None, st.replace(roots=found)
+        return logp[:, None], None, st.replace(roots=found, cap=cap)
 
     def level(self, env: DraftEnv, st: NgramState, tokens, depth, mask, offset: int, run):
         seq, n = _with_last(st, env.last)
@@ -113,7 +128,7 @@ class NgramDrafter(Drafter):
         src = jnp.where(parent < 0, from_root, jnp.where(up_ok, up, -1))
         st = st.replace(src=jax.lax.dynamic_update_slice(st.src, src.astype(jnp.int32), (0, offset)))
         nxt = src + 1
-        ok = (src >= 0) & (nxt < n[:, None])
+        ok = (src >= 0) & (nxt < n[:, None]) & (depth + 1 <= st.cap[:, None])  # the children sit one deeper
         tok = jnp.take_along_axis(seq, jnp.clip(nxt, 0, L - 1), axis=1)
         logp = jnp.where(ok[..., None] & (jnp.arange(self._vocab(env))[None, None] == tok[..., None]), 0.0, -jnp.inf)
         return logp, None, st

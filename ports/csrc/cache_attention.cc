@@ -320,6 +320,194 @@ ffi::Error CacheAttention2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   return Attend(pool, q, segs, 2, slots, batch[0], t_len[0], scale, y);
 }
 
+// Many query rows (a prefill, a wide tree) over one segment: work units are (n, kVec consecutive query rows), the
+// rows in the lanes of every vector. A unit walks the slots its rows see, kVec at a time, with an online softmax:
+// scores as kVec x kVec products (query lanes against one slot's key, a broadcast), the running max and sum per
+// lane, the weighted values per row in a small block kept in L1. Each row sums in an order that depends only on
+// the slots, so a row's result does not depend on the rows beside it; it is not bit-equal to `Work`'s (another
+// order), which serves decode steps and verifies.
+struct LongWork {
+  const float* q;  // [N, Q, D], or [B, T, H, D] when heads > 0
+  const float* k;  // [N, S, D]
+  const float* v;
+  const bool* vis;  // [B, T, S]
+  float* y;  // q's shape
+  int64_t n_rows, q_rows, slots, dim, t_len, heads_per_row, blocks;
+  int64_t heads = 0;  // > 0: q and y in the model's [B, T, H, D] layout (no grouping transposes around the call)
+  float scale;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+
+  // offset of row r of cache row n in q and y: query head (n's KV head) * G + r / T at position r % T
+  int64_t row_at(int64_t n, int64_t r) const {
+    if (heads == 0) return (n * q_rows + r) * dim;
+    const int64_t groups = heads / heads_per_row, b = n / heads_per_row, h = (n % heads_per_row) * groups + r / t_len;
+    return ((b * t_len + r % t_len) * heads + h) * dim;
+  }
+
+  const bool* vis_row(int64_t n, int64_t r) const {
+    return vis + ((n / heads_per_row) * t_len + r % t_len) * slots;
+  }
+
+  void unit(int64_t n, int64_t blk) {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const int64_t r0 = blk * kVec, rows = std::min<int64_t>(kVec, q_rows - r0), vecs = dim / kVec;
+    // each row's visible slots: [lo, hi), and whether they are all of it (an interval: no mask inside)
+    int64_t lo = slots, hi = 0, inner_lo = 0, inner_hi = slots;
+    bool intervals = true;
+    const bool* vr[kVec];
+    for (int64_t l = 0; l < rows; ++l) {
+      vr[l] = vis_row(n, r0 + l);
+      int64_t a = 0, b = slots, count = 0;
+      while (a < slots && !vr[l][a]) ++a;
+      while (b > a && !vr[l][b - 1]) --b;
+      int64_t j = a;
+      for (; j + 8 <= b; j += 8) {  // bools are bytes 0 / 1: a word's bit count is its true bytes
+        uint64_t w;
+        std::memcpy(&w, vr[l] + j, 8);
+        count += __builtin_popcountll(w);
+      }
+      for (; j < b; ++j) count += vr[l][j];
+      if (a >= b) {  // sees nothing: the block's masked path keeps the row at zero
+        intervals = false;
+        continue;
+      }
+      intervals &= count == b - a;
+      lo = std::min(lo, a);
+      hi = std::max(hi, b);
+      inner_lo = std::max(inner_lo, a);
+      inner_hi = std::min(inner_hi, b);
+    }
+    alignas(64) float qt[kMaxDim][kVec];  // the rows' queries, transposed: qt[d] holds dimension d of every row
+    alignas(64) float out[kVec][kMaxDim];
+    alignas(64) float p[kVec][kVec];  // p[slot][row]
+    for (int64_t d = 0; d < dim; ++d)
+      for (int64_t l = 0; l < kVec; ++l) qt[d][l] = l < rows ? q[row_at(n, r0 + l) + d] : 0.0f;
+    for (int64_t l = 0; l < kVec; ++l) std::fill(out[l], out[l] + dim, 0.0f);
+    Vec m = Vec{} + kNegInf, sum = Vec{};
+    const float* kn = k + n * slots * dim;
+    const float* vn = v + n * slots * dim;
+    for (int64_t j0 = lo / kVec * kVec; j0 < hi; j0 += kVec) {  // blocks at fixed slots: rows sum alike
+      const int64_t nj = std::min<int64_t>(kVec, hi - j0);
+      const float* kp[kVec];
+      for (int64_t jj = 0; jj < kVec; ++jj) kp[jj] = kn + (j0 + std::min(jj, nj - 1)) * dim;
+      Vec s[kVec];
+      for (int64_t jj = 0; jj < kVec; ++jj) s[jj] = Vec{};
+      for (int64_t d = 0; d < dim; ++d) {
+        const Vec qd = load(qt[d]);
+        for (int64_t jj = 0; jj < kVec; ++jj) s[jj] += qd * kp[jj][d];
+      }
+      const bool full = intervals && nj == kVec && rows == kVec && j0 >= inner_lo && j0 + kVec <= inner_hi;
+      Vec bm = Vec{} + kNegInf;
+      for (int64_t jj = 0; jj < kVec; ++jj) {
+        s[jj] *= scale;
+        if (!full) {
+          alignas(64) float keep[kVec];
+          for (int64_t l = 0; l < kVec; ++l) keep[l] = (jj < nj && l < rows && vr[l][j0 + jj]) ? 0.0f : kNegInf;
+          s[jj] += load(keep);
+        }
+        bm = bm > s[jj] ? bm : s[jj];
+      }
+      const Vec m_new = m > bm ? m : bm;
+      const Vec base = m_new == kNegInf ? Vec{} : m_new;  // a row that has seen nothing yet keeps zeros
+      const Vec alpha = vexp(m - base);
+      Vec add = Vec{};
+      for (int64_t jj = 0; jj < kVec; ++jj) {
+        const Vec e = vexp(s[jj] - base);
+        store(p[jj], e);
+        add += e;
+      }
+      sum = sum * alpha + add;
+      m = m_new;
+      alignas(64) float a[kVec];
+      store(a, alpha);
+      // out[row] = out[row] * alpha[row] + sum over the block's slots of p[slot][row] * v[slot], 4 rows at a time
+      for (int64_t d0 = 0; d0 < vecs; d0 += 4) {
+        const int64_t dv = std::min<int64_t>(4, vecs - d0);
+        for (int64_t l0 = 0; l0 < rows; l0 += 4) {
+          const int64_t lr = std::min<int64_t>(4, rows - l0);
+          Vec acc[4][4];
+          for (int64_t l = 0; l < lr; ++l)
+            for (int64_t i = 0; i < dv; ++i) acc[l][i] = load(out[l0 + l] + (d0 + i) * kVec) * a[l0 + l];
+          for (int64_t jj = 0; jj < nj; ++jj) {
+            const float* vs = vn + (j0 + jj) * dim + d0 * kVec;
+            Vec vv[4];
+            for (int64_t i = 0; i < dv; ++i) vv[i] = load(vs + i * kVec);
+            for (int64_t l = 0; l < lr; ++l) {
+              const float w = p[jj][l0 + l];
+              for (int64_t i = 0; i < dv; ++i) acc[l][i] += w * vv[i];
+            }
+          }
+          for (int64_t l = 0; l < lr; ++l)
+            for (int64_t i = 0; i < dv; ++i) store(out[l0 + l] + (d0 + i) * kVec, acc[l][i]);
+        }
+      }
+    }
+    alignas(64) float total_l[kVec];
+    store(total_l, sum);
+    for (int64_t l = 0; l < rows; ++l) {
+      float* o = y + row_at(n, r0 + l);
+      if (!(total_l[l] > 0.0f)) {
+        std::fill(o, o + dim, 0.0f);
+        continue;
+      }
+      const float inv = 1.0f / total_l[l];
+      for (int64_t d = 0; d < dim; ++d) o[d] = out[l][d] * inv;
+    }
+  }
+
+  void drain() {
+    for (;;) {
+      const int64_t i = next.fetch_add(1);
+      if (i >= total) return;
+      unit(i % n_rows, blocks - 1 - i / n_rows);  // the latest rows (the most slots, causally) first
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error LongAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> vis, ffi::ResultBuffer<ffi::F32> y,
+                         float scale) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3 && qd.size() != 4)
+    return ffi::Error::InvalidArgument("long_attention: q must be [N, Q, D] or [B, T, H, D]");
+  const int64_t n_rows = k.dimensions().size() == 3 ? k.dimensions()[0] : 0, dim = qd[qd.size() - 1];
+  if (dim % kVec || dim > kMaxDim) return ffi::Error::InvalidArgument("long_attention: D must be a multiple of 16, <= 256");
+  int64_t slots, batch, t_len;
+  if (!check_kv(k, v, vis, n_rows, dim, &slots, &batch, &t_len))
+    return ffi::Error::InvalidArgument("long_attention: k, v [N, S, D] and visibility [B, T, S] expected");
+  if (batch <= 0 || n_rows % batch || t_len <= 0)
+    return ffi::Error::InvalidArgument("long_attention: N and the visibility's [B, T] do not agree");
+  const int64_t heads = qd.size() == 4 ? qd[2] : 0, kv_heads = n_rows / batch;
+  if (heads > 0 && (qd[0] != batch || qd[1] != t_len || heads % kv_heads))
+    return ffi::Error::InvalidArgument("long_attention: q [B, T, H, D] does not match the visibility or the KV heads");
+  const int64_t q_rows = heads > 0 ? heads / kv_heads * t_len : qd[1];
+  if (q_rows % t_len) return ffi::Error::InvalidArgument("long_attention: Q is not a multiple of the visibility's T");
+  auto work = std::make_shared<LongWork>();
+  work->q = q.typed_data();
+  work->k = k.typed_data();
+  work->v = v.typed_data();
+  work->vis = reinterpret_cast<const bool*>(vis.typed_data());
+  work->y = y->typed_data();
+  work->n_rows = n_rows;
+  work->q_rows = q_rows;
+  work->slots = slots;
+  work->dim = dim;
+  work->t_len = t_len;
+  work->heads_per_row = n_rows / batch;
+  work->blocks = (q_rows + kVec - 1) / kVec;
+  work->heads = heads;
+  work->scale = scale;
+  work->total = n_rows * work->blocks;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecCacheAttention, CacheAttention,
@@ -339,6 +527,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecCacheAttention2, CacheAttention2,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecLongAttention, LongAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
