@@ -114,13 +114,8 @@ def pack_weights(model):
     text_cfg = getattr(model.config, "text", model.config)
     stacked = isinstance(get_path(model.params, layers_path(model.params)), dict)
 
-    def pack(w):
-        if not stacked:
-            return PackedWeight.of(w)
-        return PackedWeight(jax.vmap(lambda a: PackedWeight.of(a).data)(w), w.shape[1:])
-
     def layer(p: dict) -> dict:
-        return {name: pack(w) if name in PROJECTIONS and w.dtype == jnp.float32 else w for name, w in p.items()}
+        return pack_layer(p, stacked)
 
     def head(text: dict):
         w = text["embed"].T if text_cfg.tie_word_embeddings else text["lm_head"]
@@ -128,6 +123,18 @@ def pack_weights(model):
             text[UNEMBED] = PackedWeight.of(w)
 
     return _map_text(model, layer, head)
+
+
+def pack_layer(p: dict, stacked: bool = False) -> dict:
+    """A decoder layer's params with its float32 projections packed (`stacked`: [L, ...] leaves of scanned
+    layers, packed per layer)."""
+    def pack(w):
+        if not stacked:
+            return PackedWeight.of(w)
+        return PackedWeight(jax.vmap(lambda a: PackedWeight.of(a).data)(w), w.shape[1:])
+
+    return {name: pack(w) if name in PROJECTIONS and not isinstance(w, PackedWeight) and w.dtype == jnp.float32
+            else w for name, w in p.items()}
 
 
 def plain(w):
@@ -151,4 +158,5 @@ def unpack_weights(model):
     return _map_text(model, plain_layer, lambda text: text.pop(UNEMBED, None))
 
 
-__all__ = ["PROJECTIONS", "PackedWeight", "dot", "is_packed", "pack_weights", "plain", "plain_layer", "unpack_weights"]
+__all__ = ["PROJECTIONS", "PackedWeight", "dot", "is_packed", "pack_layer", "pack_weights", "plain", "plain_layer",
+           "unpack_weights"]

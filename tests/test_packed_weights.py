@@ -3,6 +3,7 @@ reference, a row's result independent of the rows beside it, the model layout co
 the checkpoint layout, the same logits as the plain model, and speculative decoding over a packed target giving
 AR's tokens."""
 import shutil
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -176,3 +177,28 @@ def test_a_packed_vlm_gives_the_plain_models_logits():
     if last[-1] - last[-2] > 1e-3:  # not a near-tie: the first token is the plain model's
         assert np.asarray(out.tokens)[0, 0] == np.asarray(ref.tokens)[0, 0]
     same(ports.unpack_weights(p).params, vlm.params)
+
+
+def test_a_packed_eagle3_head_drafts_as_the_plain_one(pair, tmp_path):
+    """An EAGLE-3 head packed like its target (fc, its layer, its LM head): the plain head's draft logits to
+    float32 rounding, greedy decoding equal to AR, loaded packed beside a packed target, saved plain."""
+    from jspec.drafters import eagle3 as E3
+    from jspec.drafters import eagle3_io as IO3
+    from strategies import eagle3_head
+
+    target, _ = pair
+    p = ports.pack_weights(target)
+    head = eagle3_head(target)
+    packed = head.packed()
+    assert isinstance(packed.params["fc"], PK.PackedWeight) and PK.UNEMBED in packed.params
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, target.config.hidden_size)), jnp.float32)
+    np.testing.assert_allclose(E3.draft_logits(packed, x), E3.draft_logits(head, x), rtol=2e-5, atol=2e-5)
+    kw = dict(max_new_tokens=12, eos_token_id=())
+    ar = jspec.decode(p, PROMPTS, jspec.AR(), **kw)
+    sd = jspec.decode(p, PROMPTS, jspec.Eagle3(packed, tree="chain", depth=3), **kw)
+    np.testing.assert_array_equal(np.asarray(sd.tokens), np.asarray(ar.tokens))
+    IO3.save_head(packed, str(tmp_path / "h"), target=target)
+    loaded = IO3.load_head(str(tmp_path / "h"), target)
+    assert not PK.is_packed(SimpleNamespace(params=loaded.params))
+    same(loaded.params, head.params)
+    assert PK.UNEMBED in IO3.load_head(str(tmp_path / "h"), p).params  # beside a packed target it comes packed
