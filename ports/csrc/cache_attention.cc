@@ -29,6 +29,7 @@ constexpr int64_t kBlock = 256;  // slots per work unit
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxQ = 64;  // query rows per cache row
 constexpr int64_t kRowGroup = 6;  // rows whose weighted values accumulate together
+constexpr int64_t kLaneRows = 10;  // rows from which scores go 16 rows to a vector (`lane_scores`)
 
 using Vec = float __attribute__((vector_size(kVec * sizeof(float))));
 using IVec = int32_t __attribute__((vector_size(kVec * sizeof(int32_t))));
@@ -122,6 +123,20 @@ struct Work {
     return transpose_sum(a);
   }
 
+  // Scores of kVec rows (in the lanes; qt[d] holds dimension d of each) against one slot's key ks, each row's in
+  // `scores16`'s order: per lane l of a dimension vector the products of dimensions l, 16 + l, ... in turn, then
+  // those 16 partial sums added pairwise as `transpose_sum` adds them. Bit for bit `scores16`'s lane for the slot,
+  // at a fraction of its cost per row: no shuffles, and one pass over the key for 16 rows.
+  Vec lane_scores(const Vec* qt, const float* ks, int64_t vecs) const {
+    Vec a[kVec];
+    for (int64_t l = 0; l < kVec; ++l) a[l] = qt[l] * ks[l];
+    for (int64_t i = 1; i < vecs; ++i)
+      for (int64_t l = 0; l < kVec; ++l) a[l] += qt[i * kVec + l] * ks[i * kVec + l];
+    for (int64_t w = kVec / 2; w >= 1; w /= 2)
+      for (int64_t l = 0; l < w; ++l) a[l] += a[l + w];
+    return a[0];
+  }
+
   void unit(int64_t n, int64_t u) {
     const auto [j, s0] = units[u];
     const Segment& g = seg[j];
@@ -130,13 +145,32 @@ struct Work {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     thread_local std::vector<float> scratch;
     scratch.resize(q_rows * kBlock);
+    // scores, masked to -inf: up to kVec rows at a time in the lanes while kLaneRows or more are left (a verify's
+    // rows), the rest (an AR step's few) one row at a time, kVec slots per vector; the same values either way
+    int64_t lane_rows = 0;
+    while (q_rows - lane_rows >= kLaneRows) {
+      const int64_t r0 = lane_rows, rows = std::min<int64_t>(kVec, q_rows - r0);
+      Vec qt[kMaxDim];
+      const bool* vr[kVec];
+      for (int64_t d = 0; d < dim; ++d) {
+        alignas(64) float col[kVec];
+        for (int64_t l = 0; l < kVec; ++l) col[l] = l < rows ? q[(n * q_rows + r0 + l) * dim + d] : 0.0f;
+        qt[d] = load(col);
+      }
+      for (int64_t l = 0; l < rows; ++l) vr[l] = g.vis + (b * t_len + (r0 + l) % t_len) * g.slots + s0;
+      for (int64_t s = 0; s < len; ++s) {
+        alignas(64) float x[kVec];
+        store(x, lane_scores(qt, g.k + (n * g.slots + s0 + s) * dim, vecs) * scale);
+        for (int64_t l = 0; l < rows; ++l) scratch[(r0 + l) * kBlock + s] = vr[l][s] ? x[l] : kNegInf;
+      }
+      lane_rows += rows;
+    }
     Vec qv[kMaxQ][kMaxDim / kVec];
-    for (int64_t r = 0; r < q_rows; ++r)
+    for (int64_t r = lane_rows; r < q_rows; ++r)
       for (int64_t i = 0; i < vecs; ++i) qv[r][i] = load(q + (n * q_rows + r) * dim + i * kVec);
-    // scores, kVec slots at a time for every row (the keys stay in L1), masked to -inf
     for (int64_t s = 0; s < full; s += kVec) {
       const float* ks = g.k + (n * g.slots + s0 + s) * dim;
-      for (int64_t r = 0; r < q_rows; ++r) {
+      for (int64_t r = lane_rows; r < q_rows; ++r) {
         const bool* vis = g.vis + (b * t_len + r % t_len) * g.slots + s0 + s;
         CVec seen;
         std::memcpy(&seen, vis, sizeof(CVec));
@@ -144,7 +178,7 @@ struct Work {
         store(scratch.data() + r * kBlock + s, __builtin_convertvector(seen, IVec) != 0 ? x : Vec{} + kNegInf);
       }
     }
-    for (int64_t r = 0; r < q_rows; ++r) {
+    for (int64_t r = lane_rows; r < q_rows; ++r) {
       const bool* vis = g.vis + (b * t_len + r % t_len) * g.slots + s0;
       for (int64_t s = full; s < len; ++s) {
         float x = kNegInf;
@@ -160,8 +194,15 @@ struct Work {
     // per row: max, exponentials and their sum
     for (int64_t r = 0; r < q_rows; ++r) {
       float* sc = scratch.data() + r * kBlock;
+      Vec mv = Vec{} + kNegInf;  // the max in any order: kVec lanes at a time
+      int64_t i = 0;
+      for (; i + kVec <= len; i += kVec) {
+        const Vec x = load(sc + i);
+        mv = mv > x ? mv : x;
+      }
       float m = kNegInf;
-      for (int64_t i = 0; i < len; ++i) m = std::max(m, sc[i]);
+      for (int64_t l = 0; l < kVec; ++l) m = std::max(m, mv[l]);
+      for (; i < len; ++i) m = std::max(m, sc[i]);
       float* out = slot(n, u, r);
       out[0] = m;
       if (m == kNegInf) {
