@@ -195,27 +195,30 @@ ATTENTION_MAX_ROWS = 64  # query rows per cache row (query heads per KV head x n
 ATTENTION_SWITCH = "JSPEC_CPU_ATTENTION"  # "0": attention stays with XLA's einsums
 
 
-def attention(qg: jax.Array, segments, scale: float) -> jax.Array:
-    """Softmax attention of grouped queries qg [N, Q, D] (row r: query group r // T at position r % T) over one or
-    two segments (k [N, S, D], v [N, S, D], visible bool [B, T, S]), one softmax over all visible slots, through the
-    kernel: float32, D a multiple of 16 (<= 256), Q <= ATTENTION_MAX_ROWS, or any Q over one segment (a prefill:
-    the long-query kernel, which skips the slots no row of a block sees and sums in another order). A row sees
-    nothing -> zeros. Each row is computed alone, so a row's result does not depend on the rows beside it.
-    Differentiable (the tangents are those of `attention_reference`). Call only when `enabled()`."""
+def _rows(q: jax.Array, n: int) -> int:
+    """Query rows per cache row of q [N, Q, D] (grouped) or [B, T, H, D] (the model's layout) over N cache rows."""
+    if q.ndim == 3:
+        return q.shape[1]
+    B, T, H, _ = q.shape
+    return H // (n // B) * T
+
+
+def attention(q: jax.Array, segments, scale: float) -> jax.Array:
+    """Softmax attention of queries over one or two segments (k [N, S, D], v [N, S, D], visible bool [B, T, S]),
+    one softmax over all visible slots, through the kernel: float32, D a multiple of 16 (<= 256). q is grouped,
+    [N, Q, D] (row r: query group r // T at position r % T), or in the model's layout [B, T, H, D] (query head h
+    reads cache row b * KVH + h // (H / KVH)), which spares the grouping transposes; the result has q's layout.
+    Up to ATTENTION_MAX_ROWS rows per cache row run the decode kernel (the slots split among the threads); more,
+    over one segment (a prefill), the long-query kernel, which skips the slots no row of a block sees and sums in
+    another order. A row sees nothing -> zeros. Each row is computed alone, so a row's result does not depend on
+    the rows beside it. Differentiable (the tangents are those of `attention_reference`). Call only when
+    `enabled()`."""
     if not 1 <= len(segments) <= 2:
         raise ValueError(f"attention takes one or two segments, got {len(segments)}")
-    if qg.shape[1] > ATTENTION_MAX_ROWS and len(segments) != 1:
-        raise ValueError(f"attention over two segments takes at most {ATTENTION_MAX_ROWS} query rows, got "
-                         f"{qg.shape[1]}")
     ks, vs, viss = zip(*segments)
-    return _attention(qg, tuple(ks), tuple(vs), tuple(v.astype(bool) for v in viss), float(scale))
-
-
-def long_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> jax.Array:
-    """`attention` of any number of query rows over one segment, with q in the model's layout [B, T, H, D] (query
-    head h reads cache row b * KVH + h // (H / KVH)) and the result in it too: no grouping transposes around the
-    kernel. Differentiable like `attention`. Call only when `enabled()`."""
-    return _long_attention(q, k, v, visible.astype(bool), float(scale))
+    if _rows(q, ks[0].shape[0]) > ATTENTION_MAX_ROWS and len(segments) != 1:
+        raise ValueError(f"attention over two segments takes at most {ATTENTION_MAX_ROWS} query rows per cache row")
+    return _attention(q, tuple(ks), tuple(vs), tuple(v.astype(bool) for v in viss), float(scale))
 
 
 def _group(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -227,23 +230,6 @@ def _ungroup(out: jax.Array, shape) -> jax.Array:
     B, T, H, D = shape
     kvh = out.shape[0] // B
     return out.reshape(B, kvh, H // kvh, T, D).transpose(0, 3, 1, 2, 4).reshape(shape)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
-def _long_attention(q, k, v, visible, scale):
-    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call(LONG_ATTENTION_TARGET, out, vmap_method="sequential")(q, k, v, visible,
-                                                                                   scale=np.float32(scale))
-
-
-@_long_attention.defjvp
-def _long_attention_jvp(scale, primals, tangents):
-    q, k, v, visible = primals
-    dq, dk, dv, _ = tangents
-    kvh = k.shape[0] // q.shape[0]
-    ref = lambda q, k, v: _ungroup(attention_reference(_group(q, kvh), (k,), (v,), (visible,), scale), q.shape)  # noqa: E731
-    _, dout = jax.jvp(ref, (q, k, v), (dq, dk, dv))
-    return _long_attention(q, k, v, visible, scale), dout
 
 
 def attention_reference(qg, ks, vs, viss, scale: float) -> jax.Array:
@@ -263,28 +249,36 @@ def attention_reference(qg, ks, vs, viss, scale: float) -> jax.Array:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
-def _attention(qg, ks, vs, viss, scale):
-    args = [qg]
+def _attention(q, ks, vs, viss, scale):
+    args = [q]
     for k, v, vis in zip(ks, vs, viss):
         args += [k, v, vis]
-    out = jax.ShapeDtypeStruct(qg.shape, jnp.float32)
-    target = LONG_ATTENTION_TARGET if qg.shape[1] > ATTENTION_MAX_ROWS else ATTENTION_TARGETS[len(ks) - 1]
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    long = _rows(q, ks[0].shape[0]) > ATTENTION_MAX_ROWS
+    target = LONG_ATTENTION_TARGET if long else ATTENTION_TARGETS[len(ks) - 1]
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, scale=np.float32(scale))
 
 
 @_attention.defjvp
 def _attention_jvp(scale, primals, tangents):
-    qg, ks, vs, viss = primals
+    q, ks, vs, viss = primals
     dq, dks, dvs, _ = tangents
-    _, dout = jax.jvp(lambda q, k, v: attention_reference(q, k, v, viss, scale), (qg, ks, vs), (dq, dks, dvs))
-    return _attention(qg, ks, vs, viss, scale), dout
+
+    def ref(q, k, v):
+        if q.ndim == 3:
+            return attention_reference(q, k, v, viss, scale)
+        return _ungroup(attention_reference(_group(q, k[0].shape[0] // q.shape[0]), k, v, viss, scale), q.shape)
+
+    _, dout = jax.jvp(ref, (q, ks, vs), (dq, dks, dvs))
+    return _attention(q, ks, vs, viss, scale), dout
 
 
-def attention_applies(qg: jax.Array, *arrays) -> bool:
-    """Whether `attention` takes these operands here (the kernel is enabled, float32, the width limits, and at most
-    ATTENTION_MAX_ROWS query rows over two segments: k, v and the new k, v)."""
-    n, q, d = qg.shape
+def attention_applies(q: jax.Array, *arrays) -> bool:
+    """Whether `attention` takes these operands here: q as `attention` takes it, then k, v and (a second segment)
+    the new k, v; the kernel is enabled, float32, the head width limits, and at most ATTENTION_MAX_ROWS rows per
+    cache row over two segments."""
+    d = q.shape[-1]
     if os.environ.get(ATTENTION_SWITCH, "1") == "0":
         return False
-    return (all(a.dtype == jnp.float32 for a in (qg, *arrays)) and d % 16 == 0 and d <= 256
-            and (q <= ATTENTION_MAX_ROWS or len(arrays) <= 2) and enabled())
+    return (all(a.dtype == jnp.float32 for a in (q, *arrays)) and d % 16 == 0 and d <= 256
+            and (_rows(q, arrays[0].shape[0]) <= ATTENTION_MAX_ROWS or len(arrays) <= 2) and enabled())

@@ -176,11 +176,9 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     """
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape
+    if score_weights is None and CD.attention_applies(q, k_buf, v_buf):  # the kernel reads q in its layout
+        return CD.attention(q, [(k_buf, v_buf, visible)], Dh ** -0.5).astype(q.dtype)
     kvh, G, qg = _group_queries(q, N)
-    if score_weights is None and CD.attention_applies(qg, k_buf, v_buf):
-        if qg.shape[1] > CD.ATTENTION_MAX_ROWS:  # a prefill: the long-query kernel reads q in place
-            return CD.long_attention(q, k_buf, v_buf, visible, Dh ** -0.5).astype(q.dtype)
-        return _ungroup(CD.attention(qg, [(k_buf, v_buf, visible)], Dh ** -0.5), q)
     scores = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * (Dh ** -0.5)
     scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs32 = jax.nn.softmax(scores, axis=-1)
@@ -191,13 +189,6 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     return out, jnp.einsum("bkgts,bt->bs", probs32, score_weights.astype(jnp.float32)) / H
 
 
-def _kernel_takes(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array) -> bool:
-    """Whether `attention` of q [B, T, H, Dh] over cache rows k_rows, v_rows [B * KVH, S, Dh] runs the CPU kernel."""
-    B, T, H, Dh = q.shape
-    N = k_rows.shape[0]
-    return CD.attention_applies(jax.ShapeDtypeStruct((N, H // (N // B) * T, Dh), q.dtype), k_rows, v_rows)
-
-
 def attention_deferred(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, k_new: jax.Array, v_new: jax.Array,
                        visible: "Deferred") -> jax.Array:
     """`attention` over the cache's committed slots and T new keys / values not written into it: k_new, v_new
@@ -205,10 +196,10 @@ def attention_deferred(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, k_new: 
     order of its float32 sums. Returns [B, T, H, Dh]."""
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape
-    kvh, G, qg = _group_queries(q, N)
     scale = Dh ** -0.5
-    if CD.attention_applies(qg, k_buf, v_buf, k_new, v_new):
-        return _ungroup(CD.attention(qg, [(k_buf, v_buf, visible.old), (k_new, v_new, visible.new)], scale), q)
+    if CD.attention_applies(q, k_buf, v_buf, k_new, v_new):
+        return CD.attention(q, [(k_buf, v_buf, visible.old), (k_new, v_new, visible.new)], scale).astype(q.dtype)
+    kvh, G, qg = _group_queries(q, N)
     s_old = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * scale
     s_new = einsum_f32("nqd,nsd->nqs", qg, k_new).reshape(B, kvh, G, T, T) * scale
     vis = jnp.concatenate([visible.old, visible.new], axis=-1)[:, None, None]
@@ -347,7 +338,7 @@ def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.A
             raise ValueError("a Causal (structural) visibility is for fresh prefills")
         T, S = q.shape[1], k_buf.shape[1]
         kr, vr = kv_rows(k).astype(k_buf.dtype), kv_rows(v).astype(v_buf.dtype)
-        if score_weights is None and _kernel_takes(q, kr, vr):  # the CPU kernel skips the hidden blocks itself
+        if score_weights is None and CD.attention_applies(q, kr, vr):  # the CPU kernel skips the hidden blocks itself
             t = jnp.arange(T)
             vis = (t[None, None, :] <= t[None, :, None]) & (t[None, None, :] >= visible.start[:, None, None])
             pad = ((0, 0), (0, S - T), (0, 0))

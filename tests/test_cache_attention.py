@@ -166,9 +166,9 @@ def test_a_fresh_prefill_attends_through_the_long_kernel():
         np.testing.assert_allclose(y, np.where(vis.any(-1)[..., None, None], want, 0), atol=3e-6, rtol=1e-5)
         np.testing.assert_array_equal(np.asarray(k_buf)[:, :T], np.asarray(LY.kv_rows(jnp.asarray(kn))))
     vis_j = jnp.asarray(vis)
-    ours = jax.grad(lambda q: jnp.sum(jnp.sin(CD.long_attention(q, jnp.asarray(LY.kv_rows(jnp.asarray(kn))),
-                                                                jnp.asarray(LY.kv_rows(jnp.asarray(vn))), vis_j,
-                                                                0.3))))(jnp.asarray(q))
+    ours = jax.grad(lambda q: jnp.sum(jnp.sin(CD.attention(q, [(LY.kv_rows(jnp.asarray(kn)),
+                                                                 LY.kv_rows(jnp.asarray(vn)), vis_j)], 0.3))))(
+        jnp.asarray(q))
     ref = jax.grad(lambda q: jnp.sum(jnp.sin(CD._ungroup(CD.attention_reference(
         CD._group(q, KVH), (LY.kv_rows(jnp.asarray(kn)),), (LY.kv_rows(jnp.asarray(vn)),), (vis_j,), 0.3),
         q.shape))))(jnp.asarray(q))

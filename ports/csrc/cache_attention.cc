@@ -98,9 +98,10 @@ struct Segment {
 };
 
 struct Work {
-  const float* q;  // [N, Q, D]
+  const float* q;  // [N, Q, D], or [B, T, H, D] when heads > 0
   Segment seg[2];
   int64_t segments, n_rows, q_rows, dim, t_len, heads_per_row;
+  int64_t heads = 0;  // > 0: q and the result in the model's [B, T, H, D] layout (no grouping transposes)
   float scale;
   std::vector<std::pair<int64_t, int64_t>> units;  // (segment, first slot), for every n in turn
   int64_t units_per_n;
@@ -111,13 +112,21 @@ struct Work {
 
   float* slot(int64_t n, int64_t u, int64_t r) { return part.data() + ((n * units_per_n + u) * q_rows + r) * (dim + 2); }
 
+  // offset of row r of cache row n in q and the result: query head (n's KV head) * G + r / T at position r % T
+  int64_t row_at(int64_t n, int64_t r) const {
+    if (heads == 0) return (n * q_rows + r) * dim;
+    const int64_t groups = heads / heads_per_row, b = n / heads_per_row, h = (n % heads_per_row) * groups + r / t_len;
+    return ((b * t_len + r % t_len) * heads + h) * dim;
+  }
+
   // Scores of one query row against kVec slots (keys ks[j * dim ..], j < kVec): lane j = q . k_j.
-  Vec scores16(const Vec* qv, const float* ks, int64_t vecs) const {
+  template <int V>
+  Vec scores16(const Vec* qv, const float* ks) const {
     Vec a[kVec];
     for (int64_t j = 0; j < kVec; ++j) {
-      const float* kj = ks + j * dim;
+      const float* kj = ks + j * V * kVec;
       Vec x = qv[0] * load(kj);
-      for (int64_t i = 1; i < vecs; ++i) x += qv[i] * load(kj + i * kVec);
+      for (int64_t i = 1; i < V; ++i) x += qv[i] * load(kj + i * kVec);
       a[j] = x;
     }
     return transpose_sum(a);
@@ -127,21 +136,25 @@ struct Work {
   // `scores16`'s order: per lane l of a dimension vector the products of dimensions l, 16 + l, ... in turn, then
   // those 16 partial sums added pairwise as `transpose_sum` adds them. Bit for bit `scores16`'s lane for the slot,
   // at a fraction of its cost per row: no shuffles, and one pass over the key for 16 rows.
-  Vec lane_scores(const Vec* qt, const float* ks, int64_t vecs) const {
+  template <int V>
+  Vec lane_scores(const Vec* qt, const float* ks) const {
     Vec a[kVec];
     for (int64_t l = 0; l < kVec; ++l) a[l] = qt[l] * ks[l];
-    for (int64_t i = 1; i < vecs; ++i)
+    for (int64_t i = 1; i < V; ++i)
       for (int64_t l = 0; l < kVec; ++l) a[l] += qt[i * kVec + l] * ks[i * kVec + l];
     for (int64_t w = kVec / 2; w >= 1; w /= 2)
       for (int64_t l = 0; l < w; ++l) a[l] += a[l + w];
     return a[0];
   }
 
-  void unit(int64_t n, int64_t u) {
+  // `unit` for a head width of V vectors (compile-time, so that the products' accumulators stay in registers)
+  template <int V>
+  void unit_of(int64_t n, int64_t u) {
     const auto [j, s0] = units[u];
     const Segment& g = seg[j];
     const int64_t s1 = std::min(g.slots, s0 + kBlock), len = s1 - s0;
-    const int64_t b = n / heads_per_row, vecs = dim / kVec, full = len / kVec * kVec;
+    constexpr int64_t vecs = V;
+    const int64_t b = n / heads_per_row, full = len / kVec * kVec;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     thread_local std::vector<float> scratch;
     scratch.resize(q_rows * kBlock);
@@ -152,29 +165,31 @@ struct Work {
       const int64_t r0 = lane_rows, rows = std::min<int64_t>(kVec, q_rows - r0);
       Vec qt[kMaxDim];
       const bool* vr[kVec];
+      const float* qr[kVec];
+      for (int64_t l = 0; l < kVec; ++l) qr[l] = l < rows ? q + row_at(n, r0 + l) : nullptr;
       for (int64_t d = 0; d < dim; ++d) {
         alignas(64) float col[kVec];
-        for (int64_t l = 0; l < kVec; ++l) col[l] = l < rows ? q[(n * q_rows + r0 + l) * dim + d] : 0.0f;
+        for (int64_t l = 0; l < kVec; ++l) col[l] = qr[l] ? qr[l][d] : 0.0f;
         qt[d] = load(col);
       }
       for (int64_t l = 0; l < rows; ++l) vr[l] = g.vis + (b * t_len + (r0 + l) % t_len) * g.slots + s0;
       for (int64_t s = 0; s < len; ++s) {
         alignas(64) float x[kVec];
-        store(x, lane_scores(qt, g.k + (n * g.slots + s0 + s) * dim, vecs) * scale);
+        store(x, lane_scores<V>(qt, g.k + (n * g.slots + s0 + s) * dim) * scale);
         for (int64_t l = 0; l < rows; ++l) scratch[(r0 + l) * kBlock + s] = vr[l][s] ? x[l] : kNegInf;
       }
       lane_rows += rows;
     }
     Vec qv[kMaxQ][kMaxDim / kVec];
     for (int64_t r = lane_rows; r < q_rows; ++r)
-      for (int64_t i = 0; i < vecs; ++i) qv[r][i] = load(q + (n * q_rows + r) * dim + i * kVec);
+      for (int64_t i = 0; i < vecs; ++i) qv[r][i] = load(q + row_at(n, r) + i * kVec);
     for (int64_t s = 0; s < full; s += kVec) {
       const float* ks = g.k + (n * g.slots + s0 + s) * dim;
       for (int64_t r = lane_rows; r < q_rows; ++r) {
         const bool* vis = g.vis + (b * t_len + r % t_len) * g.slots + s0 + s;
         CVec seen;
         std::memcpy(&seen, vis, sizeof(CVec));
-        const Vec x = scores16(qv[r], ks, vecs) * scale;
+        const Vec x = scores16<V>(qv[r], ks) * scale;
         store(scratch.data() + r * kBlock + s, __builtin_convertvector(seen, IVec) != 0 ? x : Vec{} + kNegInf);
       }
     }
@@ -229,32 +244,42 @@ struct Work {
       out[1] = lane_sum(l);
     }
     // the weighted values, kRowGroup rows at a time: each value row is loaded once per group
-    const int64_t vecs_d = vecs;
+    // (a group's rows past q_rows weigh zero: compile-time bounds keep the sums in registers)
     for (int64_t r0 = 0; r0 < q_rows; r0 += kRowGroup) {
       const int64_t rows = std::min<int64_t>(kRowGroup, q_rows - r0);
-      Vec acc[kRowGroup][kMaxDim / kVec];
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < vecs_d; ++d) acc[r][d] = Vec{};
+      Vec acc[kRowGroup][V];
+      for (int64_t r = 0; r < kRowGroup; ++r)
+        for (int64_t d = 0; d < V; ++d) acc[r][d] = Vec{};
       for (int64_t i = 0; i < len; ++i) {
         float p[kRowGroup];
         bool any = false;
-        for (int64_t r = 0; r < rows; ++r) {
-          p[r] = scratch[(r0 + r) * kBlock + i];
+        for (int64_t r = 0; r < kRowGroup; ++r) {
+          p[r] = r < rows ? scratch[(r0 + r) * kBlock + i] : 0.0f;
           any |= p[r] != 0.0f;
         }
         if (!any) continue;
         const float* vs = g.v + (n * g.slots + s0 + i) * dim;
-        for (int64_t d = 0; d < vecs_d; ++d) {
+        for (int64_t d = 0; d < V; ++d) {
           const Vec vv = load(vs + d * kVec);
-          for (int64_t r = 0; r < rows; ++r) acc[r][d] += p[r] * vv;
+          for (int64_t r = 0; r < kRowGroup; ++r) acc[r][d] += p[r] * vv;
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* out = slot(n, u, r0 + r);
-        for (int64_t d = 0; d < vecs_d; ++d) store(out + 2 + d * kVec, acc[r][d]);
+        for (int64_t d = 0; d < V; ++d) store(out + 2 + d * kVec, acc[r][d]);
       }
     }
   }
+
+  template <int V>
+  void unit_upto(int64_t n, int64_t u) {
+    if constexpr (V > 0) {
+      if (dim == V * kVec) return unit_of<V>(n, u);
+      unit_upto<V - 1>(n, u);
+    }
+  }
+
+  void unit(int64_t n, int64_t u) { unit_upto<kMaxDim / kVec>(n, u); }
 
   void drain() {
     for (;;) {
@@ -270,7 +295,7 @@ struct Work {
       for (int64_t r = 0; r < q_rows; ++r) {
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t u = 0; u < units_per_n; ++u) m = std::max(m, slot(n, u, r)[0]);
-        float* yr = y + (n * q_rows + r) * dim;
+        float* yr = y + row_at(n, r);
         std::fill(yr, yr + dim, 0.0f);
         if (m == -std::numeric_limits<float>::infinity()) continue;
         float l = 0.0f;
@@ -287,11 +312,18 @@ struct Work {
   }
 };
 
-ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const Segment* segs, int64_t segments,
-                  const int64_t* slots, int64_t batch, int64_t t_len, float scale, ffi::ResultBuffer<ffi::F32>& y) {
+// q [N, Q, D] (grouped rows), or [B, T, H, D] with N cache rows (the model's layout)
+ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, int64_t n_rows, const Segment* segs,
+                  int64_t segments, const int64_t* slots, int64_t batch, int64_t t_len, float scale,
+                  ffi::ResultBuffer<ffi::F32>& y) {
   const auto qd = q.dimensions();
-  if (qd.size() != 3) return ffi::Error::InvalidArgument("cache_attention: q must be [N, Q, D]");
-  const int64_t n_rows = qd[0], q_rows = qd[1], dim = qd[2];
+  if (qd.size() != 3 && qd.size() != 4)
+    return ffi::Error::InvalidArgument("cache_attention: q must be [N, Q, D] or [B, T, H, D]");
+  const int64_t dim = qd[qd.size() - 1], heads = qd.size() == 4 ? qd[2] : 0;
+  if (qd.size() == 3 && qd[0] != n_rows) return ffi::Error::InvalidArgument("cache_attention: q and k disagree on N");
+  if (heads > 0 && (batch <= 0 || n_rows % batch || qd[0] != batch || qd[1] != t_len || heads % (n_rows / batch)))
+    return ffi::Error::InvalidArgument("cache_attention: q [B, T, H, D] does not match the visibility or KV heads");
+  const int64_t q_rows = heads > 0 ? heads / (n_rows / batch) * t_len : qd[1];
   if (dim % kVec || dim > kMaxDim) return ffi::Error::InvalidArgument("cache_attention: D must be a multiple of 16, <= 256");
   if (q_rows > kMaxQ) return ffi::Error::InvalidArgument("cache_attention: at most 64 query rows per cache row");
   if (batch <= 0 || n_rows % batch || t_len <= 0 || q_rows % t_len)
@@ -304,6 +336,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const Segment
   work->dim = dim;
   work->t_len = t_len;
   work->heads_per_row = n_rows / batch;
+  work->heads = heads;
   work->scale = scale;
   for (int64_t j = 0; j < segments; ++j) {
     work->seg[j] = segs[j];
@@ -336,12 +369,12 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> vis, ffi::ResultBuffer<ffi::F32> y,
                           float scale) {
   const auto qd = q.dimensions();
-  if (qd.size() != 3) return ffi::Error::InvalidArgument("cache_attention: q must be [N, Q, D]");
+  const int64_t n_rows = k.dimensions().size() == 3 ? k.dimensions()[0] : 0;
   int64_t slots, batch, t_len;
-  if (!check_kv(k, v, vis, qd[0], qd[2], &slots, &batch, &t_len))
+  if (qd.size() < 3 || !check_kv(k, v, vis, n_rows, qd[qd.size() - 1], &slots, &batch, &t_len))
     return ffi::Error::InvalidArgument("cache_attention: k, v [N, S, D] and visibility [B, T, S] expected");
   const Segment seg{k.typed_data(), v.typed_data(), reinterpret_cast<const bool*>(vis.typed_data()), slots};
-  return Attend(pool, q, &seg, 1, &slots, batch, t_len, scale, y);
+  return Attend(pool, q, n_rows, &seg, 1, &slots, batch, t_len, scale, y);
 }
 
 ffi::Error CacheAttention2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -349,16 +382,16 @@ ffi::Error CacheAttention2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Buffer<ffi::F32> v2, ffi::Buffer<ffi::PRED> vis2, ffi::ResultBuffer<ffi::F32> y,
                            float scale) {
   const auto qd = q.dimensions();
-  if (qd.size() != 3) return ffi::Error::InvalidArgument("cache_attention: q must be [N, Q, D]");
+  const int64_t n_rows = k.dimensions().size() == 3 ? k.dimensions()[0] : 0, dim = qd[qd.size() - 1];
   int64_t slots[2], batch[2], t_len[2];
-  if (!check_kv(k, v, vis, qd[0], qd[2], &slots[0], &batch[0], &t_len[0]) ||
-      !check_kv(k2, v2, vis2, qd[0], qd[2], &slots[1], &batch[1], &t_len[1]) || batch[0] != batch[1] ||
+  if (qd.size() < 3 || !check_kv(k, v, vis, n_rows, dim, &slots[0], &batch[0], &t_len[0]) ||
+      !check_kv(k2, v2, vis2, n_rows, dim, &slots[1], &batch[1], &t_len[1]) || batch[0] != batch[1] ||
       t_len[0] != t_len[1])
     return ffi::Error::InvalidArgument("cache_attention: two segments k, v [N, S, D], visibility [B, T, S] expected");
   const Segment segs[2] = {
       {k.typed_data(), v.typed_data(), reinterpret_cast<const bool*>(vis.typed_data()), slots[0]},
       {k2.typed_data(), v2.typed_data(), reinterpret_cast<const bool*>(vis2.typed_data()), slots[1]}};
-  return Attend(pool, q, segs, 2, slots, batch[0], t_len[0], scale, y);
+  return Attend(pool, q, n_rows, segs, 2, slots, batch[0], t_len[0], scale, y);
 }
 
 // Many query rows (a prefill, a wide tree) over one segment: work units are (n, kVec consecutive query rows), the
@@ -423,8 +456,10 @@ struct LongWork {
     alignas(64) float qt[kMaxDim][kVec];  // the rows' queries, transposed: qt[d] holds dimension d of every row
     alignas(64) float out[kVec][kMaxDim];
     alignas(64) float p[kVec][kVec];  // p[slot][row]
+    const float* qr[kVec];
+    for (int64_t l = 0; l < kVec; ++l) qr[l] = l < rows ? q + row_at(n, r0 + l) : nullptr;
     for (int64_t d = 0; d < dim; ++d)
-      for (int64_t l = 0; l < kVec; ++l) qt[d][l] = l < rows ? q[row_at(n, r0 + l) + d] : 0.0f;
+      for (int64_t l = 0; l < kVec; ++l) qt[d][l] = qr[l] ? qr[l][d] : 0.0f;
     for (int64_t l = 0; l < kVec; ++l) std::fill(out[l], out[l] + dim, 0.0f);
     Vec m = Vec{} + kNegInf, sum = Vec{};
     const float* kn = k + n * slots * dim;
