@@ -1,13 +1,16 @@
-// Float32 attention of a few query rows over a KV cache, for decode steps and speculative verifies on the CPU.
+// Float32 attention of query rows over a KV cache on the CPU: decode steps and speculative verifies (`Work`), and
+// prefills (`LongWork`).
 //
 // out[n, r] = softmax over the visible slots of (q[n, r] . k[n, s]) * scale, times v[n, s], where the slots are those
 // of one or two segments (the cache, and a deferred forward's new keys and values), one softmax over both. Row r of
 // cache row n is query group r / T at position t = r % T of batch row b = n / heads_per_row; slot s of segment j is
-// visible where vis_j[b, t, s]. Work units are (n, a block of kBlock slots of one segment), claimed by the threads of
-// XLA's intra-op pool; each keeps every row's running max, sum and weighted values, and the calling thread merges the
-// units in a fixed order. Each row is computed alone, in an order that depends only on the segments' lengths, so a
-// row's result does not depend on the rows beside it: a verified token attends as its AR step does, bit for bit. A
-// row that sees no slot gets zeros.
+// visible where vis_j[b, t, s]. q and the result are grouped [N, Q, D] or in the model's [B, T, H, D] layout
+// (`RowLayout`). `Work`'s units are (n, a block of kBlock slots of one segment), claimed by the threads of XLA's
+// intra-op pool; each keeps every row's max, sum and weighted values, and the calling thread merges the units in a
+// fixed order. Each row is computed alone, in an order that depends only on the segments' lengths (16 rows of a
+// verify share a vector in `lane_scores`, which sums as the one-row `scores16` does), so a row's result does not
+// depend on the rows beside it: a verified token attends as its AR step does, bit for bit. A row that sees no slot
+// gets zeros.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -90,6 +93,17 @@ inline Vec vexp(Vec x) {
   return lo > 0.0f ? Vec{} : out;
 }
 
+// Where row r of cache row n sits in q and the result: grouped [N, Q, D] (heads == 0), or the model's [B, T, H, D]
+// (query head (n's KV head) * G + r / T at position r % T).
+struct RowLayout {
+  int64_t q_rows, dim, t_len, heads_per_row, heads;
+  int64_t at(int64_t n, int64_t r) const {
+    if (heads == 0) return (n * q_rows + r) * dim;
+    const int64_t groups = heads / heads_per_row, b = n / heads_per_row, h = (n % heads_per_row) * groups + r / t_len;
+    return ((b * t_len + r % t_len) * heads + h) * dim;
+  }
+};
+
 struct Segment {
   const float* k;
   const float* v;
@@ -112,12 +126,7 @@ struct Work {
 
   float* slot(int64_t n, int64_t u, int64_t r) { return part.data() + ((n * units_per_n + u) * q_rows + r) * (dim + 2); }
 
-  // offset of row r of cache row n in q and the result: query head (n's KV head) * G + r / T at position r % T
-  int64_t row_at(int64_t n, int64_t r) const {
-    if (heads == 0) return (n * q_rows + r) * dim;
-    const int64_t groups = heads / heads_per_row, b = n / heads_per_row, h = (n % heads_per_row) * groups + r / t_len;
-    return ((b * t_len + r % t_len) * heads + h) * dim;
-  }
+  int64_t row_at(int64_t n, int64_t r) const { return RowLayout{q_rows, dim, t_len, heads_per_row, heads}.at(n, r); }
 
   // Scores of one query row against kVec slots (keys ks[j * dim ..], j < kVec): lane j = q . k_j.
   template <int V>
@@ -413,20 +422,18 @@ struct LongWork {
   std::atomic<int64_t> done{0};
   int64_t total = 0;
 
-  // offset of row r of cache row n in q and y: query head (n's KV head) * G + r / T at position r % T
-  int64_t row_at(int64_t n, int64_t r) const {
-    if (heads == 0) return (n * q_rows + r) * dim;
-    const int64_t groups = heads / heads_per_row, b = n / heads_per_row, h = (n % heads_per_row) * groups + r / t_len;
-    return ((b * t_len + r % t_len) * heads + h) * dim;
-  }
+  int64_t row_at(int64_t n, int64_t r) const { return RowLayout{q_rows, dim, t_len, heads_per_row, heads}.at(n, r); }
 
   const bool* vis_row(int64_t n, int64_t r) const {
     return vis + ((n / heads_per_row) * t_len + r % t_len) * slots;
   }
 
-  void unit(int64_t n, int64_t blk) {
+  // `unit` for a head width of V vectors (compile-time: the weighted values' sums stay in registers)
+  template <int V>
+  void unit_of(int64_t n, int64_t blk) {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-    const int64_t r0 = blk * kVec, rows = std::min<int64_t>(kVec, q_rows - r0), vecs = dim / kVec;
+    constexpr int64_t vecs = V, dv = V % 4 == 0 ? 4 : (V % 2 == 0 ? 2 : 1);
+    const int64_t r0 = blk * kVec, rows = std::min<int64_t>(kVec, q_rows - r0);
     // each row's visible slots: [lo, hi), and whether they are all of it (an interval: no mask inside)
     int64_t lo = slots, hi = 0, inner_lo = 0, inner_hi = slots;
     bool intervals = true;
@@ -499,23 +506,22 @@ struct LongWork {
       alignas(64) float a[kVec];
       store(a, alpha);
       // out[row] = out[row] * alpha[row] + sum over the block's slots of p[slot][row] * v[slot], 4 rows at a time
-      for (int64_t d0 = 0; d0 < vecs; d0 += 4) {
-        const int64_t dv = std::min<int64_t>(4, vecs - d0);
+      // (rows past `rows` weigh zero and stay zero)
+      for (int64_t d0 = 0; d0 < vecs; d0 += dv) {
         for (int64_t l0 = 0; l0 < rows; l0 += 4) {
-          const int64_t lr = std::min<int64_t>(4, rows - l0);
-          Vec acc[4][4];
-          for (int64_t l = 0; l < lr; ++l)
+          Vec acc[4][dv];
+          for (int64_t l = 0; l < 4; ++l)
             for (int64_t i = 0; i < dv; ++i) acc[l][i] = load(out[l0 + l] + (d0 + i) * kVec) * a[l0 + l];
           for (int64_t jj = 0; jj < nj; ++jj) {
             const float* vs = vn + (j0 + jj) * dim + d0 * kVec;
-            Vec vv[4];
+            Vec vv[dv];
             for (int64_t i = 0; i < dv; ++i) vv[i] = load(vs + i * kVec);
-            for (int64_t l = 0; l < lr; ++l) {
+            for (int64_t l = 0; l < 4; ++l) {
               const float w = p[jj][l0 + l];
               for (int64_t i = 0; i < dv; ++i) acc[l][i] += w * vv[i];
             }
           }
-          for (int64_t l = 0; l < lr; ++l)
+          for (int64_t l = 0; l < 4; ++l)
             for (int64_t i = 0; i < dv; ++i) store(out[l0 + l] + (d0 + i) * kVec, acc[l][i]);
         }
       }
@@ -532,6 +538,16 @@ struct LongWork {
       for (int64_t d = 0; d < dim; ++d) o[d] = out[l][d] * inv;
     }
   }
+
+  template <int V>
+  void unit_upto(int64_t n, int64_t blk) {
+    if constexpr (V > 0) {
+      if (dim == V * kVec) return unit_of<V>(n, blk);
+      unit_upto<V - 1>(n, blk);
+    }
+  }
+
+  void unit(int64_t n, int64_t blk) { unit_upto<kMaxDim / kVec>(n, blk); }
 
   void drain() {
     for (;;) {
