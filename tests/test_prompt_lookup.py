@@ -11,7 +11,7 @@ import jspec
 import ports
 from jspec import api
 from jspec.drafters import DraftEnv
-from jspec.drafters.ngram import NgramDrafter, NgramState, suffix_matches
+from jspec.drafters.ngram import NgramDrafter, NgramState, reference_draft, suffix_matches
 from tiny_pairs import PROMPTS, tiny_pair
 
 V = 16
@@ -143,29 +143,6 @@ def test_nothing_drafted_costs_an_ar_width_verify():
     assert sizes[int(pick)] == 7  # depth 3 takes the next bucket, the deepest: root + 6 chain nodes
 
 
-def _reference_draft(text, max_ngram, gamma, depths=None):
-    """Prompt lookup's chain draft after `text` (plain Python): the most weighted continuation of the longest
-    repeated suffix, copied from its latest source until the copy reaches the end of the text (or, with `depths`,
-    the depth allowed after a match of that length)."""
-    n = len(text)
-    found = _reference_matches(text, n, max_ngram, 1)
-    if not found:
-        return []
-    if depths is not None:
-        g = next(g for g in range(max_ngram, 0, -1) if _reference_matches(text, n, g, g))
-        gamma = min(gamma, depths[g - 1])
-    weight = {}
-    for c in found:
-        weight[text[c]] = weight.get(text[c], 0.0) + 1.0 + 1e-3 * c / n
-    tok = max(weight, key=lambda t: (weight[t], -t))
-    src = max(c for c in found if text[c] == tok)
-    out = [tok]
-    while len(out) < gamma and src + 1 < n:
-        src += 1
-        out.append(text[src])
-    return out
-
-
 def cycling_target():
     """A target whose greedy text cycles through 11 -> 23 -> 35 -> 47 -> 59 -> 11 (a bigram model: its layers
     write nothing, its head maps each token's embedding to the next token's logit), with slightly noisy rows so
@@ -201,7 +178,7 @@ def test_every_step_accepts_what_the_copied_draft_predicts(depths):
         gen = ar.tokens[b].tolist()
         done, want = 1, []  # the prefill committed the first token
         while done < N:
-            draft = _reference_draft(prompt.tolist() + gen[:done], 3, gamma, depths)
+            draft = reference_draft(prompt.tolist() + gen[:done], 3, gamma, depths)[1]
             a = 0
             while a < len(draft) and done + a < N and draft[a] == gen[done + a]:
                 a += 1

@@ -65,6 +65,34 @@ def suffix_matches(seq: jax.Array, n: jax.Array, max_ngram: int, min_ngram: int,
     return (found, length) if with_length else found
 
 
+def reference_draft(text: list[int], max_ngram: int, gamma: int, depths=None, min_ngram: int = 1
+                    ) -> tuple[int, list[int]]:
+    """The chain a `NgramDrafter` drafts after `text`, in plain Python: (the matched suffix length g, 0 for none;
+    the copy). The most weighted continuation of the longest suffix seen before, copied from its latest source until
+    the copy reaches the end of the text, `gamma` tokens at most (and depths[g - 1] with `depths`). The definition
+    the tests hold the drafter to, and what `scripts/pld_match_stats.py` replays over recorded answers."""
+    n = len(text)
+    for g in range(max_ngram, min_ngram - 1, -1):
+        if n <= g:
+            continue
+        tail = list(text[n - g:])
+        found = [c for c in range(g, n) if list(text[c - g:c]) == tail]
+        if not found:
+            continue
+        weight: dict[int, float] = {}
+        for c in found:
+            weight[text[c]] = weight.get(text[c], 0.0) + 1.0 + _TIE * c / n
+        tok = max(weight, key=lambda t: (weight[t], -t))
+        src = max(c for c in found if text[c] == tok)
+        limit = gamma if depths is None else min(gamma, depths[g - 1])
+        out = [tok]
+        while len(out) < limit and src + 1 < n:
+            src += 1
+            out.append(text[src])
+        return g, out
+    return 0, []
+
+
 @struct.dataclass
 class NgramDrafter(Drafter):
     """Prompt-lookup drafting (see the module docstring); any static plan: a chain copies one match, a tree one

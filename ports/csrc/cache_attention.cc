@@ -19,6 +19,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -111,7 +112,44 @@ struct Segment {
   int64_t slots;
 };
 
-struct Work {
+// Calls f(std::integral_constant<int, V>) for the head width dim = V * kVec (V = 1 .. kMaxDim / kVec), so that a
+// unit's loops over the width have compile-time bounds and their sums stay in registers.
+template <int V, class F>
+void with_width(int64_t dim, F&& f) {
+  if constexpr (V > 0) {
+    if (dim == V * kVec) return f(std::integral_constant<int, V>{});
+    with_width<V - 1>(dim, f);
+  }
+}
+
+// Work units 0 .. total - 1, claimed in turn by XLA's intra-op threads and the calling thread (`run_units`).
+struct Queue {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+
+  template <class F>
+  void drain(F&& unit) {
+    for (;;) {
+      const int64_t i = next.fetch_add(1);
+      if (i >= total) return;
+      unit(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Runs every unit of `work` (a `Queue` with a `drain()`) once, on the pool's threads and this one; returns when all
+// are done.
+template <class W>
+void run_units(ffi::ThreadPool& pool, const std::shared_ptr<W>& work) {
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+}
+
+struct Work : Queue {
   const float* q;  // [N, Q, D], or [B, T, H, D] when heads > 0
   Segment seg[2];
   int64_t segments, n_rows, q_rows, dim, t_len, heads_per_row;
@@ -120,9 +158,6 @@ struct Work {
   std::vector<std::pair<int64_t, int64_t>> units;  // (segment, first slot), for every n in turn
   int64_t units_per_n;
   std::vector<float> part;  // [N, units_per_n, Q, D + 2]: max, sum, weighted values
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
 
   float* slot(int64_t n, int64_t u, int64_t r) { return part.data() + ((n * units_per_n + u) * q_rows + r) * (dim + 2); }
 
@@ -280,23 +315,10 @@ struct Work {
     }
   }
 
-  template <int V>
-  void unit_upto(int64_t n, int64_t u) {
-    if constexpr (V > 0) {
-      if (dim == V * kVec) return unit_of<V>(n, u);
-      unit_upto<V - 1>(n, u);
-    }
-  }
-
-  void unit(int64_t n, int64_t u) { unit_upto<kMaxDim / kVec>(n, u); }
-
   void drain() {
-    for (;;) {
-      const int64_t i = next.fetch_add(1);
-      if (i >= total) return;
-      unit(i / units_per_n, i % units_per_n);
-      done.fetch_add(1, std::memory_order_release);
-    }
+    Queue::drain([this](int64_t i) {
+      with_width<kMaxDim / kVec>(dim, [&](auto v) { unit_of<decltype(v)::value>(i / units_per_n, i % units_per_n); });
+    });
   }
 
   void merge(float* y) {
@@ -354,10 +376,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, int64_t n_row
   work->units_per_n = static_cast<int64_t>(work->units.size());
   work->total = n_rows * work->units_per_n;
   work->part.assign(work->total * q_rows * (dim + 2), 0.0f);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+  run_units(pool, work);
   work->merge(y->typed_data());
   return ffi::Error::Success();
 }
@@ -409,7 +428,7 @@ ffi::Error CacheAttention2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 // lane, the weighted values per row in a small block kept in L1. Each row sums in an order that depends only on
 // the slots, so a row's result does not depend on the rows beside it; it is not bit-equal to `Work`'s (another
 // order), which serves decode steps and verifies.
-struct LongWork {
+struct LongWork : Queue {
   const float* q;  // [N, Q, D], or [B, T, H, D] when heads > 0
   const float* k;  // [N, S, D]
   const float* v;
@@ -418,9 +437,6 @@ struct LongWork {
   int64_t n_rows, q_rows, slots, dim, t_len, heads_per_row, blocks;
   int64_t heads = 0;  // > 0: q and y in the model's [B, T, H, D] layout (no grouping transposes around the call)
   float scale;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
 
   int64_t row_at(int64_t n, int64_t r) const { return RowLayout{q_rows, dim, t_len, heads_per_row, heads}.at(n, r); }
 
@@ -539,23 +555,10 @@ struct LongWork {
     }
   }
 
-  template <int V>
-  void unit_upto(int64_t n, int64_t blk) {
-    if constexpr (V > 0) {
-      if (dim == V * kVec) return unit_of<V>(n, blk);
-      unit_upto<V - 1>(n, blk);
-    }
-  }
-
-  void unit(int64_t n, int64_t blk) { unit_upto<kMaxDim / kVec>(n, blk); }
-
-  void drain() {
-    for (;;) {
-      const int64_t i = next.fetch_add(1);
-      if (i >= total) return;
-      unit(i % n_rows, blocks - 1 - i / n_rows);  // the latest rows (the most slots, causally) first
-      done.fetch_add(1, std::memory_order_release);
-    }
+  void drain() {  // the latest rows (the most slots, causally) first
+    Queue::drain([this](int64_t i) {
+      with_width<kMaxDim / kVec>(dim, [&](auto v) { unit_of<decltype(v)::value>(i % n_rows, blocks - 1 - i / n_rows); });
+    });
   }
 };
 
@@ -593,10 +596,7 @@ ffi::Error LongAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   work->heads = heads;
   work->scale = scale;
   work->total = n_rows * work->blocks;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+  run_units(pool, work);
   return ffi::Error::Success();
 }
 
