@@ -101,7 +101,8 @@ REAL_TASKS = ("Summarize this text in three sentences.", "Rewrite this text in t
 def real_section(seed: int = 0, model: str = "smollm2-135m-instruct") -> Section:
     """A real pretrained model (`jspec fetch`) summarizes and rewrites a real text in one ragged batch: AR beside
     prompt lookup (Spec-Bench's 10-token copies and 4-token ones), greedy, and prompt lookup sampled; and, where
-    the package ships them for the model, its trained drafters (the EAGLE head's chain, EESD's Beta-TS), greedy."""
+    the package ships them for the model, its trained drafters (the EAGLE and EAGLE-3 heads' chains, EESD's
+    Beta-TS), greedy."""
     import jspec
     from jspec import models
 
@@ -115,6 +116,9 @@ def real_section(seed: int = 0, model: str = "smollm2-135m-instruct") -> Section
     shipped = {kind for _, kind in models.heads(model)}
     if "eagle" in shipped:
         s["EAGLE head, chain of 2"] = (jspec.Chain(models.head(model, "eagle", target), gamma=2), ("greedy",))
+    if "eagle3" in shipped:
+        s["EAGLE-3 head, chain of 2"] = (jspec.Eagle3(models.head(model, "eagle3", target), tree="chain", depth=2),
+                                         ("greedy",))
     if "eesd" in shipped:
         s["EESD head, Beta-TS"] = (jspec.EESD(models.head(model, "eesd", target), k_max=8), ("greedy",))
     return Section(f"{model}: {target.num_params / 1e6:.0f}M parameters, f32 (a summary and a rewrite of one text)",
