@@ -79,6 +79,37 @@ def test_a_row_does_not_depend_on_its_neighbours():
         np.testing.assert_array_equal(np.asarray(f(q[:, t:t + 1], k, v, vis[:, t:t + 1]))[:, 0], full[:, t])
 
 
+@pytest.mark.parametrize("T", [4, 11])
+def test_a_verify_over_a_cache_equals_its_one_token_steps(T):
+    """A verify as the decode loop runs it: the cache's rows see [start, length) of 1,000 slots (whole 256-slot work
+    units past the length, and the first 16-slot groups before the start, see nothing), the new tokens see each
+    other causally (a second segment), one batch row's last token sees only the new block. T = 4 puts 12 rows in one
+    vector's lanes, T = 11 33 rows in two (and one row alone): every row equals its one-token call bit for bit and
+    the float64 reference."""
+    B, H, KVH, D, S = 2, 9, 3, 64, 1000
+    q, k, v, _ = operands(B, T, H, KVH, D, S, seed=12)
+    start, length = np.array([37, 0]), np.array([530, 700])
+    vis = np.stack([np.broadcast_to((np.arange(S) >= s) & (np.arange(S) < n), (T, S)) for s, n in zip(start, length)])
+    vis[1, -1] = False
+    rng = np.random.default_rng(13)
+    kn = rng.standard_normal((B * KVH, T, D)).astype(np.float32)
+    vn = rng.standard_normal((B * KVH, T, D)).astype(np.float32)
+    causal = np.tril(np.ones((T, T), bool))[None].repeat(B, 0)
+    f = jax.jit(lambda q, vis, new: LY.attention_deferred(q, k, v, kn[:, :q.shape[1]], vn[:, :q.shape[1]],
+                                                          LY.Deferred(vis, new)))
+    assert "jspec_cache_attention" in f.lower(q, vis, causal).as_text()
+    full = np.asarray(f(q, vis, causal))
+    ref = reference(q, np.concatenate([k, kn], 1), np.concatenate([v, vn], 1), np.concatenate([vis, causal], -1),
+                    KVH)
+    np.testing.assert_allclose(full, ref, atol=2e-6, rtol=1e-5)
+    for t in range(T):  # token t alone: the cache and the new tokens up to it (the others are invisible)
+        new = np.zeros((B, 1, T), bool)
+        new[:, 0, :t + 1] = True
+        one = np.asarray(jax.jit(lambda q, vis, new: LY.attention_deferred(q, k, v, kn, vn, LY.Deferred(vis, new)))(
+            q[:, t:t + 1], vis[:, t:t + 1], new))
+        np.testing.assert_array_equal(one[:, 0], full[:, t])
+
+
 def test_what_the_kernel_does_not_take_stays_with_xla(monkeypatch):
     q, k, v, vis = operands(1, 2, 4, 2, 64, 40)
     qg = jnp.zeros((2, 65, 64), jnp.float32)

@@ -33,7 +33,7 @@ constexpr int64_t kBlock = 256;  // slots per work unit
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxQ = 64;  // query rows per cache row
 constexpr int64_t kRowGroup = 6;  // rows whose weighted values accumulate together
-constexpr int64_t kLaneRows = 10;  // rows from which scores go 16 rows to a vector (`lane_scores`)
+constexpr int64_t kLaneRows = 10;  // rows from which 16 rows share each vector (`lane_group`)
 
 using Vec = float __attribute__((vector_size(kVec * sizeof(float))));
 using IVec = int32_t __attribute__((vector_size(kVec * sizeof(int32_t))));
@@ -111,6 +111,35 @@ struct Segment {
   const bool* vis;  // [B, T, S]
   int64_t slots;
 };
+
+// The slots a visibility row of `len` flags sees: [lo, hi) from the first to the last (lo >= hi: none), and whether
+// it sees every slot between them (an interval: a mask is then two comparisons).
+struct Span {
+  int64_t lo, hi;
+  bool interval;
+};
+
+inline Span span_of(const bool* v, int64_t len) {
+  int64_t a = 0, b = len, count = 0;
+  uint64_t w;
+  for (; a + 8 <= len; a += 8) {  // bools are bytes 0 / 1
+    std::memcpy(&w, v + a, 8);
+    if (w) break;
+  }
+  while (a < len && !v[a]) ++a;
+  for (; b - 8 >= a; b -= 8) {
+    std::memcpy(&w, v + b - 8, 8);
+    if (w) break;
+  }
+  while (b > a && !v[b - 1]) --b;
+  int64_t j = a;
+  for (; j + 8 <= b; j += 8) {  // a word's bit count is its true bytes
+    std::memcpy(&w, v + j, 8);
+    count += __builtin_popcountll(w);
+  }
+  for (; j < b; ++j) count += v[j];
+  return {a, b, count == b - a};
+}
 
 // Calls f(std::integral_constant<int, V>) for the head width dim = V * kVec (V = 1 .. kMaxDim / kVec), so that a
 // unit's loops over the width have compile-time bounds and their sums stay in registers.
@@ -191,45 +220,140 @@ struct Work : Queue {
     return a[0];
   }
 
-  // `unit` for a head width of V vectors (compile-time, so that the products' accumulators stay in registers)
+  // `unit` for a head width of V vectors (compile-time, so that the products' accumulators stay in registers).
+  // Only the 16-slot groups holding a slot some row sees are computed: the others would add exact zeros.
   template <int V>
   void unit_of(int64_t n, int64_t u) {
     const auto [j, s0] = units[u];
     const Segment& g = seg[j];
-    const int64_t s1 = std::min(g.slots, s0 + kBlock), len = s1 - s0;
+    const int64_t len = std::min(g.slots, s0 + kBlock) - s0;
+    const int64_t b = n / heads_per_row;
+    Span spans[kMaxQ];  // per query position t (the rows at t share its visibility)
+    int64_t lo = len, hi = 0;
+    for (int64_t t = 0; t < t_len; ++t) {
+      spans[t] = span_of(g.vis + (b * t_len + t) * g.slots + s0, len);
+      if (spans[t].lo < spans[t].hi) {
+        lo = std::min(lo, spans[t].lo);
+        hi = std::max(hi, spans[t].hi);
+      }
+    }
+    if (lo >= hi) {  // no row sees a slot of this unit: the merge skips it
+      for (int64_t r = 0; r < q_rows; ++r) slot(n, u, r)[0] = -std::numeric_limits<float>::infinity();
+      return;
+    }
+    const int64_t begin = lo / kVec * kVec, end = std::min(len, (hi + kVec - 1) / kVec * kVec);
+    int64_t lane_rows = 0;
+    while (q_rows - lane_rows >= kLaneRows) {
+      const int64_t rows = std::min<int64_t>(kVec, q_rows - lane_rows);
+      lane_group<V>(n, u, g, s0, begin, end, lane_rows, rows, spans);
+      lane_rows += rows;
+    }
+    if (lane_rows < q_rows) row_units<V>(n, u, g, s0, begin, end, lane_rows);
+  }
+
+  // Rows r0 .. r0 + rows - 1 (at most kVec), one per lane from the scores to the weighted values: per slot a vector
+  // of the rows' scores (`lane_scores`), exponentials and weights. Each lane sums as `row_units` sums a row: the
+  // exponentials' sum in 16 partial sums by slot mod 16, added pairwise as `lane_sum` adds; the weighted values
+  // slot after slot, one fused multiply-add each. So a row's result does not depend on the rows beside it.
+  template <int V>
+  void lane_group(int64_t n, int64_t u, const Segment& g, int64_t s0, int64_t begin, int64_t end, int64_t r0,
+                  int64_t rows, const Span* spans) {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const int64_t b = n / heads_per_row;
+    Vec qt[V * kVec];
+    alignas(64) int32_t lo_l[kVec], hi_l[kVec];
+    bool intervals = true;
+    const bool* vr[kVec];
+    const float* qr[kVec];
+    for (int64_t l = 0; l < kVec; ++l) {
+      qr[l] = l < rows ? q + row_at(n, r0 + l) : nullptr;
+      lo_l[l] = hi_l[l] = 0;  // lanes past `rows` see nothing
+      if (l >= rows) continue;
+      const Span& sp = spans[(r0 + l) % t_len];
+      vr[l] = g.vis + (b * t_len + (r0 + l) % t_len) * g.slots + s0;
+      if (sp.lo < sp.hi) {
+        lo_l[l] = static_cast<int32_t>(sp.lo);
+        hi_l[l] = static_cast<int32_t>(sp.hi);
+        intervals &= sp.interval;
+      }
+    }
+    for (int64_t d = 0; d < V * kVec; ++d) {
+      alignas(64) float col[kVec];
+      for (int64_t l = 0; l < kVec; ++l) col[l] = qr[l] ? qr[l][d] : 0.0f;
+      qt[d] = load(col);
+    }
+    IVec lo_v, hi_v;
+    std::memcpy(&lo_v, lo_l, sizeof(IVec));
+    std::memcpy(&hi_v, hi_l, sizeof(IVec));
+    thread_local std::vector<Vec> sc;  // sc[s]: the rows' scores at slot s, then their exponentials
+    sc.resize(kBlock);
+    Vec mv = Vec{} + kNegInf;
+    for (int64_t s = begin; s < end; ++s) {
+      const Vec x = lane_scores<V>(qt, g.k + (n * g.slots + s0 + s) * V * kVec) * scale;
+      IVec keep;
+      if (intervals) {
+        const IVec sv = IVec{} + static_cast<int32_t>(s);
+        keep = (sv >= lo_v) & (sv < hi_v);
+      } else {
+        alignas(64) int32_t k[kVec];
+        for (int64_t l = 0; l < kVec; ++l) k[l] = l < rows && vr[l][s] ? -1 : 0;
+        std::memcpy(&keep, k, sizeof(IVec));
+      }
+      const Vec m = keep != 0 ? x : Vec{} + kNegInf;
+      sc[s] = m;
+      mv = mv > m ? mv : m;
+    }
+    const Vec base = mv == kNegInf ? Vec{} : mv;  // a row that sees nothing: exponentials of -inf, zeros
+    Vec part_sum[kVec];
+    for (int64_t i = 0; i < kVec; ++i) part_sum[i] = Vec{};
+    for (int64_t s = begin; s < end; ++s) {
+      const Vec e = vexp(sc[s] - base);
+      sc[s] = e;
+      part_sum[s % kVec] += e;
+    }
+    for (int64_t w = kVec / 2; w >= 1; w /= 2)
+      for (int64_t i = 0; i < w; ++i) part_sum[i] += part_sum[i + w];
+    alignas(64) float m_l[kVec], l_l[kVec];
+    store(m_l, mv);
+    store(l_l, part_sum[0]);
+    for (int64_t l = 0; l < rows; ++l) {
+      float* out = slot(n, u, r0 + l);
+      out[0] = m_l[l];
+      out[1] = l_l[l];
+    }
+    // weighted values, 16 dimensions at a time: acc[i] holds dimension c * 16 + i of every row
+    for (int64_t c = 0; c < V; ++c) {
+      Vec acc[kVec];
+      for (int64_t i = 0; i < kVec; ++i) acc[i] = Vec{};
+      for (int64_t s = begin; s < end; ++s) {
+        const Vec p = sc[s];
+        const float* vs = g.v + (n * g.slots + s0 + s) * V * kVec + c * kVec;
+        for (int64_t i = 0; i < kVec; ++i) acc[i] += p * vs[i];
+      }
+      alignas(64) float t[kVec][kVec];
+      for (int64_t i = 0; i < kVec; ++i) store(t[i], acc[i]);
+      for (int64_t l = 0; l < rows; ++l) {
+        float* out = slot(n, u, r0 + l) + 2 + c * kVec;
+        for (int64_t i = 0; i < kVec; ++i) out[i] = t[i][l];
+      }
+    }
+  }
+
+  // Rows r_first .. q_rows - 1 one at a time (an AR step's few): scores kVec slots to a vector (`scores16`), then
+  // per row the max, the exponentials and their sum, and the weighted values kRowGroup rows at a time.
+  template <int V>
+  void row_units(int64_t n, int64_t u, const Segment& g, int64_t s0, int64_t begin, int64_t end, int64_t r_first) {
     constexpr int64_t vecs = V;
-    const int64_t b = n / heads_per_row, full = len / kVec * kVec;
+    const int64_t b = n / heads_per_row, full = begin + (end - begin) / kVec * kVec;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     thread_local std::vector<float> scratch;
     scratch.resize(q_rows * kBlock);
-    // scores, masked to -inf: up to kVec rows at a time in the lanes while kLaneRows or more are left (a verify's
-    // rows), the rest (an AR step's few) one row at a time, kVec slots per vector; the same values either way
-    int64_t lane_rows = 0;
-    while (q_rows - lane_rows >= kLaneRows) {
-      const int64_t r0 = lane_rows, rows = std::min<int64_t>(kVec, q_rows - r0);
-      Vec qt[kMaxDim];
-      const bool* vr[kVec];
-      const float* qr[kVec];
-      for (int64_t l = 0; l < kVec; ++l) qr[l] = l < rows ? q + row_at(n, r0 + l) : nullptr;
-      for (int64_t d = 0; d < dim; ++d) {
-        alignas(64) float col[kVec];
-        for (int64_t l = 0; l < kVec; ++l) col[l] = qr[l] ? qr[l][d] : 0.0f;
-        qt[d] = load(col);
-      }
-      for (int64_t l = 0; l < rows; ++l) vr[l] = g.vis + (b * t_len + (r0 + l) % t_len) * g.slots + s0;
-      for (int64_t s = 0; s < len; ++s) {
-        alignas(64) float x[kVec];
-        store(x, lane_scores<V>(qt, g.k + (n * g.slots + s0 + s) * dim) * scale);
-        for (int64_t l = 0; l < rows; ++l) scratch[(r0 + l) * kBlock + s] = vr[l][s] ? x[l] : kNegInf;
-      }
-      lane_rows += rows;
-    }
     Vec qv[kMaxQ][kMaxDim / kVec];
-    for (int64_t r = lane_rows; r < q_rows; ++r)
+    for (int64_t r = r_first; r < q_rows; ++r)
       for (int64_t i = 0; i < vecs; ++i) qv[r][i] = load(q + row_at(n, r) + i * kVec);
-    for (int64_t s = 0; s < full; s += kVec) {
+    for (int64_t s = begin; s < full; s += kVec) {
       const float* ks = g.k + (n * g.slots + s0 + s) * dim;
-      for (int64_t r = lane_rows; r < q_rows; ++r) {
+      for (int64_t r = r_first; r < q_rows; ++r) {
         const bool* vis = g.vis + (b * t_len + r % t_len) * g.slots + s0 + s;
         CVec seen;
         std::memcpy(&seen, vis, sizeof(CVec));
@@ -237,9 +361,9 @@ struct Work : Queue {
         store(scratch.data() + r * kBlock + s, __builtin_convertvector(seen, IVec) != 0 ? x : Vec{} + kNegInf);
       }
     }
-    for (int64_t r = lane_rows; r < q_rows; ++r) {
+    for (int64_t r = r_first; r < q_rows; ++r) {
       const bool* vis = g.vis + (b * t_len + r % t_len) * g.slots + s0;
-      for (int64_t s = full; s < len; ++s) {
+      for (int64_t s = full; s < end; ++s) {
         float x = kNegInf;
         if (vis[s]) {
           const float* ks = g.k + (n * g.slots + s0 + s) * dim;
@@ -251,50 +375,50 @@ struct Work : Queue {
       }
     }
     // per row: max, exponentials and their sum
-    for (int64_t r = 0; r < q_rows; ++r) {
+    for (int64_t r = r_first; r < q_rows; ++r) {
       float* sc = scratch.data() + r * kBlock;
       Vec mv = Vec{} + kNegInf;  // the max in any order: kVec lanes at a time
-      int64_t i = 0;
-      for (; i + kVec <= len; i += kVec) {
+      int64_t i = begin;
+      for (; i + kVec <= end; i += kVec) {
         const Vec x = load(sc + i);
         mv = mv > x ? mv : x;
       }
       float m = kNegInf;
       for (int64_t l = 0; l < kVec; ++l) m = std::max(m, mv[l]);
-      for (; i < len; ++i) m = std::max(m, sc[i]);
+      for (; i < end; ++i) m = std::max(m, sc[i]);
       float* out = slot(n, u, r);
       out[0] = m;
       if (m == kNegInf) {
-        std::fill(sc, sc + len, 0.0f);
+        std::fill(sc + begin, sc + end, 0.0f);
         out[1] = 0.0f;
         continue;
       }
       Vec l = Vec{};
-      int64_t s = 0;
-      for (; s + kVec <= len; s += kVec) {
+      int64_t s = begin;
+      for (; s + kVec <= end; s += kVec) {
         const Vec e = vexp(load(sc + s) - m);
         store(sc + s, e);
         l += e;
       }
-      if (s < len) {
+      if (s < end) {
         alignas(64) float tail[kVec];
         std::fill(tail, tail + kVec, kNegInf);
-        std::memcpy(tail, sc + s, (len - s) * sizeof(float));
+        std::memcpy(tail, sc + s, (end - s) * sizeof(float));
         const Vec e = vexp(load(tail) - m);
         l += e;
         store(tail, e);
-        std::memcpy(sc + s, tail, (len - s) * sizeof(float));
+        std::memcpy(sc + s, tail, (end - s) * sizeof(float));
       }
       out[1] = lane_sum(l);
     }
     // the weighted values, kRowGroup rows at a time: each value row is loaded once per group
     // (a group's rows past q_rows weigh zero: compile-time bounds keep the sums in registers)
-    for (int64_t r0 = 0; r0 < q_rows; r0 += kRowGroup) {
+    for (int64_t r0 = r_first; r0 < q_rows; r0 += kRowGroup) {
       const int64_t rows = std::min<int64_t>(kRowGroup, q_rows - r0);
       Vec acc[kRowGroup][V];
       for (int64_t r = 0; r < kRowGroup; ++r)
         for (int64_t d = 0; d < V; ++d) acc[r][d] = Vec{};
-      for (int64_t i = 0; i < len; ++i) {
+      for (int64_t i = begin; i < end; ++i) {
         float p[kRowGroup];
         bool any = false;
         for (int64_t r = 0; r < kRowGroup; ++r) {
@@ -456,21 +580,12 @@ struct LongWork : Queue {
     const bool* vr[kVec];
     for (int64_t l = 0; l < rows; ++l) {
       vr[l] = vis_row(n, r0 + l);
-      int64_t a = 0, b = slots, count = 0;
-      while (a < slots && !vr[l][a]) ++a;
-      while (b > a && !vr[l][b - 1]) --b;
-      int64_t j = a;
-      for (; j + 8 <= b; j += 8) {  // bools are bytes 0 / 1: a word's bit count is its true bytes
-        uint64_t w;
-        std::memcpy(&w, vr[l] + j, 8);
-        count += __builtin_popcountll(w);
-      }
-      for (; j < b; ++j) count += vr[l][j];
+      const auto [a, b, interval] = span_of(vr[l], slots);
       if (a >= b) {  // sees nothing: the block's masked path keeps the row at zero
         intervals = false;
         continue;
       }
-      intervals &= count == b - a;
+      intervals &= interval;
       lo = std::min(lo, a);
       hi = std::max(hi, b);
       inner_lo = std::max(inner_lo, a);
