@@ -7,10 +7,10 @@
 // visible where vis_j[b, t, s]. q and the result are grouped [N, Q, D] or in the model's [B, T, H, D] layout
 // (`RowLayout`). `Work`'s units are (n, a block of kBlock slots of one segment), claimed by the threads of XLA's
 // intra-op pool; each keeps every row's max, sum and weighted values, and the calling thread merges the units in a
-// fixed order. Each row is computed alone, in an order that depends only on the segments' lengths (16 rows of a
-// verify share a vector in `lane_scores`, which sums as the one-row `scores16` does), so a row's result does not
-// depend on the rows beside it: a verified token attends as its AR step does, bit for bit. A row that sees no slot
-// gets zeros.
+// fixed order. Each row is computed alone, in an order that depends only on the slots (16 rows of a verify share
+// each vector in `lane_group`, which sums as the one-row `row_units` does), so a row's result does not depend on the
+// rows beside it: a verified token attends as its AR step does, bit for bit. Only the 16-slot groups some row sees
+// are computed. A row that sees no slot gets zeros.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
