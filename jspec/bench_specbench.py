@@ -224,7 +224,7 @@ def _warm_batches(runner: Runner, methods: dict, chunks: list, pad_to: int, prog
 def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questions: int | None = 2,
         strategies_: tuple = ("ar", "pld", "pld-4", "pld-m", "pld-tree"), hf_methods: tuple = ("hf", "hf-pld"),
         max_new_tokens: int = 256, temperature: float = 0.0, runs: int = 1, second_turn: bool = True,
-        pad_to: int = 128, out_dir: str = "scripts/results", progress: bool = True, batch: int = 1,
+        pad_to: int = 16, out_dir: str = "scripts/results", progress: bool = True, batch: int = 1,
         ignore_eos: bool = False) -> dict:
     """Run the bench (see the module docstring); returns the summary and writes the files it lists. batch > 1:
     the turns are decoded `batch` at a time, in order, as ragged batches (jspec methods only). ignore_eos: every
@@ -511,8 +511,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--runs", type=int, default=1, help="interleaved timed runs (medians)")
     ap.add_argument("--first-turn-only", action="store_true")
-    ap.add_argument("--pad-to", type=int, default=128, help="prompt widths padded to a multiple of this (programs "
-                                                            "shared by nearby lengths)")
+    ap.add_argument("--pad-to", type=int, default=16, help="prompt widths padded to a multiple of this (programs "
+                                                           "shared by nearby lengths; the default is decode's own: "
+                                                           "a wider one compiles fewer programs and prefills more "
+                                                           "padding rows for every method)")
     ap.add_argument("--batch", type=int, default=1, help="turns decoded together as one ragged batch (jspec methods "
                                                          "only; the summary then reports the overall group)")
     ap.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens per answer, EOS "
