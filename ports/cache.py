@@ -8,9 +8,12 @@ times per decode step (the in-place update and the reshaped read cannot share a 
 unless the current forward wrote them. A token's RoPE position is its slot + `pos_offset[b]` (0 unless the
 prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots before `start[b]` are never visible (0 for an ordinary cache; a row
 whose prompt was placed right-aligned, as the guided streams of `jspec.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
-moving `length`; committing a tree path is one gather (`commit_path`).
+moving `length`; committing a tree path is one gather (`commit_path`). On XLA:CPU the writes and the path commit
+of a per-layer cache go through `ports.cpu_rows` (every buffer in one in-place call, the same values), which
+spares XLA compiling a scatter kernel per buffer.
 
-This module and `ForwardOut` are the leaf every port and the engine import; it imports neither.
+This module and `ForwardOut` are the leaf every port and the engine import; it imports neither (only the CPU row
+kernel's wrapper).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from ports import cpu_rows as CR
 
 
 @struct.dataclass
@@ -74,17 +79,14 @@ def init_cache(num_layers: int, batch: int, kv_heads: int, max_len: int, head_di
     )
 
 
-def _write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """buf [N, S, D] <- new [N, T, D] at slot start[n] of each flat row."""
-    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, 0)))(buf, new.astype(buf.dtype), start)
-
-
 def write_layer(k_buf, v_buf, k_new, v_new, start):
     """Write one layer's new keys/values [B, KVH, T, Dh] at slots start[b] .. start[b]+T-1."""
     B, H, T, D = k_new.shape
     rows = jnp.repeat(start, H)
-    return (_write_rows(k_buf, k_new.reshape(B * H, T, D), rows),
-            _write_rows(v_buf, v_new.reshape(B * H, T, D), rows))
+    k_new, v_new = k_new.reshape(B * H, T, D), v_new.reshape(B * H, T, D)
+    if CR.enabled():
+        return CR.write_rows((k_buf, v_buf), (k_new, v_new), rows)
+    return CR.write_reference(k_buf, k_new, rows), CR.write_reference(v_buf, v_new, rows)
 
 
 def _each_layer(fn, bufs, *per_layer):
@@ -99,7 +101,11 @@ def write_pending(cache: KVCache, ks, vs) -> KVCache:
     stacked [L, B * KVH, T, Dh]) at slots length[b].. of each row, as the forward would have written them (length not
     advanced)."""
     rows = jnp.repeat(cache.length, cache.kv_heads)
-    write = lambda b, n: _write_rows(b, n, rows)  # noqa: E731
+    if not cache.stacked and CR.enabled():
+        L = len(cache.k)
+        bufs = CR.write_rows(tuple(cache.k) + tuple(cache.v), tuple(ks) + tuple(vs), rows)
+        return cache.replace(k=list(bufs[:L]), v=list(bufs[L:]))
+    write = lambda b, n: CR.write_reference(b, n, rows)  # noqa: E731
     return cache.replace(k=_each_layer(write, cache.k, ks), v=_each_layer(write, cache.v, vs))
 
 
@@ -129,12 +135,13 @@ def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
     H = cache.kv_heads
     idx = jnp.repeat((start[:, None] + src).astype(jnp.int32), H, axis=0)  # [B * H, P]
     rows = jnp.repeat(start, H)
-
-    def move(buf):
-        return _write_rows(buf, jnp.take_along_axis(buf, idx[:, :, None], axis=1), rows)
-
-    return cache.replace(k=_each_layer(move, cache.k), v=_each_layer(move, cache.v),
-                         length=start + n.astype(jnp.int32))
+    length = start + n.astype(jnp.int32)
+    if not cache.stacked and CR.enabled():
+        L = len(cache.k)
+        bufs = CR.move_rows(tuple(cache.k) + tuple(cache.v), idx, rows)
+        return cache.replace(k=list(bufs[:L]), v=list(bufs[L:]), length=length)
+    move = lambda b: CR.move_reference(b, idx, rows)  # noqa: E731
+    return cache.replace(k=_each_layer(move, cache.k), v=_each_layer(move, cache.v), length=length)
 
 
 def visibility(length: jax.Array, max_len: int, num_new: int, new_mask: jax.Array | None = None,

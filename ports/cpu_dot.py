@@ -31,9 +31,11 @@ MAX_ROWS = 16  # rows up to which the kernel beats XLA:CPU's dot (measured on Sm
 TARGET = "jspec_small_m_dot"
 PACKED_TARGET = "jspec_packed_dot"
 PANEL = 32  # columns per panel of a packed weight (`csrc/small_m_dot.cc`'s kPanel)
-SOURCES = tuple(os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("small_m_dot.cc", "cache_attention.cc"))
+SOURCES = tuple(os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("small_m_dot.cc", "cache_attention.cc",
+                                                                        "cache_rows.cc"))
 ATTENTION_TARGETS = ("jspec_cache_attention", "jspec_cache_attention2")  # one segment; two, one softmax
 LONG_ATTENTION_TARGET = "jspec_long_attention"  # more query rows than ATTENTION_MAX_ROWS, one segment
+ROW_TARGETS = ("jspec_write_rows", "jspec_move_rows")  # in-place cache row writes (`ports.cpu_rows`)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 ENV_SWITCH = "JSPEC_CPU_DOT"
 DIR_ENV = "JSPEC_KERNELS_DIR"
@@ -94,6 +96,8 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(PACKED_TARGET, jax.ffi.pycapsule(lib.JspecPackedDot), platform="cpu")
         for target, fn in zip(ATTENTION_TARGETS + (LONG_ATTENTION_TARGET,),
                               (lib.JspecCacheAttention, lib.JspecCacheAttention2, lib.JspecLongAttention)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
+        for target, fn in zip(ROW_TARGETS, (lib.JspecWriteRows, lib.JspecMoveRows)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
     except (OSError, RuntimeError) as e:
         warnings.warn(f"jspec's small-row CPU kernel is unavailable, XLA's dot is used instead: {e}", stacklevel=3)
