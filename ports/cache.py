@@ -9,8 +9,8 @@ unless the current forward wrote them. A token's RoPE position is its slot + `po
 prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots before `start[b]` are never visible (0 for an ordinary cache; a row
 whose prompt was placed right-aligned, as the guided streams of `jspec.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
 moving `length`; committing a tree path is one gather (`commit_path`). On XLA:CPU the writes and the path commit
-of a per-layer cache go through `ports.cpu_rows` (every buffer in one in-place call, the same values), which
-spares XLA compiling a scatter kernel per buffer.
+go through `ports.cpu_rows` (every buffer in one in-place call, the same values), which spares XLA compiling a
+scatter kernel per buffer.
 
 This module and `ForwardOut` are the leaf every port and the engine import; it imports neither (only the CPU row
 kernel's wrapper).
@@ -96,15 +96,33 @@ def _each_layer(fn, bufs, *per_layer):
     return [fn(b, *xs) for b, *xs in zip(bufs, *per_layer)]
 
 
+def _kernel_buffers(cache: KVCache):
+    """The cache's buffers as `ports.cpu_rows` takes them, [N', S, D] each: a per-layer cache's keys then values, a
+    stacked cache's keys and values [L, N, S, D] as one [L * N, S, D] buffer each. Returns (buffers, per_row,
+    rebuild): per_row maps an array over the cache's N flat rows to the buffers' rows, rebuild takes the kernel's
+    results back to a cache."""
+    if not cache.stacked:
+        L = len(cache.k)
+        return (tuple(cache.k) + tuple(cache.v), lambda a: a,
+                lambda bufs: cache.replace(k=list(bufs[:L]), v=list(bufs[L:])))
+    L = cache.k.shape[0]
+    return ((_layers_as_rows(cache.k), _layers_as_rows(cache.v)), lambda a: jnp.tile(a, (L,) + (1,) * (a.ndim - 1)),
+            lambda bufs: cache.replace(k=bufs[0].reshape(cache.k.shape), v=bufs[1].reshape(cache.v.shape)))
+
+
+def _layers_as_rows(a: jax.Array) -> jax.Array:
+    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
 def write_pending(cache: KVCache, ks, vs) -> KVCache:
     """The cache with a deferred forward's new keys / values (`ForwardOut.pending`: per layer [B * KVH, T, Dh], or
     stacked [L, B * KVH, T, Dh]) at slots length[b].. of each row, as the forward would have written them (length not
     advanced)."""
     rows = jnp.repeat(cache.length, cache.kv_heads)
-    if not cache.stacked and CR.enabled():
-        L = len(cache.k)
-        bufs = CR.write_rows(tuple(cache.k) + tuple(cache.v), tuple(ks) + tuple(vs), rows)
-        return cache.replace(k=list(bufs[:L]), v=list(bufs[L:]))
+    if CR.enabled():
+        bufs, per_row, rebuild = _kernel_buffers(cache)
+        news = (_layers_as_rows(ks), _layers_as_rows(vs)) if cache.stacked else tuple(ks) + tuple(vs)
+        return rebuild(CR.write_rows(bufs, news, per_row(rows)))
     write = lambda b, n: CR.write_reference(b, n, rows)  # noqa: E731
     return cache.replace(k=_each_layer(write, cache.k, ks), v=_each_layer(write, cache.v, vs))
 
@@ -136,10 +154,9 @@ def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
     idx = jnp.repeat((start[:, None] + src).astype(jnp.int32), H, axis=0)  # [B * H, P]
     rows = jnp.repeat(start, H)
     length = start + n.astype(jnp.int32)
-    if not cache.stacked and CR.enabled():
-        L = len(cache.k)
-        bufs = CR.move_rows(tuple(cache.k) + tuple(cache.v), idx, rows)
-        return cache.replace(k=list(bufs[:L]), v=list(bufs[L:]), length=length)
+    if CR.enabled():
+        bufs, per_row, rebuild = _kernel_buffers(cache)
+        return rebuild(CR.move_rows(bufs, per_row(idx), per_row(rows))).replace(length=length)
     move = lambda b: CR.move_reference(b, idx, rows)  # noqa: E731
     return cache.replace(k=_each_layer(move, cache.k), v=_each_layer(move, cache.v), length=length)
 

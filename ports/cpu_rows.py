@@ -4,7 +4,7 @@ XLA lowers a per-row `dynamic_update_slice` of a cache buffer to a scatter kerne
 buffer, each compiled on its own (the layers' kernels are identical but not shared), and a path commit to a gather
 and a scatter per buffer. These calls write every buffer they are given in one custom call whose results alias the
 buffers: no kernel to compile, and only the written slots are touched. The values written are those of the XLA
-ops (`ports.cache` keeps those for other backends, a scanned model's stacked cache, and `JSPEC_CPU_ROWS=0`).
+ops (`ports.cache` keeps those for other backends and `JSPEC_CPU_ROWS=0`).
 """
 from __future__ import annotations
 

@@ -60,31 +60,36 @@ def test_writes_in_a_loop_leave_other_slots_alone():
     np.testing.assert_array_equal(out, want)
 
 
-def test_the_cache_functions_match_with_the_kernel_switched_off(monkeypatch):
-    """`write_layer`, `write_pending` and `commit_path` give the same cache through the kernel as through XLA."""
+@pytest.mark.parametrize("stacked", [False, True])
+def test_the_cache_functions_match_with_the_kernel_switched_off(monkeypatch, stacked):
+    """`write_layer`, `write_pending` and `commit_path` give the same cache through the kernel as through XLA, for a
+    per-layer cache and a scanned model's stacked one."""
     rng = np.random.default_rng(2)
     B, H, S, D, L, T = 2, 2, 32, 16, 3, 4
-    cache = kvc.init_cache(L, B, H, S, D, jnp.float32)
-    cache = cache.replace(k=[jnp.asarray(rng.normal(size=(B * H, S, D)), jnp.float32) for _ in range(L)],
-                          v=[jnp.asarray(rng.normal(size=(B * H, S, D)), jnp.float32) for _ in range(L)],
+    ks = jnp.asarray(rng.normal(size=(L, B * H, S, D)), jnp.float32)
+    vs = jnp.asarray(rng.normal(size=(L, B * H, S, D)), jnp.float32)
+    cache = kvc.init_cache(L, B, H, S, D, jnp.float32, stacked=stacked)
+    cache = cache.replace(k=ks if stacked else list(ks), v=vs if stacked else list(vs),
                           length=jnp.asarray([5, 9], jnp.int32))
     k_new = jnp.asarray(rng.normal(size=(B, H, T, D)), jnp.float32)
     v_new = jnp.asarray(rng.normal(size=(B, H, T, D)), jnp.float32)
-    pend = [jnp.asarray(rng.normal(size=(B * H, T, D)), jnp.float32) for _ in range(2 * L)]
+    pend = jnp.asarray(rng.normal(size=(2, L, B * H, T, D)), jnp.float32)
     path = jnp.asarray([[0, 2, 3, 1], [1, 3, 0, 2]], jnp.int32)
 
     def run(c):
-        kb, vb = kvc.write_layer(c.k[0], c.v[0], k_new, v_new, c.length)
-        c = c.replace(k=[kb] + c.k[1:], v=[vb] + c.v[1:])
-        c = kvc.write_pending(c, pend[:L], pend[L:])
+        if not stacked:  # a stacked cache's layers are written inside the scan, one slice at a time
+            kb, vb = kvc.write_layer(c.k[0], c.v[0], k_new, v_new, c.length)
+            c = c.replace(k=[kb] + c.k[1:], v=[vb] + c.v[1:])
+        c = kvc.write_pending(c, pend[0] if stacked else list(pend[0]), pend[1] if stacked else list(pend[1]))
         return kvc.commit_path(c, path, jnp.asarray([3, 2], jnp.int32))
 
     with_kernel = jax.jit(run)(cache)
     monkeypatch.setenv(CR.SWITCH, "0")
     assert not CR.enabled()
     without = jax.jit(run)(cache)
-    for a, b in zip(with_kernel.k + with_kernel.v, without.k + without.v):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(jnp.stack(list(with_kernel.k))), np.asarray(jnp.stack(list(without.k))))
+    np.testing.assert_array_equal(np.asarray(jnp.stack(list(with_kernel.v))), np.asarray(jnp.stack(list(without.v))))
+    assert not np.array_equal(np.asarray(jnp.stack(list(without.k))), np.asarray(ks))  # the writes did write
     np.testing.assert_array_equal(np.asarray(with_kernel.length), [8, 11])
 
 
