@@ -100,7 +100,8 @@ def _load() -> bool:
         for target, fn in zip(ROW_TARGETS, (lib.JspecWriteRows, lib.JspecMoveRows)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
     except (OSError, RuntimeError) as e:
-        warnings.warn(f"jspec's small-row CPU kernel is unavailable, XLA's dot is used instead: {e}", stacklevel=3)
+        warnings.warn(f"jspec's CPU kernels (products, attention, cache writes) are unavailable, XLA's ops are used "
+                      f"instead: {e}", stacklevel=3)
         return False
     return True
 
