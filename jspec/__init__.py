@@ -6,22 +6,31 @@ import os
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from jspec.api import DecodeOutput, decode
-from jspec.streaming import Stream, stream
-from jspec.controllers.calibration import CaliTS
-from jspec.controllers.draft_length import BetaTS, FixedK
-from jspec.guidance import CFG, ImageGrammar
-from jspec.imagegen import ImageOutput, generate_image
-from jspec.sharding import make_mesh, shard
-from jspec.strategy import AR, Chain, DynamicTree, PrefillHook, PromptLookup, Speculative, Strategy, Tree
+from jspec.engine.streaming import Stream, stream
+from jspec.parts.controllers.calibration import CaliTS
+from jspec.parts.controllers.draft_length import BetaTS, FixedK
+from jspec.engine.guidance import CFG, ImageGrammar
+from jspec.methods.imagegen import ImageOutput, generate_image
+from jspec.engine.sharding import make_mesh, shard
+from jspec.engine.strategy import AR, Chain, DynamicTree, PrefillHook, PromptLookup, Speculative, Strategy, Tree
 from jspec.methods.eesd import EESD
 from jspec.methods.eagle3 import Eagle3
 from jspec.methods.lantern import Lantern, LanternPP
-from jspec.neighbours import NeighbourTable
+from jspec.parts.neighbours import NeighbourTable
 from jspec.methods.sage import SAGE
 from jspec.methods.specvlm import SpecVLM, VisionPruning
 from jspec.methods.tabed import TABED, ModelCaptioner
-from jspec import models  # the registry of real checkpoints (fetch / load); imports nothing heavy
 
 __all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "Eagle3", "FixedK", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
            "Strategy", "Tree", "VisionPruning", "decode", "generate_image", "make_mesh", "shard"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`jspec.models` (the registry of real checkpoints: fetch / load / head) loads on first use, so `import jspec`
+    loads nothing under `jspec.tools`."""
+    if name == "models":
+        import importlib
+
+        return importlib.import_module("jspec.tools.models")
+    raise AttributeError(f"module 'jspec' has no attribute {name!r}")

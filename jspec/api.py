@@ -1,4 +1,4 @@
-"""`jspec.decode`: checks, setup, prefill, the fused decode loop, and the output (strategies: `jspec.strategy`)."""
+"""`jspec.decode`: checks, setup, prefill, the fused decode loop, and the output (strategies: `jspec.engine.strategy`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,17 +10,17 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jspec import compilation as CJ
-from jspec import guidance as GD
-from jspec import loop
-from jspec import profiling as PF
-from jspec import rowkeys as RK
-from jspec import sampling as SM
-from jspec import sharding as SH
-from jspec import speculative as SD
-from jspec.drafters import Setup, TargetPrefill
+from jspec.engine import compilation as CJ
+from jspec.engine import guidance as GD
+from jspec.engine import loop
+from jspec.engine import profiling as PF
+from jspec.engine import rowkeys as RK
+from jspec.engine import sampling as SM
+from jspec.engine import sharding as SH
+from jspec.engine import step as SD
+from jspec.parts.drafters import Setup, TargetPrefill
 from ports.prompts import model_prompt, round_up
-from jspec.strategy import AR, Chain, DynamicTree, Speculative, Static, Strategy, Tree, merge, split  # noqa: F401
+from jspec.engine.strategy import AR, Chain, DynamicTree, Speculative, Static, Strategy, Tree, merge, split  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class Started(NamedTuple):
 
     def loop_call(self, state: loop.DecodeState | None = None) -> tuple[Any, tuple]:
         """(the jitted decode loop, its arguments) from `state` (default: this start's own): what `run` calls, for
-        tools that lower or trace it (`jspec.profiling.op_costs`). Waits for the loop's compile ahead, if any."""
+        tools that lower or trace it (`jspec.engine.profiling.op_costs`). Waits for the loop's compile ahead, if any."""
         if self.ahead is not None:
             self.ahead.wait()
         state = self.state if state is None else state
@@ -193,7 +193,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
           guidance: GD.CFG | None = None, constraint=None, mesh=None, rules=None,
           prefill_chunk: int | None = "auto", compile_loop: bool = True, pad_prompt_to: int = 16) -> Started:
     """`decode`'s checks, setup and prefill (same arguments): the state its loop starts from, for tools that time
-    or step the loop themselves (`jspec.profiling`). With `compile_loop` (and no mesh) the fused decode loop is
+    or step the loop themselves (`jspec.engine.profiling`). With `compile_loop` (and no mesh) the fused decode loop is
     lowered first and compiled on a background thread while the prefill compiles and, off the CPU, runs
     (`Started.run` waits for it): a first call no longer pays the two compiles one after the other."""
     strategy = AR() if strategy is None else strategy
@@ -304,13 +304,13 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     "draft_s", "verify_s", "other_s" (the rule and the commit) to the stats (AR: step by step, "step_s"), timed
     alike so that they compare (same tokens, slower: use it to measure, not to serve). `profile="program"` runs
     the fused loop and adds the same keys timed inside one program instead, plus the whole step "step_s" for
-    speculative strategies (`jspec.profiling.in_program_costs`: per step, times the loop's steps; no dispatch or
+    speculative strategies (`jspec.engine.profiling.in_program_costs`: per step, times the loop's steps; no dispatch or
     sync in them).
     `guidance=jspec.CFG(scale, uncond_prompt)`: classifier-free guidance; `constraint` (e.g. `jspec.ImageGrammar`):
     a mask on the logits of each generated position. Both apply to the target and the draft alike, in every
-    strategy (see `jspec.guidance`).
+    strategy (see `jspec.engine.guidance`).
     `mesh` (e.g. `jspec.make_mesh(tensor=8)`): shard the target over it by the logical axis `rules` (default
-    `jspec.sharding.DEFAULT_RULES`; a dict overrides entries), replicate the draft; same tokens as one device.
+    `jspec.engine.sharding.DEFAULT_RULES`; a dict overrides entries), replicate the draft; same tokens as one device.
     `prefill_chunk`: the target's prefill fills the cache this many prompt tokens at a time, so that its
     activations are bounded by the chunk rather than the prompt (same logits and tokens); "auto" (default) is
     `DEFAULT_PREFILL_CHUNK` tokens, None one pass. Chunks of `ports.layers.BLOCKWISE_MIN` tokens or more attend

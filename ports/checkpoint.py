@@ -161,7 +161,7 @@ def check_complete(directory: str) -> None:
 
 def load(directory: str, dtype=None, shardings=None) -> Model:
     """Restore a `save`d / `jspec convert`ed model; `shardings` (a pytree like params, e.g.
-    `jspec.sharding.param_shardings`) restores straight onto devices, each reading only its shards."""
+    `jspec.engine.sharding.param_shardings`) restores straight onto devices, each reading only its shards."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)

@@ -5,7 +5,7 @@ the speedup over AR measured in the same rounds.
     python scripts/bench_eesd.py                  # writes scripts/results/eesd-zoo.{json,md,png}
     python scripts/bench_eesd.py --runs 5 --scenarios described_caption text
 
-Needs the heads `scripts/train_eesd.py` ships into jspec/zoo/ (text-target-eesd-n1 and its ablations; a missing
+Needs the heads `scripts/train_eesd.py` ships into jspec/tools/zoo/ (text-target-eesd-n1 and its ablations; a missing
 one is skipped). Each scenario's prompts decode as one batch (greedy, EOS honoured); every case runs once to
 compile, then `--runs` interleaved timed rounds (median reported).
 """
@@ -29,8 +29,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import bench  # noqa: E402
-from jspec.drafters.early_exit import load_head  # noqa: E402
+from jspec.tools.bench import zoo as bench  # noqa: E402
+from jspec.parts.drafters.early_exit import load_head  # noqa: E402
 
 SPLIT = ("EESD Beta-TS", "EESD Cali-TS", "EESD K=5")  # the rows timed phase by phase
 HEADS = {"n1": "text-target-eesd-n1", "n1 head-only": "text-target-eesd-n1-k0",
@@ -74,7 +74,7 @@ def cases(target, draft, heads: dict) -> list[tuple[str, object]]:
 def control_cost(strategy, batch: int, reps: tuple[int, int] = (20, 120), runs: int = 5) -> float:
     """Seconds per round of the strategy's controller alone (EESD Table 8's "sampling"): its plan, a stop decision
     after every draft level when it makes them (Cali-TS's predictor), and its observation, in one program."""
-    from jspec.controllers import Record
+    from jspec.parts.controllers import Record
 
     parts = strategy.parts()
     ctrl, D = parts.controller, parts.plan.max_depth
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     heads = {}
     for key, name in HEADS.items():
         try:
-            heads[key] = load_head(str(ROOT / "jspec" / "zoo" / name), target)
+            heads[key] = load_head(str(ROOT / "assets" / "zoo" / "jspec_zoo" / name), target)
         except ValueError as e:
             print(f"skipping {key}: {e}")
     rows = []

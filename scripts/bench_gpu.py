@@ -1,4 +1,4 @@
-"""Every GPU measurement in one command of budgeted steps: the same as `jspec bench gpu` (see `jspec/bench_gpu.py`).
+"""Every GPU measurement in one command of budgeted steps: the same as `jspec bench gpu` (see `jspec/tools/bench/gpu.py`).
 
     python scripts/bench_gpu.py                 # on a GPU: scripts/results/gpu-<date>.{json,md,png}
     python scripts/bench_gpu.py --dry-run       # every step on the CPU at tiny shapes, into a temporary directory
@@ -9,7 +9,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from jspec import bench_gpu  # noqa: E402
+from jspec.tools.bench import gpu as bench_gpu  # noqa: E402
 
 if __name__ == "__main__":
     result = bench_gpu.main()

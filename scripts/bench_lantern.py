@@ -12,7 +12,7 @@ additive delta on EAGLE-2's dynamic tree (the paper's LANTERN baseline), with AR
 3 as references measured in the same run.
 
 Setup: the zoo's t2i-target (a 4-layer Chameleon, 8 x 8 codes of the t2i-vq tokenizer, 73 generated tokens per
-image with the end-of-row and end-of-image tokens) and its EAGLE-1 head (jspec/zoo/t2i-eagle, trained on the
+image with the end-of-row and end-of-image tokens) and its EAGLE-1 head (assets/zoo/jspec_zoo/t2i-eagle, trained on the
 target's own images by scripts/train_eagle_head.py), held-out scene captions, CFG 3, temperature 1, top-k 128 (a
 quarter of the 512 codes, as Lumina-mGPT's 2000 of 8192). Each method decodes the prompts as one batch, once to
 compile and `--runs` timed rounds interleaved over the methods (median decode time, the prefill outside it);
@@ -42,9 +42,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import imagegen as IG  # noqa: E402
-from jspec.drafters import eagle_io as IO  # noqa: E402
-from jspec.zoo import t2i as T  # noqa: E402
+from jspec.methods import imagegen as IG  # noqa: E402
+from jspec.parts.drafters import eagle_io as IO  # noqa: E402
+from jspec.tools.zoo import t2i as T  # noqa: E402
 
 SAMPLING = dict(cfg_scale=3.0, temperature=1.0, top_k=128)
 EXT, ORIG = "naive_extend_57", "mc_sim_7b_63"
@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=64, help="held-out captions decoded as one batch per method")
     ap.add_argument("--quality", type=int, default=128, help="images per method for consistency and zoo-FID")
     ap.add_argument("--runs", type=int, default=2, help="timed rounds (median)")
-    ap.add_argument("--head", default=str(ROOT / "jspec/zoo/t2i-eagle"))
+    ap.add_argument("--head", default=str(ROOT / "assets/zoo/jspec_zoo/t2i-eagle"))
     ap.add_argument("--out", default=str(ROOT / "scripts/results"))
     ap.add_argument("--quick", action="store_true", help="a few settings only")
     ap.add_argument("--grid", action="store_true", help="the paper's grid points the main run leaves out (docstring)")

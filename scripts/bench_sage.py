@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import bench  # noqa: E402
+from jspec.tools.bench import zoo as bench  # noqa: E402
 
 # the zoo's longest answers: text chats (mean 18 tokens, at most 36) and captions; image captions and the
 # five-image stories ("ood": mean 36, at most 67)
@@ -85,8 +85,8 @@ def controls(draft) -> list[tuple[str, object]]:
 def video_pair(n: int):
     """(target, draft, {scenario: prompt}, eos, max_new) of the zoo's video pair: held-out detailed descriptions and
     video QA questions, each scenario one batch prompt."""
-    from jspec import zoo
-    from jspec.zoo import video as ZV
+    from jspec.tools import zoo
+    from jspec.tools.zoo import video as ZV
 
     enc = ZV.VideoEncoder()
     scen = {"describe": enc.prompts(ZV.eval_set(n, tasks=("video_describe",))), "qa": enc.prompts(ZV.eval_set(n))}

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import bench  # noqa: E402
+from jspec.tools.bench import zoo as bench  # noqa: E402
 from jspec.methods.specvlm import family_top_p  # noqa: E402
 
 RATIOS = (0.0, 0.3, 0.6, 0.8, 0.9, 0.95)
@@ -40,7 +40,7 @@ CLIP_REPEATS = (1, 2, 3)  # Table 6's shape: the clip's frames each shown 1x, 2x
 
 
 def load_pair(draft: str = "video-draft"):
-    from jspec import zoo
+    from jspec.tools import zoo
 
     missing = [n for n in ("video-target", draft) if n not in zoo.available()]
     if missing:
@@ -49,7 +49,7 @@ def load_pair(draft: str = "video-draft"):
 
 
 def prompts(n: int, qa: bool):
-    from jspec.zoo import video as ZV
+    from jspec.tools.zoo import video as ZV
 
     tasks = ZV.QA_TASKS if qa else ("video_describe",)
     exs = ZV.eval_set(n, tasks=tasks)
@@ -58,7 +58,7 @@ def prompts(n: int, qa: bool):
 
 def long_prompt(exs, repeat: int) -> dict:
     """The examples' prompts with each frame shown `repeat` times (a clip `repeat` times as long, same content)."""
-    from jspec.zoo import video as ZV
+    from jspec.tools.zoo import video as ZV
 
     enc = ZV.VideoEncoder()
     rows, px, grids = [], [], []
@@ -113,7 +113,7 @@ def cases(draft, quick: bool = False) -> list[tuple[str, dict, object]]:
 
 
 def video_id() -> int:
-    from jspec.zoo import video as ZV
+    from jspec.tools.zoo import video as ZV
 
     return ZV.VIDEO_ID
 
@@ -134,7 +134,7 @@ def clip_study(target, draft, exs, max_new: int, runs: int, repeats=CLIP_REPEATS
     """The draft's decode time per token alone (AR on its own prompt), unpruned and pruned 90% by SpecVLM's
     selection (kept tokens from the target's prefill attention), against the clip length."""
     from jspec.methods.specvlm import VisionPruning
-    from jspec.zoo import video as ZV
+    from jspec.tools.zoo import video as ZV
     from ports import qwen2_vl as QW
 
     out = []
@@ -161,7 +161,7 @@ CLIP_TAU_CASES = (("SpecVLM r=0.0", dict(ratio=0.0)), ("SpecVLM r=0.9", dict(rat
 def clip_tau(target, draft, exs, max_new: int, repeats=CLIP_REPEATS) -> list[dict]:
     """tau against the clip length (each frame shown `repeat` times: the same content, `repeat` times the video
     tokens): the unpruned tree, SpecVLM and random pruning at 0.9, each checked against AR on the same prompt."""
-    from jspec.zoo import video as ZV
+    from jspec.tools.zoo import video as ZV
 
     out = []
     for rep in repeats:
@@ -183,9 +183,9 @@ def pruned_keep(target, draft, prompt, hook) -> np.ndarray:
     """[B, T] the video tokens SpecVLM's hook keeps for `prompt` (one target prefill, as decoding runs it)."""
     import jax.numpy as jnp
 
-    from jspec import loop
-    from jspec.drafters import Setup, TargetPrefill
-    from jspec.drafters.model import ModelDrafter
+    from jspec.engine import loop
+    from jspec.parts.drafters import Setup, TargetPrefill
+    from jspec.parts.drafters.model import ModelDrafter
     from ports.prompts import model_prompt
 
     tokens, lengths, inputs = model_prompt(target, prompt, "")

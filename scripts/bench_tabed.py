@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import bench  # noqa: E402
+from jspec.tools.bench import zoo as bench  # noqa: E402
 from jspec.methods.tabed import METHODS, TABED, TQ_TP, block_efficiency, expected_speedup  # noqa: E402
 
 SCENARIOS = ("first turn", "two images", "OOD", "second turn")
@@ -42,7 +42,7 @@ NEWLINE = "\n"
 
 
 def scenario_prompts(pair, n: int) -> dict:
-    from jspec.zoo import evaluate as ZE
+    from jspec.tools.zoo import evaluate as ZE
 
     exs = ZE.scenario_examples("image", n)
     first = [e for pair_ in zip(exs["caption"][:n // 2 + n % 2], exs["vqa"]) for e in pair_][:n]
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tabed-zoo"))
     args = ap.parse_args(argv)
-    from jspec.zoo import evaluate as ZE
+    from jspec.tools.zoo import evaluate as ZE
 
     pair = ZE.load_pair("image")
     newline = pair.encoder.text_ids(NEWLINE)[0]

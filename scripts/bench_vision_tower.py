@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jspec.bench_long import run_child  # noqa: E402
+from jspec.tools.bench.long import run_child  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time

@@ -27,8 +27,8 @@ STRATEGIES = ("AR", "Chain gamma=5", "Chain gamma=8", "Tree mc_sim_7b_63", "Dyna
 
 def build(name: str, pair):
     import jspec
-    from jspec.drafters.early_exit import load_head
-    from jspec.zoo import ZOO_DIR
+    from jspec.parts.drafters.early_exit import load_head
+    from jspec.tools.zoo import weights_dir
 
     d = pair.draft
     return {"AR": lambda: None,
@@ -37,7 +37,7 @@ def build(name: str, pair):
             "Tree mc_sim_7b_63": lambda: jspec.Tree(d, tree="mc_sim_7b_63"),
             "DynamicTree": lambda: jspec.DynamicTree(d),
             "SAGE": lambda: jspec.SAGE(d),
-            "EESD Beta-TS": lambda: jspec.EESD(load_head(str(ZOO_DIR / "text-target-eesd-n1"), pair.target)),
+            "EESD Beta-TS": lambda: jspec.EESD(load_head(str(weights_dir("text-target-eesd-n1")), pair.target)),
             }[name]()
 
 
@@ -47,7 +47,7 @@ def one(name: str, max_new: int, sampled: bool) -> dict:
     import numpy as np
 
     import jspec
-    from jspec.zoo import evaluate as ZE
+    from jspec.tools.zoo import evaluate as ZE
 
     pair = ZE.load_pair("text")
     exs = ZE.scenario_examples("text", 2)["text"]

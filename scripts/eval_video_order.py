@@ -24,9 +24,9 @@ def measure(n: int, seed: int = 0) -> dict:
     import jax.numpy as jnp
 
     import ports
-    from jspec.zoo import video as ZV
+    from jspec.tools.zoo import video as ZV
 
-    target = ports.load_hf(str(ROOT / "jspec" / "zoo" / "video-target"), jnp.float32)
+    target = ports.load_hf(str(ROOT / "assets" / "zoo" / "jspec_zoo" / "video-target"), jnp.float32)
     exs = ZV.eval_set(n, seed)
     enc = ZV.VideoEncoder()
     ans = {}

@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec import zoo  # noqa: E402
-from jspec.zoo import evaluate as ZE  # noqa: E402
-from jspec.zoo import world as ZW  # noqa: E402
+from jspec.tools import zoo  # noqa: E402
+from jspec.tools.zoo import evaluate as ZE  # noqa: E402
+from jspec.tools.zoo import world as ZW  # noqa: E402
 
 RESULTS_DIR = ROOT / "scripts" / "results"
 GROUNDED, TEXT_ONLY = ("caption", "vqa"), ("second_turn", "ood")

@@ -1,4 +1,4 @@
-"""Write the training data a registered chat model writes itself (`jspec.self_data`): prompts it was asked to
+"""Write the training data a registered chat model writes itself (`jspec.tools.self_data`): prompts it was asked to
 write about seed topics, then its answers drawn as EESD draws them (the first tokens greedy, then T = 1).
 
     python scripts/make_self_data.py                       # SmolLM2-135M-Instruct, 2048 seeds, 256-token answers
@@ -35,7 +35,8 @@ def main(argv=None) -> None:
 
     from tqdm import tqdm
 
-    from jspec import models, self_data as SD
+    from jspec.tools import models
+    from jspec.tools import self_data as SD
 
     out = Path(args.out or ROOT / "build" / "self-data" / f"{args.model}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)

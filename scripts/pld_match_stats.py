@@ -5,7 +5,7 @@
     python scripts/pld_match_stats.py --categories qa --questions 5
 
 Each question is answered once by jspec AR (greedy, 256 new tokens); then, along the steps a gamma-4 prompt lookup
-takes over that answer, the copy drafted at each step (`jspec.drafters.ngram.reference_draft`: the longest suffix of
+takes over that answer, the copy drafted at each step (`jspec.parts.drafters.ngram.reference_draft`: the longest suffix of
 at most 3 tokens seen before, its most frequent continuation, copied from the latest source) is compared with the
 answer's next tokens. Writes scripts/results/pld-match-<model>.{json,md}.
 """
@@ -36,10 +36,11 @@ def main(argv=None) -> dict:
     import jax
 
     import jspec
-    from jspec import compilation, models
-    from jspec.bench_specbench import load_questions
-    from jspec.drafters.ngram import reference_draft
-    from jspec.self_data import chat_ids
+    from jspec.engine import compilation
+    from jspec.tools import models
+    from jspec.tools.bench.spec_bench import load_questions
+    from jspec.parts.drafters.ngram import reference_draft
+    from jspec.tools.self_data import chat_ids
 
     compilation.enable_cache()
     model, tok = models.load(a.model)

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 def held_out_prompts(path: str, n: int) -> list[np.ndarray]:
     """The first n answered records' prompts (chat template applied, as written) of a self-written data file."""
-    from jspec import self_data as SD
+    from jspec.tools import self_data as SD
 
     seqs, starts = SD.sequences(SD.read(path))
     cut = max(1, len(seqs) // 20)  # what train_eagle_head.py holds out
@@ -58,8 +58,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     import jspec
-    from jspec import models
-    from jspec.drafters import eagle_io as IO
+    from jspec.tools import models
+    from jspec.parts.drafters import eagle_io as IO
 
     model, tok = models.load(args.model)
     head = models.head(args.model, "eagle", model, draft_vocab=None)

@@ -19,15 +19,15 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import bench  # noqa: E402
-from jspec.drafters.early_exit import load_head  # noqa: E402
+from jspec.tools.bench import zoo as bench  # noqa: E402
+from jspec.parts.drafters.early_exit import load_head  # noqa: E402
 
 HEADS = {"N = 1": "text-target-eesd-n1", "N = 2": "text-target-eesd-n2"}
 
 
 def main() -> None:
     target, _, scenarios, _, max_new = bench.zoo_pairs(8)["zoo text"]
-    heads = {n: load_head(str(ROOT / "jspec" / "zoo" / d), target) for n, d in HEADS.items()}
+    heads = {n: load_head(str(ROOT / "assets" / "zoo" / "jspec_zoo" / d), target) for n, d in HEADS.items()}
     rows = []
     for scen in ("text", "described_caption"):
         for temp in (0.0, 1.0):

@@ -38,9 +38,9 @@ Q_LEN = 12   # question slots (padded with the pad embedding)
 def dataset(n: int, seed: int, layout: str, features, embed: np.ndarray, tok):
     """(image features [n, 9, D], question embeddings [n, Q, D], answer class [n], index of the query position in
     the question [n], objects in the scene [n], number of classes)."""
-    from jspec.zoo import data as ZD
-    from jspec.zoo import tokenizer as TK
-    from jspec.zoo import world as ZW
+    from jspec.tools.zoo import data as ZD
+    from jspec.tools.zoo import tokenizer as TK
+    from jspec.tools.zoo import world as ZW
 
     colours = sorted(ZW.COLOURS)
     rng = random.Random(seed)
@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     import ports
-    from jspec import zoo
+    from jspec.tools import zoo
     from ports import llava
 
     target = zoo.load("image-target") if args.target is None else ports.load_hf(args.target, jnp.float32)

@@ -40,11 +40,11 @@ def load_target(args):
         cfg = TextConfig(model_type="llama", max_position_embeddings=4096, **SHAPES[args.shape])
         model = ports.random_model(cfg, 0, dtype=dtype)
     elif args.model == "zoo":
-        from jspec.zoo import load
+        from jspec.tools.zoo import load
 
         model = load("text-target")
     else:
-        from jspec import models
+        from jspec.tools import models
 
         model = models.load(args.model, dtype=args.dtype)[0]
     rng = np.random.default_rng(0)

@@ -28,9 +28,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import bench as BENCH  # noqa: E402
-from jspec import demo  # noqa: E402
-from jspec.zoo import evaluate as ZE  # noqa: E402
+from jspec.tools.bench import zoo as BENCH  # noqa: E402
+from jspec.tools import demo  # noqa: E402
+from jspec.tools.zoo import evaluate as ZE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

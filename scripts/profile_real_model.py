@@ -27,7 +27,10 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 import ports  # noqa: E402
-from jspec import api, loop, models, profiling  # noqa: E402
+from jspec import api  # noqa: E402
+from jspec.engine import loop
+from jspec.tools import models
+from jspec.engine import profiling
 from ports import cache as kvc  # noqa: E402
 from ports import cpu_dot  # noqa: E402
 
@@ -66,10 +69,10 @@ def widths(model, slots: int = 1024, prompt: int = 300) -> None:
 
 
 def loops(model, prompt: int = 300) -> None:
-    from jspec.drafters.ngram import NgramDrafter
-    from jspec.plans import StaticPlan
-    from jspec.strategy import Speculative
-    from jspec.verify import as_rule
+    from jspec.parts.drafters.ngram import NgramDrafter
+    from jspec.parts.plans import StaticPlan
+    from jspec.engine.strategy import Speculative
+    from jspec.parts.rules import as_rule
 
     ids = np.random.default_rng(0).integers(100, 4000, prompt).astype(np.int32)
     pl = jspec.PromptLookup(3, 10)

@@ -1,5 +1,5 @@
 """Where one decode step's time goes, for one prompt of a zoo pair: the phases and the whole step timed inside one
-compiled program (`jspec.profiling`), the fused decode loop's time per step, and the composition control (a draft
+compiled program (`jspec.engine.profiling`), the fused decode loop's time per step, and the composition control (a draft
 phase and an unrelated target AR step, repeated apart and in one loop body).
 
     python scripts/profile_step.py                         # zoo text pair, Chain gamma=5, the longest chat answer
@@ -9,9 +9,9 @@ phase and an unrelated target AR step, repeated apart and in one loop body).
     python scripts/profile_step.py --draft-size            # the composition control with drafts of other widths
 
 Prints one line per round (medians inside each), so a noisy host shows as spread between rounds. `--calls` fits
-whole calls' decode time as per call + per step x steps instead (`jspec.profiling.call_costs`; 4 prompts, EOS off,
+whole calls' decode time as per call + per step x steps instead (`jspec.engine.profiling.call_costs`; 4 prompts, EOS off,
 4-24 new tokens), with the zero-step launch of the compiled loop and the prefill, for AR and for Chain. `--ops`
-traces one decode loop of each (`jspec.profiling.op_costs`) and prints its time per step by XLA operation.
+traces one decode loop of each (`jspec.engine.profiling.op_costs`) and prints its time per step by XLA operation.
 `--draft-size` runs the composition control with the zoo draft and with random drafts of its depth at its width and
 at a quarter of it: the same operations and instruction count on fewer weight bytes, to tell what composing costs
 by data (the target's pass evicting the draft's weights) from what it costs per instruction (random weights of the
@@ -31,8 +31,8 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import api  # noqa: E402
-from jspec import bench as BENCH  # noqa: E402
-from jspec import profiling as PF  # noqa: E402
+from jspec.tools.bench import zoo as BENCH  # noqa: E402
+from jspec.engine import profiling as PF  # noqa: E402
 
 
 def main(argv=None) -> None:

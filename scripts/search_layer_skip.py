@@ -3,14 +3,14 @@
     python scripts/search_layer_skip.py                        # SmolLM2-135M-Instruct on its self-written data
     python scripts/search_layer_skip.py --max-skip 12 --ship   # ... and ship the chosen set with the package
 
-Greedy backward elimination (`jspec.drafters.layer_skip.search`): each round drops the layer whose removal keeps
+Greedy backward elimination (`jspec.tools.train.layer_skip.search`): each round drops the layer whose removal keeps
 the reduced model's top-1 equal to the full model's on the most answer positions of the model's own text
 (`scripts/make_self_data.py`, the first sequences; teacher-forced). Then, for each number of skipped layers s, the
 predicted greedy speedup of a chain of gamma drafts, with a = that round's agreement taken as a per-token
 acceptance rate: tau = (1 - a^(gamma+1)) / (1 - a) tokens per target step, at a cost of gamma draft steps
 (`draft_cost`: the reduced model's share of the multiply-adds, its LM head included) plus one verify of gamma + 1
 tokens (`--verify-cost`, in AR steps; measured on this CPU). The set with the best prediction is the choice;
-`--ship` writes it to jspec/heads/<model>/layer-skip/layers.json (`jspec.models.head(model, "layer-skip")`).
+`--ship` writes it to assets/heads/jspec_heads/<model>/layer-skip/layers.json (`jspec.models.head(model, "layer-skip")`).
 Writes scripts/results/layer-skip-<model>.{json,md,png}.
 """
 from __future__ import annotations
@@ -48,9 +48,10 @@ def main(argv=None) -> dict:
 
     import numpy as np
 
-    from jspec import models
-    from jspec import self_data as SD
-    from jspec.drafters import layer_skip as LS
+    from jspec.tools import models
+    from jspec.tools import self_data as SD
+    from jspec.parts.drafters import layer_skip as LS
+    from jspec.tools.train import layer_skip as LSS
     from jspec.methods import eesd_train as EST
 
     target, _ = models.load(a.model)
@@ -66,7 +67,7 @@ def main(argv=None) -> dict:
         n_tok = int(sum(float(np.asarray(b["weights"]).sum()) for b in batches))
         print(f"{a.model}: {target.config.num_layers} layers; scoring on {len(batches)} packed rows, {n_tok} answer "
               f"positions", flush=True)
-        _, rounds = LS.search(target, batches, a.max_skip, progress=lambda r, i, ag: print(
+        _, rounds = LSS.search(target, batches, a.max_skip, progress=lambda r, i, ag: print(
             f"  round {r + 1}: skip layer {i}, agreement {ag:.4f} ({time.time() - t0:.0f} s)", flush=True))
     rows = []
     for r in rounds:

@@ -1,16 +1,16 @@
 """Train Cali-TS's acceptance predictor for a trained early-exit head, and save it beside the head.
 
-    python scripts/train_cali.py --target text-target --head jspec/zoo/text-target-eesd-n1 --steps 300
-    python scripts/train_cali.py --target text-target --head jspec/zoo/text-target-eesd-n1 --steps 300 --resume
+    python scripts/train_cali.py --target text-target --head assets/zoo/jspec_zoo/text-target-eesd-n1 --steps 300
+    python scripts/train_cali.py --target text-target --head assets/zoo/jspec_zoo/text-target-eesd-n1 --steps 300 --resume
     python scripts/train_cali.py --target DIR --head HEAD_DIR --texts prompts.jsonl ...     # an HF checkpoint
-    python scripts/train_cali.py --target smollm2-135m-instruct --head jspec/heads/smollm2-135m-instruct/eesd \
+    python scripts/train_cali.py --target smollm2-135m-instruct --head assets/heads/jspec_heads/smollm2-135m-instruct/eesd \
         --data build/self-data/smollm2-135m-instruct.jsonl --gen-tokens 256 --seq-len 400 --pad-prompt-to 144
 
 Data: the target's greedy continuations (--gen-tokens) of prompts (a zoo target: the zoo's text tasks, other
 examples than the head was trained on; a registered model: the last prompts of its self-written data, --data;
 otherwise --texts), made once and kept in the work directory; labels by
-teacher forcing (`jspec.methods.cali_train`). The last --heldout generations are held out: their cross-entropy,
-accuracy and calibration are logged. AdamW, warmup + cosine (`jspec.train`); orbax checkpoints every --ckpt-minutes
+teacher forcing (`jspec.tools.train.cali`). The last --heldout generations are held out: their cross-entropy,
+accuracy and calibration are logged. AdamW, warmup + cosine (`jspec.tools.train.trainer`); orbax checkpoints every --ckpt-minutes
 and on Ctrl-C; `--resume` continues. At the end the predictor is saved into the head's directory
 (`calibration.safetensors` + `calibration.json`), where `load_head` finds it for `jspec.EESD(head, controller="cali")`.
 """
@@ -32,17 +32,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import train_eesd as TE  # noqa: E402
-from jspec import train as jt  # noqa: E402
-from jspec.controllers import calibration as CAL  # noqa: E402
-from jspec.drafters import early_exit as EE  # noqa: E402
+from jspec.tools.train import trainer as jt  # noqa: E402
+from jspec.parts.controllers import calibration as CAL  # noqa: E402
+from jspec.parts.drafters import early_exit as EE  # noqa: E402
 from jspec.methods import cali_train as CT  # noqa: E402
 from jspec.methods import eesd_train as EST  # noqa: E402
 
 
 def data_prompts(path: str, n: int) -> list[np.ndarray]:
-    """The prompts of the last `n` answered records of a self-written data file (`jspec.self_data`): the EESD
+    """The prompts of the last `n` answered records of a self-written data file (`jspec.tools.self_data`): the EESD
     trainer holds out the last 5% of its records, so these are mostly prompts the head never saw."""
-    from jspec import self_data as SD
+    from jspec.tools import self_data as SD
 
     seqs, starts = SD.sequences(SD.read(path))
     if len(seqs) < n:

@@ -5,15 +5,15 @@
         --data build/self-data/smollm2-135m-instruct.jsonl --out build/eagle3/smollm2-135m-instruct \
         --seq-len 512 --draft-vocab 8192 --minutes 50 --ship
 
-The head (`jspec.drafters.eagle3`): fc [3D -> D] over the target's residual streams at three layers (default
+The head (`jspec.parts.drafters.eagle3`): fc [3D -> D] over the target's residual streams at three layers (default
 EAGLE-3's 2, L // 2, L - 3; --aux-layers), one decoder layer whose attention reads [embedding; fused state], its
 own norm and an LM head over the --draft-vocab tokens the training answers use most (0: every token). The loss is
-training-time test (`jspec.methods.eagle3_train`): --ttt-steps steps, the head's own states fed back, KL to the
+training-time test (`jspec.tools.train.eagle3`): --ttt-steps steps, the head's own states fed back, KL to the
 target's next-token distribution over the draft vocabulary, step s weighted --decay**s. AdamW (0.9, 0.95) after a
 per-value gradient clip of 0.5, warmup (3%) then decay.
 
 Data and held-out batches are `train_eagle_head.py`'s: the zoo's text chats for a zoo target; for a registered
-real model (`jspec.models`), the text it wrote itself (--data, `jspec.self_data`), answers weighted, the first 5%
+real model (`jspec.models`), the text it wrote itself (--data, `jspec.tools.self_data`), answers weighted, the first 5%
 of the records held out; for an HF checkpoint directory, --texts.
 
 Everything goes to --out: orbax checkpoints (ckpt/), the log (log.jsonl: loss, kl_s and top1_s per step s, per
@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 import train_eagle_head as TE  # noqa: E402  (scripts/: the data and target helpers the EAGLE-1 trainer uses)
-from jspec import train as jt  # noqa: E402
-from jspec.drafters import eagle3 as E3  # noqa: E402
-from jspec.drafters import eagle3_io as IO  # noqa: E402
-from jspec.drafters import eagle_io as EIO  # noqa: E402
+from jspec.tools.train import trainer as jt  # noqa: E402
+from jspec.parts.drafters import eagle3 as E3  # noqa: E402
+from jspec.parts.drafters import eagle3_io as IO  # noqa: E402
+from jspec.parts.drafters import eagle_io as EIO  # noqa: E402
 from jspec.methods import eagle3_train as E3T  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def main(argv=None) -> dict:
 
     target, is_zoo = TE.load_target(args.target)
     cfg, _ = E3.text_parts(target)  # a clear error for targets an EAGLE-3 head cannot serve
-    from jspec import models
+    from jspec.tools import models
 
     registered = TE.check_sources(args, is_zoo)
     if is_zoo and args.draft_vocab:

@@ -3,24 +3,24 @@
     python scripts/train_eagle_head.py --target text-target --out build/eagle/text-target --steps 600
     python scripts/train_eagle_head.py --target text-target --out build/eagle/text-target --minutes 20
     python scripts/train_eagle_head.py --target DIR --texts chats.jsonl --out OUT --steps 2000 --lr 1e-4
-    python scripts/train_eagle_head.py --target t2i-target --out jspec/zoo/t2i-eagle --seq-len 112 --batch 16
+    python scripts/train_eagle_head.py --target t2i-target --out assets/zoo/jspec_zoo/t2i-eagle --seq-len 112 --batch 16
     python scripts/train_eagle_head.py --target smollm2-135m-instruct --data build/self-data/smollm2-135m-instruct.jsonl \
         --out build/eagle/smollm2-135m-instruct --seq-len 512 --minutes 50 --ship
 
-The head (`jspec.drafters.eagle.EagleHead`): fc [2D -> D] with bias over [token embedding; target feature] and one
+The head (`jspec.parts.drafters.eagle.EagleHead`): fc [2D -> D] with bias over [token embedding; target feature] and one
 decoder layer of the target's family, initialised from the target's last layer (`eagle.init_head`); the target's
 embedding and LM head are used frozen, never copied. The loss is LANTERN++ 2.2 / EAGLE-1's
-(`jspec.methods.eagle_train`): SmoothL1 between the predicted and the target's next feature + 0.1 x the
+(`jspec.tools.train.eagle`): SmoothL1 between the predicted and the target's next feature + 0.1 x the
 cross-entropy of the target's LM head over both, on the generated tokens only, with EAGLE's uniform feature noise
 (--noise 0.2; its scale 512 / L assumes long rows, 0 disables). AdamW (0.9, 0.95) after a per-value gradient
 clip of 0.5, warmup (3% of --steps) then decay. The paper's lr 1e-4 is for 7B targets: small ones want ~1e-3.
 
-Data: a zoo target (`jspec.zoo.available()`: text-target, image-target's language model) trains on the zoo's
+Data: a zoo target (`jspec.tools.zoo.available()`: text-target, image-target's language model) trains on the zoo's
 text chats (the tasks the zoo's text pair is trained on, T view, packed rows), weighted on the answers (the zoo's
 `target_mask`), with 4 held-out batches evaluated at each checkpoint. Another target (an HF checkpoint directory)
 needs --texts: JSON lines of {"text": ...} (every token weighted) or {"prompt": ..., "answer": ...} (the answer's
 tokens weighted), tokenized with the directory's tokenizer; the first 5% are held out. A registered real model
-(`jspec.models`, e.g. smollm2-135m-instruct) trains on the data it wrote itself (--data, `jspec.self_data`: the
+(`jspec.models`, e.g. smollm2-135m-instruct) trains on the data it wrote itself (--data, `jspec.tools.self_data`: the
 answers weighted, the first 5% of the records held out); --ship saves its head in bfloat16 where the package ships
 it (`jspec.models.head(name, "eagle")`), with the answer tokens' counts (`token_counts.npy`) from which the
 drafter's reduced vocabulary is taken. The zoo's text-to-image
@@ -52,25 +52,25 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec import train as jt  # noqa: E402
-from jspec.drafters import eagle as EG  # noqa: E402
-from jspec.drafters import eagle_io as IO  # noqa: E402
+from jspec.tools.train import trainer as jt  # noqa: E402
+from jspec.parts.drafters import eagle as EG  # noqa: E402
+from jspec.parts.drafters import eagle_io as IO  # noqa: E402
 from jspec.methods import eagle_train as EGT  # noqa: E402
 
 
 def load_target(spec: str):
     """(target, is_zoo): a shipped zoo model by name, else an HF checkpoint directory."""
-    from jspec import zoo
+    from jspec.tools import zoo
 
     if spec == "t2i-target":
-        from jspec.zoo import t2i
+        from jspec.tools.zoo import t2i
 
         return t2i.load_target(), True
     if spec in zoo.available():
         return zoo.load(spec), True
     if spec in zoo.MODEL_NAMES:
         zoo.model_dir(spec)  # raises: named but not shipped
-    from jspec import models
+    from jspec.tools import models
 
     if spec in models.REGISTRY:
         return models.load(spec)[0], False
@@ -84,7 +84,7 @@ def load_target(spec: str):
 def zoo_text_stream(batch: int, seq_len: int, seed: int, split: str = "train"):
     """start -> `fit` batches of the zoo's text chats (packed, answers weighted: the zoo's target_mask, whose
     convention is the head's: entry j counts when token j + 1 is an answer token)."""
-    from jspec.zoo import data as ZD
+    from jspec.tools.zoo import data as ZD
 
     ZD.register_described_tasks()
 
@@ -105,7 +105,7 @@ def t2i_items(target, n: int, seed: int, split: str, cache_dir: Path, batch: int
     images the target generated from captions, under the sampling it decodes with): [<s> caption] + prefix +
     image tokens, and the prefix alone + the same image tokens. Generated once and cached in `cache_dir`."""
     import jspec
-    from jspec.zoo import t2i as T
+    from jspec.tools.zoo import t2i as T
 
     path = cache_dir / f"selfgen-{split}-{seed}-{n}.npz"
     caps = [T.caption_ids(T.caption(T.scene(split, i, seed))) for i in range(n)]
@@ -151,9 +151,9 @@ def file_items(path: str, target_dir: str) -> list:
 
 
 def self_data_items(path: str) -> list:
-    """Training items of a self-written data file (`jspec.self_data`): each answered record's tokens, with the
+    """Training items of a self-written data file (`jspec.tools.self_data`): each answered record's tokens, with the
     answer's entries weighted."""
-    from jspec import self_data as SD
+    from jspec.tools import self_data as SD
 
     seqs, starts = SD.sequences(SD.read(path))
     if not seqs:
@@ -182,7 +182,7 @@ def add_source_arguments(ap: argparse.ArgumentParser, kind: str) -> None:
 def check_sources(args, is_zoo: bool) -> bool:
     """SystemExit naming what is missing for the target's data or --ship; returns whether the target is a
     registered real model."""
-    from jspec import models
+    from jspec.tools import models
 
     registered = args.target in models.REGISTRY
     if registered and not args.data:
@@ -247,7 +247,7 @@ def main(argv=None) -> None:
 
     target, is_zoo = load_target(args.target)
     EG.text_parts(target)  # a clear error for targets a feature head cannot serve
-    from jspec import models
+    from jspec.tools import models
 
     registered = check_sources(args, is_zoo)
     out = Path(args.out).resolve()
@@ -257,11 +257,11 @@ def main(argv=None) -> None:
 
     table = None
     if args.target == "t2i-target":
-        from jspec.neighbours import NeighbourTable
-        from jspec.zoo import t2i as T
+        from jspec.parts.neighbours import NeighbourTable
+        from jspec.tools.zoo import t2i as T
         from ports import vqgan as VQ
 
-        from jspec import imagegen as IG
+        from jspec.methods import imagegen as IG
 
         target = IG._generating(target)
         items = t2i_items(target, args.t2i_images, args.seed, "train", out / "data")

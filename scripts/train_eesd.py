@@ -12,10 +12,10 @@ own text tasks, the text a zoo model is trained to write; otherwise --texts, a J
 mixed with the target's own generations for prompts of the
 same data (`--gen-share` of each batch's rows, the continuations weighted; the first --greedy-first tokens greedy, the rest sampled: the
 LLM-QAT hybrid EESD uses; 0 trains on open text alone, the paper's "w/o SD" ablation). The generations are made
-once and kept in the work directory. Loss: next-token cross-entropy; AdamW, warmup + cosine (`jspec.train`).
+once and kept in the work directory. Loss: next-token cross-entropy; AdamW, warmup + cosine (`jspec.tools.train.trainer`).
 Orbax checkpoints every --ckpt-minutes and on Ctrl-C / SIGTERM; `--resume` continues bit-identically. At the end
-the head is saved (`jspec.drafters.early_exit.save_head`: model.safetensors in the PyTorch layout + eesd_head.json)
-to --out (default: jspec/zoo/<target>-eesd-n<N> for a zoo target), with a loss plot beside the run's log.
+the head is saved (`jspec.parts.drafters.early_exit.save_head`: model.safetensors in the PyTorch layout + eesd_head.json)
+to --out (default: jspec/tools/zoo/<target>-eesd-n<N> for a zoo target), with a loss plot beside the run's log.
 `--data` (a file of `scripts/make_self_data.py`: prompts the target wrote and its answers, drawn greedy-first then
 T = 1) is already the target's own text: it replaces both sources, the answers weighted, its last 5% held out.
 """
@@ -36,13 +36,14 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec import train as jt  # noqa: E402
-from jspec.drafters import early_exit as EE  # noqa: E402
+from jspec.tools.train import trainer as jt  # noqa: E402
+from jspec.parts.drafters import early_exit as EE  # noqa: E402
 from jspec.methods import eesd_train as EST  # noqa: E402
 
 
 def load_target(spec: str):
-    from jspec import models, zoo
+    from jspec.tools import models
+    from jspec.tools import zoo
 
     if spec in zoo.MODEL_NAMES:
         return zoo.load(spec), True
@@ -54,8 +55,8 @@ def load_target(spec: str):
 
 
 def data_streams(path: str, batch: int, seq_len: int, start: int):
-    """(train stream, held-out batches) of a self-written data file (`jspec.self_data`), answers weighted."""
-    from jspec import self_data as SD
+    """(train stream, held-out batches) of a self-written data file (`jspec.tools.self_data`), answers weighted."""
+    from jspec.tools import self_data as SD
 
     seqs, starts = SD.sequences(SD.read(path))
     try:
@@ -69,7 +70,7 @@ def data_streams(path: str, batch: int, seq_len: int, start: int):
 
 
 def zoo_open_stream(batch: int, seq_len: int, seed: int, start: int, split: str = "train"):
-    from jspec.zoo import data as ZD
+    from jspec.tools.zoo import data as ZD
 
     ZD.register_described_tasks()
     for b in ZD.batches(split, batch, seq_len, seed, tasks=ZD.TEXT_PAIR_TASKS, view="T", pack=True, start=start):
@@ -81,8 +82,8 @@ def zoo_open_stream(batch: int, seq_len: int, seed: int, start: int, split: str 
 def zoo_prompts(n: int, seed: int) -> list[np.ndarray]:
     """Prompts (up to the last answer) of the zoo's text training examples, from the end of the stream the open
     text reads first (so the generations answer other questions than the open batches of the first steps)."""
-    from jspec.zoo import data as ZD
-    from jspec.zoo import world as ZW
+    from jspec.tools.zoo import data as ZD
+    from jspec.tools.zoo import world as ZW
 
     ZD.register_described_tasks()
     enc = ZD.Encoder(None, view="T")
@@ -202,11 +203,11 @@ def main(argv=None) -> None:
         print(f"{tag}: stopped at step {meta['step']} of {meta['total_steps']}: rerun with --resume")
         return
     if args.ship:
-        from jspec import models
+        from jspec.tools import models
 
         out = Path(models.head_dir(args.target, "eesd"))
     else:
-        out = Path(args.out or (ROOT / "jspec" / "zoo" / tag if is_zoo else workdir / "head"))
+        out = Path(args.out or (ROOT / "assets" / "zoo" / "jspec_zoo" / tag if is_zoo else workdir / "head"))
     last = [r for r in jt.read_log(workdir / "log.jsonl") if "heldout_loss" in r][-1]
     head = head.replace(params=state["params"])
     import jax.numpy as jnp

@@ -31,11 +31,11 @@ Models (presets in `PRESETS`; our ports are the models; the text pair is trained
                   tokens per two frames, 288 per 64-frame clip; hidden 128, 4 blocks, window attention inside each
                   grid cell except blocks 1 and 3) + a Qwen2 LM started from image-target's LLaMA (hidden 256, 6
                   layers; q/k/v biases start at zero; M-RoPE sections (8, 12, 12)); the video tasks of
-                  `jspec.zoo.video` (moves, appearances, counts over time, detailed descriptions), with the focus
+                  `jspec.tools.zoo.video` (moves, appearances, counts over time, detailed descriptions), with the focus
                   losses of image-target from the start and `time_loss` (each video token's stream must name its
                   temporal group)
     video-draft   the same family and recipe: tower hidden 64, 2 blocks + image-draft's LLaMA (hidden 128, 3 layers)
-The video models train on rows of one clip and several QA segments about it (`jspec.zoo.video.batches`: each
+The video models train on rows of one clip and several QA segments about it (`jspec.tools.zoo.video.batches`: each
 segment sees the clip and itself only, at the positions greedy decoding gives it alone: the question at its prompt's
 M-RoPE ids, the answer where generation feeds it (`video.segment_positions`), so a row is several single-question
 prompts and their answers that read the clip once); the clips are rendered in `--workers` processes. Their recipe is the image pair's:
@@ -59,7 +59,7 @@ description ("Picture: There are two shapes. A big red circle is in the top left
 about scenes exist in text form and every training answer follows from the prompt.
 
 Training: AdamW (optax, inject_hyperparams: the learning rate, linear warmup then cosine decay to 10%, is set each
-step), global-norm clipping 1.0, weight decay on matrices; packed sequences (`jspec.zoo.data.batches`, pack=True)
+step), global-norm clipping 1.0, weight decay on matrices; packed sequences (`jspec.tools.zoo.data.batches`, pack=True)
 under a segment mask (a token attends causally within its own example only) through `ports.llama.forward`; the
 loss is the mean cross-entropy over answer tokens (`target_mask`: the tokens of assistant answers and their EOS),
 plus, with `prompt_loss`, that weight times the mean over the prompt's text tokens (`prompt_mask`).
@@ -68,11 +68,11 @@ Fixed seeds (init and data from --seed). Orbax checkpoints every --ckpt-minutes 
 interrupted run ends where an uninterrupted one would. The schedule length is --steps, or, without it, estimated
 after the first steps to fill --minutes; --minutes also stops the run (checkpointed; resume it later). At the end:
 a loss-curve PNG (scripts/results/zoo-<name>-loss.png), and the model exported with `ports.save_hf` (bf16
-storage) into jspec/zoo/<name>/ with the tokenizer files (image models: also the LlavaProcessor files) and
+storage) into assets/zoo/jspec_zoo/<name>/ with the tokenizer files (image models: also the LlavaProcessor files) and
 training.json, so `transformers.AutoModelForCausalLM` / `AutoTokenizer` (image models:
-`LlavaForConditionalGeneration` / `AutoProcessor`) and `jspec.zoo.load(name)` read the directory.
+`LlavaForConditionalGeneration` / `AutoProcessor`) and `jspec.tools.zoo.load(name)` read the directory.
 
-Reproduce the shipped models (commands also in jspec/zoo/<name>/training.json; a 2-core CPU took ~95 minutes):
+Reproduce the shipped models (commands also in assets/zoo/jspec_zoo/<name>/training.json; a 2-core CPU took ~95 minutes):
     python scripts/train_zoo.py train text-base --steps 1291              # first cosine cycle (sized by --minutes 38)
     python scripts/train_zoo.py train text-base --resume --steps 2600     # warm restart at lr 1e-3, second cycle
     python scripts/train_zoo.py train text-target --steps 1113            # grown from text-base (sized by --minutes 36)
@@ -90,7 +90,7 @@ included):
     python scripts/train_zoo.py train image-target-focus --steps 2000     # 37 min
     python scripts/train_zoo.py train image-target --steps 1600           # 31 min
     python scripts/train_zoo.py train image-target --resume --steps 3200 --restart-lr 1   # second cycle
-Video pair (GPU; needs jspec/zoo/image-target and image-draft, whose LMs it starts from); both at once on one GPU,
+Video pair (GPU; needs assets/zoo/jspec_zoo/image-target and image-draft, whose LMs it starts from); both at once on one GPU,
 each sized to and stopped at 8.5 minutes:
     XLA_PYTHON_CLIENT_PREALLOCATE=false python scripts/train_zoo.py train video-draft --minutes 8.5 --workers 5 \
         --export-partial &
@@ -101,9 +101,9 @@ each sized to and stopped at 8.5 minutes:
 Those GPU runs trained answers at positions that continued the question; generation feeds them after the clip's
 temporal ids (`video.segment_positions`), so both were then fine-tuned from their exports on the fixed rows (CPU,
 2 cores; `--init-from DIR` skips the LM init, tower pretraining and alignment; commands in their training.json):
-    python scripts/train_zoo.py train video-target --init-from jspec/zoo/video-target --batch 8 --lr 3e-4 \
+    python scripts/train_zoo.py train video-target --init-from assets/zoo/jspec_zoo/video-target --batch 8 --lr 3e-4 \
         --warmup 20 --minutes 20 --workdir build/zoo/video-target-ft --export-partial
-    python scripts/train_zoo.py train video-draft --init-from jspec/zoo/video-draft --batch 8 --lr 6e-4 \
+    python scripts/train_zoo.py train video-draft --init-from assets/zoo/jspec_zoo/video-draft --batch 8 --lr 6e-4 \
         --warmup 20 --minutes 8 --workdir build/zoo/video-draft-ft --export-partial
 Measure the shipped pairs (exact match per task, acceptance per scenario and view): scripts/eval_zoo.py.
 Other commands: `export NAME` (re-export from the latest checkpoint), `plot NAME`.
@@ -134,11 +134,11 @@ import optax  # noqa: E402
 
 import ports  # noqa: E402
 from ports import cache as kvc  # noqa: E402
-from jspec import train as jt  # noqa: E402
-from jspec.zoo import data as ZD  # noqa: E402
-from jspec.zoo import tokenizer as TK  # noqa: E402
-from jspec.zoo import video as VID  # noqa: E402
-from jspec.zoo import world as ZW  # noqa: E402
+from jspec.tools.train import trainer as jt  # noqa: E402
+from jspec.tools.zoo import data as ZD  # noqa: E402
+from jspec.tools.zoo import tokenizer as TK  # noqa: E402
+from jspec.tools.zoo import video as VID  # noqa: E402
+from jspec.tools.zoo import world as ZW  # noqa: E402
 from ports import layers as LY  # noqa: E402
 from ports.fused import fuse_params  # noqa: E402
 from ports import llama, llava  # noqa: E402
@@ -146,7 +146,7 @@ from ports import qwen2_vl as QW  # noqa: E402
 from ports import qwen2_vl_vision as QV  # noqa: E402
 from ports import vision as VIS  # noqa: E402
 
-ZOO_DIR = ROOT / "jspec" / "zoo"
+ZOO_DIR = ROOT / "assets" / "zoo" / "jspec_zoo"
 RESULTS_DIR = ROOT / "scripts" / "results"
 
 ZD.register_described_tasks()
@@ -199,7 +199,7 @@ class Preset:
                                   # (`grow_params`: depth growth, the source's function at step 0)
     data_start: int = 0           # index of the first training example (a grown model reads examples its source
                                   # never saw)
-    ship: bool = True             # exported into jspec/zoo/NAME; else a training stage, exported into build/stages
+    ship: bool = True             # exported into jspec/tools/zoo/NAME; else a training stage, exported into build/stages
 
 
 PRESETS = {
@@ -286,7 +286,7 @@ def mrope_section(head_dim: int) -> tuple[int, int, int]:
 
 def video_hf_config(p: Preset) -> dict:
     """Qwen2.5-VL config of a video preset: the LM is Qwen2 (q/k/v biases) of the LLaMA shape `p.lm` under M-RoPE;
-    the tower reads `jspec.zoo.video`'s clips (window = one grid cell, 16 px); token ids: `video.special_ids()`."""
+    the tower reads `jspec.tools.zoo.video`'s clips (window = one grid cell, 16 px); token ids: `video.special_ids()`."""
     v = p.vision
     text = {**text_hf_config(p.lm), "model_type": "qwen2", "max_position_embeddings": 1024,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -335,7 +335,7 @@ def new_model(p: Preset, seed: int) -> ports.Model:
 
 
 def export_dir(name: str) -> Path:
-    """Where `train NAME` exports by default: jspec/zoo/NAME for a shipped model, build/stages/NAME for a stage."""
+    """Where `train NAME` exports by default: jspec/tools/zoo/NAME for a shipped model, build/stages/NAME for a stage."""
     return (ZOO_DIR if PRESETS[name].ship else ROOT / "build" / "stages") / name
 
 
@@ -572,7 +572,7 @@ def pretrain_tower(p: Preset, model: ports.Model, seed: int, batch: int = 64) ->
 
 
 # ---------------------------------------------------------------------------------------------- the video pair
-# Qwen2.5-VL on `jspec.zoo.video`'s rows: the clip's frames arrive as uint8 and become the processor's patches on
+# Qwen2.5-VL on `jspec.tools.zoo.video`'s rows: the clip's frames arrive as uint8 and become the processor's patches on
 # the device (the same lookup table and layout as `video.video_pixels`); the tower runs on every temporal group of
 # every row at once ([B * 32 frames, 36 patches]) and its merged tokens replace the video placeholders, which sit
 # at the same positions in every row (`video.PREFIX_VIDEO_START`).
@@ -1020,7 +1020,7 @@ def reproduce_commands(name: str, meta: dict) -> list[str]:
 
 
 def export(name: str, model: ports.Model, meta: dict, workdir: Path, out: Path | None = None) -> Path:
-    """jspec/zoo/<name>/ (or `out`): model.safetensors (bf16) + config.json + generation_config.json + tokenizer files
+    """assets/zoo/jspec_zoo/<name>/ (or `out`): model.safetensors (bf16) + config.json + generation_config.json + tokenizer files
     (+ processor files for image models) + training.json."""
     out = Path(out or export_dir(name))
     if out.exists():
@@ -1149,7 +1149,7 @@ def main(argv=None) -> None:
     t.add_argument("--lr", type=float, default=None)
     t.add_argument("--tower-steps", type=int, default=None, help="tower pretraining steps (default: the preset's)")
     t.add_argument("--init-from", default=None,
-                   help="continue an exported model of this preset's shape (a directory, e.g. jspec/zoo/video-target, "
+                   help="continue an exported model of this preset's shape (a directory, e.g. assets/zoo/jspec_zoo/video-target, "
                         "or a preset name): no LM init, tower pretraining or alignment, straight to the full model; "
                         "its training.json's history is kept in the export")
     t.add_argument("--warmup", type=int, default=None, help="learning-rate warmup steps (default: the preset's)")
@@ -1163,11 +1163,11 @@ def main(argv=None) -> None:
     t.add_argument("--ckpt-minutes", type=float, default=3.0)
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--export-partial", action="store_true", help="export even if the schedule did not finish")
-    t.add_argument("--out", default=None, help="export directory (default jspec/zoo/NAME; a stage: build/stages/NAME)")
+    t.add_argument("--out", default=None, help="export directory (default jspec/tools/zoo/NAME; a stage: build/stages/NAME)")
     e = sub.add_parser("export", help="export NAME from its latest checkpoint")
     e.add_argument("name", choices=sorted(PRESETS))
     e.add_argument("--workdir", default=None)
-    e.add_argument("--out", default=None, help="export directory (default jspec/zoo/NAME; a stage: build/stages/NAME)")
+    e.add_argument("--out", default=None, help="export directory (default jspec/tools/zoo/NAME; a stage: build/stages/NAME)")
     ev = sub.add_parser("eval-video", help="held-out video QA exact match (clips, shuffled, blank) and SD acceptance")
     ev.add_argument("name", choices=sorted(n for n, q in PRESETS.items() if q.kind == "video"))
     ev.add_argument("--draft", default=None, help="a video draft to measure Chain SD acceptance with")

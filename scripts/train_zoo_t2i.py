@@ -1,4 +1,4 @@
-"""Train, export and measure the zoo's text-to-image pair (jspec/zoo/t2i-vq, jspec/zoo/t2i-target).
+"""Train, export and measure the zoo's text-to-image pair (assets/zoo/jspec_zoo/t2i-vq, assets/zoo/jspec_zoo/t2i-target).
 
     python scripts/train_zoo_t2i.py vq --minutes 28                 # the VQ tokenizer (resumable: --resume)
     python scripts/train_zoo_t2i.py encode                          # cache the training set's codes (build/)
@@ -8,7 +8,7 @@
 Each training run checkpoints to build/zoo/t2i-*/ (orbax, exact resume with --resume; a schedule that did not
 finish is resumed with the same --steps, or none), logs to log.jsonl, plots to scripts/results/ and exports
 (bf16 safetensors + config.json + training.json) when its schedule is done (or with --export-partial).
-See jspec/zoo/t2i.py for the data, the layout and the measurements.
+See jspec/tools/zoo/t2i.py for the data, the layout and the measurements.
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ports  # noqa: E402
-from jspec import train as jt  # noqa: E402
-from jspec.zoo import t2i as T  # noqa: E402
+from jspec.tools.train import trainer as jt  # noqa: E402
+from jspec.tools.zoo import t2i as T  # noqa: E402
 from ports import vqgan as VQ  # noqa: E402
 
 RESULTS_DIR = ROOT / "scripts" / "results"
-ZOO = ROOT / "jspec" / "zoo"
+ZOO = ROOT / "assets" / "zoo" / "jspec_zoo"
 BUILD = ROOT / "build" / "zoo"
 HELDOUT_IMAGES = 256
 TRAIN_SCENES = 16_000  # the target's training set: scenes 0..N-1 of the train split, encoded once
@@ -132,7 +132,7 @@ def vq_export(cfg: VQ.VQConfig, params: dict, meta: dict, workdir: Path, out: Pa
                            "dropout": 0.0}}
     conf = {**VQ.vq_config_to_hf(cfg), "taming": taming, "image_size": T.IMAGE_SIZE,
             "note": "taming VQGAN (Chameleon's architecture); weights in taming names (encoder.*, quantize.*, "
-                    "decoder.*). Load with jspec.zoo.t2i.load_vq()."}
+                    "decoder.*). Load with jspec.tools.zoo.t2i.load_vq()."}
     (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
     # measured on held-out scenes with the exported (bf16) weights
     _, p16 = T.load_vq(out)
@@ -300,7 +300,7 @@ def target_train(args) -> None:
             shutil.rmtree(out)
         full = ports.Model(cfg, {**state["params"], "vqmodel": model.params["vqmodel"]}, model.hf_config)
         ports.save_hf(full, str(out), dtype=jnp.bfloat16)
-        from jspec.zoo import tokenizer as TK
+        from jspec.tools.zoo import tokenizer as TK
 
         for f in sorted(TK.ASSET_DIR.iterdir()):
             shutil.copy(f, out / f.name)
@@ -309,7 +309,7 @@ def target_train(args) -> None:
         info = {"name": name, "params": n_params, "config": TARGET, "vocab_size": cfg.vocab_size,
                 "train_scenes": len(codes), "batch": args.batch, "seq_len": T.SEQ_LEN, "p_uncond": T.P_UNCOND,
                 "image_tokens_seen": meta["tokens"], **info_common(meta, workdir),
-                "decoder": "jspec/zoo/t2i-vq (jspec.zoo.t2i.load_vq())"}
+                "decoder": "assets/zoo/jspec_zoo/t2i-vq (jspec.tools.zoo.t2i.load_vq())"}
         (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
         print(f"exported {name} to {out} ({dir_mb(out):.1f} MB)")
 
@@ -384,7 +384,7 @@ def main(argv=None) -> None:
         p.add_argument("--minutes", type=float, default=25.0)
         p.add_argument("--steps", type=int, default=None, help="schedule length (default: fill --minutes)")
         p.add_argument("--resume", action="store_true")
-        p.add_argument("--out", default=None, help="export directory (default jspec/zoo/t2i-vq / t2i-target)")
+        p.add_argument("--out", default=None, help="export directory (default assets/zoo/jspec_zoo/t2i-vq / t2i-target)")
         p.add_argument("--workdir", default=None)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--lr", type=float, default=lr)
@@ -396,7 +396,7 @@ def main(argv=None) -> None:
     ve.add_argument("--n", type=int, default=200)
     ve.add_argument("--seed", type=int, default=0)
     ve.add_argument("--out", default=None)
-    t.add_argument("--vq", default=None, help="the VQ tokenizer directory (default jspec/zoo/t2i-vq)")
+    t.add_argument("--vq", default=None, help="the VQ tokenizer directory (default assets/zoo/jspec_zoo/t2i-vq)")
     en = sub.add_parser("encode", help="cache the code grids of the target's training scenes under build/")
     en.add_argument("--n", type=int, default=TRAIN_SCENES)
     en.add_argument("--batch", type=int, default=128)

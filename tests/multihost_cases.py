@@ -38,7 +38,7 @@ def use_checkpoint(ckpt: str, mesh) -> None:
     """The text cases' target from now on: restored from `ckpt` (a `jspec convert` output) onto `mesh`, each
     process reading only its shards."""
     import ports
-    from jspec import sharding as SH
+    from jspec.engine import sharding as SH
 
     _target["text"] = ports.load(ckpt, shardings=SH.param_shardings(tiny_pair()[0], mesh))
 
@@ -54,7 +54,7 @@ def vlm_pair():
 
 @functools.lru_cache(maxsize=None)
 def t2i_pair():
-    from jspec.neighbours import NeighbourTable
+    from jspec.parts.neighbours import NeighbourTable
     from ports import vqgan as VQ
     from sampling_check import tiny_chameleon
 
@@ -66,11 +66,11 @@ def t2i_pair():
 
 def zoo_case(name: str):
     """(target, prompt, strategy) of the zoo's video pair under SpecVLM or its image pair under TABED."""
-    from jspec import zoo
-    from jspec.zoo import evaluate as ZE
+    from jspec.tools import zoo
+    from jspec.tools.zoo import evaluate as ZE
 
     if name == "zoo_specvlm_video":
-        from jspec.zoo import video as ZV
+        from jspec.tools.zoo import video as ZV
 
         target, draft = zoo.load("video-target"), zoo.load("video-draft")
         return target, ZV.VideoEncoder().prompts(ZV.eval_set(2, tasks=("video_describe",))), jspec.SpecVLM(
@@ -90,11 +90,11 @@ def run(name: str, sampled: bool, mesh=None) -> list:
         return jspec.decode(target, text_prompts(), TEXT[name](target, draft), max_new_tokens=10, eos_token_id=(),
                             mesh=mesh, **kw).tokens.tolist()
     if name == "zoo_lantern_t2i":  # the zoo's text-to-image pair: LANTERN++ with its EAGLE head
-        from jspec.drafters import eagle_io as IO
-        from jspec.zoo import t2i as T
+        from jspec.parts.drafters import eagle_io as IO
+        from jspec.tools.zoo import t2i as T
 
         target = T.load_target()
-        head, table = IO.load_drafter(str(T.ZOO_DIR / "t2i-eagle"), target)
+        head, table = IO.load_drafter(str(T.weights_dir("t2i-eagle")), target)
         caps = [T.caption_ids(T.caption(T.scene("heldout", i))) for i in range(2)]
         out = jspec.generate_image(target, caps, T.GRID, T.GRID, strategy=jspec.LanternPP(head, table, k=10, lam=3.0),
                                    image_prefix_ids=T.image_prefix(), top_k=128, mesh=mesh,

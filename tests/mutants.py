@@ -24,7 +24,7 @@ class Mutant:
 
 
 def _tabed_owner():
-    from jspec.drafters.views import MultiViewDrafter
+    from jspec.parts.drafters.views import MultiViewDrafter
 
     return MultiViewDrafter
 
@@ -47,7 +47,7 @@ def _pruning_owner():
 def _uniform_keep(original):
     import jax
 
-    from jspec import pruning as PR
+    from jspec.methods import pruning as PR
 
     def keep(self, prefill):
         a, n = self.scores(prefill)
@@ -57,7 +57,7 @@ def _uniform_keep(original):
 
 
 def _sage_owner():
-    from jspec.controllers.entropy_tree import EntropyTree
+    from jspec.parts.controllers.entropy_tree import EntropyTree
 
     return EntropyTree
 
@@ -65,7 +65,7 @@ def _sage_owner():
 def _initial_tree_every_round(original):
     import jax.numpy as jnp
 
-    from jspec.plans import LayeredTree
+    from jspec.parts.plans import LayeredTree
 
     def plan(self, state, key):
         d = original(self, state, key)
@@ -77,7 +77,7 @@ def _initial_tree_every_round(original):
 
 
 def _beta_owner():
-    from jspec.controllers.draft_length import BetaTS
+    from jspec.parts.controllers.draft_length import BetaTS
 
     return BetaTS
 
@@ -90,7 +90,7 @@ def _frozen_posterior(original):
 
 
 def _lantern_owner():
-    from jspec.verify import LanternPPRule
+    from jspec.parts.rules import LanternPPRule
 
     return LanternPPRule
 

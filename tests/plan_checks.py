@@ -1,5 +1,5 @@
 """Memory-plan exactness, run by tests/test_plan.py in a subprocess with 8 forced CPU devices (the device count is
-fixed at jax import): for tiny models and several meshes, the bytes `jspec.memory.plan` predicts per device for
+fixed at jax import): for tiny models and several meshes, the bytes `jspec.tools.memory.plan` predicts per device for
 params, KV cache, draft params and draft cache equal the bytes of the arrays really allocated on device 0.
 Prints one JSON line: the compared cases; any mismatch raises."""
 import json
@@ -13,9 +13,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ports  # noqa: E402
-from jspec import loop  # noqa: E402
-from jspec import memory as MEM  # noqa: E402
-from jspec import sharding as SH  # noqa: E402
+from jspec.engine import loop  # noqa: E402
+from jspec.tools import memory as MEM  # noqa: E402
+from jspec.engine import sharding as SH  # noqa: E402
 from ports import llava  # noqa: E402
 from ports.fused import fused_shapes  # noqa: E402
 

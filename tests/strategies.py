@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from jspec.drafters import ModelDrafter
-from jspec.plans import StaticPlan
-from jspec.trees import Layout, build_tree, chain
+from jspec.parts.drafters import ModelDrafter
+from jspec.parts.plans import StaticPlan
+from jspec.parts.trees import Layout, build_tree, chain
 from toy_parts import CycleDepth, FixedTrees, TwoViews, per_row_trees
-from jspec.controllers.calibration import CaliTS, init_predictor
-from jspec.drafters.early_exit import init_head
-from jspec.drafters import eagle, eagle3
+from jspec.parts.controllers.calibration import CaliTS, init_predictor
+from jspec.parts.drafters.early_exit import init_head
+from jspec.parts.drafters import eagle, eagle3
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from jspec import bench, cli
+from jspec.tools.bench import zoo as bench
+from jspec.tools import cli
 
 
 def finite_positive(x) -> bool:
@@ -87,7 +88,7 @@ def test_transformers_baselines_read_image_prompts(tmp_path):
     jspec's greedy tokens. (Assisted generation is lossless, so equal tokens do not show that the assistant read the
     images; transformers copies every model kwarg, pixel_values included, to the assistant.)"""
     import jspec
-    from jspec.zoo import evaluate as ZE
+    from jspec.tools.zoo import evaluate as ZE
 
     pair = ZE.load_pair("image")
     prompt = pair.encoder.prompt(ZE.scenario_examples("image", 1)["two_image"][0])

@@ -8,8 +8,8 @@ import time
 import jax
 import pytest
 
-from jspec import bench_gpu as BG
-from jspec import cli
+from jspec.tools.bench import gpu as BG
+from jspec.tools import cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -236,7 +236,7 @@ def test_a_diverging_row_is_measured_at_its_first_divergence():
     import jax.numpy as jnp
     import numpy as np
 
-    from jspec import bench as BENCH
+    from jspec.tools.bench import zoo as BENCH
     import ports
 
     target, _ = BENCH.damped_pair(layers=2, vocab=64, hidden=32, mlp=64, heads=4, dtype=jnp.float32)
@@ -248,7 +248,7 @@ def test_a_diverging_row_is_measured_at_its_first_divergence():
     far[2] = order[-1]  # the least likely token
     rec = BG.near_tie(target, prompt, ar, far)
     assert rec["position"] == 2 and rec["ar_token"] == 2 and rec["sd_token"] == int(order[-1])
-    gap = abs(logits[2] - logits[order[-1]]) / float(BG._script("gpu_numerics").bf16_resolution(logits[order[0]]))
+    gap = abs(logits[2] - logits[order[-1]]) / float(BG._numerics().bf16_resolution(logits[order[0]]))
     assert rec["ref_gap_bf16_ulps"] == pytest.approx(gap, rel=1e-3)
     assert BG.tie_verdict([rec]).startswith("DIFFERS")
     assert BG.near_tie(target, prompt, ar, ar[:3])["note"] == "one row is a prefix of the other"

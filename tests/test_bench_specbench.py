@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jspec import bench_specbench as SB
+from jspec.tools.bench import spec_bench as SB
 
 
 def test_the_shipped_question_set_is_spec_bench():

@@ -239,7 +239,7 @@ def test_killed_convert_never_loads_and_running_it_again_resumes(tmp_path, count
     equals the checkpoint."""
     src, out = tmp_path / "hf", tmp_path / "out"
     write_layered_checkpoint(src, 24)
-    proc = subprocess.Popen([sys.executable, "-m", "jspec.cli", "convert", str(src), str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "jspec.tools.cli", "convert", str(src), str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     deadline = time.time() + 300
     while not (out / "layers" / "00003").exists():

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import cli
+from jspec.tools import cli
 
 
 def test_demo_runs(tmp_path, capsys):
     """`jspec demo`'s quick path: long answers on the text pair with AR, Chain and the tree, greedy and sampled; the
     table has its columns and a row per (strategy, mode), every greedy row gives AR's tokens, the drafts are
     accepted, and the figure and the table are written."""
-    from jspec import demo
+    from jspec.tools import demo
 
     lines = []
     res = demo.run(seed=3, out_dir=str(tmp_path), max_new_tokens=24, rounds=1, cache="off", print_fn=lines.append)
@@ -40,7 +40,7 @@ def test_demo_runs(tmp_path, capsys):
 
 def test_drafted_mask():
     """The figure's strip: the prefill's token and each step's last token are the target's, the rest drafts."""
-    from jspec.demo import drafted_mask
+    from jspec.tools.demo import drafted_mask
 
     assert drafted_mask([3, 1, 2], 7).tolist() == [False, True, True, False, False, True, False]
     assert drafted_mask([3, 1, 2], 4).tolist() == [False, True, True, False]
@@ -122,7 +122,7 @@ def test_chat_holds_two_turns(llama_pair, tmp_path, capsys):
     stream; an empty line ends the session."""
     import io
 
-    from jspec import cli_generate as CG
+    from jspec.tools.cli import generate as CG
 
     hf, model = llama_pair
     _word_tokenizer(tmp_path, "{% for m in messages %}{{ m['content'] }} {% endfor %}")
@@ -143,7 +143,7 @@ def test_chat_holds_two_turns(llama_pair, tmp_path, capsys):
 def test_demo_video_runs(tmp_path):
     """`jspec demo video`: the video pair with AR, the unpruned tree, SpecVLM and Self-SD at 90% pruning; every
     strategy gives AR's tokens greedy, and the frame strips and the figure are written."""
-    from jspec import demo
+    from jspec.tools import demo
 
     lines = []
     res = demo.run_video(seed=5, out_dir=str(tmp_path), max_new_tokens=24, rounds=1, cache="off",

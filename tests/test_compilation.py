@@ -1,4 +1,4 @@
-"""jspec.compilation: per-backend XLA options for prefills, and the persistent compilation cache."""
+"""jspec.engine.compilation: per-backend XLA options for prefills, and the persistent compilation cache."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jspec import api
-from jspec import compilation as CJ
+from jspec.engine import compilation as CJ
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,7 +59,7 @@ def test_backend_jit_compiles_per_backend_and_forwards_the_jitted_functions_attr
 CHILD = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp
     sys.path.insert(0, {root!r})
-    from jspec import compilation as CJ
+    from jspec.engine import compilation as CJ
     hits = []
     jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else 0)
     CJ.enable_cache({path!r}, min_compile_s=0)
@@ -86,7 +86,7 @@ def test_the_cli_enables_the_cache_named_by_the_environment(tmp_path):
     code = textwrap.dedent(f"""
         import sys, jax
         sys.path.insert(0, {ROOT!r})
-        from jspec import cli
+        from jspec.tools import cli
         try:
             cli.main(["bench", "long", "--runs", "0"])
         except SystemExit:

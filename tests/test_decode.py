@@ -8,7 +8,8 @@ import transformers
 import jspec
 from sampling_check import warped_logprobs
 from conftest import hf_greedy
-from jspec import api, sampling
+from jspec import api
+from jspec.engine import sampling
 
 
 def test_greedy_matches_hf_generate_batch1(llama_pair):

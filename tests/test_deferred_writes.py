@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import api, loop
+from jspec import api
+from jspec.engine import loop
 from ports import cache as kvc
 from tiny_pairs import CFG, PROMPTS, tiny_pair
 from tolerances import assert_layout_close

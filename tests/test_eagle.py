@@ -11,9 +11,9 @@ import jspec
 import ports
 from jspec import api
 from ports import cache as kvc
-from jspec.drafters import eagle as EG
-from jspec.plans import StaticPlan
-from jspec.trees import build_tree, chain
+from jspec.parts.drafters import eagle as EG
+from jspec.parts.plans import StaticPlan
+from jspec.parts.trees import build_tree, chain
 from sampling_check import exactness, tiny_vocab_pair
 from tiny_pairs import PROMPTS, tiny_pair
 from tolerances import assert_f32_close
@@ -158,8 +158,8 @@ def test_errors(pair):
 def test_cfg_streams_and_the_image_grammar():
     """Under CFG and the image grammar, each committed token's draft log-prob is the two streams' teacher-forced
     head logits combined (uncond + s (cond - uncond)) and constrained; greedy SD == AR image generation."""
-    from jspec import imagegen as IG
-    from jspec.guidance import CFG
+    from jspec.methods import imagegen as IG
+    from jspec.engine.guidance import CFG
     from test_imagegen import COLS, PREFIX, ROWS, make_model, prompts
 
     target = IG._generating(make_model(0))

@@ -15,10 +15,10 @@ import pytest
 import jspec
 import ports
 from jspec import api
-from jspec.drafters import eagle as EG
-from jspec.drafters import eagle3 as E3
-from jspec.drafters import eagle3_io as IO
-from jspec.drafters import heads as H
+from jspec.parts.drafters import eagle as EG
+from jspec.parts.drafters import eagle3 as E3
+from jspec.parts.drafters import eagle3_io as IO
+from jspec.parts.drafters import heads as H
 from ports import cache as kvc
 from tiny_pairs import PROMPTS, tiny_pair
 from tolerances import assert_f32_close

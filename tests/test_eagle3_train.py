@@ -1,4 +1,4 @@
-"""EAGLE-3 training-time-test training (jspec.methods.eagle3_train): the loss against a direct computation from
+"""EAGLE-3 training-time-test training (jspec.tools.train.eagle3): the loss against a direct computation from
 the unrolled head, a few dozen steps on a tiny target's own greedy text raising every step's agreement and the
 decode's acceptance, an interrupted run resuming bit-identically, and the training script end to end."""
 import json
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import train as jt
-from jspec.drafters import eagle as EG
-from jspec.drafters import eagle3 as E3
-from jspec.drafters import eagle3_io as IO
+from jspec.tools.train import trainer as jt
+from jspec.parts.drafters import eagle as EG
+from jspec.parts.drafters import eagle3 as E3
+from jspec.parts.drafters import eagle3_io as IO
 from jspec.methods import eagle3_train as E3T
 from jspec.methods import eagle_train as EGT
 from ports import cache as kvc

@@ -1,4 +1,4 @@
-"""EAGLE head storage (jspec.drafters.eagle_io): our directories round-trip exactly; a foreign EAGLE-1 LLaMA
+"""EAGLE head storage (jspec.parts.drafters.eagle_io): our directories round-trip exactly; a foreign EAGLE-1 LLaMA
 checkpoint (pytorch_model.bin, no input norm) and a LANTERN Chameleon one (model.safetensors, input norm, per-head
 QK norms) load, draft the logits a PyTorch reference computes from the same weights, and keep greedy SD == AR;
 malformed or mismatched checkpoints fail with errors that name the problem."""
@@ -14,10 +14,10 @@ import transformers
 
 import jspec
 import ports.cache
-from jspec.drafters import eagle as EG
-from jspec.drafters import eagle_io as IO
-from jspec.plans import StaticPlan
-from jspec.trees import build_tree
+from jspec.parts.drafters import eagle as EG
+from jspec.parts.drafters import eagle_io as IO
+from jspec.parts.plans import StaticPlan
+from jspec.parts.trees import build_tree
 from ports import fused as FU
 from tiny_pairs import CFG, PROMPTS, tiny_pair
 
@@ -31,7 +31,7 @@ def llama_target():
 
 @pytest.fixture(scope="module")
 def chameleon_target():
-    from jspec import imagegen as IG
+    from jspec.methods import imagegen as IG
     from test_imagegen import make_model
 
     return IG._generating(make_model(0))
@@ -123,7 +123,7 @@ def test_round_trip_gives_identical_params_and_decodes(llama_target, tmp_path):
 
 
 def test_neighbour_table_travels_with_the_head(chameleon_target, tmp_path):
-    from jspec.neighbours import NeighbourTable
+    from jspec.parts.neighbours import NeighbourTable
     from ports import vqgan as VQ
 
     target = chameleon_target

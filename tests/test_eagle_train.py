@@ -1,4 +1,4 @@
-"""EAGLE head training (jspec.methods.eagle_train): the batches' layouts and masks, the loss against a direct
+"""EAGLE head training (jspec.tools.train.eagle): the batches' layouts and masks, the loss against a direct
 computation, a few dozen steps on a tiny target's own greedy text lowering the loss and raising the top-1
 agreement and the decode acceptance, an interrupted run resuming bit-identically, and the 90/10 CFG path on a
 tiny Chameleon."""
@@ -9,11 +9,11 @@ import pytest
 
 import jspec
 import ports.cache
-from jspec import train as jt
-from jspec.drafters import eagle as EG
+from jspec.tools.train import trainer as jt
+from jspec.parts.drafters import eagle as EG
 from jspec.methods import eagle_train as EGT
-from jspec.plans import StaticPlan
-from jspec.trees import build_tree
+from jspec.parts.plans import StaticPlan
+from jspec.parts.trees import build_tree
 from train_checks import assert_resumes_bit_identical
 from tiny_pairs import PROMPTS, tiny_pair
 
@@ -123,7 +123,7 @@ def test_cfg_pairs_train_on_a_tiny_chameleon(tmp_path):
     """Text-to-image samples as CFG pairs (the generated image tokens after the conditional and after the
     unconditional prompt): rows pick a form per step, the unconditional one about uncond_prob of the time, and the
     loss falls."""
-    from jspec import imagegen as IG
+    from jspec.methods import imagegen as IG
     from test_imagegen import PREFIX, make_model
 
     target = IG._generating(make_model(0))

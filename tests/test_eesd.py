@@ -13,10 +13,10 @@ import pytest
 import jspec
 import ports
 from jspec import api
-from jspec.controllers import Record
-from jspec.controllers import calibration as CAL
-from jspec.controllers.draft_length import BetaTS, FixedK, leading_ones
-from jspec.drafters import early_exit as EE
+from jspec.parts.controllers import Record
+from jspec.parts.controllers import calibration as CAL
+from jspec.parts.controllers.draft_length import BetaTS, FixedK, leading_ones
+from jspec.parts.drafters import early_exit as EE
 from ports import layers as LY
 from tiny_pairs import CFG, PROMPTS, tiny_pair
 
@@ -221,8 +221,8 @@ def test_controllers_change_the_depth_without_recompiling(pair):
 
 
 def test_verify_buckets_cover_the_levels():
-    from jspec.plans import StaticPlan
-    from jspec.trees import build_tree, chain
+    from jspec.parts.plans import StaticPlan
+    from jspec.parts.trees import build_tree, chain
 
     plan = StaticPlan.of(build_tree(chain(32)))
     assert plan.verify_buckets == ((2, 3), (8, 9), (32, 33))  # each bucket is a target forward: 4x apart
@@ -342,7 +342,7 @@ def test_cali_ts_saves_beside_the_head_and_is_checked(pair, tmp_path):
 def test_the_zoo_heads_load_and_decode_as_the_target():
     """Every shipped early-exit head loads against the zoo text target (the main one with its Cali-TS predictor), and
     Cali-TS decodes the target's own greedy tokens with it."""
-    from jspec import zoo
+    from jspec.tools import zoo
 
     target = zoo.load("text-target")
     heads = sorted(p for p in zoo.ZOO_DIR.iterdir() if (p / EE.CONFIG_NAME).exists())

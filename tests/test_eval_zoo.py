@@ -42,8 +42,8 @@ def test_bars_and_premise(ez):
 
 
 def test_binding_groups_by_objects_and_describes_the_same_scene():
-    from jspec.zoo import evaluate as ZE
-    from jspec.zoo import world as ZW
+    from jspec.tools.zoo import evaluate as ZE
+    from jspec.tools.zoo import world as ZW
 
     exs = [ZW.example("heldout", i, 0, [t]) for t in ("vqa_colour", "vqa_text") for i in range(12)]
     counts = [len(e.images[0].objects) for e in exs[:12]]

@@ -14,7 +14,7 @@ from conftest import hf_logits, perturb, tiny_hf
 
 import jspec
 import ports
-from jspec import cli
+from jspec.tools import cli
 from ports import gguf as GF
 
 T = gguf.GGMLQuantizationType

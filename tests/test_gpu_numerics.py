@@ -1,16 +1,13 @@
-"""scripts/gpu_numerics.py: the bf16-resolution and first-divergence helpers on known numbers, the divergence
+"""jspec.tools.bench.numerics (scripts/gpu_numerics.py): the bf16-resolution and first-divergence helpers on known numbers, the divergence
 record on constructed logits, and a CPU --quick run (one SD strategy) with an injected divergence, whose position,
 tokens and margins must come out where the injection put them."""
 import json
-import os
-import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import gpu_numerics as G  # noqa: E402
+from jspec.tools.bench import numerics as G
 
 
 def test_bf16_resolution_known_numbers():

@@ -1,4 +1,4 @@
-"""Text-to-image generation (jspec.generate_image, jspec.guidance): the Lumina-mGPT grammar holds for every sample,
+"""Text-to-image generation (jspec.generate_image, jspec.engine.guidance): the Lumina-mGPT grammar holds for every sample,
 CFG equals a step-by-step reference built from full-sequence logits, CFG at scale 1 equals no CFG, and greedy
 speculative strategies with a small Chameleon draft reproduce greedy AR under CFG and the grammar."""
 import dataclasses
@@ -152,7 +152,7 @@ def test_default_lumina_prefix_and_pixels(target, tmp_path):
     cfg = target.config
     f = cfg.vq.downsample
     rows = cols = 32 // f  # one 32-px Lumina size unit
-    assert CH.__name__ and jspec.imagegen.image_prefix(cfg, rows, cols) == [BOI, SIZE0 + 1, SIZE0 + 1]
+    assert CH.__name__ and jspec.methods.imagegen.image_prefix(cfg, rows, cols) == [BOI, SIZE0 + 1, SIZE0 + 1]
     vq_params = VQ.init_params(cfg.vq, jax.random.key(2))
     out = jspec.generate_image(target, prompts()[:1], rows, cols, key=jax.random.key(0),
                                decoder=(cfg.vq, vq_params))
@@ -187,11 +187,11 @@ def test_bad_inputs(target):
 def test_guided_forward_logits_equal_combined_full_sequence_logits(target):
     """Prefill and a 3-token step of the guided wrapper against u + s (c - u) from full-sequence forwards, for a
     ragged batch whose rows have the longer prompt in different streams."""
-    from jspec import guidance as GD
-    from jspec import loop
+    from jspec.engine import guidance as GD
+    from jspec.engine import loop
     from ports.prompts import normalize_prompt
 
-    gm = jspec.imagegen._generating(target)
+    gm = jspec.methods.imagegen._generating(target)
     rng = np.random.default_rng(11)
     conds = [rng.integers(8, IMG0, 9), rng.integers(8, IMG0, 5)]
     uncs = [rng.integers(8, IMG0, 3), rng.integers(8, IMG0, 11)]

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import imagegen as IG
-from jspec.drafters import eagle as EG
-from jspec.neighbours import NeighbourTable
+from jspec.methods import imagegen as IG
+from jspec.parts.drafters import eagle as EG
+from jspec.parts.neighbours import NeighbourTable
 from ports import vqgan as VQ
 from test_imagegen import COLS, PREFIX, ROWS, check_grammar, make_model, prompts
 

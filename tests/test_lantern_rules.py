@@ -1,4 +1,4 @@
-"""LANTERN / LANTERN++ (jspec.neighbours, jspec.verify.LanternRule / LanternPP): the latent-neighbour table against a
+"""LANTERN / LANTERN++ (jspec.parts.neighbours, jspec.parts.rules.LanternRule / LanternPP): the latent-neighbour table against a
 brute force, the relaxed acceptance probability against its closed form, q~ <= lambda r, the residual modes against
 numpy references of the spec and of the official code, exactness at lambda = 1 / delta = 0 (static and dynamic
 trees; under CFG + the image grammar in `-m slow`) with a lambda = 3 negative control, greedy == AR, one compiled
@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 import jspec
-from jspec import verify as Vf
-from jspec.neighbours import NeighbourTable, codebook_fingerprint, neighbour_codes
-from jspec.strategy import split
-from jspec.trees import build_tree, chain, device_tree
+from jspec.parts import rules as Vf
+from jspec.parts.neighbours import NeighbourTable, codebook_fingerprint, neighbour_codes
+from jspec.engine.strategy import split
+from jspec.parts.trees import build_tree, chain, device_tree
 from sampling_check import CH_IMAGE_PREFIX, V as TV, exactness, guided_joint, tiny_chameleon, tiny_chameleon_config, tiny_vocab_pair
 
 SMALL_TREE = [[0], [1], [0, 0], [1, 0]]
@@ -495,7 +495,7 @@ def test_exact_under_cfg_and_image_grammar(chameleon_pair, tree):
     target, draft = chameleon_pair
     cfg = target.config
     table = NeighbourTable.for_chameleon(cfg, VQ.codebook(target.params["vqmodel"]), 3)
-    gram = jspec.imagegen.grammar(cfg, CH_ROWS, CH_COLS)
+    gram = jspec.methods.imagegen.grammar(cfg, CH_ROWS, CH_COLS)
     cond = np.array([9, 12, 30, 11] + CH_PREFIX)
     seqs, p = guided_joint(target, cond, np.array(CH_PREFIX), 3.0, gram)
     Vsz = cfg.vocab_size

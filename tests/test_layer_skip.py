@@ -7,7 +7,8 @@ import pytest
 
 import jspec
 import ports
-from jspec.drafters import layer_skip as LS
+from jspec.parts.drafters import layer_skip as LS
+from jspec.tools.train import layer_skip as LSS
 from jspec.methods import eesd_train as EST
 from tiny_pairs import CFG, PROMPTS
 
@@ -37,7 +38,7 @@ def test_bad_layer_sets_are_refused(target):
         with pytest.raises(ValueError, match=msg):
             LS.skip_layers(target, skip)
     with pytest.raises(ValueError, match="n_skip must be in"):
-        LS.search(target, [], 3)
+        LSS.search(target, [], 3)
 
 
 def test_search_drops_the_layer_that_does_nothing(target):
@@ -50,11 +51,11 @@ def test_search_drops_the_layer_that_does_nothing(target):
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, CFG.vocab_size, 24) for _ in range(6)]
     batches = [b for b, _ in (next(it) for it in [EST.pack(seqs, 3, 32)] * 2)]
-    skipped, rounds = LS.search(idle, batches, 2, protect=())
+    skipped, rounds = LSS.search(idle, batches, 2, protect=())
     assert skipped[0] == 1 and rounds[0]["agreement"] == pytest.approx(1.0)
     assert rounds[0]["candidates"][0] < 1.0 and rounds[0]["candidates"][2] < 1.0
     assert rounds[1]["agreement"] < 1.0 and rounds[1]["skip"] == skipped
-    assert LS.agreement(target, [], LS.reference_top1(target, batches)) == pytest.approx(1.0)
+    assert LSS.agreement(target, [], LSS.reference_top1(target, batches)) == pytest.approx(1.0)
     D, V, Q, KV, F = CFG.hidden_size, CFG.vocab_size, 4 * 16, 2 * 16, CFG.intermediate_size
     layer = D * (Q + 2 * KV) + Q * D + 3 * D * F  # q/k/v, o, gate/up/down: every matrix of a layer
     assert LS.draft_cost(target, 1) == pytest.approx((2 * layer + V * D) / (3 * layer + V * D))
@@ -64,7 +65,7 @@ def test_search_drops_the_layer_that_does_nothing(target):
 def test_a_shipped_layer_set_loads_by_name(target, tmp_path, monkeypatch):
     import json
 
-    from jspec import models
+    from jspec.tools import models
 
     monkeypatch.setattr(models, "HEADS_DIR", str(tmp_path))
     d = tmp_path / "smollm2-135m-instruct" / "layer-skip"

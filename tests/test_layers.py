@@ -1,5 +1,7 @@
-"""The packages' layering: `ports` (models, their KV cache and prompt handling) imports nothing of `jspec`;
-`import jspec` loads the engine, not the zoo, training, benchmarks, demo or memory planner; module-level imports
+"""The packages' layering, as rules over directories: `ports` imports nothing of `jspec`; nothing under
+`jspec/engine` or `jspec/parts` (nor `jspec/api.py`) imports `jspec/methods` or `jspec/tools`, and no method imports
+a tool; `import jspec` loads nothing under `jspec/tools`; no module of the packages names `scripts/` or `tests/`
+(what a tool needs ships inside the package); at most 8 modules sit directly in `jspec/`; module-level imports
 form no cycle; no module imports another's private name."""
 import ast
 import os
@@ -8,9 +10,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOLS = ("jspec.zoo", "jspec.train", "jspec.bench", "jspec.bench_gpu", "jspec.bench_long", "jspec.bench_specbench",
-         "jspec.demo", "jspec.memory", "jspec.methods.eagle_train", "jspec.methods.eesd_train",
-         "jspec.methods.cali_train")
+LOWER = ("jspec.engine", "jspec.parts", "jspec.api")  # the engine and its parts
+UPPER = {"jspec.engine": ("jspec.methods", "jspec.tools"), "jspec.parts": ("jspec.methods", "jspec.tools"),
+         "jspec.api": ("jspec.methods", "jspec.tools"), "jspec.methods": ("jspec.tools",), "ports": ("jspec",)}
+
+
+def under(name: str, pkg: str) -> bool:
+    return name == pkg or name.startswith(pkg + ".")
 
 
 def loaded_after(statement: str) -> list[str]:
@@ -26,10 +32,16 @@ def test_ports_imports_nothing_of_jspec():
     assert [m for m in mods if m.split(".")[0] == "jspec"] == []
 
 
-def test_import_jspec_loads_the_engine_only():
+def test_import_jspec_loads_no_tool():
     mods = loaded_after("import jspec")
-    assert "jspec.speculative" in mods
-    assert [m for m in mods if any(m == t or m.startswith(t + ".") for t in TOOLS)] == []
+    assert "jspec.engine.step" in mods and "jspec.methods.eesd" in mods
+    assert [m for m in mods if under(m, "jspec.tools")] == []
+    assert "jspec.tools.models" in loaded_after("import jspec; jspec.models.entry")  # loads on first use
+
+
+def test_at_most_eight_modules_directly_in_jspec():
+    top = sorted(p.name for p in (ROOT / "jspec").glob("*.py"))
+    assert len(top) <= 8, top
 
 
 def modules() -> dict[str, Path]:
@@ -107,9 +119,56 @@ def cycles(graph: dict[str, set]) -> list[list[str]]:
     return out
 
 
+def all_imports(mods: dict[str, Path]) -> dict[str, set]:
+    """module -> every module of the packages it imports, at module level or inside a function."""
+    out = {}
+    for m, path in mods.items():
+        deps = set()
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ImportFrom) and n.module and not n.level:
+                deps |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+            elif isinstance(n, ast.Import):
+                deps |= {a.name for a in n.names}
+        out[m] = {d for d in deps if d.split(".")[0] in ("jspec", "ports")}
+    return out
+
+
+def layer_violations(graph: dict[str, set]) -> list[tuple[str, str]]:
+    return sorted((m, d) for m, deps in graph.items() for d in deps for low, high in UPPER.items()
+                  if under(m, low) and any(under(d, h) for h in high))
+
+
+def test_lower_layers_import_no_higher_one():
+    graph = all_imports(modules())
+    assert "jspec.tools.train.trainer" in graph["jspec.tools.train.layer_skip"]
+    assert layer_violations(graph) == []
+
+
+def test_the_layer_rule_finds_an_engine_importing_a_tool():
+    graph = {"jspec.engine.loop": {"jspec.tools.zoo"}, "jspec.parts.plans": {"jspec.methods.sage"},
+             "jspec.tools.demo": {"jspec.engine.loop"}, "ports.llama": {"jspec.api"}}
+    assert layer_violations(graph) == [("jspec.engine.loop", "jspec.tools.zoo"),
+                                       ("jspec.parts.plans", "jspec.methods.sage"), ("ports.llama", "jspec.api")]
+
+
+def checkout_paths(path: Path) -> list[str]:
+    """String constants in a module's code (docstrings aside) that name the checkout's scripts/ or tests/."""
+    tree = ast.parse(path.read_text())
+    docs = {id(b.body[0].value) for b in ast.walk(tree)
+            if isinstance(b, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and b.body
+            and isinstance(b.body[0], ast.Expr) and isinstance(b.body[0].value, ast.Constant)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docs and (n.value in ("scripts", "tests") or n.value.startswith(("scripts/", "tests/")))]
+
+
+def test_no_module_reads_scripts_or_tests():
+    found = {m: c for m, p in modules().items() if (c := checkout_paths(p))}
+    assert found == {}
+
+
 def test_no_import_cycles_and_no_private_imports():
     graph, private = imports(modules())
-    assert "ports.cache" in graph["ports.llama"] and "jspec.plans" in graph["jspec.strategy"]
+    assert "ports.cache" in graph["ports.llama"] and "jspec.parts.plans" in graph["jspec.engine.strategy"]
     assert cycles(graph) == []
     assert private == []
 

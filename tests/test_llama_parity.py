@@ -65,7 +65,7 @@ def test_hidden_states_match_transformers(llama_pair):
     with torch.no_grad():
         ref = hf(torch.tensor(tokens), output_hidden_states=True).hidden_states
     import jax.numpy as jnp
-    from jspec import loop
+    from jspec.engine import loop
 
     cache = loop.new_cache_for(model, 1, 16)
     pos = jnp.arange(12)[None]
@@ -79,7 +79,7 @@ def test_prefill_of_an_empty_cache_equals_the_cache_forward(llama_pair):
     the attention scores and every layer's cache equal the general forward's, which reads all S slots."""
     import jax.numpy as jnp
     import pytest as _pytest
-    from jspec import loop
+    from jspec.engine import loop
 
     _, model = llama_pair
     rng = np.random.default_rng(5)

@@ -212,7 +212,7 @@ def test_bad_image_inputs(models):
 def test_attention_score_hook_matches_hf_eager(models):
     """SpecVLM's language-to-vision scores: attention probabilities of the text after the image over every key,
     averaged over layers and heads and over those queries, equal HF's eager attentions."""
-    from jspec import loop
+    from jspec.engine import loop
     from ports import llava
 
     hf, target, _ = models

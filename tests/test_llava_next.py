@@ -371,7 +371,7 @@ def test_text_only_draft_reads_video_prompt_without_placeholders(jx_models):
     for strategy in (jspec.Chain(draft, gamma=3), jspec.SAGE(draft, d_max=5, n_max=30, k=6, w_max=6)):
         sd = jspec.decode(target, batch, strategy=strategy, max_new_tokens=10)
         np.testing.assert_array_equal(sd.tokens, ar.tokens)
-    from jspec.drafters.model import default_view
+    from jspec.parts.drafters.model import default_view
     from ports.prompts import model_prompt
     tokens, lengths, inputs = model_prompt(target, batch, "")
     d_tokens, d_lengths, d_inputs = default_view(target, draft, batch, tokens, lengths, inputs)
@@ -385,7 +385,7 @@ def test_text_only_draft_reads_video_prompt_without_placeholders(jx_models):
 def test_hooks_image_positions_tile_features_attention(hf_models, jx_models):
     """image_mask marks the placeholders; vision_features are the tower's per-tile features before the projector
     (tiles in prepared order); the attention-score hook equals HF eager attentions on the same input."""
-    from jspec import loop
+    from jspec.engine import loop
 
     hf, m = hf_models["next"], jx_models["next"]
     cfg = m.config
@@ -459,7 +459,7 @@ def test_bad_inputs_fail_early_with_clear_errors(jx_models):
 def test_tabed_views_over_anyres_drafts(jx_models, kind, target, draft, case):
     """TABED's four views with a LLaVA-NeXT / OneVision draft (the P view pools every tile and lays the image out
     on the pooled grid): shorter image slots, and greedy == AR on a ragged batch with one and two images per row."""
-    from jspec.drafters.views import build_views
+    from jspec.parts.drafters.views import build_views
     from jspec.methods.tabed import TABED
 
     texts, images = (NEXT_CASES if kind == "next" else OV_CASES)[case]

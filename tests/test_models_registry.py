@@ -7,7 +7,8 @@ import zipfile
 
 import pytest
 
-from jspec import cli, models
+from jspec.tools import cli
+from jspec.tools import models
 
 PAYLOAD = b"GGUF pretend weights " * 1000
 
@@ -116,8 +117,8 @@ def test_shipped_heads_load_by_name_and_checked(tmp_path, monkeypatch):
     refused by name before anything loads."""
     import jax
     import ports
-    from jspec import bench_specbench as SB
-    from jspec.drafters import early_exit as EE
+    from jspec.tools.bench import spec_bench as SB
+    from jspec.parts.drafters import early_exit as EE
     from tiny_pairs import CFG
 
     monkeypatch.setattr(models, "HEADS_DIR", str(tmp_path))
@@ -156,8 +157,8 @@ def test_shipped_eagle_head_drafts_over_its_frequent_tokens(tmp_path, monkeypatc
     import jax
     import numpy as np
     import ports
-    from jspec.drafters import eagle as EG
-    from jspec.drafters import eagle_io as IO
+    from jspec.parts.drafters import eagle as EG
+    from jspec.parts.drafters import eagle_io as IO
     from tiny_pairs import CFG
 
     monkeypatch.setattr(models, "HEADS_DIR", str(tmp_path))
@@ -189,8 +190,8 @@ def test_shipped_eagle3_head_loads_by_name_and_checks_its_target(tmp_path, monke
     import jax
     import numpy as np
     import ports
-    from jspec.drafters import eagle3 as E3
-    from jspec.drafters import eagle3_io as IO
+    from jspec.parts.drafters import eagle3 as E3
+    from jspec.parts.drafters import eagle3_io as IO
     from tiny_pairs import CFG
 
     monkeypatch.setattr(models, "HEADS_DIR", str(tmp_path))
@@ -204,6 +205,6 @@ def test_shipped_eagle3_head_loads_by_name_and_checks_its_target(tmp_path, monke
     assert got.aux_layers == (0, 1, 3) and got.params["fc"].dtype == target.params["embed"].dtype
     with pytest.raises(ValueError, match="made for another target's weights"):
         models.head(name, "eagle3", ports.random_model(CFG, key=1, std=0.3))
-    from jspec import bench_specbench as SB
+    from jspec.tools.bench import spec_bench as SB
 
     assert SB.head_method("eagle3")[0] == "eagle3" and SB.head_method("sage-eagle3-bf16")[0] == "eagle3"

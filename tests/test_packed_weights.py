@@ -12,7 +12,7 @@ import pytest
 
 import jspec
 import ports
-from jspec import sharding as SH
+from jspec.engine import sharding as SH
 from ports import cache as kvc
 from ports import cpu_dot as CD
 from ports import layers as LY
@@ -182,8 +182,8 @@ def test_a_packed_vlm_gives_the_plain_models_logits():
 def test_a_packed_eagle3_head_drafts_as_the_plain_one(pair, tmp_path):
     """An EAGLE-3 head packed like its target (fc, its layer, its LM head): the plain head's draft logits to
     float32 rounding, greedy decoding equal to AR, loaded packed beside a packed target, saved plain."""
-    from jspec.drafters import eagle3 as E3
-    from jspec.drafters import eagle3_io as IO3
+    from jspec.parts.drafters import eagle3 as E3
+    from jspec.parts.drafters import eagle3_io as IO3
     from strategies import eagle3_head
 
     target, _ = pair

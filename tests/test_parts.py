@@ -12,9 +12,9 @@ import pytest
 import jspec
 import ports
 from jspec import api
-from jspec.drafters import ModelDrafter
-from jspec.plans import StaticPlan
-from jspec.trees import Layout, build_tree, chain
+from jspec.parts.drafters import ModelDrafter
+from jspec.parts.plans import StaticPlan
+from jspec.parts.trees import Layout, build_tree, chain
 from sampling_check import exactness, tiny_vocab_pair
 from tiny_pairs import PROMPTS, tiny_pair
 from tolerances import assert_f32_close
@@ -160,7 +160,7 @@ def test_a_part_without_its_base_class_is_named(pair):
             return getattr(ModelDrafter(draft), name)
 
     parts = dataclasses.replace(jspec.Chain(draft, gamma=2).parts(), drafter=Loose())
-    with pytest.raises(ValueError, match="must be a jspec.drafters.Drafter"):
+    with pytest.raises(ValueError, match="must be a jspec.parts.drafters.Drafter"):
         jspec.decode(target, PROMPTS[0], parts, max_new_tokens=4)
 
 
@@ -198,8 +198,8 @@ def test_needs_are_worked_out_from_the_parts(pair):
     """`Speculative.needs` says what the step computes from all its parts at once: the controller's asks, whether
     the rule draws, who reads the target's hidden states, whether drafts stop per level, the cache slots a step
     uses."""
-    from jspec.controllers import Asks
-    from jspec.drafters.eagle import EagleDrafter
+    from jspec.parts.controllers import Asks
+    from jspec.parts.drafters.eagle import EagleDrafter
 
     target, draft = pair
     chain = jspec.Chain(draft, gamma=3).parts()

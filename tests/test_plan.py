@@ -1,4 +1,4 @@
-"""Memory planning (`jspec.memory`, `jspec plan`): exact per-device bytes against really allocated arrays on 8 forced
+"""Memory planning (`jspec.tools.memory`, `jspec plan`): exact per-device bytes against really allocated arrays on 8 forced
 CPU devices (subprocess), every shipped config plans with public parameter counts, the 70B numbers, the fit
 verdict, Qwen-VL towers counted like transformers builds them, and bad input."""
 import json
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from jspec import cli
-from jspec import memory as MEM
+from jspec.tools import cli
+from jspec.tools import memory as MEM
 
 GB = 1e9
 
@@ -249,7 +249,7 @@ def tiny_target():
 def test_eesd_drafter_sizes():
     """The early-exit head's count equals a real head's on a tiny target, and the paper's sizes on LLaMA-2 (EESD
     Table 1: 481M / 13B, 1.12B / 70B; Cali-TS's predictor 262M / 0.67B); the presets' N; bad N refused."""
-    from jspec.drafters import early_exit as EE
+    from jspec.parts.drafters import early_exit as EE
 
     tiny, target = tiny_target()
     for k in (0, 1, 2):
@@ -317,7 +317,7 @@ def test_lantern_plans_an_eagle_head_and_cfg_streams(capsys):
     """`jspec plan --lantern`: the EAGLE head's count equals a real head's on a tiny target; CFG doubles the KV
     cache; Lumina-mGPT-7B-768 with LANTERN++'s preset (58 verified nodes, ~0.24B head) fits an 80 GB device."""
     import jax
-    from jspec.drafters import eagle as EG
+    from jspec.parts.drafters import eagle as EG
 
     tiny, target = tiny_target()
     one = MEM.plan(tiny, {}, 1, 64, dtype="float32", eagle=True)

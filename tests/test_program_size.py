@@ -9,8 +9,8 @@ import pytest
 from flax import struct
 
 import jspec
-from jspec.drafters import ModelDrafter
-from jspec.verify import Residual
+from jspec.parts.drafters import ModelDrafter
+from jspec.parts.rules import Residual
 from tiny_pairs import PROMPTS, tiny_pair
 
 TRACED = collections.Counter()
@@ -66,7 +66,7 @@ def test_a_deeper_dynamic_tree_traces_as_much_as_a_shallow_one(pair):
 
 def test_sages_planner_does_not_grow_with_its_depth_cap():
     """SAGE's per-row planner scans its levels: a depth cap of 8 traces as many operations as one of 3."""
-    from jspec.controllers.entropy_tree import TreeSpec
+    from jspec.parts.controllers.entropy_tree import TreeSpec
 
     def ops(d_cap):
         spec = TreeSpec(d_min=2, d_cap=d_cap, init_tree=((0,), (1,), (0, 0)))

@@ -1,4 +1,4 @@
-"""Prompt lookup (`jspec.PromptLookup`, `jspec.drafters.ngram`): the drafts are the text's own continuations, the
+"""Prompt lookup (`jspec.PromptLookup`, `jspec.parts.drafters.ngram`): the drafts are the text's own continuations, the
 target verifies only as deep as something was drafted, and decoding stays lossless (the conformance registry's
 "prompt_lookup" entries prove greedy == AR, rows as if alone, exact sampling, a mesh and no recompilation)."""
 from types import SimpleNamespace
@@ -10,8 +10,8 @@ import pytest
 import jspec
 import ports
 from jspec import api
-from jspec.drafters import DraftEnv
-from jspec.drafters.ngram import NgramDrafter, NgramState, reference_draft, suffix_matches
+from jspec.parts.drafters import DraftEnv
+from jspec.parts.drafters.ngram import NgramDrafter, NgramState, reference_draft, suffix_matches
 from tiny_pairs import PROMPTS, tiny_pair
 
 V = 16
@@ -131,7 +131,7 @@ def test_nothing_drafted_costs_an_ar_width_verify():
     assert out.stats["drafted"][0] == 0
     assert (out.stats["accepted"][0, :out.stats["steps"][0]] == 1).all()
     # the proposal of a fresh state drafts nothing, so the plan picks width 1
-    from jspec.plans import Proposal
+    from jspec.parts.plans import Proposal
     tree = plan._tree(1, None)[1]
     prop = Proposal(jnp.zeros((1, plan.num_nodes), jnp.int32), jnp.zeros((1, plan.num_nodes), bool).at[:, 0].set(True),
                     tree, None, None, jnp.zeros((1, 4)))

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import jspec
 import ports
-from jspec import loop
+from jspec.engine import loop
 from ports import layers as LY
 from ports import qwen2_vl as QW
 from ports import qwen2_vl_vision as QV

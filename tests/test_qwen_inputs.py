@@ -1,4 +1,4 @@
-"""Qwen2-VL / Qwen2.5-VL prompts without torchvision (`jspec.qwen_inputs`): video frames laid out as
+"""Qwen2-VL / Qwen2.5-VL prompts without torchvision (`jspec.tools.cli.qwen_inputs`): video frames laid out as
 transformers' image processor lays each frame (resize included), the settings transformers reads, placeholder
 errors, and `jspec decode --video` end to end on a saved tiny Qwen2.5-VL checkpoint."""
 import json
@@ -11,8 +11,8 @@ from PIL import Image
 import jax
 import jspec
 import ports
-from jspec import cli
-from jspec import qwen_inputs as QI
+from jspec.tools import cli
+from jspec.tools.cli import qwen_inputs as QI
 import test_qwen2_vl as Q
 
 SIZE = {"shortest_edge": 28 * 28, "longest_edge": 56 * 84}

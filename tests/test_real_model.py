@@ -8,7 +8,7 @@ import transformers
 
 import jspec
 import ports
-from jspec import models
+from jspec.tools import models
 from ports import cpu_dot
 from ports import packed as PK
 
@@ -88,7 +88,7 @@ def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
     Spec-Bench question and draft some accepted tokens; the EESD head shares the target's LM head and brings its
     Cali-TS predictor, the EAGLE head drafts over its shipped vocabulary, the EAGLE-3 head over its own draft
     vocabulary from three fused target layers."""
-    from jspec import bench_specbench as SB
+    from jspec.tools.bench import spec_bench as SB
 
     model, tok, _, _ = pair
     q = SB.load_questions(("writing",), 1)[0]

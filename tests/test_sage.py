@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.controllers import Record
-from jspec.controllers.entropy_tree import EntropyTree, TreeSpec, confidence
-from jspec.trees import MC_SIM_7B_63
+from jspec.parts.controllers import Record
+from jspec.parts.controllers.entropy_tree import EntropyTree, TreeSpec, confidence
+from jspec.parts.trees import MC_SIM_7B_63
 from tiny_pairs import PROMPTS, tiny_pair
 
 INIT = tuple(tuple(p) for p in MC_SIM_7B_63)

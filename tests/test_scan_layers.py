@@ -121,7 +121,7 @@ def test_a_scanned_draft_guidance_a_chunked_prefill_and_a_scanned_vlm(pair):
 
 def test_what_cannot_run_scanned_says_so(pair):
     from strategies import eesd_head
-    from jspec.drafters.layer_skip import skip_layers
+    from jspec.parts.drafters.layer_skip import skip_layers
     from sampling_check import tiny_chameleon
 
     target, _ = pair

@@ -8,7 +8,7 @@ import pytest
 
 import jspec
 import ports
-from jspec import self_data as SD
+from jspec.tools import self_data as SD
 
 EOS, USER, ASSISTANT = 256, 257, 258
 CFG = ports.TextConfig(model_type="llama", vocab_size=260, hidden_size=32, intermediate_size=64, num_layers=2,

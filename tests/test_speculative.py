@@ -12,8 +12,8 @@ import ports
 from flax import struct
 
 from jspec import api
-from jspec.plans import DynamicPlan, StaticPlan
-from jspec.trees import MC_SIM_7B_63, NAIVE_EXTEND_57, build_tree, chain, layout_of, tree_from_pool
+from jspec.parts.plans import DynamicPlan, StaticPlan
+from jspec.parts.trees import MC_SIM_7B_63, NAIVE_EXTEND_57, build_tree, chain, layout_of, tree_from_pool
 from tiny_pairs import CFG, PROMPTS, tiny_pair
 from toy_parts import CycleDepth
 
@@ -267,7 +267,7 @@ def test_profile_mode_times_phases_and_keeps_tokens(pair, kind):
 
 def test_composition_control_times_each_body_and_leaves_the_state(pair):
     from jspec import api
-    from jspec import profiling as PF
+    from jspec.engine import profiling as PF
 
     target, draft = pair
     strat = jspec.Chain(draft, gamma=3)
@@ -281,7 +281,7 @@ def test_composition_control_times_each_body_and_leaves_the_state(pair):
 
 
 def test_call_costs_fits_whole_calls(pair):
-    from jspec import profiling as PF
+    from jspec.engine import profiling as PF
 
     target, draft = pair
     ar = PF.call_costs(target, [PROMPTS], max_new=(4, 9), rounds=1)
@@ -363,7 +363,7 @@ def test_committed_draft_kv_equals_feeding_again(pair, tree, controller):
 
 def test_op_costs_attributes_the_loop_to_its_operations(pair):
     from jspec import api
-    from jspec import profiling as PF
+    from jspec.engine import profiling as PF
 
     target, draft = pair
     for strat in (None, jspec.Chain(draft, gamma=3)):

@@ -11,9 +11,9 @@ import torch
 
 import jspec
 import ports
-from jspec import loop
-from jspec.drafters import Setup, TargetPrefill
-from jspec.drafters.model import ModelDrafter
+from jspec.engine import loop
+from jspec.parts.drafters import Setup, TargetPrefill
+from jspec.parts.drafters.model import ModelDrafter
 from jspec.methods.specvlm import SpecVLM, VisionPruning
 from ports.prompts import model_prompt
 from ports import qwen2_vl as QW
@@ -296,8 +296,8 @@ def test_bad_inputs_raise_clear_errors(jx_models):
 
 
 def _zoo_image_prompt(n_vqa: int):
-    from jspec.zoo import data as ZD
-    from jspec.zoo import evaluate as ZE
+    from jspec.tools.zoo import data as ZD
+    from jspec.tools.zoo import evaluate as ZE
 
     pair = ZE.load_pair("image")
     return pair, ZE.batch_prompt(pair.encoder, ZD.eval_set("vqa", n_vqa) + ZD.eval_set("two_image", 1))

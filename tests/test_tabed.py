@@ -7,17 +7,17 @@ import pytest
 
 import jspec
 from jspec import api
-from jspec.controllers import Record
-from jspec.controllers.combined import Both
-from jspec.controllers.ensemble import EnsembleWeights, simplex_grid
-from jspec.drafters.views import build_views, image_runs
-from jspec.zoo import evaluate as ZE
+from jspec.parts.controllers import Record
+from jspec.parts.controllers.combined import Both
+from jspec.parts.controllers.ensemble import EnsembleWeights, simplex_grid
+from jspec.parts.drafters.views import build_views, image_runs
+from jspec.tools.zoo import evaluate as ZE
 from jspec.methods.tabed import METHODS, TABED, block_efficiency, expected_speedup
 from ports import llava
 from flax import struct
 
-from jspec.controllers import Asks, Controller, Decision
-from jspec.drafters.views import pooled_model
+from jspec.parts.controllers import Asks, Controller, Decision
+from jspec.parts.drafters.views import pooled_model
 from sampling_check import IMAGE_PROMPT, IMG, PIXELS, VLM_V, check, image_joint, llava_logits, tiny_llava
 from tolerances import assert_f32_close
 
@@ -439,7 +439,7 @@ def test_clear_errors(zoo):
         jspec.decode(pair.target, prompt, strategy=TABED(pair.draft, views=("M", "C")))
     with pytest.raises(ValueError, match="has none"):
         jspec.decode(pair.target, text_prompt, strategy=TABED(pair.draft, newline_id=ZOO_NEWLINE))
-    from jspec import zoo as ZOO
+    from jspec.tools import zoo as ZOO
 
     text_draft = ZOO.load("text-draft")
     with pytest.raises(ValueError, match="text-only"):
@@ -457,7 +457,7 @@ def test_on_an_8_device_mesh():
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import numpy as np, jspec
-from jspec.zoo import evaluate as ZE
+from jspec.tools.zoo import evaluate as ZE
 pair = ZE.load_pair("image")
 exs = ZE.scenario_examples("image", 2)
 prompt = ZE.batch_prompt(pair.encoder, [exs["caption"][0], exs["two_image"][0], exs["vqa"][1], exs["caption"][1]])

@@ -1,4 +1,4 @@
-"""jspec.train: the learning-rate schedule, the optimizer's injected learning rate, the loss weights, and the
+"""jspec.tools.train.trainer: the learning-rate schedule, the optimizer's injected learning rate, the loss weights, and the
 checkpointed loop, whose interrupted-and-resumed run ends bit-identical to an uninterrupted one."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from jspec import train as jt
+from jspec.tools.train import trainer as jt
 
 
 def test_lr_schedule_warms_up_decays_to_a_tenth_and_restarts():

@@ -77,7 +77,7 @@ def test_init_lm_loads_the_shipped_text_lm(tz):
     p = dataclasses.replace(tz.PRESETS["image-draft"], init_lm="text-draft", lm=tz.PRESETS["text-draft"].lm)
     model = tz.new_model(p, 0)
     lm = tz.init_lm(p, model)
-    from jspec import zoo
+    from jspec.tools import zoo
 
     ref = zoo.load("text-draft").params
     assert not _moved(jax.device_get(lm), jax.device_get(ref))
@@ -87,7 +87,7 @@ def test_scene_labels_describe_the_scene(tz):
     """The tower's pretraining targets are in range and determine the scene: different scenes, different labels."""
     import random
 
-    from jspec.zoo import world as ZW
+    from jspec.tools.zoo import world as ZW
 
     rng = random.Random(0)
     seen: dict[bytes, str] = {}
@@ -102,7 +102,7 @@ def test_scene_labels_describe_the_scene(tz):
 def test_tower_head_reads_each_cell_from_its_own_token(tz):
     """Image token j is grid cell j: the pretraining logits of cell j's colour/shape/size/row/column slots move when
     token j's features move and no other cell's do; every slot's padding classes stay out of reach."""
-    from jspec.zoo import world as ZW
+    from jspec.tools.zoo import world as ZW
 
     dv, cells = 8, ZW.GRID ** 2
     head = tz.init_tower_head(dv, jax.random.key(0))
@@ -170,7 +170,7 @@ def test_init_from_starts_from_an_exported_model_of_the_same_shape(tz):
         pytest.skip("the zoo text draft is not shipped in this install")
     p = dataclasses.replace(tz.PRESETS["text-draft"], grow_from=None, init_from="text-draft")
     params = tz.start_from(p, tz.new_model(p, 0))
-    from jspec import zoo
+    from jspec.tools import zoo
 
     assert not _moved(jax.device_get(params), jax.device_get(zoo.load("text-draft").params))
     wrong = dataclasses.replace(p, lm=dict(p.lm, layers=3))
@@ -232,7 +232,7 @@ def test_focus_readout_reads_the_heads_own_write(tz):
     np.testing.assert_allclose(np.asarray(writes[0] + writes[1])[seen], np.asarray(x1 - x0)[seen], atol=1e-5)
 
     ids = tz.attribute_ids()
-    from jspec.zoo import tokenizer as TK
+    from jspec.tools.zoo import tokenizer as TK
     words = {TK.load_tokenizer().decode([int(i)]).strip() for i in ids}
     assert {"red", "circle", "big", "small", "top", "center", "yes"} <= words and "The" not in words
     _, readout = tz.focus_nll(cfg, lm, x0, batch, 0, 1, jnp.asarray(ids))

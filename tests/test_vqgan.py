@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.numpy import save_file
 
-from jspec.neighbours import neighbour_codes
+from jspec.parts.neighbours import neighbour_codes
 from ports import vqgan as VQ
 from conftest import perturb
 

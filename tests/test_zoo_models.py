@@ -1,4 +1,4 @@
-"""The shipped zoo models (jspec/zoo/<name>/, trained by scripts/train_zoo.py): transformers loads each one and its
+"""The shipped zoo models (assets/zoo/jspec_zoo/<name>/, trained by scripts/train_zoo.py): transformers loads each one and its
 greedy `generate` equals jspec's greedy decode; the text target answers held-out text chats and the image target
 answers VQA questions from the image; greedy Chain SD with either draft equals AR and accepts well above one token
 per step; unknown names list the available ones."""
@@ -16,11 +16,11 @@ import torch
 import transformers
 
 import jspec
-from jspec import zoo
-from jspec.zoo import data as ZD
-from jspec.zoo.evaluate import answer_text as _answer
-from jspec.zoo import tokenizer as TK
-from jspec.zoo import world as ZW
+from jspec.tools import zoo
+from jspec.tools.zoo import data as ZD
+from jspec.tools.zoo.evaluate import answer_text as _answer
+from jspec.tools.zoo import tokenizer as TK
+from jspec.tools.zoo import world as ZW
 
 # Measured on the shipped text pair (README, "Zoo models"), 20 held-out text-chat / story prompts: target exact
 # match 1.00 (20/20; 0.95 over 40 + 40 held-out chats and stories), greedy Chain SD gamma=5 mean accepted length
@@ -138,7 +138,7 @@ def test_image_pair_chain_sd_both_views():
     """Greedy Chain SD with the image draft equals AR whether the draft reads the images (M view, the default) or a
     text stand-in (T view, `draft_prompt=`), on a ragged batch of VQA, caption and two-image prompts; on the
     single-image rows the M-view drafts are accepted well above one token per step."""
-    from jspec.zoo import evaluate as ZE
+    from jspec.tools.zoo import evaluate as ZE
 
     pair = ZE.load_pair("image")
     exs = ZD.eval_set("vqa", 4) + ZD.eval_set("caption", 2) + ZD.eval_set("two_image", 2)
@@ -162,7 +162,7 @@ def test_image_pair_views_differ_as_tabed_needs():
     """TABED's premise on the shipped pair, in small: the draft reading the images (M view) is accepted more on
     single-image captions, and its text-only view (T) more on five-image stories, which it never saw. Its text prior
     knows the story form; five images pull the M view to the endings of its single-image answers."""
-    from jspec.zoo import evaluate as ZE
+    from jspec.tools.zoo import evaluate as ZE
 
     pair = ZE.load_pair("image")
     strat = jspec.Chain(pair.draft, gamma=5)
@@ -184,7 +184,7 @@ def test_image_target_answers_from_the_image():
     """The image target answers held-out VQA questions from the image: its greedy exact match with each prompt's own
     image is well above that with the image of another prompt asking the same kind of question (the same answer
     format, a different scene)."""
-    from jspec.zoo import evaluate as ZE
+    from jspec.tools.zoo import evaluate as ZE
 
     pair = ZE.load_pair("image")
     exs = ZD.eval_set("vqa", N_VQA)

@@ -1,4 +1,4 @@
-"""The zoo's video world (jspec.zoo.video) and the video pair (scripts/train_zoo.py's video presets).
+"""The zoo's video world (jspec.tools.zoo.video) and the video pair (scripts/train_zoo.py's video presets).
 
 The image world is untouched (pinned examples and task lists); clips render as `world.render` draws their frames
 and their answers follow from the pixels (an independent solver reads the first and last frames); held-out clips
@@ -7,7 +7,7 @@ the same logits and greedy tokens; a training row is exactly several single-ques
 answer as greedy decoding feeds it (the training forward equals a prefill of each prompt, then the answer's tokens
 at the cache's positions); the focus and time losses read what they claim; a tiny preset trains, resumes and
 exports (slow). The shipped video pair, once trained: it reads the video (exact match >= 0.9, far lower on shuffled
-or blank frames) and drafts usefully; skipped while jspec/zoo/video-target is absent.
+or blank frames) and drafts usefully; skipped while assets/zoo/jspec_zoo/video-target is absent.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import pytest
 
 import jspec
 import ports
-from jspec.zoo import tokenizer as TK
-from jspec.zoo import video as ZV
-from jspec.zoo import world as ZW
+from jspec.tools.zoo import tokenizer as TK
+from jspec.tools.zoo import video as ZV
+from jspec.tools.zoo import world as ZW
 from ports import qwen2_vl as QW
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def _h(x) -> str:
     return hashlib.sha256(repr(x).encode()).hexdigest()[:16]
 
 
-# Computed before jspec.zoo.video existed (2026-11-25): the image world's registry, task lists, example streams
+# Computed before jspec.tools.zoo.video existed (2026-11-25): the image world's registry, task lists, example streams
 # and encodings, which the shipped models were trained on.
 PINNED_TASKS = ("vqa_colour", "vqa_shape", "vqa_count", "vqa_position", "vqa_size", "vqa_exists", "vqa_text",
                 "vqa_chart", "caption", "turn2_arith", "turn2_fact", "turn2_followup", "two_image_diff",
@@ -74,7 +74,7 @@ PINNED_HASHES = {"default_train": "56fa9dbd064fbec2", "default_held": "fcfd7a425
 
 def test_image_world_is_unchanged():
     """Adding the video world changes no task list, registry entry, example or encoding of the image world."""
-    from jspec.zoo import data as ZD
+    from jspec.tools.zoo import data as ZD
 
     world_tasks = tuple(n for n in ZW.TASKS if n not in ZD.DESCRIBED)
     assert world_tasks == PINNED_TASKS and ZW.SCENARIOS == PINNED_SCENARIOS
@@ -379,12 +379,12 @@ def test_training_rows_are_single_question_prompts_then_generation(tz, enc, tiny
 def test_training_forward_is_decoding_with_teacher_forcing(tz, enc, tiny):
     """The training forward on a packed row (tower on device from uint8 frames, features spliced at the fixed
     offset, M-RoPE, the prefix mask) gives each segment the logits `jspec.decode` computes for it: the prompt (the
-    clip and the question) prefilled by `jspec.loop.prefill` (processor output, the port's M-RoPE ids and rope
+    clip and the question) prefilled by `jspec.engine.loop.prefill` (processor output, the port's M-RoPE ids and rope
     deltas), then the reference answer's tokens fed through the forward at the cache's positions (cache length +
     pos_offset), as generated tokens are. Positions that merely continued the question (the rows before the fix)
     give other logits there."""
     from ports import cache as kvc
-    from jspec import loop
+    from jspec.engine import loop
 
     b = ZV.make_batch("heldout", 4, 2, 512)
     ours = np.asarray(jax.jit(lambda p, x: tz.logits_fn(tiny.config, p, x))(tiny.params, b))
@@ -570,12 +570,12 @@ def test_tiny_video_preset_trains_resumes_and_exports(tz, tmp_path, monkeypatch)
 # ------------------------------------------------------------------------------------- the shipped video pair
 
 def _shipped(name: str) -> bool:
-    d = ROOT / "jspec" / "zoo" / name
+    d = ROOT / "assets" / "zoo" / "jspec_zoo" / name
     return (d / "config.json").exists() and (d / "model.safetensors").exists()
 
 
 needs_video_target = pytest.mark.skipif(not _shipped("video-target"),
-                                        reason="jspec/zoo/video-target is not trained yet")
+                                        reason="assets/zoo/jspec_zoo/video-target is not trained yet")
 needs_video_pair = pytest.mark.skipif(not (_shipped("video-target") and _shipped("video-draft")),
                                       reason="the zoo video pair is not trained yet")
 # Bars of the video pair. Measured on the shipped pair (after the position fine-tune, 96 prompts):
@@ -588,7 +588,7 @@ MIN_VIDEO_MEAN_ACCEPTED = 2.5     # greedy Chain SD, gamma 5, on detailed descri
 
 
 def _load(name: str):
-    return ports.load_hf(str(ROOT / "jspec" / "zoo" / name), jnp.float32)
+    return ports.load_hf(str(ROOT / "assets" / "zoo" / "jspec_zoo" / name), jnp.float32)
 
 
 @needs_video_target
@@ -628,7 +628,7 @@ def test_shipped_video_pair_loads_in_transformers_and_drafts(enc):
 
     prompt = enc.prompts(ZV.eval_set(8)[7:])
     for name in ("video-target", "video-draft"):
-        d = str(ROOT / "jspec" / "zoo" / name)
+        d = str(ROOT / "assets" / "zoo" / "jspec_zoo" / name)
         hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
         with torch.no_grad():
             want = hf.generate(**{k: torch.tensor(v) for k, v in prompt.items()}, max_new_tokens=24,

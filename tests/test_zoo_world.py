@@ -1,4 +1,4 @@
-"""The synthetic world (jspec.zoo.world), its tokenizer and the data pipeline: determinism, answers re-derived from
+"""The synthetic world (jspec.tools.zoo.world), its tokenizer and the data pipeline: determinism, answers re-derived from
 the scenes by an independent solver, renders checked pixel by pixel, split disjointness, tokenizer / processor
 compatibility with transformers, loss masks and packed batches."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import numpy as np
 import pytest
 
-from jspec.zoo import data as ZD
-from jspec.zoo import tokenizer as TK
-from jspec.zoo import world as ZW
+from jspec.tools.zoo import data as ZD
+from jspec.tools.zoo import tokenizer as TK
+from jspec.tools.zoo import world as ZW
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def tok():
     return TK.load_tokenizer()
 
 
-# The world's own tasks: the text pair's `described_*` tasks join the registry once jspec.zoo.data registers them
+# The world's own tasks: the text pair's `described_*` tasks join the registry once jspec.tools.zoo.data registers them
 # (train_zoo and the evaluation do), so the streams below name their tasks and stay the same in any test order.
 WORLD_TASKS = tuple(n for n in ZW.TASKS if n not in ZD.DESCRIBED)
 TRAIN_TASKS = tuple(n for n in WORLD_TASKS if not ZW.TASKS[n].ood)

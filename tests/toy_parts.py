@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.controllers import Asks, Controller, Decision
-from jspec.drafters import Drafter, ModelDrafter
-from jspec.plans import LayeredTree
-from jspec.strategy import PrefillHook
-from jspec.verify import Rule
+from jspec.parts.controllers import Asks, Controller, Decision
+from jspec.parts.drafters import Drafter, ModelDrafter
+from jspec.parts.plans import LayeredTree
+from jspec.engine.strategy import PrefillHook
+from jspec.parts.rules import Rule
 
 HISTORY = 64
 

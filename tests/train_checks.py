@@ -2,7 +2,7 @@
 import jax
 import numpy as np
 
-from jspec import train as jt
+from jspec.tools.train import trainer as jt
 
 
 def assert_resumes_bit_identical(fit_head, target, items, tmp_path, **kw):

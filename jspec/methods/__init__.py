@@ -1,4 +1,4 @@
-"""The paper methods, each a preset of the engine's parts (`jspec.strategy.Speculative`)."""
+"""The paper methods, each a preset of the engine's parts (`jspec.engine.strategy.Speculative`)."""
 
 
 def preset(table: dict, name, method: str, instead: str) -> dict:

@@ -1,5 +1,5 @@
 """EAGLE-3 (Li et al., 2025): a head over the target's fused low, middle and high layers, trained with training-time
-test, drafting a dynamic tree (`jspec.drafters.eagle3`)."""
+test, drafting a dynamic tree (`jspec.parts.drafters.eagle3`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,13 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from jspec.drafters.eagle3 import Eagle3Head
-from jspec.strategy import Chain, DynamicTree, Strategy, Tree
+from jspec.parts.drafters.eagle3 import Eagle3Head
+from jspec.engine.strategy import Chain, DynamicTree, Strategy, Tree
 
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3(Strategy):
-    """Speculative decoding with an EAGLE-3 head (`jspec.drafters.eagle3_io.load_head`, or `init_head` to train).
+    """Speculative decoding with an EAGLE-3 head (`jspec.parts.drafters.eagle3_io.load_head`, or `init_head` to train).
 
     tree: "dynamic" (EAGLE-3's default: EAGLE-2's dynamic tree, `depth` levels, `top_k` children per expanded node,
     `total` nodes kept), "chain" (`depth` drafts a step) or a static tree (a name or child-rank paths, as `Tree`
@@ -30,7 +30,7 @@ class Eagle3(Strategy):
 
     def __post_init__(self):
         if not isinstance(self.head, Eagle3Head):
-            raise ValueError(f"head must be an Eagle3Head (jspec.drafters.eagle3_io.load_head), got "
+            raise ValueError(f"head must be an Eagle3Head (jspec.parts.drafters.eagle3_io.load_head), got "
                              f"{type(self.head).__name__}")
         if isinstance(self.depth, bool) or not isinstance(self.depth, (int, np.integer)) or not 1 <= self.depth <= 64:
             raise ValueError(f"depth must be an integer in [1, 64], got {self.depth!r}")

@@ -1,5 +1,5 @@
 """EESD (early-exiting speculative decoding): the target's first N layers + a trained head draft, a Thompson-sampling
-controller picks each round's draft length (`jspec.controllers.draft_length`)."""
+controller picks each round's draft length (`jspec.parts.controllers.draft_length`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,13 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from jspec.controllers.draft_length import as_controller
+from jspec.parts.controllers.draft_length import as_controller
 from jspec.methods import preset
-from jspec.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
-from jspec.plans import StaticPlan
-from jspec.strategy import Speculative, Strategy
-from jspec.trees import chain
-from jspec.verify import as_rule
+from jspec.parts.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
+from jspec.parts.plans import StaticPlan
+from jspec.engine.strategy import Speculative, Strategy
+from jspec.parts.trees import chain
+from jspec.parts.rules import as_rule
 
 
 # The paper's exit layers (EESD Sec. 4.1: N = 3 of LLaMA-2-13B's 40 layers, 5 of 70B's 80) and the training
@@ -37,7 +37,7 @@ def preset_exit_layer(name: str) -> int:
 class EESD(Strategy):
     """Early-exit self-speculative decoding.
 
-    head: an `EarlyExitHead` (`jspec.drafters.early_exit.load_head` / `init_head`; it names the target layer N it
+    head: an `EarlyExitHead` (`jspec.parts.drafters.early_exit.load_head` / `init_head`; it names the target layer N it
     exits at and is checked against the target). controller: "beta" (`BetaTS()`), "cali" (`CaliTS` with the
     head's own calibration predictor), an int k (`FixedK(k)`), any controller object, or None (no controller:
     every round drafts k_max). k_max: the longest draft (the static buffer). tree: None drafts a chain; a tree (a
@@ -55,7 +55,7 @@ class EESD(Strategy):
         if isinstance(self.k_max, bool) or not isinstance(self.k_max, (int, np.integer)) or not 1 <= self.k_max <= 64:
             raise ValueError(f"k_max must be an integer in [1, 64], got {self.k_max!r}")
         if not isinstance(self.head, EarlyExitHead):
-            raise ValueError(f"head must be an EarlyExitHead (jspec.drafters.early_exit.load_head), got "
+            raise ValueError(f"head must be an EarlyExitHead (jspec.parts.drafters.early_exit.load_head), got "
                              f"{type(self.head).__name__}")
 
     def parts(self) -> Speculative:

@@ -1,10 +1,10 @@
 """LANTERN and LANTERN++: relaxed speculative decoding for visual AR models over latent-neighbour image tokens.
 
-A strategy here is the engine's parts: a drafter (an EAGLE-1 feature head, `jspec.drafters.eagle`, or a separate
+A strategy here is the engine's parts: a drafter (an EAGLE-1 feature head, `jspec.parts.drafters.eagle`, or a separate
 draft model), a tree plan (the static EAGLE-1 trees with drafts sampled without replacement, or EAGLE-2's dynamic
-tree with deterministic drafts) and a relaxed acceptance rule (`jspec.verify.LanternPPRule`: the neighbours' target
-mass may raise a draft's up to lambda times its own; `jspec.verify.LanternRule`: by at most delta). The neighbour
-table (`jspec.neighbours.NeighbourTable`, from the VQ codebook) and lambda, delta and k are data: new values do not
+tree with deterministic drafts) and a relaxed acceptance rule (`jspec.parts.rules.LanternPPRule`: the neighbours' target
+mass may raise a draft's up to lambda times its own; `jspec.parts.rules.LanternRule`: by at most delta). The neighbour
+table (`jspec.parts.neighbours.NeighbourTable`, from the VQ codebook) and lambda, delta and k are data: new values do not
 recompile. lambda = 1 or delta = 0 (or k = 0) is exact speculative sampling; greedy decoding is never relaxed.
 """
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jspec.drafters import Drafter
-from jspec.drafters.eagle import EagleHead
+from jspec.parts.drafters import Drafter
+from jspec.parts.drafters.eagle import EagleHead
 from jspec.methods import preset
-from jspec.neighbours import NeighbourTable
-from jspec.plans import DynamicPlan, StaticPlan
-from jspec.strategy import Speculative, Strategy, as_drafter
-from jspec.verify import RESIDUAL_MODES, LanternPPRule, LanternRule
+from jspec.parts.neighbours import NeighbourTable
+from jspec.parts.plans import DynamicPlan, StaticPlan
+from jspec.engine.strategy import Speculative, Strategy, as_drafter
+from jspec.parts.rules import RESIDUAL_MODES, LanternPPRule, LanternRule
 
 # EAGLE-2's dynamic tree as LANTERN++'s baseline runs it (spec 2.6): top_k 10, 5 levels, 58 drafts kept
 DYNAMIC = dict(depth=5, top_k=10, total=58)
@@ -40,7 +40,7 @@ def lumina_preset(name: str = "lumina-mgpt-7b-768") -> dict:
 def lantern_budget(config_name: str) -> tuple[int, int, str]:
     """(verify width, streams per row, a note) of LANTERN++ on `config_name` for `jspec plan`: its preset's tree
     and CFG (the extended tree and two streams without a preset)."""
-    from jspec.trees import build_tree
+    from jspec.parts.trees import build_tree
 
     try:
         p = lumina_preset(config_name)
@@ -54,10 +54,10 @@ def lantern_budget(config_name: str) -> tuple[int, int, str]:
 
 
 def _drafter(draft):
-    """`jspec.strategy.as_drafter` of an EAGLE head, a drafter or a draft model; anything else is refused."""
+    """`jspec.engine.strategy.as_drafter` of an EAGLE head, a drafter or a draft model; anything else is refused."""
     if isinstance(draft, (EagleHead, Drafter)) or (hasattr(draft, "config") and hasattr(draft, "params")):
         return as_drafter(draft)
-    raise ValueError(f"draft must be an EagleHead (jspec.drafters.eagle_io.load_head), a draft model or a drafter, "
+    raise ValueError(f"draft must be an EagleHead (jspec.parts.drafters.eagle_io.load_head), a draft model or a drafter, "
                      f"got {type(draft).__name__}")
 
 
@@ -75,7 +75,7 @@ class _Relaxed(Strategy):
 
     def _checked_table(self) -> NeighbourTable:
         if not isinstance(self.table, NeighbourTable):
-            raise ValueError(f"{type(self).__name__} needs table= a jspec.neighbours.NeighbourTable built from the "
+            raise ValueError(f"{type(self).__name__} needs table= a jspec.parts.neighbours.NeighbourTable built from the "
                              "target's VQ codebook (NeighbourTable.for_chameleon(cfg, codebook, k)); got "
                              f"{type(self.table).__name__}")
         return self.table
@@ -102,7 +102,7 @@ class LanternPP(_Relaxed):
     lam * q(x). draft: an `EagleHead` (the paper's drafter) or a draft model of the target's vocabulary. table: the
     neighbour table of the target's VQ codebook. tree: "naive_extend_57" (the paper's), "mc_sim_7b_63", any
     child-rank paths, or "dynamic" (EAGLE-2's tree with deterministic drafts). residual: "principled" (the residual
-    of q~), "lumina_code" or "llamagen_code" (the authors' code; see `jspec.verify`). lam = 1 is exact."""
+    of q~), "lumina_code" or "llamagen_code" (the authors' code; see `jspec.parts.rules`). lam = 1 is exact."""
 
     draft: Any
     table: NeighbourTable | None = None

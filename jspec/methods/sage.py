@@ -1,19 +1,19 @@
 """SAGE (entropy-guided adaptive speculative decoding): the draft tree is re-planned every round from the draft's
-confidence (`jspec.controllers.entropy_tree`), drafted in a static slot budget and verified packed into
+confidence (`jspec.parts.controllers.entropy_tree`), drafted in a static slot budget and verified packed into
 n_max + 1 tokens. A tree plan and a controller on the one engine; any drafter fits under it."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from jspec.controllers.combined import Both
-from jspec.controllers.entropy_tree import EntropyTree, TreeSpec
-from jspec.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
+from jspec.parts.controllers.combined import Both
+from jspec.parts.controllers.entropy_tree import EntropyTree, TreeSpec
+from jspec.parts.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
 from jspec.methods import preset
-from jspec.plans import StaticPlan
-from jspec.strategy import Speculative, Strategy, as_drafter as strategy_drafter
-from jspec.trees import build_tree, cached_tree
-from jspec.verify import as_rule
+from jspec.parts.plans import StaticPlan
+from jspec.engine.strategy import Speculative, Strategy, as_drafter as strategy_drafter
+from jspec.parts.trees import build_tree, cached_tree
+from jspec.parts.rules import as_rule
 
 # The paper's pairs (SAGE Tables 1-2; shipped configs), its settings (greedy, defaults of `SAGE`; the draft's video
 # tokens pruned 90%, images 80%) and the 8-GPU plan of each target.
@@ -43,7 +43,7 @@ def sage_budget(**settings) -> tuple[int, str]:
 
 
 def as_drafter(draft):
-    """An `EarlyExitHead` as its drafter; otherwise as `jspec.strategy.as_drafter` (a drafter as is, an EAGLE head
+    """An `EarlyExitHead` as its drafter; otherwise as `jspec.engine.strategy.as_drafter` (a drafter as is, an EAGLE head
     over the target's features, a model as a separate draft model)."""
     if isinstance(draft, EarlyExitHead):
         return EarlyExitDrafter(draft.replace(calibration=None))
@@ -54,7 +54,7 @@ def as_drafter(draft):
 class SAGE(Strategy):
     """SAGE over any drafter.
 
-    draft: a draft model, an `EarlyExitHead`, any drafter object (`jspec.drafters`), or a speculative strategy
+    draft: a draft model, an `EarlyExitHead`, any drafter object (`jspec.parts.drafters`), or a speculative strategy
     whose drafter drafts SAGE's trees and whose controller (e.g. TABED's adaptive weights) runs beside SAGE's
     (`SAGE(TABED(...))`). d_min, d_max, w_min, w_max, k, n_max, theta0: the paper's Eq. 10-12 and threshold (d_max
     is the history rule's ceiling). history: the sliding-window rule on d_max (`window`, `low`, `high`), starting
@@ -63,7 +63,7 @@ class SAGE(Strategy):
     "mean_nodes" (the mean over its drafted nodes). threshold: "cumulative" (a path's proxy probability) or "local"
     (each candidate's own). adaptive_tree=False drafts `init_tree` every round (SD-Tree on SAGE's program).
     rule: "q1" (default; greedy decoding uses the longest match under any rule) or "residual": both are exact,
-    since a round's tree depends only on earlier rounds. prefill: a draft-prefill hook (`jspec.strategy`), e.g.
+    since a round's tree depends only on earlier rounds. prefill: a draft-prefill hook (`jspec.engine.strategy`), e.g.
     `jspec.VisionPruning`. prune_ratio: the paper's setting, SpecVLM's pruning of the draft's `prune_modality`
     tokens ("video", "image" or "vision") at this ratio (a shorthand for that prefill hook).
     """

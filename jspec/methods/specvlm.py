@@ -1,9 +1,9 @@
 """SpecVLM: the draft prefills on a pruned copy of the prompt's video tokens, chosen by the target's own prefill
 attention (language -> video), then drafts a static tree that the target verifies over the full prompt.
 
-`VisionPruning` is the prefill hook (`jspec.strategy`): it asks the target's one prefill for the attention of the
+`VisionPruning` is the prefill hook (`jspec.engine.strategy`): it asks the target's one prefill for the attention of the
 text after the last video token, averaged over layers, heads and those queries (`attn_query_weights`; reduced per
-layer, never [layers, heads, |L|, S]), selects K = int(|V| (1 - ratio)) video tokens per row (`jspec.pruning`)
+layer, never [layers, heads, |L|, S]), selects K = int(|V| (1 - ratio)) video tokens per row (`jspec.methods.pruning`)
 and compacts the draft's prompt to them, all inside the prefill program. The draft's cache shrinks with its
 prompt. Any strategy takes the hook (`SAGE(prefill=VisionPruning(0.9))`); `SpecVLM` is the paper's preset.
 """
@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec import pruning as PR
-from jspec.drafters import ModelDrafter, Prepared, Setup, TargetPrefill
-from jspec.plans import StaticPlan
-from jspec.strategy import PrefillHook, Speculative, Strategy
-from jspec.trees import cached_tree
-from jspec.verify import as_rule
+from jspec.methods import pruning as PR
+from jspec.parts.drafters import ModelDrafter, Prepared, Setup, TargetPrefill
+from jspec.parts.plans import StaticPlan
+from jspec.engine.strategy import PrefillHook, Speculative, Strategy
+from jspec.parts.trees import cached_tree
+from jspec.parts.rules import as_rule
 
 MODALITIES = ("video", "image", "vision")
 POSITIONS = ("original", "renumbered")
@@ -99,7 +99,7 @@ def _frame_tokens(model, prompt, modality: str) -> int | None:
 
 @struct.dataclass
 class VisionPruning(PrefillHook):
-    """Prefill hook: the draft keeps K = int(|V| (1 - ratio)) of each row's vision tokens (`jspec.pruning.select`
+    """Prefill hook: the draft keeps K = int(|V| (1 - ratio)) of each row's vision tokens (`jspec.methods.pruning.select`
     with `select`, `top_p`; None: the paper's value for the draft's family, `family_top_p`), every text token, in
     order. `out.stats` reports each row's "vision_tokens", "kept_vision_tokens" and, for select="specvlm",
     "stage_one" (the tokens stage I kept; stage II kept the rest). positions: "original" (each kept token's M-RoPE ids;

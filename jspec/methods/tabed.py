@@ -1,7 +1,7 @@
 """TABED: one draft LVLM drafts over several views of its prompt at once (multimodal M, text-only T, pooled P,
 captioned C), their next-token probabilities mixed with weights re-picked every block from how each candidate
-mixture matched the target at the verified positions so far. A multi-view drafter (`jspec.drafters.views`) and
-a weight controller (`jspec.controllers.ensemble`) on the one engine; verification reads the mixture q, so
+mixture matched the target at the verified positions so far. A multi-view drafter (`jspec.parts.drafters.views`) and
+a weight controller (`jspec.parts.controllers.ensemble`) on the one engine; verification reads the mixture q, so
 greedy output equals AR and sampled output is the target's distribution for any weights.
 
 Metrics as the paper reports them: `block_efficiency` (pooled tau = 1 + mean accepted drafts over all blocks)
@@ -14,13 +14,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jspec.controllers.ensemble import CRITERIA, EnsembleWeights
-from jspec.drafters.views import VIEWS, ModelCaptioner, MultiViewDrafter  # noqa: F401  (ModelCaptioner: public)
+from jspec.parts.controllers.ensemble import CRITERIA, EnsembleWeights
+from jspec.parts.drafters.views import VIEWS, ModelCaptioner, MultiViewDrafter  # noqa: F401  (ModelCaptioner: public)
 from jspec.methods import preset
-from jspec.plans import StaticPlan
-from jspec.strategy import Speculative, Strategy
-from jspec.trees import chain
-from jspec.verify import as_rule
+from jspec.parts.plans import StaticPlan
+from jspec.engine.strategy import Speculative, Strategy
+from jspec.parts.trees import chain
+from jspec.parts.rules import as_rule
 
 # The paper's method names (Table 1 rows): views and weight policy.
 METHODS = {"M": (("M",), "static"), "T": (("T",), "static"), "C": (("C",), "static"), "P": (("P",), "static"),

@@ -1,0 +1,208 @@
+"""One speculative step for every strategy: a drafter, a tree plan, an acceptance rule, a controller.
+
+The step has three phases with one signature, `phase(ctx, parts, target, carry) -> carry` (carry = (state,
+proposal, verified)); `sd_step` composes them and the fused loop, the host-timed profile and the in-program
+profile all run these same functions (`PHASES`):
+  1. `sd_draft`: the controller plans the step (depth limits, weights, a per-row tree); the plan drives the
+     drafter level by level into a `plans.Proposal`.
+  2. `sd_verify`: one target forward over all N nodes (positions = committed length + depth, ancestor mask).
+  3. `sd_accept`: the rule picks the accepted path and the bonus token; the accepted nodes' K/V move into the
+     target's committed prefix with one gather; the drafter commits; the controller observes a `Record`.
+No method-specific code lives here: a method is a new drafter, plan, rule or controller (see `jspec.engine.strategy`).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jspec.engine import rowkeys as RK
+from ports import cache as kvc
+from jspec.engine import loop
+from jspec.parts.controllers import Decision, Record
+from jspec.parts.drafters import Catchup, DraftEnv, TargetPrefill
+
+
+@struct.dataclass
+class SDAux:
+    """`DecodeState.aux` of speculative strategies."""
+
+    draft: Any  # the drafter's state
+    ctrl: Any  # the controller's state (None without a controller)
+    decided: dict  # per-step decisions kept for the stats: name -> [B, max_steps, ...]
+    prefilled: dict  # the prefill hook's per-row facts kept for the stats (`PrefillHook.info`): name -> [B, ...]
+
+
+class Verified(NamedTuple):
+    logits: jax.Array  # [B, N, V] the target's logits after each node
+    hidden: tuple = ()  # [B, N, (streams,) D] per layer of `verify_layers`: the target's residual streams there
+
+
+def verify_layers(parts, target) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(every layer whose residual stream the verify forward returns, in `Verified.hidden`'s order; the drafter's
+    own, in the order `Catchup.hidden` concatenates them): the drafter's `verify_layers` when it reads hidden
+    states, and the last layer when the controller does."""
+    last = target.kv_layout[0]
+    mine = tuple(int(i) for i in parts.drafter.verify_layers(last)) if parts.drafter.verify_hidden else ()
+    return tuple(dict.fromkeys(mine + ((last,) if parts.needs.asks.hidden else ()))), mine
+
+
+def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, prefill: TargetPrefill, prompt,
+             max_len: int) -> loop.DecodeState:
+    """After the target's prefill: the prefill hook picks the drafter's prompt from the prefill's by-products, the
+    drafter prefills, the controller starts."""
+    d_len, prefilled = max_len, {}
+    if parts.prefill is not None:
+        prefilled = dict(parts.prefill.info(prefill))
+        prompt = parts.prefill.draft_prompt(prefill, prompt)
+        d_len = parts.prefill.draft_len(max_len)  # a hook that shortens the draft's prompt shortens its cache
+    needs = parts.needs
+    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, needs=needs, out=state.out, n_out=state.n_out)
+    ds = parts.drafter.init(env, prefill, prompt, d_len, needs.pending_width)
+    B = state.last.shape[0]
+    ctrl, decided = None, {}
+    if parts.controller is not None:
+        ctrl = parts.controller.init(B, needs.depth)
+        ctrl = parts.controller.start(ctrl, prefill)
+        shapes = jax.eval_shape(parts.controller.plan, ctrl, state.key)
+        steps = state.accepted.shape[1]
+        made = {"depth": shapes.depth, "weights": shapes.weights, **(shapes.info or {})}
+        decided = {name: jnp.zeros((B, steps) + s.shape[1:], s.dtype) for name, s in made.items() if s is not None}
+    return state.replace(aux=SDAux(ds, ctrl, decided, prefilled))
+
+
+def sd_draft(ctx, parts, target, carry):
+    """Phase 1: the controller's decision, then the drafted tree (its `decision.depth`: the depth each row drafted
+    to, after any per-level stop)."""
+    state = carry[0]
+    aux: SDAux = state.aux
+    needs = parts.needs
+    ks = RK.split(RK.fold(loop.step_key(state), 1), 3)
+    k_draft, k_ctrl, k_stop = ks[:, 0], ks[:, 1], ks[:, 2]
+    ctrl = parts.controller
+    decision = Decision() if ctrl is None else ctrl.plan(aux.ctrl, k_ctrl)
+    if decision.depth is not None:
+        decision = decision._replace(depth=jnp.clip(decision.depth.astype(jnp.int32), 1, needs.depth))
+    stop = None
+    if needs.stops:  # the controller may end a row's draft after any level (from what drafted it)
+        stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, RK.fold(k_stop, level))  # noqa: E731
+    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, decision, needs, state.out, state.n_out, stop)
+    prop, ds = parts.plan.propose(env, parts.drafter, aux.draft, k_draft, decision)
+    return state.replace(aux=aux.replace(draft=ds)), prop, None
+
+
+def sd_verify(ctx, parts, target, carry):
+    """Phase 2: one target forward over every node (the nodes' K/V land in the target cache's scratch)."""
+    state, prop, _ = carry
+    tc = state.cache
+    pos = kvc.positions(tc, prop.tree.depth)
+    layers = verify_layers(parts, target)[0]
+    N = prop.tokens.shape[1]
+
+    def forward(n, defer=False):
+        def run(tc):
+            kw = {"hidden_layers": layers} if layers else {}
+            if defer:
+                kw["defer_writes"] = True
+            fo = target.forward(prop.tokens[:, :n], pos[:, :n], tc, prop.tree.ancestor[:, :n, :n], **kw)
+            pad = lambda x: jnp.pad(x, ((0, 0), (0, N - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+            out = pad(fo.logits), tuple(pad(h) for h in fo.hidden) if layers else ()
+            if defer:  # the new keys / values, padded to N on their token axis (slots past n: scratch no node reads)
+                rows = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 2) + ((0, N - n), (0, 0)))  # noqa: E731
+                return jax.tree.map(rows, fo.pending), *out
+            return fo.cache, *out
+        return run
+
+    sizes, pick = parts.plan.verify_size(prop, state.done)
+    if pick is None or len(sizes) < 2:
+        tc, logits, hid = forward(N)(tc)
+    elif getattr(target, "defers_writes", False):
+        # verify only what some row drafted: the smallest static width that holds every row's tree. The branches
+        # return the new keys / values and write nothing: a cache written inside the switch is copied in and out
+        (ks, vs), logits, hid = jax.lax.switch(pick, [forward(n, defer=True) for n in sizes], tc)
+        tc = kvc.write_pending(tc, ks, vs)
+    else:
+        tc, logits, hid = jax.lax.switch(pick, [forward(n) for n in sizes], tc)
+    return state.replace(cache=tc), prop, Verified(logits, hid)
+
+
+def _along(x: jax.Array, path: jax.Array) -> jax.Array:
+    """x [B, N, ...] at the path's nodes [B, P] -> [B, P, ...]."""
+    return jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _record(parts, target, prop, ver: Verified, verdict, new, n_eff, active, depth, drafted) -> Record:
+    asks = parts.needs.asks
+    path, a = verdict.path, verdict.accepted
+    B, N = prop.tokens.shape
+    on_path = jnp.zeros((B, N), jnp.int32).at[jnp.arange(B)[:, None], path].max(
+        (jnp.arange(path.shape[1])[None] <= a[:, None]).astype(jnp.int32)) > 0
+    rec = Record(accepted=jnp.where(active, a, 0), committed=n_eff, active=active, depth=depth, drafted=drafted,
+                 path=path, on_path=on_path & active[:, None], tokens=new)
+    if asks.target_logits:
+        rec = rec._replace(target_logits=_along(ver.logits, path))
+    if asks.draft_probs and prop.q is not None:
+        rec = rec._replace(draft_probs=_along(prop.q, path),
+                           draft_known=_along(prop.known, path) & (jnp.arange(path.shape[1])[None] <= a[:, None]))
+    if asks.draft_aux and prop.aux is not None:
+        rec = rec._replace(draft_aux=jax.tree.map(lambda x: _along(x, path), prop.aux))
+    if asks.root_topk:
+        rec = rec._replace(root_topk=jax.lax.top_k(jnp.exp(prop.root_logp), asks.root_topk)[0])
+    if asks.node_topk:
+        rec = rec._replace(node_topk=prop.node_topk, node_known=prop.node_known & active[:, None])
+    if asks.hidden:
+        end = jnp.take_along_axis(path, a[:, None], axis=1)  # the node the bonus token follows
+        last = ver.hidden[verify_layers(parts, target)[0].index(target.kv_layout[0])]
+        rec = rec._replace(hidden=_along(last, end)[:, 0])
+    return rec
+
+
+def sd_accept(ctx, parts, target, carry):
+    """Phase 3: the verdict, the commit (target cache, output, drafter), the controller's observation."""
+    state, prop, ver = carry
+    aux: SDAux = state.aux
+    plan = parts.plan
+    B = state.last.shape[0]
+    D = plan.max_depth
+    k_verify = RK.fold(loop.step_key(state), 2)
+    verdict = parts.rule.verify(k_verify, prop.tokens, ver.logits, prop.q, prop.valid, prop.tree, D, ctx.sampling,
+                                state.sp)
+    a = verdict.accepted
+    path_tokens = jnp.take_along_axis(prop.tokens, verdict.path, axis=1)  # [B, D+1], root first
+    new = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+    new = new.at[jnp.arange(B), a].set(verdict.bonus)  # [accepted drafts..., bonus]
+    active = ~state.done
+    n_keep = jnp.where(active, a + 1, 0)
+    # a chain's accepted entries already sit in slots length.. in order: no gather and write of every layer
+    tc = kvc.commit(state.cache, n_keep) if plan.is_chain else kvc.commit_path(state.cache, verdict.path, n_keep)
+    state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
+    state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
+    env = DraftEnv(ctx, state.sp, target, tc, state.last, prop.decision, parts.needs, state.out, state.n_out)
+    hid = None
+    if parts.drafter.verify_hidden:  # the drafter's layers, concatenated on the last axis
+        every, mine = verify_layers(parts, target)
+        hid = jnp.concatenate([_along(ver.hidden[every.index(i)], verdict.path) for i in mine], axis=-1)
+    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid))
+    drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
+    ctrl, decided = aux.ctrl, aux.decided
+    if parts.controller is not None:
+        depth = prop.decision.depth
+        depth = jnp.full((B,), D, jnp.int32) if depth is None else depth
+        ctrl = parts.controller.observe(ctrl, _record(parts, target, prop, ver, verdict, new, n_eff, active, depth, drafted))
+        made = {"depth": depth, "weights": prop.decision.weights, **(prop.decision.info or {})}
+        decided = {k: v.at[:, state.step].set(made[k].astype(v.dtype)) for k, v in decided.items()}
+    state = state.replace(aux=aux.replace(draft=ds, ctrl=ctrl, decided=decided))
+    return loop.record_step(state, n_eff, drafted), None, None
+
+
+PHASES = (("draft", sd_draft), ("verify", sd_verify), ("accept", sd_accept))
+
+
+def sd_step(ctx, parts, target, state: loop.DecodeState) -> loop.DecodeState:
+    """One draft-verify-commit round for every row."""
+    carry = (state, None, None)
+    for _, phase in PHASES:
+        carry = phase(ctx, parts, target, carry)
+    return carry[0]

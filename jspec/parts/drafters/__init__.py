@@ -1,0 +1,42 @@
+"""Drafters: who proposes tokens, and with which distribution.
+
+A drafter is a pytree object (its models' params and any numbers are leaves). The engine calls it on the host
+once per decode (`check`, `prepare`) and on the device inside the jitted step:
+
+- `check(target)`: raise ValueError before any compute (e.g. a vocabulary that differs from the target's).
+- `map_models(fn)`: the drafter with `fn` applied to every model it runs (placement on a mesh, image mode).
+- `prepare(setup: Setup) -> Prepared`: the drafter as it will run (guided, replicated) and its prompt, a pytree
+  of host or device arrays handed to `init` inside the prefill program, with the cache extent it needs.
+- optional `prefill_asks(tokens, lengths, inputs) -> dict`: forward options for the target's prefill whose
+  by-products `init` reads (e.g. `{"hidden_layers": (N,)}`: an early-exit drafter's prompt states at layer N).
+- `init(env, prefill: TargetPrefill, prompt, max_len, pending_width) -> state`: prefill; `prefill` holds the
+  target prefill's by-products (logits, requested hidden states and attention, its cache).
+- `root(env, state) -> (logp [B, 1, V], aux, state)`: the distribution after the newest committed token
+  (`env.last`), after reading whatever committed tokens the drafter has not seen.
+- `level(env, state, tokens [B, K], depth [B, K], mask [B, K, S], offset, run) -> (logp [B, K, V], aux, state)`:
+  one tree level: K new nodes at `depth` below the root (the drafter places them at its own positions), written
+  at scratch offsets offset.. past the committed tokens, each seeing the committed tokens and the scratch slots
+  its `mask` row allows (S >= offset + K; nothing past offset + K is set); `run` (a traced bool or None) lets a
+  level no row needs be skipped. `offset` is traced (a plan drafts its levels in a loop), and a level may carry
+  padding nodes past the tree's: they may write scratch slots up to the plan's `scratch`, which later levels
+  overwrite and no node reads.
+- `commit(env, state, catchup: Catchup) -> state`: the state after verification accepted a path; the committed
+  tokens are the path's (`catchup.prop.tokens` along `catchup.path`, root first), so a drafter that reads the
+  generated text keeps it from here (`jspec.parts.drafters.ngram`, prompt lookup).
+- optional class attribute `verify_hidden = True`: the drafter reads the target's hidden states at the accepted
+  path's nodes from verification (`Catchup.hidden`): the last layer's (an EAGLE-1 feature head), or those of the
+  layers `verify_layers(num_layers)` names, concatenated (an EAGLE-3 head's low, middle and high layers).
+
+logp is the log of the distribution the plan ranks and draws children from (the sampler's processed distribution
+when sampling, the plain softmax when greedy); aux is a per-node pytree [B, K, ...] of the drafter's own
+(e.g. per-view probabilities of a multi-view drafter, for its controller) or None.
+`env` is a `DraftEnv`: the static step context, sampling params, the target (as run), its cache at the step's
+start (read only), the controller's decision for this step, the tokens generated so far (`out`, `n_out`) and the
+strategy's `Needs` (`needs`: the plan's depth and scratch, to size buffers at `init`; what the controller asks).
+A drafter subclasses `Drafter` (`jspec.parts.drafters.base`), whose optional hooks (`check`, `map_models`,
+`prefill_asks`, `verify_hidden`, `verify_layers`) do nothing by default.
+"""
+from jspec.parts.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from jspec.parts.drafters.model import ModelDrafter
+
+__all__ = ["Catchup", "DraftEnv", "Drafter", "ModelDrafter", "Prepared", "Setup", "TargetPrefill"]

@@ -1,0 +1,94 @@
+"""Training Cali-TS's acceptance predictor (EESD App. B) for a trained early-exit head.
+
+Labels come from teacher forcing on the target's own greedy text: at every position s the head drafts its argmax
+from the true prefix, and the label is whether that draft equals the target's argmax there (the token the target
+would accept under greedy verification). An example pairs an anchor t with a draft offset i = 1..P (P = 10): the
+target's last-layer hidden state at t and the head's post-norm hidden state at t + i, exactly the pair the
+controller sees when the draft's i-th token of a round is scored (the anchor is the node the previous round's bonus
+token follows). Anchor and draft position must lie in one packed sequence, the draft position in the weighted
+continuation. Loss: 2-way cross-entropy, averaged over every (t, i); the target and the head are frozen.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ports import cache as kvc
+from jspec.tools.train import trainer as jt
+from jspec.parts.controllers.calibration import CaliPredictor
+from jspec.parts.drafters.early_exit import head_logits, head_states
+from ports import llama
+
+
+def features(cfg, n: int, head_params: dict, lm: dict, batch: dict):
+    """(target last-layer hidden [B, T, D], head post-norm hidden [B, T, D], the head's argmax == the target's
+    [B, T] bool) over a packed batch, without gradients."""
+    B, T = batch["input_ids"].shape
+    mask = jt.segment_mask(batch["segment_ids"])
+    cache = kvc.init_cache(cfg.num_layers, B, cfg.num_kv_heads, T, cfg.head_dim, lm["embed"].dtype)
+    fo = llama.forward(cfg, lm, batch["input_ids"], batch["positions"], cache, mask,
+                       hidden_layers=(n, cfg.num_layers), fresh=True)
+    h_exit, h_last = fo.hidden
+    hcache = None
+    if head_params["layers"]:
+        hcache = kvc.init_cache(len(head_params["layers"]), B, cfg.num_kv_heads, T, cfg.head_dim, h_exit.dtype)
+    states, _ = head_states(cfg, head_params, h_exit, batch["positions"], hcache, mask, fresh=hcache is not None)
+    match = jnp.argmax(head_logits(head_params, states, lm), -1) == jnp.argmax(fo.logits, -1)
+    return jax.lax.stop_gradient(h_last), jax.lax.stop_gradient(states), match
+
+
+def pair_terms(pred: CaliPredictor, h_target, h_draft, match, batch: dict):
+    """Per offset i = 1..P: (summed cross-entropy, summed correct, summed label, summed theta_M, pairs)."""
+    seg, w = batch["segment_ids"], batch["weights"]
+    T = seg.shape[1]
+    out = []
+    for i in range(1, pred.positions + 1):
+        if i >= T:
+            break
+        ok = ((seg[:, :T - i] == seg[:, i:]) & (seg[:, i:] > 0) & (w[:, i:] > 0) & (w[:, :T - i] > 0)).astype(
+            jnp.float32)
+        logits = pred.logits(i, h_target[:, :T - i], h_draft[:, i:])
+        label = match[:, i:].astype(jnp.int32)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, label)
+        p1 = jax.nn.softmax(logits, -1)[..., 1]
+        right = ((p1 > 0.5) == (label > 0)).astype(jnp.float32)
+        out.append(jnp.stack([(ce * ok).sum(), (right * ok).sum(), (label * ok).sum(), (p1 * ok).sum(), ok.sum()]))
+    return jnp.stack(out)  # [P, 5]
+
+
+def make_steps(cfg, n: int, tx: optax.GradientTransformation):
+    """(train_step(pred, opt_state, head_params, lm, batch, lr) -> (pred, opt_state, metrics),
+    eval_step(pred, head_params, lm, batch) -> [P, 5] sums of `pair_terms`)."""
+
+    def loss_fn(pred, feats, batch):
+        t = pair_terms(pred, *feats, batch)
+        tot = t.sum(0)
+        loss = tot[0] / jnp.maximum(tot[4], 1.0)
+        return loss, (loss, tot[1] / jnp.maximum(tot[4], 1.0), tot[2] / jnp.maximum(tot[4], 1.0))
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(pred, opt_state, head_params, lm, batch, lr):
+        feats = features(cfg, n, head_params, lm, batch)
+        (_, (loss, acc, rate)), grads = jax.value_and_grad(loss_fn, has_aux=True)(pred, feats, batch)
+        updates, opt_state = tx.update(grads, jt.set_lr(opt_state, lr), pred)
+        return optax.apply_updates(pred, updates), opt_state, {"loss": loss, "acc": acc, "accept_rate": rate}
+
+    @jax.jit
+    def eval_step(pred, head_params, lm, batch):
+        return pair_terms(pred, *features(cfg, n, head_params, lm, batch), batch)
+
+    return train_step, eval_step
+
+
+def evaluate(eval_step, pred, head_params, lm, batches) -> dict:
+    """Held-out: cross-entropy, accuracy, the majority-class accuracy to beat, and the mean predicted vs the real
+    acceptance rate (calibration), over every (t, i) pair."""
+    tot = sum(eval_step(pred, head_params, lm, b) for b in batches)
+    ce, right, pos, p1, cnt = (float(x) for x in tot.sum(0))
+    cnt = max(cnt, 1.0)
+    rate = pos / cnt
+    return {"heldout_loss": ce / cnt, "heldout_acc": right / cnt, "heldout_majority_acc": max(rate, 1 - rate),
+            "heldout_accept_rate": rate, "heldout_mean_theta": p1 / cnt}
