@@ -5,7 +5,7 @@ the speedup over AR measured in the same rounds.
     python scripts/bench_eesd.py                  # writes scripts/results/eesd-zoo.{json,md,png}
     python scripts/bench_eesd.py --runs 5 --scenarios described_caption text
 
-Needs the heads `scripts/train_eesd.py` ships into jspec/tools/zoo/ (text-target-eesd-n1 and its ablations; a missing
+Needs the heads ``jspec train eesd`` ships into assets/zoo/jspec_zoo/ (text-target-eesd-n1 and its ablations; a missing
 one is skipped). Each scenario's prompts decode as one batch (greedy, EOS honoured); every case runs once to
 compile, then `--runs` interleaved timed rounds (median reported).
 """

@@ -13,7 +13,7 @@ additive delta on EAGLE-2's dynamic tree (the paper's LANTERN baseline), with AR
 
 Setup: the zoo's t2i-target (a 4-layer Chameleon, 8 x 8 codes of the t2i-vq tokenizer, 73 generated tokens per
 image with the end-of-row and end-of-image tokens) and its EAGLE-1 head (assets/zoo/jspec_zoo/t2i-eagle, trained on the
-target's own images by scripts/train_eagle_head.py), held-out scene captions, CFG 3, temperature 1, top-k 128 (a
+target's own images by `jspec train eagle`), held-out scene captions, CFG 3, temperature 1, top-k 128 (a
 quarter of the 512 codes, as Lumina-mGPT's 2000 of 8192). Each method decodes the prompts as one batch, once to
 compile and `--runs` timed rounds interleaved over the methods (median decode time, the prefill outside it);
 step compression S is tokens per target step (accepted drafts + 1, the forced grammar tokens included as

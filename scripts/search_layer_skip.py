@@ -5,7 +5,7 @@
 
 Greedy backward elimination (`jspec.tools.train.layer_skip.search`): each round drops the layer whose removal keeps
 the reduced model's top-1 equal to the full model's on the most answer positions of the model's own text
-(`scripts/make_self_data.py`, the first sequences; teacher-forced). Then, for each number of skipped layers s, the
+(``jspec train self-data``, the first sequences; teacher-forced). Then, for each number of skipped layers s, the
 predicted greedy speedup of a chain of gamma drafts, with a = that round's agreement taken as a per-token
 acceptance rate: tau = (1 - a^(gamma+1)) / (1 - a) tokens per target step, at a cost of gamma draft steps
 (`draft_cost`: the reduced model's share of the multiply-adds, its LM head included) plus one verify of gamma + 1
@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     from jspec.tools import self_data as SD
     from jspec.parts.drafters import layer_skip as LS
     from jspec.tools.train import layer_skip as LSS
-    from jspec.methods import eesd_train as EST
+    from jspec.tools.train import eesd as EST
 
     target, _ = models.load(a.model)
     out = ROOT / "scripts" / "results" / f"layer-skip-{a.model}"

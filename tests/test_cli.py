@@ -16,7 +16,8 @@ def test_demo_runs(tmp_path, capsys):
     from jspec.tools import demo
 
     lines = []
-    res = demo.run(seed=3, out_dir=str(tmp_path), max_new_tokens=24, rounds=1, cache="off", print_fn=lines.append)
+    res = demo.run(seed=3, out_dir=str(tmp_path), max_new_tokens=24, rounds=1, cache="off", print_fn=lines.append,
+                   real=None)
     out = "\n".join(lines)
     assert out.count("Q: ") == 4 and "reference: " in out
     head = "| " + " | ".join(demo.COLUMNS) + " |"
@@ -36,6 +37,29 @@ def test_demo_runs(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # the command is wired
         cli.main(["demo", "--help"])
     assert e.value.code == 0 and "--seed" in capsys.readouterr().out
+
+
+def test_demo_puts_the_real_model_first(tmp_path):
+    """With the real model fetched, `jspec demo` runs it first (AR, prompt lookup, the EAGLE-3 head's chain,
+    greedy), then the zoo's text pair; the headline names the real model's best greedy strategy, whose rows equal
+    AR's, and its speedup as measured in that run."""
+    from jspec.tools import demo, models
+
+    if not models.available(demo.REAL_MODEL):
+        pytest.skip(f"{demo.REAL_MODEL} is not fetched (`jspec fetch {demo.REAL_MODEL}`)")
+    lines = []
+    res = demo.run(seed=1, out_dir=str(tmp_path), max_new_tokens=16, rounds=1, cache="off", print_fn=lines.append)
+    real, zoo = res["sections"]
+    assert real["title"].startswith(demo.REAL_MODEL) and zoo["title"].startswith("text pair")
+    r = real["results"]
+    assert {(n, m) for n in r for m in r[n]} >= {("AR", "greedy"), ("PromptLookup gamma=4", "greedy"),
+                                                  ("EAGLE-3 head, chain of 2", "greedy")}
+    assert all(m == "greedy" for n in r for m in r[n])
+    assert r["AR"]["greedy"]["lengths"].min() >= 100  # the real section writes its own, longer answers
+    name, best = demo.best_greedy(r)
+    assert best["same_as_ar"] and res["headline"] == demo.headline(demo.Section(real["title"], *[None] * 5), r)
+    assert f"{name} at {best['speedup']:.2f}x" in res["headline"] and res["headline"] in lines
+    assert (tmp_path / "demo-1.png").exists()
 
 
 def test_drafted_mask():

@@ -13,8 +13,8 @@ from jspec.tools.train import trainer as jt
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import eagle3 as E3
 from jspec.parts.drafters import eagle3_io as IO
-from jspec.methods import eagle3_train as E3T
-from jspec.methods import eagle_train as EGT
+from jspec.tools.train import eagle3 as E3T
+from jspec.tools.train import eagle as EGT
 from ports import cache as kvc
 from train_checks import assert_resumes_bit_identical
 from tiny_pairs import PROMPTS, tiny_pair
@@ -91,9 +91,9 @@ def test_training_raises_every_step_s_agreement_and_acceptance(target, own_text,
     prompts accepts more drafts per step. The trained head's export loads back to the same decode."""
     head0 = E3T.start_head(target, jax.random.key(0), VOCAB, _aux(target))
     held = [next(EGT.batches(own_text, 3, 32))[0]]
-    cfg, lm = EG.text_parts(target)
-    eval_step = lambda p, l, b: E3T._eval_step(cfg, E3T._spec(head0), OPTS, p, head0.vocab, l, b)  # noqa: E731
-    before = E3T.evaluate(eval_step, head0.params, lm, held, 3)
+    _, lm = EG.text_parts(target)
+    eval_step = E3T.make_steps(target, head0, EGT.optimizer(), OPTS).eval
+    before = E3T.evaluate(eval_step, head0.params, head0.vocab, lm, held)
     acc0 = float(np.mean(_decode(target, head0).stats["mean_accepted"]))
     head, meta = E3T.fit_head(target, own_text, tmp_path, steps=60, lr=1e-2, batch_size=3, seq_len=32, opts=OPTS,
                               head=head0, heldout=held, progress=False, argv=[])
@@ -121,14 +121,12 @@ def test_interrupted_run_resumes_bit_identical(target, own_text, tmp_path):
 
 
 def test_the_script_trains_resumes_and_exports(tmp_path):
-    """scripts/train_eagle3_head.py on an HF checkpoint directory with --texts: a short run, then the same command
-    continuing it, then the exported speculators-format head loading and drafting."""
-    import sys
-
+    """`jspec train eagle3` on an HF checkpoint directory with --texts: a short run, then the same command
+    continuing it (twice, once through the `jspec` entry point), then the exported speculators-format head loading
+    and drafting."""
     import ports
-
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "scripts"))
-    import train_eagle3_head as TS
+    from jspec.tools import cli
+    from jspec.tools.cli import train_eagle3 as TS
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -149,8 +147,9 @@ def test_the_script_trains_resumes_and_exports(tmp_path):
             "4", "--seq-len", "32", "--draft-vocab", "40", "--aux-layers", "0", "1", "3", "--log-every", "2"]
     first = TS.main(args)
     assert first["meta"]["step"] == 6 and jt.finished(first["meta"])
+    assert cli.main(["train", "eagle3", *args]) == 0
     again = TS.main(args)  # the same command: resumes the finished run from its checkpoint, trains nothing more
-    assert again["meta"]["step"] == 6 and len(again["meta"]["runs"]) == 2
+    assert again["meta"]["step"] == 6 and len(again["meta"]["runs"]) == 3
     for a, b in zip(jax.tree.leaves(first["head"].params), jax.tree.leaves(again["head"].params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     head = IO.load_head(str(tmp_path / "run"), target)

@@ -11,7 +11,7 @@ import jspec
 import ports.cache
 from jspec.tools.train import trainer as jt
 from jspec.parts.drafters import eagle as EG
-from jspec.methods import eagle_train as EGT
+from jspec.tools.train import eagle as EGT
 from jspec.parts.plans import StaticPlan
 from jspec.parts.trees import build_tree
 from train_checks import assert_resumes_bit_identical

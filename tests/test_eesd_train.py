@@ -8,7 +8,7 @@ import jspec
 import ports.cache
 from jspec.tools.train import trainer as jt
 from jspec.parts.drafters import early_exit as EE
-from jspec.methods import eesd_train as EST
+from jspec.tools.train import eesd as EST
 from tiny_pairs import PROMPTS, tiny_pair
 
 
@@ -56,7 +56,7 @@ def test_training_lowers_the_loss_and_reads_the_targets_own_states():
     before = jax.tree.map(np.asarray, lm)
     first = EST.loss_fn(cfg, 1, params, lm, batch)[0]
     for _ in range(30):
-        params, opt, m = step(params, opt, lm, batch, 3e-3)
+        params, opt, m = step(params, opt, 3e-3, lm, batch)
     assert float(EST.loss_fn(cfg, 1, params, lm, batch)[0]) < 0.5 * float(first)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(lm)):
         np.testing.assert_array_equal(a, np.asarray(b))
@@ -84,7 +84,7 @@ def test_a_shared_lm_head_trains_without_touching_the_target():
     before = jax.tree.map(np.asarray, lm)
     first = float(EST.loss_fn(cfg, 1, params, lm, batch)[0])
     for _ in range(30):
-        params, opt, m = step(params, opt, lm, batch, 3e-3)
+        params, opt, m = step(params, opt, 3e-3, lm, batch)
     assert "lm_head" not in params and float(EST.loss_fn(cfg, 1, params, lm, batch)[0]) < 0.7 * first
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(lm)):
         np.testing.assert_array_equal(a, np.asarray(b))
@@ -98,7 +98,7 @@ def test_calibration_labels_and_training(train):
     steps lower the cross-entropy, and the mean predicted acceptance approaches the real rate."""
     from jspec.parts.controllers import calibration as CAL
     from jspec.parts.drafters.early_exit import head_forward
-    from jspec.methods import cali_train as CT
+    from jspec.tools.train import cali as CT
 
     target, _ = tiny_pair()
     head = EE.init_head(target, exit_layer=1, num_layers=1)
@@ -131,7 +131,7 @@ def test_calibration_labels_and_training(train):
     opt = tx.init(pred)
     ev0 = CT.evaluate(eval_step, pred, head.params, lm, [batch])
     for _ in range(40):
-        pred, opt, m = step(pred, opt, head.params, lm, batch, 1e-2)
+        pred, opt, m = step(pred, opt, 1e-2, head.params, lm, batch)
     ev = CT.evaluate(eval_step, pred, head.params, lm, [batch])
     assert ev["heldout_loss"] < ev0["heldout_loss"] - 0.05
     assert abs(ev["heldout_mean_theta"] - ev["heldout_accept_rate"]) < abs(

@@ -9,7 +9,7 @@ import jspec
 import ports
 from jspec.parts.drafters import layer_skip as LS
 from jspec.tools.train import layer_skip as LSS
-from jspec.methods import eesd_train as EST
+from jspec.tools.train import eesd as EST
 from tiny_pairs import CFG, PROMPTS
 
 

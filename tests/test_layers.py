@@ -4,13 +4,11 @@ a tool; `import jspec` loads nothing under `jspec/tools`; no module of the packa
 (what a tool needs ships inside the package); at most 8 modules sit directly in `jspec/`; module-level imports
 form no cycle; no module imports another's private name."""
 import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOWER = ("jspec.engine", "jspec.parts", "jspec.api")  # the engine and its parts
 UPPER = {"jspec.engine": ("jspec.methods", "jspec.tools"), "jspec.parts": ("jspec.methods", "jspec.tools"),
          "jspec.api": ("jspec.methods", "jspec.tools"), "jspec.methods": ("jspec.tools",), "ports": ("jspec",)}
 

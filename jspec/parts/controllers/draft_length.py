@@ -82,7 +82,7 @@ def as_controller(spec, calibration=None):
         if spec == "cali":
             if calibration is None:
                 raise ValueError("controller='cali' needs the head's calibration predictor, and this head has none: "
-                                 "train one with scripts/train_cali.py (it is saved beside the head)")
+                                 "train one with `jspec train cali` (it is saved beside the head)")
             from jspec.parts.controllers.calibration import CaliTS
 
             return CaliTS(calibration)

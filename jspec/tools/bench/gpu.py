@@ -46,6 +46,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from jspec.tools import report
+
 BUDGET_TOTAL_S = 540  # the plan's sum: one 10-minute device command, with a minute to start and write
 DRY_BUDGET_S = 120  # a dry-run step's deadline (the CPU; far more than it takes)
 MARGIN_S = 3.0  # a step stops this much before its budget, so that its last write lands before the kill
@@ -114,17 +116,7 @@ class Recorder:
         print(f"    [{time.time() - self.t0:5.1f} s] {text}", flush=True)
 
     def _write(self) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1, default=_jsonable)
-        os.replace(tmp, self.path)
-
-
-def _jsonable(x):
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return str(x)
+        report.write_json(self.path, self.data, indent=1)
 
 
 def _r(x, n: int = 3):
@@ -348,15 +340,6 @@ def child_main(argv=None) -> int:
 # ------------------------------------------------------------------------------------------------ output
 
 
-def table(rows: list[dict], cols: list[str] | None = None) -> list[str]:
-    if not rows:
-        return []
-    cols = cols or list(dict.fromkeys(k for r in rows for k in r))
-    cell = lambda v: "" if v is None else (json.dumps(v) if isinstance(v, (list, dict)) else str(v))  # noqa: E731
-    return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            + ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows])
-
-
 def summary_lines(result: dict) -> list[str]:
     """The one table a reader looks at first: each step's status, time against budget and headline."""
     rows = []
@@ -366,7 +349,7 @@ def summary_lines(result: dict) -> list[str]:
                      "status": (s["status"] + (" (earlier call)" if s.get("earlier") else "")) if s else "not run",
                      "s / budget": f"{s['seconds']:.0f} / {s['budget_s']:.0f}" if s else f"- / {p['budget_s']:.0f}",
                      "headline": (s.get("headline") or s.get("error") or "") if s else ""})
-    return table(rows)
+    return report.markdown_table(rows)
 
 
 def markdown(result: dict) -> str:
@@ -391,7 +374,7 @@ def markdown(result: dict) -> str:
             if s.get(key):
                 out += ["", s[key]]
         for name, rows in s.get("tables", {}).items():
-            out += ["", f"**{name}**", "", *table(rows)]
+            out += ["", f"**{name}**", "", *report.markdown_table(rows)]
         if s.get("notes") or s.get("skipped"):
             out.append("")
         for n in s.get("notes", []):
@@ -403,12 +386,7 @@ def markdown(result: dict) -> str:
 
 def write(result: dict, stem: str) -> list[str]:
     """The result as JSON and markdown (and the plot, when there is something to plot); returns the paths."""
-    with open(stem + ".json.tmp", "w") as f:
-        json.dump(result, f, indent=1, default=_jsonable)
-    os.replace(stem + ".json.tmp", stem + ".json")
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(result))
-    files = [stem + ".json", stem + ".md"]
+    files = [report.write_json(stem + ".json", result, indent=1), report.write_text(stem + ".md", markdown(result))]
     try:
         if plot(result, stem + ".png"):
             files.append(stem + ".png")
@@ -429,46 +407,31 @@ def plot(result: dict, path: str) -> str | None:
     panels = [p for p, rows in (("curve", curves), ("pred", preds), ("meas", measured)) if rows]
     if not panels:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    import numpy as np
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.0), squeeze=False)
-    for ax, p in zip(axes[0], panels):
-        if p == "curve":
-            for shape in dict.fromkeys(r["shape"] for r in curves):
-                pts = sorted((r["k"], r["over_ar"]) for r in curves if r["shape"] == shape and r.get("over_ar"))
-                ax.plot([a for a, _ in pts], [b for _, b in pts], "o-", ms=3, label=shape)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("tokens verified per forward (k)")
-            ax.set_ylabel("forward time / AR step")
-            ax.set_title("verify cost at the papers' shapes", fontsize=9)
-        elif p == "pred":
-            x = np.arange(len(preds))
-            ax.bar(x - 0.27, [r.get("predicted") or 0 for r in preds], 0.27, label="predicted, measured tau")
-            ax.bar(x, [r.get("predicted_paper_tau") or 0 for r in preds], 0.27, label="predicted, paper's tau")
-            ax.bar(x + 0.27, [r.get("paper_speedup") or 0 for r in preds], 0.27, label="paper")
-            ax.set_xticks(x, [r["method"] for r in preds], rotation=60, ha="right", fontsize=6)
-            ax.set_ylabel("speedup over AR")
-            ax.set_title("the papers' regime: predicted by cost vs reported", fontsize=9)
-        else:
-            labels = [f"{r['pair']}: {r['strategy']}" for r in measured]
-            x = np.arange(len(measured))
-            ax.bar(x - 0.2, [r["wall_speedup"] for r in measured], 0.4, label="wall")
-            ax.bar(x + 0.2, [r.get("decode_speedup") or 0 for r in measured], 0.4, label="decode loop")
-            ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=6)
-            ax.set_ylabel("speedup over AR")
-            ax.set_title("measured on the real model and the zoo", fontsize=9)
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with report.figure(path, 1, len(panels), figsize=(5.5 * len(panels), 4.0)) as fa:
+        if fa is None:
+            return None
+        for ax, p in zip(fa[1][0], panels):
+            if p == "curve":
+                for shape in dict.fromkeys(r["shape"] for r in curves):
+                    pts = sorted((r["k"], r["over_ar"]) for r in curves if r["shape"] == shape and r.get("over_ar"))
+                    ax.plot([a for a, _ in pts], [b for _, b in pts], "o-", ms=3, label=shape)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("tokens verified per forward (k)")
+                ax.set_ylabel("forward time / AR step")
+                ax.set_title("verify cost at the papers' shapes", fontsize=9)
+                ax.axhline(1.0, color="gray", lw=0.8)
+                ax.legend(fontsize=6)
+            elif p == "pred":
+                report.grouped_bars(ax, [r["method"] for r in preds], {
+                    "predicted, measured tau": [r.get("predicted") or 0 for r in preds],
+                    "predicted, paper's tau": [r.get("predicted_paper_tau") or 0 for r in preds],
+                    "paper": [r.get("paper_speedup") or 0 for r in preds]}, "speedup over AR", rotation=60,
+                    fontsize=6, title="the papers' regime: predicted by cost vs reported")
+            else:
+                report.grouped_bars(ax, [f"{r['pair']}: {r['strategy']}" for r in measured], {
+                    "wall": [r["wall_speedup"] for r in measured],
+                    "decode loop": [r.get("decode_speedup") or 0 for r in measured]}, "speedup over AR",
+                    rotation=60, fontsize=6, title="measured on the real model and the zoo")
     return path
 
 
@@ -805,6 +768,7 @@ def load_pair(name: str, rec: Recorder) -> Pair:
                     note=f"as the gpu suite's: one random {P}-token prompt, {new} new tokens, EOS off")
     if name == "zoo text":
         from jspec.parts.drafters.early_exit import load_head
+        from jspec.tools import zoo
 
         _, t, d, ps = _zoo("text", dtype)
         head = load_head(str(zoo.weights_dir("text-target-eesd-n1")), t)
@@ -1368,7 +1332,7 @@ def _eesd_train(rec: Recorder) -> None:
 
     from jspec.tools.train import trainer as jt
     from jspec.parts.drafters import early_exit as EE
-    from jspec.methods import eesd_train as EST
+    from jspec.tools.train import eesd as EST
 
     N, B, T = (3, 2, 64) if rec.dry else (3, 8, 2048)
     cfg = text_config("llama-2-13b", tiny=rec.dry, num_hidden_layers=N + 1)
@@ -1379,7 +1343,7 @@ def _eesd_train(rec: Recorder) -> None:
     train, _ = EST.make_steps(tcfg, N, tx)
     rng = np.random.default_rng(0)
     batch = next(EST.pack([rng.integers(3, cfg.vocab_size, T) for _ in range(B)], B, T))[0]
-    step = lambda s: (lambda p, o, m: ((p, o), m))(*train(s[0], s[1], lm, batch, np.float32(1e-3)))  # noqa: E731
+    step = lambda s: (lambda p, o, m: ((p, o), m))(*train(s[0], s[1], np.float32(1e-3), lm, batch))  # noqa: E731
     first, per, _ = _timed_steps(step, (head.params, tx.init(head.params)), 2 if rec.dry else 3)
     rec.add("rows", {"what": "EESD head, LLaMA-2-13B (N = 3, 1 layer)", "head_params_m": _r(head.num_params / 1e6, 1),
                      "batch": B, "seq_len": T, "compile_s": _r(first - per, 1), "step_s": _r(per, 3),
@@ -1392,7 +1356,7 @@ def _eagle_train(rec: Recorder) -> None:
     import numpy as np
 
     from jspec.parts.drafters import eagle as EG
-    from jspec.methods import eagle_train as EGT
+    from jspec.tools.train import eagle as EGT
 
     B, T = (2, 64) if rec.dry else (2, 2353)  # LANTERN++: 2 rows a device; a 768-px image is 2,353 tokens
     cfg = text_config("lumina-mgpt-7b-768", tiny=rec.dry)
@@ -1405,7 +1369,7 @@ def _eagle_train(rec: Recorder) -> None:
     batch = next(EGT.batches([rng.integers(3, cfg.vocab_size, T) for _ in range(B)], B, T))[0]
     it = iter(range(10 ** 6))
     step = lambda s: (lambda p, o, m: ((p, o), m))(  # noqa: E731
-        *train(s[0], s[1], lm, batch, np.float32(1e-4), EGT.step_key(0, next(it))))
+        *train(s[0], s[1], np.float32(1e-4), lm, batch, EGT.step_key(0, next(it))))
     first, per, _ = _timed_steps(step, (head.params, tx.init(head.params)), 2 if rec.dry else 3)
     rec.add("rows", {"what": "EAGLE head, Lumina-mGPT-7B (LLaMA layers)", "head_params_m": _r(head.num_params / 1e6, 1),
                      "batch": B, "seq_len": T, "compile_s": _r(first - per, 1), "step_s": _r(per, 3),

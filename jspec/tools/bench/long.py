@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jspec.tools import report
+
 MODELS = {  # random LLaMAs: the CPU table's 110M, and LLaMA-2-7B's shape for a GPU
     "110m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
                  num_kv_heads=12, head_dim=64, max_position_embeddings=65536, tie_word_embeddings=True),
@@ -238,7 +240,7 @@ def run_bench(args) -> dict:
             "device": getattr(dev, "device_kind", dev.platform), "model": args.model, "config": MODELS[args.model],
             "dtype": args.dtype, "prefill_chunk": args.chunk or "auto (4096)", "runs": args.runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    report.write_json(args.out + ".json", {"meta": meta, "rows": rows}, indent=1)
     if cache_root:
         shutil.rmtree(cache_root, ignore_errors=True)
     cols = [c for c in ("jspec", "jspec_cached", "jspec_warm", "jspec_one_pass", "jspec_direct", "transformers",
@@ -252,17 +254,17 @@ def run_bench(args) -> dict:
              f"({'one run' if args.runs == 1 else f'median of {args.runs} runs'} per point, each in a fresh "
              "process; jspec's time includes its compile"
              + ("; jspec_cached: loaded from a warm persistent compilation cache instead" if cache_root else "")
-             + ("; *_warm: the second call in a process" if args.warm else "") + ")", "",
-             "| prompt tokens | " + " | ".join(f"{c} time / {mem_name}" for c in cols) + " |"
-             + "".join(f" {c} / {h} time |" for c, h in ratios),
-             "|---" * (len(cols) + 1 + len(ratios)) + "|"]
+             + ("; *_warm: the second call in a process" if args.warm else "") + ")", ""]
+    table = []
     for r in rows:
-        cells = [f"{r[c]['s']:.1f} s / {r[c][mem]:.2f} GB" if "s" in r[c] else r[c]["error"][:60] for c in cols]
-        for c, h in ratios:
-            ok = "s" in r[c] and "s" in r[h]
-            cells.append(f"{r[c]['s'] / r[h]['s']:.2f}x" if ok else "-")
-        lines.append(f"| {r['tokens']:,} | " + " | ".join(cells) + " |")
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+        t = {"prompt tokens": f"{r['tokens']:,}"}
+        t.update({f"{c} time / {mem_name}": f"{r[c]['s']:.1f} s / {r[c][mem]:.2f} GB" if "s" in r[c]
+                  else r[c]["error"][:60] for c in cols})
+        t.update({f"{c} / {h} time": f"{r[c]['s'] / r[h]['s']:.2f}x" if "s" in r[c] and "s" in r[h] else "-"
+                  for c, h in ratios})
+        table.append(t)
+    lines += report.markdown_table(table)
+    report.write_text(args.out + ".md", lines)
     plot(rows, cols, args.out + ".png", mem, mem_name)
     print("\n".join(lines))
     return {"meta": meta, "rows": rows, "markdown": "\n".join(lines),
@@ -287,18 +289,17 @@ def run_video_bench(args) -> dict:
             dev.platform), "video_model": args.video, "dtype": args.dtype, "runs": args.runs,
             "prefill_chunk": args.chunk or "auto (4096)"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    report.write_json(args.out + ".json", {"meta": meta, "rows": rows}, indent=1)
     mem = "device_gb" if all("device_gb" in r["jspec"] for r in rows) else "rss_gb"
     lines = [f"Video prompt prefill + 2 new tokens, batch 1, random {args.video}, {args.dtype}, {meta['date']}, "
-             f"{meta['device']}, jax {meta['jax']} (jspec's time includes its compile and the vision tower)", "",
-             "| video tokens | frames | prompt tokens | time | "
-             + ("peak device memory |" if mem == "device_gb" else "peak RSS |"),
-             "|---|---|---|---|---|"]
-    for r in rows:
-        j = r["jspec"]
-        lines.append(f"| {r['video_tokens']:,} | {r.get('frames', '-')} | {r.get('prompt_tokens', '-')} | "
-                     + (f"{j['s']:.1f} s | {j[mem]:.2f} GB |" if "s" in j else f"{j['error'][:60]} | |"))
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+             f"{meta['device']}, jax {meta['jax']} (jspec's time includes its compile and the vision tower)", ""]
+    peak = "peak device memory" if mem == "device_gb" else "peak RSS"
+    lines += report.markdown_table([{"video tokens": f"{r['video_tokens']:,}", "frames": r.get("frames", "-"),
+                                     "prompt tokens": r.get("prompt_tokens", "-"),
+                                     "time": f"{r['jspec']['s']:.1f} s" if "s" in r["jspec"]
+                                     else r["jspec"]["error"][:60],
+                                     peak: f"{r['jspec'][mem]:.2f} GB" if "s" in r["jspec"] else ""} for r in rows])
+    report.write_text(args.out + ".md", lines)
     print("\n".join(lines))
     return {"meta": meta, "rows": rows, "markdown": "\n".join(lines), "files": [args.out + ".json", args.out + ".md"]}
 
@@ -310,20 +311,17 @@ def main(argv=None) -> dict:
 
 
 def plot(rows, cols, path, mem: str = "rss_gb", mem_name: str = "peak RSS") -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for c in cols:
-        pts = [(r["tokens"], r[c]) for r in rows if "s" in r[c]]
-        axes[0].plot([p[0] for p in pts], [p[1]["s"] for p in pts], "o-", label=c)
-        axes[1].plot([p[0] for p in pts], [p[1][mem] for p in pts], "o-", label=c)
-    for ax, y in zip(axes, ("seconds (prefill + 2 tokens)", f"{mem_name} (GB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel(y)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with report.figure(path, 1, 2, figsize=(10, 4)) as fa:
+        if fa is None:
+            return
+        axes = fa[1][0]
+        for c in cols:
+            pts = [(r["tokens"], r[c]) for r in rows if "s" in r[c]]
+            axes[0].plot([p[0] for p in pts], [p[1]["s"] for p in pts], "o-", label=c)
+            axes[1].plot([p[0] for p in pts], [p[1][mem] for p in pts], "o-", label=c)
+        for ax, y in zip(axes, ("seconds (prefill + 2 tokens)", f"{mem_name} (GB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel(y)
+            ax.grid(alpha=0.3)
+            ax.legend()

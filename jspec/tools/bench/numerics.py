@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -54,6 +53,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")  # the 7B pair hol
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from jspec.tools import report  # noqa: E402
 
 PAIRS = ("random damped 7B", "zoo text", "zoo image")
 ALIASES = {"random": "random damped 7B", "random damped": "random damped 7B", "7b": "random damped 7B",
@@ -389,9 +390,7 @@ def _rows_differ(toks, ref) -> bool:
 
 
 def table(rows: list[dict], cols: list[str]) -> str:
-    fmt = lambda x: "" if x is None else str(x)
-    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-                     + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows])
+    return "\n".join(report.markdown_table(rows, cols))
 
 
 SUMMARY_COLS = ["pair", "variant", "strategy", "rows", "rows_differ", "first_divergences", "tau", "median_margin_ulps",
@@ -453,45 +452,37 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: str) -> str | None:
     """Per pair: the reference margin in bf16 ulps (log scale) at every generated position (density, grey) and at
     the first divergences (counts, per variant)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     pairs = result["pairs"]
     if not pairs:
         return None
-    fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 3.4), squeeze=False)
-    lo = lambda x: np.log10(np.maximum(np.asarray(x, np.float64), 1e-3))
-    bins = np.linspace(-3, 5, 49)
-    for ax, p in zip(axes[0], pairs):
-        base = p["hist"].get("bf16") or next(iter(p["hist"].values()), {})
-        if base.get("baseline_ulps"):
-            ax.hist(lo(base["baseline_ulps"]), bins, density=True, histtype="step", color="gray",
-                    label="all positions (density)")
-        ax2 = ax.twinx()
-        for v, h in p["hist"].items():
-            if h["divergence_ulps"]:
-                ax2.hist(lo(h["divergence_ulps"]), bins, alpha=0.6, label=f"first divergences, {v}")
-        ax.axvline(0.0, color="k", lw=0.8, ls="--", label="1 bf16 ulp")
-        b = next((x for x in result["baselines"] if x["pair"] == p["pair"] and x["variant"] == "bf16"), None)
-        if b and b["perturbation_ulps_p99"] and b["perturbation_ulps_p99"] > 0:
-            ax.axvline(math.log10(b["perturbation_ulps_p99"]), color="r", lw=0.8, ls=":",
-                       label="p99 bf16-vs-f32 perturbation")
-        ax.set_xlabel("log10(top-2 margin / bf16 spacing at top logit)")
-        ax.set_ylabel("density")
-        ax2.set_ylabel("divergences")
-        ax.set_title(p["pair"], fontsize=9)
-        h1, l1 = ax.get_legend_handles_labels()
-        h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="upper right")
     m = result["meta"]
-    fig.suptitle(f"SD vs AR first divergences, {m['device_kind']}, jax {m['jax']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    lo = lambda x: np.log10(np.maximum(np.asarray(x, np.float64), 1e-3))  # noqa: E731
+    bins = np.linspace(-3, 5, 49)
+    with report.figure(path, 1, len(pairs), figsize=(5.2 * len(pairs), 3.4), dpi=120,
+                       title=f"SD vs AR first divergences, {m['device_kind']}, jax {m['jax']}") as fa:
+        if fa is None:
+            return None
+        for ax, p in zip(fa[1][0], pairs):
+            base = p["hist"].get("bf16") or next(iter(p["hist"].values()), {})
+            if base.get("baseline_ulps"):
+                ax.hist(lo(base["baseline_ulps"]), bins, density=True, histtype="step", color="gray",
+                        label="all positions (density)")
+            ax2 = ax.twinx()
+            for v, h in p["hist"].items():
+                if h["divergence_ulps"]:
+                    ax2.hist(lo(h["divergence_ulps"]), bins, alpha=0.6, label=f"first divergences, {v}")
+            ax.axvline(0.0, color="k", lw=0.8, ls="--", label="1 bf16 ulp")
+            b = next((x for x in result["baselines"] if x["pair"] == p["pair"] and x["variant"] == "bf16"), None)
+            if b and b["perturbation_ulps_p99"] and b["perturbation_ulps_p99"] > 0:
+                ax.axvline(math.log10(b["perturbation_ulps_p99"]), color="r", lw=0.8, ls=":",
+                           label="p99 bf16-vs-f32 perturbation")
+            ax.set_xlabel("log10(top-2 margin / bf16 spacing at top logit)")
+            ax.set_ylabel("density")
+            ax2.set_ylabel("divergences")
+            ax.set_title(p["pair"], fontsize=9)
+            h1, l1 = ax.get_legend_handles_labels()
+            h2, l2 = ax2.get_legend_handles_labels()
+            ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="upper right")
     return path
 
 
@@ -549,11 +540,9 @@ def write(args, pairs: list, t0: float, argv) -> dict:
     short = {"random damped 7B": "random", "zoo text": "text", "zoo image": "image"}
     tag = "" if args.pairs == default else "".join("-" + short[p] for p in args.pairs)
     stem = os.path.join(args.out, f"gpu-numerics{tag}{'-quick' if args.quick else ''}-{meta['date']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(stem + ".json", result, indent=1)
     result["markdown"] = markdown(result)
-    with open(stem + ".md", "w") as f:
-        f.write(result["markdown"])
+    report.write_text(stem + ".md", result["markdown"])
     result["files"] = [stem + ".json", stem + ".md"] + ([stem + ".png"] if plot(result, stem + ".png") else [])
     return result
 

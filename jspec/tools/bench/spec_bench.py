@@ -30,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from jspec.tools import report
 from jspec.tools.self_data import chat_ids
 
-QUESTIONS = Path(__file__).resolve().parent / "benchdata" / "spec_bench" / "question.jsonl"
+QUESTIONS = Path(__file__).resolve().parent / "data" / "spec_bench" / "question.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = MT_BENCH + ("translation", "summarization", "qa", "math_reasoning", "rag")
 
@@ -339,12 +340,9 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
                        "temperature": temperature, "questions_per_category": questions, "pad_prompt_to": pad_to,
                        "turns": len(turns), "batch": batch, "ignore_eos": ignore_eos, "jspec": jspec.__version__,
                        "jax_backend": jax.default_backend()}
-    with open(os.path.join(stem, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
     md = markdown(summary)
-    with open(os.path.join(stem, "summary.md"), "w") as f:
-        f.write(md + "\n")
-    files += [os.path.join(stem, "summary.json"), os.path.join(stem, "summary.md")]
+    files += [report.write_json(os.path.join(stem, "summary.json"), summary),
+              report.write_text(os.path.join(stem, "summary.md"), md)]
     png = plot(summary, os.path.join(stem, "speedup.png"))
     summary["files"] = files + ([png] if png else [])
     summary["markdown"] = md
@@ -455,41 +453,16 @@ def markdown(summary: dict) -> str:
     rows = summary["rows"]
     cols = ["group", "method", "turns", "mean_accepted", "drafts_per_step", "planned_depth", "tree_width",
             "tree_nodes", "alpha_accept_r", "step_cost_ar_steps", "tokens_s", "speedup_vs_ar", "equal_to_ar"]
-    cols = [c for c in cols if any(c in r for r in rows)]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(out)
+    return "\n".join(report.markdown_table(rows, [c for c in cols if any(c in r for r in rows)], missing="-"))
 
 
 def plot(summary: dict, path: str) -> str | None:
     """Speedup over jspec AR per category, one bar per method."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = [r for r in summary["rows"] if r["method"] != "ar"]
-    groups = list(dict.fromkeys(r["group"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(groups) * max(1, len(methods)) / 2), 3.6))
-    x = np.arange(len(groups))
-    w = 0.8 / max(1, len(methods))
-    for j, m in enumerate(methods):
-        vals = [next((r["speedup_vs_ar"] for r in rows if r["group"] == g and r["method"] == m), 0) for g in groups]
-        ax.bar(x + (j - (len(methods) - 1) / 2) * w, vals, w, label=m)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(x, groups, fontsize=7, rotation=30)
-    ax.set_ylabel("wall speedup over jspec AR")
     meta = summary.get("meta", {})
-    ax.set_title(f"Spec-Bench, {meta.get('model', '')}, T={meta.get('temperature', '')}, {meta.get('device', '')}",
-                 fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return report.bar_chart(path, [r for r in summary["rows"] if r["method"] != "ar"], "group", "method",
+                            "speedup_vs_ar", "wall speedup over jspec AR",
+                            f"Spec-Bench, {meta.get('model', '')}, T={meta.get('temperature', '')}, "
+                            f"{meta.get('device', '')}")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -25,7 +25,6 @@ is also a ratio to a baseline measured in the same run. `quick=True` shrinks eve
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -36,6 +35,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jspec.tools import report
 
 SUITES = ("ar", "sd", "gpu")
 med = statistics.median
@@ -535,48 +536,24 @@ def markdown(result: dict) -> str:
     out = [f"`{result['meta']['suite']}` suite, {result['meta']['date']}, {result['meta']['device']}, "
            f"jax {result['meta']['jax']}, median of {result['meta']['runs']} runs"]
     for key in ("rows", "sd", "transformers"):
-        rows = result.get(key) or []
-        if not rows:
-            continue
-        cols = list(dict.fromkeys(k for r in rows for k in r))
-        out += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        out += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |" for r in rows]
+        if result.get(key):
+            out += ["", *report.markdown_table(result[key])]
     return "\n".join(out)
 
 
 def plot(result: dict, path: str) -> str | None:
     """A bar chart of the suite's speed ratios; None when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     suite = result["meta"]["suite"]
     rows = result["rows"]
     if not rows:
         return None
     if suite == "sd":
-        return _plot_sd(plt, result, path)
-    labels = [f"{r['model']}\nbatch {r['batch']}" for r in rows]
-    series = {"jspec tok/s": [r["jspec_tok_s"] for r in rows]}
-    if any("transformers_tok_s" in r for r in rows):
-        series["transformers tok/s"] = [r.get("transformers_tok_s", 0) for r in rows]
-    ylabel = "tokens / s"
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 3.6))
-    x = np.arange(len(labels))
-    w = 0.8 / len(series)
-    for i, (name, vals) in enumerate(series.items()):
-        ax.bar(x + (i - (len(series) - 1) / 2) * w, vals, w, label=name)
-    ax.set_xticks(x, labels, fontsize=6)
-    ax.set_ylabel(ylabel)
-    ax.set_title(f"jspec bench {suite}, {result['meta']['device']}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        return _plot_sd(result, path)
+    long = [{"row": f"{r['model']}\nbatch {r['batch']}", "impl": impl, "tok_s": r.get(key, 0)} for r in rows
+            for impl, key in (("jspec tok/s", "jspec_tok_s"), ("transformers tok/s", "transformers_tok_s"))
+            if key == "jspec_tok_s" or any(key in q for q in rows)]
+    return report.bar_chart(path, long, "row", "impl", "tok_s", "tokens / s",
+                            f"jspec bench {suite}, {result['meta']['device']}", ref=None)
 
 
 def run(suite: str, runs: int = 3, quick: bool = False, out_dir: str = "bench_out", progress: bool = True,
@@ -603,11 +580,8 @@ def run(suite: str, runs: int = 3, quick: bool = False, out_dir: str = "bench_ou
     os.makedirs(out_dir, exist_ok=True)
     tag = "".join("-" + p.replace(" ", "-") for p in pairs)
     stem = os.path.join(out_dir, f"{suite}{tag}{'-quick' if quick else ''}-{result['meta']['date']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    md = markdown(result)
-    with open(stem + ".md", "w") as f:
-        f.write(md + "\n")
+    report.write_json(stem + ".json", result)
+    report.write_text(stem + ".md", markdown(result))
     result["files"] = [stem + ".json", stem + ".md"] + ([stem + ".png"] if plot(result, stem + ".png") else [])
     if suite == "gpu" and result["sd"] and plot({"meta": {**result["meta"], "suite": "sd"}, "rows": result["sd"]},
                                                 stem + "-sd.png"):
@@ -615,28 +589,18 @@ def run(suite: str, runs: int = 3, quick: bool = False, out_dir: str = "bench_ou
     return result
 
 
-def _plot_sd(plt, result: dict, path: str) -> str:
+def _plot_sd(result: dict, path: str) -> str | None:
     """One panel per pair: decode speedup over jspec AR per scenario (bars: strategies; dots: predicted)."""
     rows = [r for r in result["rows"] if r["strategy"] != "AR"]
     pairs = list(dict.fromkeys(r["pair"] for r in rows))
-    fig, axes = plt.subplots(len(pairs), 1, figsize=(9, 2.8 * len(pairs)), squeeze=False)
-    for ax, pair in zip(axes[:, 0], pairs):
-        pr = [r for r in rows if r["pair"] == pair]
-        scen = list(dict.fromkeys(r["scenario"] for r in pr))
-        strats = list(dict.fromkeys(r["strategy"] for r in pr))
-        w = 0.8 / len(strats)
-        for i, st in enumerate(strats):
-            xs = np.arange(len(scen)) + (i - (len(strats) - 1) / 2) * w
-            by = {r["scenario"]: r for r in pr if r["strategy"] == st}
-            ax.bar(xs, [by[s]["decode_speedup"] if s in by else np.nan for s in scen], w, label=st)
-            ax.plot(xs, [by[s].get("predicted_speedup") or np.nan if s in by else np.nan for s in scen], "k.", ms=3)
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xticks(np.arange(len(scen)), scen, fontsize=7)
-        ax.set_ylabel("speedup over AR")
-        ax.set_title(f"{pair} (dots: predicted from in-program step times)", fontsize=8)
-        ax.legend(fontsize=6, ncol=4)
-    fig.suptitle(f"jspec bench sd, {result['meta']['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with report.figure(path, len(pairs), 1, figsize=(9, 2.8 * len(pairs)), dpi=120,
+                       title=f"jspec bench sd, {result['meta']['device']}") as fa:
+        if fa is None:
+            return None
+        for ax, pair in zip(fa[1][:, 0], pairs):
+            pr = [r for r in rows if r["pair"] == pair]
+            scen, vals = report.pivot(pr, "scenario", "strategy", "decode_speedup")
+            _, pred = report.pivot(pr, "scenario", "strategy", "predicted_speedup")
+            report.grouped_bars(ax, scen, vals, "speedup over AR", dots=pred, rotation=0,
+                                title=f"{pair} (dots: predicted from in-program step times)")
     return path

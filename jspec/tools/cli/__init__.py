@@ -1,4 +1,4 @@
-"""The `jspec` command line: decode, chat, convert, fetch, demo, plan, bench."""
+"""The `jspec` command line: decode, chat, convert, fetch, demo, plan, bench, train."""
 from __future__ import annotations
 
 import argparse
@@ -184,6 +184,24 @@ def bench_gpu(argv) -> int:
     return 0 if all(s["status"] in ("ok", "partial") for s in result["steps"].values()) else 1
 
 
+TRAINERS = {"eagle": "train_eagle", "eagle3": "train_eagle3", "eesd": "train_eesd", "cali": "train_cali",
+            "self-data": "self_data"}  # `jspec train KIND ...` -> jspec.tools.cli.<module>.main
+
+
+def train(argv) -> int:
+    """`jspec train KIND ...`: train a drafter (or write the data it trains on), resumable from its checkpoints
+    (each kind's own options: `jspec train KIND --help`)."""
+    import importlib
+
+    if not argv or argv[0] not in TRAINERS:
+        kinds = ", ".join(TRAINERS)
+        raise SystemExit(f"usage: jspec train {{{kinds}}} [options]; `jspec train KIND --help` for a kind's options"
+                         + (f" (unknown kind {argv[0]!r})" if argv and not argv[0].startswith("-") else ""))
+    module = importlib.import_module(f"jspec.tools.cli.{TRAINERS[argv[0]]}")
+    module.main(argv[1:])
+    return 0
+
+
 def _configure_logging(argv: list[str]) -> list[str]:
     """`jspec -v ...` (INFO: compile, prefill and decode times) or `-vv` (DEBUG: each decode's static shape), or
     $JSPEC_LOG=INFO|DEBUG, sends the `jspec` logger to stderr; returns argv without the flag."""
@@ -211,6 +229,8 @@ def main(argv=None) -> int:
         return bench_spec(argv[2:])
     if argv[:2] == ["bench", "gpu"]:
         return bench_gpu(argv[2:])
+    if argv[:1] == ["train"]:
+        return train(argv[1:])
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     from jspec.tools.cli import generate as CG
@@ -288,6 +308,8 @@ def main(argv=None) -> int:
     pl.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(fn=cmd_plan)
+    sub.add_parser("train", help="train a drafter, resumable: eagle, eagle3, eesd, cali, or self-data (the text "
+                                 "a registered model writes for its drafters); `jspec train KIND --help`")
     b = sub.add_parser("bench", help="benchmark suites (ar, sd; gpu: `jspec bench gpu --help`; long: `jspec bench "
                                      "long --help`; spec-bench: `jspec bench spec-bench --help`): JSON, "
                                      "markdown table and PNG per run")
@@ -301,7 +323,3 @@ def main(argv=None) -> int:
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     return args.fn(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,8 +15,8 @@ STRATEGIES = ("ar", "chain", "tree", "dynamic", "sage", "eesd", "pld")
 
 
 def add_args(p, chat: bool = False) -> None:
-    p.add_argument("--model", required=True, help="HF checkpoint dir, Hub id (org/name), `jspec convert` output "
-                                                  "or .gguf file")
+    p.add_argument("--model", required=True, help="HF checkpoint dir, Hub id (org/name), `jspec convert` output, "
+                                                  ".gguf file or a registered name (`jspec fetch`'s)")
     p.add_argument("--draft", help="draft model (same forms); for --strategy eesd an early-exit head directory")
     p.add_argument("--strategy", choices=STRATEGIES, help="default: chain with --draft, else ar")
     p.add_argument("--gamma", type=int, default=5, help="draft length (chain, pld) or depth (dynamic)")
@@ -40,9 +40,14 @@ def add_args(p, chat: bool = False) -> None:
 
 
 def load_model(name: str, dtype=None, revision=None):
-    """(model, local directory or file) of a checkpoint given as a directory, Hub id, orbax output or .gguf."""
+    """(model, local directory or file) of a checkpoint given as a directory, Hub id, orbax output, .gguf or a
+    registered name (`jspec fetch` names: fetched on first use, then loaded as `jspec.models.load` does)."""
     import ports
+    from jspec.tools import models
 
+    if name in models.REGISTRY and not os.path.exists(name):
+        path = models.fetch(name)
+        return models.load(name, dtype)[0], path
     if name.endswith(".gguf") and os.path.isfile(name):
         return ports.load_gguf(name, dtype=dtype, progress=True), name
     path = ports.hub.resolve(name, revision)

@@ -10,7 +10,6 @@ continuation. Loss: 2-way cross-entropy, averaged over every (t, i); the target 
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,36 +58,26 @@ def pair_terms(pred: CaliPredictor, h_target, h_draft, match, batch: dict):
     return jnp.stack(out)  # [P, 5]
 
 
-def make_steps(cfg, n: int, tx: optax.GradientTransformation):
-    """(train_step(pred, opt_state, head_params, lm, batch, lr) -> (pred, opt_state, metrics),
-    eval_step(pred, head_params, lm, batch) -> [P, 5] sums of `pair_terms`)."""
+def _loss(static, pred, head_params, lm, batch):
+    t = pair_terms(pred, *features(*static, head_params, lm, batch), batch).sum(0)
+    n = jnp.maximum(t[4], 1.0)
+    return t[0] / n, {"loss": t[0] / n, "acc": t[1] / n, "accept_rate": t[2] / n}
 
-    def loss_fn(pred, feats, batch):
-        t = pair_terms(pred, *feats, batch)
-        tot = t.sum(0)
-        loss = tot[0] / jnp.maximum(tot[4], 1.0)
-        return loss, (loss, tot[1] / jnp.maximum(tot[4], 1.0), tot[2] / jnp.maximum(tot[4], 1.0))
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(pred, opt_state, head_params, lm, batch, lr):
-        feats = features(cfg, n, head_params, lm, batch)
-        (_, (loss, acc, rate)), grads = jax.value_and_grad(loss_fn, has_aux=True)(pred, feats, batch)
-        updates, opt_state = tx.update(grads, jt.set_lr(opt_state, lr), pred)
-        return optax.apply_updates(pred, updates), opt_state, {"loss": loss, "acc": acc, "accept_rate": rate}
+def _sums(static, pred, head_params, lm, batch):
+    t = pair_terms(pred, *features(*static, head_params, lm, batch), batch).sum(0)
+    return {"loss": (t[0], t[4]), "acc": (t[1], t[4]), "accept_rate": (t[2], t[4]), "mean_theta": (t[3], t[4])}
 
-    @jax.jit
-    def eval_step(pred, head_params, lm, batch):
-        return pair_terms(pred, *features(cfg, n, head_params, lm, batch), batch)
 
-    return train_step, eval_step
+def make_steps(cfg, n: int, tx: optax.GradientTransformation) -> jt.Steps:
+    """`jspec.tools.train.trainer.make_steps` of the predictor's loss: train(pred, opt_state, lr, head_params, lm,
+    batch), eval(pred, head_params, lm, batch); the features come from the frozen target and head."""
+    return jt.make_steps(_loss, _sums, (cfg, n), tx)
 
 
 def evaluate(eval_step, pred, head_params, lm, batches) -> dict:
     """Held-out: cross-entropy, accuracy, the majority-class accuracy to beat, and the mean predicted vs the real
     acceptance rate (calibration), over every (t, i) pair."""
-    tot = sum(eval_step(pred, head_params, lm, b) for b in batches)
-    ce, right, pos, p1, cnt = (float(x) for x in tot.sum(0))
-    cnt = max(cnt, 1.0)
-    rate = pos / cnt
-    return {"heldout_loss": ce / cnt, "heldout_acc": right / cnt, "heldout_majority_acc": max(rate, 1 - rate),
-            "heldout_accept_rate": rate, "heldout_mean_theta": p1 / cnt}
+    ev = jt.evaluate(eval_step, pred, batches, head_params, lm)
+    rate = ev["heldout_accept_rate"]
+    return {**ev, "heldout_majority_acc": max(rate, 1 - rate)}

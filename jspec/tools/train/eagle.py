@@ -172,25 +172,16 @@ def set_lr(opt_state, lr):
     return opt_state[0], jt.set_lr(opt_state[1], lr)
 
 
-def _loss(cfg, spec, opts, params, lm, batch, key):
-    return loss_terms(cfg, lm, EG.EagleHead(params, *spec), batch, key, opts)
+def _loss(static, params, lm, batch, key):
+    cfg, spec, opts = static
+    loss, aux = loss_terms(cfg, lm, EG.EagleHead(params, *spec), batch, key, opts)
+    return loss, {k: v for k, v in aux.items() if k != "weight"}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
-def _train_step(cfg, spec, opts, tx, params, opt_state, lm, batch, lr, key):
-    lm = jax.lax.stop_gradient(lm)
-    (_, aux), grads = jax.value_and_grad(functools.partial(_loss, cfg, spec, opts), has_aux=True)(
-        params, lm, batch, key)
-    updates, opt_state = tx.update(grads, set_lr(opt_state, lr), params)
-    aux = {k: v for k, v in aux.items() if k != "weight"}
-    return optax.apply_updates(params, updates), opt_state, {**aux, "grad_norm": optax.global_norm(grads)}
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _eval_step(cfg, spec, opts, params, lm, batch):
-    _, aux = _loss(cfg, spec, opts, params, lm, batch, None)
-    w = aux["weight"]
-    return aux["loss"] * w, aux["vloss"] * w, aux["ploss"] * w, aux["top1"] * w, w
+def _sums(static, params, lm, batch):
+    cfg, spec, opts = static
+    _, aux = loss_terms(cfg, lm, EG.EagleHead(params, *spec), batch, None, opts)
+    return {k: (aux[k] * aux["weight"], aux["weight"]) for k in ("loss", "vloss", "ploss", "top1")}
 
 
 def training_config(target):
@@ -202,22 +193,18 @@ def training_config(target):
     return cfg
 
 
-def make_steps(target, head: EG.EagleHead, tx: optax.GradientTransformation, opts: LossOptions = LossOptions()):
-    """(train_step(params, opt_state, lm, batch, lr, key) -> (params, opt_state, metrics),
-    eval_step(params, lm, batch) -> (loss, vloss, ploss, top1 sums over weighted entries, their count)). `lm` is
-    the target's language-model params (`eagle.text_parts(target)[1]`), an argument so it is not baked into the
-    compiled program; params and opt_state are donated."""
-    cfg = training_config(target)
+def make_steps(target, head: EG.EagleHead, tx: optax.GradientTransformation, opts: LossOptions = LossOptions()
+               ) -> jt.Steps:
+    """`jspec.tools.train.trainer.make_steps` of the EAGLE loss: train(params, opt_state, lr, lm, batch, key),
+    eval(params, lm, batch). `lm` is the target's language-model params (`eagle.text_parts(target)[1]`), an
+    argument so it is not baked into the compiled program."""
     spec = (head.family, head.input_norm, head.target)
-    train_step = functools.partial(_train_step, cfg, spec, opts, tx)
-    eval_step = functools.partial(_eval_step, cfg, spec, opts)
-    return train_step, eval_step
+    return jt.make_steps(_loss, _sums, (training_config(target), spec, opts), tx, set_lr)
 
 
 def evaluate(eval_step, params, lm, batches) -> dict:
     """Held-out means over `batches` (no noise, conditional rows): heldout_loss, _vloss, _ploss, _top1."""
-    loss, vloss, ploss, top1 = jt.weighted_means(lambda p, b: eval_step(p, lm, b), params, batches)
-    return {"heldout_loss": loss, "heldout_vloss": vloss, "heldout_ploss": ploss, "heldout_top1": top1}
+    return jt.evaluate(eval_step, params, batches, lm)
 
 
 def step_key(seed: int, step: int) -> jax.Array:
@@ -404,7 +391,7 @@ def fit_head(target, data, workdir, *, steps: int | None = None, minutes: float 
     train_step, eval_step = make_steps(target, head, tx, opts)
 
     def step(params, opt_state, batch, lr_now, i):
-        return train_step(params, opt_state, lm, batch, lr_now, step_key(seed, i))
+        return train_step(params, opt_state, lr_now, lm, batch, step_key(seed, i))
 
     evaluate_fn = (lambda s: evaluate(eval_step, s["params"], lm, heldout)) if heldout else None
     state, meta = run(step, {"params": head.params, "opt_state": tx.init(head.params)}, meta, workdir, data,

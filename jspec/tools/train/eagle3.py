@@ -26,18 +26,15 @@ held out: heldout_loss and heldout_top1_s. The loop, optimizer, checkpoints and 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
 from jspec.tools.train import trainer as jt
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import eagle3 as E3
-from jspec.methods import eagle_train as ET
+from jspec.tools.train import eagle as ET
 from ports import cache as kvc
 from ports import layers as LY
 from ports import llama
@@ -103,43 +100,36 @@ def loss_terms(cfg, lm: dict, head: E3.Eagle3Head, batch: dict, opts: TTTOptions
     return total, {"loss": total, **aux}
 
 
-def _loss(cfg, spec, opts, params, vocab, lm, batch):
+def _loss(static, params, vocab, lm, batch):
+    cfg, spec, opts = static
     config, aux_layers, target, nbr, nout = spec
-    head = E3.Eagle3Head(params, config, aux_layers, target, vocab, nbr, nout)
-    return loss_terms(cfg, lm, head, batch, opts)
+    loss, aux = loss_terms(cfg, lm, E3.Eagle3Head(params, config, aux_layers, target, vocab, nbr, nout), batch, opts)
+    return loss, {k: v for k, v in aux.items() if not k.startswith("weight")}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
-def _train_step(cfg, spec, opts, tx, params, opt_state, vocab, lm, batch, lr):
-    lm = jax.lax.stop_gradient(lm)
-    (_, aux), grads = jax.value_and_grad(functools.partial(_loss, cfg, spec, opts), has_aux=True)(
-        params, vocab, lm, batch)
-    updates, opt_state = tx.update(grads, ET.set_lr(opt_state, lr), params)
-    aux = {k: v for k, v in aux.items() if not k.startswith("weight")}
-    return optax.apply_updates(params, updates), opt_state, {**aux, "grad_norm": optax.global_norm(grads)}
+def _sums(static, params, vocab, lm, batch):
+    """The loss over step 0's weight, then per step its top-1 over its weight."""
+    cfg, spec, opts = static
+    config, aux_layers, target, nbr, nout = spec
+    _, aux = loss_terms(cfg, lm, E3.Eagle3Head(params, config, aux_layers, target, vocab, nbr, nout), batch, opts)
+    return {"loss": (aux["loss"] * aux["weight0"], aux["weight0"]),
+            **{f"top1_{s}": (aux[f"top1_{s}"] * aux[f"weight{s}"], aux[f"weight{s}"]) for s in range(opts.steps)}}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _eval_step(cfg, spec, opts, params, vocab, lm, batch):
-    """(loss x step 0's weight, that weight, then per step: top-1 x its weight, its weight)."""
-    _, aux = _loss(cfg, spec, opts, params, vocab, lm, batch)
-    out = [aux["loss"] * aux["weight0"], aux["weight0"]]
-    for s in range(opts.steps):
-        out += [aux[f"top1_{s}"] * aux[f"weight{s}"], aux[f"weight{s}"]]
-    return tuple(out)
+def make_steps(target, head: E3.Eagle3Head, tx, opts: TTTOptions) -> jt.Steps:
+    """`jspec.tools.train.trainer.make_steps` of the training-time-test loss: train(params, opt_state, lr, vocab,
+    lm, batch), eval(params, vocab, lm, batch)."""
+    cfg, _ = E3.text_parts(target)
+    return jt.make_steps(_loss, _sums, (cfg, _spec(head), opts), tx, ET.set_lr)
 
 
 def _spec(head: E3.Eagle3Head) -> tuple:
     return (head.config, head.aux_layers, head.target, head.norm_before_residual, head.norm_output)
 
 
-def evaluate(eval_step, params, lm, batches, steps: int) -> dict:
+def evaluate(eval_step, params, vocab, lm, batches) -> dict:
     """Held-out means over `batches`: heldout_loss and each step's heldout_top1_s."""
-    sums = np.zeros(2 + 2 * steps)
-    for b in batches:
-        sums += np.asarray([float(v) for v in eval_step(params, lm, b)])
-    mean = lambda i: float(sums[i] / max(sums[i + 1], 1.0))  # noqa: E731
-    return {"heldout_loss": mean(0), **{f"heldout_top1_{s}": mean(2 + 2 * s) for s in range(steps)}}
+    return jt.evaluate(eval_step, params, batches, vocab, lm)
 
 
 def start_head(target, key: jax.Array, draft_vocab=None, aux_layers=None, num_layers: int = 1) -> E3.Eagle3Head:
@@ -172,16 +162,13 @@ def fit_head(target, data, workdir, *, steps: int | None = None, minutes: float 
     meta = jt.new_meta(name, seed, steps, lr, ET.default_warmup(warmup, steps), aux_layers=list(head.aux_layers),
                        draft_vocab=head.draft_vocab_size, target=head.target._asdict(), ttt_steps=opts.steps,
                        decay=opts.decay)
-    spec = _spec(head)
-    train_step = functools.partial(_train_step, cfg, spec, opts, tx)
-    eval_step = functools.partial(_eval_step, cfg, spec, opts)
+    train_step, eval_step = make_steps(target, head, tx, opts)
     vocab = head.vocab
 
     def step(params, opt_state, batch, lr_now, i):
-        return train_step(params, opt_state, vocab, lm, batch, lr_now)
+        return train_step(params, opt_state, lr_now, vocab, lm, batch)
 
-    evaluate_fn = (lambda s: evaluate(lambda p, l, b: eval_step(p, vocab, l, b), s["params"], lm, heldout,
-                                      opts.steps)) if heldout else None
+    evaluate_fn = (lambda s: evaluate(eval_step, s["params"], vocab, lm, heldout)) if heldout else None
     state, meta = ET.run(step, {"params": head.params, "opt_state": tx.init(head.params)}, meta, workdir, data,
                          batch_size=batch_size, seq_len=seq_len, pack=pack, steps=steps, lr=lr, minutes=minutes,
                          evaluate_fn=evaluate_fn, ckpt_minutes=ckpt_minutes, log_every=log_every, name=name,

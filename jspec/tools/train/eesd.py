@@ -11,7 +11,6 @@ Batches are dicts of [B, T] arrays: input_ids, targets (the next token of the sa
 """
 from __future__ import annotations
 
-import functools
 from typing import Iterator, Sequence
 
 import jax
@@ -47,42 +46,39 @@ def head_logits(cfg, params: dict, h: jax.Array, batch: dict, lm: dict | None = 
 
 
 def loss_fn(cfg, n: int, params: dict, lm: dict, batch: dict):
-    """(mean cross-entropy over the weighted next tokens, (that loss, top-1 accuracy))."""
+    """(mean cross-entropy over the weighted next tokens, {"loss": it, "acc": top-1 accuracy})."""
     logits = head_logits(cfg, params, exit_states(cfg, lm, n, batch), batch, lm)
     nll = jt.token_nll(logits, batch["targets"])
     w = batch["weights"]
     loss = jt.masked_mean(nll, w)
     acc = jt.masked_mean((jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32), w)
-    return loss, (loss, acc)
+    return loss, {"loss": loss, "acc": acc}
 
 
-def make_steps(cfg, n: int, tx: optax.GradientTransformation):
-    """(train_step(params, opt_state, lm, batch, lr) -> (params, opt_state, metrics), eval_step(params, lm, batch)
-    -> (loss sum, acc sum, agreement sum, count)); agreement = the head's top-1 equals the target's own (a proxy of
-    the greedy acceptance rate)."""
+def _loss(static, params, lm, batch):
+    return loss_fn(*static, params, lm, batch)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, lm, batch, lr):
-        (_, (loss, acc)), grads = jax.value_and_grad(functools.partial(loss_fn, cfg, n), has_aux=True)(
-            params, lm, batch)
-        updates, opt_state = tx.update(grads, jt.set_lr(opt_state, lr), params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "acc": acc,
-                                                                 "grad_norm": optax.global_norm(grads)}
 
-    @jax.jit
-    def eval_step(params, lm, batch):
-        logits = head_logits(cfg, params, exit_states(cfg, lm, n, batch), batch, lm)
-        full = llama.forward(cfg, lm, batch["input_ids"], batch["positions"],
-                             kvc.init_cache(cfg.num_layers, *batch["input_ids"].shape[:1], cfg.num_kv_heads,
-                                            batch["input_ids"].shape[1], cfg.head_dim, lm["embed"].dtype),
-                             jt.segment_mask(batch["segment_ids"]), fresh=True).logits
-        w = batch["weights"]
-        nll = jt.token_nll(logits, batch["targets"])
-        pred = jnp.argmax(logits, -1)
-        return ((nll * w).sum(), ((pred == batch["targets"]) * w).sum(), ((pred == jnp.argmax(full, -1)) * w).sum(),
-                w.sum())
+def _sums(static, params, lm, batch):
+    """Cross-entropy, top-1 accuracy and agreement (the head's top-1 equals the target's own: a proxy of the
+    greedy acceptance rate), each summed over the weighted tokens, with their weight."""
+    cfg, n = static
+    logits = head_logits(cfg, params, exit_states(cfg, lm, n, batch), batch, lm)
+    full = llama.forward(cfg, lm, batch["input_ids"], batch["positions"],
+                         kvc.init_cache(cfg.num_layers, *batch["input_ids"].shape[:1], cfg.num_kv_heads,
+                                        batch["input_ids"].shape[1], cfg.head_dim, lm["embed"].dtype),
+                         jt.segment_mask(batch["segment_ids"]), fresh=True).logits
+    w = batch["weights"]
+    pred = jnp.argmax(logits, -1)
+    return {"loss": ((jt.token_nll(logits, batch["targets"]) * w).sum(), w.sum()),
+            "acc": (((pred == batch["targets"]) * w).sum(), w.sum()),
+            "agreement": (((pred == jnp.argmax(full, -1)) * w).sum(), w.sum())}
 
-    return train_step, eval_step
+
+def make_steps(cfg, n: int, tx: optax.GradientTransformation) -> jt.Steps:
+    """`jspec.tools.train.trainer.make_steps` of the early-exit head's loss: train(params, opt_state, lr, lm,
+    batch), eval(params, lm, batch)."""
+    return jt.make_steps(_loss, _sums, (cfg, n), tx)
 
 
 def self_distillation_texts(target, prompts: Sequence[np.ndarray], max_new_tokens: int, greedy_first: int = 4,
@@ -176,8 +172,8 @@ def mix(a: Iterator[tuple[dict, int]], b: Iterator[tuple[dict, int]] | None, sha
 
 
 def evaluate(eval_step, params, lm, batches) -> dict:
-    loss, acc, agree = jt.weighted_means(lambda p, bt: eval_step(p, lm, bt), params, batches)
-    return {"heldout_loss": loss, "heldout_acc": acc, "heldout_agreement": agree}
+    """Held-out heldout_loss, heldout_acc and heldout_agreement over `batches`."""
+    return jt.evaluate(eval_step, params, batches, lm)
 
 
 def head_target_lm(target, head: EarlyExitHead):

@@ -1,5 +1,6 @@
 """Training utilities shared by the zoo and the drafter trainers: losses, the optimizer and its learning-rate
-schedule, orbax checkpoints, and one checkpointed loop (`fit`) with progress, a time budget and exact resume.
+schedule, the one compiled train / eval step pair (`make_steps`, `evaluate`), orbax checkpoints, and one
+checkpointed loop (`fit`) with progress, a time budget, exact resume and a loss plot (`plot_log`).
 
 A run's state is any pytree (for example ``{"params": ..., "opt_state": ...}``); its bookkeeping is a JSON-able
 ``meta`` dict saved with every checkpoint (`new_meta` makes one): ``step``, ``next_index`` (the data cursor),
@@ -10,6 +11,7 @@ data stream and schedule, so an interrupted and resumed run ends bit-identical t
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import queue
@@ -18,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +149,53 @@ class Prefetch:
         self.stop.set()
 
 
+# ------------------------------------------------------------------------------------------------ steps
+
+
+class Steps(NamedTuple):
+    """A trainer's two compiled programs (`make_steps`)."""
+    train: Callable  # (params, opt_state, lr, *args) -> (params, opt_state, metrics); params, opt_state donated
+    eval: Callable  # (params, *args) -> {name: (weighted sum, weight)}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
+def _train_step(loss, static, tx, lr_setter, params, opt_state, lr, *args):
+    args = jax.lax.stop_gradient(args)
+    (_, metrics), grads = jax.value_and_grad(lambda p: loss(static, p, *args), has_aux=True)(params)
+    updates, opt_state = tx.update(grads, lr_setter(opt_state, lr), params)
+    return optax.apply_updates(params, updates), opt_state, {**metrics, "grad_norm": optax.global_norm(grads)}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _eval_step(sums, static, params, *args):
+    return sums(static, params, *args)
+
+
+def make_steps(loss: Callable, sums: Callable, static, tx: optax.GradientTransformation,
+               lr_setter: Callable = None) -> Steps:
+    """The one train step and eval step every trainer runs. `loss(static, params, *args) -> (scalar, metrics)`:
+    the train step differentiates it in `params` (the other arguments are constants: frozen target weights,
+    batches, keys), applies `tx` with the learning rate `lr` set in its state (`lr_setter`, default `set_lr`)
+    and returns the metrics with the gradient's global norm. `sums(static, params, *args) -> {name: (weighted
+    sum, weight)}` is what `evaluate` averages over held-out batches. `loss` and `sums` are module-level functions
+    and `static` is hashable (a config, options): equal runs share their compiled programs."""
+    setter = set_lr if lr_setter is None else lr_setter
+    return Steps(functools.partial(_train_step, loss, static, tx, setter), functools.partial(_eval_step, sums, static))
+
+
+def evaluate(eval_step: Callable, params, batches, *args, prefix: str = "heldout_") -> dict:
+    """Over `batches`: each of `eval_step(params, *args, batch)`'s weighted sums divided by its weight, named
+    `prefix + name`."""
+    tot: dict = {}
+    for b in batches:
+        for k, (v, w) in jax.device_get(eval_step(params, *args, b)).items():
+            sv, sw = tot.get(k, (0.0, 0.0))
+            tot[k] = (sv + float(v), sw + float(w))
+    if not tot:
+        raise ValueError("evaluate needs at least one batch")
+    return {prefix + k: v / max(w, 1.0) for k, (v, w) in tot.items()}
+
+
 def weighted_means(eval_step: Callable, state, batches) -> list[float]:
     """`eval_step(state, batch)` returns (sum_1, ..., sum_k, count); the sums over `batches` divided by the count."""
     tot = None
@@ -251,42 +300,36 @@ def plot_log(log: str | Path, out: str | Path, title: str, ylabel: str = "cross-
              train_key: str = "loss", heldout_key: str = "heldout_loss") -> Path | None:
     """A PNG of a `fit` log: the training loss per logged window (raw and smoothed) and the held-out loss at
     checkpoints, log scale. None (and a note) without matplotlib or without rows."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing (pip install -e '.[bench]'): no loss plot")
-        return None
+    from jspec.tools import report
+
     rows = read_log(log)
     tr = [r for r in rows if train_key in r]
     ev = [r for r in rows if heldout_key in r]
     if not tr:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps, loss = np.array([r["step"] for r in tr]), np.array([r[train_key] for r in tr])
-    ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8)
-    k = 5
-    if len(loss) >= k:
-        ax.plot(steps[k - 1:], np.convolve(loss, np.ones(k) / k, mode="valid"), color="tab:blue", label="train")
-    if ev:
-        ax.plot([r["step"] for r in ev], [r[heldout_key] for r in ev], "o-", color="tab:red", ms=4,
-                label="held-out")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
     last = tr[-1]
-    ax.set_title(f"{title}: {last['step']} steps, {last.get('tokens', 0) / 1e6:.2f}M tokens, "
-                 f"{last.get('elapsed_s', 0.0) / 60:.0f} min")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    with report.figure(str(out), figsize=(7, 4)) as fa:
+        if fa is None:
+            print("matplotlib missing: no loss plot")
+            return None
+        ax = fa[1][0, 0]
+        steps, loss = np.array([r["step"] for r in tr]), np.array([r[train_key] for r in tr])
+        ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8)
+        k = 5
+        if len(loss) >= k:
+            ax.plot(steps[k - 1:], np.convolve(loss, np.ones(k) / k, mode="valid"), color="tab:blue", label="train")
+        if ev:
+            ax.plot([r["step"] for r in ev], [r[heldout_key] for r in ev], "o-", color="tab:red", ms=4,
+                    label="held-out")
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}: {last['step']} steps, {last.get('tokens', 0) / 1e6:.2f}M tokens, "
+                     f"{last.get('elapsed_s', 0.0) / 60:.0f} min")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
     logging.getLogger(__name__).info("wrote %s", out)
-    return out
+    return Path(out)
 
 
 # ------------------------------------------------------------------------------------------------------- loop

@@ -38,7 +38,7 @@ import numpy as np
 from ports import vqgan as VQ
 from jspec.tools.zoo import tokenizer as TK
 from jspec.tools.zoo import world as ZW
-from jspec.tools.zoo import ZOO_DIR, weights_dir
+from jspec.tools.zoo import weights_dir
 
 IMAGE_SIZE = 64  # pixels of the images the pair reads and writes
 GRID = 8  # code rows and columns (IMAGE_SIZE / downsample)
@@ -107,7 +107,7 @@ OBJECT_COUNTS = (1, 1, 2, 2, 2, 3)  # objects per training scene (captions stay 
 
 def scene(split: str, index: int, seed: int = 0, counts: Sequence[int] = OBJECT_COUNTS) -> ZW.Scene:
     """Shape scene `index` of a split (the world's held-out rule: 1 scene in 8 by content hash is "heldout")."""
-    rng = random.Random(f"jspec.tools.zoo.t2i/{seed}/{split}/{index}")
+    rng = random.Random(f"jspec.zoo.t2i/{seed}/{split}/{index}")
     return ZW.scene_in(rng, split, lambda r: ZW.random_shapes(r, r.choice(tuple(counts))))
 
 
@@ -315,7 +315,7 @@ def t2i_batch(codes_cache: np.ndarray, scenes_caps: Sequence[str], start: int, n
     N = len(codes_cache)
     rows = []
     for i in range(start, start + n):
-        r = random.Random(f"jspec.tools.zoo.t2i/rows/{seed}/{i}")
+        r = random.Random(f"jspec.zoo.t2i/rows/{seed}/{i}")
         j = i % N
         rows.append(t2i_row(None if r.random() < P_UNCOND else scenes_caps[j], codes_cache[j], seq_len))
     return {k: np.stack([row[k] for row in rows]) for k in rows[0]}
@@ -418,7 +418,7 @@ def questions(scenes: Sequence[ZW.Scene], per_scene: int = 3, seed: int = 0,
     for si, s in enumerate(scenes):
         for q in range(per_scene):
             task = tasks[(si + q) % len(tasks)]
-            rng = random.Random(f"jspec.tools.zoo.t2i/ask/{seed}/{si}/{q}")
+            rng = random.Random(f"jspec.zoo.t2i/ask/{seed}/{si}/{q}")
             qa = ZW.SINGLE_IMAGE_QA[task][1](rng, s)
             turns = (ZW.Turn("user", qa.question, 1), ZW.answer_turn(qa))
             out.append((si, ZW.Example(task, "vqa", "heldout", si, turns, (s,))))

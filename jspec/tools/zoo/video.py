@@ -664,7 +664,7 @@ class VideoExample:
 
 
 def _rng(seed: int, split: str, index: int) -> random.Random:
-    return random.Random(f"jspec.tools.zoo.video/{seed}/{split}/{index}")
+    return random.Random(f"jspec.zoo.video/{seed}/{split}/{index}")
 
 
 def _check(split: str, tasks: Sequence[str] | None) -> list[str]:
@@ -709,7 +709,7 @@ def training_clip(split: str, index: int, seed: int = 0,
                   tasks: Sequence[str] | None = None) -> tuple[Clip, random.Random, list[str]]:
     """Clip `index` of a split's training-row stream, the row's rng (for its questions) and the task names."""
     names = _check(split, tasks)
-    rng = random.Random(f"jspec.tools.zoo.video/rows/{seed}/{split}/{index}")
+    rng = random.Random(f"jspec.zoo.video/rows/{seed}/{split}/{index}")
     return clip_in(rng, split), rng, names
 
 
@@ -908,7 +908,7 @@ def batches(split: str, batch_size: int, seq_len: int = 512, seed: int = 0, *, t
 def tower_batch(split: str, start: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Frames [n, F, S, S, 3] uint8 and `tower_labels` [n, GROUPS, 9, len(LABELS)] of clips start .. start + n - 1
     of a split's tower-pretraining stream (seeded apart from the training rows)."""
-    clips = [clip_in(random.Random(f"jspec.tools.zoo.video/tower/{seed}/{split}/{i}"), split)
+    clips = [clip_in(random.Random(f"jspec.zoo.video/tower/{seed}/{split}/{i}"), split)
              for i in range(start, start + n)]
     return np.stack([render_clip(c) for c in clips]), np.stack([tower_labels(c) for c in clips])
 

@@ -937,7 +937,7 @@ def _prior_total(rng: random.Random, split: str):
 
 
 def _rng(seed: int, split: str, index: int) -> random.Random:
-    return random.Random(f"jspec.tools.zoo/{seed}/{split}/{index}")
+    return random.Random(f"jspec.zoo/{seed}/{split}/{index}")
 
 
 def example(split: str, index: int, seed: int = 0, tasks: Sequence[str] | None = None,
