@@ -72,7 +72,8 @@ def cmd_demo(args) -> int:
                           cache=args.cache)
         else:
             demo.run(seed=args.seed, out_dir=args.out, max_new_tokens=args.max_new_tokens or 64,
-                     methods="all" if args.what == "all" else "core", cache=args.cache)
+                     methods="all" if args.what == "all" else "core", cache=args.cache,
+                     real=None if args.no_real else demo.REAL_MODEL)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"jspec demo: {e}")
     return 0
@@ -254,15 +255,16 @@ def main(argv=None) -> int:
     fe.add_argument("--list", action="store_true", help="list the registry and what is fetched")
     fe.add_argument("--cache-dir", default=None, help="default $JSPEC_MODELS_DIR or ~/.cache/jspec/models")
     fe.set_defaults(fn=cmd_fetch)
-    demo_help = ("the shipped zoo pairs write long answers with AR and speculative decoding, greedy and sampled: "
-                 "one table (tokens/s, tokens per target step, speedup, same tokens as AR) and one figure")
+    demo_help = ("a real model (SmolLM2-135M-Instruct, fetched on first use) and the zoo's pairs decode with AR and "
+                 "speculative decoding, measured in the same run: tables, the headline and one figure")
     m = sub.add_parser("demo", help=demo_help, description=demo_help)
     m.add_argument("what", nargs="?", default="core", choices=("core", "all", "video", "image-gen", "real"),
-                   help="core (default, about a minute): AR, Chain and a tree on the text pair; all: adds "
-                        "DynamicTree, SAGE, EESD, TABED on the image pair and SpecVLM on video clips (minutes); "
-                        "video: the video pair alone; image-gen: the text-to-image pair, AR beside LANTERN++; "
-                        "real: SmolLM2-135M-Instruct (after `jspec fetch smollm2-135m-instruct`) summarizes and "
-                        "rewrites a text, AR beside prompt lookup")
+                   help="core (default, a few minutes the first time): SmolLM2 with AR, prompt lookup and the "
+                        "EAGLE-3 head, then AR, Chain and a tree on the zoo's text pair; all: adds DynamicTree, "
+                        "SAGE, EESD, TABED on the image pair and SpecVLM on video clips; video: the video pair "
+                        "alone; image-gen: the text-to-image pair, AR beside LANTERN++; real: SmolLM2 with every "
+                        "drafter shipped for it")
+    m.add_argument("--no-real", action="store_true", help="core / all: the zoo alone (no real model)")
     m.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (96 for video)")
     m.add_argument("--seed", type=int, default=None, help="example seed (default: a fresh one, printed)")
     m.add_argument("--out", default="jspec-demo", help="directory for the table, the figure and the images")
