@@ -173,7 +173,7 @@ def load(directory: str, dtype=None, shardings=None) -> Model:
     dt = resolve_dtype(dtype)
     is_shape = lambda x: isinstance(x, tuple)
     if shardings is None:
-        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's: multi-host safe
         shardings = jax.tree.map(lambda s: dev, shapes, is_leaf=is_shape)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dt, sharding=sh), shapes, shardings,
                             is_leaf=is_shape)

@@ -1,13 +1,22 @@
 """GGUF (llama.cpp) checkpoints as `ports.Model`s: `load_gguf`, `convert_gguf`, `gguf_to_hf_config`,
 `tokenizer_from_gguf`.
 
-A GGUF file holds its config as metadata (`llama.block_count`, ...) and its tensors under llama.cpp's names,
-many quantized. We read it with the `gguf` package: the metadata becomes an HF `LlamaConfig` dict (so the model
-goes through the same family code as an HF checkpoint and `save_hf` writes a checkpoint transformers loads), the
-names map to HF names, every tensor is dequantized to float32 with `gguf.quants.dequantize`, and the Q/K rows that
-llama.cpp's converter reordered for its RoPE kernel are put back in HF's order. Then the tensors take the same
-checked path as safetensors (`ports.hf_checkpoint.stream_checkpoint`): bad files, unsupported architectures or types and
-missing / unexpected / mis-shaped tensors are ValueErrors raised before any tensor is dequantized.
+Two GGUF architectures are read (`SUPPORTED_ARCHITECTURES`), as llama.cpp's convert_hf_to_gguf.py writes them:
+- `llama` (LLaMA, Mistral, ...): an HF `LlamaConfig` (no biases). The converter reorders the Q/K rows of each head
+  for llama.cpp's RoPE kernel (its `LlamaModel.permute`); we put them back in HF's order (`unpermute_rope_rows`).
+- `qwen2` (Qwen2, Qwen2.5): an HF `Qwen2Config` (`Qwen2ForCausalLM`), with the Q/K/V biases
+  (`blk.N.attn_q.bias`, ...). Its converter (`Qwen2Model`) does not permute, so the rows are taken as they are.
+  GGUF holds no sliding-window setting (llama.cpp runs Qwen2 with full attention): the config says
+  `use_sliding_window: false`.
+
+A GGUF file holds its config as metadata (`<arch>.block_count`, `<arch>.attention.head_count`, ...) and its tensors
+under llama.cpp's names, many quantized. We read it with the `gguf` package: the metadata becomes an HF config dict
+(so the model goes through the same family code as an HF checkpoint and `save_hf` writes a checkpoint transformers
+loads), the names map to HF names, every tensor is dequantized to float32 with `gguf.quants.dequantize`, and for
+`llama` the Q/K rows are un-permuted. The output head is tied to the embedding when the file has no `output.weight`
+(llama.cpp writes it only when it differs). Then the tensors take the same checked path as safetensors
+(`ports.hf_checkpoint.stream_checkpoint`): bad files, unsupported architectures or types and missing / unexpected /
+mis-shaped tensors are ValueErrors raised before any tensor is dequantized.
 
 GGUF lists a tensor's dimensions fastest-varying first (`ne`): a [out, in] matrix has ne = (in, out). The reader's
 `data` is already in numpy order, so a dequantized matrix is [out, in], HF's Linear layout.
@@ -25,19 +34,23 @@ from ports.checkpoint import convert_stream
 from ports.hf_checkpoint import SourceTensor, load_stream, stream_checkpoint
 from ports.model import Model
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# the architectures whose Q/K rows llama.cpp's converter permutes for its RoPE kernel
+_PERMUTED_ARCHITECTURES = ("llama",)
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # the ggml tensor types whose dequantization is tested here (tests/test_gguf.py)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K")
 
-# llama.cpp tensor name -> HF LlamaForCausalLM name; per-layer names are "blk.N.<key>.weight"
+# llama.cpp tensor name -> HF LlamaForCausalLM / Qwen2ForCausalLM name; per-layer names are "blk.N.<key>.weight"
+# (and "blk.N.<key>.bias" for Qwen2's Q/K/V biases)
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -46,7 +59,7 @@ def hf_name(gguf_name: str) -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -58,7 +71,7 @@ def gguf_name(name: str) -> str:
     m = _HF_LAYER_RE.fullmatch(name)
     ours = {h: g for g, h in _LAYER_NAMES.items()}
     if m and m.group(2) in ours:
-        return f"blk.{m.group(1)}.{ours[m.group(2)]}.weight"
+        return f"blk.{m.group(1)}.{ours[m.group(2)]}.{m.group(3)}"
     return name
 
 
@@ -175,7 +188,7 @@ def _hf_config(reader, path: str) -> dict:
     for k in ("rope.dimension_count", "attention.value_length"):
         if _int_meta(reader, key(k), path, head_dim) != head_dim:
             raise ValueError(f"{path}: {key(k)} = {_meta(reader, key(k), path)} differs from the head size "
-                             f"{head_dim}; jspec reads llama models whose RoPE and values span whole heads")
+                             f"{head_dim}; jspec reads {arch} models whose RoPE and values span whole heads")
     vocab = _int_meta(reader, key("vocab_size"), path, None)
     if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -185,8 +198,8 @@ def _hf_config(reader, path: str) -> dict:
         raise ValueError(f"{path}: no vocabulary size ({key('vocab_size')}, tokenizer.ggml.tokens, token_embd)")
     tok = lambda k: _int_meta(reader, f"tokenizer.ggml.{k}_token_id", path, None)
     hf = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
+        "architectures": [_HF_ARCHITECTURES[arch]],
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": _int_meta(reader, key("feed_forward_length"), path),
@@ -199,12 +212,14 @@ def _hf_config(reader, path: str) -> dict:
         "rope_theta": float(_meta(reader, key("rope.freq_base"), path, 10000.0)),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "bos_token_id": tok("bos"),
         "eos_token_id": tok("eos"),
         "pad_token_id": tok("padding"),
     }
+    if arch == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    else:  # qwen2: Q/K/V biases are implied by the model type
+        hf["use_sliding_window"] = False
     scaling = _rope_scaling(reader, arch, path)
     if scaling:
         hf["rope_scaling"] = scaling
@@ -212,8 +227,9 @@ def _hf_config(reader, path: str) -> dict:
 
 
 def gguf_to_hf_config(source) -> dict:
-    """The HF `LlamaConfig` dict (model_type "llama") of a GGUF file's metadata; ValueError when the file is not a
-    GGUF, its architecture is not one jspec reads, or a value it needs is missing."""
+    """The HF config dict of a GGUF file's metadata: a `LlamaConfig` (model_type "llama") or a `Qwen2Config`
+    (model_type "qwen2"), `tie_word_embeddings` true when the file has no output.weight; ValueError when the file is
+    not a GGUF, its architecture is not one jspec reads (SUPPORTED_ARCHITECTURES), or a value it needs is missing."""
     reader, path = _as_reader(source)
     return _hf_config(reader, path)
 
@@ -240,11 +256,12 @@ def stream_gguf(source, dtype=None, progress: bool = False):
     reader, path = _as_reader(source)
     hf = _hf_config(reader, path)
     _check_types(reader, path)
-    rope_heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    rope_heads = ({"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+                  if hf["model_type"] in _PERMUTED_ARCHITECTURES else {})
     entries = []
     for t in reader.tensors:
         m = _LAYER_RE.fullmatch(t.name)
-        heads = rope_heads.get(m.group(2)) if m else None
+        heads = rope_heads.get(m.group(2)) if m and m.group(3) == "weight" else None
         shape = tuple(int(d) for d in reversed(t.shape))
         entries.append(SourceTensor(hf_name(t.name) or t.name, t.name, shape, functools.partial(_read, t, heads)))
     return stream_checkpoint(path, hf, entries, dtype, progress, spell=gguf_name)
@@ -253,7 +270,7 @@ def stream_gguf(source, dtype=None, progress: bool = False):
 def load_gguf(source, dtype=None, *, progress: bool = False) -> Model:
     """A GGUF file (path or open reader) as a `Model` in `dtype` (default float32), its tensors dequantized one at a
     time. ValueError, before anything is dequantized, for a file that is not GGUF or is truncated, an architecture
-    other than llama, a tensor type outside SUPPORTED_TYPES, or tensors that do not match the config."""
+    other than llama and qwen2, a tensor type outside SUPPORTED_TYPES, or tensors that do not match the config."""
     return load_stream(stream_gguf(source, dtype, progress))
 
 

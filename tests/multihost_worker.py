@@ -22,18 +22,34 @@ from tiny_pairs import tiny_pair  # noqa: E402
 
 def main():
     ckpt = rest[rest.index("--ckpt") + 1] if "--ckpt" in rest else None
-    names = [a for a in rest if not a.startswith("--") and a != ckpt]
+    hf_dir = rest[rest.index("--hf") + 1] if "--hf" in rest else None
+    names = [a for a in rest if not a.startswith("--") and a not in (ckpt, hf_dir)]
     assert jax.process_count() == nproc and jax.device_count() == nproc * jax.local_device_count()
     mesh = jspec.make_mesh(data=2, tensor=jax.device_count() // 2)
     if ckpt is not None:
         use_checkpoint(ckpt, mesh)
     res = {}
+    if ckpt is not None and hf_dir is not None:
+        res["local"] = local_loads(ckpt, hf_dir)
     if "--bad" in rest:
         res["bad"] = bad_setups(tiny_pair()[0], text_prompts())
     for name in names:
         for sampled in (False, True):
             res[f"{name}/{'sampled' if sampled else 'greedy'}"] = run(name, sampled, mesh)
     print(json.dumps(res), flush=True)
+
+
+def local_loads(ckpt: str, hf_dir: str) -> dict:
+    """Each process loads the whole model onto one of its own devices, with no shardings given (`ports.load` of a
+    `jspec convert` output, `ports.load_hf` of an HF directory), and decodes alone: {loader: tokens}."""
+    import ports
+
+    out = {}
+    for name, model in (("load", ports.load(ckpt)), ("load_hf", ports.load_hf(hf_dir))):
+        leaf = jax.tree.leaves(model.params)[0]
+        assert leaf.is_fully_addressable and leaf.devices() <= set(jax.local_devices()), name
+        out[name] = jspec.decode(model, text_prompts(), max_new_tokens=6, eos_token_id=()).tokens.tolist()
+    return out
 
 
 def bad_setups(target, prompts) -> dict:

@@ -1,7 +1,8 @@
-"""GGUF (llama.cpp) checkpoints through `ports`: tiny random LLaMAs written as GGUF files the way llama.cpp's
-converter writes them (its tensor names, its Q/K row order, each tensor type we claim), read by `ports.load_gguf`
-and compared with transformers on the same dequantized weights and with transformers' own GGUF loader; bad files
-fail early with a message naming the problem."""
+"""GGUF (llama.cpp) checkpoints through `ports`: tiny random LLaMAs and Qwen2s written as GGUF files the way
+llama.cpp's converter writes them (its metadata keys, tensor names and Q/K row order, each tensor type we claim),
+read by `ports.load_gguf` and compared with transformers on the same dequantized weights and with transformers' own
+GGUF loader; bad files fail early with a message naming the problem."""
+import functools
 import json
 import os
 
@@ -47,22 +48,29 @@ def encode(w: np.ndarray, qtype: str, rng) -> np.ndarray:
 
 
 def gguf_tensors(hf_model) -> list[tuple[str, np.ndarray]]:
-    """(llama.cpp name, HF-layout array) of every tensor of an HF LlamaForCausalLM, in llama.cpp's order."""
+    """(llama.cpp name, HF-layout array) of every tensor of an HF LlamaForCausalLM or Qwen2ForCausalLM (whose Q/K/V
+    biases are "blk.N.attn_q.bias", ...), in llama.cpp's order."""
     sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
     out = [("token_embd.weight", sd["model.embed_tokens.weight"])]
     for i in range(hf_model.config.num_hidden_layers):
-        out += [(f"blk.{i}.{g}.weight", sd[f"model.layers.{i}.{h}.weight"]) for h, g in NAMES.items()]
+        for h, g in NAMES.items():
+            out += [(f"blk.{i}.{g}.{kind}", sd[f"model.layers.{i}.{h}.{kind}"]) for kind in ("weight", "bias")
+                    if f"model.layers.{i}.{h}.{kind}" in sd]
     out.append(("output_norm.weight", sd["model.norm.weight"]))
     if not hf_model.config.tie_word_embeddings:
         out.append(("output.weight", sd["lm_head.weight"]))
     return out
 
 
-def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=True, drop=(), extra=(), tokenizer=None,
+def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=None, drop=(), extra=(), tokenizer=None,
                seed=0) -> dict:
-    """Write `hf_model` as llama.cpp would (metadata, names, Q/K row order; 2-D tensors in `qtype`, norms F32);
-    returns {HF name: the HF-layout weight the file holds, dequantized} (a reference model loads these)."""
+    """Write `hf_model` as llama.cpp would (metadata, names, Q/K row order; 2-D tensors in `qtype`, norms and
+    biases F32); returns {HF name: the HF-layout weight the file holds, dequantized} (a reference model loads these).
+    As convert_hf_to_gguf.py: `LlamaModel` adds rope.dimension_count and vocab_size to the common keys and permutes
+    Q/K rows; `Qwen2Model` (arch "qwen2") adds neither (the vocabulary size is the tokenizer's) and does not
+    permute."""
     c, rng = hf_model.config, np.random.default_rng(seed)
+    permute = arch == "llama" if permute is None else permute
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -72,8 +80,9 @@ def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=True, drop=
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_vocab_size(c.vocab_size)
+    if arch != "qwen2":
+        w.add_rope_dimension_count(c.head_dim)
+        w.add_vocab_size(c.vocab_size)
     if tokenizer:
         tokenizer(w)
     held, heads = {}, {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
@@ -84,7 +93,7 @@ def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=True, drop=
         raw = None if rows.dtype != np.uint8 else T[qtype]
         held[GF.hf_name(name)] = gguf.quants.dequantize(rows, raw or (T.F16 if rows.dtype == np.float16 else T.F32))
         kind = name.split(".")[2] if name.startswith("blk.") else None
-        if permute and kind in heads:
+        if permute and kind in heads and name.endswith(".weight"):
             rows = llama_cpp_permute(rows, heads[kind])
         w.add_tensor(name, rows, raw_dtype=raw)
     for name, rows, raw in extra:
@@ -98,7 +107,7 @@ def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=True, drop=
 
 def reference(hf_model, held: dict):
     """A copy of `hf_model` holding the weights `write_gguf` says the file holds."""
-    ref = transformers.LlamaForCausalLM(hf_model.config).eval()
+    ref = type(hf_model)(hf_model.config).eval()
     ref.load_state_dict({k: torch.tensor(np.asarray(v, np.float32)) for k, v in held.items()}, strict=False)
     if hf_model.config.tie_word_embeddings:
         ref.tie_weights()
@@ -208,8 +217,8 @@ def test_bad_files_fail_early(tiny, f32_file, tmp_path, monkeypatch):
     fails("empty.gguf", b"", r"empty\.gguf: not a GGUF file")
     fails("cut-header.gguf", data[:200], r"cut-header\.gguf: not a GGUF file, or truncated")
     fails("cut-data.gguf", data[:len(data) - 1000], r"cut-data\.gguf: (truncated|not a GGUF file, or truncated)")
-    write_gguf(tmp_path / "qwen.gguf", tiny, arch="qwen2")
-    fails("qwen.gguf", None, r"qwen\.gguf: GGUF architecture 'qwen2' is not supported; jspec reads llama")
+    write_gguf(tmp_path / "phi.gguf", tiny, arch="phi3")
+    fails("phi.gguf", None, r"phi\.gguf: GGUF architecture 'phi3' is not supported; jspec reads llama, qwen2$")
     rows = np.random.default_rng(0).integers(0, 0x20, (4, 2 * 18), dtype=np.uint8)  # IQ4_NL blocks of 32
     write_gguf(tmp_path / "iq4.gguf", tiny, extra=[("blk.0.extra.weight", rows, T.IQ4_NL)])
     fails("iq4.gguf", None, r"unsupported ggml types \(1\).*blk\.0\.extra\.weight: IQ4_NL")
@@ -225,16 +234,16 @@ def test_bad_files_fail_early(tiny, f32_file, tmp_path, monkeypatch):
     fails("shape.gguf", None, r"wrong shapes \(1\).*output\.weight: checkpoint \(7, 64\), expected \(101, 64\)")
 
 
-def tiny_tokenizer(w):
+def tiny_tokenizer(w, pre="default"):
     """A byte-level BPE vocabulary (GPT-2 style: 256 byte symbols, a few merges, two control tokens) and a chat
-    template, as llama.cpp writes one."""
+    template, as llama.cpp writes one (`pre`: its pre-tokenizer name, "qwen2" for Qwen2's)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     symbols = list(bytes_to_unicode().values())
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r"]
     tokens = symbols + [m.replace(" ", "") for m in merges] + ["<|im_start|>", "<|im_end|>"]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_merges(merges)
     w.add_token_types([1] * (len(tokens) - 2) + [3, 3])
@@ -315,3 +324,63 @@ def test_cli_convert_gguf_then_decode(tok_file, tmp_path, capsys):
         assert cli.main(["decode", "--model", str(src), "--prompt", "hello world", "--max-new-tokens", "5"]) == 0
         line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("{")][-1]
         assert json.loads(line)["tokens"] == ref.tokens[0, :ref.lengths[0]].tolist()
+
+
+def tiny_qwen2(tied: bool):
+    """A tiny GQA Qwen2 (Q/K/V biases, every parameter perturbed), vocabulary 264 (`tiny_tokenizer`'s)."""
+    return perturb(tiny_hf("qwen2", seed=8, vocab_size=264, tie_word_embeddings=tied), seed=9, scale=0.3)
+
+
+@pytest.fixture(scope="module", params=[(False, "F32"), (True, "F32"), (True, "F16")],
+                ids=["untied-F32", "tied-F32", "tied-F16"])
+def qwen2_file(request, tmp_path_factory):
+    """`tiny_qwen2` written as llama.cpp's `Qwen2Model` writes it: arch "qwen2", no vocab_size key (the tokenizer's
+    264 tokens say it), Q/K rows unpermuted, output.weight only when the head is untied."""
+    tied, qtype = request.param
+    model = tiny_qwen2(tied)
+    path = tmp_path_factory.mktemp("gguf-qwen2") / f"qwen2-{'tied' if tied else 'untied'}-{qtype}.gguf"
+    held = write_gguf(path, model, qtype, arch="qwen2", tokenizer=functools.partial(tiny_tokenizer, pre="qwen2"))
+    return path, model, held, qtype
+
+
+def test_qwen2_matches_transformers(qwen2_file, tmp_path, monkeypatch):
+    """A qwen2 GGUF loads as a `qwen2` model with its biases and its head tied or not, without any RoPE row
+    permutation, and gives the logits of transformers' own GGUF loader, of the original model and of transformers on
+    the weights the file holds; its config says Qwen2ForCausalLM and `save_hf` writes a checkpoint transformers
+    loads as one; its tokenizer is transformers'."""
+    path, tiny, held, qtype = qwen2_file
+    tied = tiny.config.tie_word_embeddings
+    hf = ports.gguf_to_hf_config(str(path))
+    assert (hf["model_type"], hf["architectures"], hf["tie_word_embeddings"]) == ("qwen2", ["Qwen2ForCausalLM"], tied)
+    assert (hf["vocab_size"], hf["num_key_value_heads"], hf["head_dim"]) == (264, 2, 16)
+    calls = []
+    monkeypatch.setattr(GF, "unpermute_rope_rows", lambda w, heads: calls.append(heads) or w)
+    model = ports.load_gguf(str(path))
+    assert calls == []
+    c = model.config
+    assert (c.model_type, c.qkv_bias, c.o_bias, c.tie_word_embeddings) == ("qwen2", True, False, tied)
+    assert ("lm_head" in model.params) != tied
+    ours = ports.logits(model, PROMPT)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
+    assert isinstance(theirs, transformers.Qwen2ForCausalLM) and theirs.config.tie_word_embeddings == tied
+    assert_close(ours, hf_logits(theirs, PROMPT), 1e-3)
+    assert_close(ours, hf_logits(tiny, PROMPT), 1e-3 if qtype == "F32" else 1e-2)  # F16 rounds the weights
+    assert_close(ours, hf_logits(reference(tiny, held), PROMPT))
+    ports.save_hf(model, str(tmp_path / "hf"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert isinstance(back, transformers.Qwen2ForCausalLM)
+    assert_close(hf_logits(back, PROMPT), ours)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert ports.tokenizer_from_gguf(str(path))("hello world")["input_ids"] == tok("hello world")["input_ids"]
+
+
+def test_qwen2_bad_files_fail_early(tmp_path, monkeypatch):
+    """A qwen2 file without a bias names it in llama.cpp's spelling, before anything is dequantized."""
+    path = tmp_path / "nobias.gguf"
+    write_gguf(path, tiny_qwen2(False), arch="qwen2", drop=("blk.1.attn_k.bias",), tokenizer=tiny_tokenizer)
+    calls = []
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: calls.append(a))
+    missing = r"(?s)nobias\.gguf does not match qwen2.*missing keys \(1\).*blk\.1\.attn_k\.bias"
+    with pytest.raises(ValueError, match=missing):
+        ports.load_gguf(str(path))
+    assert calls == []
