@@ -17,12 +17,13 @@ from jspec.methods.eesd import EESD
 from jspec.methods.eagle3 import Eagle3
 from jspec.methods.lantern import Lantern, LanternPP
 from jspec.parts.neighbours import NeighbourTable
+from jspec.parts.drafters.tokens import TokenDrafter
 from jspec.methods.sage import SAGE
 from jspec.methods.specvlm import SpecVLM, VisionPruning
 from jspec.methods.tabed import TABED, ModelCaptioner
 
 __all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "Eagle3", "FixedK", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
-           "Strategy", "Tree", "VisionPruning", "decode", "generate_image", "make_mesh", "shard"]
+           "Strategy", "TokenDrafter", "Tree", "VisionPruning", "decode", "generate_image", "make_mesh", "shard"]
 __version__ = "0.1.0"
 
 

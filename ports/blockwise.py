@@ -2,8 +2,9 @@
 holds more than one [q_block, k_block] tile of scores per (row, head), in plain JAX (CPU, GPU, TPU).
 
 The mask is described by its structure, not a [B, T, S] boolean: query t of row b sees key j when j <= t (causal)
-and j >= start[b] (a right-aligned row's padding is never seen). This is the fresh prefill's visibility
-(`ports.cache.visibility` with an empty cache and no tree mask).
+and j >= start[b] (a right-aligned row's padding is never seen), and with a sliding `window` (Mistral) only when
+j > t - window. This is the fresh prefill's visibility (`ports.cache.visibility` with an empty cache and no tree
+mask; `ports.layers.windowed` for the window).
 
 On a GPU a fresh prefill in bfloat16 / float16 whose rows all start at slot 0 (the causal mask alone) runs cuDNN's
 flash attention (`jax.nn.dot_product_attention`) instead; `FUSED` says when (see `fused_attention`).
@@ -23,8 +24,9 @@ FUSED_MODES = ("auto", "off", "cudnn", "xla")
 FUSED = "auto"
 
 
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array):
-    """Causal attention of q [B, T, H, Dh] over k, v [B, T, KVH, Dh] (every key from slot 0 visible) by
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None):
+    """Causal attention of q [B, T, H, Dh] over k, v [B, T, KVH, Dh] (every key from slot 0 visible; with a
+    sliding `window` only keys j > t - window, its `local_window_size` (window - 1, 0)) by
     `jax.nn.dot_product_attention` with the implementation `FUSED` picks, or None where none applies: "auto" off a
     GPU or in float32, or an implementation that cannot take these shapes (cuDNN's limits on head size, dtype and
     version are checked as it traces)."""
@@ -38,8 +40,9 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array):
     if mode == "off":
         return None
     try:
+        local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), is_causal=True,
-                                            implementation=mode)
+                                            local_window_size=local, implementation=mode)
     except (NotImplementedError, RuntimeError, ValueError, TypeError):
         return None
 
@@ -52,11 +55,12 @@ def _blocks(x: jax.Array, n: int, size: int) -> jax.Array:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, score_weights: jax.Array | None = None,
-                     q_block: int = BLOCK, k_block: int = BLOCK):
+                     q_block: int = BLOCK, k_block: int = BLOCK, window: int | None = None):
     """Grouped-query causal attention of q [B, T, H, Dh] over the same positions' keys / values k, v [B, T, KVH, Dh]
-    (row b's keys before start[b] hidden). Returns [B, T, H, Dh] in q's dtype, equal to `ports.layers.attention`
-    on the visible queries (a query that sees no key, i.e. one before its row's start, gets a meaningless output in
-    both). Scores and softmax run in float32 (in cuDNN's kernel too, when `fused_attention` applies).
+    (row b's keys before start[b] hidden; with a sliding `window`, query t's keys before t - window + 1 too).
+    Returns [B, T, H, Dh] in q's dtype, equal to `ports.layers.attention` on the visible queries (a query that sees
+    no key, i.e. one before its row's start, gets a meaningless output in both). Scores and softmax run in float32
+    (in cuDNN's kernel too, when `fused_attention` applies).
 
     With `score_weights` [B, T] it returns (out, scores [B, T]): the attention probabilities averaged over heads and
     summed over queries with those weights, with the full softmax denominators (a second pass over the query
@@ -70,23 +74,25 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
 
     def blockwise(q, k, v, start):
         return prefix_attention(q, rows(k), rows(v), start, jnp.zeros((B,), jnp.int32), score_weights, q_block,
-                                k_block)
+                                k_block, window)
 
-    fused = None if score_weights is not None else fused_attention(q, k, v)
+    fused = None if score_weights is not None else fused_attention(q, k, v, window)
     if fused is None:
         return blockwise(q, k, v, start)
     # the fused kernels know causality but not a per-row first slot: a row that starts later attends blockwise
-    return jax.lax.cond(jnp.all(start == 0), lambda q, k, v, start: fused_attention(q, k, v), blockwise, q, k, v,
-                        start)
+    return jax.lax.cond(jnp.all(start == 0), lambda q, k, v, start: fused_attention(q, k, v, window), blockwise, q, k,
+                        v, start)
 
 
 def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array, offset: jax.Array,
-                     score_weights: jax.Array | None = None, q_block: int = BLOCK, k_block: int = BLOCK):
+                     score_weights: jax.Array | None = None, q_block: int = BLOCK, k_block: int = BLOCK,
+                     window: int | None = None):
     """Grouped-query attention of a block of new queries q [B, T, H, Dh] over a cache that already holds their
     keys: the flat cache rows k_buf, v_buf [B * KVH, S, Dh] (`ports.cache`), query t of row b at slot
     offset[b] + t, seeing slot j when start[b] <= j <= offset[b] + t (a chunk of a prefill after the earlier
-    chunks). Never holds more than one [q_block, k_block] tile of scores per (row, head); key blocks past a query
-    block's last visible slot are not read. Returns [B, T, H, Dh] in q's dtype, equal to `ports.layers.attention`
+    chunks) and, with a sliding `window`, j > offset[b] + t - window. Never holds more than one [q_block, k_block]
+    tile of scores per (row, head); key blocks past a query block's last visible slot (or wholly before its window)
+    are not read. Returns [B, T, H, Dh] in q's dtype, equal to `ports.layers.attention`
     under `ports.cache.visibility` of a cache of lengths `offset` and T causal new tokens; with `score_weights`
     [B, T] also the scores [B, S] of that function (full softmax denominators, from each query's log-sum-exp)."""
     B, T, H, Dh = q.shape
@@ -122,6 +128,8 @@ def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: ja
             return s, vj
         qp = offset[:, None] + i * qb + jnp.arange(qb)[None]  # [B, qb] slots of the queries
         vis = (kp[None, None, :] <= qp[:, :, None]) & (kp[None, None, :] >= start[:, None, None]) & fresh_slot
+        if window is not None:
+            vis = vis & (kp[None, None, :] > qp[:, :, None] - window)
         return jnp.where(vis[:, None, None], s, NEG), vj
 
     def last_block(i):
@@ -132,7 +140,11 @@ def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: ja
         # a long prefill's tiles); the ones before (a row's start inside them) and after (the causal edge) keep it
         # and run in one loop, its k-th block a + ... mapped past [a, b)
         j0, end = jnp.min(start) // kb, last_block(i) + 1
-        a = jnp.clip(-(-jnp.max(start) // kb), j0, end)
+        a = -(-jnp.max(start) // kb)
+        if window is not None:  # the first slot any query of the block sees, and the first every query sees
+            j0 = jnp.min(jnp.maximum(start, offset + i * qb - window + 1)) // kb
+            a = jnp.maximum(a, -(-(jnp.max(offset) + i * qb + qb - window) // kb))
+        a = jnp.clip(a, j0, end)
         b = jnp.clip((jnp.min(offset) + i * qb + 1) // kb, a, end)
 
         def body(masked):

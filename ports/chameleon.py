@@ -12,16 +12,34 @@ Chameleon is LLaMA with three changes, all matched to HF `ChameleonForConditiona
 HF sets the logits of every image token to float32 min (text-only generation); `suppress_image_logits` (HF's
 behaviour, Lumina-mGPT's `mask_image_logits` key) switches that, and must be off to generate images.
 
-Loading Lumina-mGPT / Anole: an HF-format checkpoint directory (config.json with model_type "chameleon", whatever
-its config class, e.g. Lumina-mGPT's ChameleonXLLMXConfig; safetensors with model.*, lm_head.weight and
-model.vqmodel.*) loads with `ports.load_hf(dir)`; the VQGAN decoder comes from the tokenizer checkpoint these
-projects ship (`vqgan.ckpt`), see `ports.vqgan.load_vqgan_decoder`. To generate images, turn the suppression off:
+What `ports.load_hf(dir)` loads: an HF-format directory whose config.json has model_type "chameleon", whatever its
+config class (transformers' ChameleonConfig, Lumina-mGPT's ChameleonConfig / ChameleonXLLMXConfig: keys the model
+does not use, such as `z_loss_weight`, `dropout`, `attention_dropout`, `initializer_range`, are ignored), with
+safetensors holding transformers' names (model.*, lm_head.weight, model.vqmodel.* without the VQGAN decoder), where
+each layer's `self_attn.q_norm` / `self_attn.k_norm` weight and bias is either
+  * transformers' per-head layout, [heads, head_dim] / [kv_heads, head_dim], or
+  * Lumina-mGPT's layout (its weight converter and `ChameleonXLLMXForConditionalGeneration`): [r, head_dim] rows,
+    r = model_parallel_size ([1, head_dim] for 7B), row j serving heads j * n .. (j + 1) * n - 1 with n = heads / r
+    (kv_heads / r for k_norm), as its ChameleonLayerNorm repeat-interleaves them. Any r dividing the heads loads
+    so, whatever the config's class (expanded to [heads, head_dim] in memory); any other shape is refused, naming
+    the tensor, its shape and the shapes expected.
+`ports.save_hf` writes the layout the config names: [model_parallel_size, head_dim] rows when `architectures` is
+ChameleonXLLMXForConditionalGeneration (`ChameleonConfig.qk_norm_rows`, read from model_parallel_size, default 1),
+else per head. Rows are the first row of each group, written after checking that the group's rows are equal; if
+they are not (per-head values, e.g. after training in jspec, or a per-head file relabelled as Lumina-mGPT's), it
+writes [heads, head_dim], warns, and says so in config.json (`architectures` = ChameleonForConditionalGeneration,
+transformers' layout). So a Lumina-mGPT checkpoint saves back to the same tensors (byte for byte when saved in its
+own dtype) and the same config. A checkpoint in rows whose config names transformers' class (as a file written by
+Lumina-mGPT's converter may) loads, but saves per head: nothing in its config says it was in rows.
+The VQGAN decoder comes from the tokenizer checkpoint these projects ship (`vqgan.ckpt`), see
+`ports.vqgan.load_vqgan_decoder`. To generate images, turn the suppression off:
 `dataclasses.replace(model.config, suppress_image_logits=False)` (Lumina-mGPT's config may already say so).
 Anole's original release uses Meta's consolidated format; it needs an HF-format conversion first.
 
 Params: the LLaMA pytree of ports.llama (embed, layers[...], final_norm, lm_head) with per-layer q_norm, q_norm_b
-[H, Dh] and k_norm, k_norm_b [KVH, Dh] added, plus "vqmodel": the VQ encoder, quantizer and post_quant_conv
-(ports.vqgan, HF_PARTS). The VQGAN decoder is not in HF checkpoints: see `ports.vqgan.load_vqgan_decoder`.
+[H, Dh] and k_norm, k_norm_b [KVH, Dh] added (whatever the checkpoint's row count), plus "vqmodel": the VQ encoder,
+quantizer and post_quant_conv (ports.vqgan, HF_PARTS). The VQGAN decoder is not in HF checkpoints: see
+`ports.vqgan.load_vqgan_decoder`.
 """
 from __future__ import annotations
 
@@ -50,6 +68,8 @@ IMAGE_END = "<eoss>"  # end of image
 IMAGE_NEWLINE = "<reserved08799>"  # Lumina-mGPT's end-of-row token
 SIZE_TOKEN_BASE = "<reserved08800>"  # Lumina-mGPT: the size token for n grid units is <reserved{8800 + n:05d}>
 IMAGE_NAME_PREFIX = "IMGIMG"
+LUMINA_ARCHITECTURE = "ChameleonXLLMXForConditionalGeneration"  # Lumina-mGPT's model class: QK norms in mp rows
+HF_ARCHITECTURE = "ChameleonForConditionalGeneration"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +85,10 @@ class ChameleonConfig(TextConfig):
     image_newline_token_id: int | None = None
     size_token_base: int | None = None
     vq: VQ.VQConfig = VQ.VQConfig()
+    # rows of the q_norm / k_norm tensors in the checkpoint `ports.save_hf` writes: 0 = one per head (transformers),
+    # mp = Lumina-mGPT's [model_parallel_size, head_dim] (row r shared by consecutive heads). Params are [H, Dh]
+    # either way; this only names the checkpoint layout.
+    qk_norm_rows: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -74,9 +98,18 @@ class ChameleonConfig(TextConfig):
         if self.image_token_ids and len(self.image_token_ids) != self.vq.num_embeddings:
             raise ValueError(f"chameleon: {len(self.image_token_ids)} image tokens in the vocabulary but the VQ "
                              f"codebook has num_embeddings={self.vq.num_embeddings}")
+        if self.qk_norm_rows < 0 or (self.qk_norm_rows and (self.num_heads % self.qk_norm_rows
+                                                             or self.num_kv_heads % self.qk_norm_rows)):
+            raise ValueError(f"chameleon: model_parallel_size={self.qk_norm_rows} (the rows of Lumina-mGPT's QK-norm "
+                             f"tensors) must divide num_attention_heads={self.num_heads} and num_key_value_heads="
+                             f"{self.num_kv_heads}")
         bad = [t for t in self.image_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"chameleon: image token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def save_hf_view(self, model):
+        """What `ports.save_hf` writes for `model` (`checkpoint_view`: the QK-norm layout)."""
+        return checkpoint_view(model)
 
     @property
     def num_params(self) -> int:
@@ -149,7 +182,8 @@ def image_logit_mask(cfg: ChameleonConfig) -> np.ndarray:
 
 def config_from_hf(d: Mapping[str, Any], require_vocabulary: bool = True) -> ChameleonConfig:
     """Parse an HF chameleon config.json dict (transformers 5 or older spellings; Lumina-mGPT's ChameleonXLLMXConfig
-    too: its `mask_image_logits` sets `suppress_image_logits`).
+    too: its `mask_image_logits` sets `suppress_image_logits`, architectures ChameleonXLLMXForConditionalGeneration
+    sets `qk_norm_rows` to its `model_parallel_size`; keys the model does not use are ignored).
 
     A config without `vocabulary_map` is refused (images need it) unless `require_vocabulary=False` (shapes only,
     e.g. memory planning): the image vocabulary is then empty and no token id is an image token."""
@@ -166,6 +200,7 @@ def config_from_hf(d: Mapping[str, Any], require_vocabulary: bool = True) -> Cha
     heads = d.get("num_attention_heads", 32)
     hidden = d.get("hidden_size", 4096)
     bias = bool(d.get("attention_bias", False))
+    lumina = LUMINA_ARCHITECTURE in (d.get("architectures") or ())
     return ChameleonConfig(
         model_type="chameleon",
         vocab_size=d.get("vocab_size", 65536),
@@ -194,6 +229,7 @@ def config_from_hf(d: Mapping[str, Any], require_vocabulary: bool = True) -> Cha
         image_newline_token_id=vm.get(IMAGE_NEWLINE),
         size_token_base=vm.get(SIZE_TOKEN_BASE),
         vq=vq,
+        qk_norm_rows=int(d.get("model_parallel_size") or 1) if lumina else 0,
     )
 
 
@@ -216,8 +252,9 @@ def config_to_hf(cfg: ChameleonConfig) -> dict[str, Any]:
     out = text_config_to_hf(cfg)
     for k in ("head_dim", "attention_bias"):
         out.pop(k, None)
-    out.update(model_type="chameleon", architectures=["ChameleonForConditionalGeneration"],
-               attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, swin_norm=cfg.swin_norm, model_parallel_size=1,
+    out.update(model_type="chameleon", architectures=[LUMINA_ARCHITECTURE if cfg.qk_norm_rows else HF_ARCHITECTURE],
+               attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, swin_norm=cfg.swin_norm,
+               model_parallel_size=cfg.qk_norm_rows or 1,
                vq_config=VQ.vq_config_to_hf(cfg.vq), vocabulary_map=vocabulary_map(cfg),
                image_token_id=cfg.image_token_id)
     if not cfg.suppress_image_logits:
@@ -240,7 +277,8 @@ def param_shapes(cfg: ChameleonConfig) -> dict:
 
 def init_params(cfg: ChameleonConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Random params: normal(0, std) matrices and biases, unit norm scales (RMSNorm and QK-norm weights), and a
-    random VQ encoder (ports.vqgan.init_params). One random draw, split on the host."""
+    random VQ encoder (ports.vqgan.init_params). One random draw, split on the host. With `cfg.qk_norm_rows` the
+    QK-norm biases are equal within each group of heads sharing a row (a model Lumina-mGPT's layout holds)."""
     k_lm, k_vq = jax.random.split(key)
     shapes = param_shapes(cfg)
     del shapes["vqmodel"]
@@ -254,6 +292,11 @@ def init_params(cfg: ChameleonConfig, key: jax.Array, dtype=jnp.float32, std: fl
         offset += n
         out.append(jnp.asarray(arr, dtype))
     params = jax.tree.unflatten(treedef, out)
+    if cfg.qk_norm_rows:  # Lumina-mGPT's layout: a group of heads shares one row (the QK-norm biases drawn per row)
+        for layer in params["layers"]:
+            for k, heads in (("q_norm_b", cfg.num_heads), ("k_norm_b", cfg.num_kv_heads)):
+                n = heads // cfg.qk_norm_rows
+                layer[k] = jnp.repeat(layer[k][::n], n, axis=0)
     params["vqmodel"] = VQ.init_params(cfg.vq, k_vq, VQ.HF_PARTS, dtype)
     return params
 
@@ -393,16 +436,84 @@ def prompt_embeds(cfg: ChameleonConfig, params: dict, tokens: jax.Array,
 # --------------------------------------------------------------------------------------------------- HF key map
 
 
+class HeadRows(NamedTuple):
+    """The `hf_key_map` transform (ports.hf_checkpoint's protocol) of a QK-norm weight / bias, [heads, Dh] in our
+    params: the checkpoint holds it as is, or as [r, Dh] with r dividing heads (Lumina-mGPT), row j serving heads
+    j * heads / r .. (j + 1) * heads / r - 1 (its ChameleonLayerNorm's repeat_interleave). `rows` is what save_hf
+    writes: 0 = [heads, Dh], else [rows, Dh], the first row of each group (the group's rows must be equal)."""
+
+    heads: int
+    rows: int = 0
+
+    def shape_to_ours(self, shape: tuple) -> tuple:
+        if len(shape) == 2 and 0 < shape[0] <= self.heads and self.heads % shape[0] == 0:
+            return (self.heads, shape[1])
+        return tuple(shape)  # not a loadable shape: the loader reports it against `describe`
+
+    def shape_to_hf(self, shape: tuple) -> tuple:
+        return (self.rows or shape[0],) + tuple(shape[1:])
+
+    def describe(self, shape: tuple) -> str:
+        return f"{tuple(shape)} or [r, {shape[1]}] with r dividing {self.heads} (Lumina-mGPT's model-parallel rows)"
+
+    def to_ours(self, arr):
+        return arr if arr.shape[0] == self.heads else np.repeat(arr, self.heads // arr.shape[0], axis=0)
+
+    def to_hf(self, arr):
+        if not self.rows or self.rows == self.heads:
+            return arr
+        if not self.collapses(arr):  # save_hf writes such a model per head instead (`checkpoint_view`)
+            raise ValueError(f"QK-norm rows differ within a group of {self.heads // self.rows} heads: they cannot be "
+                             f"written as {self.rows} rows")
+        return np.ascontiguousarray(arr[::self.heads // self.rows])
+
+    def collapses(self, arr) -> bool:
+        """Whether `arr` [heads, Dh] is `rows` groups of equal rows (so `to_hf` writes it exactly)."""
+        if not self.rows or self.rows == self.heads:
+            return True
+        groups = np.asarray(arr).reshape(self.rows, self.heads // self.rows, *arr.shape[1:])
+        return bool((groups == groups[:, :1]).all())
+
+
 def hf_key_map(cfg: ChameleonConfig):
     """(hf_name, param path, transform) rows of ChameleonForConditionalGeneration; transformers 5 writes the same
-    names to disk as its state_dict (model.*, lm_head.weight, model.vqmodel.*), as older hub checkpoints do."""
+    names to disk as its state_dict (model.*, lm_head.weight, model.vqmodel.*), as older hub checkpoints do. The QK
+    norms' transform is `HeadRows` (per-head or Lumina-mGPT's rows in, `cfg.qk_norm_rows` out)."""
     rows = llama.hf_key_map(cfg, "model.", "lm_head.weight")
     for i in range(cfg.num_layers):
         a = f"model.layers.{i}.self_attn."
-        for n in ("q_norm", "k_norm"):
-            rows += [(f"{a}{n}.weight", ("layers", i, n), None), (f"{a}{n}.bias", ("layers", i, n + "_b"), None)]
+        for n, heads in (("q_norm", cfg.num_heads), ("k_norm", cfg.num_kv_heads)):
+            tr = HeadRows(heads, cfg.qk_norm_rows)
+            rows += [(f"{a}{n}.weight", ("layers", i, n), tr), (f"{a}{n}.bias", ("layers", i, n + "_b"), tr)]
     rows += VQ.key_map(cfg.vq, "model.vqmodel.", VQ.HF_PARTS, ("vqmodel",))
     return rows
 
 
 IGNORED_HF_KEYS = llama.IGNORED_HF_KEYS
+
+
+def checkpoint_view(model):
+    """The model `ports.save_hf` writes: `model` itself, unless its config names Lumina-mGPT's row layout
+    (qk_norm_rows) and some QK-norm tensor is not groups of equal rows; then the same params, per-head layout
+    (qk_norm_rows 0) and transformers' class in the HF config's `architectures`, with a warning."""
+    cfg = model.config
+    if not cfg.qk_norm_rows:
+        return model
+    bad = []
+    for i, layer in enumerate(model.params["layers"]):
+        for n, heads in (("q_norm", cfg.num_heads), ("k_norm", cfg.num_kv_heads)):
+            for k in (n, n + "_b"):
+                if not HeadRows(heads, cfg.qk_norm_rows).collapses(np.asarray(jax.device_get(layer[k]))):
+                    bad.append(f"layers.{i}.{k}")
+    if not bad:
+        return model
+    import warnings
+
+    warnings.warn(f"chameleon save_hf: {len(bad)} QK-norm tensors ({bad[:4]}{' ...' if len(bad) > 4 else ''}) differ "
+                  f"within a group of heads, so they cannot be written as model_parallel_size={cfg.qk_norm_rows} "
+                  f"rows (Lumina-mGPT's layout): writing them per head, config architectures = [{HF_ARCHITECTURE!r}]",
+                  stacklevel=4)
+    hf = dict(model.hf_config)
+    if hf:
+        hf["architectures"] = [HF_ARCHITECTURE]
+    return type(model)(dataclasses.replace(cfg, qk_norm_rows=0), model.params, hf)

@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# the HF text model_types parsed as LLaMA-family decoders, and the class each one saves as
+TEXT_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+MISTRAL_WINDOW = 4096  # transformers' MistralConfig default sliding_window (a config that omits the field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,11 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
-    """A LLaMA-family decoder (LLaMA 1/2/3, Vicuna, CodeLLaMA, Qwen2)."""
+    """A LLaMA-family decoder (LLaMA 1/2/3, Vicuna, CodeLLaMA, Qwen2, Mistral).
+
+    sliding_window: Mistral's sliding-window attention: a query sees only the last `sliding_window` tokens of its
+    own sequence, itself included (transformers' `kv_idx > q_idx - sliding_window`); None sees them all. A mask over
+    the full-length KV cache (`ports.layers.attention_window`), not a ring buffer."""
 
     model_type: str
     vocab_size: int
@@ -57,8 +64,12 @@ class TextConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self):
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
@@ -108,9 +119,10 @@ def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
 
 
 def text_config_from_hf(cfg: dict[str, Any]) -> TextConfig:
-    """Parse an HF `llama` / `qwen2` config.json dict into a `TextConfig`."""
+    """Parse an HF `llama` / `qwen2` / `mistral` config.json dict into a `TextConfig`. Mistral is LLaMA's layers
+    (no biases) with `sliding_window` (absent: MistralConfig's default 4096; null: no window)."""
     model_type = cfg.get("model_type", "llama")
-    if model_type not in ("llama", "qwen2"):
+    if model_type not in TEXT_TYPES:
         raise ValueError(f"text_config_from_hf: model_type {model_type!r} is not a LLaMA-family decoder")
     if cfg.get("use_sliding_window"):
         raise ValueError("Qwen2 sliding-window attention (use_sliding_window=true) is not supported by jspec")
@@ -118,8 +130,9 @@ def text_config_from_hf(cfg: dict[str, Any]) -> TextConfig:
         raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (LLaMA-family models use silu)")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    qwen = model_type == "qwen2"
-    attn_bias = bool(cfg.get("attention_bias", False))
+    qwen, mistral = model_type == "qwen2", model_type == "mistral"
+    attn_bias = bool(cfg.get("attention_bias", False)) and not mistral  # MistralConfig has no biases
+    window = cfg.get("sliding_window", MISTRAL_WINDOW) if mistral else None
     return TextConfig(
         model_type=model_type,
         vocab_size=cfg["vocab_size"],
@@ -135,10 +148,11 @@ def text_config_from_hf(cfg: dict[str, Any]) -> TextConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=True if qwen else attn_bias,
         o_bias=False if qwen else attn_bias,
-        mlp_bias=False if qwen else bool(cfg.get("mlp_bias", False)),
+        mlp_bias=False if qwen or mistral else bool(cfg.get("mlp_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=id_tuple(cfg.get("eos_token_id")),
         pad_token_id=cfg.get("pad_token_id"),
+        sliding_window=None if window is None else int(window),
     )
 
 
@@ -212,7 +226,7 @@ def text_config_to_hf(cfg: TextConfig) -> dict[str, Any]:
     eos = list(cfg.eos_token_ids)
     out = {
         "model_type": cfg.model_type,
-        "architectures": ["Qwen2ForCausalLM" if cfg.model_type == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [TEXT_TYPES.get(cfg.model_type, "LlamaForCausalLM")],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -231,6 +245,8 @@ def text_config_to_hf(cfg: TextConfig) -> dict[str, Any]:
     }
     if cfg.model_type == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    if cfg.model_type == "mistral" or cfg.sliding_window is not None:
+        out["sliding_window"] = cfg.sliding_window
     return out
 
 

@@ -54,25 +54,45 @@ def read_hf_config(directory: str) -> dict:
 
 # Key-map transforms, each an axis permutation taking the HF tensor to our param (None = as is):
 # "T" a Linear weight [out, in] -> [in, out]; "conv" a Conv2d kernel [out, in, kh, kw] -> [in, kh, kw, out].
+# A transform may also be an object with to_ours(arr), to_hf(arr), shape_to_ours(hf_shape) (the param shape it
+# loads as), shape_to_hf(shape) (what save_hf writes) and describe(shape) (the accepted HF shapes, for errors), e.g.
+# ports.chameleon.HeadRows (Lumina-mGPT's QK-norm rows).
 TRANSFORMS: dict[str, tuple[int, ...]] = {"T": (1, 0), "conv": (1, 2, 3, 0)}
+
+
+def _custom(transform) -> bool:
+    return transform is not None and not isinstance(transform, str)
 
 
 def hf_to_ours(arr, transform: str | None):
     """An HF tensor (numpy / jax array) in our layout."""
+    if _custom(transform):
+        return transform.to_ours(arr)
     return arr if transform is None else arr.transpose(TRANSFORMS[transform])
 
 
 def ours_to_hf(arr, transform: str | None):
     """Inverse of `hf_to_ours`."""
+    if _custom(transform):
+        return transform.to_hf(arr)
     return arr if transform is None else arr.transpose(tuple(np.argsort(TRANSFORMS[transform])))
 
 
 def hf_shape_to_ours(shape: tuple, transform: str | None) -> tuple:
+    if _custom(transform):
+        return tuple(transform.shape_to_ours(tuple(shape)))
     return tuple(shape) if transform is None else tuple(shape[i] for i in TRANSFORMS[transform])
 
 
 def ours_shape_to_hf(shape: tuple, transform: str | None) -> tuple:
+    if _custom(transform):
+        return tuple(transform.shape_to_hf(tuple(shape)))
     return tuple(shape) if transform is None else tuple(shape[i] for i in np.argsort(TRANSFORMS[transform]))
+
+
+def expected_hf_shape(shape: tuple, transform: str | None) -> str:
+    """The HF shape(s) a param of `shape` loads from, in words (errors)."""
+    return transform.describe(tuple(shape)) if _custom(transform) else str(ours_shape_to_hf(shape, transform))
 
 
 def key_mismatch_error(header: str, missing: list, unexpected: list, bad_shape: list, bad_dtype: list = (),
@@ -130,7 +150,7 @@ def stream_checkpoint(source: str, hf: dict, entries: list[SourceTensor], dtype,
         path, tr = kmap[e.name]
         want, got = tuple(get_path(shapes, path)), tuple(e.shape)
         if len(got) != len(want) or hf_shape_to_ours(got, tr) != want:
-            bad_shape.append(f"{e.label}: checkpoint {got}, expected {ours_shape_to_hf(want, tr)}")
+            bad_shape.append(f"{e.label}: checkpoint {got}, expected {expected_hf_shape(want, tr)}")
         elif e.bad_dtype is not None:
             bad_dtype.append(f"{e.label}: {e.bad_dtype}")
         else:
@@ -223,8 +243,12 @@ def layer_stream(cfg, shapes, tensors):
 
 def save_hf(model: Model, directory: str, dtype=None) -> None:
     """Write `model` as an HF checkpoint (config.json + model.safetensors) that transformers loads (a scanned
-    model's layers are written one by one, as the checkpoint holds them)."""
+    model's layers are written one by one, as the checkpoint holds them; a Lumina-mGPT Chameleon keeps its own
+    QK-norm layout, see ports.chameleon)."""
     model = unpack_weights(unscan_layers(model) if is_scanned(model) else model)
+    view = getattr(model.config, "save_hf_view", None)  # a family's say on the layout it writes (Chameleon's)
+    if view is not None:
+        model = view(model)
     os.makedirs(directory, exist_ok=True)
     fam = model.family
     rows = fam.hf_key_map(model.config)

@@ -278,17 +278,21 @@ BLOCKWISE_MIN = 1024  # prefills (or prefill chunks) of at least this many token
 
 class Causal(NamedTuple):
     """A fresh prefill's visibility by its structure: query t of row b sees key j when start[b] <= j <= t (what
-    `ports.cache.visibility` gives for an empty cache without a tree mask), without a [B, T, S] boolean."""
+    `ports.cache.visibility` gives for an empty cache without a tree mask), without a [B, T, S] boolean; with a
+    `window` also only when j > t - window."""
 
     start: jax.Array  # [B]
+    window: int | None = None  # static: a sliding window (`attention_window`)
 
 
 class Prefix(NamedTuple):
     """A prefill chunk's visibility by its structure: the cache holds length[b] committed slots and the T new
-    tokens go after them, causally; new token t of row b sees slot j when start[b] <= j <= length[b] + t."""
+    tokens go after them, causally; new token t of row b sees slot j when start[b] <= j <= length[b] + t (and
+    j > length[b] + t - window with a `window`)."""
 
     start: jax.Array  # [B]
     length: jax.Array  # [B]
+    window: int | None = None  # static: a sliding window (`attention_window`)
 
 
 class Deferred(NamedTuple):
@@ -299,20 +303,52 @@ class Deferred(NamedTuple):
     new: jax.Array
 
 
-def deferred_visibility(cache, num_new: int, new_mask) -> Deferred:
-    """`Deferred` of T new tokens after the committed ones; new_mask [B, T, T] (default causal)."""
+def attention_window(cfg, max_len: int) -> int | None:
+    """The sliding window a forward over a cache of `max_len` slots attends under (static): the config's
+    `sliding_window` when it is shorter than the cache, else None (a window that long hides nothing)."""
+    w = getattr(cfg, "sliding_window", None)
+    return w if w is not None and w < max_len else None
+
+
+def _after(vis: jax.Array) -> jax.Array:
+    """int32 [..., S]: how many visible slots come after each slot (in slot order) in its query's row."""
+    v = vis.astype(jnp.int32)
+    return jnp.sum(v, axis=-1, keepdims=True) - jnp.cumsum(v, axis=-1)
+
+
+def windowed(visible, window: int | None):
+    """`visible` (a [B, T, S] boolean, `Deferred`, `Causal` or `Prefix`) under a sliding window: each query keeps
+    the last `window` slots it sees, itself included. The slots a query sees, in slot order, are its sequence in
+    order (the committed prefix, then its tree ancestors, which precede it, then itself), so the key j slots back in
+    that sequence is the one with j visible slots after it: the window keeps kv_idx > q_idx - window in sequence
+    indices, transformers' `sliding_window_overlay`, and a tree node's window counts its ancestors, not the
+    siblings between them in the scratch slots. None: `visible` unchanged."""
+    if window is None:
+        return visible
+    if isinstance(visible, (Causal, Prefix)):
+        return visible._replace(window=window)
+    if isinstance(visible, Deferred):
+        n_new = jnp.sum(visible.new.astype(jnp.int32), axis=-1, keepdims=True)
+        return Deferred(visible.old & (_after(visible.old) + n_new < window),
+                        visible.new & (_after(visible.new) < window))
+    return visible & (_after(visible) < window)
+
+
+def deferred_visibility(cache, num_new: int, new_mask, window: int | None = None) -> Deferred:
+    """`Deferred` of T new tokens after the committed ones; new_mask [B, T, T] (default causal); `windowed` by a
+    sliding window."""
     new = jnp.tril(jnp.ones((num_new, num_new), bool))[None] if new_mask is None else new_mask[..., :num_new]
-    return Deferred(kvc.committed_visibility(cache, num_new),
-                    jnp.broadcast_to(new.astype(bool), (cache.batch, num_new, num_new)))
+    return windowed(Deferred(kvc.committed_visibility(cache, num_new),
+                             jnp.broadcast_to(new.astype(bool), (cache.batch, num_new, num_new))), window)
 
 
-def prefill_visibility(cache, num_new: int, new_mask, write_offset: int, fresh: bool):
+def prefill_visibility(cache, num_new: int, new_mask, write_offset: int, fresh: bool, window: int | None = None):
     """The visibility a forward attends under: `Causal` for a fresh prefill and `Prefix` for a chunk of a prefill
     (new tokens after the committed ones, no tree mask) when they are long enough to take the blockwise path, else
-    the [B, T, S] boolean of `ports.cache.cache_visibility`."""
+    the [B, T, S] boolean of `ports.cache.cache_visibility`; `windowed` by a sliding window."""
     if new_mask is None and write_offset == 0 and num_new >= BLOCKWISE_MIN:
-        return Causal(cache.start) if fresh else Prefix(cache.start, cache.length)
-    return kvc.cache_visibility(cache, num_new, new_mask, write_offset)
+        return Causal(cache.start, window) if fresh else Prefix(cache.start, cache.length, window)
+    return windowed(kvc.cache_visibility(cache, num_new, new_mask, write_offset), window)
 
 
 def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.Array | None = None,
@@ -341,9 +377,11 @@ def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.A
         if score_weights is None and CD.attention_applies(q, kr, vr):  # the CPU kernel skips the hidden blocks itself
             t = jnp.arange(T)
             vis = (t[None, None, :] <= t[None, :, None]) & (t[None, None, :] >= visible.start[:, None, None])
+            if visible.window is not None:
+                vis = vis & (t[None, None, :] > t[None, :, None] - visible.window)
             pad = ((0, 0), (0, S - T), (0, 0))
             return attention(q, kr, vr, vis), jnp.pad(kr, pad), jnp.pad(vr, pad)
-        out = _as_tuple(BW.causal_attention(q, k, v, visible.start, score_weights))
+        out = _as_tuple(BW.causal_attention(q, k, v, visible.start, score_weights, window=visible.window))
         if score_weights is not None:
             out = (out[0], jnp.pad(out[1], ((0, 0), (0, S - T))))
         pad = ((0, 0), (0, S - T), (0, 0))
@@ -351,7 +389,8 @@ def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.A
     if not fresh:
         k_buf, v_buf = kvc.write_layer(k_buf, v_buf, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)
         if isinstance(visible, Prefix):
-            out = BW.prefix_attention(q, k_buf, v_buf, visible.start, visible.length, score_weights)
+            out = BW.prefix_attention(q, k_buf, v_buf, visible.start, visible.length, score_weights,
+                                      window=visible.window)
         else:
             out = attention(q, k_buf, v_buf, visible, score_weights)
         return (*_as_tuple(out), k_buf, v_buf)

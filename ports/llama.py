@@ -1,4 +1,4 @@
-"""LLaMA-family decoder port (LLaMA 1/2/3, Vicuna, CodeLLaMA, Qwen2): params, forward, HF key map.
+"""LLaMA-family decoder port (LLaMA 1/2/3, Vicuna, CodeLLaMA, Qwen2, Mistral): params, forward, HF key map.
 
 Params are a plain pytree:
     {"embed": [V, D], "layers": [per-layer dict, ...], "final_norm": [D], "lm_head": [D, V] (absent if tied)}
@@ -82,7 +82,9 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     tokens [B, T] (or embeds [B, T, D]); positions [B, T] RoPE positions; the new K/V are written at slots
     cache.length[b] + write_offset .. +T-1 (length itself is not advanced: the caller commits). new_mask
     [B, T, write_offset + T] says which scratch slots (earlier scratch, then the new tokens) each new token sees
-    (default causal over the new tokens; a tree passes its ancestor mask). hidden_layers: indices i in [0, num_layers],
+    (default causal over the new tokens; a tree passes its ancestor mask); a config's `sliding_window` shorter than
+    the cache hides, from each token, what lies more than that many tokens back in its sequence
+    (`layers.windowed`). hidden_layers: indices i in [0, num_layers],
     the residual stream after the first i layers (0 = embeddings). logits_at [B, K]: compute logits only at these
     new-token indices (default all T). attn_query_weights [B, T]: also return `attn` [B, S], the attention
     probabilities over cache slots averaged over layers and heads and summed over the new tokens with these
@@ -98,13 +100,14 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     check_fresh(fresh, write_offset)
     x = embed(params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
+    window = LY.attention_window(cfg, cache.max_len)  # Mistral's sliding window, when shorter than the cache
     if defer_writes:
         if fresh or write_offset or attn_query_weights is not None:
             raise ValueError("defer_writes is for a forward at the committed length over a filled cache "
                              "(not fresh, write_offset 0, no attn_query_weights)")
-        visible = LY.deferred_visibility(cache, T, new_mask)
+        visible = LY.deferred_visibility(cache, T, new_mask, window)
     else:
-        visible = LY.prefill_visibility(cache, T, new_mask, write_offset, fresh)
+        visible = LY.prefill_visibility(cache, T, new_mask, write_offset, fresh, window)
     start = cache.length + write_offset
     cos, sin = LY.rope_tables(cfg, positions, LY.whole_sequence_len(cfg, positions, fresh)) if rope is None else rope
     want = set(hidden_layers)

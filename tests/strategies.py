@@ -9,6 +9,7 @@ vocabulary and disagrees with it often enough that drafts are both accepted and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -175,6 +176,22 @@ register("prompt_lookup", lambda t, d: jspec.PromptLookup(max_ngram=2, gamma=4),
 register("prompt_lookup_tree", lambda t, d: jspec.PromptLookup(max_ngram=2, gamma=3, branches=3), exact=True,
          separate_draft=False, sampling_prompt=(5, 3, 5, 0, 5, 5, 3, 5, 2, 2, 5))
 
+
+
+@functools.lru_cache(maxsize=None)  # one function per k: a TokenDrafter's function is part of its programs' key
+def copy_last(k: int):
+    """A `TokenDrafter` function: propose the text's last k tokens again (the README's five-line example)."""
+    def propose(tokens, lengths):
+        idx = jnp.clip(lengths[:, None] - k + jnp.arange(k)[None], 0, tokens.shape[1] - 1)
+        return jnp.take_along_axis(tokens, idx, axis=1), jnp.broadcast_to(lengths[:, None] >= k, idx.shape)
+    return propose
+
+
+# a drafter from one function over the text (jspec.TokenDrafter): a chain and a static tree (the tree drafts its chain)
+register("token_drafter", lambda t, d: jspec.Chain(jspec.TokenDrafter(copy_last(2)), gamma=3), exact=True,
+         separate_draft=False, sampling_prompt=(1, 4, 5, 4, 5, 4, 5, 4))
+register("token_drafter_tree", lambda t, d: jspec.Tree(jspec.TokenDrafter(copy_last(2)), tree=SMALL_TREE),
+         exact=True, separate_draft=False, sampling_prompt=(1, 4, 5, 4, 5, 4, 5, 4))
 
 SHARDED_CHECKS = {"chain", "tree"}  # tests/sharded_checks.py decodes these on two meshes in the default suite
 

@@ -1,9 +1,13 @@
 """Chameleon port (ports.chameleon) matches transformers' ChameleonForConditionalGeneration on tiny random configs:
 text and image prompts, both norm placements, the image-token vocabulary and logit suppression, the KV cache,
-load_hf / save_hf in both directions, and clear errors for bad input."""
+load_hf / save_hf in both directions, Lumina-mGPT's own QK-norm layout ([model_parallel_size, head_dim] rows) in and
+out, and clear errors for bad input."""
 import dataclasses
 import functools
 import json
+import pathlib
+import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +16,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 import ports
 from ports import cache as kvc
@@ -285,4 +290,147 @@ def test_lumina_style_config_loads(models, tmp_path):
     cj.pop("image_token_id")
     (tmp_path / "config.json").write_text(json.dumps(cj))
     lumina = ports.load_hf(str(tmp_path))
-    assert lumina.config == dataclasses.replace(model.config, suppress_image_logits=False)
+    # per-head QK norms load as they are; the class name says save_hf should write model_parallel_size rows
+    assert lumina.config == dataclasses.replace(model.config, suppress_image_logits=False, qk_norm_rows=1)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), lumina.params, model.params)
+    # ... which these differing per-head values cannot be: written per head, and the config says so
+    with pytest.warns(UserWarning, match=r"cannot be written as model_parallel_size=1 rows .* writing them per head"):
+        ports.save_hf(lumina, str(tmp_path / "out"))
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["architectures"] == ["ChameleonForConditionalGeneration"] and saved["z_loss_weight"] == 1e-5
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "np") as f:
+        assert f.get_slice("model.layers.1.self_attn.q_norm.bias").get_shape() == [4, 8]
+        assert f.get_slice("model.layers.1.self_attn.k_norm.weight").get_shape() == [2, 8]
+    again = ports.load_hf(str(tmp_path / "out"))
+    assert again.config == dataclasses.replace(lumina.config, qk_norm_rows=0)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), again.params, model.params)
+
+
+# ------------------------------------------------------------------ Lumina-mGPT's own checkpoint layout
+# Lumina-mGPT (ChameleonXLLMXForConditionalGeneration) stores q_norm / k_norm weight and bias as
+# [model_parallel_size, head_dim] and repeat-interleaves them over the heads at run time (../shared/real_layouts/
+# SOURCES.md, "Derived, not a real layout"). The reference is a transformers model whose per-head norms are those
+# rows repeated; the checkpoint is its save_pretrained output with the norms cut back to the rows.
+
+H, KVH, DH = 4, 2, 8
+NORM_KEY = re.compile(r"self_attn\.([qk])_norm\.(weight|bias)$")
+
+
+@functools.lru_cache(maxsize=None)
+def lumina_checkpoint(mp: int, directory: str):
+    """(transformers reference model, directory of its weights in Lumina-mGPT's layout with mp rows)."""
+    torch.manual_seed(0)
+    hf = perturb(transformers.ChameleonForConditionalGeneration(hf_config()).eval(), seed=1)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for norm, heads in ((layer.self_attn.q_norm, H), (layer.self_attn.k_norm, KVH)):
+                norm.weight.copy_((1 + 0.5 * torch.randn(mp, DH, generator=g)).repeat_interleave(heads // mp, 0))
+                norm.bias.copy_((0.5 * torch.randn(mp, DH, generator=g)).repeat_interleave(heads // mp, 0))
+    d = pathlib.Path(directory)
+    hf.save_pretrained(str(d))
+    with safe_open(str(d / "model.safetensors"), "np") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    for k, a in tensors.items():
+        m = NORM_KEY.search(k)
+        if m:
+            heads = H if m.group(1) == "q" else KVH
+            rows = a[::heads // mp]
+            assert (np.repeat(rows, heads // mp, axis=0) == a).all()
+            tensors[k] = np.ascontiguousarray(rows)
+    save_file(tensors, str(d / "model.safetensors"), metadata=meta)
+    cj = json.loads((d / "config.json").read_text())
+    cj.update(architectures=["ChameleonXLLMXForConditionalGeneration"], model_parallel_size=mp, mask_image_logits=True,
+              dropout=0.05, z_loss_weight=1e-5)  # ChameleonXLLMXConfig's own keys, unused at inference
+    (d / "config.json").write_text(json.dumps(cj, indent=2))
+    return hf, d
+
+
+def read_tensors(path) -> dict:
+    with safe_open(str(path), "np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_lumina_layout_loads_like_its_model_and_saves_back(tmp_path_factory, tmp_path, mp):
+    hf, src = lumina_checkpoint(mp, str(tmp_path_factory.getbasetemp() / f"lumina_mp{mp}"))
+    disk = read_tensors(src / "model.safetensors")
+    assert disk["model.layers.0.self_attn.q_norm.weight"].shape == disk["model.layers.1.self_attn.k_norm.bias"].shape \
+        == (mp, DH)
+    model = ports.load_hf(str(src))
+    assert model.config.qk_norm_rows == mp and model.config.num_heads == H and model.config.num_kv_heads == KVH
+    for layer in model.params["layers"]:  # in memory one row per head, as ever
+        assert layer["q_norm"].shape == layer["q_norm_b"].shape == (H, DH)
+        assert layer["k_norm"].shape == layer["k_norm_b"].shape == (KVH, DH)
+    # logits equal the transformers model whose per-head norms are the rows repeated over the heads
+    tokens = text_tokens(seed=6)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+    ours = ports.logits(model, tokens)
+    fin, masked = split_masked(ref)
+    np.testing.assert_allclose(ours[fin], ref[fin], rtol=1e-4, atol=1e-4)
+    assert (ours[masked] == np.finfo(np.float32).min).all()
+    if mp > 1:  # the grouping matters: the rows tiled over the heads (r0 r1 r0 r1) are far off
+        p = jax.tree.map(lambda a: a, model.params)
+        for i, layer in enumerate(p["layers"]):
+            for k, heads in (("q_norm", H), ("q_norm_b", H), ("k_norm", KVH), ("k_norm_b", KVH)):
+                rows = disk[f"model.layers.{i}.self_attn.{k[:6]}.{'bias' if k.endswith('_b') else 'weight'}"]
+                layer[k] = jnp.asarray(np.tile(rows, (heads // mp, 1)))
+        tiled = ports.logits(dataclasses.replace(model, params=p), tokens)
+        assert np.abs(tiled[fin] - ref[fin]).max() > 1e-2
+    # save_hf writes the layout it read: the same tensors byte for byte, the same config
+    out = tmp_path / "out"
+    ports.save_hf(model, str(out))
+    back = read_tensors(out / "model.safetensors")
+    assert back.keys() == disk.keys()
+    for k, a in disk.items():
+        assert back[k].dtype == a.dtype and back[k].shape == a.shape and back[k].tobytes() == a.tobytes(), k
+    assert back["model.layers.1.self_attn.q_norm.bias"].shape == back["model.layers.0.self_attn.k_norm.weight"].shape \
+        == (mp, DH)
+    want_cfg, got_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    assert got_cfg["dtype"] == "float32"
+    for c in (want_cfg, got_cfg):
+        c.pop("dtype", None), c.pop("torch_dtype", None)
+    assert got_cfg == want_cfg
+    again = ports.load_hf(str(out))
+    assert again.config == model.config
+    np.testing.assert_array_equal(ports.logits(again, tokens), ours)
+
+
+def test_lumina_layout_config(models, tmp_path):
+    """qk_norm_rows in and out of an HF config, a random model in Lumina-mGPT's layout, and bad row counts."""
+    hf, model = models()
+    d = hf.config.to_dict()
+    lumina = {**d, "architectures": ["ChameleonXLLMXForConditionalGeneration"], "model_parallel_size": 2}
+    cfg = CH.config_from_hf(lumina)
+    assert cfg == dataclasses.replace(model.config, qk_norm_rows=2)
+    assert CH.config_from_hf({**d, "model_parallel_size": 2}).qk_norm_rows == 0  # transformers' class: per head
+    assert CH.config_from_hf({k: v for k, v in lumina.items() if k != "model_parallel_size"}).qk_norm_rows == 1
+    back = transformers.ChameleonConfig(**CH.config_to_hf(cfg))
+    assert CH.config_from_hf(back.to_dict()) == cfg
+    # a random model (unit norms: equal rows) saves as rows and loads back
+    rnd = ports.random_model(cfg, key=3, std=0.3)
+    ports.save_hf(rnd, str(tmp_path))
+    with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
+        assert f.get_slice("model.layers.0.self_attn.q_norm.weight").get_shape() == [2, DH]
+    again = ports.load_hf(str(tmp_path))
+    assert again.config == cfg
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), again.params, rnd.params)
+    for mp in (3, 4):  # 3 does not divide 4 heads; 4 does not divide 2 kv heads
+        with pytest.raises(ValueError, match=rf"model_parallel_size={mp} .* must divide num_attention_heads=4 and "
+                                             r"num_key_value_heads=2"):
+            CH.config_from_hf({**lumina, "model_parallel_size": mp})
+
+
+def test_lumina_layout_bad_norm_rows_fail(tmp_path_factory, tmp_path):
+    """A [3, Dh] q_norm with 4 heads is neither layout: load_hf fails naming the tensor and both shapes."""
+    _, src = lumina_checkpoint(1, str(tmp_path_factory.getbasetemp() / "lumina_mp1"))
+    for f in ("config.json", "generation_config.json"):
+        if (src / f).exists():
+            shutil.copy(src / f, tmp_path / f)
+    tensors = read_tensors(src / "model.safetensors")
+    tensors["model.layers.1.self_attn.q_norm.weight"] = np.ones((3, DH), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"wrong shapes \(1\).*model\.layers\.1\.self_attn\.q_norm\.weight: checkpoint "
+                                         r"\(3, 8\), expected \(4, 8\) or \[r, 8\] with r dividing 4"):
+        ports.load_hf(str(tmp_path))

@@ -44,7 +44,7 @@ from ports import llama
 
 CONFIG_NAME = "eagle_head.json"
 WEIGHTS_NAME = "model.safetensors"
-FAMILIES = {"llama": "llama", "qwen2": "llama", "chameleon": "chameleon"}
+FAMILIES = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "chameleon": "chameleon"}
 
 
 def text_parts(target) -> tuple[Any, dict]:

@@ -32,7 +32,7 @@ from ports import llama
 from ports import packed as PK
 from ports.config import TextConfig
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "mistral")
 
 
 def text_parts(target):

@@ -102,7 +102,7 @@ def _config(head: E3.Eagle3Head, fmt: str, verifier: str | None) -> dict:
 
 
 def _arch(model_type: str) -> str:
-    return {"qwen2": "Qwen2ForCausalLM"}.get(model_type, "LlamaForCausalLM")
+    return {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(model_type, "LlamaForCausalLM")
 
 
 def save_head(head: E3.Eagle3Head, directory: str, fmt: str = "speculators", *, target=None, embed: bool = False,

@@ -57,8 +57,8 @@ class TargetSig(NamedTuple):
 
 def text_model(target) -> tuple[Any, dict]:
     """(text config, language-model params) of a LLaMA-family target (LLaMA, Qwen2, LLaVA's LM), or ValueError."""
-    return H.text_model(target, ("llama", "qwen2"), "an early-exit head needs a LLaMA-family language model (llama, "
-                                                    "qwen2, llava*)")
+    return H.text_model(target, ("llama", "qwen2", "mistral"), "an early-exit head needs a LLaMA-family language "
+                                                               "model (llama, qwen2, mistral, llava*)")
 
 
 def fingerprint(target) -> float:

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import jax
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "mistral")
 
 
 def check_target(target) -> int:

@@ -22,6 +22,7 @@ import numpy as np
 from flax import struct
 
 from jspec.parts.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from jspec.parts.drafters.text import append_accepted, start_text, with_last
 
 _TIE = 1e-3  # each occurrence weighs 1 + _TIE * (its position / the text's length): counts first, then recency
 
@@ -33,13 +34,6 @@ class NgramState:
     roots: jax.Array  # [B, H] bool: positions whose token continues a match of the root's suffix
     src: jax.Array  # [B, S] per draft scratch slot: the text position its node copies, -1 none
     cap: jax.Array  # [B] this step's deepest draft (`NgramDrafter.depths` of the root's match length)
-
-
-def _with_last(st: NgramState, last: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(seq [B, H + 1], its length [B]): the committed text with `last` appended."""
-    seq = jnp.pad(st.hist, ((0, 0), (0, 1)))
-    seq = seq.at[jnp.arange(seq.shape[0]), st.n].set(last)
-    return seq, st.n + 1
 
 
 def suffix_matches(seq: jax.Array, n: jax.Array, max_ngram: int, min_ngram: int,
@@ -123,17 +117,16 @@ class NgramDrafter(Drafter):
 
     def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> NgramState:
         tokens, lengths = prompt
-        B, T = tokens.shape
-        hist = jnp.zeros((B, max_len), jnp.int32).at[:, :T].set(tokens.astype(jnp.int32))
-        hist = jnp.where(jnp.arange(max_len)[None] < lengths[:, None], hist, 0)
-        return NgramState(hist, lengths.astype(jnp.int32), jnp.zeros((B, max_len + 1), bool),
+        B = tokens.shape[0]
+        hist, n = start_text(tokens, lengths, max_len)
+        return NgramState(hist, n, jnp.zeros((B, max_len + 1), bool),
                           jnp.full((B, max(env.needs.scratch, 1)), -1, jnp.int32), jnp.zeros((B,), jnp.int32))
 
     def _vocab(self, env: DraftEnv) -> int:
         return env.target.vocab_size
 
     def root(self, env: DraftEnv, st: NgramState):
-        seq, n = _with_last(st, env.last)
+        seq, n = with_last(st.hist, st.n, env.last)
         B, L = seq.shape
         found, g = suffix_matches(seq, n, self.max_ngram, self.min_ngram, with_length=True)
         cap = jnp.asarray((0,) + tuple(self.depths or (1 << 20,) * self.max_ngram), jnp.int32)[g]
@@ -143,7 +136,7 @@ class NgramDrafter(Drafter):
         return logp[:, None], None, st.replace(roots=found, cap=cap)
 
     def level(self, env: DraftEnv, st: NgramState, tokens, depth, mask, offset: int, run):
-        seq, n = _with_last(st, env.last)
+        seq, n = with_last(st.hist, st.n, env.last)
         B, K = tokens.shape
         L = seq.shape[1]
         # the parent's scratch slot: the node's nearest ancestor before the level (-1: the root)
@@ -163,10 +156,5 @@ class NgramDrafter(Drafter):
 
     def commit(self, env: DraftEnv, st: NgramState, c: Catchup) -> NgramState:
         """Appends the step's root and its accepted drafts (the bonus is the next `last`)."""
-        B, H = st.hist.shape
-        path_tokens = jnp.take_along_axis(c.prop.tokens, c.path, axis=1)  # [B, D + 1], root first
-        keep = jnp.where(c.active, c.accepted + 1, 0)
-        at = st.n[:, None] + jnp.arange(path_tokens.shape[1])[None]
-        write = (jnp.arange(path_tokens.shape[1])[None] < keep[:, None]) & (at < H)
-        hist = st.hist.at[jnp.arange(B)[:, None], jnp.where(write, at, H)].set(path_tokens, mode="drop")
-        return st.replace(hist=hist, n=jnp.minimum(st.n + keep, H))
+        hist, n = append_accepted(st.hist, st.n, c)
+        return st.replace(hist=hist, n=n)

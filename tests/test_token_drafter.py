@@ -1,0 +1,59 @@
+"""`jspec.TokenDrafter`: a drafter from one function over the token text. The five-line copy-the-last-k drafter
+decodes AR's tokens under Chain and a static tree on a ragged batch; a function that knows the answer (AR's own
+continuation, every third token spoiled) has its drafts accepted up to the first wrong one, still AR's tokens;
+a function returning the wrong shapes is a clear error (exact sampling: the conformance registry)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from strategies import copy_last
+from tiny_pairs import tiny_pair
+
+REPEATS = [[1, 4, 5, 4, 5, 4, 5, 4, 5], [2, 7, 2, 7, 2], [3, 3, 6, 3, 3, 6, 3, 3, 6, 3, 3]]
+
+
+@pytest.mark.parametrize("plan", ["chain", "tree"])
+def test_copy_last_k_decodes_ar_s_tokens_and_drafts(plan):
+    target, _ = tiny_pair()
+    drafter = jspec.TokenDrafter(copy_last(2))
+    strategy = jspec.Chain(drafter, gamma=2) if plan == "chain" else jspec.Tree(drafter, tree=[[0], [1], [0, 0]])
+    ar = jspec.decode(target, REPEATS, max_new_tokens=20, eos_token_id=())
+    out = jspec.decode(target, REPEATS, strategy, max_new_tokens=20, eos_token_id=())
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    assert np.sum(out.stats["drafted"]) > 0
+
+
+def oracle(rows, ar_tokens, width: int = 3):
+    """propose: the true continuation (prompt + AR's tokens) at each row's length, every third position spoiled."""
+    L = max(len(r) for r in rows) + ar_tokens.shape[1] + width
+    full = np.zeros((len(rows), L), np.int32)
+    for b, r in enumerate(rows):
+        full[b, :len(r) + ar_tokens.shape[1]] = np.concatenate([r, ar_tokens[b]])
+    spoil = (np.arange(L) % 3 == 2)[None]
+    table = jnp.asarray(np.where(spoil, (full + 1) % 97, full))
+
+    def propose(tokens, lengths):
+        idx = jnp.clip(lengths[:, None] + jnp.arange(width)[None], 0, L - 1)
+        return jnp.take_along_axis(table[: tokens.shape[0]], idx, axis=1), jnp.ones(idx.shape, bool)
+    return propose
+
+
+@pytest.mark.parametrize("plan", ["chain", "tree"])
+def test_right_drafts_are_accepted_up_to_the_first_wrong_one(plan):
+    target, _ = tiny_pair()
+    ar = jspec.decode(target, REPEATS, max_new_tokens=20, eos_token_id=())
+    drafter = jspec.TokenDrafter(oracle(REPEATS, ar.tokens))
+    strategy = jspec.Chain(drafter, gamma=3) if plan == "chain" else jspec.Tree(drafter, tree=[[0], [1], [0, 0],
+                                                                                              [0, 0, 0]])
+    out = jspec.decode(target, REPEATS, strategy, max_new_tokens=20, eos_token_id=())
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    acc = np.asarray(out.stats["accepted"])
+    assert acc.max() == 3 and acc[acc > 0].mean() > 2.0  # 2 right drafts + the bonus, a wrong one every third
+
+
+def test_a_proposal_of_the_wrong_shape_is_named():
+    target, _ = tiny_pair()
+    wrong = jspec.TokenDrafter(lambda tokens, lengths: (tokens[0, :2], jnp.ones((2,), bool)))
+    with pytest.raises(ValueError, match=r"propose must return draft \[B, G\] and valid \[B, G\]"):
+        jspec.decode(target, REPEATS, jspec.Chain(wrong, gamma=2), max_new_tokens=4)
