@@ -8,7 +8,6 @@ forward's window over the cached prefix and the tree's ancestors); the blockwise
 and LLaVA-NeXT-Video on a Mistral language model; the real LLaVA-NeXT-Video-7B (Mistral-7B-Instruct-v0.2) config.
 Each comparison also checks that the window changes the result there, so that ignoring it would fail."""
 import dataclasses
-import functools
 import json
 from pathlib import Path
 
