@@ -8,7 +8,6 @@ import os
 import sys
 import time
 
-import numpy as np
 
 
 def cmd_convert(args) -> int:
