@@ -9,7 +9,6 @@ import sys
 import time
 
 
-
 def cmd_convert(args) -> int:
     import ports
 
