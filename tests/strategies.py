@@ -191,7 +191,8 @@ def copy_last(k: int):
 register("token_drafter", lambda t, d: jspec.Chain(jspec.TokenDrafter(copy_last(2)), gamma=3), exact=True,
          separate_draft=False, sampling_prompt=(1, 4, 5, 4, 5, 4, 5, 4))
 register("token_drafter_tree", lambda t, d: jspec.Tree(jspec.TokenDrafter(copy_last(2)), tree=SMALL_TREE),
-         exact=True, separate_draft=False, sampling_prompt=(1, 4, 5, 4, 5, 4, 5, 4))
+         exact=True, separate_draft=False, sampling_prompt=(1, 4, 5, 4, 5, 4, 5, 4),
+         slow=True)  # the tree drafts the chain's proposal; tests/test_token_drafter.py decodes it greedy
 
 SHARDED_CHECKS = {"chain", "tree"}  # tests/sharded_checks.py decodes these on two meshes in the default suite
 

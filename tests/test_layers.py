@@ -173,3 +173,13 @@ def test_no_import_cycles_and_no_private_imports():
 
 def test_the_cycle_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_class_name_is_defined_twice_in_jspec():
+    where: dict[str, list[str]] = {}
+    for m, path in modules().items():
+        if m.split(".")[0] == "jspec":
+            for n in ast.walk(ast.parse(path.read_text())):
+                if isinstance(n, ast.ClassDef):
+                    where.setdefault(n.name, []).append(m)
+    assert {name: ms for name, ms in where.items() if len(ms) > 1} == {}

@@ -62,7 +62,7 @@ def _drafter(draft):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Relaxed(Strategy):
+class _RelaxedStrategy(Strategy):
     draft: Any
     table: NeighbourTable | None
     k: int
@@ -96,7 +96,7 @@ class _Relaxed(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
-class LanternPP(_Relaxed):
+class LanternPP(_RelaxedStrategy):
     """LANTERN++: accept a drafted image token x with probability min(1, q~(x) / p~(x)), where q~(x) adds to the
     target's q(x) the mass of x's nearest latent neighbours (a prefix of its k nearest) while the sum stays within
     lam * q(x). draft: an `EagleHead` (the paper's drafter) or a draft model of the target's vocabulary. table: the
@@ -116,7 +116,7 @@ class LanternPP(_Relaxed):
 
 
 @dataclasses.dataclass(frozen=True)
-class Lantern(_Relaxed):
+class Lantern(_RelaxedStrategy):
     """LANTERN: `LanternPP`'s relaxation with an additive bound, the neighbours' mass at most `delta` (the total
     variation it moves). delta = 0 is exact."""
 

@@ -144,7 +144,7 @@ def _prefix(ok: jax.Array) -> jax.Array:
     return jnp.cumprod(ok.astype(jnp.int32), axis=1).astype(bool)
 
 
-class _Relaxed(Rule):
+class _RelaxedRule(Rule):
     """Latent-neighbour relaxation (LANTERN and LANTERN++; shared by `LanternRule` and `LanternPPRule`).
 
     For a candidate x against the current target residual r [B, V] (in jspec's notation r is the TARGET's and q
@@ -273,8 +273,8 @@ class _Relaxed(Rule):
 
 
 @struct.dataclass
-class LanternPPRule(_Relaxed):
-    """LANTERN++: the relaxation of `_Relaxed` with the multiplicative bound S_m <= (lam - 1) r(x), so that
+class LanternPPRule(_RelaxedRule):
+    """LANTERN++: the relaxation of `_RelaxedRule` with the multiplicative bound S_m <= (lam - 1) r(x), so that
     q~(x) <= lam * r(x). lam = 1 is exact. Paper settings: k = 10, lam in {2, 3}."""
 
     table: Any  # jspec.parts.neighbours.NeighbourTable
@@ -295,8 +295,8 @@ class LanternPPRule(_Relaxed):
 
 
 @struct.dataclass
-class LanternRule(_Relaxed):
-    """LANTERN: the relaxation of `_Relaxed` with the additive bound S_m <= delta (the total variation between r
+class LanternRule(_RelaxedRule):
+    """LANTERN: the relaxation of `_RelaxedRule` with the additive bound S_m <= delta (the total variation between r
     and q~ is S_m*). delta = 0 is exact. LANTERN's default: k = 1000, delta = 0.1; LANTERN++'s ablation: delta in
     {1e-4, 2e-4, 5e-4}."""
 

@@ -428,7 +428,7 @@ def activation_estimate(target: _Planned, draft: _Planned | None, mesh, rules, b
 # ------------------------------------------------------------------------------------------------ plan
 
 
-class Plan(dict):
+class MemoryPlan(dict):
     """The plan (a JSON-serialisable dict) with a `fits` verdict."""
 
     def fits(self, device_bytes, headroom: float = 0.10) -> dict:
@@ -488,7 +488,7 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
          draft_config: dict | None = None, tree_nodes: int = 64, prompt_len: int | None = None, rules=None,
          images: int | None = None, eesd: tuple[int, int, bool] | None = None, draft_max_len: int | None = None,
          self_draft: bool = False, streams: int = 1, eagle: bool = False, prefill_chunk: int | None | str = "auto",
-         draft_tensor_parallel: bool = False) -> Plan:
+         draft_tensor_parallel: bool = False) -> MemoryPlan:
     """Bytes per device of decoding `config` (an HF config dict) on a mesh of `mesh_shape`
     ({"data":, "fsdp":, "tensor":}) with a `max_len`-slot cache for `batch` rows, params in `dtype`, optionally
     with a replicated draft. Nothing is allocated and no devices are needed.
@@ -501,7 +501,7 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     the target's (SpecVLM's Self-SD); streams: sequences per row (2 under classifier-free guidance: every cache
     and activation holds batch * streams rows); eagle: an EAGLE-1 feature head drafts (`eagle_components`,
     LANTERN++'s drafter); prefill_chunk: `decode`'s (default "auto", its 4,096 tokens; None: one pass), which
-    sets how many tokens go through a layer at once and which attention path they take. Returns a `Plan`: per
+    sets how many tokens go through a layer at once and which attention path they take. Returns a `MemoryPlan`: per
     component {"total", "per_device"} bytes ("total" is one logical copy), their sums, and notes;
     `plan(...).fits(device_bytes)` gives the verdict."""
     for name, v in (("batch", batch), ("max_len", max_len), ("tree_nodes", tree_nodes), ("streams", streams)):
@@ -586,7 +586,7 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
                  "f32 attention scores per layer)"
                  + (f"; prefill counts the {act['vision_what']}" if act["vision_what"] else ""))
     n_dev = math.prod(mesh.shape.values())
-    return Plan(
+    return MemoryPlan(
         target=dict(name=_name(config), model_type=config.get("model_type"), params=n_params),
         draft=None if draft is None else dict(name=_name(draft_config), model_type=draft_config.get("model_type"),
                                               params=comps["draft_params"]["count"]),
@@ -609,7 +609,7 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def format_plan(p: Plan, device_bytes=None, headroom: float = 0.10) -> str:
+def format_plan(p: MemoryPlan, device_bytes=None, headroom: float = 0.10) -> str:
     """A readable table: component, total, per device; the verdict when device memory is given."""
     mesh = " x ".join(f"{k}={v}" for k, v in p["mesh"].items())
     t = p["target"]

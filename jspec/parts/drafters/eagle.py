@@ -58,7 +58,7 @@ def family_of(cfg) -> str:
     return FAMILIES.get(cfg.model_type, "llama")
 
 
-class TargetSig(NamedTuple):
+class FeatureHeadTarget(NamedTuple):
     """What a head was made for: the target's architecture and a fingerprint of its embedding."""
 
     model_type: str
@@ -71,10 +71,10 @@ class TargetSig(NamedTuple):
                 f"fingerprint {self.fingerprint:.6g}")
 
 
-def signature(target) -> TargetSig:
+def signature(target) -> FeatureHeadTarget:
     cfg, lm = text_parts(target)
     corner = np.abs(np.asarray(jax.device_get(lm["embed"][:32, :32]), np.float32)).sum()
-    return TargetSig(cfg.model_type, cfg.hidden_size, cfg.vocab_size, round(float(corner), 4))
+    return FeatureHeadTarget(cfg.model_type, cfg.hidden_size, cfg.vocab_size, round(float(corner), 4))
 
 
 @struct.dataclass
@@ -89,7 +89,7 @@ class EagleHead:
     params: dict
     family: str = struct.field(pytree_node=False)
     input_norm: bool = struct.field(pytree_node=False)
-    target: TargetSig = struct.field(pytree_node=False)
+    target: FeatureHeadTarget = struct.field(pytree_node=False)
     vocab: jax.Array | None = None
 
     @property

@@ -66,7 +66,7 @@ class Eagle3Head:
     params: dict
     config: TextConfig = struct.field(pytree_node=False)  # the head's decoder config (num_layers: its own layers)
     aux_layers: tuple = struct.field(pytree_node=False)
-    target: EG.TargetSig = struct.field(pytree_node=False)
+    target: EG.FeatureHeadTarget = struct.field(pytree_node=False)
     vocab: jax.Array | None = None
     norm_before_residual: bool = struct.field(pytree_node=False, default=False)
     norm_output: bool = struct.field(pytree_node=False, default=False)

@@ -292,7 +292,7 @@ def load_head(path_or_repo_id: str, target, dtype=None, aux_layers=None) -> E3.E
     conf = H.read_meta(os.path.join(directory, CONFIG_NAME), None, "EAGLE-3 head")
     sig = None
     if os.path.exists(os.path.join(directory, META_NAME)):  # saved by jspec: made for which weights
-        sig = EG.TargetSig(**H.read_meta(os.path.join(directory, META_NAME), META_FORMAT, "EAGLE-3 head")["target"])
+        sig = EG.FeatureHeadTarget(**H.read_meta(os.path.join(directory, META_NAME), META_FORMAT, "EAGLE-3 head")["target"])
     head = from_state_dict(_read_tensors(directory), conf, target, aux_layers)
     if sig is not None:
         head = head.replace(target=sig)

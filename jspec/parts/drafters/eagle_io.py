@@ -288,7 +288,7 @@ def load_head(directory: str, target, dtype=None) -> EG.EagleHead:
     meta_path = os.path.join(directory, CONFIG_NAME)
     if os.path.exists(meta_path):
         meta = H.read_meta(meta_path, FORMAT, "EAGLE head")
-        sig = EG.TargetSig(**meta["target"])
+        sig = EG.FeatureHeadTarget(**meta["target"])
         EG.EagleHead({}, meta["family"], bool(meta["input_norm"]), sig).check(target)  # before reading the weights
         if not os.path.exists(os.path.join(directory, WEIGHTS_NAME)):
             raise ValueError(f"{directory} holds no EAGLE head weights ({WEIGHTS_NAME} is missing)")

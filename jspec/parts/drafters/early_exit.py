@@ -41,7 +41,7 @@ WEIGHTS_NAME = "model.safetensors"
 FORMAT = "jspec-eesd-head"
 
 
-class TargetSig(NamedTuple):
+class ExitHeadTarget(NamedTuple):
     """What a head was made for: the target's architecture and a fingerprint of its weights."""
 
     model_type: str
@@ -84,9 +84,9 @@ def check_exit_layer(target, exit_layer: int):
     return cfg, lm
 
 
-def signature(target) -> TargetSig:
+def signature(target) -> ExitHeadTarget:
     cfg, _ = text_model(target)
-    return TargetSig(target.config.model_type, cfg.num_layers, cfg.hidden_size, cfg.vocab_size, fingerprint(target))
+    return ExitHeadTarget(target.config.model_type, cfg.num_layers, cfg.hidden_size, cfg.vocab_size, fingerprint(target))
 
 
 @struct.dataclass
@@ -97,7 +97,7 @@ class EarlyExitHead:
 
     params: dict
     exit_layer: int = struct.field(pytree_node=False)
-    target: TargetSig = struct.field(pytree_node=False)
+    target: ExitHeadTarget = struct.field(pytree_node=False)
     calibration: Any = None  # a Cali-TS predictor trained for this head (`jspec.parts.controllers.calibration`), or None
 
     @property
@@ -371,7 +371,7 @@ def torch_state_dict(head: EarlyExitHead, cfg) -> dict[str, np.ndarray]:
     return out
 
 
-def from_torch_state_dict(sd: dict, cfg, exit_layer: int, target: TargetSig,
+def from_torch_state_dict(sd: dict, cfg, exit_layer: int, target: ExitHeadTarget,
                           shares_lm_head: bool = False) -> EarlyExitHead:
     """The inverse of `torch_state_dict` (missing or unexpected tensors raise ValueError; `shares_lm_head`: the
     weights hold no LM head)."""
@@ -412,7 +412,7 @@ def load_head(directory: str, target, dtype=None) -> EarlyExitHead:
     meta = H.read_meta(os.path.join(directory, CONFIG_NAME), FORMAT, "early-exit head")
     cfg, _ = text_model(target)
     sd = H.read_weights(os.path.join(directory, WEIGHTS_NAME), np.dtype(dtype or getattr(target, "dtype", np.float32)))
-    head = from_torch_state_dict(sd, cfg, int(meta["exit_layer"]), TargetSig(**meta["target"]),
+    head = from_torch_state_dict(sd, cfg, int(meta["exit_layer"]), ExitHeadTarget(**meta["target"]),
                                  bool(meta.get("shares_lm_head", False)))
     head.check(target)
     from jspec.parts.controllers.calibration import load_calibration

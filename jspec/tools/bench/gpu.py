@@ -676,7 +676,7 @@ def step_ar(rec: Recorder) -> None:
 
 
 @dataclasses.dataclass
-class Pair:
+class BenchPair:
     """A model (and draft) with prompts and the strategies to compare; `decode(strategy)` -> (token rows, totals as
     `bench._decode_rows` gives them); `greedy`: whether rows must equal AR's."""
 
@@ -727,7 +727,7 @@ PAIR_NAMES = ("SmolLM2-135M-Instruct", "zoo text", "zoo image", "zoo video", "zo
 PAIR_NAMES_DRY = ("SmolLM2-135M-Instruct", "random damped 7B")
 
 
-def load_pair(name: str, rec: Recorder) -> Pair:
+def load_pair(name: str, rec: Recorder) -> BenchPair:
     """The pair `name` with its prompts and strategies (bf16 on a GPU; a dry run: float32, tiny, few)."""
     import numpy as np
 
@@ -742,7 +742,7 @@ def load_pair(name: str, rec: Recorder) -> Pair:
         t, _ = BENCH.damped_pair(dtype=dtype, layers=2, vocab=512, hidden=64, mlp=128, heads=4)
         ps = [np.tile(np.random.default_rng(1).integers(0, t.vocab_size, 6), 2)]
         strats = [("AR", jspec.AR()), ("pld", SB.strategies()["pld"])]
-        return Pair(name + " (stand-in: a tiny random LLaMA)", t, ps, strats, rows(t, ps, ()))
+        return BenchPair(name + " (stand-in: a tiny random LLaMA)", t, ps, strats, rows(t, ps, ()))
     if name == "SmolLM2-135M-Instruct":
         from jspec.tools import models
 
@@ -754,7 +754,7 @@ def load_pair(name: str, rec: Recorder) -> Pair:
                   if SB.dtype_of(k) == "float32"]  # the model is loaded in `dtype` already
         rec.note("SmolLM2's strategies as `jspec bench spec-bench` names them: pld = PromptLookup(max_ngram=3, "
                  "gamma=10) (Spec-Bench's PLD), pld-4 gamma 4, pld-tree gamma 4 with 3 branches")
-        return Pair(name, t, ps, strats, rows(t, ps, eos, 128),
+        return BenchPair(name, t, ps, strats, rows(t, ps, eos, 128),
                     note="3 Spec-Bench questions (summarization, rag, translation), up to 128 new tokens")
     if name == "random damped 7B":  # as `bench.suite_gpu` makes it
         shape = (dict(layers=2, vocab=512, hidden=64, mlp=128, heads=4) if dry else
@@ -764,7 +764,7 @@ def load_pair(name: str, rec: Recorder) -> Pair:
         ps = [np.random.default_rng(1).integers(0, t.vocab_size, P)]
         keep = ("AR", "Chain g=5") + (() if dry else ("Tree mc_sim_7b_63", "DynamicTree 6x10/60"))
         strats = [(n, s) for n, s, _ in BENCH.sd_strategies(d, False) if n in keep]
-        return Pair(name, t, ps, strats, rows(t, ps, (), new),
+        return BenchPair(name, t, ps, strats, rows(t, ps, (), new),
                     note=f"as the gpu suite's: one random {P}-token prompt, {new} new tokens, EOS off")
     if name == "zoo text":
         from jspec.parts.drafters.early_exit import load_head
@@ -775,13 +775,13 @@ def load_pair(name: str, rec: Recorder) -> Pair:
         strats = [("AR", jspec.AR()), ("Chain g=5", jspec.Chain(d, gamma=5)), ("EESD Beta-TS", jspec.EESD(head)),
                   ("SAGE", jspec.SAGE(d)), ("Tree mc_sim_7b_63", jspec.Tree(d, tree="mc_sim_7b_63")),
                   ("DynamicTree 6x10/60", jspec.DynamicTree(d, depth=6, top_k=10, total=60))]
-        return Pair(name, t, ps, strats, rows(t, ps, None))
+        return BenchPair(name, t, ps, strats, rows(t, ps, None))
     if name == "zoo image":
         pair, t, d, ps = _zoo("image", dtype)
         nl = pair.encoder.text_ids("\n")[0]
         strats = [("AR", jspec.AR()), ("TABED MT*", jspec.TABED.method("MT*", d, gamma=5, newline_id=nl)),
                   ("Chain g=5", jspec.Chain(d, gamma=5))]
-        return Pair(name, t, ps, strats, rows(t, ps, None))
+        return BenchPair(name, t, ps, strats, rows(t, ps, None))
     if name == "zoo video":
         from jspec.tools import zoo
         from jspec.tools.zoo import video as ZV
@@ -790,7 +790,7 @@ def load_pair(name: str, rec: Recorder) -> Pair:
         ps = [ZV.VideoEncoder().prompts([ex]) for ex in ZV.eval_set(2, tasks=("video_describe",))]
         strats = [("AR", jspec.AR()), ("SpecVLM r=0.9", jspec.SpecVLM(d, ratio=0.9)),
                   ("SAGE + pruning 0.9", jspec.SAGE(d, prune_ratio=0.9))]
-        return Pair(name, t, ps, strats, rows(t, ps, None))
+        return BenchPair(name, t, ps, strats, rows(t, ps, None))
     if name == "zoo text-to-image":
         return _t2i_pair(dtype)
     raise ValueError(f"unknown pair {name!r}; the pairs are {PAIR_NAMES}")
@@ -807,7 +807,7 @@ def _zoo(kind: str, dtype, n: int = 3):
     return pair, t, d, [p["input_ids"][0] if kind == "text" else p for p in ps]
 
 
-def _t2i_pair(dtype) -> Pair:
+def _t2i_pair(dtype) -> BenchPair:
     """The zoo's text-to-image pair (sampled under CFG 3, as `scripts/bench_lantern.py`): AR, EAGLE-1 and
     LANTERN++ k=10, lambda=3 on the extended tree; tau = image tokens per target step."""
     import jax
@@ -836,11 +836,11 @@ def _t2i_pair(dtype) -> Pair:
     P = jspec.LanternPP
     strats = [("AR", None), ("LANTERN++ k10 lam3", P(head, table, k=10, lam=3.0, tree="naive_extend_57")),
               ("EAGLE-1", P(head, table, k=0, lam=1.0, tree="naive_extend_57"))]
-    return Pair("zoo text-to-image", target, caps, strats, decode, greedy=False,
+    return BenchPair("zoo text-to-image", target, caps, strats, decode, greedy=False,
                 note="sampled (CFG 3, temperature 1, top-k 128); tau = image tokens per target step")
 
 
-def _measure_pair(rec: Recorder, pair: Pair) -> list[float]:
+def _measure_pair(rec: Recorder, pair: BenchPair) -> list[float]:
     """Every strategy of the pair compiled, then timed in interleaved rounds (`bench.interleaved`, within the time
     left); a row per strategy. Returns the compile times (for the next pair's estimate)."""
     import numpy as np

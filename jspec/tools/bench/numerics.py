@@ -154,7 +154,7 @@ def round_up(n: int, m: int) -> int:
 
 
 @dataclasses.dataclass
-class Pair:
+class NumericsPair:
     name: str
     target: Any
     draft: Any
@@ -170,7 +170,7 @@ class Pair:
         return {"input_ids": list(rows), **self.inputs} if self.inputs else list(rows)
 
 
-def build_pair(name: str, quick: bool, n_prompts: int, new_tokens: int, layers: int | None) -> Pair:
+def build_pair(name: str, quick: bool, n_prompts: int, new_tokens: int, layers: int | None) -> NumericsPair:
     from jspec.tools.bench import zoo as BENCH
 
     if name == "random damped 7B":
@@ -181,7 +181,7 @@ def build_pair(name: str, quick: bool, n_prompts: int, new_tokens: int, layers: 
         rng = np.random.default_rng(1)  # the suite's seed: row 0 is the prompt of the recorded gpu run
         P = 12 if quick else 128
         rows = [rng.integers(0, t.vocab_size, P).astype(np.int32) for _ in range(n_prompts)]
-        return Pair(name, t, d, rows, ["random"] * len(rows), {}, (), new_tokens, batch1=True)
+        return NumericsPair(name, t, d, rows, ["random"] * len(rows), {}, (), new_tokens, batch1=True)
     from jspec.tools.zoo import evaluate as ZE
 
     kind = name.split()[-1]
@@ -196,7 +196,7 @@ def build_pair(name: str, quick: bool, n_prompts: int, new_tokens: int, layers: 
     bp = ZE.batch_prompt(pair.encoder, exs)
     rows = [np.asarray(r, np.int32) for r in bp["input_ids"]]
     inputs = {k: v for k, v in bp.items() if k != "input_ids"}
-    return Pair(name, pair.target, pair.draft, rows, labels, inputs, None, new_tokens, batch1=False)
+    return NumericsPair(name, pair.target, pair.draft, rows, labels, inputs, None, new_tokens, batch1=False)
 
 
 def cast_models(models, dtype):
@@ -232,7 +232,7 @@ def strategies(draft, quick: bool, names: tuple[str, ...] | None = None) -> list
 # ------------------------------------------------------------------------------------------------ measuring
 
 
-def decode_variant(pair: Pair, target, draft, variant: str, names, quick: bool, log) -> dict:
+def decode_variant(pair: NumericsPair, target, draft, variant: str, names, quick: bool, log) -> dict:
     """name -> {tokens: [per-row arrays], seconds (first call: compile included), mean_accepted}."""
     import jspec
 
@@ -253,7 +253,7 @@ def decode_variant(pair: Pair, target, draft, variant: str, names, quick: bool, 
     return out
 
 
-def teacher_forced(model, pair: Pair, gens: list, variant: str) -> list[np.ndarray]:
+def teacher_forced(model, pair: NumericsPair, gens: list, variant: str) -> list[np.ndarray]:
     """Per row, the [len(gen), V] float32 logits that predict each generated token, from one full forward over the
     prompt + the generated tokens (right-padded to a multiple of 64 with 0: causal, so padding changes nothing
     before it)."""
@@ -299,7 +299,7 @@ def baseline(ref: list, bf: list, ar: list) -> tuple[dict, np.ndarray]:
     return stats, ulps
 
 
-def analyse_variant(pair: Pair, v: str, res: dict, ref_model, bf_model) -> tuple[list, list, dict, dict]:
+def analyse_variant(pair: NumericsPair, v: str, res: dict, ref_model, bf_model) -> tuple[list, list, dict, dict]:
     """The rows, first-divergence records, baseline and histogram data of one variant's decodes `res`."""
     ar = res["AR"]["tokens"]
     # teacher-forced logits of this variant's AR rows: the reference (f32 weights, highest) and the bf16 model

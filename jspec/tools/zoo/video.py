@@ -428,27 +428,27 @@ def video_pixels(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # ------------------------------------------------------------------------------------------------------ tasks
 
 
-class QA(NamedTuple):
+class VideoQA(NamedTuple):
     question: str
     answer: str
     focus: tuple[str, int, int] | None = None   # an answer read off one object at the start / end: (when, row, col)
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskSpec:
+class VideoTaskSpec:
     name: str
-    make: Callable[[random.Random, Clip], QA | None]     # None: no question of this task for that clip
+    make: Callable[[random.Random, Clip], VideoQA | None]     # None: no question of this task for that clip
     weight: float
 
 
-TASKS: dict[str, TaskSpec] = {}
+TASKS: dict[str, VideoTaskSpec] = {}
 
 
 def register(name: str, weight: float = 1.0):
     def deco(fn):
         if name in TASKS:
             raise ValueError(f"video task {name!r} registered twice")
-        TASKS[name] = TaskSpec(name, fn, weight)
+        TASKS[name] = VideoTaskSpec(name, fn, weight)
         return fn
     return deco
 
@@ -464,15 +464,15 @@ def _q(rng: random.Random, templates: Sequence[str], prefix: float = 0.25, **fie
 
 
 def _styled(rng: random.Random, q: str, short: str, sentence: str, clauses: Sequence[str] = (),
-            focus=None) -> QA:
+            focus=None) -> VideoQA:
     """As the image world: a sentence clause asks for `sentence`, else the short answer (maybe with a brevity
     clause)."""
     r = rng.random()
     if r < ZW.P_SENTENCE:
-        return QA(q + " " + rng.choice(ZW._SENTENCE), sentence, focus)
+        return VideoQA(q + " " + rng.choice(ZW._SENTENCE), sentence, focus)
     if clauses and r > 1.0 - ZW.P_SHORT_CLAUSE:
-        return QA(q + " " + rng.choice(clauses), short, focus)
-    return QA(q, short, focus)
+        return VideoQA(q + " " + rng.choice(clauses), short, focus)
+    return VideoQA(q, short, focus)
 
 
 def _pos(cell: tuple[int, int]) -> str:
@@ -492,7 +492,7 @@ def _mode(rng: random.Random, modes: dict[str, float]) -> str | None:
 
 
 @register("video_move", weight=1.5)
-def _video_move(rng: random.Random, clip: Clip) -> QA | None:
+def _video_move(rng: random.Random, clip: Clip) -> VideoQA | None:
     movers = clip.movers
     m = bool(movers)
     mode = _mode(rng, {"end": 3 * m, "start": 2 * m, "direction": 3 * m, "fromto": 2 * m,
@@ -538,7 +538,7 @@ def _video_move(rng: random.Random, clip: Clip) -> QA | None:
 
 
 @register("video_appear", weight=1.5)
-def _video_appear(rng: random.Random, clip: Clip) -> QA | None:
+def _video_appear(rng: random.Random, clip: Clip) -> VideoQA | None:
     app, lea = clip.appearing, clip.leaving
     if not app and not lea and rng.random() < 0.75:
         return None                                   # mostly ask about clips where something does appear / leave
@@ -582,7 +582,7 @@ def _video_appear(rng: random.Random, clip: Clip) -> QA | None:
 
 
 @register("video_count", weight=1.5)
-def _video_count(rng: random.Random, clip: Clip) -> QA | None:
+def _video_count(rng: random.Random, clip: Clip) -> VideoQA | None:
     mode = _mode(rng, {"end": 3.0, "start": 2.0, "end_colour": 2.0, "start_colour": 1.0,
                        "appear": 1.0, "leave": 0.5 + 0.5 * bool(clip.leaving), "move": 1.0})
     if mode in ("end", "start", "end_colour", "start_colour"):
@@ -637,11 +637,11 @@ def describe(clip: Clip) -> str:
 
 
 @register("video_describe", weight=0.5)
-def _video_describe(rng: random.Random, clip: Clip) -> QA:
+def _video_describe(rng: random.Random, clip: Clip) -> VideoQA:
     q = _q(rng, ("Describe the video in detail.", "Describe everything that happens in the video.",
                  "What happens in this clip? Describe it fully.", "Give a detailed description of the video."),
            prefix=0.2)
-    return QA(q, describe(clip))
+    return VideoQA(q, describe(clip))
 
 
 QA_TASKS = ("video_move", "video_appear", "video_count")
