@@ -324,7 +324,7 @@ def ensure_real(model: str, print_fn=print) -> bool:
     try:
         models.fetch(model)
     except (RuntimeError, ValueError, OSError) as e:
-        print_fn(f"could not fetch {model} ({e}); the demo runs on the zoo alone")
+        print_fn(f"could not fetch {model} ({str(e).splitlines()[0]}); the demo runs on the zoo alone")
         return False
     return True
 
