@@ -39,6 +39,7 @@ def test_demo_runs(tmp_path, capsys):
     assert e.value.code == 0 and "--seed" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # about 80 s: four SmolLM2 programs compiled (the demo itself is measured by `jspec demo`)
 def test_demo_puts_the_real_model_first(tmp_path):
     """With the real model fetched, `jspec demo` runs it first (AR, prompt lookup, the EAGLE-3 head's chain,
     greedy), then the zoo's text pair; the headline names the real model's best greedy strategy, whose rows equal
