@@ -144,10 +144,9 @@ def shrink(hf: dict) -> dict:
     vis = hf.get("vision_config")
     if vis is not None:
         if hf["model_type"] in ("qwen2_vl", "qwen2_5_vl"):
-            vis.update(depth=2, embed_dim=32, hidden_size=32 if hf["model_type"] == "qwen2_5_vl" else 32,
+            # Qwen2-VL's tower: embed_dim wide, hidden_size = the text's; Qwen2.5-VL's: hidden_size wide, out_hidden_size
+            vis.update(depth=2, embed_dim=32, hidden_size=64 if hf["model_type"] == "qwen2_vl" else 32,
                        num_heads=2, intermediate_size=48, out_hidden_size=64, fullatt_block_indexes=[1])
-            if hf["model_type"] == "qwen2_vl":
-                vis["hidden_size"] = 64
         else:
             vis.update(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                        image_size=56, projection_dim=32)
@@ -156,11 +155,15 @@ def shrink(hf: dict) -> dict:
     return hf
 
 
+def template(name: str) -> str:
+    """`name` with its layer index as a `{}` placeholder."""
+    return LAYER.sub(lambda g: f".{g.group(1)}.{{}}.", name)
+
+
 def real_name(templates: dict, canon: str) -> str | None:
     """The real checkpoint's name of loader name `canon`: its layer index put into the matching template."""
     m = LAYER.search(canon)
-    key = LAYER.sub(lambda g: f".{g.group(1)}.{{}}.", canon) if m else canon
-    t = templates.get(key)
+    t = templates.get(template(canon))
     return None if t is None else (t.format(m.group(2)) if m else t)
 
 
@@ -174,11 +177,7 @@ def write_shrunk(folder: str, out: Path) -> tuple:
     fam, cfg, want, ignored = expected(hf)
     templates = None
     if (LAYOUTS / folder / "model.safetensors.index.json").exists():
-        templates = {}
-        for n in index_names(folder):
-            c = fam.rename_hf_key(n)
-            key = LAYER.sub(lambda g: f".{g.group(1)}.{{}}.", c)
-            templates[key] = LAYER.sub(lambda g: f".{g.group(1)}.{{}}.", n)
+        templates = {template(fam.rename_hf_key(n)): template(n) for n in index_names(folder)}
     tensors = {}
     for n, t in model.state_dict().items():
         c = fam.rename_hf_key(n)
