@@ -5,7 +5,7 @@ from ports.gguf import convert_gguf, gguf_to_hf_config, load_gguf, tokenizer_fro
 from ports.checkpoint import convert_hf, load, save
 from ports.hf_checkpoint import load_hf, save_hf
 from ports.model import FAMILIES, Model, family, logits, random_model
-from ports.packed import pack_weights, unpack_weights
+from ports.cpu import pack_weights, unpack_weights
 from ports.scanned import scan_layers, unscan_layers
 
 __all__ = ["Model", "RopeConfig", "TextConfig", "FAMILIES", "convert_gguf", "convert_hf", "family",

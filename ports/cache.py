@@ -9,11 +9,11 @@ unless the current forward wrote them. A token's RoPE position is its slot + `po
 prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots before `start[b]` are never visible (0 for an ordinary cache; a row
 whose prompt was placed right-aligned, as the guided streams of `jspec.engine.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
 moving `length`; committing a tree path is one gather (`commit_path`). On XLA:CPU the writes and the path commit
-go through `ports.cpu_rows` (every buffer in one in-place call, the same values), which spares XLA compiling a
-scatter kernel per buffer.
+go through the CPU kernels (`ports.cpu.write_rows` / `move_rows`: every buffer in one in-place call, the same
+values), which spares XLA compiling a scatter kernel per buffer.
 
-This module and `ForwardOut` are the leaf every port and the engine import; it imports neither (only the CPU row
-kernel's wrapper).
+This module and `ForwardOut` are the leaf every port and the engine import; it imports neither (only the CPU
+kernels' door).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ports import cpu_rows as CR
+from ports import cpu
 
 
 @struct.dataclass
@@ -84,9 +84,20 @@ def write_layer(k_buf, v_buf, k_new, v_new, start):
     B, H, T, D = k_new.shape
     rows = jnp.repeat(start, H)
     k_new, v_new = k_new.reshape(B * H, T, D), v_new.reshape(B * H, T, D)
-    if CR.enabled():
-        return CR.write_rows((k_buf, v_buf), (k_new, v_new), rows)
-    return CR.write_reference(k_buf, k_new, rows), CR.write_reference(v_buf, v_new, rows)
+    out = cpu.write_rows((k_buf, v_buf), (k_new, v_new), rows)
+    return out if out is not None else (write_rows_xla(k_buf, k_new, rows), write_rows_xla(v_buf, v_new, rows))
+
+
+def write_rows_xla(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """buf [N, S, D] with new [N, T, D] written at slot start[n] of each row n (placed as `dynamic_update_slice`
+    places it)."""
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, 0)))(buf, new.astype(buf.dtype), start)
+
+
+def move_rows_xla(buf: jax.Array, src: jax.Array, start: jax.Array) -> jax.Array:
+    """buf [N, S, D] with slots src[n] of row n (read before any write) copied to slots start[n].. (a gather, then
+    `write_rows_xla`)."""
+    return write_rows_xla(buf, jnp.take_along_axis(buf, src[:, :, None], axis=1), start)
 
 
 def _each_layer(fn, bufs, *per_layer):
@@ -97,7 +108,7 @@ def _each_layer(fn, bufs, *per_layer):
 
 
 def _kernel_buffers(cache: KVCache):
-    """The cache's buffers as `ports.cpu_rows` takes them, [N', S, D] each: a per-layer cache's keys then values, a
+    """The cache's buffers as `ports.cpu.write_rows` takes them, [N', S, D] each: a per-layer cache's keys then values, a
     stacked cache's keys and values [L, N, S, D] as one [L * N, S, D] buffer each. Returns (buffers, per_row,
     rebuild): per_row maps an array over the cache's N flat rows to the buffers' rows, rebuild takes the kernel's
     results back to a cache."""
@@ -119,11 +130,11 @@ def write_pending(cache: KVCache, ks, vs) -> KVCache:
     stacked [L, B * KVH, T, Dh]) at slots length[b].. of each row, as the forward would have written them (length not
     advanced)."""
     rows = jnp.repeat(cache.length, cache.kv_heads)
-    if CR.enabled():
+    if cpu.enabled():
         bufs, per_row, rebuild = _kernel_buffers(cache)
         news = (_layers_as_rows(ks), _layers_as_rows(vs)) if cache.stacked else tuple(ks) + tuple(vs)
-        return rebuild(CR.write_rows(bufs, news, per_row(rows)))
-    write = lambda b, n: CR.write_reference(b, n, rows)  # noqa: E731
+        return rebuild(cpu.write_rows(bufs, news, per_row(rows)))
+    write = lambda b, n: write_rows_xla(b, n, rows)  # noqa: E731
     return cache.replace(k=_each_layer(write, cache.k, ks), v=_each_layer(write, cache.v, vs))
 
 
@@ -154,10 +165,10 @@ def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
     idx = jnp.repeat((start[:, None] + src).astype(jnp.int32), H, axis=0)  # [B * H, P]
     rows = jnp.repeat(start, H)
     length = start + n.astype(jnp.int32)
-    if CR.enabled():
+    if cpu.enabled():
         bufs, per_row, rebuild = _kernel_buffers(cache)
-        return rebuild(CR.move_rows(bufs, per_row(idx), per_row(rows))).replace(length=length)
-    move = lambda b: CR.move_reference(b, idx, rows)  # noqa: E731
+        return rebuild(cpu.move_rows(bufs, per_row(idx), per_row(rows))).replace(length=length)
+    move = lambda b: move_rows_xla(b, idx, rows)  # noqa: E731
     return cache.replace(k=_each_layer(move, cache.k), v=_each_layer(move, cache.v), length=length)
 
 

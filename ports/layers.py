@@ -9,8 +9,7 @@ import numpy as np
 
 from ports import cache as kvc
 from ports import blockwise as BW
-from ports import cpu_dot as CD
-from ports import packed as PK
+from ports import cpu
 from ports.config import TextConfig, rope_inv_freq
 
 
@@ -24,54 +23,20 @@ def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _row_product(spec: str, x: jax.Array, w: jax.Array) -> bool | None:
-    """For an einsum that contracts x's last axis with w's first (-> False: w is [K, ...]) or with a 2-D w's last
-    (-> True: w is [N, K]) and keeps x's other axes then w's in order, which form it is; None for any other."""
-    lhs, out = spec.split("->")
-    xs, ws = lhs.split(",")
-    c = xs[-1]
-    if ws[0] == c and c not in ws[1:] and out == xs[:-1] + ws[1:]:
-        return False
-    if len(ws) == 2 and ws[1] == c and ws[0] != c and out == xs[:-1] + ws[0]:
-        return True
-    return None
-
-
-def _small_rows_dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
-    """The float32 product through `ports.cpu_dot` when it applies (XLA:CPU, a few rows, a plain row product)."""
-    if not (x.dtype == w.dtype == jnp.float32 and x.ndim >= 1):
-        return None
-    m = int(np.prod(x.shape[:-1]))
-    nk = _row_product(spec, x, w)
-    if nk is None or m < (1 if nk else 2) or m > CD.MAX_ROWS or not CD.enabled():
-        return None
-    x2 = x.reshape(m, x.shape[-1])
-    if nk:
-        return CD.dot(x2, w, True).reshape(*x.shape[:-1], w.shape[0])
-    return CD.dot(x2, w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:])
-
-
 def weight_dot(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """einsum(spec, x, w) of activations x (contracted on their last axis) with a weight w; `out_dtype` float32
     asks for a float32 result (`einsum_f32`), else the einsum's own dtype.
 
     On XLA:CPU:
-    - float32 products of up to `cpu_dot.MAX_ROWS` rows go to `ports.cpu_dot`'s kernel (XLA's dot of 2-16 rows
-      costs about two of one row; one row of a [K, N] weight stays with XLA's matrix-vector product, which the
-      kernel matched bit for bit where measured);
+    - the CPU kernels take the products they apply to (`ports.cpu.product`: float32 products of a few rows, and
+      any product with a weight in their packed layout);
     - bf16 / f16 activations and weights multiply in their dtype with float32 accumulation, a one-row product
       computed as two: XLA:CPU's one-row bf16 dot took 72 ms on 30 [576, 3072] matrices against 8 ms for two rows
       (jax 0.10.2), and its 2-8 row bf16 dots run at about its float32 one-row speed.
-    A weight packed by `ports.packed` (a `PackedWeight`) always goes to its panel kernel (any number of rows), for a
-    row product spec; x is cast to float32 and the result to `out_dtype` (default: x's dtype).
     Everywhere else this is the plain einsum."""
-    if isinstance(w, PK.PackedWeight):
-        if _row_product(spec, x, w) is not False:
-            raise ValueError(f"a packed weight takes row products (x's last axis with the weight's first), not {spec}")
-        return PK.dot(x.astype(jnp.float32), w).astype(out_dtype or x.dtype)
-    small = _small_rows_dot(spec, x, w)
-    if small is not None:
-        return small
+    y = cpu.product(spec, x, w, out_dtype)
+    if y is not None:
+        return y
     low = x.dtype == w.dtype and w.dtype in (jnp.bfloat16, jnp.float16)
     if not (low and jax.default_backend() == "cpu"):
         return einsum_f32(spec, x, w) if out_dtype == jnp.float32 else jnp.einsum(spec, x, w)
@@ -165,25 +130,33 @@ def _ungroup(out: jax.Array, q: jax.Array) -> jax.Array:
     return out.reshape(B, kvh, H // kvh, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype)
 
 
+def _seen(out: jax.Array, seen: jax.Array) -> jax.Array:
+    """out [B, T, H, Dh] with zeros at the query rows that see no slot (seen [B, T] False), as the CPU kernel gives."""
+    return jnp.where(seen[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
 def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Array,
               score_weights: jax.Array | None = None):
     """Grouped-query attention of new queries over the whole cache.
 
     q [B, T, H, Dh]; k_buf, v_buf [B * KVH, S, Dh] (the flat cache rows of `ports.cache`); visible bool [B, T, S].
-    Returns [B, T, H, Dh]. Scores and softmax run in float32 whatever the parameter dtype. With `score_weights`
-    [B, T] it returns (out, scores [B, S]): the attention probabilities averaged over heads and summed over queries
-    with those weights (full softmax denominators; SpecVLM's language-to-vision scores).
+    Returns [B, T, H, Dh]; a query that sees no slot gets zeros. Scores and softmax run in float32 whatever the
+    parameter dtype. With `score_weights` [B, T] it returns (out, scores [B, S]): the attention probabilities
+    averaged over heads and summed over queries with those weights (full softmax denominators; SpecVLM's
+    language-to-vision scores).
     """
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape
-    if score_weights is None and CD.attention_applies(q, k_buf, v_buf):  # the kernel reads q in its layout
-        return CD.attention(q, [(k_buf, v_buf, visible)], Dh ** -0.5).astype(q.dtype)
+    if score_weights is None:  # the kernel reads q in its layout
+        out = cpu.attention(q, [(k_buf, v_buf, visible)], Dh ** -0.5)
+        if out is not None:
+            return out
     kvh, G, qg = _group_queries(q, N)
     scores = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * (Dh ** -0.5)
     scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs32 = jax.nn.softmax(scores, axis=-1)
     probs = probs32.astype(v_buf.dtype).reshape(N, G * T, S)
-    out = _ungroup(einsum_f32("nqs,nsd->nqd", probs, v_buf), q)
+    out = _seen(_ungroup(einsum_f32("nqs,nsd->nqd", probs, v_buf), q), jnp.any(visible, axis=-1))
     if score_weights is None:
         return out
     return out, jnp.einsum("bkgts,bt->bs", probs32, score_weights.astype(jnp.float32)) / H
@@ -197,8 +170,9 @@ def attention_deferred(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, k_new: 
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape
     scale = Dh ** -0.5
-    if CD.attention_applies(q, k_buf, v_buf, k_new, v_new):
-        return CD.attention(q, [(k_buf, v_buf, visible.old), (k_new, v_new, visible.new)], scale).astype(q.dtype)
+    out = cpu.attention(q, [(k_buf, v_buf, visible.old), (k_new, v_new, visible.new)], scale)
+    if out is not None:
+        return out
     kvh, G, qg = _group_queries(q, N)
     s_old = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * scale
     s_new = einsum_f32("nqd,nsd->nqs", qg, k_new).reshape(B, kvh, G, T, T) * scale
@@ -207,7 +181,8 @@ def attention_deferred(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, k_new: 
     probs = jax.nn.softmax(scores, axis=-1)
     p_old = probs[..., :S].astype(v_buf.dtype).reshape(N, G * T, S)
     p_new = probs[..., S:].astype(v_new.dtype).reshape(N, G * T, T)
-    return _ungroup(einsum_f32("nqs,nsd->nqd", p_old, v_buf) + einsum_f32("nqs,nsd->nqd", p_new, v_new), q)
+    out = _ungroup(einsum_f32("nqs,nsd->nqd", p_old, v_buf) + einsum_f32("nqs,nsd->nqd", p_new, v_new), q)
+    return _seen(out, jnp.any(visible.old, axis=-1) | jnp.any(visible.new, axis=-1))
 
 
 def kv_rows(x: jax.Array) -> jax.Array:
@@ -217,7 +192,7 @@ def kv_rows(x: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    packed = isinstance(w, PK.PackedWeight)
+    packed = cpu.owns(w)
     y = weight_dot("...d,dn->...n", x, w) if packed or (x.dtype == w.dtype and w.ndim == 2) else x @ w
     return y + b if b is not None else y
 
@@ -374,13 +349,15 @@ def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.A
             raise ValueError("a Causal (structural) visibility is for fresh prefills")
         T, S = q.shape[1], k_buf.shape[1]
         kr, vr = kv_rows(k).astype(k_buf.dtype), kv_rows(v).astype(v_buf.dtype)
-        if score_weights is None and CD.attention_applies(q, kr, vr):  # the CPU kernel skips the hidden blocks itself
+        if score_weights is None:  # the CPU kernel, where it applies, skips the hidden blocks itself
             t = jnp.arange(T)
             vis = (t[None, None, :] <= t[None, :, None]) & (t[None, None, :] >= visible.start[:, None, None])
             if visible.window is not None:
                 vis = vis & (t[None, None, :] > t[None, :, None] - visible.window)
-            pad = ((0, 0), (0, S - T), (0, 0))
-            return attention(q, kr, vr, vis), jnp.pad(kr, pad), jnp.pad(vr, pad)
+            out = cpu.attention(q, [(kr, vr, vis)], q.shape[-1] ** -0.5)
+            if out is not None:
+                pad = ((0, 0), (0, S - T), (0, 0))
+                return out, jnp.pad(kr, pad), jnp.pad(vr, pad)
         out = _as_tuple(BW.causal_attention(q, k, v, visible.start, score_weights, window=visible.window))
         if score_weights is not None:
             out = (out[0], jnp.pad(out[1], ((0, 0), (0, S - T))))

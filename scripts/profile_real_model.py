@@ -32,7 +32,7 @@ from jspec.engine import loop
 from jspec.tools import models
 from jspec.engine import profiling
 from ports import cache as kvc  # noqa: E402
-from ports import cpu_dot  # noqa: E402
+from ports import cpu  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
 
@@ -105,9 +105,9 @@ def matmul(d: int = 576, f: int = 3072, layers: int = 30) -> None:
              "W [out, in]": (jax.jit(lambda x, ws: sum(jnp.einsum("md,nd->mn", x, w) for w in ws)), wts),
              "YNNPACK dot": (jax.jit(lambda x, ws: sum(jnp.dot(x, w) for w in ws), compiler_options=ynn), ws),
              "a gemv per row": (jax.jit(lambda x, ws: sum(jnp.stack([jnp.dot(r, w) for r in x]) for w in ws)), ws)}
-    if cpu_dot.enabled():  # jspec's few-row kernel (`ports.cpu_dot`), on both layouts
-        kinds["kernel [in, out]"] = (jax.jit(lambda x, ws: sum(cpu_dot.dot(x, w) for w in ws)), ws)
-        kinds["kernel [out, in]"] = (jax.jit(lambda x, ws: sum(cpu_dot.dot(x, w, True) for w in ws)), wts)
+    if cpu.enabled():  # jspec's few-row kernel (`ports.cpu.product`), on both layouts; one row of [in, out] is XLA's
+        kinds["kernel [in, out]"] = (jax.jit(lambda x, ws: sum(cpu.product("md,dn->mn", x, w) for w in ws)), ws)
+        kinds["kernel [out, in]"] = (jax.jit(lambda x, ws: sum(cpu.product("md,nd->mn", x, w) for w in ws)), wts)
     print(f"{layers} matrices of {d} x {f} ({layers * d * f * 4 / 1e6:.0f} MB), ms per call:")
     for m in (1, 2, 4, 8, 11, 16):
         x = jnp.ones((m, d), jnp.float32)
@@ -119,7 +119,8 @@ def main(argv=None) -> None:
     for flag in ("--widths", "--loops", "--ops", "--matmul"):
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's weights")
-    ap.add_argument("--packed", action="store_true", help="float32 weights packed for the CPU (ports.pack_weights)")
+    ap.add_argument("--packed", action="store_true", help="float32 weights packed for the CPU kernels "
+                    "(ports.pack_weights; the loaders do it where the kernels are on)")
     ap.add_argument("--prompt", type=int, default=300, help="--loops / --ops: the random prompt's length")
     a = ap.parse_args(argv)
     if not (a.widths or a.loops or a.ops or a.matmul):

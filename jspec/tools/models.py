@@ -139,24 +139,20 @@ def fetch(name: str, cache_dir: str | None = None, progress: bool = True, *, fin
 
 def load(name: str, dtype=None, cache_dir: str | None = None, packed: bool | None = None):
     """(model, tokenizer) of a fetched checkpoint; FileNotFoundError naming `jspec fetch <name>` when it is not in
-    the cache. `packed`: its float32 projections packed for the CPU kernel (`ports.pack_weights`: the same logits,
-    a verify of up to 8 tokens for about one AR step); None packs them when the default backend is the CPU, the
-    weights are float32 and the kernel is available."""
+    the cache. `packed`: its float32 projections in the CPU kernels' layout (`ports.pack_weights`: the same logits,
+    a verify of up to 8 tokens for about one AR step) or not; None leaves it to the loader, which packs them where
+    the CPU kernels are on (`ports.cpu.for_backend`), as every loader does."""
     if not available(name, cache_dir):
         raise FileNotFoundError(f"{name} is not in {os.path.dirname(path(name, cache_dir))} (or fails its sha256): "
                                 f"run `jspec fetch {name}`" + (f" --cache-dir {cache_dir}" if cache_dir else ""))
+    import ports
     from ports import gguf as GF
-
-    import jax
-    import jax.numpy as jnp
-
-    from ports import cpu_dot, packed as PK
 
     reader = GF.open_gguf(path(name, cache_dir))
     model = GF.load_gguf(reader, dtype)
-    if packed is None:
-        packed = jax.default_backend() == "cpu" and model.dtype == jnp.float32 and cpu_dot.available()
-    return (PK.pack_weights(model) if packed else model), GF.tokenizer_from_gguf(reader)
+    if packed is not None:
+        model = ports.pack_weights(model) if packed else ports.unpack_weights(model)
+    return model, GF.tokenizer_from_gguf(reader)
 
 
 # ---------------------------------------------------------------------------------------------- trained drafters

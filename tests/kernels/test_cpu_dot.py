@@ -1,4 +1,4 @@
-"""ports.cpu_dot: the few-row float32 kernel behind XLA's FFI, and weight_dot's routing to it."""
+"""`ports.cpu.dot`: the few-row float32 kernel behind XLA's FFI, and weight_dot's routing to it (`ports.cpu.product`)."""
 import shutil
 
 import jax
@@ -6,16 +6,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ports import cpu_dot as CD
+from ports import cpu
+from ports.cpu import dot as CD
 from ports import layers as LY
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="no C++ compiler here: the kernel cannot build and XLA's dot is used")
 
 
-def test_the_kernel_builds_where_a_compiler_is():
-    assert CD.available()
-    assert CD.enabled()
+def test_the_kernel_builds_where_a_compiler_is(monkeypatch):
+    assert cpu.available()
+    assert cpu.enabled()
+    monkeypatch.setenv(cpu.SWITCH, "0")
+    assert not cpu.enabled() and cpu.available()
 
 
 def _ref(x, w, nk):
@@ -103,7 +106,8 @@ def test_weight_dot_routes_few_row_products_to_the_kernel(spec, xs, ws, nk):
 
 def test_other_einsums_stay_with_xla():
     x = jnp.ones((2, 3, 8), jnp.float32)
-    assert LY._row_product("btd,dn->bnt", x, jnp.ones((8, 5))) is None  # output axes reordered
-    assert LY._row_product("btd,ed->bte", x, jnp.ones((5, 8))) is True
-    assert LY._row_product("btd,dn->btn", x, jnp.ones((8, 5))) is False
-    assert LY._row_product("btd,dd->btd", x, jnp.ones((8, 8))) is None
+    assert cpu._row_product("btd,dn->bnt") is None  # output axes reordered
+    assert cpu._row_product("btd,ed->bte") is True
+    assert cpu._row_product("btd,dn->btn") is False
+    assert cpu._row_product("btd,dd->btd") is None
+    assert cpu.product("btd,dn->bnt", x, jnp.ones((8, 5))) is None

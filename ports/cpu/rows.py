@@ -4,35 +4,14 @@ XLA lowers a per-row `dynamic_update_slice` of a cache buffer to a scatter kerne
 buffer, each compiled on its own (the layers' kernels are identical but not shared), and a path commit to a gather
 and a scatter per buffer. These calls write every buffer they are given in one custom call whose results alias the
 buffers: no kernel to compile, and only the written slots are touched. The values written are those of the XLA
-ops (`ports.cache` keeps those for other backends and `JSPEC_CPU_ROWS=0`).
+ops (`ports.cache` keeps those for other backends and with the kernels switched off).
 """
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
 
-from ports import cpu_dot as CD
-
-WRITE_TARGET, MOVE_TARGET = CD.ROW_TARGETS
-SWITCH = "JSPEC_CPU_ROWS"  # "0": cache writes stay with XLA's scatters
-
-
-def enabled() -> bool:
-    """Whether cache writes traced now go to the kernel (XLA:CPU with the kernel library built, JSPEC_CPU_ROWS not
-    "0")."""
-    return os.environ.get(SWITCH, "1") != "0" and CD.enabled()
-
-
-def write_reference(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """What `write_rows` does to one buffer, in XLA ops: buf [N, S, D] <- new [N, T, D] at slot start[n] of row n."""
-    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, 0)))(buf, new.astype(buf.dtype), start)
-
-
-def move_reference(buf: jax.Array, src: jax.Array, start: jax.Array) -> jax.Array:
-    """What `move_rows` does to one buffer, in XLA ops (a gather, then `write_reference`)."""
-    return write_reference(buf, jnp.take_along_axis(buf, src[:, :, None], axis=1), start)
+WRITE_TARGET, MOVE_TARGET = "jspec_write_rows", "jspec_move_rows"
 
 
 def _check(bufs, what: str) -> None:
@@ -63,7 +42,8 @@ def write_rows(bufs: tuple, news: tuple, start: jax.Array) -> tuple:
 def _write_rows_jvp(primals, tangents):
     bufs, news, start = primals
     dbufs, dnews, _ = tangents
-    return write_rows(bufs, news, start), tuple(write_reference(b, n, start) for b, n in zip(dbufs, dnews))
+    from ports.cache import write_rows_xla
+    return write_rows(bufs, news, start), tuple(write_rows_xla(b, n, start) for b, n in zip(dbufs, dnews))
 
 
 @jax.custom_jvp
@@ -83,7 +63,8 @@ def move_rows(bufs: tuple, src: jax.Array, start: jax.Array) -> tuple:
 def _move_rows_jvp(primals, tangents):
     bufs, src, start = primals
     dbufs, _, _ = tangents
-    return move_rows(bufs, src, start), tuple(move_reference(b, src, start) for b in dbufs)
+    from ports.cache import move_rows_xla
+    return move_rows(bufs, src, start), tuple(move_rows_xla(b, src, start) for b in dbufs)
 
 
-__all__ = ["enabled", "move_reference", "move_rows", "write_reference", "write_rows"]
+__all__ = ["move_rows", "write_rows"]

@@ -1,13 +1,14 @@
-"""`ports.cpu_rows`: in-place cache row writes and path moves on XLA:CPU, against the XLA ops they replace."""
+"""`ports.cpu.rows`: in-place cache row writes and path moves on XLA:CPU, against the XLA ops they replace."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ports import cache as kvc
-from ports import cpu_rows as CR
+from ports import cpu
+from ports.cpu import rows as CR
 
-pytestmark = pytest.mark.skipif(not CR.enabled(), reason="the CPU kernel library is not available here")
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernel library is not available here")
 
 
 def _xla_write(buf, new, start):  # written out here rather than taken from the module under test
@@ -84,8 +85,8 @@ def test_the_cache_functions_match_with_the_kernel_switched_off(monkeypatch, sta
         return kvc.commit_path(c, path, jnp.asarray([3, 2], jnp.int32))
 
     with_kernel = jax.jit(run)(cache)
-    monkeypatch.setenv(CR.SWITCH, "0")
-    assert not CR.enabled()
+    monkeypatch.setenv(cpu.SWITCH, "0")
+    assert not cpu.enabled()
     without = jax.jit(run)(cache)
     np.testing.assert_array_equal(np.asarray(jnp.stack(list(with_kernel.k))), np.asarray(jnp.stack(list(without.k))))
     np.testing.assert_array_equal(np.asarray(jnp.stack(list(with_kernel.v))), np.asarray(jnp.stack(list(without.v))))

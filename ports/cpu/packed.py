@@ -1,5 +1,5 @@
 """Weights packed for the CPU: a LLaMA-family model whose projection matrices are stored as column panels
-(`ports.cpu_dot.pack`), so every product with them, one row or many, runs through `ports.cpu_dot.packed_dot`.
+(`ports.cpu.dot.pack`), so every product with them, one row or many, runs through `ports.cpu.dot.packed_dot`.
 
 On XLA:CPU a float32 product of a few rows (a speculative verify) costs 1.3-1.9 times its one-row form with a
 weight stored [K, N]; with the weight packed into 32-column panels the kernel streams it front to back once and keeps
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import cpu_dot as CD
+from ports.cpu import dot as CD
 from ports.fused import layers_path
 from ports.param_paths import get_path
 
@@ -29,7 +29,7 @@ UNEMBED = "unembed"  # the packed LM head's params key, beside the layers
 
 @jax.tree_util.register_pytree_node_class
 class PackedWeight:
-    """A weight of shape (K, *out) stored as `ports.cpu_dot.pack` panels of its [K, prod(out)] matrix. `shape`,
+    """A weight of shape (K, *out) stored as `ports.cpu.dot.pack` panels of its [K, prod(out)] matrix. `shape`,
     `ndim` and `dtype` are the unpacked weight's; `data` [P, K, PANEL] (or [L, P, K, PANEL] stacked by
     `ports.scanned`) is what the product reads."""
 
@@ -104,7 +104,7 @@ def _map_text(model, layer_fn, head_fn):
 
 def pack_weights(model):
     """`model` with its float32 decoder projections packed and its LM head added packed as params["unembed"]: the
-    same logits, through `ports.cpu_dot.packed_dot`. Only for the families that run the LLaMA forward; a model
+    same logits, through `ports.cpu.dot.packed_dot`. Only for the families that run the LLaMA forward; a model
     already packed comes back as it is."""
     if not model.family.scans:
         raise ValueError(f"{model.config.model_type} models do not run packed weights (the LLaMA forward and the "

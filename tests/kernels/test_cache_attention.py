@@ -1,4 +1,4 @@
-"""The CPU attention kernel over a KV cache (`ports.cpu_dot.attention`, `ports/csrc/cache_attention.cc`), as
+"""The CPU attention kernel over a KV cache (`ports.cpu.attention`, `ports/cpu/csrc/cache_attention.cc`), as
 `ports.layers.attention` and `attention_deferred` run it: a float64 reference, one softmax over two segments, rows
 that see nothing, and each row's result independent of the rows beside it."""
 import shutil
@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ports import cpu_dot as CD
+from ports import cpu
+from ports.cpu import cache_attention as CA
 from ports import layers as LY
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -113,16 +114,16 @@ def test_a_verify_over_a_cache_equals_its_one_token_steps(T):
 def test_what_the_kernel_does_not_take_stays_with_xla(monkeypatch):
     q, k, v, vis = operands(1, 2, 4, 2, 64, 40)
     qg = jnp.zeros((2, 65, 64), jnp.float32)
-    assert CD.attention_applies(qg[:, :64], jnp.asarray(k), jnp.asarray(v))
-    assert CD.attention_applies(qg, jnp.asarray(k), jnp.asarray(v))  # many rows: the long-query kernel
-    assert not CD.attention_applies(qg, *(jnp.asarray(a) for a in (k, v, k, v)))  # many rows, two segments
-    assert not CD.attention_applies(qg[:, :4, :24], jnp.asarray(k[..., :24]), jnp.asarray(v[..., :24]))
-    assert not CD.attention_applies(qg[:, :4].astype(jnp.bfloat16), jnp.asarray(k), jnp.asarray(v))
-    monkeypatch.setenv(CD.ATTENTION_SWITCH, "0")
-    assert not CD.attention_applies(qg[:, :4], jnp.asarray(k), jnp.asarray(v))
+    assert CA.attention_applies(qg[:, :64], jnp.asarray(k), jnp.asarray(v))
+    assert CA.attention_applies(qg, jnp.asarray(k), jnp.asarray(v))  # many rows: the long-query kernel
+    assert not CA.attention_applies(qg, *(jnp.asarray(a) for a in (k, v, k, v)))  # many rows, two segments
+    assert not CA.attention_applies(qg[:, :4, :24], jnp.asarray(k[..., :24]), jnp.asarray(v[..., :24]))
+    assert not CA.attention_applies(qg[:, :4].astype(jnp.bfloat16), jnp.asarray(k), jnp.asarray(v))
+    monkeypatch.setenv(cpu.SWITCH, "0")
+    assert not CA.attention_applies(qg[:, :4], jnp.asarray(k), jnp.asarray(v))
     assert "jspec_cache_attention" not in jax.jit(LY.attention).lower(q, k, v, vis).as_text()
     # attention scores for SpecVLM's pruning are XLA's
-    monkeypatch.delenv(CD.ATTENTION_SWITCH)
+    monkeypatch.setenv(cpu.SWITCH, "1")
     txt = jax.jit(LY.attention).lower(q, k, v, vis, jnp.ones((1, 2), jnp.float32)).as_text()
     assert "jspec_cache_attention" not in txt
 
@@ -138,13 +139,13 @@ def test_gradients_are_the_reference_attentions():
     def loss(fn):
         return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * w)
 
-    ours = jax.grad(loss(lambda q, k, v: CD.attention(q, [(k, v, vis)], 0.25)), (0, 1, 2))(qg, k, v)
-    ref = jax.grad(loss(lambda q, k, v: CD.attention_reference(q, (k,), (v,), (jnp.asarray(vis),), 0.25)),
+    ours = jax.grad(loss(lambda q, k, v: CA.attention(q, [(k, v, vis)], 0.25)), (0, 1, 2))(qg, k, v)
+    ref = jax.grad(loss(lambda q, k, v: CA.attention_reference(q, (k,), (v,), (jnp.asarray(vis),), 0.25)),
                    (0, 1, 2))(qg, k, v)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(CD.attention(qg, [(k, v, vis)], 0.25),
-                               CD.attention_reference(qg, (k,), (v,), (jnp.asarray(vis),), 0.25), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(CA.attention(qg, [(k, v, vis)], 0.25),
+                               CA.attention_reference(qg, (k,), (v,), (jnp.asarray(vis),), 0.25), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("B,T,H,KVH,D,S,causal", [(1, 40, 9, 3, 64, 40, True), (2, 30, 6, 2, 32, 75, False),
@@ -197,10 +198,10 @@ def test_a_fresh_prefill_attends_through_the_long_kernel():
         np.testing.assert_allclose(y, np.where(vis.any(-1)[..., None, None], want, 0), atol=3e-6, rtol=1e-5)
         np.testing.assert_array_equal(np.asarray(k_buf)[:, :T], np.asarray(LY.kv_rows(jnp.asarray(kn))))
     vis_j = jnp.asarray(vis)
-    ours = jax.grad(lambda q: jnp.sum(jnp.sin(CD.attention(q, [(LY.kv_rows(jnp.asarray(kn)),
+    ours = jax.grad(lambda q: jnp.sum(jnp.sin(CA.attention(q, [(LY.kv_rows(jnp.asarray(kn)),
                                                                  LY.kv_rows(jnp.asarray(vn)), vis_j)], 0.3))))(
         jnp.asarray(q))
-    ref = jax.grad(lambda q: jnp.sum(jnp.sin(CD._ungroup(CD.attention_reference(
-        CD._group(q, KVH), (LY.kv_rows(jnp.asarray(kn)),), (LY.kv_rows(jnp.asarray(vn)),), (vis_j,), 0.3),
+    ref = jax.grad(lambda q: jnp.sum(jnp.sin(CA._ungroup(CA.attention_reference(
+        CA._group(q, KVH), (LY.kv_rows(jnp.asarray(kn)),), (LY.kv_rows(jnp.asarray(vn)),), (vis_j,), 0.3),
         q.shape))))(jnp.asarray(q))
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)

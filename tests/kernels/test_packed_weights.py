@@ -1,4 +1,4 @@
-"""Weights packed for the CPU (`ports.packed`, `ports.cpu_dot.packed_dot`): the panel kernel against a float64
+"""Weights packed for the CPU (`ports.cpu.packed`, `ports.cpu.dot.packed_dot`): the panel kernel against a float64
 reference, a row's result independent of the rows beside it, the model layout converting both ways and saving as
 the checkpoint layout, the same logits as the plain model, and speculative decoding over a packed target giving
 AR's tokens."""
@@ -14,9 +14,10 @@ import jspec
 import ports
 from jspec.engine import sharding as SH
 from ports import cache as kvc
-from ports import cpu_dot as CD
+from ports import cpu
+from ports.cpu import dot as CD
 from ports import layers as LY
-from ports import packed as PK
+from ports.cpu import packed as PK
 from ports import scanned as SC
 from strategies import REGISTRY
 from tiny_pairs import PROMPTS, tiny_pair
@@ -110,8 +111,12 @@ def test_the_layout_converts_both_ways_and_saves_as_checkpoints_do(pair, tmp_pat
     assert ports.pack_weights(p) is p
     ports.save_hf(p, str(tmp_path / "hf"))
     ports.save(p, str(tmp_path / "orbax"))
-    same(ports.load(str(tmp_path / "orbax")).params, target.params)
-    same(ports.load_hf(str(tmp_path / "hf")).params, target.params)
+    for loaded in (ports.load(str(tmp_path / "orbax")), ports.load_hf(str(tmp_path / "hf"))):
+        assert PK.is_packed(loaded)  # with the kernels on, every loader packs
+        same(ports.unpack_weights(loaded).params, target.params)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu.SWITCH, "0")
+        same(ports.load_hf(str(tmp_path / "hf")).params, target.params)  # off: the plain layout
     sp = ports.pack_weights(SC.scan_layers(target))  # stacked layers pack per layer; scanning a packed model too
     same(ports.unpack_weights(sp).params, SC.scan_layers(target).params)
     same(SC.scan_layers(p).params, sp.params)
@@ -154,11 +159,10 @@ def test_a_packed_target_decodes_ar_tokens(pair, name):
         assert np.array_equal(np.asarray(ar.tokens), np.asarray(sd.tokens)), name
 
 
-def test_what_cannot_run_packed_says_so(pair):
+def test_a_packed_model_shards_as_its_plain_one(pair):
     target, _ = pair
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    with pytest.raises(ValueError, match="unpack_weights"):
-        SH.shard(ports.pack_weights(target), mesh)
+    same(SH.shard(ports.pack_weights(target), mesh).params, SH.shard(target, mesh).params)
 
 
 def test_a_packed_vlm_gives_the_plain_models_logits():
