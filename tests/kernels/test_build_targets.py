@@ -1,7 +1,7 @@
-"""The kernels' bit-for-bit promises hold on other instruction sets than this CPU's: the library built for
-`x86-64-v3` (AVX2 + FMA) and, where this CPU runs AVX-512, for `skylake-avx512` (whose builds broke them while
-floating-point contraction was on), in a subprocess, then the tests that compare a row computed alone with the same
-row among others."""
+"""The kernels' bit-for-bit promises hold on other instruction sets than this CPU's: the library built, where this
+CPU runs AVX-512, for `skylake-avx512` (whose builds broke them while floating-point contraction was on) and, under
+`-m slow`, for `x86-64-v3` (AVX2 + FMA), in a subprocess, then the tests that compare a row computed alone with the
+same row among others."""
 import os
 import subprocess
 import sys
@@ -23,7 +23,8 @@ def _cpu_flags() -> set:
 
 
 FLAGS = _cpu_flags() if os.path.exists("/proc/cpuinfo") else set()
-TARGETS = [pytest.param("x86-64-v3", marks=pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="no AVX2")),
+TARGETS = [pytest.param("x86-64-v3", marks=[pytest.mark.slow,
+                                            pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="no AVX2")]),
            pytest.param("skylake-avx512", marks=pytest.mark.skipif(
                not {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= FLAGS, reason="no AVX-512"))]
 
