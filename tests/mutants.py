@@ -65,9 +65,9 @@ def _sage_owner():
 def _initial_tree_every_round(original):
     import jax.numpy as jnp
 
-    from jspec.parts.plans import LayeredTree
+    from jspec.parts.protocols import LayeredTree
 
-    def plan(self, state, key):
+    def decide(self, state, key):
         d = original(self, state, key)
         B = d.depth.shape[0]
         init = [jnp.broadcast_to(jnp.asarray(a), (B,) + jnp.shape(a)) for a in self.spec.initial()]

@@ -189,12 +189,12 @@ def test_beta_ts_draft_lengths_follow_the_posterior():
     assert list(leading_ones(jnp.asarray([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], bool))) == [2, 0, 4]
     theta, K, B = 0.7, 6, 20000
     ts = BetaTS(theta * 1e5, (1 - theta) * 1e5)
-    depth = np.asarray(ts.plan(ts.init(B, K), jax.random.split(jax.random.key(0), B)).depth)  # a key per row
+    depth = np.asarray(ts.decide(ts.init(B, K), jax.random.split(jax.random.key(0), B)).depth)  # a key per row
     assert depth.min() >= 1 and depth.max() == K
     for i in range(1, K):
         assert abs((depth > i).mean() - theta ** i) < 0.015, i
     flat = BetaTS(1.0, 1.0)       # uniform theta: P(depth > 1) = E[theta] = 1/2
-    d = np.asarray(flat.plan(flat.init(B, K), jax.random.split(jax.random.key(1), B)).depth)
+    d = np.asarray(flat.decide(flat.init(B, K), jax.random.split(jax.random.key(1), B)).depth)
     assert abs((d > 1).mean() - 0.5) < 0.015
 
 

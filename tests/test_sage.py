@@ -178,7 +178,7 @@ def test_alpha_and_the_proxy_come_from_the_rounds_root_distribution():
     s = ctrl.observe(ctrl.init(2, 8), record([0, 0], topk=top))
     np.testing.assert_allclose(s.alpha, [1 - math.log(2) / math.log(10), 0.0], atol=1e-6)
     np.testing.assert_allclose(s.p[0, :2], [0.5, 0.5])
-    plan = jax.jit(ctrl.plan)
+    plan = jax.jit(ctrl.decide)
     d = plan(s, jax.random.key(0))
     assert d.info["width"].tolist() == [round(2 + (1 - float(s.alpha[0])) * 8), 10]
     first = plan(ctrl.init(2, 8), jax.random.key(0))  # round 1: the initial static tree

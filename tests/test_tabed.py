@@ -126,7 +126,7 @@ def test_weight_policies_match_a_numpy_reference():
     ctrls["window"] = EnsembleWeights.make(m, "grid", 10, "kld", window=3)
     for name, c in ctrls.items():
         st = c.init(B, P - 1)
-        first = c.plan(st, None).weights
+        first = c.decide(st, None).weights
         np.testing.assert_allclose(first, 0.5)  # uniform before any verified position
         tot = 0.0
         for rec in recs:
@@ -137,7 +137,7 @@ def test_weight_policies_match_a_numpy_reference():
         if name == "window":
             continue
         kl, tvd, match = tot[:, 0], tot[:, 1], tot[:, 2]
-        got = np.asarray(c.plan(st, None).weights)
+        got = np.asarray(c.decide(st, None).weights)
         cand = np.asarray(c.candidates)
         if name == "kld":
             want = cand[kl.argmin(1)]
@@ -191,7 +191,7 @@ class ViewRecorder(Controller):
                 "view_accepted": jnp.zeros((batch,), jnp.int32),
                 "view_known": jnp.zeros((batch, max_depth + 1), bool)}
 
-    def plan(self, state, key) -> Decision:
+    def decide(self, state, key) -> Decision:
         return Decision(info=dict(state))
 
     def observe(self, state, record):

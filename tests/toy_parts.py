@@ -8,7 +8,7 @@ from flax import struct
 
 from jspec.parts.controllers import Asks, Controller, Decision
 from jspec.parts.drafters import Drafter, ModelDrafter
-from jspec.parts.plans import LayeredTree
+from jspec.parts.protocols import LayeredTree
 from jspec.engine.strategy import PrefillHook
 from jspec.parts.rules import Rule
 
@@ -26,7 +26,7 @@ class RecordingController(Controller):
         z = jnp.zeros((batch, HISTORY), jnp.float32)
         return {"t": z, "q": z, "q_known": jnp.zeros((batch, HISTORY), bool), "n": jnp.zeros((batch,), jnp.int32)}
 
-    def plan(self, state, key):
+    def decide(self, state, key):
         return Decision()
 
     def observe(self, state, record):
@@ -52,7 +52,7 @@ class CycleDepth(Controller):
     def init(self, batch, max_depth):
         return jnp.zeros((batch,), jnp.int32)
 
-    def plan(self, state, key):
+    def decide(self, state, key):
         return Decision(depth=1 + state % self.period)
 
     def observe(self, state, record):
@@ -124,7 +124,7 @@ class FixedTrees(Controller):
     def init(self, batch, max_depth):
         return jnp.arange(batch, dtype=jnp.int32) % self.trees.parent.shape[0]
 
-    def plan(self, state, key):
+    def decide(self, state, key):
         return Decision(tree=jax.tree.map(lambda x: jnp.take(x, state, axis=0), self.trees))
 
 
@@ -222,7 +222,7 @@ class StopAt(Controller):
     level: jax.Array
     stops = True
 
-    def plan(self, state, key):
+    def decide(self, state, key):
         return Decision(depth=jnp.full((key.shape[0],), 99, jnp.int32))
 
     def stop(self, state, level, aux, limit, key):

@@ -3,7 +3,7 @@
 The step has three phases with one signature, `phase(ctx, parts, target, carry) -> carry` (carry = (state,
 proposal, verified)); `sd_step` composes them and the fused loop, the host-timed profile and the in-program
 profile all run these same functions (`PHASES`):
-  1. `sd_draft`: the controller plans the step (depth limits, weights, a per-row tree); the plan drives the
+  1. `sd_draft`: the controller decides the step (depth limits, weights, a per-row tree); the plan drives the
      drafter level by level into a `plans.Proposal`.
   2. `sd_verify`: one target forward over all N nodes (positions = committed length + depth, ancestor mask).
   3. `sd_accept`: the rule picks the accepted path and the bonus token; the accepted nodes' K/V move into the
@@ -66,7 +66,7 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
     if parts.controller is not None:
         ctrl = parts.controller.init(B, needs.depth)
         ctrl = parts.controller.start(ctrl, prefill)
-        shapes = jax.eval_shape(parts.controller.plan, ctrl, state.key)
+        shapes = jax.eval_shape(parts.controller.decide, ctrl, state.key)
         steps = state.accepted.shape[1]
         made = {"depth": shapes.depth, "weights": shapes.weights, **(shapes.info or {})}
         decided = {name: jnp.zeros((B, steps) + s.shape[1:], s.dtype) for name, s in made.items() if s is not None}
@@ -82,7 +82,7 @@ def sd_draft(ctx, parts, target, carry):
     ks = RK.split(RK.fold(loop.step_key(state), 1), 3)
     k_draft, k_ctrl, k_stop = ks[:, 0], ks[:, 1], ks[:, 2]
     ctrl = parts.controller
-    decision = Decision() if ctrl is None else ctrl.plan(aux.ctrl, k_ctrl)
+    decision = Decision() if ctrl is None else ctrl.decide(aux.ctrl, k_ctrl)
     if decision.depth is not None:
         decision = decision._replace(depth=jnp.clip(decision.depth.astype(jnp.int32), 1, needs.depth))
     stop = None
@@ -167,8 +167,7 @@ def sd_accept(ctx, parts, target, carry):
     B = state.last.shape[0]
     D = plan.max_depth
     k_verify = RK.fold(loop.step_key(state), 2)
-    verdict = parts.rule.verify(k_verify, prop.tokens, ver.logits, prop.q, prop.valid, prop.tree, D, ctx.sampling,
-                                state.sp)
+    verdict = parts.rule.accept(k_verify, prop, ver.logits, D, ctx.sampling, state.sp)
     a = verdict.accepted
     path_tokens = jnp.take_along_axis(prop.tokens, verdict.path, axis=1)  # [B, D+1], root first
     new = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -184,7 +183,8 @@ def sd_accept(ctx, parts, target, carry):
     if parts.drafter.verify_hidden:  # the drafter's layers, concatenated on the last axis
         every, mine = verify_layers(parts, target)
         hid = jnp.concatenate([_along(ver.hidden[every.index(i)], verdict.path) for i in mine], axis=-1)
-    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid))
+    fed = None if prop.fed is None else jnp.take_along_axis(prop.fed, verdict.path[:, 1:], axis=1)
+    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid, fed))
     drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
     ctrl, decided = aux.ctrl, aux.decided
     if parts.controller is not None:

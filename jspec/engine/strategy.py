@@ -18,18 +18,19 @@ values do not recompile), everything else (shapes, layouts, flags, plain objects
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 from flax import struct
 
-from jspec.parts.controllers import Asks, Controller, asks_of
+from jspec.parts.controllers import Controller, asks_of
 from jspec.parts.drafters import Drafter, ModelDrafter
 from jspec.parts.drafters.eagle import EagleDrafter, EagleHead
 from jspec.parts.drafters.eagle3 import Eagle3Drafter, Eagle3Head
 from jspec.parts.drafters.ngram import NgramDrafter
 from jspec.parts.plans import DynamicPlan, Plan, StaticPlan
+from jspec.parts.protocols import Needs, PrefillHook
 from jspec.parts.trees import Layout, StaticTree, cached_tree, chain
 from jspec.parts.rules import Rule, as_rule
 
@@ -53,43 +54,6 @@ class AR(Strategy):
 
     def check(self, target) -> None:
         pass
-
-
-class PrefillHook:
-    """Base of prefill hooks (the protocol: the module docstring). A hook defines `draft_prompt`; `asks` defaults
-    to no forward options, `prepare` to the hook as it is, `draft_len` to the drafter's cache as long as the
-    target's."""
-
-    def asks(self, tokens, lengths, inputs) -> dict:
-        return {}
-
-    def draft_prompt(self, prefill, prompt):
-        raise NotImplementedError(f"{type(self).__name__} defines no `draft_prompt`")
-
-    def prepare(self, setup, prepared) -> "PrefillHook":
-        return self
-
-    def draft_len(self, max_len: int) -> int:
-        return max_len
-
-    def info(self, prefill) -> dict:
-        """Per-row facts of what the hook did, name -> [B, ...] arrays, put into `out.stats` (in program)."""
-        return {}
-
-
-class Needs(NamedTuple):
-    """What a speculative strategy's programs compute beyond the basics, worked out once from its parts
-    (`Speculative.needs`): the engine, the plan and the drafters read it instead of asking each part."""
-
-    asks: Asks  # what the controller reads from each step (`Record` fields, per-node top-k)
-    draws: bool  # the rule draws children from the draft distribution when sampling (drafts record it)
-    hidden: bool  # the verify forward returns the target's last hidden states (read by the controller or drafter)
-    prefill_hidden: bool  # the target's prefill keeps its last hidden states (the controller starts from them)
-    stops: bool  # the controller may end a row's draft after any level (`Controller.stop`)
-    depth: int  # the plan's deepest level
-    scratch: int  # the plan's scratch slots past the committed tokens (drafters size per-step buffers by it)
-    pending_width: int  # committed tokens a drafter may not have read at a step's start, `last` included
-    per_step: int  # cache slots a step may use past the committed tokens: the scratch and the catch-up feed
 
 
 _BASES = {"drafter": (Drafter, "jspec.parts.drafters.Drafter"), "plan": (Plan, "jspec.parts.plans.Plan"),

@@ -38,7 +38,7 @@ def lumina_preset(name: str = "lumina-mgpt-7b-768") -> dict:
 
 
 def lantern_budget(config_name: str) -> tuple[int, int, str]:
-    """(verify width, streams per row, a note) of LANTERN++ on `config_name` for `jspec plan`: its preset's tree
+    """(verify width, streams per row, a note) of LANTERN++ on `config_name` for `jspec memory`: its preset's tree
     and CFG (the extended tree and two streams without a preset)."""
     from jspec.parts.trees import build_tree
 

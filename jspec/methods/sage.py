@@ -19,10 +19,10 @@ from jspec.parts.rules import as_rule
 # tokens pruned 90%, images 80%) and the 8-GPU plan of each target.
 PRESETS = {
     "llava-onevision-qwen2-72b": {"draft": "llava-onevision-qwen2-7b", "prune_video": 0.9, "prune_image": 0.8,
-                                  "plan": "jspec plan --config llava-onevision-qwen2-72b --sage --mesh tensor=8 "
+                                  "memory": "jspec memory --config llava-onevision-qwen2-72b --sage --mesh tensor=8 "
                                           "--max-len 9216 --prompt-len 8192 --device-memory 80GB"},
     "qwen2.5-vl-72b": {"draft": "qwen2.5-vl-7b", "prune_video": 0.9, "prune_image": 0.8,
-                       "plan": "jspec plan --config qwen2.5-vl-72b --sage --mesh tensor=8 --max-len 9216 "
+                       "memory": "jspec memory --config qwen2.5-vl-72b --sage --mesh tensor=8 --max-len 9216 "
                                "--prompt-len 8192 --device-memory 80GB"},
 }
 

@@ -28,15 +28,15 @@ MODALITIES = ("video", "image", "vision")
 POSITIONS = ("original", "renumbered")
 
 # The paper's pairs (SpecVLM Tables 1-2; shipped configs): the draft, the clip (frames and the video tokens they
-# take), lambda_r and the ratio of each target, and its plan (`jspec plan --specvlm`).
+# take), lambda_r and the ratio of each target, and its plan (`jspec memory --specvlm`).
 PRESETS = {
     "llava-onevision-qwen2-72b": {"draft": "llava-onevision-qwen2-7b", "frames": 64, "video_tokens": 64 * 196 + 1,
                                   "top_p": 0.4, "ratio": 0.9,
-                                  "plan": "jspec plan --config llava-onevision-qwen2-72b --specvlm --mesh tensor=8 "
+                                  "memory": "jspec memory --config llava-onevision-qwen2-72b --specvlm --mesh tensor=8 "
                                           "--prompt-len 12672 --max-len 13056 --device-memory 80GB"},
     "qwen2.5-vl-32b": {"draft": "qwen2.5-vl-7b", "frames": 128, "video_tokens": 64 * 256, "top_p": 0.5,
                        "ratio": 0.9,
-                       "plan": "jspec plan --config qwen2.5-vl-32b --specvlm --mesh tensor=4 --prompt-len 16512 "
+                       "memory": "jspec memory --config qwen2.5-vl-32b --specvlm --mesh tensor=4 --prompt-len 16512 "
                                "--max-len 16832 --device-memory 80GB"},
 }
 TREE_NODES = 26  # the 25-node tree and its root, verified per step

@@ -17,7 +17,7 @@ every row's tree, so one program serves them all.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,56 +25,8 @@ import numpy as np
 from flax import struct
 
 from jspec.engine import rowkeys as RK
+from jspec.parts.protocols import Plan, Proposal
 from jspec.parts.trees import Layout, StaticTree, TreeArrays, cached_tree, layered_arrays, tree_from_pool
-
-
-class Proposal(NamedTuple):
-    """A drafted tree for every row. Node 0 is the root (`last`)."""
-
-    tokens: jax.Array  # [B, N]
-    valid: jax.Array  # [B, N] nodes the verifier may accept
-    tree: TreeArrays  # [B, ...]
-    q: jax.Array | None  # [B, N, V] distribution each node's children were drawn from (when drawn or asked)
-    fed: jax.Array | None  # [B, N] int32: the draft scratch offset holding node i's K/V, -1 where not fed
-    root_logp: jax.Array  # [B, V] the drafter's log-distribution at the root
-    aux: Any = None  # the drafter's per-node outputs [B, N, ...] when asked
-    known: jax.Array | None = None  # [B, N] bool: q exists at the node (its level was drafted)
-    decision: Any = None  # the controller's Decision this proposal followed; its `depth` [B] (or None: no limit)
-    # is the depth each row drafted to, after any per-level stop
-    node_topk: jax.Array | None = None  # [B, N, k] the k largest draft probabilities at each node, when asked
-    node_known: jax.Array | None = None  # [B, N] bool: node_topk exists there (the node's level was drafted)
-
-
-class Plan:
-    """Base of tree plans: `propose` drafts a step's tree with a drafter; `num_nodes`, `max_depth`, `scratch` and
-    `is_chain` are static. Optional hooks and flags default to: no check against the rule, one verify width,
-    no per-level stops (`stops`), no per-node outputs (`node_outputs`), a catch-up feed of 2 tokens."""
-
-    pending_width = 2  # committed tokens the drafter may not have read yet at a step's start, `last` included
-    stops = False  # takes a controller's per-level `stop`
-    node_outputs = False  # can hand each node's top-k draft probabilities to the controller (`Asks.node_topk`)
-
-    def check(self, rule) -> None:
-        """ValueError when the plan cannot run under `rule` (default: any rule)."""
-
-    def verify_size(self, prop: "Proposal", done: jax.Array) -> tuple[tuple[int, ...], jax.Array | None]:
-        """(static widths, index of the one the target verifies this step), or ((), None): the whole proposal."""
-        return (), None
-
-    def propose(self, env, drafter, ds, key, decision) -> tuple["Proposal", Any]:
-        """(this step's tree, the drafter's state): drafted with `drafter` from its state `ds`. `decision.depth`
-        [B] (or None) limits each row's depth; `env.needs` says what to keep (`draws`: the rule draws children when
-        sampling; `asks.draft_probs` / `draft_aux` / `node_topk`); `env.stop` (or None) may lower a row's limit
-        after any level (plans with `stops`). The proposal's `decision` is `decision` with the depths drafted to."""
-        raise NotImplementedError(f"{type(self).__name__} defines no `propose`")
-
-
-class LayeredTree(NamedTuple):
-    """Per-row trees over a plan's layout: parent, rank [B, N] int32 and valid [B, N] bool (see `trees.Layout`)."""
-
-    parent: jax.Array
-    rank: jax.Array
-    valid: jax.Array
 
 
 def _padded(out, n: int):

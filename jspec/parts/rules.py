@@ -1,7 +1,7 @@
 """Acceptance rules: which drafted tree path the target accepts, and the token that follows it.
 
 A rule is a small pytree object (its numbers, e.g. a relaxation bound or a neighbour table, are leaves: changing
-them does not recompile). `Rule.verify` maps a drafted tree and the target's logits to a `Verdict`: the accepted
+them does not recompile). `Rule.accept` maps a drafted tree and the target's logits to a `Verdict`: the accepted
 path (node ids by depth), how many drafts it holds, and the bonus token. Greedy decoding takes the longest path
 that matches the target's argmax under every rule. Sampling walks the tree from the root (`stochastic`) and asks
 the rule three things at each candidate x: the target mass it may accept (`target_mass`), the draft mass it is
@@ -18,21 +18,15 @@ Greedy decoding ignores the relaxation (it stays equal to AR).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from jspec.engine import rowkeys as RK
-from jspec.engine import sampling as SM
+from jspec.parts.protocols import Rule, Verdict
 from jspec.parts.trees import TreeArrays
-
-
-class Verdict(NamedTuple):
-    path: jax.Array  # [B, D+1] node ids of the accepted path by depth (entries past `accepted` are 0)
-    accepted: jax.Array  # [B] drafts accepted (bonus excluded)
-    bonus: jax.Array  # [B] the token after the accepted path
 
 
 def _path_of(best: jax.Array, t: TreeArrays, max_depth: int) -> jax.Array:
@@ -67,41 +61,6 @@ def _renorm(x: jax.Array, fallback: jax.Array) -> jax.Array:
 def _at(x: jax.Array, tok: jax.Array) -> jax.Array:
     """x[b, tok[b]] of x [B, V]."""
     return jnp.take_along_axis(x, tok[:, None], axis=1)[:, 0]
-
-
-class Rule:
-    """Base of acceptance rules (subclasses are `flax.struct` dataclasses; see the module docstring).
-
-    draws: the rule needs the children of a node drawn without replacement from the draft distribution q, in draw
-    order, and q itself (the plan then records q per node). exact: the rule claims to sample the target's
-    distribution exactly (the conformance suite tests the claim).
-    """
-
-    draws: bool = False
-    exact: bool = True
-
-    def target_mass(self, resid: jax.Array, x: jax.Array) -> jax.Array:
-        """[B] the target mass the candidate x [B] may be accepted with, from the current residual [B, V]."""
-        return _at(resid, x)
-
-    def draft_mass(self, q: jax.Array | None, x: jax.Array) -> jax.Array:
-        """[B] the draft mass x is compared with: accept when u * draft_mass <= target_mass, u ~ U(0, 1)."""
-        return jnp.ones(x.shape, jnp.float32)
-
-    def reject(self, resid: jax.Array, q: jax.Array | None, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """(residual, q) after x was rejected. Every rule defines it (the walk cannot continue without it)."""
-        raise TypeError(f"rule {type(self).__name__} defines no `reject` (the residual after a rejection)")
-
-    def verify(self, key: jax.Array, tokens: jax.Array, logits: jax.Array, q: jax.Array | None, valid: jax.Array,
-               tree: TreeArrays, max_depth: int, sampling: SM.SamplingConfig, sp: SM.SamplingParams) -> Verdict:
-        """The verdict on one drafted tree per row: greedy matching when decoding greedily, else `stochastic`
-        over the sampler's target distribution."""
-        if sampling.greedy:
-            return greedy(tokens, logits, valid, tree, max_depth)
-        return stochastic(key, tokens, SM.probs(logits, sampling, sp), q, valid, tree, max_depth, self)
-
-    def check(self) -> None:
-        """Raise ValueError for out-of-range numbers (host side, before any compute)."""
 
 
 @struct.dataclass

@@ -1,6 +1,6 @@
-"""Memory planning: bytes per device of one decode run, from shapes alone (nothing is allocated).
+"""Memory estimates: bytes per device of one decode run, from shapes alone (nothing is allocated).
 
-`plan(config, mesh_shape, batch, max_len, ...)` answers "does this target (and draft) fit on these devices?" on any
+`estimate(config, mesh_shape, batch, max_len, ...)` answers "does this target (and draft) fit on these devices?" on any
 machine, e.g. a 1-CPU laptop planning for 8 GPUs or a TPU slice:
 
 * params: `jax.eval_shape` of the family's `init_params` (abstract `ShapeDtypeStruct`s), placed by
@@ -425,11 +425,11 @@ def activation_estimate(target: _Planned, draft: _Planned | None, mesh, rules, b
                 decode_logits=logits, fsdp_gather=gather, rows_per_device=b, heads_per_device=h)
 
 
-# ------------------------------------------------------------------------------------------------ plan
+# ------------------------------------------------------------------------------------------------ estimate
 
 
-class MemoryPlan(dict):
-    """The plan (a JSON-serialisable dict) with a `fits` verdict."""
+class MemoryEstimate(dict):
+    """The estimate (a JSON-serialisable dict) with a `fits` verdict."""
 
     def fits(self, device_bytes, headroom: float = 0.10) -> dict:
         """Whether the per-device sum fits `device_bytes` (int or "80GB") keeping `headroom` (a fraction) free
@@ -484,11 +484,11 @@ def eagle_components(target: _Planned, batch: int, max_len: int, dt) -> dict:
             "eagle_cache": dict(total=cache, per_device=cache, replicated=True)}
 
 
-def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, dtype="bfloat16",
-         draft_config: dict | None = None, tree_nodes: int = 64, prompt_len: int | None = None, rules=None,
-         images: int | None = None, eesd: tuple[int, int, bool] | None = None, draft_max_len: int | None = None,
-         self_draft: bool = False, streams: int = 1, eagle: bool = False, prefill_chunk: int | None | str = "auto",
-         draft_tensor_parallel: bool = False) -> MemoryPlan:
+def estimate(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, dtype="bfloat16",
+             draft_config: dict | None = None, tree_nodes: int = 64, prompt_len: int | None = None, rules=None,
+             images: int | None = None, eesd: tuple[int, int, bool] | None = None, draft_max_len: int | None = None,
+             self_draft: bool = False, streams: int = 1, eagle: bool = False, prefill_chunk: int | None | str = "auto",
+             draft_tensor_parallel: bool = False) -> MemoryEstimate:
     """Bytes per device of decoding `config` (an HF config dict) on a mesh of `mesh_shape`
     ({"data":, "fsdp":, "tensor":}) with a `max_len`-slot cache for `batch` rows, params in `dtype`, optionally
     with a replicated draft. Nothing is allocated and no devices are needed.
@@ -501,9 +501,9 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
     the target's (SpecVLM's Self-SD); streams: sequences per row (2 under classifier-free guidance: every cache
     and activation holds batch * streams rows); eagle: an EAGLE-1 feature head drafts (`eagle_components`,
     LANTERN++'s drafter); prefill_chunk: `decode`'s (default "auto", its 4,096 tokens; None: one pass), which
-    sets how many tokens go through a layer at once and which attention path they take. Returns a `MemoryPlan`: per
+    sets how many tokens go through a layer at once and which attention path they take. Returns a `MemoryEstimate`: per
     component {"total", "per_device"} bytes ("total" is one logical copy), their sums, and notes;
-    `plan(...).fits(device_bytes)` gives the verdict."""
+    `estimate(...).fits(device_bytes)` gives the verdict."""
     for name, v in (("batch", batch), ("max_len", max_len), ("tree_nodes", tree_nodes), ("streams", streams)):
         if int(v) < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
@@ -586,7 +586,7 @@ def plan(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, 
                  "f32 attention scores per layer)"
                  + (f"; prefill counts the {act['vision_what']}" if act["vision_what"] else ""))
     n_dev = math.prod(mesh.shape.values())
-    return MemoryPlan(
+    return MemoryEstimate(
         target=dict(name=_name(config), model_type=config.get("model_type"), params=n_params),
         draft=None if draft is None else dict(name=_name(draft_config), model_type=draft_config.get("model_type"),
                                               params=comps["draft_params"]["count"]),
@@ -609,7 +609,7 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def format_plan(p: MemoryPlan, device_bytes=None, headroom: float = 0.10) -> str:
+def format_estimate(p: MemoryEstimate, device_bytes=None, headroom: float = 0.10) -> str:
     """A readable table: component, total, per device; the verdict when device memory is given."""
     mesh = " x ".join(f"{k}={v}" for k, v in p["mesh"].items())
     t = p["target"]

@@ -121,7 +121,7 @@ class CaliTS(Controller):
         last = jnp.take_along_axis(h, (prefill.lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
         return state.replace(h_target=last.astype(jnp.float32))
 
-    def plan(self, state: CaliState, key) -> Decision:
+    def decide(self, state: CaliState, key) -> Decision:
         return Decision(depth=jnp.full(state.n.shape, state.max_depth, jnp.int32))
 
     def stop(self, state: CaliState, level: int, aux, limit, key):

@@ -33,10 +33,10 @@ class Both(Controller):
     def init(self, batch: int, max_depth: int):
         return self.a.init(batch, max_depth), self.b.init(batch, max_depth)
 
-    def plan(self, state, key) -> Decision:
+    def decide(self, state, key) -> Decision:
         ks = None if key is None else RK.split(key, 2)
         ka, kb = (None, None) if ks is None else (ks[:, 0], ks[:, 1])
-        da, db = self.a.plan(state[0], ka), self.b.plan(state[1], kb)
+        da, db = self.a.decide(state[0], ka), self.b.decide(state[1], kb)
         merged = {}
         for f in Decision._fields:
             x, y = getattr(da, f), getattr(db, f)

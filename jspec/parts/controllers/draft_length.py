@@ -8,7 +8,7 @@
   last rejected: 1; an earlier one: 2), or with `clean=True` beta += min(a + 1, k) - a. Per row; reset per decode.
 
 theta does not depend on the drafted tokens (the posterior changes only between rounds), so the whole round's stop
-bits are drawn in `plan`, before drafting: the same distribution of draft lengths as drawing them token by token.
+bits are drawn in `decide`, before drafting: the same distribution of draft lengths as drawing them token by token.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class FixedK(Controller):
     def init(self, batch: int, max_depth: int):
         return jnp.zeros((batch,), jnp.int32)
 
-    def plan(self, state, key) -> Decision:
+    def decide(self, state, key) -> Decision:
         return Decision(depth=jnp.full(state.shape, self.k, jnp.int32))
 
 
@@ -57,7 +57,7 @@ class BetaTS(Controller):
         return BetaState(jnp.full((batch,), self.alpha0, jnp.float32), jnp.full((batch,), self.beta0, jnp.float32),
                          max_depth)
 
-    def plan(self, state: BetaState, key) -> Decision:
+    def decide(self, state: BetaState, key) -> Decision:
         B, K = state.alpha.shape[0], state.max_depth
         ks = RK.split(key, 2)
         theta = RK.beta(ks[:, 0], state.alpha, state.beta, (K,))

@@ -112,7 +112,7 @@ class EnsembleWeights(Controller):
     def _totals(self, state):
         return state["sums"] if self.window is None else state["ring"].sum(axis=1)
 
-    def plan(self, state, key) -> Decision:
+    def decide(self, state, key) -> Decision:
         B = state["n"].shape[0]
         kl, tvd, match = jnp.moveaxis(self._totals(state), 1, 0)  # [B, J] each
         if self.policy == "static":

@@ -37,7 +37,7 @@ import numpy as np
 from flax import struct
 
 from jspec.parts.controllers import Asks, Controller, Decision, Record
-from jspec.parts.plans import LayeredTree
+from jspec.parts.protocols import LayeredTree
 from jspec.parts.trees import Layout, build_tree, layout_of
 
 
@@ -301,7 +301,7 @@ class EntropyTree(Controller):
                          jnp.zeros((batch, self.window), jnp.float32),
                          jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool))
 
-    def plan(self, state: SageState, key) -> Decision:
+    def decide(self, state: SageState, key) -> Decision:
         spec = self.spec
         B = state.alpha.shape[0]
         init = spec.initial()

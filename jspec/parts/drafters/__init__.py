@@ -33,10 +33,10 @@ when sampling, the plain softmax when greedy); aux is a per-node pytree [B, K, .
 `env` is a `DraftEnv`: the static step context, sampling params, the target (as run), its cache at the step's
 start (read only), the controller's decision for this step, the tokens generated so far (`out`, `n_out`) and the
 strategy's `Needs` (`needs`: the plan's depth and scratch, to size buffers at `init`; what the controller asks).
-A drafter subclasses `Drafter` (`jspec.parts.drafters.base`), whose optional hooks (`check`, `map_models`,
+A drafter subclasses `Drafter` (`jspec.parts.protocols`), whose optional hooks (`check`, `map_models`,
 `prefill_asks`, `verify_hidden`, `verify_layers`) do nothing by default.
 """
-from jspec.parts.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
 from jspec.parts.drafters.model import ModelDrafter
 
 __all__ = ["Catchup", "DraftEnv", "Drafter", "ModelDrafter", "Prepared", "Setup", "TargetPrefill"]

@@ -35,7 +35,7 @@ from ports import cache as kvc
 from jspec.engine import guidance as GD
 from jspec.engine import sharding as SH
 from jspec.parts.drafters import heads as H
-from jspec.parts.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
 from jspec.parts.drafters.model import check_vocab_size, draft_log_probs
 from ports import chameleon as CH
 from ports import fused as FU
@@ -373,11 +373,7 @@ class EagleDrafter(Drafter):
             scratch = jax.lax.dynamic_update_slice_in_dim(ds.scratch, x.astype(ds.scratch.dtype), offset, axis=1)
             return x, ds.replace(cache=c, scratch=scratch)
 
-        if run is None:
-            x, ds = go(ds)
-        else:
-            shape = jax.eval_shape(go, ds)[0]
-            x, ds = jax.lax.cond(run, go, lambda ds: (jnp.zeros(shape.shape, shape.dtype), ds), ds)
+        x, ds = run_level(run, go, ds)
         return self._logp(env, x, depth), None, ds
 
     def commit(self, env: DraftEnv, ds: EagleState, c: Catchup) -> EagleState:

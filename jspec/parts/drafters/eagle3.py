@@ -23,7 +23,7 @@ from flax import struct
 
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import heads as H
-from jspec.parts.drafters.base import Prepared, Setup
+from jspec.parts.protocols import Prepared, Setup
 from jspec.parts.drafters.model import check_vocab_size
 from ports import cache as kvc
 from ports import fused as FU

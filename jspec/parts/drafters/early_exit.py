@@ -29,7 +29,7 @@ from flax import struct
 from ports import cache as kvc
 from jspec.engine import sharding as SH
 from jspec.parts.drafters import heads as H
-from jspec.parts.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
 from jspec.parts.drafters.model import check_vocab_size, commit_fed, draft_log_probs
 from ports import fused as FU
 from ports import layers as LY
@@ -332,12 +332,7 @@ class EarlyExitDrafter(Drafter):
             return (head_logits(self.head.params, states, lm), states), ds.replace(cache=cache, scratch_k=sk,
                                                                                scratch_v=sv)
 
-        if run is None:
-            (logits, states), ds = go(ds)
-        else:
-            shapes = jax.eval_shape(go, ds)[0]
-            skip = lambda ds: (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), ds)  # noqa: E731
-            (logits, states), ds = jax.lax.cond(run, go, skip, ds)
+        (logits, states), ds = run_level(run, go, ds)
         return draft_log_probs(logits, env), {"hidden": states}, ds
 
     def commit(self, env: DraftEnv, ds: EEState, c: Catchup) -> EEState:

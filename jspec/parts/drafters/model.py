@@ -19,7 +19,7 @@ from ports import cache as kvc
 from jspec.engine import guidance as GD
 from jspec.engine import sampling as SM
 from jspec.engine import sharding as SH
-from jspec.parts.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
 from ports.prompts import model_prompt, normalize_prompt
 
 
@@ -150,12 +150,7 @@ class ModelDrafter(Drafter):
             fo = model.forward(tokens, positions, dc, mask, write_offset=offset)
             return fo.logits, fo.cache
 
-        if run is None:
-            logits, dc = go(ds.cache)
-        else:
-            B, T = tokens.shape
-            skip = lambda dc: (jnp.zeros((B, T, model.vocab_size), jnp.float32), dc)
-            logits, dc = jax.lax.cond(run, go, skip, ds.cache)
+        logits, dc = run_level(run, go, ds.cache)
         return logits, ds.replace(cache=dc)
 
     def root(self, env: DraftEnv, ds: DraftState):
@@ -172,17 +167,16 @@ class ModelDrafter(Drafter):
 
 def commit_fed(env: DraftEnv, dc: kvc.KVCache | None, pending: jax.Array, c: Catchup, replicated: bool = True):
     """A drafter cache's catch-up after a step: (cache, pending, n_pending). The leading accepted nodes the drafter
-    fed (`prop.fed`) are committed from its scratch slots; the rest wait in `pending`. A finished row feeds
+    fed (`Catchup.fed`) are committed from its scratch slots; the rest wait in `pending`. A finished row feeds
     nothing new: it re-reads `last` at its slot. A drafter without a cache of its own passes None."""
-    a, active, new, prop = c.accepted, c.active, c.new, c.prop
+    a, active, new, slots = c.accepted, c.active, c.new, c.fed
     W = pending.shape[1]
     D = c.path.shape[1] - 1
-    if prop.fed is None:
+    if slots is None:
         if W < D + 1:
             raise ValueError(f"a proposal without `fed` needs pending_width >= {D + 1} (the whole path), got {W}")
-        fed, slots = jnp.zeros_like(a), None
+        fed = jnp.zeros_like(a)
     else:
-        slots = jnp.take_along_axis(prop.fed, c.path[:, 1:], axis=1)  # [B, D]
         usable = (slots >= 0) & (jnp.arange(D)[None, :] < a[:, None])
         fed = jnp.sum(jnp.cumprod(usable.astype(jnp.int32), axis=1), axis=1)
     fed = jnp.where(active, fed, 0)

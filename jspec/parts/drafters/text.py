@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.parts.drafters.base import Catchup
+from jspec.parts.protocols import Catchup
 
 
 def start_text(tokens: jax.Array, lengths: jax.Array, max_len: int) -> tuple[jax.Array, jax.Array]:

@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 
 from jspec.engine import sharding as SH
-from jspec.parts.drafters.base import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
 from jspec.parts.drafters.model import DraftState, ModelDrafter, check_vocab, draft_log_probs
 from ports.prompts import model_prompt, normalize_prompt
 
@@ -275,9 +275,8 @@ class MultiViewDrafter(Drafter):
 
     def commit(self, env: DraftEnv, ds: DraftState, c: Catchup) -> DraftState:
         t = self._tile
-        prop = c.prop._replace(fed=t(c.prop.fed))
-        return self.inner.commit(self._env(env), ds, c._replace(prop=prop, path=t(c.path), new=t(c.new),
-                                                                 accepted=t(c.accepted), active=t(c.active)))
+        return self.inner.commit(self._env(env), ds, c._replace(path=t(c.path), new=t(c.new), accepted=t(c.accepted),
+                                                                 active=t(c.active), fed=t(c.fed)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

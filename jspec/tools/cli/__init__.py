@@ -77,7 +77,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def cmd_plan(args) -> int:
+def cmd_memory(args) -> int:
     from jspec.tools import memory as MEM
 
     try:
@@ -113,7 +113,7 @@ def cmd_plan(args) -> int:
 
             n = preset_exit_layer(args.config) if args.eesd == "preset" else int(args.eesd)
             eesd = (n, args.eesd_layers, args.cali)
-        p = MEM.plan(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
+        p = MEM.estimate(target, mesh, args.batch, args.max_len, dtype=args.dtype, draft_config=draft,
                     tree_nodes=tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd,
                     draft_max_len=draft_max_len, self_draft=self_draft, streams=streams, eagle=eagle,
                     prefill_chunk=args.prefill_chunk if args.prefill_chunk != "none" else None,
@@ -121,14 +121,14 @@ def cmd_plan(args) -> int:
         if sage_note:
             p["notes"].append(sage_note)
     except ValueError as e:
-        raise SystemExit(f"jspec plan: {e}")
+        raise SystemExit(f"jspec memory: {e}")
     if args.json:
         out = dict(p)
         if device is not None:
             out["fit"] = p.fits(device, args.headroom)
         print(json.dumps(out, indent=2, default=str))
     else:
-        print(MEM.format_plan(p, device, args.headroom))
+        print(MEM.format_estimate(p, device, args.headroom))
     return 0 if device is None or p.fits(device, args.headroom)["fits"] else 3
 
 
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     m.add_argument("--cache", default=None, help="compile cache directory (default $JSPEC_COMPILE_CACHE or "
                                                   "~/.cache/jspec/xla; 'off' for none)")
     m.set_defaults(fn=cmd_demo)
-    pl = sub.add_parser("plan", help="bytes per device of params, KV cache, draft and activations on a mesh "
+    pl = sub.add_parser("memory", help="bytes per device of params, KV cache, draft and activations on a mesh "
                                      "(from shapes alone: no weights, no devices needed)")
     pl.add_argument("--config", required=True,
                     help="config.json, an HF checkpoint dir, or a shipped name (llama-2-70b, qwen2.5-vl-72b, ...)")
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
                                             "(exit status 3 when it does not)")
     pl.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
-    pl.set_defaults(fn=cmd_plan)
+    pl.set_defaults(fn=cmd_memory)
     sub.add_parser("train", help="train a drafter, resumable: eagle, eagle3, eesd, cali, or self-data (the text "
                                  "a registered model writes for its drafters); `jspec train KIND --help`")
     b = sub.add_parser("bench", help="benchmark suites (ar, sd; gpu: `jspec bench gpu --help`; long: `jspec bench "

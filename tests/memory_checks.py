@@ -1,5 +1,5 @@
 """Memory-plan exactness, run by tests/test_plan.py in a subprocess with 8 forced CPU devices (the device count is
-fixed at jax import): for tiny models and several meshes, the bytes `jspec.tools.memory.plan` predicts per device for
+fixed at jax import): for tiny models and several meshes, the bytes `jspec.tools.memory.estimate` predicts per device for
 params, KV cache, draft params and draft cache equal the bytes of the arrays really allocated on device 0.
 Prints one JSON line: the compared cases; any mismatch raises."""
 import json
@@ -68,7 +68,7 @@ def check(target, draft, mesh_shape, batch, max_len, dtype, draft_tp=False):
     data, fsdp, tensor = mesh_shape
     mesh = SH.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
     placement = SH.Placement(mesh, tuple(SH.rules_table().items()))
-    p = MEM.plan(target.hf_config, dict(data=data, fsdp=fsdp, tensor=tensor), batch, max_len, dtype=dtype,
+    p = MEM.estimate(target.hf_config, dict(data=data, fsdp=fsdp, tensor=tensor), batch, max_len, dtype=dtype,
                 draft_config=None if draft is None else draft.hf_config, draft_tensor_parallel=draft_tp)
     c = p["components"]
     sharded = SH.shard(target, mesh)
