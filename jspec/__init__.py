@@ -5,7 +5,7 @@ import os
 # transformers' "PyTorch was not found" advisory would read as an error
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from jspec.api import DecodeOutput, decode
+from jspec.api import DecodeConfig, DecodeOutput, decode, start
 from jspec.engine.streaming import Stream, stream
 from jspec.parts.controllers.calibration import CaliTS
 from jspec.parts.controllers.draft_length import BetaTS, FixedK
@@ -22,8 +22,9 @@ from jspec.methods.sage import SAGE
 from jspec.methods.specvlm import SpecVLM, VisionPruning
 from jspec.methods.tabed import TABED, ModelCaptioner
 
-__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeOutput", "DynamicTree", "EESD", "Eagle3", "FixedK", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
-           "Strategy", "TokenDrafter", "Tree", "VisionPruning", "decode", "generate_image", "make_mesh", "shard"]
+__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeConfig", "DecodeOutput", "DynamicTree", "EESD", "Eagle3", "FixedK", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
+           "Strategy", "TokenDrafter", "Tree", "VisionPruning", "decode", "generate_image", "make_mesh", "shard",
+           "start"]
 __version__ = "0.1.0"
 
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jspec.engine import compilation as CJ
+from jspec.engine.config import DEFAULT_PREFILL_CHUNK, DecodeConfig, check_prefill_chunk  # noqa: F401
 from jspec.engine import guidance as GD
 from jspec.engine import loop
 from jspec.engine import profiling as PF
@@ -85,20 +86,6 @@ def _pad_id(target, eos: tuple[int, ...]) -> int:
     if pad is not None:
         return int(pad)
     return eos[0] if eos else 0
-
-
-DEFAULT_PREFILL_CHUNK = 4096  # prompts longer than this are prefilled in chunks of it (activations bounded by it)
-
-
-def check_prefill_chunk(chunk) -> int | None:
-    """The prefill chunk `decode` takes ("auto", None or a positive int) as an int or None."""
-    if isinstance(chunk, str) and chunk == "auto":
-        return DEFAULT_PREFILL_CHUNK
-    if chunk is None:
-        return None
-    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
-        raise ValueError(f"prefill_chunk must be a positive number of tokens, 'auto' or None, got {chunk!r}")
-    return int(chunk)
 
 
 def _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks=None):
@@ -188,36 +175,36 @@ class Started(NamedTuple):
         return fn(*args)
 
 
-def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
-          top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
-          guidance: GD.CFG | None = None, constraint=None, mesh=None, rules=None,
-          prefill_chunk: int | None = "auto", compile_loop: bool = True, pad_prompt_to: int = 16) -> Started:
-    """`decode`'s checks, setup and prefill (same arguments): the state its loop starts from, for tools that time
-    or step the loop themselves (`jspec.engine.profiling`). With `compile_loop` (and no mesh) the fused decode loop is
-    lowered first and compiled on a background thread while the prefill compiles and, off the CPU, runs
-    (`Started.run` waits for it): a first call no longer pays the two compiles one after the other."""
+def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **settings) -> Started:
+    """`decode`'s checks, setup and prefill: the state its loop starts from, for tools that time or step the loop
+    themselves (`jspec.engine.profiling`). The settings come as a `DecodeConfig`, or as `decode`'s keywords (not
+    both). With `config.compile_loop` (and no mesh) the fused decode loop is lowered first and compiled on a
+    background thread while the prefill compiles and, off the CPU, runs (`Started.run` waits for it): a first call
+    no longer pays the two compiles one after the other."""
+    if config is None:
+        config = DecodeConfig(**settings)
+    elif settings:
+        raise ValueError(f"start takes a DecodeConfig or keywords, not both (got {sorted(settings)} beside config)")
+    c = config
+    max_new_tokens, key, mesh, draft_prompt = c.max_new_tokens, c.key, c.mesh, c.draft_prompt
+    guidance, constraint = c.guidance, c.constraint
     strategy = AR() if strategy is None else strategy
-    prefill_chunk = check_prefill_chunk(prefill_chunk)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not isinstance(strategy, (Strategy, Speculative)):
         raise ValueError(f"strategy must be a jspec strategy (AR, Chain, Tree, DynamicTree, Speculative, ...), got "
                          f"{type(strategy).__name__}")
     strategy.check(target)
     parts = strategy.parts()
-    if isinstance(pad_prompt_to, bool) or not isinstance(pad_prompt_to, (int, np.integer)) or pad_prompt_to < 1:
-        raise ValueError(f"pad_prompt_to must be a positive integer, got {pad_prompt_to!r}")
-    tokens, lengths, inputs = model_prompt(target, prompt, "", int(pad_prompt_to))
+    tokens, lengths, inputs = model_prompt(target, prompt, "", int(c.pad_prompt_to))
     SH.check_same_everywhere("prompts", tokens, lengths)
     if draft_prompt is not None and parts is None:
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")
-    sampling_cfg, sp = SM.make_sampling(temperature, top_k, top_p)
-    eos = eos_ids(target, eos_token_id)
+    sampling_cfg, sp = SM.make_sampling(c.temperature, c.top_k, c.top_p)
+    eos = eos_ids(target, c.eos_token_id)
     _check_call(target, lengths, max_new_tokens, eos, key)
     run_target, placement = target, None
     if mesh is not None:
-        placement = SH.Placement(mesh, tuple(SH.rules_table(rules).items()))
-        run_target = SH.shard(target, mesh, rules)
+        placement = SH.Placement(mesh, tuple(SH.rules_table(c.rules).items()))
+        run_target = SH.shard(target, mesh, c.rules)
     longest, width = int(lengths.max()), tokens.shape[1]
     if guidance is not None or constraint is not None:
         if inputs:
@@ -236,16 +223,16 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
     # scratch slots beyond the committed tokens: the tree's nodes (target), the catch-up feed + tree (draft)
     per_step = 1 if parts is None else parts.needs.per_step
     need = longest + max_new_tokens + per_step
-    if max_cache_len is not None and need > max_cache_len:
+    if c.max_cache_len is not None and need > c.max_cache_len:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} + {per_step} "
-                         f"scratch slots needs a cache of {need}, longer than max_cache_len={max_cache_len}")
+                         f"scratch slots needs a cache of {need}, longer than max_cache_len={c.max_cache_len}")
     max_len = max(round_up(width + max_new_tokens + per_step, 64), need)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s: %d rows, prompt width %d, cache %d slots, %d new tokens; %s", type(strategy).__name__,
                   tokens.shape[0], tokens.shape[1], max_len, max_new_tokens, _shape_text(parts))
     ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
                            out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg, placement=placement,
-                           prefill_chunk=prefill_chunk if prefill_chunk and tokens.shape[1] > prefill_chunk else None)
+                           prefill_chunk=c.chunk if c.chunk and tokens.shape[1] > c.chunk else None)
     key = _default_key() if key is None else key
     if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)  # a raw uint32 key (jax.random.PRNGKey)
@@ -258,7 +245,7 @@ def start(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: 
         static, dyn = split(parts)
         prefill, args = _prefill_sd, (ctx, max_len, static, dyn, run_target, tokens, lengths, inputs, d_prompt, key, sp)
     ahead = None
-    if compile_loop and placement is None:  # (a mesh's shardings would have to be spelled out for the lowering)
+    if c.compile_loop and placement is None:  # (a mesh's shardings would have to be spelled out for the lowering)
         shapes = prefill.trace(*args).out_info  # the call below reuses this trace
         ahead = CJ.Ahead(_decode_ar, (ctx, run_target, shapes)) if parts is None else \
             CJ.Ahead(_decode_sd, (ctx, static, dyn, run_target, shapes))
@@ -317,12 +304,14 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     blockwise. Guided prompts (CFG) are prefilled in one pass.
     `pad_prompt_to`: the prompt's width is padded up to a multiple of this (default 16), so that prompts of nearby
     lengths share compiled programs (a benchmark over many prompt lengths passes e.g. 128).
+    The keywords are a `jspec.DecodeConfig`'s fields, checked when it is made (before any compute); `start` takes one.
     """
-    if profile not in (False, True, "host", "program"):
-        raise ValueError(f"profile must be False, True (or 'host') or 'program', got {profile!r}")
-    r = start(target, prompt, strategy, max_new_tokens, temperature, top_k, top_p, key, eos_token_id, max_cache_len,
-              draft_prompt, guidance, constraint, mesh, rules, prefill_chunk, compile_loop=profile not in (True, "host"),
-              pad_prompt_to=pad_prompt_to)
+    config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, max_cache_len=max_cache_len,
+                          temperature=temperature, top_k=top_k, top_p=top_p, key=key, draft_prompt=draft_prompt,
+                          guidance=guidance, constraint=constraint, mesh=mesh, rules=rules,
+                          prefill_chunk=prefill_chunk, pad_prompt_to=pad_prompt_to, profile=profile,
+                          compile_loop=profile not in (True, "host"))
+    r = start(target, prompt, strategy, config)
     state = r.state
     t1 = time.perf_counter()
     phases, per_step = {}, {}

@@ -59,7 +59,7 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
         prompt = parts.prefill.draft_prompt(prefill, prompt)
         d_len = parts.prefill.draft_len(max_len)  # a hook that shortens the draft's prompt shortens its cache
     needs = parts.needs
-    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, needs=needs, out=state.out, n_out=state.n_out)
+    env = draft_env(ctx, state, target, needs=needs)
     ds = parts.drafter.init(env, prefill, prompt, d_len, needs.pending_width)
     B = state.last.shape[0]
     ctrl, decided = None, {}
@@ -71,6 +71,11 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
         made = {"depth": shapes.depth, "weights": shapes.weights, **(shapes.info or {})}
         decided = {name: jnp.zeros((B, steps) + s.shape[1:], s.dtype) for name, s in made.items() if s is not None}
     return state.replace(aux=SDAux(ds, ctrl, decided, prefilled))
+
+
+def draft_env(ctx, state, target, decision=None, needs=None, stop=None) -> DraftEnv:
+    """The drafter's view of a decode state: the target's cache, `last` and the generated tokens as they stand."""
+    return DraftEnv(ctx, state.sp, target, state.cache, state.last, decision, needs, state.out, state.n_out, stop)
 
 
 def sd_draft(ctx, parts, target, carry):
@@ -88,7 +93,7 @@ def sd_draft(ctx, parts, target, carry):
     stop = None
     if needs.stops:  # the controller may end a row's draft after any level (from what drafted it)
         stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, RK.fold(k_stop, level))  # noqa: E731
-    env = DraftEnv(ctx, state.sp, target, state.cache, state.last, decision, needs, state.out, state.n_out, stop)
+    env = draft_env(ctx, state, target, decision, needs, stop)
     prop, ds = parts.plan.propose(env, parts.drafter, aux.draft, k_draft, decision)
     return state.replace(aux=aux.replace(draft=ds)), prop, None
 
@@ -178,7 +183,7 @@ def sd_accept(ctx, parts, target, carry):
     tc = kvc.commit(state.cache, n_keep) if plan.is_chain else kvc.commit_path(state.cache, verdict.path, n_keep)
     state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
-    env = DraftEnv(ctx, state.sp, target, tc, state.last, prop.decision, parts.needs, state.out, state.n_out)
+    env = draft_env(ctx, state, target, prop.decision, parts.needs)
     hid = None
     if parts.drafter.verify_hidden:  # the drafter's layers, concatenated on the last axis
         every, mine = verify_layers(parts, target)

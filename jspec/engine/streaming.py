@@ -83,7 +83,7 @@ def stream(target, prompt, strategy=None, max_new_tokens: int = 64, every: int =
     if kwargs.get("profile"):
         raise ValueError("stream does not profile: use jspec.decode(..., profile=...)")
     kwargs.pop("profile", None)
-    started = api.start(target, prompt, strategy, max_new_tokens, compile_loop=False, **kwargs)
+    started = api.start(target, prompt, strategy, max_new_tokens=max_new_tokens, compile_loop=False, **kwargs)
     return Stream(started, int(every), max_new_tokens, strategy)
 
 
