@@ -46,3 +46,17 @@ def test_a_proposal_of_the_wrong_shape_is_named():
     wrong = jspec.TokenDrafter(lambda tokens, lengths: (tokens[0, :2], jnp.ones((2,), bool)))
     with pytest.raises(ValueError, match=r"propose must return draft \[B, G\] and valid \[B, G\]"):
         jspec.decode(target, REPEATS, jspec.Chain(wrong, gamma=2), max_new_tokens=4)
+
+
+def test_prompt_lookups_chain_written_as_a_token_drafter_drafts_what_prompt_lookup_does():
+    """`ngram.lookup_proposal` through the adapter: the same tokens and the same accepted drafts at every step as
+    `jspec.PromptLookup`'s chain (`NgramDrafter`), on repetitive ragged prompts where the copies pay."""
+    from jspec.parts.drafters import ngram
+
+    target, _ = tiny_pair()
+    kw = dict(max_new_tokens=24, eos_token_id=())
+    ours = jspec.decode(target, REPEATS, jspec.Chain(jspec.TokenDrafter(ngram.lookup_proposal(3, 4)), gamma=4), **kw)
+    pld = jspec.decode(target, REPEATS, jspec.PromptLookup(gamma=4), **kw)
+    np.testing.assert_array_equal(ours.tokens, pld.tokens)
+    np.testing.assert_array_equal(np.asarray(ours.stats["accepted"]), np.asarray(pld.stats["accepted"]))
+    assert np.asarray(pld.stats["accepted"]).max() > 1  # some copies were accepted, so the drafts were compared

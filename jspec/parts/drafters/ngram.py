@@ -87,6 +87,27 @@ def reference_draft(text: list[int], max_ngram: int, gamma: int, depths=None, mi
     return 0, []
 
 
+def lookup_proposal(max_ngram: int = 3, gamma: int = 4, min_ngram: int = 1):
+    """Prompt lookup's chain as a `jspec.TokenDrafter` proposal, `propose(tokens, lengths) -> (draft, valid)`: the
+    chain `reference_draft` defines (what `NgramDrafter` drafts under a chain plan), written over the text alone.
+    It compares every pair of text positions, [B, L, L] per step, where `NgramDrafter` counts into the vocabulary:
+    a demonstration of the adapter more than a replacement for it."""
+    def propose(seq, n):
+        B, L = seq.shape
+        found = suffix_matches(seq, n, max_ngram, min_ngram)  # [B, L]
+        weight = jnp.where(found, 1.0 + _TIE * jnp.arange(L)[None] / n[:, None], 0.0)
+        same = seq[:, :, None] == seq[:, None, :]  # [B, L, L]
+        total = jnp.where(found, jnp.einsum("bcd,bd->bc", same.astype(jnp.float32), weight), -1.0)
+        best = jnp.max(total, axis=1, keepdims=True)
+        tok = jnp.min(jnp.where(found & (total == best), seq, jnp.iinfo(jnp.int32).max), axis=1)  # ties: lowest id
+        pos = jnp.arange(L)[None]
+        src = jnp.max(jnp.where(found & (seq == tok[:, None]), pos, -1), axis=1)  # its latest source
+        at = src[:, None] + jnp.arange(gamma)[None]
+        draft = jnp.take_along_axis(seq, jnp.clip(at, 0, L - 1), axis=1)
+        return draft, (src[:, None] >= 0) & (at < n[:, None])
+    return propose
+
+
 @struct.dataclass
 class NgramDrafter(Drafter):
     """Prompt-lookup drafting (see the module docstring); any static plan: a chain copies one match, a tree one
