@@ -38,7 +38,7 @@ def test_the_zoo_text_pair_decodes_the_same_tokens_either_way():
         target, draft = pair
         kw = dict(max_new_tokens=24)
         return [np.asarray(jspec.decode(target, prompts, s, **kw).tokens)
-                for s in (jspec.AR(), jspec.Chain(draft, gamma=4), jspec.PromptLookup(gamma=4))]
+                for s in (jspec.AR(), jspec.Chain(draft, gamma=4))]
 
     on, off = _both(lambda: (zoo.load("text-target"), zoo.load("text-draft")), decode)
     for a, b in zip(on, off):
@@ -53,7 +53,7 @@ def test_smollm2_decodes_the_same_tokens_either_way():
     ids = np.asarray(tok.apply_chat_template(chat, add_generation_prompt=True)["input_ids"], np.int32)
 
     def decode(model):
-        return [np.asarray(jspec.decode(model, ids, s, max_new_tokens=32).tokens)
+        return [np.asarray(jspec.decode(model, ids, s, max_new_tokens=24).tokens)
                 for s in (jspec.AR(), jspec.PromptLookup(gamma=4))]
 
     on, off = _both(lambda: models.load(REAL)[0], decode)
