@@ -22,7 +22,8 @@ def free_port() -> int:
 def launch(args: list[str], processes: int = 2, devices: int = 4, timeout: float = 600) -> list[dict]:
     """Run the worker with `args` in `processes` processes of `devices` CPU devices each; [result per process]."""
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                                                      f" --xla_force_host_platform_device_count={devices}").strip())
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py"), str(i), str(processes),
                                str(port), *args], env=env, cwd=os.path.dirname(HERE), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(processes)]
