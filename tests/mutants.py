@@ -73,7 +73,7 @@ def _initial_tree_every_round(original):
         init = [jnp.broadcast_to(jnp.asarray(a), (B,) + jnp.shape(a)) for a in self.spec.initial()]
         return d._replace(tree=LayeredTree(*init))  # the planned depth and the reported plan are kept
 
-    return plan
+    return decide
 
 
 def _beta_owner():
@@ -110,7 +110,7 @@ MUTANTS = {
     "specvlm-uniform-keep": Mutant(_pruning_owner, "keep", _uniform_keep,
                                    ("tests/test_specvlm.py", "tests/test_pruning.py"),
                                    "the draft keeps a uniform stride of vision tokens, ignoring the attention"),
-    "sage-initial-tree": Mutant(_sage_owner, "plan", _initial_tree_every_round, ("tests/test_sage.py",),
+    "sage-initial-tree": Mutant(_sage_owner, "decide", _initial_tree_every_round, ("tests/test_sage.py",),
                                 "the engine drafts SAGE's initial tree every round (the planned depth kept)"),
     "beta-ts-frozen": Mutant(_beta_owner, "observe", _frozen_posterior, ("tests/test_eesd.py",),
                              "Beta-TS's posterior never moves"),
