@@ -205,3 +205,21 @@ def test_a_fresh_prefill_attends_through_the_long_kernel():
         CA._group(q, KVH), (LY.kv_rows(jnp.asarray(kn)),), (LY.kv_rows(jnp.asarray(vn)),), (vis_j,), 0.3),
         q.shape))))(jnp.asarray(q))
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_and_xla_agree_on_rows_that_see_nothing(monkeypatch):
+    """A query row that sees no slot gets zeros from both (XLA's softmax over all-masked scores gave a uniform mix of
+    the values), through `attention` and `attention_deferred`; the other rows agree to rounding."""
+    q, k, v, vis = operands(2, 3, 4, 2, 64, 50, seed=5)
+    vis[0, 1] = False
+    vis[1, 2] = False
+    new = np.zeros((2, 3, 3), bool)
+    kn, vn = k[:, :3].copy(), v[:, :3].copy()
+    deferred = lambda q: LY.attention_deferred(q, k, v, kn, vn, LY.Deferred(vis, new))  # noqa: E731
+    kernel = [np.asarray(jax.jit(lambda q: LY.attention(q, k, v, vis))(q)), np.asarray(jax.jit(deferred)(q))]
+    monkeypatch.setenv(cpu.SWITCH, "0")
+    xla = [np.asarray(jax.jit(lambda q: LY.attention(q, k, v, vis))(q)), np.asarray(jax.jit(deferred)(q))]
+    for a, b in zip(kernel, xla):
+        assert not a[0, 1].any() and not a[1, 2].any() and not b[0, 1].any() and not b[1, 2].any()
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+        assert np.abs(b[0, 0]).max() > 0.1  # the rows that see something are not zero
