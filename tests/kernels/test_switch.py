@@ -1,6 +1,6 @@
 """One switch (`JSPEC_CPU_KERNELS`): the same greedy tokens with the CPU kernels on (every loader packs the weights;
-the products, attention and cache writes go to the kernels) as with them off (XLA's ops), on the zoo's text pair and
-on SmolLM2-135M-Instruct, and through every loader."""
+the products, attention and cache writes go to the kernels) as with them off (XLA's ops), on the zoo's text and image
+pairs and on SmolLM2-135M-Instruct, and through every loader."""
 import jax
 import numpy as np
 import pytest
@@ -24,7 +24,7 @@ def _both(load, decode):
         off_model = load()
         off = decode(off_model)
     jax.clear_caches()
-    first = lambda m: m[0] if isinstance(m, tuple) else m  # noqa: E731
+    first = lambda m: getattr(m, "target", m[0] if isinstance(m, tuple) else m)  # noqa: E731
     assert cpu.is_packed(first(on_model)) and not cpu.is_packed(first(off_model))
     return on, off
 
@@ -44,6 +44,23 @@ def test_the_zoo_text_pair_decodes_the_same_tokens_either_way():
     for a, b in zip(on, off):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(on[0], on[1])  # and speculation keeps AR's tokens
+
+
+def test_the_zoo_image_pair_decodes_the_same_tokens_either_way():
+    """A LLaVA target and draft (their language models packed with the kernels on, the vision towers as they are)
+    on VQA and caption prompts."""
+    from jspec.tools.zoo import evaluate as ZE
+
+    exs = ZD.eval_set("vqa", 2) + ZD.eval_set("caption", 1)
+
+    def decode(pair):
+        prompt = ZE.batch_prompt(pair.encoder, exs)
+        return [np.asarray(jspec.decode(pair.target, prompt, s, max_new_tokens=16).tokens)
+                for s in (jspec.AR(), jspec.Chain(pair.draft, gamma=4))]
+
+    on, off = _both(lambda: ZE.load_pair("image"), decode)
+    for a, b in zip(on, off):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.skipif(not models.available(REAL), reason=f"needs the real checkpoint: run `jspec fetch {REAL}`")
