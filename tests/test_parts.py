@@ -229,3 +229,18 @@ def test_a_stopped_draft_is_the_step_s_one_depth(pair):
             assert (depth[b, :steps[b]] == 2).all()
             assert acc[b, :steps[b]].max() <= 3  # at most 2 drafts + the bonus
         assert acc.max() == 3  # some step accepted both drafts: the limit, not a shorter draft, capped it
+
+
+def test_a_part_written_against_the_old_method_names_is_named():
+    """A controller defining `plan` (now `decide`) or a rule overriding `verify` (now `accept`) would be silently
+    ignored by the engine: it is refused before any compute, naming the new method."""
+    from jspec.parts.controllers import Controller, Decision
+
+    class Old(Controller):
+        def plan(self, state, key):
+            return Decision()
+
+    target, draft = tiny_pair()
+    with pytest.raises(ValueError, match="now `decide`"):
+        jspec.decode(target, PROMPTS, jspec.Chain(draft, gamma=2, controller=Old()), max_new_tokens=4)
+    jspec.decode(target, PROMPTS, jspec.Chain(draft, gamma=2, controller=jspec.FixedK(2)), max_new_tokens=4)

@@ -56,6 +56,11 @@ class AR(Strategy):
         pass
 
 
+def _defines(cls, name: str) -> bool:
+    """Whether a part's own class (not the protocol's base) defines `name`."""
+    return any(name in vars(c) for c in cls.__mro__ if c.__module__ != "jspec.parts.protocols")
+
+
 _BASES = {"drafter": (Drafter, "jspec.parts.drafters.Drafter"), "plan": (Plan, "jspec.parts.plans.Plan"),
           "controller": (Controller, "jspec.parts.controllers.Controller"), "prefill": (PrefillHook, "jspec.PrefillHook")}
 
@@ -87,6 +92,13 @@ class Speculative(Strategy):
             if (part is None and name in ("drafter", "plan")) or (part is not None and not isinstance(part, base)):
                 raise ValueError(f"the strategy's {name} must be a {called} (a subclass holds the protocol and its "
                                  f"defaults), got {type(part).__name__}")
+        renamed = [(part, old, new) for part, old, new in ((self.controller, "plan", "decide"),
+                                                            (as_rule(self.rule), "verify", "accept"))
+                   if part is not None and hasattr(type(part), old) and not _defines(type(part), new)]
+        if renamed:
+            part, old, new = renamed[0]
+            raise ValueError(f"{type(part).__name__} defines `{old}`, which the engine no longer calls: the method is "
+                             f"now `{new}` (same arguments{'' if new == 'decide' else ': key, proposal, logits, ...'})")
         rule = as_rule(self.rule)
         rule.check()
         self.drafter.check(target)
