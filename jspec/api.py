@@ -130,13 +130,13 @@ def _prefill_asks(parts, tokens, lengths, inputs, target_layers: int) -> dict:
 
 
 @CJ.jit(options=CJ.PREFILL, static_argnames=("ctx", "max_len", "static"))
-def _prefill_sd(ctx, max_len, static, dyn, target, tokens, lengths, inputs, d_prompt, key, sp):
+def _prefill_sd(ctx, max_len, static, dyn, target, tokens, lengths, inputs, d_prompt, key, sp, speculate=None):
     parts = merge(static, dyn)
     asks = _prefill_asks(parts, tokens, lengths, inputs, target.kv_layout[0])
     state, logits, fo = _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks)
     prefill = TargetPrefill(logits, fo.hidden, fo.attn, tokens, lengths, state.cache,
                             tuple(asks.get("hidden_layers", ())))
-    return SD.sd_start(ctx, parts, target, state, prefill, d_prompt, max_len)
+    return SD.sd_start(ctx, parts, target, state, prefill, d_prompt, max_len, speculate)
 
 
 @functools.partial(jax.jit, static_argnames=("ctx", "static"), donate_argnames=("state",))
@@ -198,6 +198,9 @@ def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **s
     SH.check_same_everywhere("prompts", tokens, lengths)
     if draft_prompt is not None and parts is None:
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")
+    speculate = _speculate_mask(c.speculate, len(lengths))
+    if parts is not None and (speculate is not None or (parts.controller is not None and parts.controller.skips)):
+        parts = parts.replace(plan=parts.plan.with_skips())  # a step where no row drafts verifies one token
     sampling_cfg, sp = SM.make_sampling(c.temperature, c.top_k, c.top_p)
     eos = eos_ids(target, c.eos_token_id)
     _check_call(target, lengths, max_new_tokens, eos, key)
@@ -243,7 +246,8 @@ def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **s
         prefill, args = _prefill_ar, (ctx, max_len, run_target, tokens, lengths, inputs, key, sp)
     else:
         static, dyn = split(parts)
-        prefill, args = _prefill_sd, (ctx, max_len, static, dyn, run_target, tokens, lengths, inputs, d_prompt, key, sp)
+        prefill, args = _prefill_sd, (ctx, max_len, static, dyn, run_target, tokens, lengths, inputs, d_prompt, key, sp,
+                                      speculate)
     ahead = None
     if c.compile_loop and placement is None:  # (a mesh's shardings would have to be spelled out for the lowering)
         shapes = prefill.trace(*args).out_info  # the call below reuses this trace
@@ -264,6 +268,17 @@ def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **s
                    prep_stats, ahead)
 
 
+def _speculate_mask(mask, batch: int) -> np.ndarray | None:
+    """`speculate=` as [B] bools, or None (every row speculates); a mask of another shape or type is refused."""
+    if mask is None:
+        return None
+    m = np.asarray(mask)
+    if m.shape != (batch,) or m.dtype != np.bool_:
+        raise ValueError(f"speculate must be one bool per row ([{batch}] bools: False rows decode as AR), got "
+                         f"{m.dtype} of shape {m.shape}")
+    return m
+
+
 def _shape_text(parts) -> str:
     """The static shape a speculative strategy compiles for (DEBUG log)."""
     if parts is None:
@@ -277,7 +292,7 @@ def _shape_text(parts) -> str:
 def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
            top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
            profile: bool | str = False, guidance: GD.CFG | None = None, constraint=None, mesh=None,
-           rules=None, prefill_chunk: int | None = "auto", pad_prompt_to: int = 16) -> DecodeOutput:
+           rules=None, prefill_chunk: int | None = "auto", pad_prompt_to: int = 16, speculate=None) -> DecodeOutput:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
 
     Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
@@ -304,12 +319,16 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     blockwise. Guided prompts (CFG) are prefilled in one pass.
     `pad_prompt_to`: the prompt's width is padded up to a multiple of this (default 16), so that prompts of nearby
     lengths share compiled programs (a benchmark over many prompt lengths passes e.g. 128).
+    `speculate`: [B] bools; a row marked False drafts nothing and takes AR steps inside the same batch (its tokens
+    are AR's: greedy the same tokens, sampled the same distribution), and the verify width follows only the rows
+    that speculate. None (default): every row speculates.
     The keywords are a `jspec.DecodeConfig`'s fields, checked when it is made (before any compute); `start` takes one.
     """
     config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, max_cache_len=max_cache_len,
                           temperature=temperature, top_k=top_k, top_p=top_p, key=key, draft_prompt=draft_prompt,
                           guidance=guidance, constraint=constraint, mesh=mesh, rules=rules,
                           prefill_chunk=prefill_chunk, pad_prompt_to=pad_prompt_to, profile=profile,
+                          speculate=speculate,
                           compile_loop=profile not in (True, "host"))
     r = start(target, prompt, strategy, config)
     state = r.state

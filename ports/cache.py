@@ -107,35 +107,43 @@ def _each_layer(fn, bufs, *per_layer):
     return [fn(b, *xs) for b, *xs in zip(bufs, *per_layer)]
 
 
-def _kernel_buffers(cache: KVCache):
-    """The cache's buffers as `ports.cpu.write_rows` takes them, [N', S, D] each: a per-layer cache's keys then values, a
-    stacked cache's keys and values [L, N, S, D] as one [L * N, S, D] buffer each. Returns (buffers, per_row,
+def _kernel_buffers(k, v):
+    """Keys and values (either layout) as `ports.cpu.write_rows` takes them, [N', S, D] each: per-layer buffers'
+    keys then values, stacked [L, N, S, D] ones as one [L * N, S, D] buffer each. Returns (buffers, per_row,
     rebuild): per_row maps an array over the cache's N flat rows to the buffers' rows, rebuild takes the kernel's
-    results back to a cache."""
-    if not cache.stacked:
-        L = len(cache.k)
-        return (tuple(cache.k) + tuple(cache.v), lambda a: a,
-                lambda bufs: cache.replace(k=list(bufs[:L]), v=list(bufs[L:])))
-    L = cache.k.shape[0]
-    return ((_layers_as_rows(cache.k), _layers_as_rows(cache.v)), lambda a: jnp.tile(a, (L,) + (1,) * (a.ndim - 1)),
-            lambda bufs: cache.replace(k=bufs[0].reshape(cache.k.shape), v=bufs[1].reshape(cache.v.shape)))
+    results back to (k, v)."""
+    if isinstance(k, (list, tuple)):
+        L = len(k)
+        return tuple(k) + tuple(v), lambda a: a, lambda bufs: (list(bufs[:L]), list(bufs[L:]))
+    L = k.shape[0]
+    return ((_layers_as_rows(k), _layers_as_rows(v)), lambda a: jnp.tile(a, (L,) + (1,) * (a.ndim - 1)),
+            lambda bufs: (bufs[0].reshape(k.shape), bufs[1].reshape(v.shape)))
 
 
 def _layers_as_rows(a: jax.Array) -> jax.Array:
     return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
-def write_pending(cache: KVCache, ks, vs) -> KVCache:
+def write_pending(cache: KVCache, ks, vs, offset: int = 0) -> KVCache:
     """The cache with a deferred forward's new keys / values (`ForwardOut.pending`: per layer [B * KVH, T, Dh], or
-    stacked [L, B * KVH, T, Dh]) at slots length[b].. of each row, as the forward would have written them (length not
-    advanced)."""
-    rows = jnp.repeat(cache.length, cache.kv_heads)
+    stacked [L, B * KVH, T, Dh]) at slots length[b] + offset.. of each row, as the forward would have written them
+    (length not advanced)."""
+    k, v = write_new_rows(cache.k, cache.v, ks, vs, cache.length + offset)
+    return cache.replace(k=k, v=v)
+
+
+def write_new_rows(k, v, ks, vs, start: jax.Array):
+    """Keys and values (per layer [B * KVH, S, Dh] each, or stacked [L, B * KVH, S, Dh]) with new ones
+    ([B * KVH, T, Dh] per layer, or stacked [L, B * KVH, T, Dh]) written at slots start[b].. of batch row b."""
+    kvh = (k[0] if isinstance(k, (list, tuple)) else k[0]).shape[0] // start.shape[0]
+    rows = jnp.repeat(start, kvh)
     if cpu.enabled():
-        bufs, per_row, rebuild = _kernel_buffers(cache)
-        news = (_layers_as_rows(ks), _layers_as_rows(vs)) if cache.stacked else tuple(ks) + tuple(vs)
+        bufs, per_row, rebuild = _kernel_buffers(k, v)
+        stacked = not isinstance(k, (list, tuple))
+        news = (_layers_as_rows(ks), _layers_as_rows(vs)) if stacked else tuple(ks) + tuple(vs)
         return rebuild(cpu.write_rows(bufs, news, per_row(rows)))
     write = lambda b, n: write_rows_xla(b, n, rows)  # noqa: E731
-    return cache.replace(k=_each_layer(write, cache.k, ks), v=_each_layer(write, cache.v, vs))
+    return _each_layer(write, k, ks), _each_layer(write, v, vs)
 
 
 def positions(cache: KVCache, offsets: jax.Array) -> jax.Array:
@@ -166,8 +174,9 @@ def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
     rows = jnp.repeat(start, H)
     length = start + n.astype(jnp.int32)
     if cpu.enabled():
-        bufs, per_row, rebuild = _kernel_buffers(cache)
-        return rebuild(cpu.move_rows(bufs, per_row(idx), per_row(rows))).replace(length=length)
+        bufs, per_row, rebuild = _kernel_buffers(cache.k, cache.v)
+        k, v = rebuild(cpu.move_rows(bufs, per_row(idx), per_row(rows)))
+        return cache.replace(k=k, v=v, length=length)
     move = lambda b: move_rows_xla(b, idx, rows)  # noqa: E731
     return cache.replace(k=_each_layer(move, cache.k), v=_each_layer(move, cache.v), length=length)
 

@@ -317,6 +317,17 @@ def deferred_visibility(cache, num_new: int, new_mask, window: int | None = None
                              jnp.broadcast_to(new.astype(bool), (cache.batch, num_new, num_new))), window)
 
 
+def split_visibility(visible: jax.Array, start: jax.Array) -> Deferred:
+    """A [B, T, S] boolean visibility of T new tokens that go at slots start[b] .. start[b] + T - 1, as the
+    `Deferred` one of the same forward with its writes held back: `old` the slots outside the new tokens' (what the
+    cache holds before the write), `new` [B, T, T] the new tokens each sees. Same slots seen, nothing lost."""
+    B, T, S = visible.shape
+    j = jnp.arange(S)[None, None, :]
+    own = (j >= start[:, None, None]) & (j < start[:, None, None] + T)
+    slots = jnp.clip(start[:, None, None] + jnp.arange(T)[None, None, :], 0, S - 1)
+    return Deferred(visible & ~own, jnp.take_along_axis(visible, jnp.broadcast_to(slots, (B, T, T)), axis=2))
+
+
 def prefill_visibility(cache, num_new: int, new_mask, write_offset: int, fresh: bool, window: int | None = None):
     """The visibility a forward attends under: `Causal` for a fresh prefill and `Prefix` for a chunk of a prefill
     (new tokens after the committed ones, no tree mask) when they are long enough to take the blockwise path, else

@@ -2,8 +2,9 @@
 layers as one `lax.scan` over them, with a stacked KV cache (keys and values [num_layers, B * KVH, S, Dh]).
 
 A program then holds one decoder layer whatever the depth, so its compile time no longer grows with the depth;
-each step reads every layer's weights and cache through the scan's per-layer slices, and writes each layer's
-buffer back as the scan's output. The layer body is the unrolled forward's, so tokens and logits are the same.
+each step reads every layer's weights and cache through the scan's per-layer slices; the new keys and values
+come out of the scan and are written into the stacked cache once after it (`run_layers`). The layer body is the
+unrolled forward's, so logits agree up to the order of float32 sums and greedy tokens are the same.
 `scan_layers(model)` and `unscan_layers(model)` convert between the layouts; `ports.llama.forward` (and the
 families that run it: LLaVA, LLaVA-NeXT, Qwen2-VL) takes either, the engine's caches follow the model's layout
 (`ports.cache.init_cache(stacked=...)`). `scripts/probe_scan_layers.py` measures what it buys and costs.
@@ -15,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ports import cache as kvc
 from ports import layers as LY
 from ports.fused import layers_path
 from ports.param_paths import get_path, set_path
@@ -79,10 +81,21 @@ def unscan_layers(model):
 
 def run_layers(cfg, layers: dict, x, k_all, v_all, cos, sin, start, visible, score_weights, fresh: bool,
                keep_hidden: bool):
-    """The decoder layers over x [B, T, D] as one scan. k_all, v_all [L, N, S, Dh]. Returns (x, ks, vs, hiddens,
-    attn): ks / vs each layer's buffer after its write (or its new rows, under a deferred visibility), stacked;
-    hiddens [L, B, T, D] the residual stream after each layer (None unless `keep_hidden`); attn the attention
-    scores summed over layers (None unless `score_weights`)."""
+    """The decoder layers over x [B, T, D] as one scan. k_all, v_all [L, N, S, Dh]; the new keys / values go at
+    slots start[b].. Returns (x, ks, vs, hiddens, attn): ks / vs the stacked buffers after the writes (only the new
+    rows [L, N, T, Dh] under a `Deferred` visibility, which writes nothing); hiddens [L, B, T, D] the residual
+    stream after each layer (None unless `keep_hidden`); attn the attention scores summed over layers (None unless
+    `score_weights`).
+
+    The cache is read by the scan, never written inside it: a forward over a filled cache attends each layer's old
+    slots and its new keys apart (`layers.split_visibility`), the scan gives out only the new rows, and they are
+    written into the stacked buffers once after it. (A write inside the scan made it give out every layer's whole
+    buffer: the stacked cache copied in and out each forward.) A prefill (`fresh`, `Causal`, `Prefix`) and a
+    forward asked for attention scores still write as the unrolled layers do."""
+    held = isinstance(visible, jax.Array) and score_weights is None and not fresh
+    if held:
+        visible = LY.split_visibility(visible, start)
+
     def body(carry, xs):
         x, attn = carry
         p, kb, vb = xs
@@ -94,6 +107,8 @@ def run_layers(cfg, layers: dict, x, k_all, v_all, cos, sin, start, visible, sco
     B = x.shape[0]
     attn0 = None if score_weights is None else jnp.zeros((B, k_all.shape[2]), jnp.float32)
     (x, attn), (ks, vs, hiddens) = jax.lax.scan(body, (x, attn0), (layers, k_all, v_all))
+    if held:
+        ks, vs = kvc.write_new_rows(k_all, v_all, ks, vs, start)
     return x, ks, vs, hiddens, attn
 
 

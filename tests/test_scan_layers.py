@@ -30,6 +30,11 @@ def same(a, b):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
 
+def close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
 def stacked_as_list(cache):
     return cache.replace(k=list(cache.k), v=list(cache.v))
 
@@ -54,8 +59,9 @@ def fwd(model):
 
 
 def test_every_forward_matches_the_unrolled_one(pair):
-    """Prefill, a decode step, a tree verify with hidden states and a mask, attention scores and a deferred
-    write, each jitted: the same logits, hidden states, scores and cache contents, bit for bit."""
+    """Prefill, a tree verify with hidden states and a mask, attention scores, a deferred write and a forward
+    after earlier scratch, each jitted: the same logits, hidden states, scores and cache contents (bit for bit, or
+    to float32 sum order where the scan holds its writes back)."""
     model, _ = pair
     target, s = fwd(model), fwd(SC.scan_layers(model))
     c0, c1 = caches(model)
@@ -67,10 +73,28 @@ def test_every_forward_matches_the_unrolled_one(pair):
     c0, c1 = kvc.commit(a.cache, jnp.array([6, 4])), kvc.commit(b.cache, jnp.array([6, 4]))
     nxt, npos = tok[:, :3], kvc.positions(c0, jnp.broadcast_to(jnp.arange(3), (2, 3)))
     tree = jnp.asarray([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]] * 2, bool)
-    for kw in ({}, {"hidden_layers": (model.config.num_layers,)}, {"attn_query_weights": jnp.ones((2, 3))}):
-        a = target(nxt, npos, c0, tree, **kw)
+    a = target(nxt, npos, c0, tree, attn_query_weights=jnp.ones((2, 3)))
+    b = s(nxt, npos, c1, tree, attn_query_weights=jnp.ones((2, 3)))
+    same((a.logits, a.attn, a.cache.k), (b.logits, b.attn, list(b.cache.k)))
+    for kw in ({}, {"hidden_layers": (model.config.num_layers,)}):
+        # the scan holds its writes back (`run_layers`): the unrolled forward with deferred writes, bit for bit,
+        # and the unrolled forward that writes as it goes up to the order of float32 sums
+        a = target(nxt, npos, c0, tree, defer_writes=True, **kw)
         b = s(nxt, npos, c1, tree, **kw)
-        same((a.logits, a.hidden, a.attn, a.cache.k), (b.logits, b.hidden, b.attn, list(b.cache.k)))
+        same((a.logits, a.hidden), (b.logits, b.hidden))
+        same(kvc.write_pending(c0, *a.pending), stacked_as_list(b.cache))
+        a = target(nxt, npos, c0, tree, **kw)
+        close((a.logits, a.hidden, a.cache), (b.logits, b.hidden, stacked_as_list(b.cache)))
+        assert np.argmax(a.logits, -1).tolist() == np.argmax(b.logits, -1).tolist()
+    # a forward after earlier scratch (a draft level at write_offset 3, seeing the tree's first node)
+    a0 = target(nxt, npos, c0, tree)
+    b0 = s(nxt, npos, c1, tree)
+    lvl = jnp.zeros((2, 2, 5), bool).at[:, :, 0].set(True).at[:, 0, 3].set(True).at[:, 1, 3:].set(True)
+    a = target(nxt[:, :2], npos[:, :2] + 1, a0.cache, lvl, write_offset=3)
+    b = s(nxt[:, :2], npos[:, :2] + 1, b0.cache, lvl, write_offset=3)
+    close((a.logits, a.cache), (b.logits, stacked_as_list(b.cache)))
+    assert not np.allclose(np.asarray(b.logits), np.asarray(
+        s(nxt[:, :2], npos[:, :2] + 1, b0.cache, lvl.at[:, :, 0].set(False), write_offset=3).logits))
     a = target(nxt, npos, c0, tree, defer_writes=True)
     b = s(nxt, npos, c1, tree, defer_writes=True)
     same((a.logits, a.pending[0]), (b.logits, list(b.pending[0])))

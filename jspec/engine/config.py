@@ -43,6 +43,8 @@ class DecodeConfig:
     draft_prompt: Any = None  # the draft's own view of each row's prompt (speculative strategies)
     guidance: Any = None  # jspec.CFG: classifier-free guidance
     constraint: Any = None  # e.g. jspec.ImageGrammar: a mask on each generated position's logits
+    # speculation per row
+    speculate: Any = None  # [B] bools: rows marked False decode as AR inside the batch (None: every row drafts)
     # placement
     mesh: Any = None  # shard the target over it by `rules`, replicate the draft
     rules: Any = None  # logical axis rules (default jspec.engine.sharding.DEFAULT_RULES; a dict overrides entries)

@@ -33,6 +33,7 @@ class SDAux:
     ctrl: Any  # the controller's state (None without a controller)
     decided: dict  # per-step decisions kept for the stats: name -> [B, max_steps, ...]
     prefilled: dict  # the prefill hook's per-row facts kept for the stats (`PrefillHook.info`): name -> [B, ...]
+    speculate: jax.Array | None = None  # [B] bool: rows that may draft (`decode(speculate=)`); None: every row
 
 
 class Verified(NamedTuple):
@@ -50,9 +51,10 @@ def verify_layers(parts, target) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, prefill: TargetPrefill, prompt,
-             max_len: int) -> loop.DecodeState:
+             max_len: int, speculate: jax.Array | None = None) -> loop.DecodeState:
     """After the target's prefill: the prefill hook picks the drafter's prompt from the prefill's by-products, the
-    drafter prefills, the controller starts."""
+    drafter prefills, the controller starts. `speculate` [B] bool (or None: every row): the rows that may draft;
+    the others take AR steps inside the same batch (depth 0)."""
     d_len, prefilled = max_len, {}
     if parts.prefill is not None:
         prefilled = dict(parts.prefill.info(prefill))
@@ -70,7 +72,8 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
         steps = state.accepted.shape[1]
         made = {"depth": shapes.depth, "weights": shapes.weights, **(shapes.info or {})}
         decided = {name: jnp.zeros((B, steps) + s.shape[1:], s.dtype) for name, s in made.items() if s is not None}
-    return state.replace(aux=SDAux(ds, ctrl, decided, prefilled))
+    spec = None if speculate is None else jnp.asarray(speculate, bool)
+    return state.replace(aux=SDAux(ds, ctrl, decided, prefilled, spec))
 
 
 def draft_env(ctx, state, target, decision=None, needs=None, stop=None) -> DraftEnv:
@@ -89,7 +92,11 @@ def sd_draft(ctx, parts, target, carry):
     ctrl = parts.controller
     decision = Decision() if ctrl is None else ctrl.decide(aux.ctrl, k_ctrl)
     if decision.depth is not None:
-        decision = decision._replace(depth=jnp.clip(decision.depth.astype(jnp.int32), 1, needs.depth))
+        low = 0 if ctrl.skips else 1
+        decision = decision._replace(depth=jnp.clip(decision.depth.astype(jnp.int32), low, needs.depth))
+    if aux.speculate is not None:  # rows told not to speculate draft nothing: their step is an AR step
+        depth = jnp.full(aux.speculate.shape, needs.depth, jnp.int32) if decision.depth is None else decision.depth
+        decision = decision._replace(depth=jnp.where(aux.speculate, depth, 0))
     stop = None
     if needs.stops:  # the controller may end a row's draft after any level (from what drafted it)
         stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, RK.fold(k_stop, level))  # noqa: E731

@@ -124,6 +124,10 @@ class StaticPlan(Plan):
             return sizes, jnp.argmax(depths >= need)
         return sizes, jnp.argmax(jnp.asarray(sizes) >= need)
 
+    def with_skips(self) -> "StaticPlan":
+        """Verify only as deep as some row drafted (`trim`): a step where no row drafts verifies the root alone."""
+        return self.replace(trim=True)
+
     def _tree(self, B: int, decision):
         if decision is not None and decision.tree is not None:
             t = decision.tree
@@ -314,6 +318,7 @@ class DynamicPlan(Plan):
     depth: int = struct.field(pytree_node=False)
     top_k: int = struct.field(pytree_node=False)
     total: int = struct.field(pytree_node=False)
+    bare: bool = struct.field(pytree_node=False, default=False)  # `with_skips`: a step may verify the root alone
 
     num_nodes = property(lambda self: self.total + 1)
     max_depth = property(lambda self: self.depth)
@@ -327,6 +332,16 @@ class DynamicPlan(Plan):
     @property
     def pool_size(self) -> int:
         return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+    def with_skips(self) -> "DynamicPlan":
+        return self.replace(bare=True)
+
+    def verify_size(self, prop: Proposal, done: jax.Array) -> tuple[tuple[int, ...], jax.Array | None]:
+        """With `bare`: the root alone when no decoding row drafted (every row at depth 0), else the whole tree."""
+        if not self.bare:
+            return (), None
+        drafted = jnp.any(~done & jnp.any(prop.valid[:, 1:], axis=1))
+        return (1, self.total + 1), drafted.astype(jnp.int32)
 
     def check(self, rule) -> None:
         if rule.draws:

@@ -208,6 +208,12 @@ class Plan:
         """(static widths, index of the one the target verifies this step), or ((), None): the whole proposal."""
         return (), None
 
+    def with_skips(self) -> "Plan":
+        """The plan for steps where rows may draft nothing (depth 0: a `speculate=False` row, a controller that
+        `skips`): its verify widths then include the root alone, so a step where no row drafts verifies one token
+        (default: the plan as it is, verifying its whole width)."""
+        return self
+
     def propose(self, env, drafter, ds, key, decision) -> tuple["Proposal", Any]:
         """(this step's tree, the drafter's state): drafted with `drafter` from its state `ds`. `decision.depth`
         [B] (or None) limits each row's depth; `env.needs` says what to keep (`draws`: the rule draws children when
@@ -277,7 +283,8 @@ class Asks:
 class Decision(NamedTuple):
     """A controller's plan for one step (fields it does not set stay None)."""
 
-    depth: jax.Array | None = None  # [B] int32 depth limit (clipped to [1, plan depth])
+    depth: jax.Array | None = None  # [B] int32 depth limit (clipped to [1, plan depth]; [0, ...] for a controller
+    # that `skips`: 0 drafts nothing, the row's step is an AR step)
     weights: jax.Array | None = None  # [B, m] ensemble weights of a multi-view drafter
     tree: Any = None  # a per-row tree for plans that take one (`LayeredTree` arrays [B, N])
     info: dict | None = None  # per-row numbers [B, ...] to keep per step in `out.stats` under their names
@@ -311,6 +318,7 @@ class Controller:
 
     asks = Asks()
     stops = False
+    skips = False  # may decide depth 0 for a row (no draft: the row's step is an AR step)
 
     def init(self, batch: int, max_depth: int) -> Any:
         return None
