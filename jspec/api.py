@@ -21,7 +21,8 @@ from jspec.engine import sharding as SH
 from jspec.engine import step as SD
 from jspec.parts.drafters import Setup, TargetPrefill
 from ports.prompts import model_prompt, round_up
-from jspec.engine.strategy import AR, Chain, DynamicTree, Speculative, Static, Strategy, Tree, merge, split  # noqa: F401
+from jspec.engine.strategy import (AR, Chain, DynamicTree, Guarded, Speculative, Static, Strategy, Tree, merge,  # noqa: F401
+                                   split)
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +194,10 @@ def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **s
         raise ValueError(f"strategy must be a jspec strategy (AR, Chain, Tree, DynamicTree, Speculative, ...), got "
                          f"{type(strategy).__name__}")
     strategy.check(target)
-    parts = strategy.parts()
     tokens, lengths, inputs = model_prompt(target, prompt, "", int(c.pad_prompt_to))
+    if isinstance(strategy, Guarded):  # its costs on this device, measured once per shape (cached on disk)
+        strategy = strategy.measured(target, len(lengths), int(lengths.max()))
+    parts = strategy.parts()
     SH.check_same_everywhere("prompts", tokens, lengths)
     if draft_prompt is not None and parts is None:
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")

@@ -201,3 +201,21 @@ def mesh_entries(slow: bool) -> list[str]:
     """The entries tests/conformance_mesh.py runs: the default ones without those tests/sharded_checks.py already
     decodes on a mesh, or with `slow` the slow ones and those."""
     return sorted(n for n, e in REGISTRY.items() if (e.slow or n in SHARDED_CHECKS) == slow)
+
+
+def guarded(strategy, step=0.05, rate=0.5):
+    """`strategy` under the guard with a cost table that makes drafting pay from a low acceptance (a round at
+    depth d costs 1 + step * d AR steps), so that rows speculate at first and drop to AR steps after rejections
+    (rate 0.5: two rejections in a row)."""
+    from jspec.engine.costs import CostTable
+
+    D = strategy.parts().plan.max_depth
+    return jspec.Guarded(strategy, costs=CostTable(1.0, tuple(1.0 + step * d for d in range(D + 1))), rate=rate)
+
+
+register("guarded_chain", lambda t, d: guarded(jspec.Chain(d, gamma=3)), exact=True)
+register("guarded_tree", lambda t, d: guarded(jspec.Tree(d, tree=SMALL_TREE)), exact=True)
+register("guarded_eesd", lambda t, d: guarded(jspec.EESD(eesd_head(t), k_max=4)), exact=True, separate_draft=False,
+         target_layers=2)
+register("guarded_lookup", lambda t, d: guarded(jspec.PromptLookup(max_ngram=2, gamma=3)), exact=True,
+         separate_draft=False, slow=True, sampling_prompt=(1, 4, 2, 5, 3, 5, 3, 5))

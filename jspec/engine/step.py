@@ -23,6 +23,7 @@ from ports import cache as kvc
 from jspec.engine import loop
 from jspec.parts.controllers import Decision, Record
 from jspec.parts.drafters import Catchup, DraftEnv, TargetPrefill
+from jspec.parts.protocols import Proposal
 
 
 @struct.dataclass
@@ -101,8 +102,29 @@ def sd_draft(ctx, parts, target, carry):
     if needs.stops:  # the controller may end a row's draft after any level (from what drafted it)
         stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, RK.fold(k_stop, level))  # noqa: E731
     env = draft_env(ctx, state, target, decision, needs, stop)
-    prop, ds = parts.plan.propose(env, parts.drafter, aux.draft, k_draft, decision)
+    propose = lambda ds: parts.plan.propose(env, parts.drafter, ds, k_draft, decision)  # noqa: E731
+    if aux.speculate is None and not (ctrl is not None and ctrl.skips):
+        prop, ds = propose(aux.draft)
+    else:  # rows may draft nothing: when none drafts, the drafter only catches up and the tree is the root alone
+        drafts = jnp.any((decision.depth > 0) & ~state.done)
+        shapes = jax.eval_shape(propose, aux.draft)[0]
+        bare = lambda ds: (root_only(shapes, env.last, decision), parts.drafter.catch_up(env, ds))  # noqa: E731
+        prop, ds = jax.lax.cond(drafts, propose, bare, aux.draft)
     return state.replace(aux=aux.replace(draft=ds)), prop, None
+
+
+def root_only(shapes: Proposal, last: jax.Array, decision: Decision) -> Proposal:
+    """A proposal of `shapes`' structure that offers nothing: the root (`last`) alone is valid, every node its own
+    ancestor, no children; distributions zero."""
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    B, N = shapes.tokens.shape
+    t = zeros.tree
+    tree = t._replace(parent=jnp.full(t.parent.shape, -1, jnp.int32),
+                      ancestor=jnp.broadcast_to(jnp.eye(N, dtype=bool), t.ancestor.shape),
+                      children=jnp.full(t.children.shape, -1, jnp.int32))
+    fed = None if shapes.fed is None else jnp.full(shapes.fed.shape, -1, jnp.int32)
+    return zeros._replace(tokens=zeros.tokens.at[:, 0].set(last.astype(jnp.int32)),
+                          valid=jnp.zeros((B, N), bool).at[:, 0].set(True), tree=tree, fed=fed, decision=decision)
 
 
 def sd_verify(ctx, parts, target, carry):

@@ -293,3 +293,59 @@ def split(parts) -> tuple[Static, list]:
 def merge(static: Static, dyn: list):
     """Inverse of `split`."""
     return jax.tree.unflatten(static.treedef, [d if s is None else s for s, d in zip(static.leaves, dyn)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Guarded(Strategy):
+    """`strategy` (any speculative strategy) under the guard (`jspec.parts.controllers.guard`): each round, per row
+    and per batch, it drafts only as deep as pays on this device, down to no draft at all (an AR step), from the
+    acceptance the rounds so far verified and `costs` (a `jspec.costs.CostTable`; None: `decode` measures it on the
+    first call and caches it on disk). The strategy's own controller still runs; the guard only lowers its depth.
+    `rate`, `prior`, `drift`: the acceptance estimates' update weight, starting value and pull back towards it where
+    no round looks. `force` >= 0 drafts every row to that depth (what the cost measurement times)."""
+
+    strategy: Any
+    costs: Any = None
+    rate: float = 0.2
+    prior: float = 0.5
+    drift: float = 0.02
+    force: int = -1
+
+    def __post_init__(self):
+        if isinstance(self.strategy, (Guarded, AR)) or not isinstance(self.strategy, (Strategy, Speculative)):
+            raise ValueError(f"Guarded wraps a speculative strategy (Chain, Tree, PromptLookup, EESD, ...), got "
+                             f"{type(self.strategy).__name__}")
+        for name in ("rate", "prior", "drift"):
+            v = getattr(self, name)
+            if not 0.0 <= float(v) <= 1.0:
+                raise ValueError(f"Guarded {name} must be in [0, 1], got {v!r}")
+
+    def parts(self) -> Speculative:
+        from jspec.parts.controllers.guard import Guard
+
+        if self.costs is None:
+            raise ValueError("Guarded has no cost table yet: jspec.decode measures one on its first call, or pass "
+                             "costs=jspec.costs.measure(target, strategy, batch=..., prompt_len=...)")
+        inner = self.strategy.parts()
+        D = inner.plan.max_depth
+        if self.costs.max_depth != D:
+            raise ValueError(f"the cost table covers depths 0 .. {self.costs.max_depth}; the strategy drafts to depth "
+                             f"{D} (measure its own table)")
+        guard = Guard(np.asarray(self.costs.step_s, np.float32), inner.controller, self.rate, self.prior, self.drift,
+                      self.force)
+        return inner.replace(controller=guard)
+
+    def check(self, target) -> None:
+        self.strategy.check(target)
+        if self.costs is not None:
+            self.parts().check(target)
+
+    def measured(self, target, batch: int, prompt_len: int) -> "Guarded":
+        """This guard with its cost table for `target` at this batch and prompt length (measured, or from the
+        disk cache)."""
+        if self.costs is not None:
+            return self
+        from jspec.engine import costs
+
+        return dataclasses.replace(self, costs=costs.measure(target, self.strategy, batch=batch,
+                                                             prompt_len=prompt_len))

@@ -135,6 +135,12 @@ class Drafter:
     def commit(self, env: DraftEnv, state, catchup: Catchup):
         raise NotImplementedError(f"{type(self).__name__} defines no `commit`")
 
+    def catch_up(self, env: DraftEnv, state):
+        """The state after a step in which no row drafts (every row at depth 0): it has read what `root` reads, so
+        the next step's root starts where it would have (default: `root`, its distribution unused, which XLA
+        then does not compute)."""
+        return self.root(env, state)[2]
+
 
 def run_level(run, go, state):
     """`go(state) -> (outputs, state)` for a drafter's `level`, skipped where the traced bool `run` is False (no row

@@ -1,0 +1,164 @@
+"""What a decode step costs on this device: an AR step, and a strategy's round at each depth it can draft to.
+
+`measure(target, strategy, batch=..., prompt_len=...)` times, warm and inside one compiled program
+(`jspec.engine.profiling`: a step repeated n times in a `fori_loop`, the slope between two n), the target's AR step
+and the guarded strategy's whole round with every row made to draft to depth d = 0 .. D (d = 0: no draft, the
+drafter only catches up and the target verifies one token). The depth is data, so one program serves every d. The
+prompt repeats a random block, so that a drafter that copies (prompt lookup) finds something to draft; the table
+keeps the draft tokens each depth actually offered per row and round.
+
+A table is cached as JSON under `$JSPEC_COSTS_DIR` (else ~/.cache/jspec/costs), keyed by the device kind, the
+target's and the strategy's shapes (not their values), the batch and the cache length (prompt length rounded up
+to a power of two); a missing entry is measured. `jspec.Guarded` reads one (`jspec costs` prints it and its plot).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+COSTS_ENV = "JSPEC_COSTS_DIR"
+VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Seconds per step on one device for one (target, strategy, batch, cache length)."""
+
+    ar_s: float  # the target's AR step
+    step_s: tuple[float, ...]  # a round of the strategy drafting to depth 0 .. D (0: no draft)
+    drafted: tuple[float, ...] = ()  # draft tokens a row offered per round at each depth, as measured
+    device: str = ""
+    batch: int = 1
+    prompt_len: int = 0
+    key: str = ""
+    measured: str = ""  # when (UTC)
+    seconds: float = 0.0  # how long the measurement took
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.step_s) - 1
+
+    def relative(self) -> np.ndarray:
+        """The round times in AR steps."""
+        return np.asarray(self.step_s) / self.ar_s
+
+    @classmethod
+    def flat(cls, max_depth: int) -> "CostTable":
+        """Every depth costing one AR step (a placeholder for measuring; a guard run on it speculates freely)."""
+        return cls(1.0, (1.0,) * (max_depth + 1))
+
+    def format(self) -> str:
+        rows = [f"{self.device}, batch {self.batch}, {self.prompt_len}-token prompt: AR step {self.ar_s * 1e3:.2f} ms",
+                "depth | round ms | AR steps | drafts offered per row"]
+        for d, s in enumerate(self.step_s):
+            off = f"{self.drafted[d]:.2f}" if d < len(self.drafted) else ""
+            rows.append(f"{d:5d} | {s * 1e3:8.2f} | {s / self.ar_s:8.2f} | {off}")
+        return "\n".join(rows)
+
+    def plot(self, path: str) -> str:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        d = np.arange(len(self.step_s))
+        ax.plot(d, self.relative(), "o-", label="a round drafting to depth d")
+        ax.axhline(1.0, color="gray", ls="--", label="an AR step")
+        ax.set_xlabel("draft depth d")
+        ax.set_ylabel("cost (AR steps)")
+        ax.set_title(f"{self.device}, batch {self.batch}", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def costs_dir() -> Path:
+    return Path(os.environ.get(COSTS_ENV) or Path.home() / ".cache" / "jspec" / "costs")
+
+
+def _shapes(tree) -> list:
+    """A pytree's structure with array leaves as (shape, dtype) and numbers as values: what shapes a program."""
+    leaves, treedef = jax.tree.flatten(tree)
+    out = [str(treedef)]
+    for x in leaves:
+        if hasattr(x, "shape") and hasattr(x, "dtype") and np.ndim(x) > 0:
+            out.append((tuple(x.shape), str(x.dtype)))
+        else:
+            out.append(repr(np.asarray(x).tolist()) if np.ndim(x) == 0 and hasattr(x, "dtype") else repr(x))
+    return out
+
+
+def table_key(target, parts, batch: int, prompt_len: int) -> str:
+    """The cache key of a table: device kind, backend, the target's and the strategy parts' shapes, the batch
+    and the cache length bucket."""
+    dev = jax.devices()[0]
+    bucket = 1 << max(int(prompt_len) - 1, 1).bit_length()
+    what = [VERSION, jax.default_backend(), dev.device_kind, jax.__version__, _shapes(target), _shapes(parts),
+            int(batch), bucket, os.environ.get("JSPEC_CPU_KERNELS", "")]
+    return hashlib.sha1(json.dumps(what, default=str).encode()).hexdigest()[:20]
+
+
+def probe_prompt(vocab_size: int, prompt_len: int, batch: int, seed: int = 0) -> np.ndarray:
+    """[batch, prompt_len] tokens: a random block repeated (so copies exist to look up), a different block per
+    row."""
+    rng = np.random.default_rng(seed)
+    block = max(prompt_len // 4, 4)
+    rows = [np.resize(rng.integers(3, vocab_size, block), prompt_len) for _ in range(batch)]
+    return np.stack(rows).astype(np.int32)
+
+
+def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool = True, reps=(4, 16),
+            runs: int = 3, progress=None) -> CostTable:
+    """The cost table of `strategy` (any speculative strategy; unguarded) on `target` at this batch and prompt
+    length: measured on this device, or read from the disk cache (`cache=False` measures anew and does not
+    write). `progress(str)` hears each step of the measurement."""
+    from jspec import api
+    from jspec.engine import profiling as PF
+    from jspec.engine.strategy import AR, Guarded, split
+
+    if isinstance(strategy, Guarded):
+        strategy = strategy.strategy
+    strategy.check(target)
+    inner = strategy.parts()
+    D = inner.plan.max_depth
+    key = table_key(target, inner, batch, prompt_len)
+    path = costs_dir() / f"{key}.json"
+    if cache and path.exists():
+        return CostTable(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(path.read_text()).items()})
+    say = progress or (lambda s: None)
+    t0 = time.perf_counter()
+    prompt = probe_prompt(target.vocab_size, prompt_len, batch)
+    kw = dict(max_new_tokens=reps[1] * (D + 1) + 2, eos_token_id=())
+    say(f"AR step ({batch} rows, {prompt_len}-token prompt)")
+    ar = api.start(target, prompt, AR(), **kw)
+    ar_s = PF._cost("step", ar, (ar.state, None, None), reps, runs)
+    st = api.start(target, prompt, Guarded(strategy, costs=CostTable.flat(D), force=0), **kw)
+    guard = st.parts.controller
+    step_s, drafted = [], []
+    for d in range(D + 1):
+        say(f"a round drafting to depth {d} of {D}")
+        static, dyn = split(st.parts.replace(controller=guard.replace(force=d)))
+        at = st._replace(static=static, dyn=dyn)
+        step_s.append(PF._cost("sd_step", at, (st.state, None, None), reps, runs))
+        end = PF._repeat("sd_step", at.ctx, at.static, at.dyn, at.target, (st.state, None, None), reps[0])[0]
+        drafted.append(float(np.mean(np.asarray(end.drafted - st.state.drafted))) / reps[0])
+    table = CostTable(float(ar_s), tuple(float(s) for s in step_s), tuple(drafted),
+                      f"{jax.default_backend()}: {jax.devices()[0].device_kind}", int(batch), int(prompt_len), key,
+                      time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.perf_counter() - t0)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(table), indent=1))
+    return table
+
+
+__all__ = ["CostTable", "costs_dir", "measure", "probe_prompt", "table_key"]

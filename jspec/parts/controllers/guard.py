@@ -1,0 +1,111 @@
+"""The guard: how deep each row drafts next round, from what the rounds verified so far and what a round costs on
+this device, so that speculating never costs more than it returns.
+
+Per row it keeps `alpha[d]`, the chance that draft position d + 1 is accepted once position d was (the root's
+children at d = 0), as an exponential average over the rounds that reached the position (`rate`); a position no
+round reaches drifts back towards `prior` (`drift`), so a row that stopped speculating tries again now and then.
+The expected tokens of a round drafted to depth k are E(k) = 1 + sum_{d<=k} prod_{j<=d} alpha[j] (E(0) = 1: the
+round is an AR step). With `step_s[k]` the measured seconds of a round at depth k (`jspec.costs`), a row's own
+choice is k_b = argmax_k E_b(k) / step_s[k]; the batch pays one width, so it drafts to the K that maximises
+sum_b E_b(min(k_b, K)) / step_s[K] over its decoding rows, and row b to min(k_b, K). Depth 0 for every row makes the
+step verify the root alone and the drafter only catch up (`Drafter.catch_up`).
+
+Lossless: a decision reads only rounds already verified, never the drafts it limits, so greedy stays AR's tokens
+and sampling stays exact (the depth of a round is fixed before its drafts are drawn).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jspec.parts.controllers import Asks, Controller, Decision, Record, asks_of
+
+
+class GuardState(struct.PyTreeNode):
+    inner: Any  # the wrapped controller's state
+    alpha: jax.Array  # [B, D] float32: acceptance estimate at each draft position
+    active: jax.Array  # [B] bool: the row was decoding at the last round
+
+
+def expected_tokens(alpha: jax.Array) -> jax.Array:
+    """[B, D + 1]: the expected tokens a round commits when it drafts to depth k = 0 .. D (the bonus included)."""
+    reach = jnp.cumprod(alpha, axis=-1)
+    return jnp.concatenate([jnp.ones(alpha.shape[:-1] + (1,), alpha.dtype), 1.0 + jnp.cumsum(reach, axis=-1)], -1)
+
+
+@struct.dataclass
+class Guard(Controller):
+    """Picks each round's depth per row (0: an AR step) from measured costs and running acceptance estimates (the
+    module docstring). `step_s` [D + 1]: seconds of a round that drafts to depth 0 .. D; `inner`: the strategy's own
+    controller (its decision runs first; the guard only lowers its depth); `force` >= 0 makes every row draft to
+    that depth (what `jspec.costs.measure` times). The numbers are data: new costs do not recompile."""
+
+    step_s: jax.Array
+    inner: Any = None
+    rate: jax.Array | float = 0.2
+    prior: jax.Array | float = 0.5
+    drift: jax.Array | float = 0.02
+    force: jax.Array | int = -1
+
+    skips = True
+
+    @property
+    def asks(self) -> Asks:
+        return asks_of(self.inner)
+
+    @property
+    def stops(self) -> bool:
+        return self.inner is not None and self.inner.stops
+
+    def init(self, batch: int, max_depth: int) -> GuardState:
+        if jnp.shape(self.step_s) != (max_depth + 1,):
+            raise ValueError(f"the guard's costs give {jnp.shape(self.step_s)} round times; the plan drafts to depth "
+                             f"{max_depth}, so it needs {max_depth + 1} (depth 0 .. {max_depth})")
+        inner = None if self.inner is None else self.inner.init(batch, max_depth)
+        return GuardState(inner, jnp.full((batch, max_depth), self.prior, jnp.float32), jnp.ones((batch,), bool))
+
+    def choose(self, state: GuardState, cap: jax.Array | None = None) -> jax.Array:
+        """[B] int32 depths: each row's own best, capped by the batch's best shared depth (and by `cap`)."""
+        E = expected_tokens(state.alpha)  # [B, D + 1]
+        cost = jnp.maximum(jnp.asarray(self.step_s, jnp.float32), 1e-12)
+        D = E.shape[1] - 1
+        own = jnp.argmax(E / cost[None], axis=1).astype(jnp.int32)
+        if cap is not None:
+            own = jnp.minimum(own, cap)
+        K = jnp.arange(D + 1, dtype=jnp.int32)
+        at = jnp.minimum(own[:, None], K[None])  # [B, K]: the depth row b drafts to when the batch drafts to K
+        gain = jnp.sum(jnp.where(state.active[:, None], jnp.take_along_axis(E, at, axis=1), 0.0), axis=0)
+        best = jnp.argmax(gain / cost).astype(jnp.int32)
+        return jnp.minimum(own, best)
+
+    def decide(self, state: GuardState, key) -> Decision:
+        d = Decision() if self.inner is None else self.inner.decide(state.inner, key)
+        cap = None if d.depth is None else d.depth.astype(jnp.int32)
+        depth = self.choose(state, cap)
+        depth = jnp.where(jnp.asarray(self.force) >= 0, jnp.asarray(self.force, jnp.int32), depth)
+        return d._replace(depth=depth, info={**(d.info or {}), "speculated": depth > 0})
+
+    def observe(self, state: GuardState, record: Record) -> GuardState:
+        D = state.alpha.shape[1]
+        pos = jnp.arange(1, D + 1)[None]
+        a = record.accepted[:, None]
+        reached = (a >= pos - 1) & (pos <= record.depth[:, None]) & record.active[:, None]
+        hit = (a >= pos).astype(jnp.float32)
+        rate, prior, drift = (jnp.asarray(x, jnp.float32) for x in (self.rate, self.prior, self.drift))
+        alpha = jnp.where(reached, state.alpha + rate * (hit - state.alpha),
+                          state.alpha + drift * (prior - state.alpha))
+        inner = state.inner if self.inner is None else self.inner.observe(state.inner, record)
+        return GuardState(inner, alpha, record.active)
+
+    def start(self, state: GuardState, prefill) -> GuardState:
+        return state if self.inner is None else state.replace(inner=self.inner.start(state.inner, prefill))
+
+    def stop(self, state: GuardState, level, aux, limit, key):
+        return self.inner.stop(state.inner, level, aux, limit, key)
+
+    def check(self, target, drafter) -> None:
+        if self.inner is not None:
+            self.inner.check(target, drafter)

@@ -1,0 +1,141 @@
+"""The guard (`jspec.Guarded`, `jspec.parts.controllers.guard`, `jspec.costs`): its decision rule, its estimates,
+the measured cost table and its disk cache; guarded strategies stay AR's tokens whether the guard speculates, stops
+speculating or switches between the two, and a step where no row drafts is exact when sampled."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec.engine.costs import CostTable
+from jspec.parts.controllers.guard import Guard, GuardState, expected_tokens
+from jspec.parts.protocols import Record
+from sampling_check import V, chi2_pvalue, close_pair, exact_joint, joint_index, tiny_vocab_pair
+from strategies import eesd_head
+from tiny_pairs import PROMPTS, tiny_pair
+
+CHEAP = (1.0, 1.05, 1.1, 1.15)  # a round at depth 0 .. 3, in AR steps: drafting pays from a low acceptance
+DEAR = (1.0, 3.0, 5.0, 7.0)  # drafting never pays at a plausible acceptance
+EVEN = (1.0, 1.5, 2.0, 2.5)  # drafting pays while the first draft is accepted more than half the time
+
+
+def table(step_s):
+    return CostTable(1.0, tuple(step_s))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+def state(alpha, active=None):
+    alpha = jnp.asarray(alpha, jnp.float32)
+    return GuardState(None, alpha, jnp.ones(alpha.shape[0], bool) if active is None else jnp.asarray(active))
+
+
+def test_expected_tokens_and_the_choice_per_row_and_per_batch():
+    E = expected_tokens(jnp.asarray([[0.5, 0.5, 0.5]]))
+    np.testing.assert_allclose(E, [[1.0, 1.5, 1.75, 1.875]])
+    s = state([[0.9, 0.9, 0.9], [0.05, 0.0, 0.0]])
+    # the batch pays one width: row 0 drafts to 3, row 1 (hopeless) drafts nothing
+    assert Guard(jnp.asarray(CHEAP)).choose(s).tolist() == [3, 0]
+    assert Guard(jnp.asarray(DEAR)).choose(s).tolist() == [0, 0]  # no depth pays: an AR step for every row
+    # a row's own best depth: 1 when only the first draft is likely
+    assert Guard(jnp.asarray(EVEN)).choose(state([[0.9, 0.1, 0.1]])).tolist() == [1]
+    # the batch's depth is what pays summed over its rows: one good row among three bad ones is not enough
+    s = state([[0.7, 0.7, 0.7]] + [[0.0, 0.0, 0.0]] * 3)
+    assert Guard(jnp.asarray(EVEN)).choose(s).tolist() == [0, 0, 0, 0]
+    # ... unless the bad rows have finished
+    s = state([[0.7, 0.7, 0.7]] + [[0.0, 0.0, 0.0]] * 3, [True, False, False, False])
+    assert Guard(jnp.asarray(EVEN)).choose(s)[0] > 0
+    # an inner controller's depth caps the guard's
+    assert Guard(jnp.asarray(CHEAP)).choose(state([[0.9] * 3]), jnp.asarray([2])).tolist() == [2]
+
+
+def test_estimates_move_where_a_round_looked_and_drift_back_elsewhere():
+    g = Guard(jnp.asarray(CHEAP), rate=0.5, prior=0.5, drift=0.1)
+    s = g.init(3, 3)
+    B, D = 3, 3
+    rec = Record(accepted=jnp.asarray([3, 1, 0]), committed=jnp.asarray([4, 2, 1]), active=jnp.ones(B, bool),
+                 depth=jnp.asarray([3, 3, 0]), drafted=jnp.asarray([3, 3, 0]), path=jnp.zeros((B, D + 1), jnp.int32),
+                 on_path=jnp.zeros((B, D + 1), bool), tokens=jnp.zeros((B, D + 1), jnp.int32))
+    a = np.asarray(g.observe(s, rec).alpha)
+    np.testing.assert_allclose(a[0], [0.75, 0.75, 0.75])  # every position reached and accepted
+    np.testing.assert_allclose(a[1], [0.75, 0.25, 0.5])  # 1 accepted, the 2nd rejected, the 3rd never reached
+    np.testing.assert_allclose(a[2], [0.5, 0.5, 0.5])  # drafted nothing: nothing learnt, the prior stays
+    low = s.replace(alpha=jnp.zeros((B, D)))
+    np.testing.assert_allclose(np.asarray(g.observe(low, rec._replace(depth=jnp.zeros(B, jnp.int32))).alpha),
+                               np.full((B, D), 0.05))  # unobserved positions drift back towards the prior
+
+
+@pytest.mark.parametrize("name", ["chain", "tree", "lookup", "eesd"])
+def test_guarded_greedy_is_ar_whether_it_speculates_or_not(pair, name):
+    target, draft = pair
+    prompts = PROMPTS
+    if name == "eesd":  # an early exit after the first of two layers
+        target, draft = tiny_vocab_pair(2)
+        prompts = [np.array([1, 4, 2, 5]), np.array([3, 1]), np.array([2, 2, 5, 1, 0])]
+    make = {"chain": lambda: jspec.Chain(draft, gamma=3),
+            "tree": lambda: jspec.Tree(draft, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+            "lookup": lambda: jspec.PromptLookup(max_ngram=2, gamma=3),
+            "eesd": lambda: jspec.EESD(eesd_head(target), k_max=3)}[name]
+    strategy = make()
+    ar = jspec.decode(target, prompts, max_new_tokens=16, eos_token_id=())
+    seen = {}
+    # "even": each round follows the last one's first draft (rate 1) and drifts back within three rounds
+    for name, costs, kw in (("cheap", CHEAP, {}), ("dear", DEAR, {}),
+                            ("even", EVEN, dict(rate=1.0, prior=0.8, drift=0.3))):
+        out = jspec.decode(target, prompts, jspec.Guarded(strategy, costs=table(costs), **kw),
+                           max_new_tokens=16, eos_token_id=())
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+        spec = out.stats["speculated"]
+        seen[name] = (spec.any(), (~spec).any())
+        if name == "dear":
+            assert (out.stats["drafted"] == 0).all() and not spec.any()
+    assert seen["cheap"][0]
+    assert seen["even"] == (True, True), seen  # it switched between speculating and AR steps within a decode
+
+
+def test_sampling_stays_exact_when_no_row_drafts_and_when_half_the_rows_do():
+    target, draft = close_pair()
+    prompt = np.array([1, 4, 2])
+    p = exact_joint(target, 3, prompt)
+    rows = 6000
+    for mask in (np.zeros(rows, bool), np.arange(rows) % 2 == 0):
+        out = jspec.decode(target, np.tile(prompt, (rows, 1)), jspec.Chain(draft, gamma=2), max_new_tokens=3,
+                           temperature=1.0, key=jax.random.key(1), eos_token_id=(), speculate=mask)
+        counts = np.bincount(joint_index(out.tokens, 3), minlength=V ** 3)
+        assert chi2_pvalue(counts, p) > 1e-3
+        assert (out.stats["drafted"][~mask] == 0).all()
+
+
+def test_the_cost_table_is_measured_per_depth_and_cached_on_disk(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("JSPEC_COSTS_DIR", str(tmp_path))
+    target, draft = pair
+    s = jspec.Chain(draft, gamma=2)
+    heard = []
+    t = jspec.costs.measure(target, s, batch=2, prompt_len=12, reps=(2, 4), runs=1, progress=heard.append)
+    assert len(t.step_s) == 3 and t.ar_s > 0 and all(x > 0 for x in t.step_s)
+    assert t.drafted == (0.0, 1.0, 2.0)  # each forced depth offered that many drafts per row and round
+    assert len(heard) == 4 and len(list(tmp_path.glob("*.json"))) == 1
+    again = jspec.costs.measure(target, s, batch=2, prompt_len=12)
+    assert again == t  # read back, not measured again
+    assert jspec.costs.measure(target, s, batch=3, prompt_len=12, reps=(2, 4), runs=1).key != t.key
+    assert "depth" in t.format() and t.plot(str(tmp_path / "c.png"))
+    g = jspec.Guarded(s)
+    jspec.decode(target, PROMPTS[:2], g, max_new_tokens=4, eos_token_id=())  # 2 rows, 14 tokens: the first table
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    longer = [np.arange(20) % 97, np.arange(25) % 97]  # another cache length bucket: measured on the first call
+    out = jspec.decode(target, longer, g, max_new_tokens=8, eos_token_id=())
+    assert len(list(tmp_path.glob("*.json"))) == 3
+    np.testing.assert_array_equal(out.tokens, jspec.decode(target, longer, max_new_tokens=8, eos_token_id=()).tokens)
+
+
+def test_bad_guards_are_refused(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="Guarded wraps a speculative strategy"):
+        jspec.Guarded(jspec.AR())
+    with pytest.raises(ValueError, match="rate must be in"):
+        jspec.Guarded(jspec.Chain(draft, gamma=2), rate=2.0)
+    with pytest.raises(ValueError, match="covers depths 0 .. 3; the strategy drafts to depth 2"):
+        jspec.decode(target, PROMPTS, jspec.Guarded(jspec.Chain(draft, gamma=2), costs=table(CHEAP)))
