@@ -81,10 +81,40 @@ def _jspec():
     return jspec
 
 
+GUARD, DEPTH = "+guard", "+depth"  # NAME+guard: the method under `jspec.Guarded`; NAME+depthK: every round at depth K
+
+
+def guard_of(name: str) -> tuple[str, str | None, int | None]:
+    """(the base method's name, "guard" / "depth" / None, the fixed depth K of NAME+depthK or None)."""
+    if name.endswith(GUARD):
+        return name[:-len(GUARD)], "guard", None
+    base, sep, k = name.rpartition(DEPTH)
+    if sep and k.isdigit():
+        return base, "depth", int(k)
+    return name, None, None
+
+
+def guarded(name: str, strategy):
+    """`strategy` as the method `name` runs it: under the guard (+guard), at a fixed depth inside the guard's own
+    program (+depthK: what the guard could have chosen every round), or as it is."""
+    import jspec
+    from jspec.engine.costs import CostTable
+
+    _, kind, k = guard_of(name)
+    if kind == "guard":
+        return jspec.Guarded(strategy)
+    if kind == "depth":
+        D = strategy.parts().plan.max_depth
+        if not 1 <= k <= D:
+            raise ValueError(f"{name}: the method drafts to depth {D} at most, so K must be in 1 .. {D}")
+        return jspec.Guarded(strategy, costs=CostTable.flat(D), force=k)
+    return strategy
+
+
 def head_method(name: str) -> tuple[str, object] | None:
     """(drafter kind, builder) of a trained-drafter method name (a "-bf16" one too, and NAME@HEAD, the method over
     a head of its kind read from a directory HEAD rather than the one shipped), or None."""
-    base = name.partition("@")[0]
+    base = guard_of(name.partition("@")[0])[0]
     return HEAD_METHODS.get(base[:-len(BF16)] if base.endswith(BF16) else base)
 
 
@@ -95,7 +125,7 @@ def head_label(name: str) -> tuple[str, str | None]:
 
 
 def dtype_of(method: str) -> str:
-    return "bfloat16" if method.partition("@")[0].endswith(BF16) else "float32"
+    return "bfloat16" if guard_of(method.partition("@")[0])[0].endswith(BF16) else "float32"
 
 
 def reference_of(method: str) -> str:
@@ -121,7 +151,7 @@ def load_questions(categories=CATEGORIES, per_category: int | None = None) -> li
     return out
 
 
-PLAN_STATS = ("depth", "width", "nodes", "alpha")  # a controller's per-step decision (`out.stats`), when it has one
+PLAN_STATS = ("depth", "width", "nodes", "alpha", "speculated")  # a controller's per-step decision (`out.stats`), when it has one
 
 
 def _row(out, b: int, wall: float, loop: float) -> tuple:
@@ -239,7 +269,7 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     from jspec.tools import models
 
     known = strategies()
-    bad = [s for s in strategies_ if s not in known and head_method(s) is None] + [
+    bad = [s for s in strategies_ if guard_of(s)[0] not in known and head_method(s) is None] + [
         h for h in hf_methods if h not in HF_METHODS]
     if bad:
         raise ValueError(f"unknown methods {bad}; jspec: {', '.join(known)}; over a trained drafter: "
@@ -285,13 +315,13 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
     runner = Runner(model, tok, max_new_tokens, temperature, pad_to, hf, by_dtype, ignore_eos)
     methods = {}
     for s in strategies_:
-        if s in known:
-            methods[s] = known[s]
+        if guard_of(s)[0] in known:
+            methods[s] = guarded(s, known[guard_of(s)[0]])
         else:
             kind, build = head_method(s)
             target = by_dtype[dtype_of(s)]
-            methods[s] = build(models.load_head_dir(head_dirs[s], kind, target) if s in head_dirs else
-                               models.head(model_name, kind, target))
+            methods[s] = guarded(s, build(models.load_head_dir(head_dirs[s], kind, target) if s in head_dirs else
+                                          models.head(model_name, kind, target)))
 
     # first turns (and, from jspec AR's answers, second turns): the prompts every method answers
     turns = []  # (question index, turn, ids)
@@ -426,7 +456,29 @@ def summarize(qs, turns, res, methods, hf_methods, temperature, overall_only: bo
                 ref = res[reference_of(m)] if m in methods else ar
                 row["equal_to_ar"] = f"{sum(np.array_equal(out[k][0][0], ref[k][0][0]) for k in keys)}/{len(keys)}"
             rows.append(row)
-    return {"rows": rows}
+    return {"rows": regret(rows)}
+
+
+def regret(rows: list[dict]) -> list[dict]:
+    """Each guarded method's row (NAME+guard) with, in its group: the unguarded method's speedup, the share of it
+    the guard kept, and the best fixed choice in hindsight (AR, the method as it is, NAME+depthK where run) with the
+    guard's speedup over it."""
+    by = {(r["group"], r["method"]): r for r in rows}
+    for r in rows:
+        base, kind, _ = guard_of(r["method"])
+        if kind != "guard":
+            continue
+        g = r["group"]
+        fixed = {"ar": 1.0}
+        fixed.update({m: x["speedup_vs_ar"] for (gg, m), x in by.items()
+                      if gg == g and (m == base or (guard_of(m)[0] == base and guard_of(m)[1] == "depth"))})
+        best = max(fixed, key=fixed.get)
+        r["hindsight_best"] = best
+        r["hindsight_speedup"] = fixed[best]
+        r["vs_hindsight"] = round(r["speedup_vs_ar"] / fixed[best], 3)
+        if base in fixed:
+            r["unguarded_speedup"] = fixed[base]
+    return rows
 
 
 def plan_summary(outs: list) -> dict:
@@ -437,7 +489,8 @@ def plan_summary(outs: list) -> dict:
     if not plans:
         return {}
     row = {}
-    for k, name in (("depth", "planned_depth"), ("width", "tree_width"), ("nodes", "tree_nodes")):
+    for k, name in (("depth", "planned_depth"), ("width", "tree_width"), ("nodes", "tree_nodes"),
+                    ("speculated", "speculated_share")):
         v = [x for p, _ in plans for x in p.get(k, [])]
         if v:
             row[name] = round(float(np.mean(v)), 2)
@@ -451,8 +504,9 @@ def plan_summary(outs: list) -> dict:
 
 def markdown(summary: dict) -> str:
     rows = summary["rows"]
-    cols = ["group", "method", "turns", "mean_accepted", "drafts_per_step", "planned_depth", "tree_width",
-            "tree_nodes", "alpha_accept_r", "step_cost_ar_steps", "tokens_s", "speedup_vs_ar", "equal_to_ar"]
+    cols = ["group", "method", "turns", "mean_accepted", "drafts_per_step", "planned_depth", "speculated_share",
+            "tree_width", "tree_nodes", "alpha_accept_r", "step_cost_ar_steps", "tokens_s", "speedup_vs_ar",
+            "unguarded_speedup", "hindsight_best", "hindsight_speedup", "vs_hindsight", "equal_to_ar"]
     return "\n".join(report.markdown_table(rows, [c for c in cols if any(c in r for r in rows)], missing="-"))
 
 
@@ -477,7 +531,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; "
                          "eagle3-c2/3/4/6, eagle3-tree, eagle3 (dynamic tree), sage-eagle3 (an EAGLE-3 head); each "
                          "also with bfloat16 weights as NAME-bf16, and over a head of its kind in a directory as "
-                         "NAME@DIR")
+                         "NAME@DIR; NAME+guard runs it under jspec.Guarded, NAME+depthK every round at depth K "
+                         "(the guard's fixed choices: the summary compares the guard with the best in hindsight)")
     ap.add_argument("--baselines", nargs="*", default=list(HF_METHODS), help="transformers baselines: hf (generate), "
                                                                               "hf-pld (its prompt lookup); none: omit")
     ap.add_argument("--max-new-tokens", type=int, default=256)
