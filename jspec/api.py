@@ -389,6 +389,11 @@ def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings, depth: 
     per_pos = reached.sum(axis=1).astype(np.int32)
     with np.errstate(invalid="ignore", divide="ignore"):
         rate_pos = np.where(row_steps[:, None] > 0, per_pos / np.maximum(row_steps, 1)[:, None], np.nan)
+    if "speculated" in timings:  # the guard's choice per step: the share of each row's rounds that drafted
+        spec = np.asarray(timings["speculated"], bool)[:, :steps]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            timings = {**timings, "speculated_share": np.where(row_steps > 0, (spec & (accepted > 0)).sum(1) /
+                                                               np.maximum(row_steps, 1), np.nan)}
     stats = {"steps": row_steps, "accepted": accepted, "mean_accepted": mean_acc,
              "accepted_per_position": per_pos, "acceptance_per_position": rate_pos,
              "mean_accepted_no_bonus": mean_acc - 1.0, "drafted": np.asarray(drafted),

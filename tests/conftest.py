@@ -32,6 +32,10 @@ def _compile_less():
         os.environ["JAX_COMPILATION_CACHE_DIR"] = path
         atexit.register(shutil.rmtree, path, ignore_errors=True)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    if "JSPEC_COSTS_DIR" not in os.environ:  # the guard's cost tables (`jspec.costs`): measured here, not read from ~
+        path = tempfile.mkdtemp(prefix="jspec-tests-costs-")
+        os.environ["JSPEC_COSTS_DIR"] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 
 _compile_less()

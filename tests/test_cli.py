@@ -25,7 +25,9 @@ def test_demo_runs(tmp_path, capsys):
     (sec,) = res["sections"]
     r = sec["results"]
     assert {(n, m) for n in r for m in r[n]} == {("AR", "greedy"), ("AR", "sampled"), ("Chain gamma=5", "greedy"),
-                                                  ("Chain gamma=5", "sampled"), ("Tree (9 drafts)", "greedy")}
+                                                  ("Chain gamma=5", "sampled"), ("Tree (9 drafts)", "greedy"),
+                                                  ("Tree (9 drafts), guarded", "greedy")}
+    assert r["Tree (9 drafts), guarded"]["greedy"]["same_as_ar"]
     for name in ("Chain gamma=5", "Tree (9 drafts)"):
         g = r[name]["greedy"]
         assert g["same_as_ar"] and g["tau"] > 2.0, (name, g["tau"])
@@ -140,6 +142,26 @@ def test_decode_speculates_streams_and_reports_acceptance(llama_pair, tmp_path, 
     with pytest.raises(SystemExit, match="takes no --draft"):
         cli.main(["decode", "--model", str(tmp_path), "--prompt-ids", "3,1", "--draft", str(tmp_path),
                   "--strategy", "pld"])
+
+
+def test_decode_guarded_and_costs(llama_pair, tmp_path, capsys, monkeypatch):
+    """`jspec costs` prints a strategy's round costs per depth and writes the plot; `jspec decode --guard` measures
+    them on first use, gives AR's tokens and says how often it speculated; AR cannot be guarded."""
+    monkeypatch.setenv("JSPEC_COSTS_DIR", str(tmp_path / "costs"))
+    hf, model = llama_pair
+    hf.save_pretrained(str(tmp_path))
+    ref = jspec.decode(model, np.array([3, 1, 4, 1, 5]), max_new_tokens=10).tokens[0].tolist()
+    png = tmp_path / "c.png"
+    assert cli.main(["costs", "--model", str(tmp_path), "--draft", str(tmp_path), "--gamma", "2", "--batch", "1",
+                     "--prompt-len", "8", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "AR step" in out and out.count(" | ") >= 3 * 3 and png.exists()  # depths 0, 1, 2
+    assert cli.main(["decode", "--model", str(tmp_path), "--draft", str(tmp_path), "--gamma", "2", "--guard",
+                     "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "10"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert json.loads(lines[-1])["tokens"] == ref and "speculated in" in lines[-2]
+    with pytest.raises(SystemExit, match="--guard needs a speculative"):
+        cli.main(["decode", "--model", str(tmp_path), "--guard", "--prompt-ids", "3,1"])
 
 
 def test_chat_holds_two_turns(llama_pair, tmp_path, capsys):

@@ -1,7 +1,8 @@
 """What a decode step costs on this device: an AR step, and a strategy's round at each depth it can draft to.
 
 `measure(target, strategy, batch=..., prompt_len=...)` times, warm and inside one compiled program
-(`jspec.engine.profiling`: a step repeated n times in a `fori_loop`, the slope between two n), the target's AR step
+(`jspec.engine.profiling`: a step repeated n times in a `fori_loop`, the slope between two n; the median of
+`runs` slopes taken in turn over every point, so that the machine's slow moments fall on all alike), the target's AR step
 and the guarded strategy's whole round with every row made to draft to depth d = 0 .. D (d = 0: no draft, the
 drafter only catches up and the target verifies one token). The depth is data, so one program serves every d. The
 prompt repeats a random block, so that a drafter that copies (prompt lookup) finds something to draft; the table
@@ -118,7 +119,7 @@ def probe_prompt(vocab_size: int, prompt_len: int, batch: int, seed: int = 0) ->
 
 
 def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool = True, reps=(4, 16),
-            runs: int = 3, progress=None) -> CostTable:
+            runs: int = 5, progress=None) -> CostTable:
     """The cost table of `strategy` (any speculative strategy; unguarded) on `target` at this batch and prompt
     length: measured on this device, or read from the disk cache (`cache=False` measures anew and does not
     write). `progress(str)` hears each step of the measurement."""
@@ -139,19 +140,33 @@ def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool
     t0 = time.perf_counter()
     prompt = probe_prompt(target.vocab_size, prompt_len, batch)
     kw = dict(max_new_tokens=reps[1] * (D + 1) + 2, eos_token_id=())
-    say(f"AR step ({batch} rows, {prompt_len}-token prompt)")
+    say(f"compile: an AR step and a round ({batch} rows, {prompt_len}-token prompt)")
     ar = api.start(target, prompt, AR(), **kw)
-    ar_s = PF._cost("step", ar, (ar.state, None, None), reps, runs)
     st = api.start(target, prompt, Guarded(strategy, costs=CostTable.flat(D), force=0), **kw)
     guard = st.parts.controller
-    step_s, drafted = [], []
+    points = {"ar": ("step", ar)}
     for d in range(D + 1):
-        say(f"a round drafting to depth {d} of {D}")
         static, dyn = split(st.parts.replace(controller=guard.replace(force=d)))
-        at = st._replace(static=static, dyn=dyn)
-        step_s.append(PF._cost("sd_step", at, (st.state, None, None), reps, runs))
-        end = PF._repeat("sd_step", at.ctx, at.static, at.dyn, at.target, (st.state, None, None), reps[0])[0]
+        points[d] = ("sd_step", st._replace(static=static, dyn=dyn))
+
+    def timed(name, at, n):
+        t = time.perf_counter()
+        out = jax.block_until_ready(PF._repeat(name, at.ctx, at.static, at.dyn, at.target, (at.state, None, None), n))
+        return time.perf_counter() - t, out[0]
+
+    drafted = []
+    for d in range(D + 1):  # compiles once (the depth is data); the drafts each depth offers per row and round
+        end = timed(*points[d], reps[0])[1]
         drafted.append(float(np.mean(np.asarray(end.drafted - st.state.drafted))) / reps[0])
+    timed(*points["ar"], reps[0])
+    slopes = {k: [] for k in points}
+    lo, hi = reps
+    for r in range(runs):  # interleaved, so that the machine's slow moments fall on every point alike
+        say(f"timing run {r + 1} of {runs}: AR and depths 0 .. {D}")
+        for k, (name, at) in points.items():
+            slopes[k].append((timed(name, at, hi)[0] - timed(name, at, lo)[0]) / (hi - lo))
+    med = {k: max(float(np.median(v)), 1e-9) for k, v in slopes.items()}
+    ar_s, step_s = med.pop("ar"), [med[d] for d in range(D + 1)]
     table = CostTable(float(ar_s), tuple(float(s) for s in step_s), tuple(drafted),
                       f"{jax.default_backend()}: {jax.devices()[0].device_kind}", int(batch), int(prompt_len), key,
                       time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.perf_counter() - t0)

@@ -306,9 +306,9 @@ class Guarded(Strategy):
 
     strategy: Any
     costs: Any = None
-    rate: float = 0.2
+    rate: float = 0.3
     prior: float = 0.5
-    drift: float = 0.02
+    drift: float = 0.01
     force: int = -1
 
     def __post_init__(self):

@@ -68,7 +68,8 @@ def long_examples(seed: int, tokenizer, kinds=("described_caption", "text_story"
 
 
 def text_section(seed: int, methods: str = "core") -> Section:
-    """The text pair (scenes given as their detailed descriptions): AR, Chain gamma=5 and the 9-draft tree; with
+    """The text pair (scenes given as their detailed descriptions): AR, Chain gamma=5 and the 9-draft tree (also
+    under the guard, `jspec.Guarded`); with
     `methods="all"` also DynamicTree, SAGE and EESD (CPU-sized trees), each greedy and sampled."""
     import jspec
     from jspec.parts.drafters.early_exit import load_head
@@ -78,8 +79,10 @@ def text_section(seed: int, methods: str = "core") -> Section:
     pair = ZE.load_pair("text")
     exs = long_examples(seed, pair.tokenizer)
     both = ("greedy", "sampled")
+    tree = jspec.Tree(pair.draft, tree=DEMO_TREE)
     s = {"AR": (None, both), "Chain gamma=5": (jspec.Chain(pair.draft, gamma=5), both),
-         "Tree (9 drafts)": (jspec.Tree(pair.draft, tree=DEMO_TREE), both if methods == "all" else ("greedy",))}
+         "Tree (9 drafts)": (tree, both if methods == "all" else ("greedy",)),
+         "Tree (9 drafts), guarded": (jspec.Guarded(tree), ("greedy",))}  # each round only as deep as pays here
     if methods == "all":
         s["DynamicTree (16 of 4x6)"] = (jspec.DynamicTree(pair.draft, depth=6, top_k=4, total=16), both)
         s["SAGE"] = (jspec.SAGE(pair.draft, w_max=4, k=4, n_max=16, init_tree=DEMO_TREE), both)
@@ -123,7 +126,8 @@ def real_section(seed: int = 0, model: str = REAL_MODEL, methods: str = "all") -
     every = methods == "all"
     both = ("greedy", "sampled") if every else ("greedy",)
     s = {"AR": (None, both), "PromptLookup gamma=10": (jspec.PromptLookup(max_ngram=3, gamma=10), ("greedy",)),
-         "PromptLookup gamma=4": (jspec.PromptLookup(max_ngram=3, gamma=4), both)}
+         "PromptLookup gamma=4": (jspec.PromptLookup(max_ngram=3, gamma=4), both),
+         "PromptLookup gamma=4, guarded": (jspec.Guarded(jspec.PromptLookup(max_ngram=3, gamma=4)), ("greedy",))}
     shipped = {kind for _, kind in models.heads(model)} if models.HEADS_DIR else set()
     if "eagle" in shipped and every:
         s["EAGLE head, chain of 2"] = (jspec.Chain(models.head(model, "eagle", target), gamma=2), ("greedy",))

@@ -45,9 +45,9 @@ class Guard(Controller):
 
     step_s: jax.Array
     inner: Any = None
-    rate: jax.Array | float = 0.2
+    rate: jax.Array | float = 0.3
     prior: jax.Array | float = 0.5
-    drift: jax.Array | float = 0.02
+    drift: jax.Array | float = 0.01
     force: jax.Array | int = -1
 
     skips = True

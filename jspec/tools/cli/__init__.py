@@ -242,6 +242,14 @@ def main(argv=None) -> int:
                                      "with --draft / --strategy; an empty line ends it")
     CG.add_args(ch, chat=True)
     ch.set_defaults(fn=CG.cmd_chat)
+    co = sub.add_parser("costs", help="what a round of a strategy costs on this device at each draft depth, in AR "
+                                      "steps (the table jspec.Guarded decides from; cached): a table and its plot")
+    CG.add_args(co, chat=True)
+    co.add_argument("--batch", type=int, default=1)
+    co.add_argument("--prompt-len", type=int, default=128)
+    co.add_argument("--fresh", action="store_true", help="measure anew (the cached table is not read or written)")
+    co.add_argument("--plot", default="jspec-costs.png", help="where the plot goes")
+    co.set_defaults(fn=CG.cmd_costs)
     c = sub.add_parser("convert", help="HF checkpoint dir or GGUF file -> orbax checkpoint dir")
     c.add_argument("hf_dir", help="an HF checkpoint directory or Hub id (org/name), or a .gguf file (llama; its "
                                   "tokenizer is written beside the checkpoint)")

@@ -21,6 +21,9 @@ def add_args(p, chat: bool = False) -> None:
     p.add_argument("--strategy", choices=STRATEGIES, help="default: chain with --draft, else ar")
     p.add_argument("--gamma", type=int, default=5, help="draft length (chain, pld) or depth (dynamic)")
     p.add_argument("--tree", default="mc_sim_7b_63", help="tree: a named tree or JSON child-rank paths (tree, sage)")
+    p.add_argument("--guard", action="store_true", help="run the strategy under jspec.Guarded: each round drafts only "
+                                                        "as deep as pays on this device, down to AR steps (its costs "
+                                                        "are measured on the first call and cached)")
     p.add_argument("--revision", help="Hub revision of --model / --draft")
     p.add_argument("--max-new-tokens", type=int, default=256 if chat else 32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -85,7 +88,18 @@ def load_tokenizer(path: str, processor: bool = False, fps: float | None = None)
 
 
 def make_strategy(args, target, draft_path):
-    """The strategy `args.strategy` names, over the draft at `draft_path`."""
+    """The strategy `args.strategy` names, over the draft at `draft_path` (under the guard with `--guard`)."""
+    import jspec
+
+    strategy = _named_strategy(args, target, draft_path)
+    if getattr(args, "guard", False):
+        if strategy is None:
+            raise SystemExit("--guard needs a speculative --strategy (AR has nothing to guard)")
+        return jspec.Guarded(strategy)
+    return strategy
+
+
+def _named_strategy(args, target, draft_path):
     import jspec
 
     name = args.strategy or ("chain" if draft_path else "ar")
@@ -178,6 +192,8 @@ def summary(out, seconds: float, strategy) -> str:
     line += f", {float(st['mean_accepted'][0]):.2f} tokens per target step"
     if strategy is not None:
         line += f", acceptance {float(st['acceptance_rate'][0]):.2f}"
+    if "speculated_share" in st:
+        line += f", speculated in {float(st['speculated_share'][0]):.0%} of its rounds"
     return line
 
 
@@ -203,6 +219,21 @@ def cmd_decode(args) -> int:
     print(summary(out, seconds, strategy))
     print(json.dumps({"tokens": ids, "decode_s": round(out.stats["decode_s"], 4),
                       "tokens_per_step": round(float(out.stats["mean_accepted"][0]), 4)}))
+    return 0
+
+
+def cmd_costs(args) -> int:
+    """`jspec costs`: the strategy's cost table on this device (measured, or read from the cache), and its plot."""
+    import jspec
+
+    model, _ = load_model(args.model, args.dtype, args.revision)
+    strategy = _named_strategy(args, model, args.draft)
+    if strategy is None:
+        raise SystemExit("jspec costs measures a speculative --strategy (with --draft where it needs one)")
+    table = jspec.costs.measure(model, strategy, batch=args.batch, prompt_len=args.prompt_len, cache=not args.fresh,
+                                progress=lambda s: print(f"[jspec] measuring {s}", file=sys.stderr, flush=True))
+    print(table.format())
+    print(f"plot: {table.plot(args.plot)}")
     return 0
 
 
