@@ -24,6 +24,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from ports import cpu
+
 COSTS_ENV = "JSPEC_COSTS_DIR"
 VERSION = 1
 
@@ -105,7 +107,7 @@ def table_key(target, parts, batch: int, prompt_len: int) -> str:
     dev = jax.devices()[0]
     bucket = 1 << max(int(prompt_len) - 1, 1).bit_length()
     what = [VERSION, jax.default_backend(), dev.device_kind, jax.__version__, _shapes(target), _shapes(parts),
-            int(batch), bucket, os.environ.get("JSPEC_CPU_KERNELS", "")]
+            int(batch), bucket, cpu.enabled()]
     return hashlib.sha1(json.dumps(what, default=str).encode()).hexdigest()[:20]
 
 
