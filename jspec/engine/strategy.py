@@ -298,9 +298,9 @@ def merge(static: Static, dyn: list):
 @dataclasses.dataclass(frozen=True)
 class Guarded(Strategy):
     """`strategy` (any speculative strategy) under the guard (`jspec.parts.controllers.guard`): each round, per row
-    and per batch, it drafts only as deep as pays on this device, down to no draft at all (an AR step), from the
-    acceptance the rounds so far verified and `costs` (a `jspec.costs.CostTable`; None: `decode` measures it on the
-    first call and caches it on disk). The strategy's own controller still runs; the guard only lowers its depth.
+    and per batch, it picks the depth that maximises expected tokens per measured second, down to no draft at all
+    (an AR step), from the acceptance the rounds so far verified and `costs` (a `jspec.costs.CostTable`; None:
+    `decode` measures it on the first call and caches it on disk). The strategy's own controller still runs; the guard only lowers its depth.
     `rate`, `prior`, `drift`: the acceptance estimates' update weight, starting value and pull back towards it where
     no round looks. `force` >= 0 drafts every row to that depth (what the cost measurement times)."""
 

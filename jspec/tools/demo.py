@@ -82,7 +82,7 @@ def text_section(seed: int, methods: str = "core") -> Section:
     tree = jspec.Tree(pair.draft, tree=DEMO_TREE)
     s = {"AR": (None, both), "Chain gamma=5": (jspec.Chain(pair.draft, gamma=5), both),
          "Tree (9 drafts)": (tree, both if methods == "all" else ("greedy",)),
-         "Tree (9 drafts), guarded": (jspec.Guarded(tree), ("greedy",))}  # each round only as deep as pays here
+         "Tree (9 drafts), guarded": (jspec.Guarded(tree), ("greedy",))}  # depth per round from this CPU's costs
     if methods == "all":
         s["DynamicTree (16 of 4x6)"] = (jspec.DynamicTree(pair.draft, depth=6, top_k=4, total=16), both)
         s["SAGE"] = (jspec.SAGE(pair.draft, w_max=4, k=4, n_max=16, init_tree=DEMO_TREE), both)
