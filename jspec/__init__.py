@@ -15,6 +15,7 @@ from jspec.engine.sharding import make_mesh, shard
 from jspec.engine import costs
 from jspec.engine.strategy import (AR, Chain, DynamicTree, Guarded, PrefillHook, PromptLookup, Speculative, Strategy,
                                    Tree)
+from jspec.methods.dflash import DFlash
 from jspec.methods.eesd import EESD
 from jspec.methods.eagle3 import Eagle3
 from jspec.methods.lantern import Lantern, LanternPP
@@ -24,7 +25,7 @@ from jspec.methods.sage import SAGE
 from jspec.methods.specvlm import SpecVLM, VisionPruning
 from jspec.methods.tabed import TABED, ModelCaptioner
 
-__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeConfig", "DecodeOutput", "DynamicTree", "EESD", "Eagle3", "FixedK", "Guarded", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
+__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeConfig", "DecodeOutput", "DFlash", "DynamicTree", "EESD", "Eagle3", "FixedK", "Guarded", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
            "Strategy", "TokenDrafter", "Tree", "VisionPruning", "costs", "decode", "generate_image", "make_mesh", "shard",
            "start"]
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ from jspec.parts.trees import Layout, build_tree, chain
 from toy_parts import CycleDepth, FixedTrees, TwoViews, per_row_trees
 from jspec.parts.controllers.calibration import CaliTS, init_predictor
 from jspec.parts.drafters.early_exit import init_head
-from jspec.parts.drafters import eagle, eagle3
+from jspec.parts.drafters import dflash, eagle, eagle3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +193,33 @@ register("token_drafter", lambda t, d: jspec.Chain(jspec.TokenDrafter(copy_last(
 register("token_drafter_tree", lambda t, d: jspec.Tree(jspec.TokenDrafter(copy_last(2)), tree=SMALL_TREE),
          exact=True, separate_draft=False, sampling_prompt=(1, 4, 5, 4, 5, 4, 5, 4),
          slow=True)  # the tree drafts the chain's proposal; tests/test_token_drafter.py decodes it greedy
+
+def dflash_head(target, block=5):
+    """An untrained block drafter that still drafts some accepted tokens: its context is the target's own final
+    features (the last layer's stream under the target's final norm), every query attends to all of them alike
+    (zero queries), and the values carry their projection on the LM head's leading singular directions, so each
+    draft position predicts roughly the token the context predicted most: the repeats the tiny targets write."""
+    cfg = target.config
+    D, Dh, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
+    head = dflash.init_head(target, jax.random.key(3), num_layers=1, block=block, target_layers=(cfg.num_layers,))
+    w = np.asarray(target.params["embed"]).T if cfg.tie_word_embeddings else np.asarray(target.params["lm_head"])
+    lead = np.linalg.svd(w, full_matrices=False)[0][:, :kvh * Dh].astype(np.float32)
+    lead = np.pad(lead, ((0, 0), (0, kvh * Dh - lead.shape[1])))  # [D, kvh * Dh]
+    group = cfg.num_heads // kvh
+    wo = np.concatenate([lead[:, (h // group) * Dh:(h // group + 1) * Dh].T for h in range(cfg.num_heads)], axis=0)
+    layer = dict(head.params["layers"][0])
+    layer.update(wq=jnp.zeros_like(layer["wq"]), wv=jnp.asarray(lead), wo=jnp.asarray(wo),
+                 w_down=jnp.zeros_like(layer["w_down"]))
+    return head.replace(params=dict(head.params, fc=jnp.eye(D), hidden_norm=target.params["final_norm"],
+                                    layers=[layer], mask=jnp.zeros((D,))))
+
+
+# a block drafter (DFlash): its chain, its DDTree and (slow) a static tree over its per-position distributions
+register("dflash_chain", lambda t, d: jspec.DFlash(dflash_head(t)), exact=True, separate_draft=False)
+register("dflash_ddtree", lambda t, d: jspec.DFlash(dflash_head(t), tree="ddtree", top_k=3, total=8, depth=3),
+         exact=True, separate_draft=False)
+register("dflash_tree", lambda t, d: jspec.DFlash(dflash_head(t), tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+         exact=True, separate_draft=False, slow=True)
 
 SHARDED_CHECKS = {"chain", "tree"}  # tests/sharded_checks.py decodes these on two meshes in the default suite
 

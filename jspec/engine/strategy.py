@@ -26,6 +26,7 @@ from flax import struct
 
 from jspec.parts.controllers import Controller, asks_of
 from jspec.parts.drafters import Drafter, ModelDrafter
+from jspec.parts.drafters.dflash import DFlashDrafter, DFlashHead
 from jspec.parts.drafters.eagle import EagleDrafter, EagleHead
 from jspec.parts.drafters.eagle3 import Eagle3Drafter, Eagle3Head
 from jspec.parts.drafters.ngram import NgramDrafter
@@ -116,14 +117,16 @@ class Speculative(Strategy):
 
 def as_drafter(draft) -> Drafter:
     """A `Chain` / `Tree` / `DynamicTree` draft as its drafter: a drafter as is, an EAGLE-1 feature head
-    (`jspec.parts.drafters.eagle.EagleHead`) or an EAGLE-3 head (`jspec.parts.drafters.eagle3.Eagle3Head`) over the target's
-    states, anything else as a separate draft model."""
+    (`jspec.parts.drafters.eagle.EagleHead`), an EAGLE-3 head (`jspec.parts.drafters.eagle3.Eagle3Head`) or a block
+    drafter (`jspec.parts.drafters.dflash.DFlashHead`) over the target's states, anything else as a separate draft model."""
     if isinstance(draft, Drafter):
         return draft
     if isinstance(draft, Eagle3Head):
         return Eagle3Drafter(draft)
     if isinstance(draft, EagleHead):
         return EagleDrafter(draft)
+    if isinstance(draft, DFlashHead):
+        return DFlashDrafter(draft)
     return ModelDrafter(draft)
 
 

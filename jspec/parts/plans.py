@@ -413,3 +413,81 @@ class DynamicPlan(Plan):
             q = jnp.zeros((B, self.total + 1, root_logp.shape[-1]), jnp.float32).at[:, 0].set(jnp.exp(root_logp))
             known = jnp.zeros((B, self.total + 1), bool).at[:, 0].set(True)
         return Proposal(tokens, valid, tree, q, fed, root_logp, None, known, decision), ds
+
+
+@struct.dataclass
+class BlockTreePlan(DynamicPlan):
+    """DDTree over a block drafter (`Drafter.block_size` > 0): the `total` most probable draft paths under the
+    product of the drafter's per-position distributions, as one tree the target verifies in one forward.
+
+    One block forward gives the distribution of each position 1 .. `depth` after the root given the committed text
+    alone, so a node's score is the sum of its path's per-position log-probs, whatever its parent. Per position
+    the `top_k` most probable tokens are candidates. Level 1 keeps them all (at most `total`); level d + 1 scores
+    every (kept node of level d, candidate) pair and keeps the `total` best. A child never outscores its parent,
+    so the `total` best nodes overall are among the kept ones and form a tree (`trees.tree_from_pool` takes them,
+    best first, parents before children). As for EAGLE-2's trees, the shape depends on the draft probabilities,
+    so only the q = 1 rule keeps sampling exact (`check`). `depth` is at most the drafter's block_size - 1."""
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Nodes kept per level (static)."""
+        w = [min(self.top_k, self.total)]
+        for _ in range(1, self.depth):
+            w.append(min(self.total, w[-1] * self.top_k))
+        return tuple(w)
+
+    @property
+    def scratch(self) -> int:
+        return self.total + 1  # the target's tree; the drafter writes no scratch
+
+    @property
+    def pool_size(self) -> int:
+        return sum(self.widths)
+
+    def propose(self, env, drafter, ds, key, decision):
+        if not drafter.block_size:
+            raise ValueError(f"a block tree needs a block drafter; {type(drafter).__name__} drafts level by level")
+        if env.stop is not None:
+            raise ValueError("a block tree takes no per-level stop")
+        if env.needs.asks.node_topk:
+            raise ValueError("a block tree keeps no per-node draft distributions (a controller asked for node_topk)")
+        limit, want_q = decision.depth, env.needs.asks.draft_probs
+        logp, ds = drafter.block_logp(env, ds)  # [B, G, V]
+        if logp.shape[1] < self.depth:
+            raise ValueError(f"a block tree of depth {self.depth} needs a block of at least {self.depth + 1}; the "
+                             f"drafter's is {logp.shape[1] + 1}")
+        B = env.last.shape[0]
+        K = self.top_k
+        cand_score, cand_tok = jax.lax.top_k(logp[:, :self.depth], K)  # [B, depth, K]
+        widths = self.widths
+        toks, scores, parents, depths = [], [], [], []
+        score, tok = cand_score[:, 0, :widths[0]], cand_tok[:, 0, :widths[0]]
+        base = 0  # pool index of the previous level's first node
+        for d, w in enumerate(widths):
+            if d:
+                prev = scores[-1]
+                pair = (prev[:, :, None] + cand_score[:, d][:, None, :]).reshape(B, -1)  # [B, w_prev * K]
+                score, pick = jax.lax.top_k(pair, w)
+                tok = jnp.take_along_axis(cand_tok[:, d], pick % K, axis=1)
+                parents.append(base + pick // K)
+                base += widths[d - 1]
+            else:
+                parents.append(jnp.full((B, w), -1, jnp.int32))
+            toks.append(tok.astype(jnp.int32))
+            scores.append(score)
+            depths.append(jnp.full((B, w), d + 1, jnp.int32))
+        cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
+        pool_tok, pool_score, pool_parent, pool_depth = cat(toks), cat(scores), cat(parents).astype(jnp.int32), \
+            cat(depths)
+        if limit is not None:
+            pool_score = jnp.where(pool_depth > limit[:, None], -jnp.inf, pool_score)
+        sel, valid, tree = tree_from_pool(pool_parent, pool_depth, pool_score, self.total, self.depth, K)
+        kids = jnp.take_along_axis(pool_tok, sel, axis=1)
+        tokens = jnp.concatenate([env.last[:, None].astype(jnp.int32), kids], axis=1)
+        fed = jnp.full((B, self.total + 1), -1, jnp.int32)
+        root_logp = logp[:, 0]
+        q, known = None, None
+        if want_q:  # each node's children come from its depth's distribution
+            q = jnp.take_along_axis(jnp.exp(logp), jnp.minimum(tree.depth, self.depth - 1)[..., None], axis=1)
+            known = valid & (tree.depth < self.depth)
+        return Proposal(tokens, valid, tree, q, fed, root_logp, None, known, decision), ds

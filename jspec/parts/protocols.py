@@ -103,6 +103,7 @@ class Drafter:
     and defines `prepare`, `init`, `root`, `level` and `commit`; the optional hooks default to doing nothing."""
 
     verify_hidden = False  # reads the target's hidden states at the accepted nodes (`Catchup.hidden`)
+    block_size = 0  # > 0: a block drafter, whose draft positions 1 .. block_size - 1 come from one forward
 
     def check(self, target) -> None:
         """ValueError before any compute when the drafter cannot serve `target` (default: nothing to check)."""
@@ -134,6 +135,12 @@ class Drafter:
 
     def commit(self, env: DraftEnv, state, catchup: Catchup):
         raise NotImplementedError(f"{type(self).__name__} defines no `commit`")
+
+    def block_logp(self, env: DraftEnv, state):
+        """A block drafter's (log-distributions [B, G, V] of the G = block_size - 1 tokens after `env.last`, each
+        given the committed text alone and not the drafts before it; its state): what block trees
+        (`jspec.parts.plans.BlockTreePlan`) draft from."""
+        raise NotImplementedError(f"{type(self).__name__} is not a block drafter (block_size 0)")
 
     def catch_up(self, env: DraftEnv, state):
         """The state after a step in which no row drafts (every row at depth 0): it has read what `root` reads, so

@@ -1,0 +1,325 @@
+"""A block drafter (DFlash, Chen et al., 2026): a whole draft in one forward of a few layers over the target's states.
+
+The head (`DFlashHead`) holds a few decoder layers of the target's type, a projection `fc` and two norms; the token
+embedding and the LM head are the target's own, frozen and never copied. Its context is the target's residual
+streams at a few layers (`target_layers`; id i is the stream after the target's first i layers, as
+`TargetPrefill.hidden_at` counts), concatenated and projected: c_j = norm_h(fc([h_a; h_b; ...]_j)) for every
+committed token j. Each layer's keys and values of the context are its own projections of c_j (no attention runs
+over the context: "KV injection"), written into the head's cache at the target prefill and, after each verify, for
+the committed tokens only.
+
+A step drafts a block: the query is the newest committed token (the anchor, at position L = the committed length)
+followed by `block - 1` copies of a learned mask embedding at positions L + 1 .., attending to every context entry
+and to each other in both directions. The output at block position i (i >= 1), through the head's final norm and
+the target's LM head (over the head's draft vocabulary, when it has one), is the distribution of the token at
+position L + i given the committed text alone: one forward gives every draft position's distribution, none of them
+conditioned on the drafts before it. So a tree over the block is a choice of tokens per position
+(`jspec.parts.plans.BlockTreePlan`), and a chain draws each position from its own distribution, which is the one
+the residual rule then reads (sampling stays exact).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jspec.engine import sharding as SH
+from jspec.parts.drafters import eagle as EG
+from jspec.parts.drafters import heads as H
+from jspec.parts.drafters.model import check_vocab_size, draft_log_probs
+from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from ports import cache as kvc
+from ports import layers as LY
+from ports import llama
+from ports.config import TextConfig
+
+FAMILIES = ("llama", "qwen2", "mistral", "qwen2_vl", "qwen2_5_vl")
+
+
+def text_parts(target):
+    """(text config, language-model params) of a target a block drafter serves: LLaMA, Qwen2 and Mistral, and the
+    language models of LLaVA and Qwen2-VL / Qwen2.5-VL; ValueError otherwise."""
+    model = getattr(target, "model", target)
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) in ("qwen2_vl", "qwen2_5_vl"):
+        return cfg.text, model.params["lm"]
+    return H.text_model(target, FAMILIES[:3], "a block drafter needs a LLaMA, Qwen2, Mistral, LLaVA or Qwen2-VL "
+                                              "target")
+
+
+def default_target_layers(num_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's context layers for a target of `num_layers`: one per draft layer, evenly spaced from the stream
+    after layer 2 to the one after layer L - 2 (the middle one for a single draft layer), as the authors pick
+    them; ValueError when they do not give distinct layers."""
+    n = num_draft_layers
+    if n == 1:
+        ids = (num_layers // 2 + 1,)
+    else:
+        lo, hi = 2, num_layers - 2
+        ids = tuple(int(round(lo + i * (hi - lo) / (n - 1))) for i in range(n))
+    if len(set(ids)) != len(ids) or min(ids) < 1 or max(ids) > num_layers:
+        raise ValueError(f"DFlash's default context layers {ids} are not {n} distinct layers of a {num_layers}-layer "
+                         "target: pass target_layers")
+    return ids
+
+
+@struct.dataclass
+class DFlashHead:
+    """A block drafter's trained part. params (plain layout, no fused projections):
+    - "fc": [n * D, D] over the n context layers' states, no bias; "hidden_norm": [D];
+    - "layers": decoder layers of `config` (wq, wk, wv, wo, w_gate, w_up, w_down, attn_norm, mlp_norm, and the
+      target's attention biases when it has them);
+    - "norm": [D] (before the target's LM head); "mask": [D] the mask-token embedding.
+    vocab: the draft vocabulary (sorted target ids [Vd]; None: every token): the LM head then scores only these
+    rows of the target's. block: the block the head was trained on (the anchor and block - 1 mask positions)."""
+
+    params: dict
+    config: TextConfig = struct.field(pytree_node=False)  # the head's decoder config (num_layers: its own)
+    target_layers: tuple = struct.field(pytree_node=False)
+    target: EG.FeatureHeadTarget = struct.field(pytree_node=False)
+    block: int = struct.field(pytree_node=False, default=16)
+    vocab: jax.Array | None = None
+
+    @property
+    def num_params(self) -> int:
+        return H.num_params(self.params)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.target.vocab_size if self.vocab is None else int(self.vocab.shape[0])
+
+    def check(self, target) -> None:
+        cfg, _ = text_parts(target)
+        sig = signature(target)
+        if (sig.hidden_size, sig.vocab_size) != self.target[1:3]:
+            raise ValueError(f"this block drafter was made for another target ({self.target.describe()}); the target "
+                             f"given is {sig.describe()}")
+        if not H.same_fingerprint(sig.fingerprint, self.target.fingerprint):
+            raise ValueError(f"this block drafter was made for another target's weights ({self.target.describe()}); "
+                             f"the target given is {sig.describe()}")
+        bad = [i for i in self.target_layers if not 1 <= i <= cfg.num_layers]
+        if bad:
+            raise ValueError(f"this block drafter reads target layers {list(self.target_layers)}; the target has "
+                             f"{cfg.num_layers} layers (ids 1..{cfg.num_layers})")
+
+
+def signature(target) -> EG.FeatureHeadTarget:
+    """What a head records of its target: architecture and a fingerprint of its token embedding."""
+    cfg, lm = text_parts(target)
+    corner = np.abs(np.asarray(jax.device_get(lm["embed"][:32, :32]), np.float32)).sum()
+    return EG.FeatureHeadTarget(cfg.model_type, cfg.hidden_size, cfg.vocab_size, round(float(corner), 4))
+
+
+def head_config(target_cfg: TextConfig, num_layers: int) -> TextConfig:
+    """The head's decoder config: the target's text config (its layer type, widths and RoPE) with `num_layers`
+    layers and no sliding window (a block sees its whole context)."""
+    return dataclasses.replace(target_cfg, num_layers=num_layers, sliding_window=None)
+
+
+def init_head(target, key: jax.Array, num_layers: int = 1, block: int = 16, target_layers=None, draft_vocab=None,
+              dtype=None, scale: float = 0.02) -> DFlashHead:
+    """A new head for `target` with random weights (N(0, scale) matrices, unit norms, an N(0, scale) mask
+    embedding): the start of training and the random heads the tests decode with. draft_vocab: target ids of the
+    draft vocabulary (None: all)."""
+    if not 2 <= int(block) <= 64:
+        raise ValueError(f"block must be in [2, 64] (the anchor and at least one draft position), got {block}")
+    cfg, lm = text_parts(target)
+    hcfg = head_config(cfg, int(num_layers))
+    ids = tuple(int(i) for i in (target_layers if target_layers is not None
+                                 else default_target_layers(cfg.num_layers, int(num_layers))))
+    D = cfg.hidden_size
+    keys = iter(jax.random.split(key, 16 * (num_layers + 1)))
+    rnd = lambda shape: scale * jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
+    layers = []
+    for sh in llama.param_shapes(hcfg)["layers"]:
+        layers.append({k: (jnp.ones(s, jnp.float32) if k.endswith("norm") else
+                           jnp.zeros(s, jnp.float32) if k.startswith("b") else rnd(s)) for k, s in sh.items()})
+    params = {"fc": rnd((len(ids) * D, D)), "hidden_norm": jnp.ones((D,), jnp.float32), "layers": layers,
+              "norm": jnp.ones((D,), jnp.float32), "mask": rnd((D,))}
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype or lm["embed"].dtype), params)
+    vocab = None if draft_vocab is None else jnp.asarray(np.unique(np.asarray(draft_vocab)), jnp.int32)
+    return DFlashHead(params, hcfg, ids, signature(target), int(block), vocab)
+
+
+# ---------------------------------------------------------------------------------------------- the forward
+
+
+def context(head: DFlashHead, h: jax.Array) -> jax.Array:
+    """c = norm_h(fc(h)) [R, T, D] of the target's states at the head's layers, concatenated [R, T, n * D]."""
+    p = head.params
+    return LY.rms_norm(LY.linear(h.astype(p["fc"].dtype), p["fc"]), p["hidden_norm"], head.config.rms_norm_eps)
+
+
+def context_kv(head: DFlashHead, c: jax.Array, positions: jax.Array) -> tuple[list, list]:
+    """Each layer's keys and values of context entries c [R, T, D] at `positions` [R, T]: ([R, T, KVH, Dh], ...)
+    per layer, keys rotated."""
+    cfg = head.config
+    R, T, _ = c.shape
+    cos, sin = LY.rope_tables(cfg, positions)
+    ks, vs = [], []
+    for p in head.params["layers"]:
+        k = LY.linear(c, p["wk"], p.get("bk")).reshape(R, T, cfg.num_kv_heads, cfg.head_dim)
+        v = LY.linear(c, p["wv"], p.get("bv")).reshape(R, T, cfg.num_kv_heads, cfg.head_dim)
+        ks.append(LY.apply_rope(k, cos, sin))
+        vs.append(v)
+    return ks, vs
+
+
+def query_embeds(head: DFlashHead, lm: dict, anchor: jax.Array, width: int) -> jax.Array:
+    """The block's inputs [R, width, D]: the anchor token's embedding, then the mask embedding."""
+    e = llama.embed(lm, anchor)[:, None]
+    m = jnp.broadcast_to(head.params["mask"].astype(e.dtype), (e.shape[0], width - 1, e.shape[-1]))
+    return jnp.concatenate([e, m], axis=1)
+
+
+def block_states(head: DFlashHead, x: jax.Array, positions: jax.Array, attend) -> jax.Array:
+    """The head's final-normed states [R, Q, D] of query entries x [R, Q, D] at `positions` [R, Q]. attend(i, q,
+    k, v) -> [R, Q, H, Dh] is layer i's attention of the queries (q, and their own keys / values k, v, rotated)
+    over the context and each other."""
+    cfg = head.config
+    eps = cfg.rms_norm_eps
+    R, Q, _ = x.shape
+    cos, sin = LY.rope_tables(cfg, positions)
+    for i, p in enumerate(head.params["layers"]):
+        q, k, v = LY.project_qkv(cfg, p, LY.rms_norm(x, p["attn_norm"], eps))
+        o = attend(i, LY.apply_rope(q, cos, sin), LY.apply_rope(k, cos, sin), v)
+        x = x + LY.linear(o.reshape(R, Q, -1), p["wo"], p.get("bo"))
+        x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], eps), p)
+    return LY.rms_norm(x, head.params["norm"], eps)
+
+
+def block_forward(head: DFlashHead, lm: dict, anchor: jax.Array, cache: kvc.KVCache, width: int) -> jax.Array:
+    """The final-normed states [R, width, D] of one block per row: the anchor `anchor` [R] at position
+    length - start of the head's cache and `width - 1` mask entries after it, each seeing every committed context
+    entry and the whole block; nothing is written to the cache."""
+    R = anchor.shape[0]
+    pos = (cache.length - cache.start)[:, None] + jnp.arange(width)[None]
+    vis = LY.Deferred(kvc.committed_visibility(cache, width), jnp.ones((R, width, width), bool))
+
+    def attend(i, q, k, v):
+        return LY.attention_deferred(q, cache.k[i], cache.v[i], LY.kv_rows(k).astype(cache.k[i].dtype),
+                                     LY.kv_rows(v).astype(cache.v[i].dtype), vis)
+
+    return block_states(head, query_embeds(head, lm, anchor, width), pos, attend)
+
+
+def write_context(head: DFlashHead, cache: kvc.KVCache, h: jax.Array) -> kvc.KVCache:
+    """The cache with the context entries of the target states h [R, T, n * D] written at slots length.. (their
+    positions slot - start; length not advanced)."""
+    T = h.shape[1]
+    pos = (cache.length - cache.start)[:, None] + jnp.arange(T)[None]
+    ks, vs = context_kv(head, context(head, h).astype(cache.k[0].dtype), pos)
+    k, v = kvc.write_new_rows(cache.k, cache.v, [LY.kv_rows(x) for x in ks], [LY.kv_rows(x) for x in vs],
+                              cache.length)
+    return cache.replace(k=k, v=v)
+
+
+def block_logits(head: DFlashHead, cfg, lm: dict, f: jax.Array, rows=None) -> jax.Array:
+    """Float32 logits over the target's vocabulary [R, Q, V] of final-normed states f: the target's LM head (only
+    the draft vocabulary's `rows` = (ids, their LM-head rows) when given; the other tokens get the lowest
+    float32)."""
+    return EG.lm_logits(cfg, lm, f, rows)
+
+
+# ---------------------------------------------------------------------------------------------- the drafter
+
+
+@struct.dataclass
+class DFlashState:
+    cache: kvc.KVCache  # the head's context entries: slots start .. length - 1 hold the committed tokens'
+    logp: jax.Array  # [B, G, V] this step's per-position draft log-distributions (position 1 .. G after `last`)
+
+
+@struct.dataclass
+class DFlashDrafter(Drafter):
+    """Drafts a block per step with a `DFlashHead` (module docstring). `block`: query positions per step (the
+    anchor and block - 1 drafts; default the head's). `rows`: the draft vocabulary's LM-head rows (set by
+    `prepare`)."""
+
+    head: DFlashHead
+    block: int = struct.field(pytree_node=False, default=0)
+    rows: jax.Array | None = None
+    verify_hidden = True
+
+    @property
+    def block_size(self) -> int:
+        return int(self.block or self.head.block)
+
+    def check(self, target) -> None:
+        cfg, _ = text_parts(target)
+        check_vocab_size(target, cfg.vocab_size, "block drafter")
+        self.head.check(target)
+        if not 2 <= self.block_size <= 64:
+            raise ValueError(f"a block drafter's block must be in [2, 64], got {self.block_size}")
+
+    def verify_layers(self, num_layers: int) -> tuple[int, ...]:
+        return tuple(self.head.target_layers)
+
+    def prefill_asks(self, tokens, lengths, inputs) -> dict:
+        return {"hidden_layers": tuple(self.head.target_layers)}
+
+    def prepare(self, setup: Setup) -> Prepared:
+        if setup.draft_prompt is not None:
+            raise ValueError("a block drafter drafts over the target's own prompt and states: draft_prompt does not "
+                             "apply")
+        if setup.guidance is not None or setup.constraint is not None:
+            raise ValueError("a block drafter drafts for text output: guidance and constraints do not apply")
+        head = self.head
+        rows = None
+        if head.vocab is not None:
+            cfg, lm = text_parts(setup.target)
+            rows = EG.vocab_rows(cfg, lm, head.vocab)
+        if setup.mesh is not None:
+            put = lambda x: jax.device_put(x, jax.sharding.NamedSharding(  # noqa: E731
+                setup.mesh, jax.sharding.PartitionSpec()))
+            head = head.replace(params=put(head.params))
+            rows = None if rows is None else put(rows)
+        return Prepared(self.replace(head=head, rows=rows), None, int(np.max(setup.lengths)), setup.tokens.shape[1])
+
+    def _rows(self):
+        return None if self.rows is None else (self.head.vocab, self.rows)
+
+    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> DFlashState:
+        cfg, lm = text_parts(env.target)
+        h = jnp.concatenate([prefill.hidden_at(i) for i in self.head.target_layers], axis=-1)
+        R = h.shape[0]
+        hc = self.head.config
+        cache = kvc.init_cache(hc.num_layers, R, hc.num_kv_heads, max_len, hc.head_dim, lm["embed"].dtype)
+        cache = write_context(self.head, cache.replace(start=prefill.cache.start), h)
+        cache = SH.constrain(env.ctx.placement, cache.replace(length=prefill.lengths.astype(jnp.int32)),
+                             replicated=True)
+        G = self.block_size - 1
+        return DFlashState(cache, jnp.zeros((R, G, cfg.vocab_size), jnp.float32))
+
+    def block_logp(self, env: DraftEnv, ds: DFlashState) -> tuple[jax.Array, DFlashState]:
+        """(log-distributions [B, G, V] of the G = block - 1 positions after `env.last`, each given the committed
+        text alone; the state holding them for `level`)."""
+        cfg, lm = text_parts(env.target)
+        f = block_forward(self.head, lm, env.last, ds.cache, self.block_size)[:, 1:]
+        logp = draft_log_probs(block_logits(self.head, cfg, lm, f, self._rows()), env)
+        return logp, ds.replace(logp=logp)
+
+    def root(self, env: DraftEnv, ds: DFlashState):
+        logp, ds = self.block_logp(env, ds)
+        return logp[:, :1], None, ds
+
+    def level(self, env: DraftEnv, ds: DFlashState, tokens, depth, mask, offset, run):
+        """A node at depth d draws its children from block position d + 1's distribution, whatever its path."""
+        G = ds.logp.shape[1]
+        at = jnp.clip(depth, 0, G - 1)  # a depth past the block drafts nothing a plan keeps (plans stop at G)
+        return jnp.take_along_axis(ds.logp, at[..., None], axis=1), None, ds
+
+    def catch_up(self, env: DraftEnv, ds: DFlashState) -> DFlashState:
+        return ds  # the context is written at commit: a step without drafts reads nothing more
+
+    def commit(self, env: DraftEnv, ds: DFlashState, c: Catchup) -> DFlashState:
+        if c.hidden is None:
+            raise ValueError("the block drafter needs the target's hidden states from verification (Catchup.hidden)")
+        if c.hidden.ndim != 3:
+            raise ValueError("a block drafter serves unguided targets (one stream per row)")
+        cache = write_context(self.head, ds.cache, c.hidden)
+        n = jnp.where(c.active, c.accepted + 1, 0).astype(jnp.int32)
+        return ds.replace(cache=cache.replace(length=cache.length + n))
