@@ -199,10 +199,10 @@ def dflash_head(target, block=5):
     features (the last layer's stream under the target's final norm), every query attends to all of them alike
     (zero queries), and the values carry their projection on the LM head's leading singular directions, so each
     draft position predicts roughly the token the context predicted most: the repeats the tiny targets write."""
-    cfg = target.config
+    cfg, lm = dflash.text_parts(target)
     D, Dh, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
     head = dflash.init_head(target, jax.random.key(3), num_layers=1, block=block, target_layers=(cfg.num_layers,))
-    w = np.asarray(target.params["embed"]).T if cfg.tie_word_embeddings else np.asarray(target.params["lm_head"])
+    w = np.asarray(lm["embed"]).T if cfg.tie_word_embeddings else np.asarray(lm["lm_head"])
     lead = np.linalg.svd(w, full_matrices=False)[0][:, :kvh * Dh].astype(np.float32)
     lead = np.pad(lead, ((0, 0), (0, kvh * Dh - lead.shape[1])))  # [D, kvh * Dh]
     group = cfg.num_heads // kvh
@@ -210,7 +210,7 @@ def dflash_head(target, block=5):
     layer = dict(head.params["layers"][0])
     layer.update(wq=jnp.zeros_like(layer["wq"]), wv=jnp.asarray(lead), wo=jnp.asarray(wo),
                  w_down=jnp.zeros_like(layer["w_down"]))
-    return head.replace(params=dict(head.params, fc=jnp.eye(D), hidden_norm=target.params["final_norm"],
+    return head.replace(params=dict(head.params, fc=jnp.eye(D), hidden_norm=lm["final_norm"],
                                     layers=[layer], mask=jnp.zeros((D,))))
 
 

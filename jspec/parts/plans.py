@@ -415,6 +415,43 @@ class DynamicPlan(Plan):
         return Proposal(tokens, valid, tree, q, fed, root_logp, None, known, decision), ds
 
 
+def best_paths(logp: jax.Array, top_k: int, total: int, limit: jax.Array | None = None):
+    """DDTree's tree (`BlockTreePlan`): the `total` most probable paths under per-position log-distributions logp
+    [B, G, V] (a path's score is the sum of its tokens' log-probs at their depths), over each position's `top_k`
+    best tokens, no deeper than `limit` [B] (or None). Returns (tokens [B, total], valid [B, total + 1], tree),
+    nodes 1 .. total best first by creation order (parents before children), node 0 the root."""
+    B, G, _ = logp.shape
+    K = top_k
+    cand_score, cand_tok = jax.lax.top_k(logp, K)  # [B, G, K]
+    widths = [min(K, total)]
+    for _ in range(1, G):
+        widths.append(min(total, widths[-1] * K))
+    if total > sum(widths):
+        raise ValueError(f"a block tree of {total} nodes needs more candidates than {G} positions of top_k={K} give "
+                         f"({sum(widths)})")
+    toks, scores, parents, depths = [], [], [], []
+    base = 0  # pool index of the previous level's first node
+    for d, w in enumerate(widths):
+        if d:  # every (kept node of level d - 1, candidate) pair scored; the w best kept
+            pair = (scores[-1][:, :, None] + cand_score[:, d][:, None, :]).reshape(B, -1)
+            score, pick = jax.lax.top_k(pair, w)
+            tok = jnp.take_along_axis(cand_tok[:, d], pick % K, axis=1)
+            parents.append((base + pick // K).astype(jnp.int32))
+            base += widths[d - 1]
+        else:
+            score, tok = cand_score[:, 0, :w], cand_tok[:, 0, :w]
+            parents.append(jnp.full((B, w), -1, jnp.int32))
+        toks.append(tok.astype(jnp.int32))
+        scores.append(score)
+        depths.append(jnp.full((B, w), d + 1, jnp.int32))
+    cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
+    pool_score, pool_depth = cat(scores), cat(depths)
+    if limit is not None:
+        pool_score = jnp.where(pool_depth > limit[:, None], -jnp.inf, pool_score)
+    sel, valid, tree = tree_from_pool(cat(parents), pool_depth, pool_score, total, G, K)
+    return jnp.take_along_axis(cat(toks), sel, axis=1), valid, tree
+
+
 @struct.dataclass
 class BlockTreePlan(DynamicPlan):
     """DDTree over a block drafter (`Drafter.block_size` > 0): the `total` most probable draft paths under the
@@ -425,16 +462,8 @@ class BlockTreePlan(DynamicPlan):
     the `top_k` most probable tokens are candidates. Level 1 keeps them all (at most `total`); level d + 1 scores
     every (kept node of level d, candidate) pair and keeps the `total` best. A child never outscores its parent,
     so the `total` best nodes overall are among the kept ones and form a tree (`trees.tree_from_pool` takes them,
-    best first, parents before children). As for EAGLE-2's trees, the shape depends on the draft probabilities,
-    so only the q = 1 rule keeps sampling exact (`check`). `depth` is at most the drafter's block_size - 1."""
-
-    @property
-    def widths(self) -> tuple[int, ...]:
-        """Nodes kept per level (static)."""
-        w = [min(self.top_k, self.total)]
-        for _ in range(1, self.depth):
-            w.append(min(self.total, w[-1] * self.top_k))
-        return tuple(w)
+    parents before children). As for EAGLE-2's trees, the shape depends on the draft probabilities, so only the
+    q = 1 rule keeps sampling exact (`check`). `depth` is at most the drafter's block_size - 1."""
 
     @property
     def scratch(self) -> int:
@@ -442,7 +471,10 @@ class BlockTreePlan(DynamicPlan):
 
     @property
     def pool_size(self) -> int:
-        return sum(self.widths)
+        w = [min(self.top_k, self.total)]
+        for _ in range(1, self.depth):
+            w.append(min(self.total, w[-1] * self.top_k))
+        return sum(w)
 
     def propose(self, env, drafter, ds, key, decision):
         if not drafter.block_size:
@@ -451,43 +483,17 @@ class BlockTreePlan(DynamicPlan):
             raise ValueError("a block tree takes no per-level stop")
         if env.needs.asks.node_topk:
             raise ValueError("a block tree keeps no per-node draft distributions (a controller asked for node_topk)")
-        limit, want_q = decision.depth, env.needs.asks.draft_probs
         logp, ds = drafter.block_logp(env, ds)  # [B, G, V]
         if logp.shape[1] < self.depth:
             raise ValueError(f"a block tree of depth {self.depth} needs a block of at least {self.depth + 1}; the "
                              f"drafter's is {logp.shape[1] + 1}")
+        logp = logp[:, :self.depth]
+        kids, valid, tree = best_paths(logp, self.top_k, self.total, decision.depth)
         B = env.last.shape[0]
-        K = self.top_k
-        cand_score, cand_tok = jax.lax.top_k(logp[:, :self.depth], K)  # [B, depth, K]
-        widths = self.widths
-        toks, scores, parents, depths = [], [], [], []
-        score, tok = cand_score[:, 0, :widths[0]], cand_tok[:, 0, :widths[0]]
-        base = 0  # pool index of the previous level's first node
-        for d, w in enumerate(widths):
-            if d:
-                prev = scores[-1]
-                pair = (prev[:, :, None] + cand_score[:, d][:, None, :]).reshape(B, -1)  # [B, w_prev * K]
-                score, pick = jax.lax.top_k(pair, w)
-                tok = jnp.take_along_axis(cand_tok[:, d], pick % K, axis=1)
-                parents.append(base + pick // K)
-                base += widths[d - 1]
-            else:
-                parents.append(jnp.full((B, w), -1, jnp.int32))
-            toks.append(tok.astype(jnp.int32))
-            scores.append(score)
-            depths.append(jnp.full((B, w), d + 1, jnp.int32))
-        cat = lambda xs: jnp.concatenate(xs, axis=1)  # noqa: E731
-        pool_tok, pool_score, pool_parent, pool_depth = cat(toks), cat(scores), cat(parents).astype(jnp.int32), \
-            cat(depths)
-        if limit is not None:
-            pool_score = jnp.where(pool_depth > limit[:, None], -jnp.inf, pool_score)
-        sel, valid, tree = tree_from_pool(pool_parent, pool_depth, pool_score, self.total, self.depth, K)
-        kids = jnp.take_along_axis(pool_tok, sel, axis=1)
         tokens = jnp.concatenate([env.last[:, None].astype(jnp.int32), kids], axis=1)
         fed = jnp.full((B, self.total + 1), -1, jnp.int32)
-        root_logp = logp[:, 0]
         q, known = None, None
-        if want_q:  # each node's children come from its depth's distribution
+        if env.needs.asks.draft_probs:  # each node's children come from its depth's distribution
             q = jnp.take_along_axis(jnp.exp(logp), jnp.minimum(tree.depth, self.depth - 1)[..., None], axis=1)
             known = valid & (tree.depth < self.depth)
-        return Proposal(tokens, valid, tree, q, fed, root_logp, None, known, decision), ds
+        return Proposal(tokens, valid, tree, q, fed, logp[:, 0], None, known, decision), ds
