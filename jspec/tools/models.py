@@ -165,7 +165,7 @@ def _heads_dir() -> str | None:
 
 
 HEADS_DIR: str | None = _heads_dir()  # the installed jspec-heads distribution's folder (None: not installed)
-HEAD_KINDS = ("eesd", "layer-skip", "eagle", "eagle3")  # the drafter kinds `head` can load
+HEAD_KINDS = ("eesd", "layer-skip", "eagle", "eagle3", "dflash")  # the drafter kinds `head` can load
 SHIPPED = "shipped"  # `head(..., draft_vocab=)`: the draft vocabulary size the shipped head names
 
 
@@ -190,7 +190,8 @@ def head(name: str, kind: str, target=None, dtype=None, draft_vocab: int | str |
     `jspec.Chain` / `jspec.Tree` / `jspec.DynamicTree` / `jspec.SAGE`, drafting over the `draft_vocab` tokens most
     frequent in its training answers (`EagleHead.with_vocab`; "shipped": the size its eagle_head.json names; None:
     the whole vocabulary); "eagle3" -> an EAGLE-3 `Eagle3Head` (its own draft vocabulary) for `jspec.Eagle3` and
-    the same strategies. ValueError naming what is shipped when there is none."""
+    the same strategies; "dflash" -> a block drafter `DFlashHead` for `jspec.DFlash`. ValueError naming what is
+    shipped when there is none."""
     entry(name)
     if kind not in HEAD_KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}; the kinds are {list(HEAD_KINDS)}")
@@ -228,6 +229,10 @@ def load_head_dir(d: str, kind: str, target, dtype=None, draft_vocab: int | str 
         from jspec.parts.drafters import eagle3_io as IO3
 
         return IO3.load_head(d, target, dtype)
+    if kind == "dflash":
+        from jspec.parts.drafters import dflash_io as IOD
+
+        return IOD.load_head(d, target, dtype)
     from jspec.parts.drafters import early_exit as EE
 
     return EE.load_head(d, target, dtype)

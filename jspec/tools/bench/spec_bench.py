@@ -72,6 +72,10 @@ HEAD_METHODS = {
     "eagle3-tree": ("eagle3", lambda h: _jspec().Eagle3(h, tree="mc_sim_7b_63")),
     "eagle3": ("eagle3", lambda h: _jspec().Eagle3(h, depth=5, top_k=4, total=12)),
     "sage-eagle3": ("eagle3", lambda h: _jspec().SAGE(h)),
+    # the block drafter (DFlash): a chain of its whole block, chains of fewer drafts, DDTree over its positions
+    "dflash-chain": ("dflash", lambda h: _jspec().DFlash(h)),
+    **{f"dflash-c{g}": ("dflash", lambda h, g=g: _jspec().DFlash(h, depth=g)) for g in (4, 6, 8)},
+    "dflash-tree": ("dflash", lambda h: _jspec().DFlash(h, tree="ddtree", top_k=4, total=24)),
 }
 
 
@@ -529,7 +533,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/3/4/6/8 (fixed K), "
                          "sage-eesd; self-sd (layer skipping, a chain of 4); eagle-c2/3/4/5/6/8 (the EAGLE head's chains), "
                          "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; "
-                         "eagle3-c2/3/4/6, eagle3-tree, eagle3 (dynamic tree), sage-eagle3 (an EAGLE-3 head); each "
+                         "eagle3-c2/3/4/6, eagle3-tree, eagle3 (dynamic tree), sage-eagle3 (an EAGLE-3 head); "
+                         "dflash-chain, dflash-c4/6/8, dflash-tree (a block drafter's chains and DDTree); each "
                          "also with bfloat16 weights as NAME-bf16, and over a head of its kind in a directory as "
                          "NAME@DIR; NAME+guard runs it under jspec.Guarded, NAME+depthK every round at depth K "
                          "(the guard's fixed choices: the summary compares the guard with the best in hindsight)")

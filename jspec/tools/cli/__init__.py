@@ -183,7 +183,8 @@ def bench_gpu(argv) -> int:
     return 0 if all(s["status"] in ("ok", "partial") for s in result["steps"].values()) else 1
 
 
-TRAINERS = {"eagle": "train_eagle", "eagle3": "train_eagle3", "eesd": "train_eesd", "cali": "train_cali",
+TRAINERS = {"eagle": "train_eagle", "eagle3": "train_eagle3", "dflash": "train_dflash", "eesd": "train_eesd",
+            "cali": "train_cali",
             "self-data": "self_data"}  # `jspec train KIND ...` -> jspec.tools.cli.<module>.main
 
 
@@ -316,7 +317,7 @@ def main(argv=None) -> int:
     pl.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(fn=cmd_memory)
-    sub.add_parser("train", help="train a drafter, resumable: eagle, eagle3, eesd, cali, or self-data (the text "
+    sub.add_parser("train", help="train a drafter, resumable: eagle, eagle3, dflash, eesd, cali, or self-data (the text "
                                  "a registered model writes for its drafters); `jspec train KIND --help`")
     b = sub.add_parser("bench", help="benchmark suites (ar, sd; gpu: `jspec bench gpu --help`; long: `jspec bench "
                                      "long --help`; spec-bench: `jspec bench spec-bench --help`): JSON, "
