@@ -53,6 +53,13 @@ def make_sampling(temperature: float | None, top_k: int | None, top_p: float | N
     return cfg, params
 
 
+def largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, k)` (values, indices over the last axis), its outputs behind an optimization barrier:
+    XLA:CPU otherwise rewrites a top-k whose results feed further ops into a full sort of the last axis, 150x
+    slower over a 49k vocabulary (the barrier keeps its own top-k; other backends compile the same results)."""
+    return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+
+
 def top_k_mask(logits: jax.Array, k: jax.Array) -> jax.Array:
     """Keep logits >= the k-th largest (ties with it kept, as transformers' TopKLogitsWarper)."""
     v = logits.shape[-1]

@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct
 
 from jspec.engine import rowkeys as RK
+from jspec.engine.sampling import largest
 from jspec.parts.protocols import Plan, Proposal
 from jspec.parts.trees import Layout, StaticTree, TreeArrays, cached_tree, layered_arrays, tree_from_pool
 
@@ -200,11 +201,11 @@ class StaticPlan(Plan):
             if c["q"] is not None:
                 c["q"] = blend(c["q"], s, jnp.exp(logp), w)
             if topk:
-                c["top"] = blend(c["top"], s, jax.lax.top_k(jnp.exp(logp), topk)[0], w)
+                c["top"] = blend(c["top"], s, largest(jnp.exp(logp), topk)[0], w)
             if c["aux"] is not None:
                 c["aux"] = jax.tree.map(lambda acc, a: blend(acc, s, a, w), c["aux"], aux)
             choice_logp = logp + win(noise, s) if sample else logp
-            choice = jax.lax.top_k(choice_logp, M)[1].astype(jnp.int32)  # [B, W, M]: a prefix holds the top m
+            choice = largest(choice_logp, M)[1].astype(jnp.int32)  # [B, W, M]: a prefix holds the top m
             par = jnp.clip(win(par_all, cs) - s, 0, w - 1)
             rk = jnp.clip(win(rank_all, cs), 0, m - 1)
             kids = jnp.take_along_axis(choice.reshape(B, W * M), par * M + rk, axis=1)  # [B, W]
@@ -359,7 +360,7 @@ class DynamicPlan(Plan):
         K, D = self.top_k, self.depth
         logp, _, ds = drafter.root(env, ds)
         root_logp = logp[:, 0]
-        score, tok = jax.lax.top_k(root_logp, K)  # [B, K]
+        score, tok = largest(root_logp, K)  # [B, K]
         P = self.pool_size  # pool: the root's K children, then K * K candidates per later level
         put = lambda x, at, v: jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), at, axis=1)  # noqa: E731
         pool = {"tok": jnp.zeros((B, P), jnp.int32).at[:, :K].set(tok),
@@ -383,7 +384,7 @@ class DynamicPlan(Plan):
             slot = jnp.broadcast_to(a + jnp.arange(K, dtype=jnp.int32), (B, K))
             slot = slot if run is None else jnp.where(run, slot, -1)
             pool = dict(pool, fed=pool["fed"].at[jnp.arange(B)[:, None], beam_pool].set(slot))
-            cs, ct = jax.lax.top_k(logp, K)  # [B, K, K]
+            cs, ct = largest(logp, K)  # [B, K, K]
             cand_score = (beam_score[:, :, None] + cs).reshape(B, K * K)
             cand_tok = ct.reshape(B, K * K).astype(jnp.int32)
             start = K + (lvl - 1) * K * K
@@ -422,7 +423,7 @@ def best_paths(logp: jax.Array, top_k: int, total: int, limit: jax.Array | None 
     nodes 1 .. total best first by creation order (parents before children), node 0 the root."""
     B, G, _ = logp.shape
     K = top_k
-    cand_score, cand_tok = jax.lax.top_k(logp, K)  # [B, G, K]
+    cand_score, cand_tok = largest(logp, K)  # [B, G, K]
     widths = [min(K, total)]
     for _ in range(1, G):
         widths.append(min(total, widths[-1] * K))
