@@ -74,7 +74,7 @@ HEAD_METHODS = {
     "sage-eagle3": ("eagle3", lambda h: _jspec().SAGE(h)),
     # the block drafter (DFlash): a chain of its whole block, chains of fewer drafts, DDTree over its positions
     "dflash-chain": ("dflash", lambda h: _jspec().DFlash(h)),
-    **{f"dflash-c{g}": ("dflash", lambda h, g=g: _jspec().DFlash(h, depth=g)) for g in (4, 6, 8)},
+    **{f"dflash-c{g}": ("dflash", lambda h, g=g: _jspec().DFlash(h, depth=g)) for g in (3, 4, 5)},
     "dflash-tree": ("dflash", lambda h: _jspec().DFlash(h, tree="ddtree", top_k=4, total=24)),
 }
 
@@ -534,7 +534,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "sage-eesd; self-sd (layer skipping, a chain of 4); eagle-c2/3/4/5/6/8 (the EAGLE head's chains), "
                          "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; "
                          "eagle3-c2/3/4/6, eagle3-tree, eagle3 (dynamic tree), sage-eagle3 (an EAGLE-3 head); "
-                         "dflash-chain, dflash-c4/6/8, dflash-tree (a block drafter's chains and DDTree); each "
+                         "dflash-chain, dflash-c3/4/5, dflash-tree (a block drafter's chains and DDTree); each "
                          "also with bfloat16 weights as NAME-bf16, and over a head of its kind in a directory as "
                          "NAME@DIR; NAME+guard runs it under jspec.Guarded, NAME+depthK every round at depth K "
                          "(the guard's fixed choices: the summary compares the guard with the best in hindsight)")

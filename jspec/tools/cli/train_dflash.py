@@ -90,8 +90,7 @@ def main(argv=None) -> dict:
     vocab = None
     if args.draft_vocab:
         vocab = EIO.frequent_tokens(TE.answer_counts(items[cut:] or items, cfg.vocab_size), args.draft_vocab)
-    head = DF.init_head(target, jax.random.key(args.seed), args.layers, args.block, args.target_layers, vocab,
-                        dtype=jax.numpy.float32)
+    head = DT.start_head(target, jax.random.key(args.seed), args.layers, args.block, args.target_layers, vocab)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     name = f"dflash-{Path(args.target).name}"

@@ -313,6 +313,14 @@ def vocab_tables(target, head: DF.DFlashHead) -> tuple[jax.Array, jax.Array, jax
     return ids, rows, index_of
 
 
+def start_head(target, key: jax.Array, num_layers: int = 2, block: int = 16, target_layers=None,
+               draft_vocab=None, norm_scale: float = 0.1) -> DF.DFlashHead:
+    """The head training starts from: `dflash.init_head`'s random one (float32) with its final norm's weights at
+    `norm_scale`, so that its first distributions are near uniform rather than confidently wrong."""
+    head = DF.init_head(target, key, num_layers, block, target_layers, draft_vocab, dtype=jnp.float32)
+    return head.replace(params=dict(head.params, norm=head.params["norm"] * norm_scale))
+
+
 def fit_head(target, store: FeatureStore, train_records, workdir, *, head: DF.DFlashHead, steps: int | None = None,
              minutes: float | None = None, lr: float = 6e-4, warmup: int | None = None, seed: int = 0,
              resume: bool = True, batch_size: int = 8, seq_len: int = 512, anchors: int = 8,
