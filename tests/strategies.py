@@ -246,3 +246,7 @@ register("guarded_eesd", lambda t, d: guarded(jspec.EESD(eesd_head(t), k_max=4))
          target_layers=2)
 register("guarded_lookup", lambda t, d: guarded(jspec.PromptLookup(max_ngram=2, gamma=3)), exact=True,
          separate_draft=False, slow=True, sampling_prompt=(1, 4, 2, 5, 3, 5, 3, 5))
+register("guarded_dflash", lambda t, d: guarded(jspec.DFlash(dflash_head(t))), exact=True, separate_draft=False)
+register("guarded_dflash_tree", lambda t, d: guarded(jspec.DFlash(dflash_head(t), tree="ddtree", top_k=3, total=8,
+                                                                   depth=3)),
+         exact=True, separate_draft=False, slow=True)
