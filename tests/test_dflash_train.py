@@ -16,7 +16,7 @@ from jspec.tools.train import eagle as EGT
 from jspec.tools.train import trainer as jt
 from ports import cache as kvc
 from tiny_pairs import PROMPTS, tiny_pair
-from train_checks import assert_resumes_bit_identical
+from train_checks import assert_resumes_bit_identical, tiny_checkpoint_with_texts
 
 BLOCK = 5
 VOCAB = np.arange(97)[np.arange(97) % 5 > 0]  # a reduced draft vocabulary: 78 of 97 tokens
@@ -147,25 +147,11 @@ def test_the_script_trains_resumes_and_exports(tmp_path):
     """`jspec train dflash` on an HF checkpoint directory with --texts: a run, then the same command resuming the
     finished run (through the `jspec` entry point) and training nothing more; the exported head loads and
     decodes AR's tokens; the plots are written."""
-    import ports
     from jspec.tools import cli
     from jspec.tools.cli import train_dflash as TS
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     target, _ = tiny_pair()
-    d = tmp_path / "target"
-    ports.save_hf(target, str(d))
-    words = [f"w{i}" for i in range(90)]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0").save_pretrained(str(d))
-    rng = np.random.default_rng(0)
-    texts = tmp_path / "texts.jsonl"
-    with open(texts, "w") as f:
-        for _ in range(40):
-            f.write(json.dumps({"prompt": " ".join(rng.choice(words, 6)), "answer": " ".join(rng.choice(words, 12))})
-                    + "\n")
+    d, texts = tiny_checkpoint_with_texts(tmp_path, target)
     args = ["--target", str(d), "--texts", str(texts), "--out", str(tmp_path / "run"), "--steps", "6", "--batch",
             "4", "--seq-len", "32", "--draft-vocab", "40", "--layers", "1", "--block", "4", "--target-layers", "1",
             "3", "--anchors", "3", "--log-every", "2"]

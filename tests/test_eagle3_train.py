@@ -16,7 +16,7 @@ from jspec.parts.drafters import eagle3_io as IO
 from jspec.tools.train import eagle3 as E3T
 from jspec.tools.train import eagle as EGT
 from ports import cache as kvc
-from train_checks import assert_resumes_bit_identical
+from train_checks import assert_resumes_bit_identical, tiny_checkpoint_with_texts
 from tiny_pairs import PROMPTS, tiny_pair
 
 NEW = 12
@@ -124,25 +124,11 @@ def test_the_script_trains_resumes_and_exports(tmp_path):
     """`jspec train eagle3` on an HF checkpoint directory with --texts: a short run, then the same command
     continuing it (twice, once through the `jspec` entry point), then the exported speculators-format head loading
     and drafting."""
-    import ports
     from jspec.tools import cli
     from jspec.tools.cli import train_eagle3 as TS
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     target, _ = tiny_pair()
-    d = tmp_path / "target"
-    ports.save_hf(target, str(d))
-    words = [f"w{i}" for i in range(90)]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0").save_pretrained(str(d))
-    rng = np.random.default_rng(0)
-    texts = tmp_path / "texts.jsonl"
-    with open(texts, "w") as f:
-        for _ in range(40):
-            f.write(json.dumps({"prompt": " ".join(rng.choice(words, 6)), "answer": " ".join(rng.choice(words, 12))})
-                    + "\n")
+    d, texts = tiny_checkpoint_with_texts(tmp_path, target)
     args = ["--target", str(d), "--texts", str(texts), "--out", str(tmp_path / "run"), "--steps", "6", "--batch",
             "4", "--seq-len", "32", "--draft-vocab", "40", "--aux-layers", "0", "1", "3", "--log-every", "2"]
     first = TS.main(args)

@@ -21,3 +21,27 @@ def assert_resumes_bit_identical(fit_head, target, items, tmp_path, **kw):
 
     assert strip(jt.read_log(tmp_path / "a" / "log.jsonl")) == strip(jt.read_log(tmp_path / "b" / "log.jsonl"))
     return tmp_path / "b"
+
+
+def tiny_checkpoint_with_texts(tmp_path, target):
+    """(an HF checkpoint directory of `target` with a 90-word word-level tokenizer, a JSON-lines file of 40
+    prompt / answer pairs in those words): what the training scripts' --target and --texts take."""
+    import json
+
+    import ports
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    d = tmp_path / "target"
+    ports.save_hf(target, str(d))
+    words = [f"w{i}" for i in range(90)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0").save_pretrained(str(d))
+    rng = np.random.default_rng(0)
+    texts = tmp_path / "texts.jsonl"
+    with open(texts, "w") as f:
+        for _ in range(40):
+            f.write(json.dumps({"prompt": " ".join(rng.choice(words, 6)), "answer": " ".join(rng.choice(words, 12))})
+                    + "\n")
+    return d, texts

@@ -56,17 +56,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--anchors", type=int, default=8, help="blocks per training sequence")
     ap.add_argument("--gamma", type=float, default=None, help="position k weighs exp(-(k - 1) / gamma)")
     ap.add_argument("--features", default=None, help="the feature store's directory (default OUT/features)")
-    ap.add_argument("--steps", type=int, default=None, help="the schedule's length")
-    ap.add_argument("--minutes", type=float, default=None, help="time budget (sizes the schedule without --steps)")
-    ap.add_argument("--max-steps", type=int, default=None, help="with --minutes alone: the sized schedule's cap")
-    ap.add_argument("--lr", type=float, default=6e-4)
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--ckpt-minutes", type=float, default=3.0)
-    ap.add_argument("--log-every", type=int, default=10)
+    TE.add_run_arguments(ap, lr=6e-4, seq_len=512)
     args = ap.parse_args(argv)
     if args.steps is None and args.minutes is None:
         args.minutes = 20.0

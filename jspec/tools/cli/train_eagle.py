@@ -177,6 +177,21 @@ def add_source_arguments(ap: argparse.ArgumentParser, kind: str) -> None:
                                                         f"package ships it, `jspec.models.head(name, '{kind}')`")
 
 
+def add_run_arguments(ap: argparse.ArgumentParser, lr: float, seq_len: int) -> None:
+    """The schedule, batch and checkpoint arguments the EAGLE-3 and block-drafter trainers share."""
+    ap.add_argument("--steps", type=int, default=None, help="the schedule's length")
+    ap.add_argument("--minutes", type=float, default=None, help="time budget (sizes the schedule without --steps)")
+    ap.add_argument("--max-steps", type=int, default=None, help="with --minutes alone: the sized schedule's cap")
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=seq_len)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--ckpt-minutes", type=float, default=3.0)
+    ap.add_argument("--log-every", type=int, default=10)
+
+
 def check_sources(args, is_zoo: bool) -> bool:
     """SystemExit naming what is missing for the target's data or --ship; returns whether the target is a
     registered real model."""

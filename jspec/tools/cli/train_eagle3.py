@@ -51,17 +51,7 @@ def main(argv=None) -> dict:
                                                                "(0: the target's whole vocabulary)")
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--decay", type=float, default=0.8, help="step s of training-time test weighs decay**s")
-    ap.add_argument("--steps", type=int, default=None, help="the schedule's length")
-    ap.add_argument("--minutes", type=float, default=None, help="time budget (sizes the schedule without --steps)")
-    ap.add_argument("--max-steps", type=int, default=None, help="with --minutes alone: the sized schedule's cap")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--ckpt-minutes", type=float, default=3.0)
-    ap.add_argument("--log-every", type=int, default=10)
+    TE.add_run_arguments(ap, lr=1e-3, seq_len=256)
     args = ap.parse_args(argv)
     if args.steps is None and args.minutes is None:
         args.minutes = 20.0
