@@ -93,13 +93,7 @@ class DFlashHead:
 
     def check(self, target) -> None:
         cfg, _ = text_parts(target)
-        sig = signature(target)
-        if (sig.hidden_size, sig.vocab_size) != self.target[1:3]:
-            raise ValueError(f"this block drafter was made for another target ({self.target.describe()}); the target "
-                             f"given is {sig.describe()}")
-        if not H.same_fingerprint(sig.fingerprint, self.target.fingerprint):
-            raise ValueError(f"this block drafter was made for another target's weights ({self.target.describe()}); "
-                             f"the target given is {sig.describe()}")
+        H.check_made_for("block drafter", self.target, signature(target))
         bad = [i for i in self.target_layers if not 1 <= i <= cfg.num_layers]
         if bad:
             raise ValueError(f"this block drafter reads target layers {list(self.target_layers)}; the target has "

@@ -102,12 +102,10 @@ class Eagle3Head:
     def check(self, target) -> None:
         cfg, _ = text_parts(target)
         sig = EG.signature(target)
-        if (sig.hidden_size, sig.vocab_size) != self.target[1:3] or cfg.hidden_size != self.config.hidden_size:
+        if cfg.hidden_size != self.config.hidden_size:
             raise ValueError(f"this EAGLE-3 head was made for another target ({self.target.describe()}); the target "
                              f"given is {sig.describe()}")
-        if not H.same_fingerprint(sig.fingerprint, self.target.fingerprint):
-            raise ValueError(f"this EAGLE-3 head was made for another target's weights ({self.target.describe()}); "
-                             f"the target given is {sig.describe()}")
+        H.check_made_for("EAGLE-3 head", self.target, sig)
         bad = [i for i in self.aux_layers if not 0 <= i <= cfg.num_layers]
         if bad:
             raise ValueError(f"this EAGLE-3 head reads target layers {list(self.aux_layers)}; the target has "

@@ -37,6 +37,17 @@ def same_fingerprint(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-2 * max(1.0, abs(a))
 
 
+def check_made_for(what: str, made, given) -> None:
+    """ValueError when a head made for the target signature `made` (`eagle.FeatureHeadTarget`) is given a
+    target of signature `given`: another width or vocabulary, or other weights (`same_fingerprint`)."""
+    if (given.hidden_size, given.vocab_size) != tuple(made[1:3]):
+        raise ValueError(f"this {what} was made for another target ({made.describe()}); the target given is "
+                         f"{given.describe()}")
+    if not same_fingerprint(given.fingerprint, made.fingerprint):
+        raise ValueError(f"this {what} was made for another target's weights ({made.describe()}); the target given "
+                         f"is {given.describe()}")
+
+
 def write_weights(path: str, tensors: dict[str, np.ndarray], dtype=None) -> None:
     """`tensors` (name -> numpy array) as one safetensors file, cast to `dtype` when given."""
     from ports.safetensors_io import write_safetensors
