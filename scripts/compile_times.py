@@ -2,6 +2,7 @@
 
     python scripts/compile_times.py                       # every strategy, 3 rounds, greedy, 32 new tokens
     python scripts/compile_times.py --strategies AR "Tree mc_sim_7b_63" --rounds 1 --sampled
+    python scripts/compile_times.py --strategies AR "Chain gamma=5" "Chain gamma=5 guarded" --rounds 3
 
 Each (strategy, round) runs in a fresh process with the persistent compilation cache off: the first `jspec.decode`
 call (compile + run) minus a second call on the same prompt (run only) is its compile time, prefill and loop
@@ -22,14 +23,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-STRATEGIES = ("AR", "Chain gamma=5", "Chain gamma=8", "Tree mc_sim_7b_63", "DynamicTree", "SAGE", "EESD Beta-TS")
+BASE = ("AR", "Chain gamma=5", "Chain gamma=8", "Tree mc_sim_7b_63", "DynamicTree", "SAGE", "EESD Beta-TS")
+GUARDED = " guarded"  # NAME guarded: NAME under jspec.Guarded, with a given cost table (compiling, not measuring)
+STRATEGIES = BASE + tuple(n + GUARDED for n in ("Chain gamma=5", "Tree mc_sim_7b_63", "EESD Beta-TS"))
 
 
 def build(name: str, pair):
     import jspec
+    from jspec.engine.costs import CostTable
     from jspec.parts.drafters.early_exit import load_head
     from jspec.tools.zoo import weights_dir
 
+    if name.endswith(GUARDED):  # drafting pays from a low acceptance: the program switches between both kinds
+        inner = build(name[:-len(GUARDED)], pair)
+        D = inner.parts().plan.max_depth
+        return jspec.Guarded(inner, costs=CostTable(1.0, tuple(1.0 + 0.05 * k for k in range(D + 1))))
     d = pair.draft
     return {"AR": lambda: None,
             "Chain gamma=5": lambda: jspec.Chain(d, gamma=5),

@@ -244,6 +244,11 @@ register("guarded_chain", lambda t, d: guarded(jspec.Chain(d, gamma=3)), exact=T
 register("guarded_tree", lambda t, d: guarded(jspec.Tree(d, tree=SMALL_TREE)), exact=True)
 register("guarded_eesd", lambda t, d: guarded(jspec.EESD(eesd_head(t), k_max=4)), exact=True, separate_draft=False,
          target_layers=2)
+# the EAGLE heads keep a feed of their own: the guard's AR rounds leave it unread (`Guarded.defer`)
+register("guarded_eagle3", lambda t, d: guarded(jspec.Eagle3(eagle3_head(t, every_third_dropped(t)), tree="chain",
+                                                             depth=3)), exact=True, separate_draft=False)
+register("guarded_eagle_tree", lambda t, d: guarded(jspec.Tree(eagle_head(t), tree=SMALL_TREE)), exact=True,
+         separate_draft=False, slow=True)
 register("guarded_lookup", lambda t, d: guarded(jspec.PromptLookup(max_ngram=2, gamma=3)), exact=True,
          separate_draft=False, slow=True, sampling_prompt=(1, 4, 2, 5, 3, 5, 3, 5))
 register("guarded_dflash", lambda t, d: guarded(jspec.DFlash(dflash_head(t))), exact=True, separate_draft=False)

@@ -164,3 +164,15 @@ def test_a_method_over_a_head_in_a_directory(tmp_path):
         (tmp_path / d).mkdir(parents=True)
     with pytest.raises(ValueError, match="share a name"):
         SB.run(strategies_=tuple(f"eesd@{tmp_path / d}" for d in ("a/head", "b/head")), hf_methods=())
+
+
+def test_guarded_method_names_carry_the_guard_and_its_rate():
+    import jspec
+
+    assert SB.guard_of("eagle3-c3+guard") == ("eagle3-c3", "guard", None)
+    assert SB.guard_of("eagle3-c3+guard-r0.1") == ("eagle3-c3", "guard", None)
+    assert SB.guard_of("pld-4+depth2") == ("pld-4", "depth", 2)
+    assert SB.guard_of("pld-4+guard-rx") == ("pld-4+guard-rx", None, None)  # not a rate: an unknown method
+    s = jspec.PromptLookup(max_ngram=2, gamma=3)
+    assert SB.guarded("pld-3+guard-r0.15", s).rate == 0.15
+    assert SB.guarded("pld-3+guard", s).rate == jspec.Guarded(s).rate

@@ -11,7 +11,8 @@ from jspec.engine.costs import CostTable
 from jspec.parts.controllers.guard import Guard, GuardState, expected_tokens
 from jspec.parts.protocols import Record
 from sampling_check import V, chi2_pvalue, close_pair, exact_joint, joint_index, tiny_vocab_pair
-from strategies import eesd_head
+from strategies import eagle3_head, eagle_head, eesd_head
+from toy_parts import ScheduledDepth
 from tiny_pairs import PROMPTS, tiny_pair
 
 CHEAP = (1.0, 1.05, 1.1, 1.15)  # a round at depth 0 .. 3, in AR steps: drafting pays from a low acceptance
@@ -94,6 +95,46 @@ def test_guarded_greedy_is_ar_whether_it_speculates_or_not(pair, name):
             assert (out.stats["drafted"] == 0).all() and not spec.any()
     assert seen["cheap"][0]
     assert seen["even"] == (True, True), seen  # it switched between speculating and AR steps within a decode
+
+
+DEFERRING = {  # the drafters that keep a feed of their own, and so may leave an AR round's token unread
+    "chain": lambda t, d: jspec.Chain(d, gamma=3),
+    "tree": lambda t, d: jspec.Tree(d, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+    "eagle_chain": lambda t, d: jspec.Chain(eagle_head(t), gamma=3),
+    "eagle3_chain": lambda t, d: jspec.Eagle3(eagle3_head(t), tree="chain", depth=3),
+    "eesd": lambda t, d: jspec.EESD(eesd_head(t), controller=3, k_max=3),
+}
+
+
+@pytest.mark.parametrize("name", list(DEFERRING))
+def test_rounds_without_drafts_leave_their_tokens_unread_and_change_no_later_draft(name):
+    """AR rounds in streaks shorter and longer than `defers`: the drafter reads nothing in them while it has room
+    (its unread count grows by one a round), and every later round drafts exactly what it drafts when each AR round
+    reads at once: the same accepted counts, round by round, and AR's tokens."""
+    from jspec import api
+    from jspec.engine import profiling as PF
+
+    target, draft = tiny_vocab_pair(2) if name == "eesd" else tiny_pair()
+    prompts = [np.array([1, 4, 2, 5]), np.array([3, 1]), np.array([2, 2, 5, 1, 0])] if name == "eesd" else PROMPTS
+    parts = DEFERRING[name](target, draft).parts()
+    ar = jspec.decode(target, prompts, max_new_tokens=24, eos_token_id=())
+    plan = (3, 0, 0, 2, 0, 0, 0, 0, 0, 0, 3, 1, 0)  # streaks of 2 and 6 AR rounds
+    runs = {}
+    for defers in (0, 3):
+        s = parts.replace(controller=ScheduledDepth(plan, defers))
+        out = jspec.decode(target, prompts, s, max_new_tokens=24, eos_token_id=())
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+        runs[defers] = out.stats["accepted"]
+    np.testing.assert_array_equal(runs[3], runs[0])
+    # the unread tokens after the first streak: one more per AR round than after the drafting round before it
+    st = api.start(target, prompts, parts.replace(controller=ScheduledDepth(plan, 3)), max_new_tokens=24,
+                   eos_token_id=())
+    waiting = []
+    for n in (1, 3):
+        state = PF._repeat("sd_step", st.ctx, st.static, st.dyn, st.target, (st.state, None, None), n)[0]
+        waiting.append(np.asarray(state.aux.draft.n_pending))
+        assert np.asarray(state.aux.draft.deferred).all() == (n == 3)
+    np.testing.assert_array_equal(waiting[1], waiting[0] + 2)
 
 
 def test_sampling_stays_exact_when_no_row_drafts_and_when_half_the_rows_do():

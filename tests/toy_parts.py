@@ -60,6 +60,25 @@ class CycleDepth(Controller):
 
 
 @struct.dataclass
+class ScheduledDepth(Controller):
+    """Step s of every row drafts `depths[s % len(depths)]` levels (0: an AR step); `defers` as a guard sets it."""
+
+    depths: tuple = struct.field(pytree_node=False)
+    defers: int = struct.field(pytree_node=False, default=0)
+
+    skips = True
+
+    def init(self, batch, max_depth):
+        return jnp.zeros((batch,), jnp.int32)
+
+    def decide(self, state, key):
+        return Decision(depth=jnp.asarray(self.depths, jnp.int32)[state % len(self.depths)])
+
+    def observe(self, state, record):
+        return state + 1
+
+
+@struct.dataclass
 class ResidualByHooks(Rule):
     """The exact residual rule, rewritten from the hooks alone."""
 

@@ -101,13 +101,13 @@ def _shapes(tree) -> list:
     return out
 
 
-def table_key(target, parts, batch: int, prompt_len: int) -> str:
-    """The cache key of a table: device kind, backend, the target's and the strategy parts' shapes, the batch
-    and the cache length bucket."""
+def table_key(target, parts, batch: int, prompt_len: int, defer: int = 0) -> str:
+    """The cache key of a table: device kind, backend, the target's and the strategy parts' shapes, the batch,
+    the cache length bucket and the guard's `defer`."""
     dev = jax.devices()[0]
     bucket = 1 << max(int(prompt_len) - 1, 1).bit_length()
     what = [VERSION, jax.default_backend(), dev.device_kind, jax.__version__, _shapes(target), _shapes(parts),
-            int(batch), bucket, cpu.enabled()]
+            int(batch), bucket, cpu.enabled(), int(defer)]
     return hashlib.sha1(json.dumps(what, default=str).encode()).hexdigest()[:20]
 
 
@@ -122,19 +122,21 @@ def probe_prompt(vocab_size: int, prompt_len: int, batch: int, seed: int = 0) ->
 
 def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool = True, reps=(4, 16),
             runs: int = 5, progress=None) -> CostTable:
-    """The cost table of `strategy` (any speculative strategy; unguarded) on `target` at this batch and prompt
-    length: measured on this device, or read from the disk cache (`cache=False` measures anew and does not
-    write). `progress(str)` hears each step of the measurement."""
+    """The cost table of `strategy` (any speculative strategy, or a `Guarded` one, whose `defer` it measures with;
+    a bare strategy is measured as `Guarded` guards it by default) on `target` at this batch and prompt length:
+    measured on this device, or read from the disk cache (`cache=False` measures anew and does not write).
+    `progress(str)` hears each step of the measurement."""
     from jspec import api
     from jspec.engine import profiling as PF
     from jspec.engine.strategy import AR, Guarded, split
 
+    defer = Guarded.defer
     if isinstance(strategy, Guarded):
-        strategy = strategy.strategy
+        strategy, defer = strategy.strategy, strategy.defer
     strategy.check(target)
     inner = strategy.parts()
     D = inner.plan.max_depth
-    key = table_key(target, inner, batch, prompt_len)
+    key = table_key(target, inner, batch, prompt_len, defer)
     path = costs_dir() / f"{key}.json"
     if cache and path.exists():
         return CostTable(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(path.read_text()).items()})
@@ -146,7 +148,7 @@ def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool
     kw = dict(max_new_tokens=reps[1] * (D + 1) + 2, eos_token_id=(), compile_loop=False)
     say(f"compile: an AR step and a round ({batch} rows, {prompt_len}-token prompt)")
     ar = api.start(target, prompt, AR(), **kw)
-    st = api.start(target, prompt, Guarded(strategy, costs=CostTable.flat(D), force=0), **kw)
+    st = api.start(target, prompt, Guarded(strategy, costs=CostTable.flat(D), force=0, defer=defer), **kw)
     guard = st.parts.controller
     points = {"ar": ("step", ar)}
     for d in range(D + 1):

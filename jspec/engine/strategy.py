@@ -83,9 +83,10 @@ class Speculative(Strategy):
     def needs(self) -> Needs:
         asks = asks_of(self.controller)
         plan = self.plan
+        defer = int(getattr(self.controller, "defers", 0) or 0)
         return Needs(asks, bool(as_rule(self.rule).draws), asks.hidden or bool(self.drafter.verify_hidden),
                      asks.hidden, self.controller is not None and self.controller.stops, plan.max_depth,
-                     plan.scratch, plan.pending_width, plan.scratch + plan.max_depth + 1)
+                     plan.scratch, plan.pending_width + defer, plan.scratch + plan.max_depth + 1 + defer, defer)
 
     def check(self, target) -> None:
         for name, (base, called) in _BASES.items():
@@ -305,7 +306,9 @@ class Guarded(Strategy):
     (an AR step), from the acceptance the rounds so far verified and `costs` (a `jspec.costs.CostTable`; None:
     `decode` measures it on the first call and caches it on disk). The strategy's own controller still runs; the guard only lowers its depth.
     `rate`, `prior`, `drift`: the acceptance estimates' update weight, starting value and pull back towards it where
-    no round looks. `force` >= 0 drafts every row to that depth (what the cost measurement times)."""
+    no round looks. `force` >= 0 drafts every row to that depth (what the cost measurement times). `defer`: AR
+    rounds in a row whose tokens a drafter with a feed of its own (EAGLE heads, EESD, a draft model) may leave
+    unread, so that they cost the target's step alone; the next drafting round reads them all."""
 
     strategy: Any
     costs: Any = None
@@ -313,8 +316,12 @@ class Guarded(Strategy):
     prior: float = 0.5
     drift: float = 0.01
     force: int = -1
+    defer: int = 8
 
     def __post_init__(self):
+        if not isinstance(self.defer, int) or self.defer < 0:
+            raise ValueError(f"Guarded defer must be an int >= 0 (AR rounds a drafter may leave unread), got "
+                             f"{self.defer!r}")
         if isinstance(self.strategy, (Guarded, AR)) or not isinstance(self.strategy, (Strategy, Speculative)):
             raise ValueError(f"Guarded wraps a speculative strategy (Chain, Tree, PromptLookup, EESD, ...), got "
                              f"{type(self.strategy).__name__}")
@@ -335,7 +342,7 @@ class Guarded(Strategy):
             raise ValueError(f"the cost table covers depths 0 .. {self.costs.max_depth}; the strategy drafts to depth "
                              f"{D} (measure its own table)")
         guard = Guard(np.asarray(self.costs.step_s, np.float32), inner.controller, self.rate, self.prior, self.drift,
-                      self.force)
+                      self.force, self.defer)
         return inner.replace(controller=guard)
 
     def check(self, target) -> None:
@@ -350,5 +357,4 @@ class Guarded(Strategy):
             return self
         from jspec.engine import costs
 
-        return dataclasses.replace(self, costs=costs.measure(target, self.strategy, batch=batch,
-                                                             prompt_len=prompt_len))
+        return dataclasses.replace(self, costs=costs.measure(target, self, batch=batch, prompt_len=prompt_len))

@@ -332,6 +332,7 @@ class Controller:
     asks = Asks()
     stops = False
     skips = False  # may decide depth 0 for a row (no draft: the row's step is an AR step)
+    defers = 0  # rounds without drafts a drafter may leave unread before it catches up (widens its pending feed)
 
     def init(self, batch: int, max_depth: int) -> Any:
         return None
@@ -391,3 +392,4 @@ class Needs(NamedTuple):
     scratch: int  # the plan's scratch slots past the committed tokens (drafters size per-step buffers by it)
     pending_width: int  # committed tokens a drafter may not have read at a step's start, `last` included
     per_step: int  # cache slots a step may use past the committed tokens: the scratch and the catch-up feed
+    defer: int = 0  # rounds without drafts whose tokens a drafter may leave unread (the controller's `defers`)

@@ -36,7 +36,7 @@ from jspec.engine import guidance as GD
 from jspec.engine import sharding as SH
 from jspec.parts.drafters import heads as H
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
-from jspec.parts.drafters.model import check_vocab_size, draft_log_probs
+from jspec.parts.drafters.model import appended, check_vocab_size, draft_log_probs, read_or_defer
 from ports import chameleon as CH
 from ports import fused as FU
 from ports import layers as LY
@@ -218,6 +218,7 @@ class EagleState:
     root: jax.Array  # [R, D] f-hat after `last`
     scratch: jax.Array  # [R, plan scratch, D] f-hat of each drafted scratch slot
     last_in: jax.Array  # [R, D] the feature `last` paired with (re-fed when a finished row repeats its root)
+    deferred: jax.Array  # [B] bool: this round's `catch_up` left `pending` unread (`model.read_or_defer`)
 
 
 def _streams(target) -> int:
@@ -321,13 +322,13 @@ class EagleDrafter(Drafter):
         cache = cache.replace(length=jnp.maximum(_rep(end, n) - 1, 0))
         cache = SH.constrain(env.ctx.placement, cache, replicated=True)
         B = end.shape[0]
-        P = max(pending_width, env.needs.depth + 1)
+        P = max(pending_width, env.needs.depth + 1 + env.needs.defer)  # the whole path, and deferred rounds' tokens
         D = cfg.hidden_size
         last_in = jnp.take_along_axis(f, (_rep(end, n) - 1)[:, None, None], axis=1)[:, 0]
         feats_in = jnp.zeros((R, P, D), f.dtype).at[:, 0].set(last_in)
         pending = jnp.zeros((B, P), jnp.int32).at[:, 0].set(env.last)
         return EagleState(cache, pending, feats_in, jnp.ones((B,), jnp.int32), jnp.zeros((R, D), f.dtype),
-                          jnp.zeros((R, max(env.needs.scratch, 1), D), f.dtype), last_in)
+                          jnp.zeros((R, max(env.needs.scratch, 1), D), f.dtype), last_in, jnp.zeros((B,), bool))
 
     def _logp(self, env: DraftEnv, f: jax.Array, depth: jax.Array) -> jax.Array:
         """Draft log-probs [B, K, V] from f-hat [R, K, D] of nodes at `depth` [B, K] below the root: the target's
@@ -352,7 +353,11 @@ class EagleDrafter(Drafter):
         c = SH.constrain(env.ctx.placement, kvc.commit(c, _rep(ds.n_pending, n)), replicated=True)
         B = ds.pending.shape[0]
         logp = self._logp(env, root[:, None], jnp.zeros((B, 1), jnp.int32))
-        return logp, None, ds.replace(cache=c, root=root.astype(ds.root.dtype), last_in=last_in)
+        return logp, None, ds.replace(cache=c, root=root.astype(ds.root.dtype), last_in=last_in,
+                                      deferred=jnp.zeros_like(ds.deferred))
+
+    def catch_up(self, env: DraftEnv, ds: EagleState) -> EagleState:
+        return read_or_defer(ds, lambda s: self.root(env, s)[2])
 
     def level(self, env: DraftEnv, ds: EagleState, tokens, depth, mask, offset: int, run):
         cfg, lm = text_parts(env.target)
@@ -390,6 +395,12 @@ class EagleDrafter(Drafter):
         act_r = _rep(active, n)
         pending = jnp.where(active[:, None], new, jnp.zeros_like(new).at[:, 0].set(env.last))
         feats_in = jnp.where(act_r[:, None, None], f, jnp.zeros_like(f).at[:, 0].set(ds.last_in))
-        cache = ds.cache.replace(length=jnp.where(act_r, ds.cache.length, ds.cache.length - 1))
-        return ds.replace(cache=cache, pending=pending, feats_in=feats_in,
-                          n_pending=jnp.where(active, c.accepted + 1, 1))
+        n_pending = jnp.where(active, c.accepted + 1, 1)
+        # a round whose catch-up read nothing appends its tokens after those still waiting (a finished row keeps all)
+        dfr, dfr_r = ds.deferred, _rep(ds.deferred, n)
+        count, count_r = jnp.where(active, c.accepted + 1, 0), _rep(jnp.where(active, c.accepted + 1, 0), n)
+        pending = jnp.where(dfr[:, None], appended(ds.pending, ds.n_pending, new, count), pending)
+        feats_in = jnp.where(dfr_r[:, None, None], appended(ds.feats_in, _rep(ds.n_pending, n), f, count_r), feats_in)
+        n_pending = jnp.where(dfr, ds.n_pending + count, n_pending)
+        cache = ds.cache.replace(length=jnp.where(act_r | dfr_r, ds.cache.length, ds.cache.length - 1))
+        return ds.replace(cache=cache, pending=pending, feats_in=feats_in, n_pending=n_pending)

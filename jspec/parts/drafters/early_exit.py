@@ -30,7 +30,7 @@ from ports import cache as kvc
 from jspec.engine import sharding as SH
 from jspec.parts.drafters import heads as H
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
-from jspec.parts.drafters.model import check_vocab_size, commit_fed, draft_log_probs
+from jspec.parts.drafters.model import check_vocab_size, commit_fed, draft_log_probs, read_or_defer
 from ports import fused as FU
 from ports import layers as LY
 from ports import llama
@@ -239,6 +239,7 @@ class EEState:
     n_pending: jax.Array  # [B]
     scratch_k: list  # per shared layer [B * KVH, P + plan scratch, Dh]: this step's K/V of layers 1..N
     scratch_v: list
+    deferred: jax.Array  # [B] bool: this round's `catch_up` left `pending` unread (`model.read_or_defer`)
 
 
 @struct.dataclass
@@ -292,7 +293,7 @@ class EarlyExitDrafter(Drafter):
         width = pending_width + env.needs.scratch
         dt = env.tcache.k[0].dtype
         zeros = [jnp.zeros((rows, width, hd), dt) for _ in range(self.head.exit_layer)]
-        return EEState(cache, pending, jnp.ones((B,), jnp.int32), zeros, list(zeros))
+        return EEState(cache, pending, jnp.ones((B,), jnp.int32), zeros, list(zeros), jnp.zeros((B,), bool))
 
     def root(self, env: DraftEnv, ds: EEState):
         cfg, lm, _, _ = self._shapes(env)
@@ -310,7 +311,11 @@ class EarlyExitDrafter(Drafter):
         if cache is not None:
             cache = kvc.commit(cache, ds.n_pending)
         logp = draft_log_probs(head_logits(self.head.params, states, lm), env)
-        return logp, {"hidden": states}, ds.replace(cache=cache, scratch_k=sk, scratch_v=sv)
+        return logp, {"hidden": states}, ds.replace(cache=cache, scratch_k=sk, scratch_v=sv,
+                                                    deferred=jnp.zeros_like(ds.deferred))
+
+    def catch_up(self, env: DraftEnv, ds: EEState) -> EEState:
+        return read_or_defer(ds, lambda s: self.root(env, s)[2])
 
     def level(self, env: DraftEnv, ds: EEState, tokens, depth, mask, offset: int, run):
         cfg, lm, _, _ = self._shapes(env)
@@ -336,7 +341,8 @@ class EarlyExitDrafter(Drafter):
         return draft_log_probs(logits, env), {"hidden": states}, ds
 
     def commit(self, env: DraftEnv, ds: EEState, c: Catchup) -> EEState:
-        cache, pending, n_pending = commit_fed(env, ds.cache, ds.pending, c)
+        cache, pending, n_pending = commit_fed(env, ds.cache, ds.pending, c, n_pending=ds.n_pending,
+                                               deferred=ds.deferred)
         return ds.replace(cache=cache, pending=pending, n_pending=n_pending)
 
 

@@ -67,6 +67,7 @@ class DraftState:
     cache: kvc.KVCache  # committed length = tokens the draft has read, `last` excluded
     pending: jax.Array  # [B, pending_width] committed tokens the draft has not read yet, ending with `last`
     n_pending: jax.Array  # [B] int32
+    deferred: jax.Array | None = None  # [B] bool: this round's `catch_up` left `pending` unread (`read_or_defer`)
 
 
 @struct.dataclass
@@ -130,8 +131,9 @@ class ModelDrafter(Drafter):
         model = self.run_model(env)
         cache = loop.new_cache_for(model, tokens.shape[0], max_len)
         _, _, cache = loop.prefill(model, tokens, lengths, cache, inputs)
-        pending = jnp.zeros((tokens.shape[0], pending_width), jnp.int32).at[:, 0].set(env.last)
-        return DraftState(self._constrain(env, cache), pending, jnp.ones((tokens.shape[0],), jnp.int32))
+        B = tokens.shape[0]
+        pending = jnp.zeros((B, pending_width), jnp.int32).at[:, 0].set(env.last)
+        return DraftState(self._constrain(env, cache), pending, jnp.ones((B,), jnp.int32), jnp.zeros((B,), bool))
 
     def root_logits(self, env: DraftEnv, ds: DraftState):
         """(logits [B, 1, V] after `last`, state): `root` before the sampler's processing."""
@@ -139,7 +141,8 @@ class ModelDrafter(Drafter):
         dc = ds.cache
         pos = kvc.positions(dc, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), ds.pending.shape))
         fo = self.run_model(env).forward(ds.pending, pos, dc, logits_at=(ds.n_pending - 1)[:, None])
-        return fo.logits, ds.replace(cache=kvc.commit(fo.cache, ds.n_pending))
+        ds = ds.replace(cache=kvc.commit(fo.cache, ds.n_pending))
+        return fo.logits, ds if ds.deferred is None else ds.replace(deferred=jnp.zeros_like(ds.deferred))
 
     def level_logits(self, env: DraftEnv, ds: DraftState, tokens, depth, mask, offset: int, run):
         """(logits [B, K, V] of one tree level, state): `level` before the sampler's processing."""
@@ -161,14 +164,43 @@ class ModelDrafter(Drafter):
         logits, ds = self.level_logits(env, ds, tokens, depth, mask, offset, run)
         return draft_log_probs(logits, env), None, ds
 
+    def catch_up(self, env: DraftEnv, ds: DraftState) -> DraftState:
+        if ds.deferred is None:
+            return self.root(env, ds)[2]
+        return read_or_defer(ds, lambda s: self.root(env, s)[2])
+
     def commit(self, env: DraftEnv, ds: DraftState, c: Catchup) -> DraftState:
-        return DraftState(*commit_fed(env, ds.cache, ds.pending, c, replicated=self.model is not None))
+        cache, pending, n = commit_fed(env, ds.cache, ds.pending, c, replicated=self.model is not None,
+                                       n_pending=ds.n_pending, deferred=ds.deferred)
+        return ds.replace(cache=cache, pending=pending, n_pending=n)
 
 
-def commit_fed(env: DraftEnv, dc: kvc.KVCache | None, pending: jax.Array, c: Catchup, replicated: bool = True):
+def read_or_defer(ds, read):
+    """`catch_up` for a drafter that keeps the committed tokens it has not read in `ds.pending` [B, P] (`n_pending`
+    of them, ending with `last`) and a `deferred` flag [B]: when every row has room for one more token, nothing is
+    computed and the round's token waits unread (`commit_fed` appends it), so a round without drafts costs the
+    target's step alone; otherwise `read(ds)` (the drafter's `root`, which clears the flag) reads them all now. The
+    next `root` reads whatever waits, so the drafts that follow are the same as if every round had read."""
+    room = jnp.all(ds.n_pending < ds.pending.shape[1])
+    return jax.lax.cond(room, lambda s: s.replace(deferred=jnp.ones_like(s.deferred)), read, ds)
+
+
+def appended(pending: jax.Array, n_pending: jax.Array, new: jax.Array, count: jax.Array) -> jax.Array:
+    """`pending` [B, P, ...] with `new`'s first `count` [B] entries written after its first `n_pending` [B]."""
+    idx = jnp.arange(pending.shape[1])[None] - n_pending[:, None]  # [B, P]: position in `new`
+    take = jnp.take_along_axis(new, jnp.clip(idx, 0, new.shape[1] - 1).reshape(idx.shape + (1,) * (new.ndim - 2)),
+                               axis=1)
+    put = ((idx >= 0) & (idx < count[:, None])).reshape(idx.shape + (1,) * (new.ndim - 2))
+    return jnp.where(put, take, pending)
+
+
+def commit_fed(env: DraftEnv, dc: kvc.KVCache | None, pending: jax.Array, c: Catchup, replicated: bool = True,
+               n_pending: jax.Array | None = None, deferred: jax.Array | None = None):
     """A drafter cache's catch-up after a step: (cache, pending, n_pending). The leading accepted nodes the drafter
     fed (`Catchup.fed`) are committed from its scratch slots; the rest wait in `pending`. A finished row feeds
-    nothing new: it re-reads `last` at its slot. A drafter without a cache of its own passes None."""
+    nothing new: it re-reads `last` at its slot. A drafter without a cache of its own passes None. Rows whose
+    round read nothing (`deferred`, see `read_or_defer`) keep their unread tokens and get the round's appended
+    after the `n_pending` already waiting (a finished one keeps what it had)."""
     a, active, new, slots = c.accepted, c.active, c.new, c.fed
     W = pending.shape[1]
     D = c.path.shape[1] - 1
@@ -183,9 +215,15 @@ def commit_fed(env: DraftEnv, dc: kvc.KVCache | None, pending: jax.Array, c: Cat
     if dc is not None:
         if slots is not None:
             dc = kvc.commit(dc, fed) if c.is_chain else kvc.commit_path(dc, jnp.maximum(slots, 0), fed)
-        dc = SH.constrain(env.ctx.placement, dc.replace(length=jnp.where(active, dc.length, dc.length - 1)),
+        read = active if deferred is None else active | deferred  # a finished row that read `last` again undoes it
+        dc = SH.constrain(env.ctx.placement, dc.replace(length=jnp.where(read, dc.length, dc.length - 1)),
                           replicated=replicated)
     idx = jnp.minimum(fed[:, None] + jnp.arange(W)[None, :], new.shape[1] - 1)
     nxt = jnp.take_along_axis(new, idx, axis=1)
     last_only = jnp.zeros_like(nxt).at[:, 0].set(env.last)
-    return dc, jnp.where(active[:, None], nxt, last_only), jnp.where(active, a + 1 - fed, 1)
+    out, n = jnp.where(active[:, None], nxt, last_only), jnp.where(active, a + 1 - fed, 1)
+    if deferred is None:
+        return dc, out, n
+    later = appended(pending, n_pending, new, a + 1)
+    out = jnp.where(deferred[:, None], jnp.where(active[:, None], later, pending), out)
+    return dc, out, jnp.where(deferred, jnp.where(active, n_pending + a + 1, n_pending), n)

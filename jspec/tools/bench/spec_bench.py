@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -85,13 +86,17 @@ def _jspec():
     return jspec
 
 
-GUARD, DEPTH = "+guard", "+depth"  # NAME+guard: the method under `jspec.Guarded`; NAME+depthK: every round at depth K
+GUARD, DEPTH = "+guard", "+depth"  # NAME+guard: the method under `jspec.Guarded` (NAME+guard-rR: at rate R);
+# NAME+depthK: every round at depth K
+RATE = re.compile(r"\+guard-r(0?\.\d+|1(\.0*)?|0)$")
 
 
 def guard_of(name: str) -> tuple[str, str | None, int | None]:
     """(the base method's name, "guard" / "depth" / None, the fixed depth K of NAME+depthK or None)."""
     if name.endswith(GUARD):
         return name[:-len(GUARD)], "guard", None
+    if RATE.search(name):
+        return name[:RATE.search(name).start()], "guard", None
     base, sep, k = name.rpartition(DEPTH)
     if sep and k.isdigit():
         return base, "depth", int(k)
@@ -106,7 +111,8 @@ def guarded(name: str, strategy):
 
     _, kind, k = guard_of(name)
     if kind == "guard":
-        return jspec.Guarded(strategy)
+        rate = RATE.search(name)
+        return jspec.Guarded(strategy) if rate is None else jspec.Guarded(strategy, rate=float(rate.group(1)))
     if kind == "depth":
         D = strategy.parts().plan.max_depth
         if not 1 <= k <= D:
