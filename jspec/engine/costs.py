@@ -27,7 +27,7 @@ import numpy as np
 from ports import cpu
 
 COSTS_ENV = "JSPEC_COSTS_DIR"
-VERSION = 1
+VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ from jspec.engine import guidance as GD
 from jspec.engine import sharding as SH
 from jspec.parts.drafters import heads as H
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
-from jspec.parts.drafters.model import appended, check_vocab_size, draft_log_probs, read_or_defer
+from jspec.parts.drafters.model import appended, check_vocab_size, draft_log_probs, feed, read_or_defer
 from ports import chameleon as CH
 from ports import fused as FU
 from ports import layers as LY
@@ -343,12 +343,15 @@ class EagleDrafter(Drafter):
     def root(self, env: DraftEnv, ds: EagleState):
         cfg, lm = text_parts(env.target)
         n = _streams(env.target)
-        c = ds.cache
-        P = ds.pending.shape[1]
-        pos = (c.length + 1 - c.start)[:, None] + jnp.arange(P)[None]
-        x, c = self.forward(cfg, self.embed(lm, _rep(ds.pending, n)), ds.feats_in, pos, c)
         at = _rep(ds.n_pending - 1, n)
-        root = jnp.take_along_axis(x, at[:, None, None], axis=1)[:, 0]
+
+        def read(W):
+            c = ds.cache
+            pos = (c.length + 1 - c.start)[:, None] + jnp.arange(W)[None]
+            x, c = self.forward(cfg, self.embed(lm, _rep(ds.pending[:, :W], n)), ds.feats_in[:, :W], pos, c)
+            return jnp.take_along_axis(x, at[:, None, None], axis=1)[:, 0], c
+
+        root, c = feed(env, ds, read)
         last_in = jnp.take_along_axis(ds.feats_in, at[:, None, None], axis=1)[:, 0]
         c = SH.constrain(env.ctx.placement, kvc.commit(c, _rep(ds.n_pending, n)), replicated=True)
         B = ds.pending.shape[0]

@@ -30,7 +30,7 @@ from ports import cache as kvc
 from jspec.engine import sharding as SH
 from jspec.parts.drafters import heads as H
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
-from jspec.parts.drafters.model import check_vocab_size, commit_fed, draft_log_probs, read_or_defer
+from jspec.parts.drafters.model import check_vocab_size, commit_fed, draft_log_probs, feed, read_or_defer
 from ports import fused as FU
 from ports import layers as LY
 from ports import llama
@@ -298,16 +298,20 @@ class EarlyExitDrafter(Drafter):
     def root(self, env: DraftEnv, ds: EEState):
         cfg, lm, _, _ = self._shapes(env)
         tc = env.tcache
-        P = ds.pending.shape[1]
         base = tc.length - (ds.n_pending - 1)  # target slot of pending[0]; `last` sits at tc.length
-        pos = (base + tc.pos_offset)[:, None] + jnp.arange(P, dtype=jnp.int32)[None]
-        W = ds.scratch_k[0].shape[1]
-        t, s = jnp.arange(P)[:, None], jnp.arange(W)[None, :]
-        vis = jnp.broadcast_to(s <= t, (tc.batch, P, W))  # causal over the pending tokens
-        x = llama.embed(lm, ds.pending)
-        h, sk, sv = shared_layers(cfg, lm, self.head.exit_layer, x, pos, tc, base, ds.scratch_k, ds.scratch_v, 0, vis)
+        S = ds.scratch_k[0].shape[1]
         at = (ds.n_pending - 1)[:, None]
-        states, cache = head_states(cfg, self.head.params, h, pos, ds.cache, logits_at=at)
+
+        def read(P):  # the first P pending tokens (`model.feed`)
+            pos = (base + tc.pos_offset)[:, None] + jnp.arange(P, dtype=jnp.int32)[None]
+            t, s = jnp.arange(P)[:, None], jnp.arange(S)[None, :]
+            vis = jnp.broadcast_to(s <= t, (tc.batch, P, S))  # causal over the pending tokens
+            x = llama.embed(lm, ds.pending[:, :P])
+            h, sk, sv = shared_layers(cfg, lm, self.head.exit_layer, x, pos, tc, base, ds.scratch_k, ds.scratch_v, 0,
+                                      vis)
+            return head_states(cfg, self.head.params, h, pos, ds.cache, logits_at=at), sk, sv
+
+        (states, cache), sk, sv = feed(env, ds, read)
         if cache is not None:
             cache = kvc.commit(cache, ds.n_pending)
         logp = draft_log_probs(head_logits(self.head.params, states, lm), env)

@@ -137,12 +137,27 @@ class ModelDrafter(Drafter):
 
     def root_logits(self, env: DraftEnv, ds: DraftState):
         """(logits [B, 1, V] after `last`, state): `root` before the sampler's processing."""
-        P = ds.pending.shape[1]
         dc = ds.cache
-        pos = kvc.positions(dc, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), ds.pending.shape))
-        fo = self.run_model(env).forward(ds.pending, pos, dc, logits_at=(ds.n_pending - 1)[:, None])
-        ds = ds.replace(cache=kvc.commit(fo.cache, ds.n_pending))
-        return fo.logits, ds if ds.deferred is None else ds.replace(deferred=jnp.zeros_like(ds.deferred))
+        model = self.run_model(env)
+        P = ds.pending.shape[1]
+        # two feed widths are two branches: a model that can return its new keys / values writes them after the
+        # branch, so its cache is not copied into and out of it
+        defers = getattr(model, "defers_writes", False)
+
+        def read(W):
+            pending = ds.pending[:, :W]
+            pos = kvc.positions(dc, jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), pending.shape))
+            kw = {"defer_writes": True} if defers else {}
+            fo = model.forward(pending, pos, dc, logits_at=(ds.n_pending - 1)[:, None], **kw)
+            if not defers:
+                return fo.logits, fo.cache
+            pad = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 2) + ((0, P - W), (0, 0)))  # noqa: E731
+            return fo.logits, jax.tree.map(pad, fo.pending)
+
+        logits, out = feed(env, ds, read)
+        cache = kvc.write_pending(dc, *out) if defers else out
+        ds = ds.replace(cache=kvc.commit(cache, ds.n_pending))
+        return logits, ds if ds.deferred is None else ds.replace(deferred=jnp.zeros_like(ds.deferred))
 
     def level_logits(self, env: DraftEnv, ds: DraftState, tokens, depth, mask, offset: int, run):
         """(logits [B, K, V] of one tree level, state): `level` before the sampler's processing."""
@@ -173,6 +188,17 @@ class ModelDrafter(Drafter):
         cache, pending, n = commit_fed(env, ds.cache, ds.pending, c, replicated=self.model is not None,
                                        n_pending=ds.n_pending, deferred=ds.deferred)
         return ds.replace(cache=cache, pending=pending, n_pending=n)
+
+
+def feed(env: DraftEnv, ds, read):
+    """`read(W)` over the first W entries of the pending feed `ds.pending` [B, P]: the feed without the guard's
+    `defer` extra slots when every row's unread tokens fit there (a round after a drafting round), else all P (after
+    rounds that left tokens unread). The two widths are two branches of one program."""
+    P = ds.pending.shape[1]
+    defer = int(getattr(env.needs, "defer", 0) or 0)
+    if not 0 < defer < P:
+        return read(P)
+    return jax.lax.cond(jnp.all(ds.n_pending <= P - defer), lambda: read(P - defer), lambda: read(P))
 
 
 def read_or_defer(ds, read):

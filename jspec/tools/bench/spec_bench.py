@@ -542,7 +542,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "eagle3-c2/3/4/6, eagle3-tree, eagle3 (dynamic tree), sage-eagle3 (an EAGLE-3 head); "
                          "dflash-chain, dflash-c3/4/5, dflash-tree (a block drafter's chains and DDTree); each "
                          "also with bfloat16 weights as NAME-bf16, and over a head of its kind in a directory as "
-                         "NAME@DIR; NAME+guard runs it under jspec.Guarded, NAME+depthK every round at depth K "
+                         "NAME@DIR; NAME+guard runs it under jspec.Guarded (NAME+guard-rR: at rate R), "
+                         "NAME+depthK every round at depth K "
                          "(the guard's fixed choices: the summary compares the guard with the best in hindsight)")
     ap.add_argument("--baselines", nargs="*", default=list(HF_METHODS), help="transformers baselines: hf (generate), "
                                                                               "hf-pld (its prompt lookup); none: omit")
