@@ -143,9 +143,10 @@ class Drafter:
         raise NotImplementedError(f"{type(self).__name__} is not a block drafter (block_size 0)")
 
     def catch_up(self, env: DraftEnv, state):
-        """The state after a step in which no row drafts (every row at depth 0): it has read what `root` reads, so
-        the next step's root starts where it would have (default: `root`, its distribution unused, which XLA
-        then does not compute)."""
+        """The state after a step in which no row drafts (every row at depth 0): the next step's root must start
+        where it would have (default: `root`, its distribution unused, which XLA then does not compute). A drafter
+        with a feed of its own may instead leave the step's token unread and have `commit` append it to what waits
+        (`jspec.parts.drafters.model.read_or_defer`; `Needs.defer` extra feed slots)."""
         return self.root(env, state)[2]
 
 
