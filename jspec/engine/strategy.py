@@ -316,7 +316,7 @@ class Guarded(Strategy):
     prior: float = 0.5
     drift: float = 0.01
     force: int = -1
-    defer: int = 8
+    defer: int = 24
 
     def __post_init__(self):
         if not isinstance(self.defer, int) or self.defer < 0:

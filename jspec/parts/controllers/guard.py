@@ -49,7 +49,7 @@ class Guard(Controller):
     prior: jax.Array | float = 0.5
     drift: jax.Array | float = 0.01
     force: jax.Array | int = -1
-    defers: int = struct.field(pytree_node=False, default=8)  # AR rounds a drafter may leave unread (`Controller`)
+    defers: int = struct.field(pytree_node=False, default=24)  # AR rounds a drafter may leave unread (`Controller`)
 
     skips = True
 
