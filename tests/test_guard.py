@@ -193,3 +193,39 @@ def test_bad_guards_are_refused(pair):
         jspec.Guarded(jspec.Chain(draft, gamma=2), rate=2.0)
     with pytest.raises(ValueError, match="covers depths 0 .. 3; the strategy drafts to depth 2"):
         jspec.decode(target, PROMPTS, jspec.Guarded(jspec.Chain(draft, gamma=2), costs=table(CHEAP)))
+
+
+@pytest.mark.parametrize("rule", ["residual", "q1"])
+@pytest.mark.parametrize("temperature,top_p", [(0.0, None), (1.0, None), (0.7, 0.9)])
+def test_the_root_verdict_equals_the_rules_verdict_on_a_tree_that_offers_nothing(rule, temperature, top_p):
+    """A round where no row drafts skips the walk over every node (`Rule.accept_root`): the same path, count and
+    bonus token as the rule's own verdict on that tree, key for key; a tree that offers a draft differs."""
+    from jspec.engine import rowkeys as RK
+    from jspec.engine import sampling as SM
+    from jspec.parts import rules, trees
+    from jspec.parts.protocols import Proposal
+
+    B, Vv = 4, 37
+    tree = trees.build_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    t = trees.device_tree(tree, B)
+    N, D, M = t.parent.shape[1], int(tree.depth.max()), t.children.shape[2]
+    r = rules.as_rule(rule)
+    cfg, sp = SM.make_sampling(temperature, None, top_p)
+    logits = jax.random.normal(jax.random.PRNGKey(1), (B, N, Vv)) * 3
+    q = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(2), (B, N, Vv)), axis=-1)
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (B, N), 0, Vv)
+    only_root = jnp.zeros((B, N), bool).at[:, 0].set(True)
+    prop = Proposal(tokens, only_root, t, q, None, jnp.zeros((B, Vv)))
+    g = jnp.argmax(logits[:, 0], axis=-1)
+    offers = prop._replace(tokens=tokens.at[:, 1].set(g), valid=only_root.at[:, 1].set(True))
+    bonuses, took = set(), 0
+    for seed in range(8):
+        key = RK.for_rows(jax.random.PRNGKey(seed), B)
+        full = r.accept(key, prop, logits, D, cfg, sp)
+        root = r.accept_root(key, logits[:, 0], D, M, cfg, sp)
+        for a, b in zip(full, root):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        bonuses.update(np.asarray(root.bonus).tolist())
+        took += int(np.sum(np.asarray(r.accept(key, offers, logits, D, cfg, sp).accepted)))
+    assert took > 0  # the control: a tree that offers the root's argmax gets drafts accepted
+    assert (len(bonuses) > B) == (not cfg.greedy)  # sampled bonuses vary with the key, greedy ones do not

@@ -201,7 +201,14 @@ def sd_accept(ctx, parts, target, carry):
     B = state.last.shape[0]
     D = plan.max_depth
     k_verify = RK.fold(loop.step_key(state), 2)
-    verdict = parts.rule.accept(k_verify, prop, ver.logits, D, ctx.sampling, state.sp)
+    accept = lambda: parts.rule.accept(k_verify, prop, ver.logits, D, ctx.sampling, state.sp)  # noqa: E731
+    if aux.speculate is None and not (parts.controller is not None and parts.controller.skips):
+        verdict = accept()
+    else:  # when no row offers a draft, the rule's verdict on the root alone: an AR step's cost, the same tokens
+        offers = jnp.any(~state.done & jnp.any(prop.valid[:, 1:], axis=1))
+        root = lambda: parts.rule.accept_root(k_verify, ver.logits[:, 0], D, prop.tree.children.shape[2],  # noqa: E731
+                                              ctx.sampling, state.sp)
+        verdict = jax.lax.cond(offers, accept, root)
     a = verdict.accepted
     path_tokens = jnp.take_along_axis(prop.tokens, verdict.path, axis=1)  # [B, D+1], root first
     new = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)

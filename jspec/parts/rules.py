@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jspec.engine import rowkeys as RK
+from jspec.engine import sampling as SM
 from jspec.parts.protocols import Rule, Verdict
 from jspec.parts.trees import TreeArrays
 
@@ -290,6 +291,25 @@ def as_rule(rule) -> Rule:
     return rule
 
 
+def _walk_keys(key: jax.Array, max_depth: int, width: int) -> jax.Array:
+    """[B, n] the walk's keys, each row its own: one per (depth, child), the bonus's last."""
+    return RK.split(key, max_depth * width + 1)
+
+
+def root_verdict(key: jax.Array, logits: jax.Array, max_depth: int, width: int, sampling, sp) -> Verdict:
+    """The verdict of `greedy` / `stochastic` on a tree whose root alone is valid, from the root's logits [B, V]:
+    nothing accepted (the path is the root's), the bonus the target's argmax, or its draw with the walk's bonus key
+    (a rule's residual is the target's distribution until a child is tried)."""
+    B = logits.shape[0]
+    path = jnp.zeros((B, max_depth + 1), jnp.int32)
+    if sampling.greedy:
+        bonus = jnp.argmax(logits, axis=-1)
+    else:
+        p = SM.probs(logits[:, None], sampling, sp)[:, 0]
+        bonus = RK.categorical(_walk_keys(key, max_depth, width)[:, -1], jnp.log(jnp.maximum(p, 0.0)))
+    return Verdict(path, jnp.zeros((B,), jnp.int32), bonus.astype(jnp.int32))
+
+
 def stochastic(key: jax.Array, tokens: jax.Array, p: jax.Array, q: jax.Array | None, node_valid: jax.Array,
                t: TreeArrays, max_depth: int, rule: Rule) -> Verdict:
     """Multi-draft speculative sampling over a tree (a chain is the one-child case), under `rule`'s hooks.
@@ -305,7 +325,7 @@ def stochastic(key: jax.Array, tokens: jax.Array, p: jax.Array, q: jax.Array | N
     B, N, V = p.shape
     M = t.children.shape[2]
     rows = jnp.arange(B)
-    keys = RK.split(key, max_depth * M + 1)  # [B, n]: each row draws from its own key
+    keys = _walk_keys(key, max_depth, M)
 
     def try_child(d, k, cur, carry):
         """Child k of each row's current node: accepted (the walk moves there) or rejected (the rule's residual)."""
