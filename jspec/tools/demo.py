@@ -70,7 +70,7 @@ def long_examples(seed: int, tokenizer, kinds=("described_caption", "text_story"
 def text_section(seed: int, methods: str = "core") -> Section:
     """The text pair (scenes given as their detailed descriptions): AR, Chain gamma=5 and the 9-draft tree (also
     under the guard, `jspec.Guarded`); with
-    `methods="all"` also DynamicTree, SAGE and EESD (CPU-sized trees), each greedy and sampled."""
+    `methods="all"` also DynamicTree, SAGE and EESD (CPU-sized trees), each greedy and sampled, and EESD guarded."""
     import jspec
     from jspec.parts.drafters.early_exit import load_head
     from jspec.tools.zoo import weights_dir
@@ -88,7 +88,9 @@ def text_section(seed: int, methods: str = "core") -> Section:
         s["SAGE"] = (jspec.SAGE(pair.draft, w_max=4, k=4, n_max=16, init_tree=DEMO_TREE), both)
         head_dir = weights_dir("text-target-eesd-n1")
         if (head_dir / "eesd_head.json").exists():
-            s["EESD (self-draft, exit layer 1)"] = (jspec.EESD(load_head(str(head_dir), pair.target)), both)
+            eesd = jspec.EESD(load_head(str(head_dir), pair.target))
+            s["EESD (self-draft, exit layer 1)"] = (eesd, both)
+            s["EESD, guarded"] = (jspec.Guarded(eesd), ("greedy",))
     return Section(f"text pair: target {pair.target.num_params / 1e6:.1f}M, draft {pair.draft.num_params / 1e6:.2f}M "
                    "(scenes as text descriptions)", pair.target, pair.tokenizer, ZE.batch_prompt(pair.encoder, exs),
                    [(ex.turns[-2].text, ex.answer) for ex in exs], s)
@@ -166,8 +168,8 @@ def run_real(seed: int = 0, out_dir: str = "jspec-demo", max_new_tokens: int = 1
 
 def image_section(seed: int) -> Section:
     """The image pair, which reads the images: detailed captions, a story over five images (out of the draft's
-    distribution) and a two-image comparison; AR, Chain (the draft reads the images) and TABED (MT*: the draft's
-    image view and its text-only view, weights picked online)."""
+    distribution) and a two-image comparison; AR, Chain (the draft reads the images; also guarded) and TABED (MT*:
+    the draft's image view and its text-only view, weights picked online)."""
     import jspec
     from jspec.tools.zoo import evaluate as ZE
     from jspec.tools.zoo import world as ZW
@@ -177,7 +179,9 @@ def image_section(seed: int) -> Section:
     exs += [ZW.example("heldout", seed, 0, ["ood_story"]), ZW.example("heldout", seed, 0, ["two_image_diff"])]
     both = ("greedy", "sampled")
     newline = pair.encoder.text_ids("\n")[0]
-    s = {"AR": (None, both), "Chain gamma=5": (jspec.Chain(pair.draft, gamma=5), both),
+    chain = jspec.Chain(pair.draft, gamma=5)
+    s = {"AR": (None, both), "Chain gamma=5": (chain, both),
+         "Chain gamma=5, guarded": (jspec.Guarded(chain), ("greedy",)),
          "TABED MT*": (jspec.TABED.method("MT*", pair.draft, gamma=5, newline_id=newline), both)}
     return Section(f"image pair: target {pair.target.num_params / 1e6:.1f}M, draft {pair.draft.num_params / 1e6:.2f}M "
                    "(reads the images)", pair.target, pair.tokenizer, ZE.batch_prompt(pair.encoder, exs),
