@@ -281,7 +281,8 @@ class Rule:
                     sampling: SM.SamplingConfig, sp: SM.SamplingParams) -> "Verdict":
         """The verdict `accept` gives when no row offers a draft (only the root is valid), from the target's logits
         [B, V] at the root alone: no draft accepted, the bonus the walk would draw there with the same key
-        (`width`: the tree's children per node). Equal to `accept`'s, token for token, at a fraction of its cost."""
+        (`width`: the tree's children per node). Equal to `accept`'s, token for token, at a fraction of its cost; a rule
+        that overrides `accept` overrides this too."""
         from jspec.parts import rules
 
         return rules.root_verdict(key, logits, max_depth, width, sampling, sp)
