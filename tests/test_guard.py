@@ -185,6 +185,18 @@ def test_the_cost_table_is_measured_per_depth_and_cached_on_disk(pair, tmp_path,
     np.testing.assert_array_equal(out.tokens, jspec.decode(target, longer, max_new_tokens=8, eos_token_id=()).tokens)
 
 
+def test_a_strategy_is_measured_within_the_models_positions(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("JSPEC_COSTS_DIR", str(tmp_path))
+    target, draft = pair
+    mpe = target.config.max_position_embeddings
+    s = jspec.Chain(draft, gamma=3)
+    long = mpe - 2 - 4 * 10  # room for 10 rounds of 4 tokens: the default 16 would run past the positions
+    t = jspec.costs.measure(target, s, batch=1, prompt_len=long, runs=1)
+    assert len(t.step_s) == 4 and all(x > 0 for x in t.step_s) and t.drafted[1:] == (1.0, 2.0, 3.0)
+    with pytest.raises(ValueError, match="leaves room for 1 rounds of depth 3 within the model's max_position"):
+        jspec.costs.measure(target, s, batch=1, prompt_len=mpe - 2 - 4 - 2, runs=1, cache=False)
+
+
 def test_bad_guards_are_refused(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="Guarded wraps a speculative strategy"):

@@ -125,7 +125,8 @@ def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool
     """The cost table of `strategy` (any speculative strategy, or a `Guarded` one, whose `defer` it measures with;
     a bare strategy is measured as `Guarded` guards it by default) on `target` at this batch and prompt length:
     measured on this device, or read from the disk cache (`cache=False` measures anew and does not write).
-    `progress(str)` hears each step of the measurement."""
+    `reps`: the two round counts whose time difference gives a round's time (fewer where the model's positions
+    would run out). `progress(str)` hears each step of the measurement."""
     from jspec import api
     from jspec.engine import profiling as PF
     from jspec.engine.strategy import AR, Guarded, split
@@ -145,7 +146,16 @@ def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool
     prompt = probe_prompt(target.vocab_size, prompt_len, batch)
     # no decode loop compiled ahead (only the timed programs run), and those are compiled here and dropped after,
     # not kept in jit's cache beside the caller's programs
-    kw = dict(max_new_tokens=reps[1] * (D + 1) + 2, eos_token_id=(), compile_loop=False)
+    lo, hi = reps
+    mpe = api._max_positions(target)
+    if mpe:  # a timed run of `hi` rounds commits up to hi * (D + 1) tokens: fewer rounds where positions run out
+        room = (mpe - prompt_len - 2) // (D + 1)
+        if room < 2:
+            raise ValueError(f"a {prompt_len}-token prompt leaves room for {max(room, 0)} rounds of depth {D} within "
+                             f"the model's max_position_embeddings={mpe}: measure at a shorter prompt_len")
+        hi = min(hi, room)
+        lo = min(lo, hi // 2)
+    kw = dict(max_new_tokens=hi * (D + 1) + 2, eos_token_id=(), compile_loop=False)
     say(f"compile: an AR step and a round ({batch} rows, {prompt_len}-token prompt)")
     ar = api.start(target, prompt, AR(), **kw)
     st = api.start(target, prompt, Guarded(strategy, costs=CostTable.flat(D), force=0, defer=defer), **kw)
@@ -166,11 +176,10 @@ def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool
 
     drafted = []
     for d in range(D + 1):  # compiles once (the depth is data); the drafts each depth offers per row and round
-        end = timed(*points[d], reps[0])[1]
-        drafted.append(float(np.mean(np.asarray(end.drafted - st.state.drafted))) / reps[0])
-    timed(*points["ar"], reps[0])
+        end = timed(*points[d], lo)[1]
+        drafted.append(float(np.mean(np.asarray(end.drafted - st.state.drafted))) / lo)
+    timed(*points["ar"], lo)
     slopes = {k: [] for k in points}
-    lo, hi = reps
     for r in range(runs):  # interleaved, so that the machine's slow moments fall on every point alike
         say(f"timing run {r + 1} of {runs}: AR and depths 0 .. {D}")
         for k, (name, at) in points.items():

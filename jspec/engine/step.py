@@ -8,6 +8,10 @@ profile all run these same functions (`PHASES`):
   2. `sd_verify`: one target forward over all N nodes (positions = committed length + depth, ancestor mask).
   3. `sd_accept`: the rule picks the accepted path and the bonus token; the accepted nodes' K/V move into the
      target's committed prefix with one gather; the drafter commits; the controller observes a `Record`.
+Where rows may draft nothing (a guard's depth 0, `decode(speculate=)`), `sd_step` decides first, and a round in
+which no row drafts is `ar_round`: the target's one-token forward and the rule's verdict on the root, without the
+draft, the tree verify and the walk. Both branches are loops of zero or one trips (`protocols.when`), which update
+the caches in place.
 No method-specific code lives here: a method is a new drafter, plan, rule or controller (see `jspec.engine.strategy`).
 """
 from __future__ import annotations
@@ -23,7 +27,7 @@ from ports import cache as kvc
 from jspec.engine import loop
 from jspec.parts.controllers import Decision, Record
 from jspec.parts.drafters import Catchup, DraftEnv, TargetPrefill
-from jspec.parts.protocols import Proposal
+from jspec.parts.protocols import Proposal, when
 
 
 @struct.dataclass
@@ -82,14 +86,18 @@ def draft_env(ctx, state, target, decision=None, needs=None, stop=None) -> Draft
     return DraftEnv(ctx, state.sp, target, state.cache, state.last, decision, needs, state.out, state.n_out, stop)
 
 
-def sd_draft(ctx, parts, target, carry):
-    """Phase 1: the controller's decision, then the drafted tree (its `decision.depth`: the depth each row drafted
-    to, after any per-level stop)."""
-    state = carry[0]
+def may_skip(parts, aux) -> bool:
+    """Whether a round may draft nothing for every row (a guard's depth 0, or `decode(speculate=)`): then `sd_step`
+    takes an AR round instead."""
+    return aux.speculate is not None or (parts.controller is not None and parts.controller.skips)
+
+
+def sd_decide(ctx, parts, state) -> Decision:
+    """The controller's decision for this round, its depths clipped to the plan's and zero for rows told not to
+    speculate."""
     aux: SDAux = state.aux
     needs = parts.needs
-    ks = RK.split(RK.fold(loop.step_key(state), 1), 3)
-    k_draft, k_ctrl, k_stop = ks[:, 0], ks[:, 1], ks[:, 2]
+    k_ctrl = RK.split(RK.fold(loop.step_key(state), 1), 3)[:, 1]
     ctrl = parts.controller
     decision = Decision() if ctrl is None else ctrl.decide(aux.ctrl, k_ctrl)
     if decision.depth is not None:
@@ -98,12 +106,38 @@ def sd_draft(ctx, parts, target, carry):
     if aux.speculate is not None:  # rows told not to speculate draft nothing: their step is an AR step
         depth = jnp.full(aux.speculate.shape, needs.depth, jnp.int32) if decision.depth is None else decision.depth
         decision = decision._replace(depth=jnp.where(aux.speculate, depth, 0))
+    return decision
+
+
+def _draft_env(ctx, parts, target, state, decision):
+    aux: SDAux = state.aux
+    needs = parts.needs
+    ctrl = parts.controller
+    k_stop = RK.split(RK.fold(loop.step_key(state), 1), 3)[:, 2]
     stop = None
     if needs.stops:  # the controller may end a row's draft after any level (from what drafted it)
         stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, RK.fold(k_stop, level))  # noqa: E731
-    env = draft_env(ctx, state, target, decision, needs, stop)
+    return draft_env(ctx, state, target, decision, needs, stop)
+
+
+def _proposal_shapes(ctx, parts, target, state, decision) -> Proposal:
+    env = _draft_env(ctx, parts, target, state, decision)
+    k_draft = RK.split(RK.fold(loop.step_key(state), 1), 3)[:, 0]
+    return jax.eval_shape(lambda ds: parts.plan.propose(env, parts.drafter, ds, k_draft, decision), state.aux.draft)[0]
+
+
+def sd_draft(ctx, parts, target, carry, decision: Decision | None = None, drafting: bool = False):
+    """Phase 1: the controller's decision (or `decision`, already taken), then the drafted tree (its
+    `decision.depth`: the depth each row drafted to, after any per-level stop). `drafting`: some row is known to
+    draft."""
+    state = carry[0]
+    aux: SDAux = state.aux
+    if decision is None:
+        decision = sd_decide(ctx, parts, state)
+    k_draft = RK.split(RK.fold(loop.step_key(state), 1), 3)[:, 0]
+    env = _draft_env(ctx, parts, target, state, decision)
     propose = lambda ds: parts.plan.propose(env, parts.drafter, ds, k_draft, decision)  # noqa: E731
-    if aux.speculate is None and not (ctrl is not None and ctrl.skips):
+    if drafting or not may_skip(parts, aux):
         prop, ds = propose(aux.draft)
     else:  # rows may draft nothing: when none drafts, the drafter only catches up and the tree is the root alone
         drafts = jnp.any((decision.depth > 0) & ~state.done)
@@ -193,31 +227,40 @@ def _record(parts, target, prop, ver: Verified, verdict, new, n_eff, active, dep
     return rec
 
 
-def sd_accept(ctx, parts, target, carry):
-    """Phase 3: the verdict, the commit (target cache, output, drafter), the controller's observation."""
+def sd_accept(ctx, parts, target, carry, drafting: bool = False):
+    """Phase 3: the verdict, the commit (target cache, output, drafter), the controller's observation.
+    `drafting`: some row is known to offer drafts (`sd_step` took the decision)."""
     state, prop, ver = carry
-    aux: SDAux = state.aux
-    plan = parts.plan
-    B = state.last.shape[0]
-    D = plan.max_depth
+    D = parts.plan.max_depth
     k_verify = RK.fold(loop.step_key(state), 2)
     accept = lambda: parts.rule.accept(k_verify, prop, ver.logits, D, ctx.sampling, state.sp)  # noqa: E731
-    if aux.speculate is None and not (parts.controller is not None and parts.controller.skips):
+    if drafting or not may_skip(parts, state.aux):
         verdict = accept()
     else:  # when no row offers a draft, the rule's verdict on the root alone: an AR step's cost, the same tokens
         offers = jnp.any(~state.done & jnp.any(prop.valid[:, 1:], axis=1))
         root = lambda: parts.rule.accept_root(k_verify, ver.logits[:, 0], D, prop.tree.children.shape[2],  # noqa: E731
                                               ctx.sampling, state.sp)
         verdict = jax.lax.cond(offers, accept, root)
+    active = ~state.done
+    n_keep = jnp.where(active, verdict.accepted + 1, 0)
+    # a chain's accepted entries already sit in slots length.. in order: no gather and write of every layer
+    tc = kvc.commit(state.cache, n_keep) if parts.plan.is_chain else kvc.commit_path(state.cache, verdict.path, n_keep)
+    return _conclude(ctx, parts, target, state.replace(cache=tc), prop, ver, verdict)
+
+
+def _conclude(ctx, parts, target, state, prop, ver: Verified, verdict):
+    """After the verdict and the target cache's commit: the tokens, the drafter's commit, the controller's
+    observation and the step's record."""
+    aux: SDAux = state.aux
+    plan = parts.plan
+    B = state.last.shape[0]
+    D = plan.max_depth
     a = verdict.accepted
     path_tokens = jnp.take_along_axis(prop.tokens, verdict.path, axis=1)  # [B, D+1], root first
     new = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     new = new.at[jnp.arange(B), a].set(verdict.bonus)  # [accepted drafts..., bonus]
     active = ~state.done
-    n_keep = jnp.where(active, a + 1, 0)
-    # a chain's accepted entries already sit in slots length.. in order: no gather and write of every layer
-    tc = kvc.commit(state.cache, n_keep) if plan.is_chain else kvc.commit_path(state.cache, verdict.path, n_keep)
-    state = state.replace(cache=tc, last=jnp.where(active, verdict.bonus, state.last))
+    state = state.replace(last=jnp.where(active, verdict.bonus, state.last))
     state, n_eff = loop.commit_tokens(ctx, state, new, a + 1)
     env = draft_env(ctx, state, target, prop.decision, parts.needs)
     hid = None
@@ -238,12 +281,47 @@ def sd_accept(ctx, parts, target, carry):
     return loop.record_step(state, n_eff, drafted), None, None
 
 
+def ar_round(ctx, parts, target, state: loop.DecodeState, decision: Decision) -> loop.DecodeState:
+    """A round in which no row drafts, as an AR step: the target's one-token forward (the layers the drafter or
+    the controller read included), the rule's verdict on the root (`Rule.accept_root`: the token and key the
+    speculative round would give), the drafter's catch-up and commit of that token, the controller's observation."""
+    aux: SDAux = state.aux
+    B = state.last.shape[0]
+    shapes = _proposal_shapes(ctx, parts, target, state, decision)
+    env = _draft_env(ctx, parts, target, state, decision)
+    prop = root_only(shapes, env.last, decision)
+    state = state.replace(aux=aux.replace(draft=parts.drafter.catch_up(env, aux.draft)))
+    layers = verify_layers(parts, target)[0]
+    kw = {"hidden_layers": layers} if layers else {}
+    positions = kvc.positions(state.cache, jnp.zeros((B, 1), jnp.int32))
+    fo = target.forward(state.last[:, None], positions, state.cache, **kw)
+    k_verify = RK.fold(loop.step_key(state), 2)
+    verdict = parts.rule.accept_root(k_verify, fo.logits[:, 0], parts.plan.max_depth, shapes.tree.children.shape[2],
+                                     ctx.sampling, state.sp)
+    state = state.replace(cache=kvc.commit(fo.cache, (~state.done).astype(jnp.int32)))
+    ver = Verified(fo.logits, tuple(fo.hidden) if layers else ())
+    return _conclude(ctx, parts, target, state, prop, ver, verdict)[0]
+
+
 PHASES = (("draft", sd_draft), ("verify", sd_verify), ("accept", sd_accept))
 
 
 def sd_step(ctx, parts, target, state: loop.DecodeState) -> loop.DecodeState:
-    """One draft-verify-commit round for every row."""
-    carry = (state, None, None)
-    for _, phase in PHASES:
-        carry = phase(ctx, parts, target, carry)
-    return carry[0]
+    """One draft-verify-commit round for every row; where rows may draft nothing (`may_skip`) and none does, an AR
+    round (`ar_round`) instead, so that such a round costs an AR step."""
+    if not may_skip(parts, state.aux):
+        carry = (state, None, None)
+        for _, phase in PHASES:
+            carry = phase(ctx, parts, target, carry)
+        return carry[0]
+    decision = sd_decide(ctx, parts, state)
+
+    def speculative(s):
+        carry = sd_draft(ctx, parts, target, (s, None, None), decision, drafting=True)
+        carry = sd_verify(ctx, parts, target, carry)
+        return sd_accept(ctx, parts, target, carry, drafting=True)[0]
+
+    drafts = jnp.any((decision.depth > 0) & ~state.done)
+    state = when(drafts, speculative, state)
+    return when(~drafts, lambda s: ar_round(ctx, parts, target, s, decision), state)
+

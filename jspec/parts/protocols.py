@@ -150,6 +150,13 @@ class Drafter:
         return self.root(env, state)[2]
 
 
+def when(pred: jax.Array, fn, x):
+    """`fn(x)` where the traced bool `pred` holds, else `x` (`fn` keeps `x`'s structure): a loop of zero or one
+    trips, which updates `x`'s buffers in place, where a `lax.cond` whose branch writes into a cache it returns
+    has XLA:CPU copy the cache in and out."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros((), bool), fn(c[1])), (pred, x))[1]
+
+
 def run_level(run, go, state):
     """`go(state) -> (outputs, state)` for a drafter's `level`, skipped where the traced bool `run` is False (no row
     needs the level): then the outputs are zeros of their shapes and the state comes back as it was. `run` None

@@ -83,7 +83,13 @@ class Guard(Controller):
         return jnp.minimum(own, best)
 
     def decide(self, state: GuardState, key) -> Decision:
-        d = Decision() if self.inner is None else self.inner.decide(state.inner, key)
+        if self.inner is None:
+            d = Decision()
+        else:  # the inner controller decides only when some row would draft (its cap only lowers depths)
+            wanted = jnp.any(self.choose(state) > 0) | (jnp.asarray(self.force) > 0)
+            shapes = jax.eval_shape(self.inner.decide, state.inner, key)
+            nothing = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)  # noqa: E731
+            d = jax.lax.cond(wanted, lambda: self.inner.decide(state.inner, key), nothing)
         cap = None if d.depth is None else d.depth.astype(jnp.int32)
         depth = self.choose(state, cap)
         depth = jnp.where(jnp.asarray(self.force) >= 0, jnp.asarray(self.force, jnp.int32), depth)

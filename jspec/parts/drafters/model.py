@@ -19,7 +19,7 @@ from ports import cache as kvc
 from jspec.engine import guidance as GD
 from jspec.engine import sampling as SM
 from jspec.engine import sharding as SH
-from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
+from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level, when
 from ports.prompts import model_prompt, normalize_prompt
 
 
@@ -208,7 +208,8 @@ def read_or_defer(ds, read):
     target's step alone; otherwise `read(ds)` (the drafter's `root`, which clears the flag) reads them all now. The
     next `root` reads whatever waits, so the drafts that follow are the same as if every round had read."""
     room = jnp.all(ds.n_pending < ds.pending.shape[1])
-    return jax.lax.cond(room, lambda s: s.replace(deferred=jnp.ones_like(s.deferred)), read, ds)
+    ds = when(~room, read, ds)
+    return when(room, lambda s: s.replace(deferred=jnp.ones_like(s.deferred)), ds)
 
 
 def appended(pending: jax.Array, n_pending: jax.Array, new: jax.Array, count: jax.Array) -> jax.Array:
