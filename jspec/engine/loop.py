@@ -217,10 +217,15 @@ def run_loop(ctx: StepContext, step_fn: Callable[[DecodeState], DecodeState], st
     return jax.lax.while_loop(cond, body, state)
 
 
+def one_token_forward(target, state: DecodeState, **kw):
+    """The target's forward of `last` at its row's next position (its K/V written, not yet committed)."""
+    positions = kvc.positions(state.cache, jnp.zeros((state.last.shape[0], 1), jnp.int32))
+    return target.forward(state.last[:, None], positions, state.cache, **kw)
+
+
 def ar_step(ctx: StepContext, target, state: DecodeState) -> DecodeState:
     """Autoregressive: feed `last`, sample one token, commit it."""
-    positions = kvc.positions(state.cache, jnp.zeros((state.last.shape[0], 1), jnp.int32))
-    fo = target.forward(state.last[:, None], positions, state.cache)
+    fo = one_token_forward(target, state)
     tok = SM.sample(step_key(state), fo.logits[:, 0], ctx.sampling, state.sp)
     active = ~state.done
     cache = kvc.commit(fo.cache, active.astype(jnp.int32))

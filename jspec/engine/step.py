@@ -92,12 +92,18 @@ def may_skip(parts, aux) -> bool:
     return aux.speculate is not None or (parts.controller is not None and parts.controller.skips)
 
 
+def _round_keys(state):
+    """[B] keys of this round's draft, controller and per-level stop."""
+    ks = RK.split(RK.fold(loop.step_key(state), 1), 3)
+    return ks[:, 0], ks[:, 1], ks[:, 2]
+
+
 def sd_decide(ctx, parts, state) -> Decision:
     """The controller's decision for this round, its depths clipped to the plan's and zero for rows told not to
     speculate."""
     aux: SDAux = state.aux
     needs = parts.needs
-    k_ctrl = RK.split(RK.fold(loop.step_key(state), 1), 3)[:, 1]
+    k_ctrl = _round_keys(state)[1]
     ctrl = parts.controller
     decision = Decision() if ctrl is None else ctrl.decide(aux.ctrl, k_ctrl)
     if decision.depth is not None:
@@ -113,7 +119,7 @@ def _draft_env(ctx, parts, target, state, decision):
     aux: SDAux = state.aux
     needs = parts.needs
     ctrl = parts.controller
-    k_stop = RK.split(RK.fold(loop.step_key(state), 1), 3)[:, 2]
+    k_stop = _round_keys(state)[2]
     stop = None
     if needs.stops:  # the controller may end a row's draft after any level (from what drafted it)
         stop = lambda level, out, lim: ctrl.stop(aux.ctrl, level, out, lim, RK.fold(k_stop, level))  # noqa: E731
@@ -122,7 +128,7 @@ def _draft_env(ctx, parts, target, state, decision):
 
 def _proposal_shapes(ctx, parts, target, state, decision) -> Proposal:
     env = _draft_env(ctx, parts, target, state, decision)
-    k_draft = RK.split(RK.fold(loop.step_key(state), 1), 3)[:, 0]
+    k_draft = _round_keys(state)[0]
     return jax.eval_shape(lambda ds: parts.plan.propose(env, parts.drafter, ds, k_draft, decision), state.aux.draft)[0]
 
 
@@ -134,7 +140,7 @@ def sd_draft(ctx, parts, target, carry, decision: Decision | None = None, drafti
     aux: SDAux = state.aux
     if decision is None:
         decision = sd_decide(ctx, parts, state)
-    k_draft = RK.split(RK.fold(loop.step_key(state), 1), 3)[:, 0]
+    k_draft = _round_keys(state)[0]
     env = _draft_env(ctx, parts, target, state, decision)
     propose = lambda ds: parts.plan.propose(env, parts.drafter, ds, k_draft, decision)  # noqa: E731
     if drafting or not may_skip(parts, aux):
@@ -286,15 +292,13 @@ def ar_round(ctx, parts, target, state: loop.DecodeState, decision: Decision) ->
     the controller read included), the rule's verdict on the root (`Rule.accept_root`: the token and key the
     speculative round would give), the drafter's catch-up and commit of that token, the controller's observation."""
     aux: SDAux = state.aux
-    B = state.last.shape[0]
     shapes = _proposal_shapes(ctx, parts, target, state, decision)
     env = _draft_env(ctx, parts, target, state, decision)
     prop = root_only(shapes, env.last, decision)
     state = state.replace(aux=aux.replace(draft=parts.drafter.catch_up(env, aux.draft)))
     layers = verify_layers(parts, target)[0]
     kw = {"hidden_layers": layers} if layers else {}
-    positions = kvc.positions(state.cache, jnp.zeros((B, 1), jnp.int32))
-    fo = target.forward(state.last[:, None], positions, state.cache, **kw)
+    fo = loop.one_token_forward(target, state, **kw)
     k_verify = RK.fold(loop.step_key(state), 2)
     verdict = parts.rule.accept_root(k_verify, fo.logits[:, 0], parts.plan.max_depth, shapes.tree.children.shape[2],
                                      ctx.sampling, state.sp)
