@@ -23,7 +23,7 @@ from jspec.parts.trees import Layout, build_tree, chain
 from toy_parts import CycleDepth, FixedTrees, TwoViews, per_row_trees
 from jspec.parts.controllers.calibration import CaliTS, init_predictor
 from jspec.parts.drafters.early_exit import init_head
-from jspec.parts.drafters import dflash, eagle, eagle3
+from jspec.parts.drafters import dflash, eagle, eagle3, layer_skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +221,12 @@ register("dflash_ddtree", lambda t, d: jspec.DFlash(dflash_head(t), tree="ddtree
 register("dflash_tree", lambda t, d: jspec.DFlash(dflash_head(t), tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
          exact=True, separate_draft=False, slow=True)
 
+# layer skipping in the target's own cache (Draft & Verify): the drafter writes the target's scratch slots
+register("layer_skip_chain", lambda t, d: jspec.Chain(layer_skip.SkipDrafter((1,)), gamma=3), exact=True,
+         separate_draft=False, target_layers=2)
+register("layer_skip_tree", lambda t, d: jspec.Tree(layer_skip.SkipDrafter((1,)), tree=SMALL_TREE), exact=True,
+         separate_draft=False, target_layers=2, slow=True)
+
 SHARDED_CHECKS = {"chain", "tree"}  # tests/sharded_checks.py decodes these on two meshes in the default suite
 
 
@@ -255,3 +261,5 @@ register("guarded_dflash", lambda t, d: guarded(jspec.DFlash(dflash_head(t))), e
 register("guarded_dflash_tree", lambda t, d: guarded(jspec.DFlash(dflash_head(t), tree="ddtree", top_k=3, total=8,
                                                                    depth=3)),
          exact=True, separate_draft=False, slow=True)
+register("guarded_layer_skip", lambda t, d: guarded(jspec.Chain(layer_skip.SkipDrafter((1,)), gamma=3)), exact=True,
+         separate_draft=False, target_layers=2)

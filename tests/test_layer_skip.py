@@ -32,6 +32,28 @@ def test_skipped_model_shares_the_target_and_drafts_exactly(target):
     assert (same.stats["accepted"][:, :3] == 4).all()  # the full model drafts what the target says
 
 
+def test_drafting_in_the_targets_cache_skipping_nothing_drafts_what_the_target_says(target):
+    """SkipDrafter drafts in the target's own cache: with no layer skipped its drafts are the target's own greedy
+    tokens (every draft accepted), which fails if it read or wrote the wrong slots or positions; with a layer
+    skipped it stays AR's tokens, and it holds no cache of its own."""
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=16, eos_token_id=())
+    whole = jspec.decode(target, PROMPTS, jspec.Chain(LS.SkipDrafter(()), gamma=3), max_new_tokens=16,
+                         eos_token_id=())
+    np.testing.assert_array_equal(whole.tokens, ar.tokens)
+    assert (whole.stats["accepted"][:, :3] == 4).all()
+    small = LS.skip_layers(target, [1])
+    drafter = LS.SkipDrafter.of(small)
+    assert drafter.skip == (1,)
+    out = jspec.decode(target, PROMPTS, jspec.Chain(drafter, gamma=3), max_new_tokens=16, eos_token_id=())
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    rounds = lambda o: int((o.stats["accepted"] > 0).sum())  # noqa: E731
+    assert (out.stats["accepted"] >= 2).any() and rounds(out) > rounds(whole)  # it drafts, less well
+    with pytest.raises(ValueError, match="made by skip_layers"):
+        LS.SkipDrafter.of(target)
+    with pytest.raises(ValueError, match="out of range"):
+        jspec.decode(target, PROMPTS, jspec.Chain(LS.SkipDrafter((5,)), gamma=3), max_new_tokens=4)
+
+
 def test_bad_layer_sets_are_refused(target):
     for skip, msg in (([3], r"\[3\] out of range"), ([-1], "out of range"), ([1, 1], "repeated"),
                       ([0, 1, 2], "at least one layer must remain")):

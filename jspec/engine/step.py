@@ -129,7 +129,21 @@ def _draft_env(ctx, parts, target, state, decision):
 def _proposal_shapes(ctx, parts, target, state, decision) -> Proposal:
     env = _draft_env(ctx, parts, target, state, decision)
     k_draft = _round_keys(state)[0]
-    return jax.eval_shape(lambda ds: parts.plan.propose(env, parts.drafter, ds, k_draft, decision), state.aux.draft)[0]
+    propose = lambda ds: parts.plan.propose(env, parts.drafter, ds, k_draft, decision)  # noqa: E731
+    return jax.eval_shape(lambda s: _propose_in(parts, propose, s)[1], state)
+
+
+def _propose_in(parts, fn, state):
+    """(the state after the draft, the proposal) of `fn(drafter state) -> (proposal, drafter state)`. A drafter
+    that `borrows_cache` drafts in the target's cache, which comes back as the draft left it (written past the
+    committed length only, where the verify writes next)."""
+    ds = state.aux.draft
+    if not parts.drafter.borrows_cache:
+        prop, ds = fn(ds)
+        return state.replace(aux=state.aux.replace(draft=ds)), prop
+    prop, ds = fn(parts.drafter.lend(ds, state.cache))
+    ds, cache = parts.drafter.give_back(ds)
+    return state.replace(cache=cache, aux=state.aux.replace(draft=ds)), prop
 
 
 def sd_draft(ctx, parts, target, carry, decision: Decision | None = None, drafting: bool = False):
@@ -144,13 +158,18 @@ def sd_draft(ctx, parts, target, carry, decision: Decision | None = None, drafti
     env = _draft_env(ctx, parts, target, state, decision)
     propose = lambda ds: parts.plan.propose(env, parts.drafter, ds, k_draft, decision)  # noqa: E731
     if drafting or not may_skip(parts, aux):
-        prop, ds = propose(aux.draft)
+        state, prop = _propose_in(parts, propose, state)
     else:  # rows may draft nothing: when none drafts, the drafter only catches up and the tree is the root alone
         drafts = jnp.any((decision.depth > 0) & ~state.done)
-        shapes = jax.eval_shape(propose, aux.draft)[0]
-        bare = lambda ds: (root_only(shapes, env.last, decision), parts.drafter.catch_up(env, ds))  # noqa: E731
-        prop, ds = jax.lax.cond(drafts, propose, bare, aux.draft)
-    return state.replace(aux=aux.replace(draft=ds)), prop, None
+        shapes = _proposal_shapes(ctx, parts, target, state, decision)
+        if parts.drafter.borrows_cache:  # the branches pass the target's cache through
+            bare = lambda s: (s, root_only(shapes, env.last, decision))  # noqa: E731
+            state, prop = jax.lax.cond(drafts, lambda s: _propose_in(parts, propose, s), bare, state)
+        else:
+            bare = lambda ds: (root_only(shapes, env.last, decision), parts.drafter.catch_up(env, ds))  # noqa: E731
+            prop, ds = jax.lax.cond(drafts, propose, bare, aux.draft)
+            state = state.replace(aux=aux.replace(draft=ds))
+    return state, prop, None
 
 
 def root_only(shapes: Proposal, last: jax.Array, decision: Decision) -> Proposal:

@@ -104,6 +104,7 @@ class Drafter:
 
     verify_hidden = False  # reads the target's hidden states at the accepted nodes (`Catchup.hidden`)
     block_size = 0  # > 0: a block drafter, whose draft positions 1 .. block_size - 1 come from one forward
+    borrows_cache = False  # drafts in the target's own KV cache, lent to it for the draft (`lend`, `give_back`)
 
     def check(self, target) -> None:
         """ValueError before any compute when the drafter cannot serve `target` (default: nothing to check)."""
@@ -142,6 +143,16 @@ class Drafter:
         (`jspec.parts.plans.BlockTreePlan`) draft from."""
         raise NotImplementedError(f"{type(self).__name__} is not a block drafter (block_size 0)")
 
+    def lend(self, state, cache):
+        """With `borrows_cache`: the state the plan drafts from, holding the target's `cache` (committed tokens
+        before `env.last`). The drafter may write past the committed length only: the verify overwrites those
+        slots, and nothing reads them before it."""
+        return state
+
+    def give_back(self, state):
+        """With `borrows_cache`: (the state without the cache, the cache as the draft left it)."""
+        raise NotImplementedError(f"{type(self).__name__} borrows no cache")
+
     def catch_up(self, env: DraftEnv, state):
         """The state after a step in which no row drafts (every row at depth 0): the next step's root must start
         where it would have (default: `root`, its distribution unused, which XLA then does not compute). A drafter
@@ -163,9 +174,8 @@ def run_level(run, go, state):
     always runs it."""
     if run is None:
         return go(state)
-    shapes = jax.eval_shape(go, state)[0]
-    skip = lambda s: (jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), s)  # noqa: E731
-    return jax.lax.cond(run, go, skip, state)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(go, state)[0])
+    return when(run, lambda c: go(c[1]), (zeros, state))  # in place: the state holds the drafter's cache
 
 
 class Proposal(NamedTuple):

@@ -23,6 +23,9 @@ once per decode (`check`, `prepare`) and on the device inside the jitted step:
 - `commit(env, state, catchup: Catchup) -> state`: the state after verification accepted a path; the committed
   tokens are the path's (`catchup.prop.tokens` along `catchup.path`, root first), so a drafter that reads the
   generated text keeps it from here (`jspec.parts.drafters.ngram`, prompt lookup).
+- optional class attribute `borrows_cache = True`, with `lend(state, cache) -> state` and `give_back(state) ->
+  (state, cache)`: the drafter drafts in the target's own cache (layer skipping, `layer_skip.SkipDrafter`). It
+  is lent for the draft only and may be written past the committed length only, where the verify writes next.
 - optional class attribute `verify_hidden = True`: the drafter reads the target's hidden states at the accepted
   path's nodes from verification (`Catchup.hidden`): the last layer's (an EAGLE-1 feature head), or those of the
   layers `verify_layers(num_layers)` names, concatenated (an EAGLE-3 head's low, middle and high layers).
@@ -31,7 +34,7 @@ logp is the log of the distribution the plan ranks and draws children from (the 
 when sampling, the plain softmax when greedy); aux is a per-node pytree [B, K, ...] of the drafter's own
 (e.g. per-view probabilities of a multi-view drafter, for its controller) or None.
 `env` is a `DraftEnv`: the static step context, sampling params, the target (as run), its cache at the step's
-start (read only), the controller's decision for this step, the tokens generated so far (`out`, `n_out`) and the
+start (read only: a drafter that writes it borrows it), the controller's decision for this step, the tokens generated so far (`out`, `n_out`) and the
 strategy's `Needs` (`needs`: the plan's depth and scratch, to size buffers at `init`; what the controller asks).
 A drafter subclasses `Drafter` (`jspec.parts.protocols`), whose optional hooks (`check`, `map_models`,
 `prefill_asks`, `verify_hidden`, `verify_layers`) do nothing by default.

@@ -61,7 +61,10 @@ HEAD_METHODS = {
     "eesd-cali": ("eesd", lambda h: _jspec().EESD(h, controller="cali", k_max=8)),
     **{f"eesd-k{k}": ("eesd", lambda h, k=k: _jspec().EESD(h, controller=k, k_max=k)) for k in (2, 3, 4, 6, 8)},
     "sage-eesd": ("eesd", lambda h: _jspec().SAGE(h)),  # SAGE's trees over the early-exit drafter
-    "self-sd": ("layer-skip", lambda m: _jspec().Chain(m, gamma=4)),  # the target with searched layers skipped
+    # the target with the searched layers skipped, drafting in its own cache as Draft & Verify does; self-sd-own:
+    # the reduced model as a separate draft model with a cache of its own
+    "self-sd": ("layer-skip", lambda m: _jspec().Chain(_layer_skip().SkipDrafter.of(m), gamma=4)),
+    "self-sd-own": ("layer-skip", lambda m: _jspec().Chain(m, gamma=4)),
     # EAGLE-1's feature head over the shipped draft vocabulary: chains, EAGLE-1's static tree, EAGLE-2's dynamic
     # tree, SAGE's trees
     **{f"eagle-c{g}": ("eagle", lambda h, g=g: _jspec().Chain(h, gamma=g)) for g in (2, 3, 4, 5, 6, 8)},
@@ -84,6 +87,12 @@ def _jspec():
     import jspec
 
     return jspec
+
+
+def _layer_skip():
+    from jspec.parts.drafters import layer_skip
+
+    return layer_skip
 
 
 GUARD, DEPTH = "+guard", "+depth"  # NAME+guard: the method under `jspec.Guarded` (NAME+guard-rR: at rate R);
@@ -537,7 +546,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="jspec methods: ar, pld (gamma 10), pld-4 (gamma 4), pld-m (8 drafts after a 3-token match, "
                          "2 after a shorter one), pld-tree (3 branches of 4); over the "
                          "model's shipped trained drafter: eesd (Beta-TS), eesd-cali, eesd-k2/3/4/6/8 (fixed K), "
-                         "sage-eesd; self-sd (layer skipping, a chain of 4); eagle-c2/3/4/5/6/8 (the EAGLE head's chains), "
+                         "sage-eesd; self-sd (layer skipping, a chain of 4, in the target's cache; self-sd-own: with a cache of its own); eagle-c2/3/4/5/6/8 (the EAGLE head's chains), "
                          "eagle-tree (EAGLE-1's tree), eagle2 (EAGLE-2's dynamic tree), sage-eagle; "
                          "eagle3-c2/3/4/6, eagle3-tree, eagle3 (dynamic tree), sage-eagle3 (an EAGLE-3 head); "
                          "dflash-chain, dflash-c3/4/5, dflash-tree (a block drafter's chains and DDTree); each "
