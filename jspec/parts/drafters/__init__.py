@@ -34,8 +34,8 @@ logp is the log of the distribution the plan ranks and draws children from (the 
 when sampling, the plain softmax when greedy); aux is a per-node pytree [B, K, ...] of the drafter's own
 (e.g. per-view probabilities of a multi-view drafter, for its controller) or None.
 `env` is a `DraftEnv`: the static step context, sampling params, the target (as run), its cache at the step's
-start (read only: a drafter that writes it borrows it), the controller's decision for this step, the tokens generated so far (`out`, `n_out`) and the
-strategy's `Needs` (`needs`: the plan's depth and scratch, to size buffers at `init`; what the controller asks).
+start (read only: a drafter that writes it borrows it), the controller's decision for this step, the tokens
+generated so far (`out`, `n_out`) and the strategy's `Needs` (`needs`: the plan's depth and scratch, to size buffers at `init`; what the controller asks).
 A drafter subclasses `Drafter` (`jspec.parts.protocols`), whose optional hooks (`check`, `map_models`,
 `prefill_asks`, `verify_hidden`, `verify_layers`) do nothing by default.
 """
