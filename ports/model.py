@@ -7,6 +7,7 @@ every source format shares), `ports.checkpoint` (jspec's own orbax format: `save
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any, Callable, NamedTuple
 
@@ -96,6 +97,9 @@ class _HFConfigKey:
 
     def __hash__(self):
         return hash(self._key)
+
+    def __repr__(self):  # the config's digest, the same in every process (keys on disk are built from reprs)
+        return f"_HFConfigKey({hashlib.sha1(self._key.encode()).hexdigest()[:16]})"
 
 
 @jax.tree_util.register_pytree_node_class

@@ -1,6 +1,8 @@
 """The guard (`jspec.Guarded`, `jspec.parts.controllers.guard`, `jspec.costs`): its decision rule, its estimates,
 the measured cost table and its disk cache; guarded strategies stay AR's tokens whether the guard speculates, stops
 speculating or switches between the two, and a step where no row drafts is exact when sampled."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ from flax import struct
 
 import jspec
 from jspec.engine.costs import CostTable
-from jspec.parts.controllers.guard import Guard, GuardState, expected_tokens
+from jspec.parts.controllers.guard import Guard, expected_tokens
 from jspec.parts.protocols import Record
 from sampling_check import V, chi2_pvalue, close_pair, exact_joint, joint_index, tiny_vocab_pair
 from strategies import eagle3_head, eagle_head, eesd_head
@@ -32,7 +34,16 @@ def pair():
 
 def state(alpha, active=None):
     alpha = jnp.asarray(alpha, jnp.float32)
-    return GuardState(None, alpha, jnp.ones(alpha.shape[0], bool) if active is None else jnp.asarray(active))
+    s = Guard(jnp.asarray(CHEAP)).init(*alpha.shape)
+    return s.replace(alpha=alpha, active=jnp.ones(alpha.shape[0], bool) if active is None else jnp.asarray(active))
+
+
+def record(accepted, depth, active=None):
+    accepted, depth = jnp.asarray(accepted, jnp.int32), jnp.asarray(depth, jnp.int32)
+    B, D = accepted.shape[0], 3
+    return Record(accepted=accepted, committed=accepted + 1, active=jnp.ones(B, bool) if active is None else
+                  jnp.asarray(active), depth=depth, drafted=depth, path=jnp.zeros((B, D + 1), jnp.int32),
+                  on_path=jnp.zeros((B, D + 1), bool), tokens=jnp.zeros((B, D + 1), jnp.int32))
 
 
 def test_expected_tokens_and_the_choice_per_row_and_per_batch():
@@ -58,16 +69,47 @@ def test_estimates_move_where_a_round_looked_and_drift_back_elsewhere():
     g = Guard(jnp.asarray(CHEAP), rate=0.5, prior=0.5, drift=0.1)
     s = g.init(3, 3)
     B, D = 3, 3
-    rec = Record(accepted=jnp.asarray([3, 1, 0]), committed=jnp.asarray([4, 2, 1]), active=jnp.ones(B, bool),
-                 depth=jnp.asarray([3, 3, 0]), drafted=jnp.asarray([3, 3, 0]), path=jnp.zeros((B, D + 1), jnp.int32),
-                 on_path=jnp.zeros((B, D + 1), bool), tokens=jnp.zeros((B, D + 1), jnp.int32))
+    rec = record([3, 1, 0], [3, 3, 0])
     a = np.asarray(g.observe(s, rec).alpha)
     np.testing.assert_allclose(a[0], [0.75, 0.75, 0.75])  # every position reached and accepted
     np.testing.assert_allclose(a[1], [0.75, 0.25, 0.5])  # 1 accepted, the 2nd rejected, the 3rd never reached
     np.testing.assert_allclose(a[2], [0.5, 0.5, 0.5])  # drafted nothing: nothing learnt, the prior stays
     low = s.replace(alpha=jnp.zeros((B, D)))
-    np.testing.assert_allclose(np.asarray(g.observe(low, rec._replace(depth=jnp.zeros(B, jnp.int32))).alpha),
-                               np.full((B, D), 0.05))  # unobserved positions drift back towards the prior
+    # a drafting row's positions its round did not reach drift back towards the prior; a row that drafted nothing
+    # keeps its estimates (it waits for its next try)
+    np.testing.assert_allclose(np.asarray(g.observe(low, record([0, 0, 0], [1, 1, 0])).alpha),
+                               [[0.0, 0.05, 0.05], [0.0, 0.05, 0.05], [0.0, 0.0, 0.0]])
+
+
+def test_the_first_rounds_weigh_as_a_mean_then_as_an_average_of_the_last_few():
+    """With the prior worth 2 rounds, the estimate is the mean of the rounds so far (the prior included) while
+    that weighs a new round more than `rate`; after that each round weighs `rate`."""
+    g = Guard(jnp.asarray(CHEAP), rate=0.1, prior=0.5, prior_rounds=2.0, retry=1000, max_wait=1000)
+    s = g.init(1, 3)
+    got = []
+    for _ in range(12):  # the first draft rejected every round
+        s = g.observe(s, record([0], [1]))
+        got.append(float(s.alpha[0, 0]))
+    mean = [1.0 / (n + 2) for n in range(1, 9)]  # 1 (the prior's 2 x 0.5) over n + 2 rounds
+    np.testing.assert_allclose(got[:8], mean, rtol=1e-5)
+    np.testing.assert_allclose(got[8:], [mean[-1] * 0.9 ** k for k in range(1, 5)], rtol=1e-5)
+
+
+def test_a_row_that_stopped_tries_again_each_time_twice_as_late_until_a_try_holds():
+    g = Guard(jnp.asarray(CHEAP), rate=0.5, prior=0.5, retry=2, max_wait=8)
+    s = g.init(1, 3).replace(alpha=jnp.zeros((1, 3)))
+    restarts = []
+    for r in range(1, 31):  # rounds without drafts: the estimates restart from the prior at each try
+        s = g.observe(s, record([0], [0]))
+        if float(s.alpha[0, 0]) == 0.5:
+            restarts.append(r)
+            s = s.replace(alpha=jnp.zeros((1, 3)))  # the try failed: the row stops again
+    assert restarts == [2, 6, 14, 22, 30]  # waits of 2, 4, 8, then 8 (max_wait)
+    finished = g.observe(s, record([0], [0], active=[False]))
+    assert int(finished.idle[0]) == int(s.idle[0])  # a finished row counts nothing
+    for _ in range(2):  # a try that holds for `retry` drafting rounds sets the wait back to `retry`
+        s = g.observe(s, record([1], [1]))
+    assert int(s.wait[0]) == 2 and int(s.idle[0]) == 0
 
 
 @pytest.mark.parametrize("name", ["chain", "tree", "lookup", "eesd"])
@@ -84,9 +126,9 @@ def test_guarded_greedy_is_ar_whether_it_speculates_or_not(pair, name):
     strategy = make()
     ar = jspec.decode(target, prompts, max_new_tokens=16, eos_token_id=())
     seen = {}
-    # "even": each round follows the last one's first draft (rate 1) and drifts back within three rounds
+    # "even": each round follows the last one's first draft (rate 1) and a row that stops tries again 2 rounds later
     for name, costs, kw in (("cheap", CHEAP, {}), ("dear", DEAR, {}),
-                            ("even", EVEN, dict(rate=1.0, prior=0.8, drift=0.3))):
+                            ("even", EVEN, dict(rate=1.0, prior=0.8, retry=2))):
         out = jspec.decode(target, prompts, jspec.Guarded(strategy, costs=table(costs), **kw),
                            max_new_tokens=16, eos_token_id=())
         np.testing.assert_array_equal(out.tokens, ar.tokens)
@@ -183,6 +225,22 @@ def test_the_cost_table_is_measured_per_depth_and_cached_on_disk(pair, tmp_path,
     out = jspec.decode(target, longer, g, max_new_tokens=8, eos_token_id=())
     assert len(list(tmp_path.glob("*.json"))) == 3
     np.testing.assert_array_equal(out.tokens, jspec.decode(target, longer, max_new_tokens=8, eos_token_id=()).tokens)
+
+
+def test_a_table_key_depends_on_shapes_not_on_objects(pair):
+    """Models and strategies built anew (another process's) find the same table on disk: the key holds no object's
+    identity (the models' HF config enters by its content)."""
+    from jspec.engine.costs import table_key
+
+    def key(target, draft, gamma=2, hf=None):
+        if hf is not None:
+            target = dataclasses.replace(target, hf_config=hf, _hf_aux=None)
+        return table_key(target, jspec.Chain(draft, gamma=gamma).parts(), 2, 12, 24)
+
+    fresh = tiny_pair()
+    assert key(*pair) == key(*fresh)
+    assert key(*pair, hf={"a": 1}) == key(*fresh, hf={"a": 1})
+    assert key(*pair, gamma=3) != key(*pair) and key(*pair, hf={"a": 2}) != key(*pair, hf={"a": 1})
 
 
 def test_a_strategy_is_measured_within_the_models_positions(pair, tmp_path, monkeypatch):

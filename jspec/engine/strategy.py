@@ -304,19 +304,25 @@ class Guarded(Strategy):
     """`strategy` (any speculative strategy) under the guard (`jspec.parts.controllers.guard`): each round, per row
     and per batch, it picks the depth that maximises expected tokens per measured second, down to no draft at all
     (an AR step), from the acceptance the rounds so far verified and `costs` (a `jspec.costs.CostTable`; None:
-    `decode` measures it on the first call and caches it on disk). The strategy's own controller still runs; the guard only lowers its depth.
-    `rate`, `prior`, `drift`: the acceptance estimates' update weight, starting value and pull back towards it where
-    no round looks. `force` >= 0 drafts every row to that depth (what the cost measurement times). `defer`: AR
-    rounds in a row whose tokens a drafter with a feed of its own (EAGLE heads, EESD, a draft model) may leave
-    unread, so that they cost the target's step alone; the next drafting round reads them all."""
+    `decode` measures it on the first call and caches it on disk). The strategy's own controller still runs; the guard
+    only lowers its depth. `rate`: the least weight of a new round in the acceptance estimates (they average about
+    the last 1 / rate rounds); `prior`: their starting value, worth `prior_rounds` rounds; `drift`: their pull back
+    towards it where a drafting row's rounds do not look; `retry`: rounds without drafts before a row that stopped
+    tries again (each try waits twice as long, up to `max_wait`, until one holds for `retry` rounds;
+    `jspec.parts.controllers.guard`). `force` >= 0 drafts every row to that depth (what the cost measurement
+    times). `defer`: AR rounds in a row whose tokens a drafter with a feed of its own (EAGLE heads, EESD, a draft
+    model) may leave unread, so that they cost the target's step alone; the next drafting round reads them all."""
 
     strategy: Any
     costs: Any = None
-    rate: float = 0.3
+    rate: float = 0.1
     prior: float = 0.5
     drift: float = 0.01
     force: int = -1
     defer: int = 24
+    prior_rounds: float = 2.0
+    retry: int = 16
+    max_wait: int = 256
 
     def __post_init__(self):
         if not isinstance(self.defer, int) or self.defer < 0:
@@ -329,6 +335,15 @@ class Guarded(Strategy):
             v = getattr(self, name)
             if not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"Guarded {name} must be in [0, 1], got {v!r}")
+        if not float(self.prior_rounds) > 0.0:
+            raise ValueError(f"Guarded prior_rounds must be > 0 (the rounds the prior counts as), got "
+                             f"{self.prior_rounds!r}")
+        for name in ("retry", "max_wait"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Guarded {name} must be an int >= 1 (rounds), got {v!r}")
+        if self.max_wait < self.retry:
+            raise ValueError(f"Guarded max_wait ({self.max_wait}) must be at least retry ({self.retry})")
 
     def parts(self) -> Speculative:
         from jspec.parts.controllers.guard import Guard
@@ -342,7 +357,7 @@ class Guarded(Strategy):
             raise ValueError(f"the cost table covers depths 0 .. {self.costs.max_depth}; the strategy drafts to depth "
                              f"{D} (measure its own table)")
         guard = Guard(np.asarray(self.costs.step_s, np.float32), inner.controller, self.rate, self.prior, self.drift,
-                      self.force, self.defer)
+                      self.force, self.defer, self.prior_rounds, self.retry, self.max_wait)
         return inner.replace(controller=guard)
 
     def check(self, target) -> None:
