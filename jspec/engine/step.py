@@ -273,9 +273,10 @@ def sd_accept(ctx, parts, target, carry, drafting: bool = False):
     return _conclude(ctx, parts, target, state.replace(cache=tc), prop, ver, verdict)
 
 
-def _conclude(ctx, parts, target, state, prop, ver: Verified, verdict):
+def _conclude(ctx, parts, target, state, prop, ver: Verified, verdict, chain: bool | None = None):
     """After the verdict and the target cache's commit: the tokens, the drafter's commit, the controller's
-    observation and the step's record."""
+    observation and the step's record. `chain`: the accepted nodes are a prefix of the scratch (default: the plan's
+    `is_chain`), so the drafter moves none of them."""
     aux: SDAux = state.aux
     plan = parts.plan
     B = state.last.shape[0]
@@ -293,7 +294,8 @@ def _conclude(ctx, parts, target, state, prop, ver: Verified, verdict):
         every, mine = verify_layers(parts, target)
         hid = jnp.concatenate([_along(ver.hidden[every.index(i)], verdict.path) for i in mine], axis=-1)
     fed = None if prop.fed is None else jnp.take_along_axis(prop.fed, verdict.path[:, 1:], axis=1)
-    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid, fed))
+    chain = plan.is_chain if chain is None else chain
+    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, chain, hid, fed))
     drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
     ctrl, decided = aux.ctrl, aux.decided
     if parts.controller is not None:
@@ -323,7 +325,7 @@ def ar_round(ctx, parts, target, state: loop.DecodeState, decision: Decision) ->
                                      ctx.sampling, state.sp)
     state = state.replace(cache=kvc.commit(fo.cache, (~state.done).astype(jnp.int32)))
     ver = Verified(fo.logits, tuple(fo.hidden) if layers else ())
-    return _conclude(ctx, parts, target, state, prop, ver, verdict)[0]
+    return _conclude(ctx, parts, target, state, prop, ver, verdict, chain=True)[0]  # no draft accepted: none to move
 
 
 PHASES = (("draft", sd_draft), ("verify", sd_verify), ("accept", sd_accept))
