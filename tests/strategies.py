@@ -236,14 +236,16 @@ def mesh_entries(slow: bool) -> list[str]:
     return sorted(n for n, e in REGISTRY.items() if (e.slow or n in SHARDED_CHECKS) == slow)
 
 
-def guarded(strategy, step=0.05, rate=0.5):
+def guarded(strategy, step=0.05, rate=0.5, retry=2):
     """`strategy` under the guard with a cost table that makes drafting pay from a low acceptance (a round at
-    depth d costs 1 + step * d AR steps), so that rows speculate at first and drop to AR steps after rejections
-    (rate 0.5: two rejections in a row)."""
+    depth d costs 1 + step * d AR steps), so that rows speculate at first, drop to AR steps after rejections
+    (rate 0.5: two rejections in a row) and try again 2 rounds later, 4, 8, ... (`retry`): a short decode
+    switches both ways."""
     from jspec.engine.costs import CostTable
 
     D = strategy.parts().plan.max_depth
-    return jspec.Guarded(strategy, costs=CostTable(1.0, tuple(1.0 + step * d for d in range(D + 1))), rate=rate)
+    return jspec.Guarded(strategy, costs=CostTable(1.0, tuple(1.0 + step * d for d in range(D + 1))), rate=rate,
+                          retry=retry)
 
 
 register("guarded_chain", lambda t, d: guarded(jspec.Chain(d, gamma=3)), exact=True)
