@@ -159,6 +159,12 @@ class Started(NamedTuple):
     prefill_s: float
     prep_stats: dict | None = None  # the drafter's host-side preparation numbers (`Prepared.stats`)
     ahead: CJ.Ahead | None = None  # the decode loop compiling beside the prefill (`start(compile_loop=True)`)
+    idle_guard: int | None = None  # a `Guarded` that cannot draft here (`Guarded.drafts`), run as AR: its plan's depth
+
+    @property
+    def depth(self) -> int:
+        """The deepest draft position of the strategy's plan (0 for AR)."""
+        return self.parts.plan.max_depth if self.parts is not None else (self.idle_guard or 0)
 
     def loop_call(self, state: loop.DecodeState | None = None) -> tuple[Any, tuple]:
         """(the jitted decode loop, its arguments) from `state` (default: this start's own): what `run` calls, for
@@ -198,8 +204,14 @@ def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **s
     if isinstance(strategy, Guarded):  # its costs on this device, measured once per shape (cached on disk)
         strategy = strategy.measured(target, len(lengths), int(lengths.max()))
     parts = strategy.parts()
+    idle_guard = None
+    if isinstance(strategy, Guarded) and not strategy.drafts():
+        idle_guard, parts = parts.plan.max_depth, None  # the guard's every round would be depth 0: AR's program
+        log.info("Guarded %s: no round drafting to depth 1 .. %d costs less than the tokens it could commit here "
+                 "(%s AR steps); decoding as AR", type(strategy.strategy).__name__, idle_guard,
+                 ", ".join(f"{x:.2f}" for x in strategy.costs.relative()[1:]))
     SH.check_same_everywhere("prompts", tokens, lengths)
-    if draft_prompt is not None and parts is None:
+    if draft_prompt is not None and parts is None and idle_guard is None:
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")
     speculate = _speculate_mask(c.speculate, len(lengths))
     if parts is not None and (speculate is not None or (parts.controller is not None and parts.controller.skips)):
@@ -268,7 +280,7 @@ def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **s
             ahead.wait()
         raise
     return Started(ctx, parts, static, dyn, run_target, state, _pad_id(target, eos), time.perf_counter() - t0,
-                   prep_stats, ahead)
+                   prep_stats, ahead, idle_guard)
 
 
 def _speculate_mask(mask, batch: int) -> np.ndarray | None:
@@ -345,7 +357,7 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     else:
         state = r.run(state)
     out, n_out, steps, accepted, drafted, (decided, prefilled) = SH.host_get(
-        (state.out, state.n_out, state.step, state.accepted, state.drafted, aux_stats(state, r.parts)))
+        (state.out, state.n_out, state.step, state.accepted, state.drafted, aux_stats(state, r)))
     t2 = time.perf_counter()
     phases.update({k: v * int(steps) for k, v in per_step.items()})
     decided = {k: v[:, :int(steps)] for k, v in decided.items()}
@@ -357,13 +369,17 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, r.pad,
                    {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **(r.prep_stats or {}), **prefilled,
                     **decided, **phases},
-                   depth=0 if r.parts is None else r.parts.plan.max_depth)
+                   depth=r.depth)
 
 
-def aux_stats(state, parts) -> tuple[dict, dict]:
-    """(per-step decisions [B, max_steps, ...], the prefill hook's per-row facts) of a decode state, as arrays."""
-    if parts is None:
-        return {}, {}
+def aux_stats(state, r: Started) -> tuple[dict, dict]:
+    """(per-step decisions [B, max_steps, ...], the prefill hook's per-row facts) of the decode state of `r`, as
+    arrays. A guard run as AR (`Started.idle_guard`) decided depth 0 at every step."""
+    if r.parts is None:
+        if r.idle_guard is None:
+            return {}, {}
+        zeros = np.zeros(state.accepted.shape, np.int32)
+        return {"depth": zeros, "speculated": zeros.astype(bool)}, {}
     return state.aux.decided, state.aux.prefilled
 
 

@@ -21,6 +21,7 @@ from tiny_pairs import PROMPTS, tiny_pair
 CHEAP = (1.0, 1.05, 1.1, 1.15)  # a round at depth 0 .. 3, in AR steps: drafting pays from a low acceptance
 DEAR = (1.0, 3.0, 5.0, 7.0)  # drafting never pays at a plausible acceptance
 EVEN = (1.0, 1.5, 2.0, 2.5)  # drafting pays while the first draft is accepted more than half the time
+NEAR = (1.0, 1.99, 2.99, 3.99)  # drafting could pay only above 0.99 acceptance: the guard never drafts from its prior
 
 
 def table(step_s):
@@ -127,15 +128,16 @@ def test_guarded_greedy_is_ar_whether_it_speculates_or_not(pair, name):
     ar = jspec.decode(target, prompts, max_new_tokens=16, eos_token_id=())
     seen = {}
     # "even": each round follows the last one's first draft (rate 1) and a row that stops tries again 2 rounds later
-    for name, costs, kw in (("cheap", CHEAP, {}), ("dear", DEAR, {}),
+    for name, costs, kw in (("cheap", CHEAP, {}), ("dear", DEAR, {}), ("near", NEAR, {}),
                             ("even", EVEN, dict(rate=1.0, prior=0.8, retry=2))):
         out = jspec.decode(target, prompts, jspec.Guarded(strategy, costs=table(costs), **kw),
                            max_new_tokens=16, eos_token_id=())
         np.testing.assert_array_equal(out.tokens, ar.tokens)
         spec = out.stats["speculated"]
         seen[name] = (spec.any(), (~spec).any())
-        if name == "dear":
+        if name in ("dear", "near"):  # "dear" runs the AR program, "near" the speculative one at depth 0
             assert (out.stats["drafted"] == 0).all() and not spec.any()
+            assert spec.shape == out.stats["accepted"].shape
     assert seen["cheap"][0]
     assert seen["even"] == (True, True), seen  # it switched between speculating and AR steps within a decode
 
@@ -190,6 +192,62 @@ def test_rounds_without_drafts_leave_their_tokens_unread_and_change_no_later_dra
         waiting.append(np.asarray(state.aux.draft.n_pending))
         assert np.asarray(state.aux.draft.deferred).all() == (n == 3)
     np.testing.assert_array_equal(waiting[1], waiting[0] + 2)
+
+
+def test_where_no_round_can_pay_the_guard_never_drafts_and_elsewhere_it_can():
+    """`CostTable.drafting_can_pay` is the guard's own bound: for tables it rules out, no acceptance estimate (1.0
+    included) and no batch makes `Guard.choose` draft; for tables it lets through, a high enough estimate does."""
+    rng = np.random.default_rng(0)
+    ruled_out = let_through = 0
+    for _ in range(300):
+        D = int(rng.integers(1, 5))
+        s0 = float(rng.uniform(0.5, 2.0))
+        per = rng.uniform(0.6, 1.6, D) * np.arange(2, D + 2)  # a round at depth k: around k + 1 rounds without drafts
+        costs = (s0,) + tuple(float(x) for x in per * s0)
+        t = CostTable(1.0, costs)
+        g = Guard(jnp.asarray(costs, jnp.float32))
+        B = int(rng.integers(1, 4))
+        at = lambda a: g.init(B, D).replace(alpha=jnp.asarray(a, jnp.float32))  # noqa: E731
+        alphas = [np.ones((B, D)), rng.uniform(0, 1, (B, D)), np.full((B, D), 0.999)]
+        if not t.drafting_can_pay():
+            ruled_out += 1
+            for a in alphas:
+                assert (np.asarray(g.choose(at(a))) == 0).all(), (costs, a)
+        else:
+            let_through += 1
+            assert (np.asarray(g.choose(at(np.ones((B, D))))) > 0).all(), costs
+    assert ruled_out > 30 and let_through > 30
+    assert not table((1.0, 2.01, 3.01)).drafting_can_pay()
+    assert table((1.0, 2.0, 3.5)).drafting_can_pay()  # a tie is left to the device's rule
+
+
+def test_a_guard_that_cannot_draft_runs_the_ar_program(pair):
+    """Where no round can pay, `decode` runs AR's program: AR's tokens greedy and AR's very samples (same key), no
+    draft, the guard's stats (depth 0, nothing speculated) at every step; a table that can pay keeps the strategy."""
+    from jspec import api
+
+    target, draft = pair
+    chain = jspec.Chain(draft, gamma=3)
+    st = api.start(target, PROMPTS, jspec.Guarded(chain, costs=table(DEAR)), max_new_tokens=8, eos_token_id=())
+    assert st.parts is None and st.idle_guard == 3
+    assert api.start(target, PROMPTS, jspec.Guarded(chain, costs=table(NEAR)), max_new_tokens=8,
+                     eos_token_id=()).parts is not None
+    assert api.start(target, PROMPTS, jspec.Guarded(chain, costs=table(DEAR), force=0), max_new_tokens=8,
+                     eos_token_id=()).parts is not None  # a forced depth is what the cost measurement times
+    for kw in ({}, dict(temperature=1.0, key=jax.random.key(3))):
+        ar = jspec.decode(target, PROMPTS, max_new_tokens=12, eos_token_id=(), **kw)
+        out = jspec.decode(target, PROMPTS, jspec.Guarded(chain, costs=table(DEAR)), max_new_tokens=12,
+                           eos_token_id=(), **kw)
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+        assert (out.stats["drafted"] == 0).all() and out.stats["speculated_share"].tolist() == [0.0] * len(PROMPTS)
+        assert out.stats["depth"].shape == out.stats["accepted"].shape and not out.stats["depth"].any()
+        assert out.stats["accepted_per_position"].shape == (len(PROMPTS), 3)
+    streamed = jspec.stream(target, PROMPTS, jspec.Guarded(chain, costs=table(DEAR)), max_new_tokens=12, every=4,
+                            eos_token_id=())
+    list(streamed)
+    np.testing.assert_array_equal(streamed.output.tokens,
+                                  jspec.decode(target, PROMPTS, max_new_tokens=12, eos_token_id=()).tokens)
+    assert not streamed.output.stats["speculated"].any()
 
 
 def test_sampling_stays_exact_when_no_row_drafts_and_when_half_the_rows_do():

@@ -48,6 +48,13 @@ class CostTable:
     def max_depth(self) -> int:
         return len(self.step_s) - 1
 
+    def drafting_can_pay(self, slack: float = 1e-4) -> bool:
+        """Whether some depth k >= 1 costs less than k + 1 rounds without drafts (with `slack`, relative): a round
+        drafting to k commits at most k + 1 tokens, so where none does, no acceptance makes drafting pay and the
+        guard picks depth 0 in every round (`jspec.Guarded.drafts`)."""
+        s0 = self.step_s[0]
+        return any(s < (k + 1) * s0 * (1.0 + slack) for k, s in enumerate(self.step_s) if k >= 1)
+
     def relative(self) -> np.ndarray:
         """The round times in AR steps."""
         return np.asarray(self.step_s) / self.ar_s

@@ -360,6 +360,16 @@ class Guarded(Strategy):
                       self.force, self.defer, self.prior_rounds, self.retry, self.max_wait)
         return inner.replace(controller=guard)
 
+    def drafts(self) -> bool:
+        """Whether the guard can ever draft under its cost table: False when no depth's measured round costs less
+        than the k + 1 tokens it could at best commit (`CostTable.drafting_can_pay`). The guard would then pick
+        depth 0 in every round whatever it observes (E(k) <= k + 1 for every estimate), so `decode` runs the AR
+        program instead: the same greedy tokens, exact sampling, and neither the drafter's compile nor its
+        prefill. A guard with `force` >= 0 always drafts."""
+        if self.costs is None:
+            raise ValueError("Guarded has no cost table yet (`measured`)")
+        return int(self.force) >= 0 or self.costs.drafting_can_pay()
+
     def check(self, target) -> None:
         self.strategy.check(target)
         if self.costs is not None:

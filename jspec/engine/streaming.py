@@ -65,13 +65,13 @@ class Stream:
             sent = np.asarray(n_out).copy()
             yield piece
         accepted, drafted, (decided, prefilled) = SH.host_get(
-            (state.accepted, state.drafted, api.aux_stats(state, r.parts)))
+            (state.accepted, state.drafted, api.aux_stats(state, r)))
         steps = int(step)
         decided = {k: v[:, :steps] for k, v in decided.items()}
         self.output = api._finish(out, n_out, steps, accepted, drafted, self._max_new, r.pad,
                                   {"prefill_s": r.prefill_s, "decode_s": time.perf_counter() - t0,
                                    "chunks": self.chunks, **(r.prep_stats or {}), **prefilled, **decided},
-                                  depth=0 if r.parts is None else r.parts.plan.max_depth)
+                                  depth=r.depth)
 
 
 def stream(target, prompt, strategy=None, max_new_tokens: int = 64, every: int = 8, **kwargs) -> Stream:
