@@ -285,6 +285,15 @@ def test_the_cost_table_is_measured_per_depth_and_cached_on_disk(pair, tmp_path,
     np.testing.assert_array_equal(out.tokens, jspec.decode(target, longer, max_new_tokens=8, eos_token_id=()).tokens)
 
 
+def test_a_dear_round_is_timed_over_fewer_rounds():
+    from jspec.engine.costs import rounds_for
+
+    assert rounds_for(1.0, 4, 16) == (4, 16) and rounds_for(1.3, 4, 16) == (4, 16)  # a round cheaper than AR's
+    assert rounds_for(0.5, 4, 16) == (2, 8) and rounds_for(1 / 25, 4, 16) == (1, 2) and rounds_for(0.0, 4, 16) == (1, 2)
+    pairs = [rounds_for(x, 4, 16) for x in np.linspace(0.01, 1.0, 50)]
+    assert all(1 <= a < b <= 16 for a, b in pairs) and pairs == sorted(pairs)
+
+
 def test_a_table_key_depends_on_shapes_not_on_objects(pair):
     """Models and strategies built anew (another process's) find the same table on disk: the key holds no object's
     identity (the models' HF config enters by its content)."""

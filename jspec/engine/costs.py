@@ -127,13 +127,23 @@ def probe_prompt(vocab_size: int, prompt_len: int, batch: int, seed: int = 0) ->
     return np.stack(rows).astype(np.int32)
 
 
+def rounds_for(speed: float, lo: int, hi: int) -> tuple[int, int]:
+    """The two round counts to time a point at whose round is `speed` times an AR step's length (<= 1 for a dearer
+    round): (lo, hi) for an AR step's length, fewer for a dearer round, so that each point's timed runs last about
+    as long as AR's (a round of 25 AR steps is timed over 1 and 2 rounds, not 4 and 16)."""
+    f = min(1.0, max(float(speed), 0.0))
+    b = max(2, int(np.ceil(hi * f)))
+    return max(1, min(b - 1, int(round(lo * f)))), b
+
+
 def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool = True, reps=(4, 16),
             runs: int = 5, progress=None) -> CostTable:
     """The cost table of `strategy` (any speculative strategy, or a `Guarded` one, whose `defer` it measures with;
     a bare strategy is measured as `Guarded` guards it by default) on `target` at this batch and prompt length:
     measured on this device, or read from the disk cache (`cache=False` measures anew and does not write).
-    `reps`: the two round counts whose time difference gives a round's time (fewer where the model's positions
-    would run out). `progress(str)` hears each step of the measurement."""
+    `reps`: the two round counts whose time difference gives an AR step's time (fewer where the model's positions
+    would run out); a dearer round is timed over proportionally fewer (`rounds_for`), so that a deep tree on a slow
+    device is measured in about the time of its AR steps. `progress(str)` hears each step of the measurement."""
     from jspec import api
     from jspec.engine import profiling as PF
     from jspec.engine.strategy import AR, Guarded, split
@@ -181,16 +191,19 @@ def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool
         out = jax.block_until_ready(programs[name](*args))
         return time.perf_counter() - t, out[0]
 
-    drafted = []
+    drafted, rough = [], {}
     for d in range(D + 1):  # compiles once (the depth is data); the drafts each depth offers per row and round
-        end = timed(*points[d], lo)[1]
+        t, end = timed(*points[d], lo)
+        rough[d] = t / lo
         drafted.append(float(np.mean(np.asarray(end.drafted - st.state.drafted))) / lo)
-    timed(*points["ar"], lo)
+    rough["ar"] = timed(*points["ar"], lo)[0] / lo
+    n = {k: rounds_for(rough["ar"] / max(rough[k], 1e-12), lo, hi) for k in points}
     slopes = {k: [] for k in points}
     for r in range(runs):  # interleaved, so that the machine's slow moments fall on every point alike
         say(f"timing run {r + 1} of {runs}: AR and depths 0 .. {D}")
         for k, (name, at) in points.items():
-            slopes[k].append((timed(name, at, hi)[0] - timed(name, at, lo)[0]) / (hi - lo))
+            a, b = n[k]
+            slopes[k].append((timed(name, at, b)[0] - timed(name, at, a)[0]) / (b - a))
     med = {k: max(float(np.median(v)), 1e-9) for k, v in slopes.items()}
     ar_s, step_s = med.pop("ar"), [med[d] for d in range(D + 1)]
     table = CostTable(float(ar_s), tuple(float(s) for s in step_s), tuple(drafted),
@@ -202,4 +215,4 @@ def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool
     return table
 
 
-__all__ = ["CostTable", "costs_dir", "measure", "probe_prompt", "table_key"]
+__all__ = ["CostTable", "costs_dir", "measure", "probe_prompt", "rounds_for", "table_key"]
