@@ -133,7 +133,7 @@ def rounds_for(speed: float, lo: int, hi: int) -> tuple[int, int]:
     as long as AR's (a round of 25 AR steps is timed over 1 and 2 rounds, not 4 and 16)."""
     f = min(1.0, max(float(speed), 0.0))
     b = max(2, int(np.ceil(hi * f)))
-    return max(1, min(b - 1, int(round(lo * f)))), b
+    return max(1, min(b - 1, round(lo * f))), b
 
 
 def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool = True, reps=(4, 16),
