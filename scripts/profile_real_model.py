@@ -105,9 +105,18 @@ def matmul(d: int = 576, f: int = 3072, layers: int = 30) -> None:
              "W [out, in]": (jax.jit(lambda x, ws: sum(jnp.einsum("md,nd->mn", x, w) for w in ws)), wts),
              "YNNPACK dot": (jax.jit(lambda x, ws: sum(jnp.dot(x, w) for w in ws), compiler_options=ynn), ws),
              "a gemv per row": (jax.jit(lambda x, ws: sum(jnp.stack([jnp.dot(r, w) for r in x]) for w in ws)), ws)}
-    if cpu.enabled():  # jspec's few-row kernel (`ports.cpu.product`), on both layouts; one row of [in, out] is XLA's
-        kinds["kernel [in, out]"] = (jax.jit(lambda x, ws: sum(cpu.product("md,dn->mn", x, w) for w in ws)), ws)
-        kinds["kernel [out, in]"] = (jax.jit(lambda x, ws: sum(cpu.product("md,nd->mn", x, w) for w in ws)), wts)
+    if cpu.enabled():  # jspec's kernels (`ports.cpu.product`): both plain layouts (XLA's where the kernel declines,
+        # as for one row of [in, out]) and the packed panels the loaders make
+        def kernel(spec):
+            def fn(x, ws):
+                outs = [cpu.product(spec, x, w) for w in ws]
+                return sum(o if o is not None else jnp.einsum(spec, x, w) for o, w in zip(outs, ws))
+            return jax.jit(fn)
+
+        kinds["kernel [in, out]"] = (kernel("md,dn->mn"), ws)
+        kinds["kernel [out, in]"] = (kernel("md,nd->mn"), wts)
+        kinds["kernel, packed"] = (jax.jit(lambda x, ws: sum(cpu.product("md,dn->mn", x, w) for w in ws)),
+                                   [cpu.pack_matrix(w) for w in ws])
     print(f"{layers} matrices of {d} x {f} ({layers * d * f * 4 / 1e6:.0f} MB), ms per call:")
     for m in (1, 2, 4, 8, 11, 16):
         x = jnp.ones((m, d), jnp.float32)

@@ -1,9 +1,10 @@
 """jspec's CPU kernels, behind one door: few-row and packed weight products, attention over the KV cache and
 in-place cache row writes, in C++ (`csrc/`) called through XLA's FFI, and the packed weight layout they stream.
 
-One switch, `JSPEC_CPU_KERNELS` (default "1"): on the CPU backend, with a C++ compiler to build the library, the ops
-below go to the kernels; with "0" (or on a GPU or TPU, or without a compiler) every one of them returns None and the
-callers run XLA's ops, the code GPU and TPU users run. The kernels compute what XLA computes up to the order of float
+One switch, `JSPEC_CPU_KERNELS`, off by default: with "1", on the CPU backend and with a C++ compiler to build the
+library, the ops below go to the kernels; otherwise (and always on a GPU or TPU) every one of them returns None and
+the callers run XLA's ops, the code GPU and TPU users run. The kernels pay on CPUs with AVX-512; where a CPU has
+AVX2 alone their products are several times slower than XLA's (`docs/performance-notes.md`). The kernels compute what XLA computes up to the order of float
 sums, and promise more: each row's result is independent of the rows beside it (a verified token's logits equal its
 AR step's bit for bit). Nothing outside this package names the kernels or the packed layout; the ports ask the door.
 """

@@ -27,7 +27,7 @@ import jax
 
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("small_m_dot.cc", "cache_attention.cc",
                                                                         "cache_rows.cc"))
-SWITCH = "JSPEC_CPU_KERNELS"  # "0": every op stays with XLA
+SWITCH = "JSPEC_CPU_KERNELS"  # "1" turns the kernels on; unset or anything else, every op stays with XLA
 MARCH_ENV = "JSPEC_CPU_KERNELS_MARCH"
 DIR_ENV = "JSPEC_KERNELS_DIR"
 
@@ -109,6 +109,6 @@ def available() -> bool:
 
 
 def enabled() -> bool:
-    """Whether ops traced now go to the kernels: the switch is not "0", the default backend is the CPU and the
-    library is available."""
-    return os.environ.get(SWITCH, "1") != "0" and jax.default_backend() == "cpu" and load()
+    """Whether ops traced now go to the kernels: the switch is "1", the default backend is the CPU and the library
+    is available."""
+    return os.environ.get(SWITCH, "0") == "1" and jax.default_backend() == "cpu" and load()
