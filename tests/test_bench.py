@@ -9,6 +9,7 @@ import pytest
 
 from jspec.tools.bench import zoo as bench
 from jspec.tools import cli
+from provenance_check import assert_provenance
 
 
 def finite_positive(x) -> bool:
@@ -50,6 +51,9 @@ def test_quick_sd_suite_schema_and_ratios(tmp_path, capsys):
 def test_quick_ar_suite_schema_and_ratios(tmp_path):
     res = bench.run("ar", runs=1, quick=True, out_dir=str(tmp_path), progress=False)
     assert {r["batch"] for r in res["rows"]} == {1, 2}
+    written = json.loads(open(res["files"][0]).read())  # the result file records where and how it ran
+    assert_provenance(written["meta"]["provenance"])
+    assert written["meta"]["device"] == written["meta"]["provenance"]["device_model"]
     for r in res["rows"]:
         assert r["same_tokens"] is True
         assert finite_positive(r["jspec_over_transformers"]) and finite_positive(r["jspec_tok_s"])

@@ -2,6 +2,7 @@
 the measured cost table and its disk cache; guarded strategies stay AR's tokens whether the guard speculates, stops
 speculating or switches between the two, and a step where no row drafts is exact when sampled."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import jspec
 from jspec.engine.costs import CostTable
 from jspec.parts.controllers.guard import Guard, expected_tokens
 from jspec.parts.protocols import Record
+from provenance_check import assert_provenance
 from sampling_check import V, chi2_pvalue, close_pair, exact_joint, joint_index, tiny_vocab_pair
 from strategies import eagle3_head, eagle_head, eesd_head
 from toy_parts import ScheduledDepth
@@ -273,6 +275,7 @@ def test_the_cost_table_is_measured_per_depth_and_cached_on_disk(pair, tmp_path,
     assert len(t.step_s) == 3 and t.ar_s > 0 and all(x > 0 for x in t.step_s)
     assert t.drafted == (0.0, 1.0, 2.0)  # each forced depth offered that many drafts per row and round
     assert len(heard) == 2 and len(list(tmp_path.glob("*.json"))) == 1
+    assert_provenance(json.loads(next(tmp_path.glob("*.json")).read_text())["provenance"])
     again = jspec.costs.measure(target, s, batch=2, prompt_len=12)
     assert again == t  # read back, not measured again
     assert jspec.costs.measure(target, s, batch=3, prompt_len=12, reps=(2, 4), runs=1).key != t.key

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 from jspec.tools.train import trainer as jt
+from provenance_check import assert_provenance
 
 
 def test_lr_schedule_warms_up_decays_to_a_tenth_and_restarts():
@@ -124,6 +125,9 @@ def test_interrupted_and_resumed_run_ends_bit_identical(tmp_path):
     assert jt.Checkpoints(tmp_path / "b").latest_step() == 7
     resumed, meta = _run(tmp_path / "b", 12)
     assert meta["step"] == 12 and [r["from_step"] for r in meta["runs"]] == [0, 7]
+    saved = jt.Checkpoints(tmp_path / "b").restore(resumed)[1]  # the checkpoint records where each segment ran
+    for r in saved["runs"]:
+        assert_provenance(r["provenance"])
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the log of the resumed run: the same training rows as the uninterrupted one, plus the checkpoint at 7

@@ -8,9 +8,11 @@ drafter only catches up and the target verifies one token). The depth is data, s
 prompt repeats a random block, so that a drafter that copies (prompt lookup) finds something to draft; the table
 keeps the draft tokens each depth actually offered per row and round.
 
-A table is cached as JSON under `$JSPEC_COSTS_DIR` (else ~/.cache/jspec/costs), keyed by the device kind, the
+A table is cached as JSON under `$JSPEC_COSTS_DIR` (else ~/.cache/jspec/costs), keyed by the device's model (a CPU's
+name and vector extensions, a GPU's or TPU's kind: `jspec.engine.provenance.device_model`), the jax version, the
 target's and the strategy's shapes (not their values), the batch and the cache length (prompt length rounded up
-to a power of two); a missing entry is measured. `jspec.Guarded` reads one (`jspec costs` prints it and its plot).
+to a power of two); a missing entry is measured. Each table records its provenance (machine, versions, flags,
+commit, load). `jspec.Guarded` reads one (`jspec costs` prints it and its plot).
 """
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ports import cpu
+from jspec.engine import provenance as PV
 
 COSTS_ENV = "JSPEC_COSTS_DIR"
-VERSION = 2
+VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,7 @@ class CostTable:
     key: str = ""
     measured: str = ""  # when (UTC)
     seconds: float = 0.0  # how long the measurement took
+    provenance: dict = dataclasses.field(default_factory=dict)  # jspec.engine.provenance.provenance() when measured
 
     @property
     def max_depth(self) -> int:
@@ -109,12 +112,12 @@ def _shapes(tree) -> list:
 
 
 def table_key(target, parts, batch: int, prompt_len: int, defer: int = 0) -> str:
-    """The cache key of a table: device kind, backend, the target's and the strategy parts' shapes, the batch,
-    the cache length bucket and the guard's `defer`."""
-    dev = jax.devices()[0]
+    """The cache key of a table: the device's model (two CPUs of one kind but other models get other keys), the
+    backend, the jax version, the XLA flags, the target's and the strategy parts' shapes, the batch, the cache
+    length bucket and the guard's `defer`."""
     bucket = 1 << max(int(prompt_len) - 1, 1).bit_length()
-    what = [VERSION, jax.default_backend(), dev.device_kind, jax.__version__, _shapes(target), _shapes(parts),
-            int(batch), bucket, cpu.enabled(), int(defer)]
+    what = [VERSION, jax.default_backend(), PV.device_model(), jax.__version__, os.environ.get("XLA_FLAGS", ""),
+            _shapes(target), _shapes(parts), int(batch), bucket, int(defer)]
     return hashlib.sha1(json.dumps(what, default=str).encode()).hexdigest()[:20]
 
 
@@ -207,8 +210,8 @@ def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool
     med = {k: max(float(np.median(v)), 1e-9) for k, v in slopes.items()}
     ar_s, step_s = med.pop("ar"), [med[d] for d in range(D + 1)]
     table = CostTable(float(ar_s), tuple(float(s) for s in step_s), tuple(drafted),
-                      f"{jax.default_backend()}: {jax.devices()[0].device_kind}", int(batch), int(prompt_len), key,
-                      time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.perf_counter() - t0)
+                      PV.device_model(), int(batch), int(prompt_len), key,
+                      time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.perf_counter() - t0, PV.provenance())
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(table), indent=1))

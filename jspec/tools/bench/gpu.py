@@ -46,6 +46,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from jspec.engine import provenance as PV
 from jspec.tools import report
 
 BUDGET_TOTAL_S = 540  # the plan's sum: one 10-minute device command, with a minute to start and write
@@ -444,6 +445,7 @@ def device_info() -> dict:
     d = jax.devices()[0]
     stats = d.memory_stats() or {}
     return {"kind": getattr(d, "device_kind", d.platform), "backend": jax.default_backend(), "jax": jax.__version__,
+            "provenance": PV.provenance(),
             "memory_gb": _r(stats.get("bytes_limit", 0) / 2 ** 30, 1)}
 
 

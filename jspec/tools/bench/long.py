@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jspec.engine import provenance as PV
 from jspec.tools import report
 
 MODELS = {  # random LLaMAs: the CPU table's 110M, and LLaMA-2-7B's shape for a GPU
@@ -237,7 +238,7 @@ def run_bench(args) -> dict:
         print(json.dumps(row), flush=True)
     dev = jax.devices()[0]
     meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "cpus": os.cpu_count(),
-            "device": getattr(dev, "device_kind", dev.platform), "model": args.model, "config": MODELS[args.model],
+            "device": PV.device_model(), "provenance": PV.provenance(), "model": args.model, "config": MODELS[args.model],
             "dtype": args.dtype, "prefill_chunk": args.chunk or "auto (4096)", "runs": args.runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     report.write_json(args.out + ".json", {"meta": meta, "rows": rows}, indent=1)
@@ -285,8 +286,8 @@ def run_video_bench(args) -> dict:
         rows.append(row)
         print(json.dumps(row), flush=True)
     dev = jax.devices()[0]
-    meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": getattr(dev, "device_kind",
-            dev.platform), "video_model": args.video, "dtype": args.dtype, "runs": args.runs,
+    meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": PV.device_model(),
+            "provenance": PV.provenance(), "video_model": args.video, "dtype": args.dtype, "runs": args.runs,
             "prefill_chunk": args.chunk or "auto (4096)"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     report.write_json(args.out + ".json", {"meta": meta, "rows": rows}, indent=1)

@@ -54,6 +54,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jspec.engine import provenance as PV  # noqa: E402
 from jspec.tools import report  # noqa: E402
 
 PAIRS = ("random damped 7B", "zoo text", "zoo image")
@@ -525,7 +526,8 @@ def parse_args(argv=None):
 def write(args, pairs: list, t0: float, argv) -> dict:
     """The result so far (every finished pair), written to <out>/gpu-numerics[-<pairs>][-quick]-<date>.*."""
     dev = jax.devices()[0]
-    meta = dict(date=time.strftime("%Y-%m-%d"), device_kind=dev.device_kind, device=str(dev),
+    meta = dict(date=time.strftime("%Y-%m-%d"), device_kind=dev.device_kind, device=PV.device_model(),
+                provenance=PV.provenance(),
                 backend=jax.default_backend(), jax=jax.__version__, cpus=os.cpu_count(),
                 variants=list(dict.fromkeys(r["variant"] for p in pairs for r in p["ar"])) or list(args.variants),
                 highest=args.highest, quick=args.quick, pairs_done=[p["pair"] for p in pairs],

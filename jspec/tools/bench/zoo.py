@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.engine import provenance as PV
 from jspec.tools import report
 
 SUITES = ("ar", "sd", "gpu")
@@ -520,7 +521,8 @@ def suite_gpu(runs: int, quick: bool, progress: bool, allow_cpu: bool = False, w
 
 def meta(suite: str, runs: int, quick: bool) -> dict:
     m = dict(suite=suite, date=time.strftime("%Y-%m-%d"), runs=runs, quick=quick, jax=jax.__version__,
-             backend=jax.default_backend(), device=str(jax.devices()[0]), cpus=os.cpu_count())
+             backend=jax.default_backend(), device=PV.device_model(), cpus=os.cpu_count(),
+             provenance=PV.provenance())
     try:
         import torch
         import transformers

@@ -233,6 +233,7 @@ def cmd_costs(args) -> int:
     table = jspec.costs.measure(model, strategy, batch=args.batch, prompt_len=args.prompt_len, cache=not args.fresh,
                                 progress=lambda s: print(f"[jspec] measuring {s}", file=sys.stderr, flush=True))
     print(table.format())
+    print(f"table: {jspec.costs.costs_dir() / (table.key + '.json')} (with its provenance)")
     print(f"plot: {table.plot(args.plot)}")
     return 0
 

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jspec.engine import provenance as PV
+
 RESTART_WARMUP = 50      # warmup steps of a continuation segment (a warm restart past a finished schedule)
 
 
@@ -365,7 +367,7 @@ def fit(step_fn: Step, state, data: Iterator, meta: dict, workdir: str | Path, *
     log_path.write_text("".join(json.dumps(r) + "\n" for r in read_log(log_path, meta["step"])))
     meta["runs"].append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
                          "from_step": meta["step"], "argv": list(sys.argv[1:] if argv is None else argv),
-                         "device": jax.devices()[0].device_kind, "jax": jax.__version__})
+                         "device": PV.device_model(), "jax": jax.__version__, "provenance": PV.provenance()})
     total = meta["total_steps"]
     bar = tqdm(total=total, initial=meta["step"], desc=desc, unit="step", mininterval=2.0, dynamic_ncols=True,
                disable=not progress)
