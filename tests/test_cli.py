@@ -7,6 +7,7 @@ import pytest
 
 import jspec
 from jspec.tools import cli
+from provenance_check import assert_provenance
 
 
 def test_demo_runs(tmp_path, capsys):
@@ -34,8 +35,14 @@ def test_demo_runs(tmp_path, capsys):
         assert f"| {name} | greedy |" in out and out.count(f"| {name} |") == len(r[name])
     assert r["Chain gamma=5"]["sampled"]["same_as_ar"] is None and r["Chain gamma=5"]["sampled"]["tau"] > 2.0
     assert r["AR"]["greedy"]["lengths"].min() >= 20  # long answers: every row runs to the 24-token cap or near it
-    assert {p.name for p in tmp_path.iterdir()} == {"demo-3.png", "demo-3.md"}
+    assert {p.name for p in tmp_path.iterdir()} == {"demo-3.png", "demo-3.md", "demo-3.json"}
     assert head in (tmp_path / "demo-3.md").read_text()
+    written = json.loads((tmp_path / "demo-3.json").read_text())  # the numbers, where they ran, how often
+    assert_provenance(written["meta"]["provenance"])
+    assert written["meta"]["rounds"] == 1
+    chain = written["sections"][0]["rows"]["Chain gamma=5"]["greedy"]
+    assert chain["tau"] == r["Chain gamma=5"]["greedy"]["tau"]
+    assert len(chain["wall_runs_s"]) == 1 and chain["wall_s"] == chain["wall_runs_s"][0]
     with pytest.raises(SystemExit) as e:  # the command is wired
         cli.main(["demo", "--help"])
     assert e.value.code == 0 and "--seed" in capsys.readouterr().out

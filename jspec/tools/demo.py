@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from jspec.engine import compilation as CJ
+from jspec.engine import provenance as PV
+from jspec.tools import report as RP
 
 # A small tree for small models on a CPU: 9 drafts, two candidates at the first two levels, a chain below.
 DEMO_TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0))
@@ -254,7 +256,7 @@ def measure(sec: Section, max_new_tokens: int, rounds: int = 3, seed: int = 0, p
         res.setdefault(name, {})[mode] = {
             "tokens": o.tokens, "lengths": o.lengths, "new_tokens": int(o.lengths.sum()),
             "answers": [answer_text(sec.tokenizer, o.tokens[b, :o.lengths[b]]) for b in rows],
-            "wall_s": w, "decode_s": float(np.median(loop[name, mode])), "compile_s": max(first[name, mode] - w, 0.0),
+            "wall_s": w, "wall_runs_s": list(wall[name, mode]), "decode_s": float(np.median(loop[name, mode])), "compile_s": max(first[name, mode] - w, 0.0),
             "tau": float(acc.sum() / max((acc > 0).sum(), 1)) if sec.strategies[name][0] is not None else 1.0,
             "loop_steps": int(acc.shape[1]),
             "drafts_per_step": float(np.sum(o.stats["drafted"]) / max((acc > 0).sum(), 1)),
@@ -390,10 +392,21 @@ def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: in
     fig_path = out / f"demo-{seed}.png"
     figure(sections, results, fig_path)
     md_path = out / f"demo-{seed}.md"
-    md_path.write_text("\n".join(f"### {s.title}\n\n" + "\n".join(table(r)) + "\n" for s, r in zip(sections, results)))
-    print_fn(f"wrote {fig_path} and {md_path}")
+    prov = PV.provenance()
+    md_path.write_text(f"`jspec demo --seed {seed}`, {prov['date']}, {prov['device_model']}, {prov['cores']} cores, "
+                       f"jax {prov['versions']['jax']}, commit {prov.get('commit', '?')[:10]}; medians of {rounds} "
+                       "interleaved warm calls\n\n"
+                       + "\n".join(f"### {s.title}\n\n" + "\n".join(table(r)) + "\n" for s, r in zip(sections, results)))
+    json_path = out / f"demo-{seed}.json"
+    scalars = lambda r: {k: v for k, v in r.items() if k not in ("tokens", "lengths", "answers", "accepted")}  # noqa: E731
+    RP.write_json(str(json_path), {"meta": {"seed": seed, "rounds": rounds, "max_new_tokens": max_new_tokens,
+                                            "methods": methods, "provenance": prov},
+                                   "sections": [{"title": s.title, "rows": {n: {m: scalars(r) for m, r in by.items()}
+                                                                           for n, by in res.items()}}
+                                                for s, res in zip(sections, results)]})
+    print_fn(f"wrote {fig_path}, {md_path} and {json_path}")
     return {"seed": seed, "sections": [{"title": s.title, "results": r} for s, r in zip(sections, results)],
-            "headline": lines[0], "files": [str(fig_path), str(md_path)]}
+            "headline": lines[0], "files": [str(fig_path), str(md_path), str(json_path)]}
 
 
 def run_video(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: int = 96, rounds: int = 3,
