@@ -5,10 +5,8 @@ from ports.gguf import convert_gguf, gguf_to_hf_config, load_gguf, tokenizer_fro
 from ports.checkpoint import convert_hf, load, save
 from ports.hf_checkpoint import load_hf, save_hf
 from ports.model import FAMILIES, Model, family, logits, random_model
-from ports.cpu import pack_weights, unpack_weights
 from ports.scanned import scan_layers, unscan_layers
 
 __all__ = ["Model", "RopeConfig", "TextConfig", "FAMILIES", "convert_gguf", "convert_hf", "family",
-           "gguf_to_hf_config", "load", "load_gguf", "load_hf", "logits", "pack_weights", "random_model", "save",
-           "save_hf", "scan_layers", "text_config_from_hf", "text_config_to_hf", "tokenizer_from_gguf", "unpack_weights",
-           "unscan_layers"]
+           "gguf_to_hf_config", "load", "load_gguf", "load_hf", "logits", "random_model", "save", "save_hf",
+           "scan_layers", "text_config_from_hf", "text_config_to_hf", "tokenizer_from_gguf", "unscan_layers"]

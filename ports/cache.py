@@ -8,12 +8,9 @@ times per decode step (the in-place update and the reshaped read cannot share a 
 unless the current forward wrote them. A token's RoPE position is its slot + `pos_offset[b]` (0 unless the
 prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots before `start[b]` are never visible (0 for an ordinary cache; a row
 whose prompt was placed right-aligned, as the guided streams of `jspec.engine.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
-moving `length`; committing a tree path is one gather (`commit_path`). On XLA:CPU the writes and the path commit
-go through the CPU kernels (`ports.cpu.write_rows` / `move_rows`: every buffer in one in-place call, the same
-values), which spares XLA compiling a scatter kernel per buffer.
+moving `length`; committing a tree path is one gather (`commit_path`).
 
-This module and `ForwardOut` are the leaf every port and the engine import; it imports neither (only the CPU
-kernels' door).
+This module and `ForwardOut` are the leaf every port and the engine import; it imports neither.
 """
 from __future__ import annotations
 
@@ -22,8 +19,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import struct
-
-from ports import cpu
 
 
 @struct.dataclass
@@ -84,8 +79,7 @@ def write_layer(k_buf, v_buf, k_new, v_new, start):
     B, H, T, D = k_new.shape
     rows = jnp.repeat(start, H)
     k_new, v_new = k_new.reshape(B * H, T, D), v_new.reshape(B * H, T, D)
-    out = cpu.write_rows((k_buf, v_buf), (k_new, v_new), rows)
-    return out if out is not None else (write_rows_xla(k_buf, k_new, rows), write_rows_xla(v_buf, v_new, rows))
+    return write_rows_xla(k_buf, k_new, rows), write_rows_xla(v_buf, v_new, rows)
 
 
 def write_rows_xla(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -107,23 +101,6 @@ def _each_layer(fn, bufs, *per_layer):
     return [fn(b, *xs) for b, *xs in zip(bufs, *per_layer)]
 
 
-def _kernel_buffers(k, v):
-    """Keys and values (either layout) as `ports.cpu.write_rows` takes them, [N', S, D] each: per-layer buffers'
-    keys then values, stacked [L, N, S, D] ones as one [L * N, S, D] buffer each. Returns (buffers, per_row,
-    rebuild): per_row maps an array over the cache's N flat rows to the buffers' rows, rebuild takes the kernel's
-    results back to (k, v)."""
-    if isinstance(k, (list, tuple)):
-        L = len(k)
-        return tuple(k) + tuple(v), lambda a: a, lambda bufs: (list(bufs[:L]), list(bufs[L:]))
-    L = k.shape[0]
-    return ((_layers_as_rows(k), _layers_as_rows(v)), lambda a: jnp.tile(a, (L,) + (1,) * (a.ndim - 1)),
-            lambda bufs: (bufs[0].reshape(k.shape), bufs[1].reshape(v.shape)))
-
-
-def _layers_as_rows(a: jax.Array) -> jax.Array:
-    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
-
-
 def write_pending(cache: KVCache, ks, vs, offset: int = 0) -> KVCache:
     """The cache with a deferred forward's new keys / values (`ForwardOut.pending`: per layer [B * KVH, T, Dh], or
     stacked [L, B * KVH, T, Dh]) at slots length[b] + offset.. of each row, as the forward would have written them
@@ -137,11 +114,6 @@ def write_new_rows(k, v, ks, vs, start: jax.Array):
     ([B * KVH, T, Dh] per layer, or stacked [L, B * KVH, T, Dh]) written at slots start[b].. of batch row b."""
     kvh = (k[0] if isinstance(k, (list, tuple)) else k[0]).shape[0] // start.shape[0]
     rows = jnp.repeat(start, kvh)
-    if cpu.enabled():
-        bufs, per_row, rebuild = _kernel_buffers(k, v)
-        stacked = not isinstance(k, (list, tuple))
-        news = (_layers_as_rows(ks), _layers_as_rows(vs)) if stacked else tuple(ks) + tuple(vs)
-        return rebuild(cpu.write_rows(bufs, news, per_row(rows)))
     write = lambda b, n: write_rows_xla(b, n, rows)  # noqa: E731
     return _each_layer(write, k, ks), _each_layer(write, v, vs)
 
@@ -166,17 +138,13 @@ def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
 
     src [B, P] holds, per row, the scratch offsets (relative to `length`) of the entries to keep, in order;
     entry src[b, i] moves to slot length[b] + i for i < n[b] (later ones are copied too but stay uncommitted).
-    One gather and one write per layer (on XLA:CPU one in-place call for every layer); no per-node loop.
+    One gather and one write per layer; no per-node loop.
     """
     start = cache.length
     H = cache.kv_heads
     idx = jnp.repeat((start[:, None] + src).astype(jnp.int32), H, axis=0)  # [B * H, P]
     rows = jnp.repeat(start, H)
     length = start + n.astype(jnp.int32)
-    if cpu.enabled():
-        bufs, per_row, rebuild = _kernel_buffers(cache.k, cache.v)
-        k, v = rebuild(cpu.move_rows(bufs, per_row(idx), per_row(rows)))
-        return cache.replace(k=k, v=v, length=length)
     move = lambda b: move_rows_xla(b, idx, rows)  # noqa: E731
     return cache.replace(k=_each_layer(move, cache.k), v=_each_layer(move, cache.v), length=length)
 

@@ -14,7 +14,6 @@ import numpy as np
 from ports import fused as FU
 from ports.hf_checkpoint import layer_stream, read_hf_config, read_json, stream_hf
 from ports.model import Model, family, resolve_dtype
-from ports import cpu
 from ports.scanned import is_scanned, unscan_layers
 from ports.param_paths import empty_like_shapes, get_path, layers_path, set_path, without_layers
 
@@ -129,7 +128,7 @@ def save(model: Model, directory: str) -> None:
     """A jspec checkpoint (what `jspec convert` writes): config.json, an orbax checkpoint `params/` of everything
     but the decoder layers, and one orbax checkpoint per layer under `layers/`, so conversion can stream (a scanned
     model's layers too: `load` restores the unrolled layout)."""
-    model = cpu.unpack_weights(unscan_layers(model) if is_scanned(model) else model)
+    model = unscan_layers(model) if is_scanned(model) else model
     directory = os.path.abspath(directory)
     _start_writing(directory)
     write_config(model.hf_config or model.family.config_to_hf(model.config), directory)
@@ -162,7 +161,7 @@ def check_complete(directory: str) -> None:
 def load(directory: str, dtype=None, shardings=None) -> Model:
     """Restore a `save`d / `jspec convert`ed model; `shardings` (a pytree like params, e.g.
     `jspec.engine.sharding.param_shardings`) restores straight onto devices, each reading only its shards; without
-    them, on this process's first device, packed where the CPU kernels are on (`ports.cpu.for_backend`)."""
+    them, on this process's first device."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -173,7 +172,6 @@ def load(directory: str, dtype=None, shardings=None) -> Model:
     shapes = FU.fused_shapes(cfg, fam.param_shapes(cfg))
     dt = resolve_dtype(dtype)
     is_shape = lambda x: isinstance(x, tuple)
-    placed = shardings
     if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's: multi-host safe
         shardings = jax.tree.map(lambda s: dev, shapes, is_leaf=is_shape)
@@ -188,4 +186,4 @@ def load(directory: str, dtype=None, shardings=None) -> Model:
         params[lp[0]][lp[1]] = layers
     else:
         params[lp[0]] = layers
-    return cpu.for_backend(Model(cfg, params, hf), placed)
+    return Model(cfg, params, hf)

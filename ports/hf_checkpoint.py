@@ -20,7 +20,6 @@ import numpy as np
 
 from ports import fused as FU
 from ports.model import Model, family, resolve_dtype
-from ports import cpu
 from ports.scanned import is_scanned, unscan_layers
 from ports.param_paths import empty_like_shapes, get_path, layers_path, leaf_paths, set_path, without_layers
 from ports.safetensors_io import FLOAT_DTYPES, SafetensorsFile, checkpoint_files, write_safetensors
@@ -207,15 +206,14 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
 
 def load_stream(stream, device_put: Callable[[tuple, np.ndarray], jax.Array] | None = None) -> Model:
     """The `Model` of a `stream_checkpoint` stream, each tensor placed by `device_put(path, array)` (default: the
-    default device, and then the float32 projections packed where the CPU kernels are on: `ports.cpu.for_backend`)
-    before the next one is read."""
+    default device) before the next one is read."""
     hf, cfg, fam, tensors = stream
     params = empty_like_shapes(FU.fused_shapes(cfg, fam.param_shapes(cfg)))
     put = device_put or (lambda path, arr: jnp.asarray(arr))
     for path, item in layer_stream(cfg, fam.param_shapes(cfg), tensors()):
         for sub, arr in (leaf_paths(item) if isinstance(item, dict) else [((), item)]):
             set_path(params, path + sub, put(path + sub, arr))
-    return cpu.for_backend(Model(cfg, params, hf), device_put)
+    return Model(cfg, params, hf)
 
 
 def layer_stream(cfg, shapes, tensors):
@@ -246,7 +244,7 @@ def save_hf(model: Model, directory: str, dtype=None) -> None:
     """Write `model` as an HF checkpoint (config.json + model.safetensors) that transformers loads (a scanned
     model's layers are written one by one, as the checkpoint holds them; a Lumina-mGPT Chameleon keeps its own
     QK-norm layout, see ports.chameleon)."""
-    model = cpu.unpack_weights(unscan_layers(model) if is_scanned(model) else model)
+    model = unscan_layers(model) if is_scanned(model) else model
     view = getattr(model.config, "save_hf_view", None)  # a family's say on the layout it writes (Chameleon's)
     if view is not None:
         model = view(model)

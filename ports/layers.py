@@ -9,7 +9,6 @@ import numpy as np
 
 from ports import cache as kvc
 from ports import blockwise as BW
-from ports import cpu
 from ports.config import TextConfig, rope_inv_freq
 
 
@@ -27,16 +26,10 @@ def weight_dot(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Arr
     """einsum(spec, x, w) of activations x (contracted on their last axis) with a weight w; `out_dtype` float32
     asks for a float32 result (`einsum_f32`), else the einsum's own dtype.
 
-    On XLA:CPU:
-    - the CPU kernels take the products they apply to (`ports.cpu.product`: float32 products of a few rows, and
-      any product with a weight in their packed layout);
-    - bf16 / f16 activations and weights multiply in their dtype with float32 accumulation, a one-row product
-      computed as two: XLA:CPU's one-row bf16 dot took 72 ms on 30 [576, 3072] matrices against 8 ms for two rows
-      (jax 0.10.2), and its 2-8 row bf16 dots run at about its float32 one-row speed.
-    Everywhere else this is the plain einsum."""
-    y = cpu.product(spec, x, w, out_dtype)
-    if y is not None:
-        return y
+    On XLA:CPU, bf16 / f16 activations and weights multiply in their dtype with float32 accumulation, a one-row
+    product computed as two: XLA:CPU's one-row bf16 dot took 72 ms on 30 [576, 3072] matrices against 8 ms for two
+    rows (jax 0.10.2), and its 2-8 row bf16 dots run at about its float32 one-row speed. Everywhere else this is the
+    plain einsum."""
     low = x.dtype == w.dtype and w.dtype in (jnp.bfloat16, jnp.float16)
     if not (low and jax.default_backend() == "cpu"):
         return einsum_f32(spec, x, w) if out_dtype == jnp.float32 else jnp.einsum(spec, x, w)
@@ -131,7 +124,7 @@ def _ungroup(out: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def _seen(out: jax.Array, seen: jax.Array) -> jax.Array:
-    """out [B, T, H, Dh] with zeros at the query rows that see no slot (seen [B, T] False), as the CPU kernel gives."""
+    """out [B, T, H, Dh] with zeros at the query rows that see no slot (seen [B, T] False)."""
     return jnp.where(seen[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
@@ -147,10 +140,6 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
     """
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape
-    if score_weights is None:  # the kernel reads q in its layout
-        out = cpu.attention(q, [(k_buf, v_buf, visible)], Dh ** -0.5)
-        if out is not None:
-            return out
     kvh, G, qg = _group_queries(q, N)
     scores = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * (Dh ** -0.5)
     scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
@@ -170,9 +159,6 @@ def attention_deferred(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, k_new: 
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape
     scale = Dh ** -0.5
-    out = cpu.attention(q, [(k_buf, v_buf, visible.old), (k_new, v_new, visible.new)], scale)
-    if out is not None:
-        return out
     kvh, G, qg = _group_queries(q, N)
     s_old = einsum_f32("nqd,nsd->nqs", qg, k_buf).reshape(B, kvh, G, T, S) * scale
     s_new = einsum_f32("nqd,nsd->nqs", qg, k_new).reshape(B, kvh, G, T, T) * scale
@@ -192,8 +178,7 @@ def kv_rows(x: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    packed = cpu.owns(w)
-    y = weight_dot("...d,dn->...n", x, w) if packed or (x.dtype == w.dtype and w.ndim == 2) else x @ w
+    y = weight_dot("...d,dn->...n", x, w) if x.dtype == w.dtype and w.ndim == 2 else x @ w
     return y + b if b is not None else y
 
 
@@ -359,16 +344,6 @@ def write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights: jax.A
         if not fresh:
             raise ValueError("a Causal (structural) visibility is for fresh prefills")
         T, S = q.shape[1], k_buf.shape[1]
-        kr, vr = kv_rows(k).astype(k_buf.dtype), kv_rows(v).astype(v_buf.dtype)
-        if score_weights is None:  # the CPU kernel, where it applies, skips the hidden blocks itself
-            t = jnp.arange(T)
-            vis = (t[None, None, :] <= t[None, :, None]) & (t[None, None, :] >= visible.start[:, None, None])
-            if visible.window is not None:
-                vis = vis & (t[None, None, :] > t[None, :, None] - visible.window)
-            out = cpu.attention(q, [(kr, vr, vis)], q.shape[-1] ** -0.5)
-            if out is not None:
-                pad = ((0, 0), (0, S - T), (0, 0))
-                return out, jnp.pad(kr, pad), jnp.pad(vr, pad)
         out = _as_tuple(BW.causal_attention(q, k, v, visible.start, score_weights, window=visible.window))
         if score_weights is not None:
             out = (out[0], jnp.pad(out[1], ((0, 0), (0, S - T))))

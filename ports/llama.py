@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from ports import cache as kvc
 from ports.cache import ForwardOut
 from ports import layers as LY
-from ports import cpu
 from ports import scanned as SC
 from ports.config import TextConfig
 
@@ -64,9 +63,6 @@ def embed(params: dict, tokens: jax.Array) -> jax.Array:
 def unembed(cfg: TextConfig, params: dict, h: jax.Array) -> jax.Array:
     """Final norm + LM head (tied or not), logits in float32."""
     h = LY.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    packed = cpu.head(params)  # the CPU kernels' layout of the LM head, where the model was packed
-    if packed is not None:
-        return LY.weight_dot("btd,dv->btv", h, packed, jnp.float32)
     if cfg.tie_word_embeddings:  # contract with the stored [V, D] table: a transposed view made XLA:CPU copy it
         return LY.weight_dot("btd,vd->btv", h, params["embed"], jnp.float32)
     return LY.weight_dot("btd,dv->btv", h, params["lm_head"], jnp.float32)

@@ -6,7 +6,6 @@
     python scripts/profile_real_model.py --ops        # the AR and prompt-lookup loops by XLA operation
     python scripts/profile_real_model.py --matmul     # matmuls of 1-16 rows on 30 layers' gate/up weights
     python scripts/profile_real_model.py --widths --loops --dtype bfloat16   # the same with bf16 weights
-    python scripts/profile_real_model.py --widths --loops --packed   # float32 weights packed (ports.pack_weights)
 
 Medians of repeated warm calls; this machine is shared, so compare numbers taken in one run.
 """
@@ -32,7 +31,6 @@ from jspec.engine import loop
 from jspec.tools import models
 from jspec.engine import profiling
 from ports import cache as kvc  # noqa: E402
-from ports import cpu  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
 
@@ -105,18 +103,6 @@ def matmul(d: int = 576, f: int = 3072, layers: int = 30) -> None:
              "W [out, in]": (jax.jit(lambda x, ws: sum(jnp.einsum("md,nd->mn", x, w) for w in ws)), wts),
              "YNNPACK dot": (jax.jit(lambda x, ws: sum(jnp.dot(x, w) for w in ws), compiler_options=ynn), ws),
              "a gemv per row": (jax.jit(lambda x, ws: sum(jnp.stack([jnp.dot(r, w) for r in x]) for w in ws)), ws)}
-    if cpu.enabled():  # jspec's kernels (`ports.cpu.product`): both plain layouts (XLA's where the kernel declines,
-        # as for one row of [in, out]) and the packed panels the loaders make
-        def kernel(spec):
-            def fn(x, ws):
-                outs = [cpu.product(spec, x, w) for w in ws]
-                return sum(o if o is not None else jnp.einsum(spec, x, w) for o, w in zip(outs, ws))
-            return jax.jit(fn)
-
-        kinds["kernel [in, out]"] = (kernel("md,dn->mn"), ws)
-        kinds["kernel [out, in]"] = (kernel("md,nd->mn"), wts)
-        kinds["kernel, packed"] = (jax.jit(lambda x, ws: sum(cpu.product("md,dn->mn", x, w) for w in ws)),
-                                   [cpu.pack_matrix(w) for w in ws])
     print(f"{layers} matrices of {d} x {f} ({layers * d * f * 4 / 1e6:.0f} MB), ms per call:")
     for m in (1, 2, 4, 8, 11, 16):
         x = jnp.ones((m, d), jnp.float32)
@@ -128,8 +114,6 @@ def main(argv=None) -> None:
     for flag in ("--widths", "--loops", "--ops", "--matmul"):
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's weights")
-    ap.add_argument("--packed", action="store_true", help="float32 weights packed for the CPU kernels "
-                    "(ports.pack_weights; the loaders do it where the kernels are on)")
     ap.add_argument("--prompt", type=int, default=300, help="--loops / --ops: the random prompt's length")
     a = ap.parse_args(argv)
     if not (a.widths or a.loops or a.ops or a.matmul):
@@ -138,8 +122,6 @@ def main(argv=None) -> None:
         matmul()
     if a.widths or a.loops or a.ops:
         model, _ = models.load(NAME, dtype=a.dtype)
-        if a.packed:
-            model = ports.pack_weights(model)
         if a.widths:
             widths(model)
         if a.loops:

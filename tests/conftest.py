@@ -9,9 +9,6 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# XLA's ops, the code GPU and TPU users run; tests/kernels/ switches the CPU kernels on (`ports.cpu`), and
-# JSPEC_CPU_KERNELS=1 runs the whole suite over them
-os.environ.setdefault("JSPEC_CPU_KERNELS", "0")
 
 
 def _compile_less():

@@ -2,8 +2,8 @@
 `jspec/engine` or `jspec/parts` (nor `jspec/api.py`) imports `jspec/methods` or `jspec/tools`, and no method imports
 a tool; `import jspec` loads nothing under `jspec/tools`; no module of the packages names `scripts/` or `tests/`
 (what a tool needs ships inside the package); at most 8 modules sit directly in `jspec/`; module-level imports
-form no cycle; no module imports another's private name; nothing outside `ports/cpu/` names the CPU kernels or their
-packed layout (the ports ask `ports.cpu`, the door)."""
+form no cycle; no module imports another's private name; the packages hold no native (C / C++ / CUDA) source:
+XLA's ops are the one path on every device."""
 import ast
 import subprocess
 import sys
@@ -186,42 +186,11 @@ def test_no_class_name_is_defined_twice_in_jspec():
     assert {name: ms for name, ms in where.items() if len(ms) > 1} == {}
 
 
-KERNEL_NAMES = ("PackedWeight", "UNEMBED", "ffi_call", "register_ffi_target", "PANEL")  # identifiers
-KERNEL_STRINGS = ("unembed", "csrc", "JSPEC_CPU_KERNELS", "JSPEC_CPU_KERNELS_MARCH",  # the packed LM head's key
-                  *(t for t, _ in __import__("ports.cpu.library", fromlist=["TARGETS"]).TARGETS))
+NATIVE = (".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp", ".cu", ".cuh")
 
 
-def kernel_leaks(name: str, path: Path) -> list[str]:
-    """What a module outside `ports/cpu/` knows of the kernels: imports of the door's submodules, and identifiers or
-    (non-docstring) strings that name the packed layout, the FFI targets or the switches."""
-    tree = ast.parse(path.read_text())
-    docs = {id(b.body[0].value) for b in ast.walk(tree)
-            if isinstance(b, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and b.body
-            and isinstance(b.body[0], ast.Expr) and isinstance(b.body[0].value, ast.Constant)}
-    found = []
-    for n in ast.walk(tree):
-        if isinstance(n, ast.ImportFrom) and n.module and under(n.module, "ports.cpu"):
-            found += [f"{n.module}.{a.name}" for a in n.names if n.module != "ports.cpu" or
-                      (ROOT / "ports" / "cpu" / f"{a.name}.py").exists()]
-        elif isinstance(n, ast.Import):
-            found += [a.name for a in n.names if under(a.name, "ports.cpu") and a.name != "ports.cpu"]
-        elif isinstance(n, (ast.Name, ast.Attribute)):
-            ident = n.id if isinstance(n, ast.Name) else n.attr
-            found += [ident] if ident in KERNEL_NAMES else []
-        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
-            found += [n.value] if n.value in KERNEL_STRINGS else []
-    return found
-
-
-def test_only_ports_cpu_names_the_kernels():
-    scripts = {f"scripts.{p.stem}": p for p in (ROOT / "scripts").glob("*.py")}
-    leaks = {m: f for m, p in {**modules(), **scripts}.items() if not under(m, "ports.cpu") and (f := kernel_leaks(m, p))}
-    assert leaks == {}
-    assert kernel_leaks("ports.cpu", ROOT / "ports" / "cpu" / "__init__.py")  # the rule sees what the door names
-
-
-def test_the_kernel_rule_finds_a_leak(tmp_path):
-    leak = tmp_path / "leak.py"
-    leak.write_text("from ports.cpu import packed\nfrom ports import cpu\nw = cpu.product\nx = packed.PackedWeight\n"
-                    "y = params['unembed']\n")
-    assert kernel_leaks("ports.leak", leak) == ["ports.cpu.packed", "PackedWeight", "unembed"]
+def test_no_native_code():
+    """No C / C++ / CUDA source in the packages, scripts or tests: nothing is compiled at import or first use."""
+    found = [str(p.relative_to(ROOT)) for d in ("jspec", "ports", "scripts", "tests") for p in (ROOT / d).rglob("*")
+             if p.suffix in NATIVE]
+    assert found == []

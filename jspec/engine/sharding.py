@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ports.cpu import unpack_weights
 from ports.scanned import is_scanned
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -192,11 +191,11 @@ def run_layout(model, mesh: Mesh, rules=None):
 
 def shard(model, mesh: Mesh, rules=None):
     """The model with its params placed on `mesh` by the rules (each device holds only its shards), in
-    `run_layout` (weights packed for the CPU kernels unpacked first)."""
+    `run_layout`."""
     if is_scanned(model):
         raise ValueError("a model with scanned (stacked) layers cannot be sharded yet: pass "
                          "ports.scanned.unscan_layers(model) with a mesh")
-    model = run_layout(unpack_weights(model), mesh, rules)  # the CPU kernels' layout is a one-device layout
+    model = run_layout(model, mesh, rules)
     shardings = param_shardings(model, mesh, rules)
     return dataclasses.replace(model, params=jax.device_put(model.params, shardings), _hf_aux=model._hf_aux)
 

@@ -137,21 +137,16 @@ def fetch(name: str, cache_dir: str | None = None, progress: bool = True, *, fin
     return target
 
 
-def load(name: str, dtype=None, cache_dir: str | None = None, packed: bool | None = None):
+def load(name: str, dtype=None, cache_dir: str | None = None):
     """(model, tokenizer) of a fetched checkpoint; FileNotFoundError naming `jspec fetch <name>` when it is not in
-    the cache. `packed`: its float32 projections in the CPU kernels' layout (`ports.pack_weights`: the same logits,
-    a verify of up to 8 tokens for about one AR step) or not; None leaves it to the loader, which packs them where
-    the CPU kernels are on (`ports.cpu.for_backend`), as every loader does."""
+    the cache."""
     if not available(name, cache_dir):
         raise FileNotFoundError(f"{name} is not in {os.path.dirname(path(name, cache_dir))} (or fails its sha256): "
                                 f"run `jspec fetch {name}`" + (f" --cache-dir {cache_dir}" if cache_dir else ""))
-    import ports
     from ports import gguf as GF
 
     reader = GF.open_gguf(path(name, cache_dir))
     model = GF.load_gguf(reader, dtype)
-    if packed is not None:
-        model = ports.pack_weights(model) if packed else ports.unpack_weights(model)
     return model, GF.tokenizer_from_gguf(reader)
 
 

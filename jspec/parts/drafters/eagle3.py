@@ -29,7 +29,6 @@ from ports import cache as kvc
 from ports import fused as FU
 from ports import layers as LY
 from ports import llama
-from ports import cpu
 from ports.config import TextConfig
 
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -78,26 +77,6 @@ class Eagle3Head:
     @property
     def draft_vocab_size(self) -> int:
         return int(self.params["lm_head"].shape[0])
-
-    def packed(self) -> "Eagle3Head":
-        """The head with its float32 products in the CPU kernels' layout, as `ports.pack_weights` packs a target: fc,
-        the layers' projections, and the LM head added packed (`ports.cpu.with_head`). The same logits; `unpacked`
-        undoes it (the checkpoint writer and the trainers take plain heads)."""
-        p = dict(self.params)
-        if p["lm_head"].dtype != jnp.float32 or cpu.head(p) is not None:
-            return self
-        p["fc"] = cpu.pack_matrix(p["fc"])
-        p["layers"] = [cpu.pack_layer(layer) for layer in p["layers"]]
-        return self.replace(params=cpu.with_head(p, p["lm_head"].T))
-
-    def unpacked(self) -> "Eagle3Head":
-        """Inverse of `packed`: plain arrays."""
-        if cpu.head(self.params) is None:
-            return self
-        p = cpu.without_head(self.params)
-        p["fc"] = cpu.plain(p["fc"])
-        p["layers"] = [cpu.plain_layer(layer) for layer in p["layers"]]
-        return self.replace(params=p)
 
     def check(self, target) -> None:
         cfg, _ = text_parts(target)
@@ -198,9 +177,6 @@ def draft_logits(head: Eagle3Head, x: jax.Array) -> jax.Array:
     (unless `norm_output` applied it already) and its LM head."""
     if not head.norm_output:
         x = LY.rms_norm(x, head.params["norm"], head.config.rms_norm_eps)
-    packed = cpu.head(head.params)
-    if packed is not None:
-        return LY.weight_dot("btd,dv->btv", x, packed, jnp.float32)
     return LY.weight_dot("btd,vd->btv", x, head.params["lm_head"], jnp.float32)
 
 

@@ -28,7 +28,6 @@ from jspec.parts.drafters import heads as H
 from jspec.parts.drafters.eagle_io import TORCH_WEIGHTS_NAME
 from ports import fused as FU
 from ports import llama
-from ports import cpu
 from ports.config import text_config_from_hf, text_config_to_hf
 
 FORMATS = ("speculators", "eagle")
@@ -118,7 +117,6 @@ def save_head(head: E3.Eagle3Head, directory: str, fmt: str = "speculators", *, 
         raise ValueError("storing the token embedding needs the target (pass target=)")
     if target is not None:
         head.check(target)
-    head = head.unpacked()
     emb = E3.text_parts(target)[1]["embed"] if embed and target is not None else None
     tensors = state_dict(head, emb, "midlayer." if fmt == "eagle" else "layers.{i}.")
     if dtype is not None:
@@ -299,6 +297,4 @@ def load_head(path_or_repo_id: str, target, dtype=None, aux_layers=None) -> E3.E
     dt = np.dtype(dtype or E3.text_parts(target)[1]["embed"].dtype)
     head = head.replace(params=jax.tree.map(lambda a: jnp.asarray(a, dt), head.params))
     head.check(target)
-    if cpu.is_packed(target) and dt == np.float32:  # packed like its target: its own products through the kernel
-        head = head.packed()
     return head

@@ -34,7 +34,6 @@ from jspec.parts.drafters.model import check_vocab_size, commit_fed, draft_log_p
 from ports import fused as FU
 from ports import layers as LY
 from ports import llama
-from ports import cpu
 
 CONFIG_NAME = "eesd_head.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -66,7 +65,7 @@ def fingerprint(target) -> float:
     first layer's first matrix (stable across float32 / bfloat16 storage to ~1e-2)."""
     _, lm = text_model(target)
     first = lm["layers"][0]
-    w = cpu.plain(first["wqkv"] if "wqkv" in first else first["wq"])
+    w = first["wqkv"] if "wqkv" in first else first["wq"]
     corner = lambda a: float(np.abs(np.asarray(jax.device_get(a.reshape(a.shape[0], -1)[:16, :16]),  # noqa: E731
                                                np.float32)).sum())
     return round(corner(lm["embed"]) + corner(w), 4)
@@ -133,8 +132,7 @@ def init_head(target, exit_layer: int, num_layers: int = 1, dtype=None, share_lm
     if not 0 <= num_layers <= cfg.num_layers:
         raise ValueError(f"num_layers must be in [0, {cfg.num_layers}], got {num_layers}")
     head = lm["embed"].T if cfg.tie_word_embeddings else lm["lm_head"]
-    layers = [FU.fuse_layer(cfg, cpu.plain_layer(p)) if "wqkv" not in p else cpu.plain_layer(p)
-              for p in lm["layers"][cfg.num_layers - num_layers:]]
+    layers = [FU.fuse_layer(cfg, p) if "wqkv" not in p else p for p in lm["layers"][cfg.num_layers - num_layers:]]
     params = {"layers": layers, "norm": lm["final_norm"], **({} if share_lm_head else {"lm_head": head})}
     params = jax.tree.map(lambda a: jnp.array(a, dtype=dtype or a.dtype), params)  # copies: the head owns them
     return EarlyExitHead(params, exit_layer, signature(target))
