@@ -104,6 +104,22 @@ def _no_neighbour_mass(original):
     return bound
 
 
+def _dflash_owner():
+    from jspec.parts.drafters import dflash
+
+    return dflash
+
+
+def _blind_positions(original):
+    import jax.numpy as jnp
+
+    def block_visibility(head, cache, width):
+        vis = original(head, cache, width)  # the anchor keeps the context; the mask positions see only the block
+        return vis._replace(old=vis.old & (jnp.arange(width) == 0)[None, :, None])
+
+    return block_visibility
+
+
 MUTANTS = {
     "tabed-uniform-weights": Mutant(_tabed_owner, "_weights", _uniform_weights, ("tests/test_tabed.py",),
                                     "the multi-view drafter mixes its views uniformly, whatever the weights"),
@@ -117,6 +133,9 @@ MUTANTS = {
     "lanternpp-no-neighbour-mass": Mutant(_lantern_owner, "bound", _no_neighbour_mass,
                                           ("tests/test_lantern_rules.py",),
                                           "LANTERN++ admits no neighbour mass (the exact rule)"),
+    "dflash-blind-positions": Mutant(_dflash_owner, "block_visibility", _blind_positions,
+                                     ("tests/test_dflash.py", "tests/test_dflash_train.py"),
+                                     "a block drafter's mask positions cannot attend to the context entries"),
 }
 
 

@@ -11,6 +11,8 @@ import pytest
 import jspec
 import ports
 from jspec.parts.drafters import dflash
+from ports import cache as kvc
+from ports import llama
 from jspec.parts.plans import best_paths
 from strategies import dflash_head
 from tiny_pairs import PROMPTS, tiny_pair
@@ -45,6 +47,33 @@ def test_best_paths_are_the_most_probable_ones(top_k, total):
         assert _paths(kids, valid, tree, b) == want
         depth = np.asarray(tree.depth[b])[np.asarray(valid[b])]
         assert depth.max() <= int(limit[b])
+
+
+def _block_after(target, head, ids):
+    """The head's final-normed block states [block, D] after the committed tokens ids[:-1], anchored at ids[-1]."""
+    cfg, lm = dflash.text_parts(target)
+    T = len(ids) - 1
+    tokens = jnp.asarray(ids[None, :T], jnp.int32)
+    cache = kvc.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
+    fo = llama.forward(cfg, lm, tokens, jnp.arange(T)[None], cache, hidden_layers=head.target_layers,
+                       compute_logits=False, fresh=True)
+    hc = head.config
+    own = kvc.init_cache(hc.num_layers, 1, hc.num_kv_heads, T + head.block, hc.head_dim, jnp.float32)
+    own = dflash.write_context(head, own, jnp.concatenate(fo.hidden, axis=-1)).replace(length=jnp.asarray([T]))
+    return np.asarray(dflash.block_forward(head, lm, jnp.asarray(ids[-1:]), own, head.block)[0])
+
+
+def test_every_draft_position_reads_the_context():
+    """Two texts of the same length ending in the same anchor token: every draft position's state differs between
+    them, as each mask position attends to the context entries (a drafter whose positions after the anchor ignore
+    the context would draft the same block after any text)."""
+    target, _ = tiny_pair()
+    head = dflash.init_head(target, jax.random.key(1), num_layers=1, block=5, scale=0.3)
+    a = np.asarray([3, 14, 15, 92, 65, 35, 8], np.int32)
+    b = np.asarray([27, 18, 28, 1, 82, 84, 8], np.int32)
+    fa, fb = _block_after(target, head, a), _block_after(target, head, b)
+    gap = np.abs(fa - fb).max(axis=-1)  # [block]
+    assert (gap[1:] > 1e-2 * np.abs(fa).max()).all(), gap
 
 
 def _vlm_prompt(name):

@@ -185,13 +185,18 @@ def block_states(head: DFlashHead, x: jax.Array, positions: jax.Array, attend) -
     return LY.rms_norm(x, head.params["norm"], eps)
 
 
+def block_visibility(head: DFlashHead, cache: kvc.KVCache, width: int) -> LY.Deferred:
+    """What each of a block's `width` query positions (after the committed length) sees: every committed context
+    entry, and the whole block in both directions."""
+    return LY.Deferred(kvc.committed_visibility(cache, width), jnp.ones((cache.batch, width, width), bool))
+
+
 def block_forward(head: DFlashHead, lm: dict, anchor: jax.Array, cache: kvc.KVCache, width: int) -> jax.Array:
     """The final-normed states [R, width, D] of one block per row: the anchor `anchor` [R] at position
     length - start of the head's cache and `width - 1` mask entries after it, each seeing every committed context
     entry and the whole block; nothing is written to the cache."""
-    R = anchor.shape[0]
     pos = (cache.length - cache.start)[:, None] + jnp.arange(width)[None]
-    vis = LY.Deferred(kvc.committed_visibility(cache, width), jnp.ones((R, width, width), bool))
+    vis = block_visibility(head, cache, width)
 
     def attend(i, q, k, v):
         return LY.attention_deferred(q, cache.k[i], cache.v[i], LY.kv_rows(k).astype(cache.k[i].dtype),
