@@ -104,6 +104,60 @@ def _no_neighbour_mass(original):
     return bound
 
 
+def _block_tree_owner():
+    from jspec.parts.plans import BlockTreePlan
+
+    return BlockTreePlan
+
+
+def _argmax_chain(original):
+    import jax.numpy as jnp
+
+    from jspec.parts import plans as PL
+
+    def propose(self, env, drafter, ds, key, decision):
+        best_paths = PL.best_paths
+
+        def chain_only(logp, top_k, total, limit=None):  # every token but each position's best scores -inf
+            return best_paths(jnp.where(logp >= logp.max(-1, keepdims=True), logp, -jnp.inf), top_k, total, limit)
+
+        PL.best_paths = chain_only  # for this trace only
+        try:
+            return original(self, env, drafter, ds, key, decision)
+        finally:
+            PL.best_paths = best_paths
+
+    return propose
+
+
+def _guard_owner():
+    from jspec.parts.controllers.guard import Guard
+
+    return Guard
+
+
+def _always_ar(original):
+    import jax.numpy as jnp
+
+    def decide(self, state, key):
+        d = original(self, state, key)
+        depth = jnp.where(jnp.asarray(self.force) >= 0, d.depth, 0)  # the cost measurement's forced depth stays
+        return d._replace(depth=depth, info={**d.info, "speculated": depth > 0})
+
+    return decide
+
+
+def _never_ar(original):
+    import jax.numpy as jnp
+
+    def decide(self, state, key):
+        d = original(self, state, key)
+        depth = jnp.full_like(d.depth, state.alpha.shape[1])  # every row drafts to the plan's full depth
+        return d._replace(depth=depth, info={**d.info, "speculated": depth > 0})
+
+    return decide
+
+
 def _dflash_owner():
     from jspec.parts.drafters import dflash
 
@@ -133,6 +187,12 @@ MUTANTS = {
     "lanternpp-no-neighbour-mass": Mutant(_lantern_owner, "bound", _no_neighbour_mass,
                                           ("tests/test_lantern_rules.py",),
                                           "LANTERN++ admits no neighbour mass (the exact rule)"),
+    "ddtree-chain": Mutant(_block_tree_owner, "propose", _argmax_chain, ("tests/test_ddtree.py",),
+                           "DDTree verifies only each position's argmax token: a chain padded to the tree's size"),
+    "guard-always-ar": Mutant(_guard_owner, "decide", _always_ar, ("tests/test_guard.py",),
+                              "the guard never lets a row draft: every round is an AR step"),
+    "guard-never-ar": Mutant(_guard_owner, "decide", _never_ar, ("tests/test_guard.py",),
+                             "the guard never stops a row: every round drafts to the full depth"),
     "dflash-blind-positions": Mutant(_dflash_owner, "block_visibility", _blind_positions,
                                      ("tests/test_dflash.py", "tests/test_dflash_train.py"),
                                      "a block drafter's mask positions cannot attend to the context entries"),

@@ -266,6 +266,31 @@ def test_sampling_stays_exact_when_no_row_drafts_and_when_half_the_rows_do():
         assert (out.stats["drafted"][~mask] == 0).all()
 
 
+@pytest.mark.parametrize("rule", ["residual", "q1"])
+def test_sampling_stays_exact_while_the_guard_switches_to_ar_rounds_and_back(rule):
+    """The guard's own decisions, not a mask: each round follows the last one's first draft (rate 1), a row whose
+    draft was rejected steps as AR and tries again one round later. Over 6,000 rows the first three tokens follow
+    the target's exact distribution, and the rows' depths show both kinds of round and drafting after AR rounds
+    (a rejection, an AR round, a try: the third token comes from a drafting round that follows an AR round)."""
+    target, draft = close_pair()
+    prompt = np.array([1, 4, 2])
+    p = exact_joint(target, 3, prompt)
+    rows = 6000
+    s = jspec.Guarded(jspec.Chain(draft, gamma=2, rule=rule), costs=table(EVEN[:3]), rate=1.0, prior=0.8, retry=1,
+                      max_wait=1)
+    out = jspec.decode(target, np.tile(prompt, (rows, 1)), s, max_new_tokens=4, temperature=1.0,
+                       key=jax.random.key(2), eos_token_id=())  # 4: the third round may draft (2 tokens left)
+    counts = np.bincount(joint_index(out.tokens[:, :3], 3), minlength=V ** 3)
+    assert chi2_pvalue(counts, p) > 1e-3
+    depth, acc = np.asarray(out.stats["depth"]), np.asarray(out.stats["accepted"])
+    live = acc > 0
+    assert (depth[live] > 0).any() and (depth[live] == 0).any()  # both kinds of round were sampled through
+    back = [(live[b, i] & live[b, i + 1]) and depth[b, i] == 0 and depth[b, i + 1] > 0
+            for b in range(rows) for i in range(depth.shape[1] - 1)]
+    assert sum(back) > rows // 20, sum(back)  # rows drafted again after an AR round
+    assert not np.array_equal(out.stats["speculated_share"], np.ones(rows))
+
+
 def test_the_cost_table_is_measured_per_depth_and_cached_on_disk(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("JSPEC_COSTS_DIR", str(tmp_path))
     target, draft = pair
