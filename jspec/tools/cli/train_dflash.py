@@ -75,11 +75,14 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--ship is for a registered model ({', '.join(sorted(models.REGISTRY))})")
     items = TE.self_data_items(args.data) if registered else TE.file_items(args.texts, args.target)
     items = [(ids[:args.seq_len], m[:args.seq_len]) for ids, m in items]
+    if len(items) < 2:
+        raise SystemExit(f"{len(items)} record: training needs at least 2 (the first 5%, at least one, are held out "
+                         "and never trained on)")
     cut = max(1, len(items) // 20)
-    train_records = list(range(cut, len(items))) or list(range(len(items)))
+    train_records = list(range(cut, len(items)))
     vocab = None
     if args.draft_vocab:
-        vocab = EIO.frequent_tokens(TE.answer_counts(items[cut:] or items, cfg.vocab_size), args.draft_vocab)
+        vocab = EIO.frequent_tokens(TE.answer_counts(items[cut:], cfg.vocab_size), args.draft_vocab)
     head = DT.start_head(target, jax.random.key(args.seed), args.layers, args.block, args.target_layers, vocab)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
