@@ -14,6 +14,9 @@ key and value they read), so the split needs no communication. Where the KV head
 axes but the query heads can (8 KV heads, 16-way), `jspec.engine.sharding.shard` puts q/k/v back as separate matrices,
 so wq still splits by heads. Query head h = kv * G + g: the order of wq's columns and of HF's `repeat_kv`.
 
+A mixture-of-experts layer's expert matrices (`ports.moe`: we_gate, we_up, we_down) are a list of per-expert
+matrices in the checkpoint layout and one stacked [E, ...] array in the run layout.
+
 `fuse_params` / `unfuse_params` convert the decoder layers of a params tree (other leaves, vision towers and
 already converted layers pass through); the loaders fuse, `save_hf` unfuses. The forwards accept both layouts.
 """
@@ -24,6 +27,7 @@ import numpy as np
 
 SEPARATE_QKV = ("wq", "wk", "wv")
 SEPARATE_MLP = ("w_gate", "w_up")
+EXPERTS = ("we_gate", "we_up", "we_down")  # `ports.moe`'s expert matrices: per-expert lists <-> stacked [E, ...]
 
 
 def _xp(a):
@@ -59,6 +63,9 @@ def fuse_layer(cfg, layer: dict) -> dict:
         if "b_gate" in layer:
             bg, bu = out.pop("b_gate"), out.pop("b_up")
             out["b_gate_up"] = _xp(bg).stack([bg, bu], axis=0)
+    for k in EXPERTS:
+        if isinstance(layer.get(k), list):
+            out[k] = _xp(layer[k][0]).stack(layer[k])
     return out
 
 
@@ -80,6 +87,9 @@ def unfuse_layer(cfg, layer: dict, qkv: bool = True, mlp: bool = True) -> dict:
         if "b_gate_up" in layer:
             b = out.pop("b_gate_up")
             out.update(b_gate=b[0], b_up=b[1])
+    for k in EXPERTS:
+        if mlp and k in layer and not isinstance(layer[k], list):
+            out[k] = [layer[k][e] for e in range(layer[k].shape[0])]
     return out
 
 
@@ -103,6 +113,9 @@ def fused_layer_shapes(cfg, layer: dict) -> dict:
         if "b_gate" in layer:
             del out["b_gate"], out["b_up"]
             out["b_gate_up"] = (2, F)
+    for k in EXPERTS:
+        if isinstance(layer.get(k), list):
+            out[k] = (len(layer[k]),) + tuple(layer[k][0])
     return out
 
 

@@ -136,6 +136,8 @@ def stream_checkpoint(source: str, hf: dict, entries: list[SourceTensor], dtype,
     if getattr(cfg, "tie_word_embeddings", False):
         ignored.append(re.compile(r"(^|\.)lm_head\.weight$"))
 
+    if fam.split_hf_tensor is not None:
+        entries = split_entries(entries, fam.split_hf_tensor)
     unexpected, bad_shape, bad_dtype, duplicated, seen, plan = [], [], [], [], set(), []
     for e in entries:
         if e.name not in kmap:
@@ -170,6 +172,29 @@ def stream_checkpoint(source: str, hf: dict, entries: list[SourceTensor], dtype,
             yield path, np.ascontiguousarray(hf_to_ours(read(), tr), dtype=dt)
 
     return hf, cfg, fam, tensors
+
+
+def split_entries(entries: list[SourceTensor], split: Callable) -> list[SourceTensor]:
+    """`entries` with each tensor that `split(name, shape)` cuts into pieces (a family's `split_hf_tensor`)
+    replaced by its pieces, in order. The pieces of one tensor read it once: the last tensor read is kept until
+    a piece of another one is read (the loaders read entries in order)."""
+    held: dict = {}
+
+    def read_piece(e: SourceTensor, take):
+        if held.get("name") != e.label:
+            held.clear()
+            held.update(name=e.label, array=e.read())
+        return take(held["array"])
+
+    out = []
+    for e in entries:
+        pieces = split(e.name, tuple(e.shape))
+        if pieces is None:
+            out.append(e)
+            continue
+        out += [SourceTensor(name, f"{e.label} ({name})", tuple(shape), functools.partial(read_piece, e, take),
+                             e.bad_dtype) for name, shape, take in pieces]
+    return out
 
 
 def stream_hf(directory: str, dtype, progress: bool):

@@ -9,6 +9,7 @@ import numpy as np
 
 from ports import cache as kvc
 from ports import blockwise as BW
+from ports import moe
 from ports.config import TextConfig, rope_inv_freq
 
 
@@ -197,6 +198,12 @@ def swiglu(x: jax.Array, p: dict) -> jax.Array:
     return linear(jax.nn.silu(g) * u, p["w_down"], p.get("b_down"))
 
 
+def mlp(cfg, p: dict, x: jax.Array) -> jax.Array:
+    """A decoder layer's feed-forward block over x [..., D]: the experts of `ports.moe` where the layer holds a
+    router (Qwen3-MoE's sparse layers), else the SwiGLU MLP."""
+    return moe.sparse_moe(cfg, p, x) if "router" in p else swiglu(x, p)
+
+
 def project_qkv(cfg: TextConfig, p: dict, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [B, T, H, Dh], k and v [B, T, KVH, Dh] of x [B, T, D], from either layout (`ports.fused`)."""
     B, T, _ = x.shape
@@ -268,6 +275,14 @@ def attention_window(cfg, max_len: int) -> int | None:
     `sliding_window` when it is shorter than the cache, else None (a window that long hides nothing)."""
     w = getattr(cfg, "sliding_window", None)
     return w if w is not None and w < max_len else None
+
+
+def layer_windows(cfg, max_len: int, num_layers: int) -> tuple[int | None, ...]:
+    """The `attention_window` of each of `num_layers` decoder layers (static): the config's window, except in the
+    layers its `full_attention_layers` names (Qwen3's `layer_types`), which attend over everything."""
+    w = attention_window(cfg, max_len)
+    full = set(getattr(cfg, "full_attention_layers", ()))
+    return tuple(None if i in full else w for i in range(num_layers))
 
 
 def _after(vis: jax.Array) -> jax.Array:
@@ -376,6 +391,8 @@ def self_attention_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf
     Returns (out, k, v), and the attention scores of `attention` as a 4th item when `score_weights` is given."""
     B, T, _ = x.shape
     q, k, v = project_qkv(cfg, p, x)
+    if "q_norm" in p:  # Qwen3: RMSNorm over each head's features, before RoPE
+        q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, *rest = write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights, fresh)
     if score_weights is not None:
@@ -387,10 +404,10 @@ def self_attention_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf
 
 def decoder_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf, v_buf, start, visible,
                   score_weights: jax.Array | None = None, fresh: bool = False):
-    """One pre-norm LLaMA decoder layer over x [B, T, D] (`self_attention_layer`, then the SwiGLU MLP, each added
+    """One pre-norm LLaMA decoder layer over x [B, T, D] (`self_attention_layer`, then the MLP, `mlp`, each added
     to the residual stream). Returns (x, k, v, scores or None)."""
     out = self_attention_layer(cfg, p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), cos, sin, k_buf, v_buf,
                                start, visible, score_weights, fresh)
     x = x + out[0]
-    x = x + swiglu(rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), p)
+    x = x + mlp(cfg, p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
     return x, out[1], out[2], (out[3] if score_weights is not None else None)

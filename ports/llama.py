@@ -42,7 +42,11 @@ def param_shapes(cfg: TextConfig) -> dict:
 
 def init_params(cfg: TextConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Random params (normal(0, std) matrices, unit norms, zero-mean small biases)."""
-    shapes = param_shapes(cfg)
+    return init_from_shapes(param_shapes(cfg), key, dtype, std)
+
+
+def init_from_shapes(shapes, key: jax.Array, dtype=jnp.float32, std: float = 0.02):
+    """Random arrays in a tree of shape tuples: ones for leaves named *norm, normal(0, std) for the others."""
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
@@ -81,8 +85,8 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     [B, T, write_offset + T] says which scratch slots (earlier scratch, then the new tokens) each new token sees
     (default causal over the new tokens; a tree passes its ancestor mask); a config's `sliding_window` shorter than
     the cache hides, from each token, what lies more than that many tokens back in its sequence
-    (`layers.windowed`). hidden_layers: indices i in [0, num_layers],
-    the residual stream after the first i layers (0 = embeddings). logits_at [B, K]: compute logits only at these
+    (`layers.windowed`), in every layer but the config's `full_attention_layers` (`layers.layer_windows`).
+    hidden_layers: indices i in [0, num_layers], the residual stream after the first i layers (0 = embeddings). logits_at [B, K]: compute logits only at these
     new-token indices (default all T). attn_query_weights [B, T]: also return `attn` [B, S], the attention
     probabilities over cache slots averaged over layers and heads and summed over the new tokens with these
     weights (e.g. 1/|L| on the queries L of SpecVLM's language-to-vision scores). rope: precomputed (cos, sin)
@@ -97,29 +101,34 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     check_fresh(fresh, write_offset)
     x = embed(params, tokens) if embeds is None else embeds
     B, T, _ = x.shape
-    window = LY.attention_window(cfg, cache.max_len)  # Mistral's sliding window, when shorter than the cache
     if defer_writes:
         if fresh or write_offset or attn_query_weights is not None:
             raise ValueError("defer_writes is for a forward at the committed length over a filled cache "
                              "(not fresh, write_offset 0, no attn_query_weights)")
-        visible = LY.deferred_visibility(cache, T, new_mask, window)
+        visible = LY.deferred_visibility(cache, T, new_mask)
     else:
-        visible = LY.prefill_visibility(cache, T, new_mask, write_offset, fresh, window)
+        visible = LY.prefill_visibility(cache, T, new_mask, write_offset, fresh)
+    # each layer's sliding window (Mistral's, Qwen3's), where shorter than the cache
+    windows = LY.layer_windows(cfg, cache.max_len, SC.num_layers(params["layers"]))
+    seen = {w: LY.windowed(visible, w) for w in set(windows)}
     start = cache.length + write_offset
     cos, sin = LY.rope_tables(cfg, positions, LY.whole_sequence_len(cfg, positions, fresh)) if rope is None else rope
     want = set(hidden_layers)
     hidden = {0: x} if 0 in want else {}
     if SC.is_stacked(params["layers"]):
-        x, ks, vs, hs, attn = SC.run_layers(cfg, params["layers"], x, cache.k, cache.v, cos, sin, start, visible,
-                                            attn_query_weights, fresh, keep_hidden=bool(want - {0}))
+        if len(seen) > 1:
+            raise ValueError(f"stacked layers run under one attention window; these layers have {windows}")
+        x, ks, vs, hs, attn = SC.run_layers(cfg, params["layers"], x, cache.k, cache.v, cos, sin, start,
+                                            seen[windows[0]], attn_query_weights, fresh,
+                                            keep_hidden=bool(want - {0}))
         hidden.update({i: hs[i - 1] for i in want - {0}})
         num_layers = ks.shape[0]
     else:
         ks, vs = [], []
         attn = None
         for i, p in enumerate(params["layers"]):
-            x, kb, vb, scores = LY.decoder_layer(cfg, p, x, cos, sin, cache.k[i], cache.v[i], start, visible,
-                                                 attn_query_weights, fresh)
+            x, kb, vb, scores = LY.decoder_layer(cfg, p, x, cos, sin, cache.k[i], cache.v[i], start,
+                                                 seen[windows[i]], attn_query_weights, fresh)
             if scores is not None:
                 attn = scores if attn is None else attn + scores
             ks.append(kb)

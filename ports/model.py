@@ -22,6 +22,7 @@ from ports import llama
 from ports import llava
 from ports import llava_next
 from ports import qwen2_vl
+from ports import qwen3
 
 
 class Family(NamedTuple):
@@ -50,6 +51,9 @@ class Family(NamedTuple):
     defers_writes: bool = False
     # whether forward takes stacked layers (`ports.scanned`: the LLaMA forward, and the families that run it)
     scans: bool = False
+    # split_hf_tensor(name, shape) -> [(name, shape, take), ...] or None: a checkpoint tensor that holds several
+    # `hf_key_map` tensors (e.g. fused experts), each piece take(whole tensor)
+    split_hf_tensor: Callable | None = None
 
 
 _TEXT = Family(PC.text_config_from_hf, PC.text_config_to_hf, llama.param_shapes, llama.init_params, llama.forward,
@@ -71,8 +75,13 @@ _QWEN_VL = Family(qwen2_vl.config_from_hf, qwen2_vl.config_to_hf, qwen2_vl.param
                   qwen2_vl.forward, qwen2_vl.hf_key_map, qwen2_vl.IGNORED_HF_KEYS, qwen2_vl.kv_layout,
                   qwen2_vl.embed, qwen2_vl.unembed, qwen2_vl.rename_hf_key, qwen2_vl.prepare_inputs,
                   qwen2_vl.prompt_embeds, qwen2_vl.compact_prompt, defers_writes=True, scans=True)
-FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "mistral": _TEXT, "llava": _LLAVA,
-                               "llava_next": _LLAVA_NEXT, "llava_next_video": _LLAVA_NEXT, "llava_onevision": _LLAVA_NEXT,
+_QWEN3 = Family(qwen3.config_from_hf, qwen3.config_to_hf, qwen3.param_shapes, qwen3.init_params, llama.forward,
+                qwen3.hf_key_map, qwen3.IGNORED_HF_KEYS, llama.kv_layout,
+                lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed, defers_writes=True,
+                scans=True, split_hf_tensor=qwen3.split_hf_tensor)
+FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "mistral": _TEXT, "qwen3": _QWEN3,
+                               "qwen3_moe": _QWEN3, "llava": _LLAVA, "llava_next": _LLAVA_NEXT,
+                               "llava_next_video": _LLAVA_NEXT, "llava_onevision": _LLAVA_NEXT,
                                "chameleon": _CHAMELEON, "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL}
 
 

@@ -27,6 +27,11 @@ def is_stacked(layers) -> bool:
     return isinstance(layers, dict)
 
 
+def num_layers(layers) -> int:
+    """How many decoder layers a params' "layers" entry holds (a list, or the stacked layout)."""
+    return len(jax.tree.leaves(layers)[0]) if is_stacked(layers) else len(layers)
+
+
 def stack_layers(layers: list) -> dict:
     """[per-layer dict, ...] -> {name: [L, ...]} (every layer must hold the same names and shapes)."""
     if not layers:
