@@ -40,6 +40,14 @@ def tiny_llama(layers, hidden, heads, kv_heads, vocab=256, dtype=jnp.bfloat16):
     return zeros_model(cfg, dtype)
 
 
+def tiny_moe(dtype=jnp.bfloat16):
+    """A qwen3_moe of 8 experts (top 2) whose second layer is dense (`mlp_only_layers`)."""
+    d = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]}
+    return zeros_model(ports.model.family("qwen3_moe").config_from_hf(d), dtype)
+
+
 def tiny_llava(dtype=jnp.bfloat16):
     d = {"model_type": "llava", "image_token_index": 250,
          "text_config": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
@@ -64,11 +72,12 @@ def nbytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def check(target, draft, mesh_shape, batch, max_len, dtype, draft_tp=False):
+def check(target, draft, mesh_shape, batch, max_len, dtype, draft_tp=False, expert=1):
     data, fsdp, tensor = mesh_shape
-    mesh = SH.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+    mesh = SH.make_mesh(data=data, fsdp=fsdp, tensor=tensor, expert=expert)
     placement = SH.Placement(mesh, tuple(SH.rules_table().items()))
-    p = MEM.estimate(target.hf_config, dict(data=data, fsdp=fsdp, tensor=tensor), batch, max_len, dtype=dtype,
+    p = MEM.estimate(target.hf_config, dict(data=data, fsdp=fsdp, tensor=tensor, expert=expert), batch, max_len,
+                     dtype=dtype,
                 draft_config=None if draft is None else draft.hf_config, draft_tensor_parallel=draft_tp)
     c = p["components"]
     sharded = SH.shard(target, mesh)
@@ -85,9 +94,9 @@ def check(target, draft, mesh_shape, batch, max_len, dtype, draft_tp=False):
         got = (c[name]["total"], c[name]["per_device"])
         assert got == (total, dev0), (name, mesh_shape, batch, "plan", got, "allocated", (total, dev0))
     # the split really happened where the rules allow it (not everything replicated)
-    if tensor > 1:
+    if tensor > 1 or expert > 1:
         assert c["params"]["per_device"] < c["params"]["total"], (mesh_shape, c["params"])
-    return {"mesh": list(mesh_shape), "batch": batch, **{k: v[1] for k, v in real.items()}}
+    return {"mesh": list(mesh_shape), "expert": expert, "batch": batch, **{k: v[1] for k, v in real.items()}}
 
 
 def main():
@@ -108,6 +117,9 @@ def main():
     vlm = tiny_llava()
     for mesh_shape in ((1, 1, 8), (2, 1, 4)):
         cases.append(check(vlm, draft, mesh_shape, 4, 32, "bfloat16"))
+    moe = tiny_moe()  # its experts split over the expert axis (4), their intermediate over tensor (2)
+    for mesh_shape in ((1, 1, 2), (2, 1, 1)):
+        cases.append(check(moe, draft, mesh_shape, 4, 32, "bfloat16", expert=4))
     print(json.dumps({"cases": len(cases), "detail": cases}))
 
 

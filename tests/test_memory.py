@@ -16,7 +16,8 @@ GB = 1e9
 # Public parameter counts of the shipped checkpoints (their model cards / safetensors metadata), +-1.5%.
 PUBLIC_PARAMS = {"llama-2-7b": 6.74e9, "llama-2-13b": 13.0e9, "llama-2-70b": 69.0e9, "llama-68m": 68e6,
                  "llava-1.5-7b": 7.06e9, "llava-next-video-7b": 7.07e9, "llava-onevision-qwen2-72b": 73.2e9, "llava-onevision-qwen2-7b": 8.03e9,
-                 "qwen2.5-vl-72b": 73.4e9, "qwen2.5-vl-7b": 8.29e9, "lumina-mgpt-7b-768": 7.0e9}
+                 "qwen2.5-vl-72b": 73.4e9, "qwen2.5-vl-7b": 8.29e9, "lumina-mgpt-7b-768": 7.0e9,
+                 "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235e9}
 
 
 def test_plan_equals_allocated_bytes():
@@ -29,7 +30,7 @@ def test_plan_equals_allocated_bytes():
                           text=True, timeout=600, cwd=os.path.dirname(here))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results["cases"] == 13
+    assert results["cases"] == 15
 
 
 def test_shipped_configs_are_listed():
@@ -47,6 +48,20 @@ def test_every_shipped_config_plans(name):
     assert p["per_device"] == sum(v["per_device"] for v in c.values())
     assert c["activations"]["estimate"] is True
     json.dumps(p)  # serialisable as is
+
+
+def test_moe_params_store_every_expert_split_over_the_expert_axis():
+    """qwen3-30b-a3b (bf16): all 128 experts of its 48 layers counted; on expert=8 each device holds an eighth of
+    them and everything else whole; expert=4 x tensor=2 holds 3/8 of the experts fewer per device than tensor=2
+    alone (the experts split 8 ways, not 2)."""
+    cfg = MEM.load_config("qwen3-30b-a3b")
+    experts = 2 * 48 * 128 * 3 * 2048 * 768  # bytes: layers x experts x (gate, up, down) x hidden x moe width
+    plan = {k: MEM.estimate(cfg, mesh, batch=1, max_len=1024)["components"]["params"]
+            for k, mesh in (("one", {}), ("e8", {"expert": 8}), ("t2", {"tensor": 2}),
+                            ("e4t2", {"expert": 4, "tensor": 2}))}
+    assert plan["one"]["per_device"] == plan["one"]["total"] > experts
+    assert plan["e8"]["per_device"] == plan["one"]["total"] - experts + experts // 8
+    assert plan["t2"]["per_device"] - plan["e4t2"]["per_device"] == experts // 2 - experts // 8
 
 
 def test_llama_2_70b_numbers():
@@ -189,7 +204,7 @@ def test_cli_table_json_and_exit_status(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert cli.main(args + ["--json", "--device-memory", "80GB"]) == 0
     js = json.loads(capsys.readouterr().out)
-    assert js["fit"]["fits"] and js["mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert js["fit"]["fits"] and js["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 8}
     assert js["components"]["params"]["per_device"] < js["components"]["params"]["total"] / 7
 
 
@@ -216,8 +231,8 @@ def test_malformed_mesh(mesh):
 
 
 def test_mesh_parsing():
-    assert MEM.parse_mesh("tensor=8") == {"data": 1, "fsdp": 1, "tensor": 8}
-    assert MEM.parse_mesh("data=2, fsdp=2,tensor=4") == {"data": 2, "fsdp": 2, "tensor": 4}
+    assert MEM.parse_mesh("tensor=8") == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 8}
+    assert MEM.parse_mesh("data=2, fsdp=2,tensor=4") == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 4}
 
 
 def test_other_bad_input():

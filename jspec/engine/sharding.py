@@ -1,8 +1,9 @@
 """Sharding over a device mesh with logical axis rules (the maxtext scheme, written for jspec's pytrees).
 
 Every parameter and KV-cache dimension carries a logical axis name (`batch`, `seq`, `heads`, `kv_heads`,
-`head_dim`, `embed`, `mlp`, `vocab`, `layers`); one rules table maps each name to mesh axes (`data`, `fsdp`,
-`tensor`). A dimension is split over its mesh axes only when its logical size (heads, not heads x head_dim) is
+`head_dim`, `embed`, `mlp`, `vocab`, `layers`, and a mixture-of-experts layer's `expert` and `moe_mlp`); one rules
+table maps each name to mesh axes (`data`, `fsdp`, `expert`, `tensor`): by default the experts split over
+`expert` and each expert's intermediate dimension over `tensor`. A dimension is split over its mesh axes only when its logical size (heads, not heads x head_dim) is
 divisible by their product; otherwise it is replicated, which is the correct fallback when, e.g., kv_heads <
 tensor size. Anything without a rule (norms, vision towers, projectors, the VQ tokenizer) is replicated; so is a
 small draft (`replicate`). Decoding then runs the same jitted program: XLA partitions it from the params'
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ports.scanned import is_scanned
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # logical axis -> mesh axes it is split over (in order)
 DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -29,6 +30,8 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("heads", ("tensor",)),
     ("kv_heads", ("tensor",)),
     ("mlp", ("tensor",)),
+    ("expert", ("expert",)),
+    ("moe_mlp", ("tensor",)),
     ("vocab", ("tensor",)),
     ("seq", ()),
     ("head_dim", ()),
@@ -46,6 +49,10 @@ DECODER_AXES: dict[str, tuple[str | None, ...]] = {
     # the run layout (`ports.fused`): split by KV-head groups, so each device holds whole groups
     "wqkv": ("embed", "kv_heads", None, "head_dim"), "bqkv": ("kv_heads", None, "head_dim"),
     "w_gate_up": ("embed", None, "mlp"), "b_gate_up": (None, "mlp"),
+    # a mixture-of-experts layer (`ports.moe`): the router, and the experts stacked [E, ...]
+    "router": ("embed", None),
+    "we_gate": ("expert", "embed", "moe_mlp"), "we_up": ("expert", "embed", "moe_mlp"),
+    "we_down": ("expert", "moe_mlp", "embed"),
 }
 
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
@@ -86,15 +93,16 @@ def check_same_everywhere(what: str, *arrays) -> None:
                          f"{jax.process_count()}): under jax.distributed every host must pass the same inputs")
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh over the first data*fsdp*tensor devices (all processes' devices under
-    `jax.distributed`: every host runs the same program)."""
-    n = data * fsdp * tensor
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None,
+              expert: int = 1) -> Mesh:
+    """A ("data", "fsdp", "expert", "tensor") mesh over the first data*fsdp*expert*tensor devices (all processes'
+    devices under `jax.distributed`: every host runs the same program)."""
+    n = data * fsdp * expert * tensor
     devices = list(jax.devices() if devices is None else devices)
     if n < 1 or n > len(devices):
-        raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} needs {n} devices; "
+        raise ValueError(f"mesh data={data} x fsdp={fsdp} x expert={expert} x tensor={tensor} needs {n} devices; "
                          f"{len(devices)} available")
-    return Mesh(np.array(devices[:n]).reshape(data, fsdp, tensor), MESH_AXES)
+    return Mesh(np.array(devices[:n]).reshape(data, fsdp, expert, tensor), MESH_AXES)
 
 
 def rules_table(rules=None) -> dict[str, tuple[str, ...]]:
@@ -108,8 +116,11 @@ def rules_table(rules=None) -> dict[str, tuple[str, ...]]:
 def logical_units(cfg) -> dict[str, int]:
     """How many indivisible units each logical axis of a language model has (heads, not heads x head_dim)."""
     text = getattr(cfg, "text", cfg)
-    return {"heads": text.num_heads, "kv_heads": text.num_kv_heads, "mlp": text.intermediate_size,
-            "vocab": text.vocab_size, "embed": text.hidden_size}
+    units = {"heads": text.num_heads, "kv_heads": text.num_kv_heads, "mlp": text.intermediate_size,
+             "vocab": text.vocab_size, "embed": text.hidden_size}
+    if getattr(text, "num_experts", 0):
+        units.update(expert=text.num_experts, moe_mlp=text.moe_intermediate_size)
+    return units
 
 
 def spec_for(axes: Sequence[str | None], units: Mapping[str, int], mesh: Mesh, rules=None) -> P:

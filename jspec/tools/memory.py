@@ -15,6 +15,10 @@ machine, e.g. a 1-CPU laptop planning for 8 GPUs or a TPU slice:
   layer, f32 attention scores [B, heads, T, S], MLP intermediates, the vision tower on the prompt's images) and of
   one decode step (`tree_nodes` tree nodes verified, f32 logits [B, N, V]); the larger one counts.
 
+A mixture-of-experts target (`qwen3_moe`) stores every expert: its params count them all, split over the
+`expert` mesh axis (and each expert's intermediate dimension over `tensor`); its activations count the top-k
+experts each token runs (`mlp_width`).
+
 Model types not ported yet plan through their parts: Qwen2-VL / Qwen2.5-VL count their language model through the
 qwen2 text family and their vision transformer analytically from `vision_config`.
 `fits(device_bytes)` on the result says whether the per-device sum fits with a safety margin (`headroom`) for
@@ -82,7 +86,8 @@ def load_config(name_or_path: str) -> dict:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """"tensor=8" / "data=2,fsdp=2,tensor=4" -> {"data": .., "fsdp": .., "tensor": ..} (missing axes are 1)."""
+    """"tensor=8" / "data=2,fsdp=2,tensor=4" -> {"data": .., "fsdp": .., "expert": .., "tensor": ..} (missing axes
+    are 1)."""
     usage = (f"malformed mesh {text!r}: expected comma-separated axis=size pairs over the axes "
              f"{', '.join(SH.MESH_AXES)}, e.g. tensor=8 or data=2,tensor=4")
     out = dict.fromkeys(SH.MESH_AXES, 1)
@@ -117,7 +122,7 @@ def _dtype(dtype) -> jnp.dtype:
 
 
 def abstract_mesh(mesh_shape: Mapping[str, int]) -> AbstractMesh:
-    """A ("data", "fsdp", "tensor") mesh of that shape without devices."""
+    """A ("data", "fsdp", "expert", "tensor") mesh of that shape without devices."""
     unknown = set(mesh_shape) - set(SH.MESH_AXES)
     if unknown:
         raise ValueError(f"unknown mesh axes {sorted(unknown)}; jspec meshes have axes {SH.MESH_AXES}")
@@ -376,6 +381,18 @@ def _fsdp_gather(pl: _Planned, mesh, rules) -> int:
     return max(layer, gathered(lm[head_key], lm_sh[head_key]))
 
 
+def mlp_width(text, mesh, rules) -> int:
+    """The widest feed-forward intermediate one token holds on one device: a dense layer's intermediate_size
+    (split over `mlp`), and in a mixture-of-experts layer (`ports.moe`) its top-k experts' k x
+    moe_intermediate_size (each split over `moe_mlp`)."""
+    dense = any(not text.is_sparse(i) for i in range(text.num_layers)) if hasattr(text, "is_sparse") else True
+    f = text.intermediate_size // _split("mlp", text.intermediate_size, mesh, rules) if dense else 0
+    if getattr(text, "num_experts", 0):
+        F = text.moe_intermediate_size
+        f = max(f, text.num_experts_per_tok * (F // _split("moe_mlp", F, mesh, rules)))
+    return f
+
+
 def activation_estimate(target: _Planned, draft: _Planned | None, mesh, rules, batch: int, max_len: int,
                         prompt_len: int, tree_nodes: int, images: int, dt: int, draft_len: int | None = None,
                         prefill_chunk: int | None = None) -> dict:
@@ -389,7 +406,7 @@ def activation_estimate(target: _Planned, draft: _Planned | None, mesh, rules, b
     b = batch // b_split
     h = text.num_heads // _split("heads", text.num_heads, mesh, rules)
     kvh = text.num_kv_heads // _split("kv_heads", text.num_kv_heads, mesh, rules)
-    f = text.intermediate_size // _split("mlp", text.intermediate_size, mesh, rules)
+    f = mlp_width(text, mesh, rules)
     gather = _fsdp_gather(target, mesh, rules)
     V = text.vocab_size
 
@@ -409,7 +426,7 @@ def activation_estimate(target: _Planned, draft: _Planned | None, mesh, rules, b
 
         def draft_layer(T, S, blockwise=False):
             return _decoder_terms(dtext, batch, T, S, dt, dtext.num_heads, dtext.num_kv_heads,
-                                  dtext.intermediate_size, blockwise)["layer"]
+                                  mlp_width(dtext, abstract_mesh({}), rules), blockwise)["layer"]
 
         d_T, d_S, d_bw = prefill_shape(d_prompt, d_max, None)
         draft_prefill = (max(draft_layer(d_T, d_S, d_bw), _vision_peak(draft, images, dt)[0])

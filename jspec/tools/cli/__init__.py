@@ -282,8 +282,8 @@ def main(argv=None) -> int:
                                      "(from shapes alone: no weights, no devices needed)")
     pl.add_argument("--config", required=True,
                     help="config.json, an HF checkpoint dir, or a shipped name (llama-2-70b, qwen2.5-vl-72b, ...)")
-    pl.add_argument("--mesh", default="tensor=1", help="axis=size over data, fsdp, tensor, e.g. tensor=8 or "
-                                                       "data=2,tensor=4")
+    pl.add_argument("--mesh", default="tensor=1", help="axis=size over data, fsdp, expert, tensor, e.g. tensor=8 "
+                                                       "or data=2,tensor=4 or expert=4,tensor=2")
     pl.add_argument("--batch", type=int, default=1)
     pl.add_argument("--max-len", type=int, required=True, help="KV cache slots per row")
     pl.add_argument("--dtype", default="bf16", help="bf16, f16 or f32")
