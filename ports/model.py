@@ -200,10 +200,11 @@ def logits(model: Model, prompt) -> np.ndarray:
 @jax.jit
 def _logits_jit(model: Model, tokens: jax.Array, inputs: dict) -> jax.Array:
     from ports import cache as kvc
+    from ports.scanned import is_scanned
 
     B, T = tokens.shape
     layers, kvh, hd = model.kv_layout
-    cache = kvc.init_cache(layers, B, kvh, T, hd, model.dtype)
+    cache = kvc.init_cache(layers, B, kvh, T, hd, model.dtype, stacked=is_scanned(model))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     embeds = None
     if inputs:
