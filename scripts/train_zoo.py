@@ -199,7 +199,7 @@ class Preset:
                                   # (`grow_params`: depth growth, the source's function at step 0)
     data_start: int = 0           # index of the first training example (a grown model reads examples its source
                                   # never saw)
-    ship: bool = True             # exported into jspec/tools/zoo/NAME; else a training stage, exported into build/stages
+    ship: bool = True             # exported into assets/zoo/jspec_zoo/NAME; else a training stage, exported into build/stages
 
 
 PRESETS = {
@@ -335,7 +335,7 @@ def new_model(p: Preset, seed: int) -> ports.Model:
 
 
 def export_dir(name: str) -> Path:
-    """Where `train NAME` exports by default: jspec/tools/zoo/NAME for a shipped model, build/stages/NAME for a stage."""
+    """Where `train NAME` exports by default: assets/zoo/jspec_zoo/NAME for a shipped model, build/stages/NAME for a stage."""
     return (ZOO_DIR if PRESETS[name].ship else ROOT / "build" / "stages") / name
 
 
@@ -1163,11 +1163,11 @@ def main(argv=None) -> None:
     t.add_argument("--ckpt-minutes", type=float, default=3.0)
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--export-partial", action="store_true", help="export even if the schedule did not finish")
-    t.add_argument("--out", default=None, help="export directory (default jspec/tools/zoo/NAME; a stage: build/stages/NAME)")
+    t.add_argument("--out", default=None, help="export directory (default assets/zoo/jspec_zoo/NAME; a stage: build/stages/NAME)")
     e = sub.add_parser("export", help="export NAME from its latest checkpoint")
     e.add_argument("name", choices=sorted(PRESETS))
     e.add_argument("--workdir", default=None)
-    e.add_argument("--out", default=None, help="export directory (default jspec/tools/zoo/NAME; a stage: build/stages/NAME)")
+    e.add_argument("--out", default=None, help="export directory (default assets/zoo/jspec_zoo/NAME; a stage: build/stages/NAME)")
     ev = sub.add_parser("eval-video", help="held-out video QA exact match (clips, shuffled, blank) and SD acceptance")
     ev.add_argument("name", choices=sorted(n for n, q in PRESETS.items() if q.kind == "video"))
     ev.add_argument("--draft", default=None, help="a video draft to measure Chain SD acceptance with")

@@ -1,4 +1,4 @@
-"""Memory-plan exactness, run by tests/test_plan.py in a subprocess with 8 forced CPU devices (the device count is
+"""Memory-plan exactness, run by tests/test_memory.py in a subprocess with 8 forced CPU devices (the device count is
 fixed at jax import): for tiny models and several meshes, the bytes `jspec.tools.memory.estimate` predicts per device for
 params, KV cache, draft params and draft cache equal the bytes of the arrays really allocated on device 0.
 Prints one JSON line: the compared cases; any mismatch raises."""
