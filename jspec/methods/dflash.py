@@ -1,6 +1,6 @@
 """DFlash (Chen et al., 2026): a block drafter proposes a whole draft in one forward
-(`jspec.parts.drafters.dflash`); the target verifies it as a chain, a DDTree (`jspec.parts.plans.BlockTreePlan`) or
-any static tree over the block's per-position distributions."""
+(`jspec.parts.drafters.dflash`); the target verifies it as a chain, a DDTree (Ringel et al., arXiv 2604.12989;
+`jspec.parts.plans.BlockTreePlan`) or any static tree over the block's per-position distributions."""
 from __future__ import annotations
 
 import dataclasses

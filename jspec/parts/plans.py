@@ -455,8 +455,9 @@ def best_paths(logp: jax.Array, top_k: int, total: int, limit: jax.Array | None 
 
 @struct.dataclass
 class BlockTreePlan(DynamicPlan):
-    """DDTree over a block drafter (`Drafter.block_size` > 0): the `total` most probable draft paths under the
-    product of the drafter's per-position distributions, as one tree the target verifies in one forward.
+    """DDTree (Ringel et al., arXiv 2604.12989) over a block drafter (`Drafter.block_size` > 0): the `total` most
+    probable draft paths under the product of the drafter's per-position distributions, as one tree the target
+    verifies in one forward.
 
     One block forward gives the distribution of each position 1 .. `depth` after the root given the committed text
     alone, so a node's score is the sum of its path's per-position log-probs, whatever its parent. Per position
