@@ -3,7 +3,8 @@ indexes of public checkpoints, read in place, never copied), the config parses w
 names are exactly the loader's (nothing missing, nothing unexpected beyond the family's ignored keys); at full
 size, every tensor shape the ports expect is the shape transformers' own model has (built on the meta device);
 and a shrunk copy (the same config with small dimensions, random weights written under the real checkpoint's
-names) loads and gives transformers' logits. Skipped, saying so, where the folder is absent."""
+names) loads and gives transformers' logits. The folders of `next/` whose family is ported (`PORTED_NEXT`) are
+checked the same way. Skipped, saying so, where the folder is absent."""
 from __future__ import annotations
 
 import copy
@@ -21,7 +22,10 @@ from ports.param_paths import get_path
 from ports.safetensors_io import write_safetensors
 
 LAYOUTS = Path(__file__).resolve().parent.parent.parent / "shared" / "real_layouts"
+# layouts under next/ (families ported after the others) whose family jspec loads now
+PORTED_NEXT = ("next/Qwen__Qwen3-4B-finetune",)
 FOLDERS = sorted(p.name for p in LAYOUTS.iterdir() if (p / "config.json").exists()) if LAYOUTS.is_dir() else []
+FOLDERS += [f for f in PORTED_NEXT if (LAYOUTS / f / "config.json").exists()]
 INDEXED = [f for f in FOLDERS if (LAYOUTS / f / "model.safetensors.index.json").exists()]
 if not FOLDERS:
     pytest.skip(f"no real layouts at {LAYOUTS} (the shared folder of real checkpoint configs)",
@@ -30,7 +34,8 @@ if not FOLDERS:
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
            "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
            "llava_next_video": "LlavaNextVideoForConditionalGeneration",
-           "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+           "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+           "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 LAYER = re.compile(r"\.(layers|blocks)\.(\d+)\.")
 
 
@@ -129,6 +134,8 @@ def shrink_text(t: dict) -> dict:
              num_key_value_heads=kv, max_window_layers=2)
     if "head_dim" in t:
         t["head_dim"] = 16
+    if isinstance(t.get("layer_types"), list):  # one entry per layer (Qwen3's)
+        t["layer_types"] = t["layer_types"][:2]
     for key in ("rope_scaling", "rope_parameters"):
         if isinstance(t.get(key), dict) and "mrope_section" in t[key]:
             t[key] = {**t[key], "mrope_section": [2, 3, 3]}  # sums to head_dim / 2 = 8
