@@ -1,13 +1,16 @@
 """GGUF (llama.cpp) checkpoints as `ports.Model`s: `load_gguf`, `convert_gguf`, `gguf_to_hf_config`,
 `tokenizer_from_gguf`.
 
-Two GGUF architectures are read (`SUPPORTED_ARCHITECTURES`), as llama.cpp's convert_hf_to_gguf.py writes them:
+Three GGUF architectures are read (`SUPPORTED_ARCHITECTURES`), as llama.cpp's convert_hf_to_gguf.py writes them:
 - `llama` (LLaMA, Mistral, ...): an HF `LlamaConfig` (no biases). The converter reorders the Q/K rows of each head
   for llama.cpp's RoPE kernel (its `LlamaModel.permute`); we put them back in HF's order (`unpermute_rope_rows`).
 - `qwen2` (Qwen2, Qwen2.5): an HF `Qwen2Config` (`Qwen2ForCausalLM`), with the Q/K/V biases
   (`blk.N.attn_q.bias`, ...). Its converter (`Qwen2Model`) does not permute, so the rows are taken as they are.
   GGUF holds no sliding-window setting (llama.cpp runs Qwen2 with full attention): the config says
   `use_sliding_window: false`.
+- `qwen3` (Qwen3 dense): an HF `Qwen3Config` (`Qwen3ForCausalLM`, no biases) with its per-head Q/K norms
+  (`blk.N.attn_q_norm.weight`, `attn_k_norm`) and its head size from `qwen3.attention.key_length`. Its converter
+  (`Qwen3Model`, a `Qwen2Model`) does not permute either; no sliding window, as for Qwen2.
 
 A GGUF file holds its config as metadata (`<arch>.block_count`, `<arch>.attention.head_count`, ...) and its tensors
 under llama.cpp's names, many quantized. We read it with the `gguf` package: the metadata becomes an HF config dict
@@ -34,21 +37,22 @@ from ports.checkpoint import convert_stream
 from ports.hf_checkpoint import SourceTensor, load_stream, stream_checkpoint
 from ports.model import Model
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # the architectures whose Q/K rows llama.cpp's converter permutes for its RoPE kernel
 _PERMUTED_ARCHITECTURES = ("llama",)
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # the ggml tensor types whose dequantization is tested here (tests/test_gguf.py)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K")
 
-# llama.cpp tensor name -> HF LlamaForCausalLM / Qwen2ForCausalLM name; per-layer names are "blk.N.<key>.weight"
-# (and "blk.N.<key>.bias" for Qwen2's Q/K/V biases)
+# llama.cpp tensor name -> HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM name; per-layer names are
+# "blk.N.<key>.weight" (and "blk.N.<key>.bias" for Qwen2's Q/K/V biases)
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
@@ -218,8 +222,10 @@ def _hf_config(reader, path: str) -> dict:
     }
     if arch == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
-    else:  # qwen2: Q/K/V biases are implied by the model type
+    elif arch == "qwen2":  # Q/K/V biases are implied by the model type
         hf["use_sliding_window"] = False
+    else:  # qwen3: no biases; the Q/K norms are tensors of the file
+        hf.update(attention_bias=False, use_sliding_window=False)
     scaling = _rope_scaling(reader, arch, path)
     if scaling:
         hf["rope_scaling"] = scaling
@@ -227,9 +233,10 @@ def _hf_config(reader, path: str) -> dict:
 
 
 def gguf_to_hf_config(source) -> dict:
-    """The HF config dict of a GGUF file's metadata: a `LlamaConfig` (model_type "llama") or a `Qwen2Config`
-    (model_type "qwen2"), `tie_word_embeddings` true when the file has no output.weight; ValueError when the file is
-    not a GGUF, its architecture is not one jspec reads (SUPPORTED_ARCHITECTURES), or a value it needs is missing."""
+    """The HF config dict of a GGUF file's metadata: a `LlamaConfig` (model_type "llama"), a `Qwen2Config`
+    (model_type "qwen2") or a `Qwen3Config` (model_type "qwen3"), `tie_word_embeddings` true when the file has no
+    output.weight; ValueError when the file is not a GGUF, its architecture is not one jspec reads
+    (SUPPORTED_ARCHITECTURES), or a value it needs is missing."""
     reader, path = _as_reader(source)
     return _hf_config(reader, path)
 
@@ -270,7 +277,8 @@ def stream_gguf(source, dtype=None, progress: bool = False):
 def load_gguf(source, dtype=None, *, progress: bool = False) -> Model:
     """A GGUF file (path or open reader) as a `Model` in `dtype` (default float32), its tensors dequantized one at a
     time. ValueError, before anything is dequantized, for a file that is not GGUF or is truncated, an architecture
-    other than llama and qwen2, a tensor type outside SUPPORTED_TYPES, or tensors that do not match the config."""
+    other than llama, qwen2 and qwen3, a tensor type outside SUPPORTED_TYPES, or tensors that do not match the
+    config."""
     return load_stream(stream_gguf(source, dtype, progress))
 
 

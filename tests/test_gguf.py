@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) checkpoints through `ports`: tiny random LLaMAs and Qwen2s written as GGUF files the way
+"""GGUF (llama.cpp) checkpoints through `ports`: tiny random LLaMAs, Qwen2s and Qwen3s written as GGUF files the way
 llama.cpp's converter writes them (its metadata keys, tensor names and Q/K row order, each tensor type we claim),
 read by `ports.load_gguf` and compared with transformers on the same dequantized weights and with transformers' own
 GGUF loader; bad files fail early with a message naming the problem."""
@@ -24,7 +24,8 @@ BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants.quantize w
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # gguf cannot quantize to these: random blocks instead
 NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -68,7 +69,8 @@ def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=None, drop=
     biases F32); returns {HF name: the HF-layout weight the file holds, dequantized} (a reference model loads these).
     As convert_hf_to_gguf.py: `LlamaModel` adds rope.dimension_count and vocab_size to the common keys and permutes
     Q/K rows; `Qwen2Model` (arch "qwen2") adds neither (the vocabulary size is the tokenizer's) and does not
-    permute."""
+    permute; `Qwen3Model` (arch "qwen3", a `Qwen2Model`) adds the head size as key_length / value_length (the
+    common keys' `head_dim`)."""
     c, rng = hf_model.config, np.random.default_rng(seed)
     permute = arch == "llama" if permute is None else permute
     w = gguf.GGUFWriter(str(path), arch)
@@ -80,9 +82,12 @@ def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=None, drop=
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    if arch != "qwen2":
+    if arch not in ("qwen2", "qwen3"):
         w.add_rope_dimension_count(c.head_dim)
         w.add_vocab_size(c.vocab_size)
+    if arch == "qwen3":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     if tokenizer:
         tokenizer(w)
     held, heads = {}, {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
@@ -218,7 +223,7 @@ def test_bad_files_fail_early(tiny, f32_file, tmp_path, monkeypatch):
     fails("cut-header.gguf", data[:200], r"cut-header\.gguf: not a GGUF file, or truncated")
     fails("cut-data.gguf", data[:len(data) - 1000], r"cut-data\.gguf: (truncated|not a GGUF file, or truncated)")
     write_gguf(tmp_path / "phi.gguf", tiny, arch="phi3")
-    fails("phi.gguf", None, r"phi\.gguf: GGUF architecture 'phi3' is not supported; jspec reads llama, qwen2$")
+    fails("phi.gguf", None, r"phi\.gguf: GGUF architecture 'phi3' is not supported; jspec reads llama, qwen2, qwen3$")
     rows = np.random.default_rng(0).integers(0, 0x20, (4, 2 * 18), dtype=np.uint8)  # IQ4_NL blocks of 32
     write_gguf(tmp_path / "iq4.gguf", tiny, extra=[("blk.0.extra.weight", rows, T.IQ4_NL)])
     fails("iq4.gguf", None, r"unsupported ggml types \(1\).*blk\.0\.extra\.weight: IQ4_NL")
@@ -381,6 +386,65 @@ def test_qwen2_bad_files_fail_early(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: calls.append(a))
     missing = r"(?s)nobias\.gguf does not match qwen2.*missing keys \(1\).*blk\.1\.attn_k\.bias"
+    with pytest.raises(ValueError, match=missing):
+        ports.load_gguf(str(path))
+    assert calls == []
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def qwen3_file(request, tmp_path_factory):
+    """A tiny Qwen3 (GQA, every parameter perturbed, head_dim 128: transformers' GGUF loader maps no head size for
+    qwen3 and takes Qwen3Config's default 128) written as llama.cpp's `Qwen3Model` writes it: arch "qwen3", the
+    Q/K norms as attn_q_norm / attn_k_norm, Q/K rows unpermuted, output.weight only when untied."""
+    torch.manual_seed(10)
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=128, vocab_size=264, initializer_range=0.25,
+                                   tie_word_embeddings=request.param, bos_token_id=None, eos_token_id=None,
+                                   pad_token_id=None)
+    model = perturb(transformers.Qwen3ForCausalLM(cfg).eval(), seed=11, scale=0.3)
+    path = tmp_path_factory.mktemp("gguf-qwen3") / f"qwen3-{request.param}.gguf"
+    held = write_gguf(path, model, "Q8_0", arch="qwen3", tokenizer=functools.partial(tiny_tokenizer, pre="qwen2"))
+    return path, model, held
+
+
+def test_qwen3_matches_transformers(qwen3_file, tmp_path, monkeypatch):
+    """A qwen3 GGUF (Q8_0 matrices) loads as a `qwen3` model with its Q/K norms and its head tied or not, without
+    any RoPE row permutation, and gives the logits of transformers on the weights the file holds and of
+    transformers' own GGUF loader; `save_hf` writes a checkpoint transformers loads as Qwen3ForCausalLM."""
+    path, tiny, held = qwen3_file
+    tied = tiny.config.tie_word_embeddings
+    hf = ports.gguf_to_hf_config(str(path))
+    assert (hf["model_type"], hf["architectures"], hf["tie_word_embeddings"]) == ("qwen3", ["Qwen3ForCausalLM"], tied)
+    assert (hf["vocab_size"], hf["num_key_value_heads"], hf["head_dim"]) == (264, 2, 128)
+    calls = []
+    monkeypatch.setattr(GF, "unpermute_rope_rows", lambda w, heads: calls.append(heads) or w)
+    model = ports.load_gguf(str(path))
+    assert calls == [] and model.config.model_type == "qwen3" and ("lm_head" in model.params) != tied
+    assert not np.allclose(np.asarray(model.params["layers"][0]["q_norm"]), 1.0)  # the file's norms, perturbed
+    ours = ports.logits(model, PROMPT)
+    assert_close(ours, hf_logits(reference(tiny, held), PROMPT))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
+    assert isinstance(theirs, transformers.Qwen3ForCausalLM)
+    assert_close(ours, hf_logits(theirs, PROMPT), 1e-3)
+    ports.save_hf(model, str(tmp_path / "hf"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert isinstance(back, transformers.Qwen3ForCausalLM)
+    assert_close(hf_logits(back, PROMPT), ours)
+
+
+def test_qwen3_without_its_norms_fails_early(tmp_path, monkeypatch):
+    """A qwen3 file that lacks a Q norm names it in llama.cpp's spelling, before anything is dequantized."""
+    torch.manual_seed(12)
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=24, vocab_size=264, bos_token_id=None,
+                                   eos_token_id=None, pad_token_id=None)
+    path = tmp_path / "nonorm.gguf"
+    write_gguf(path, transformers.Qwen3ForCausalLM(cfg).eval(), arch="qwen3", drop=("blk.1.attn_q_norm.weight",),
+               tokenizer=tiny_tokenizer)
+    assert ports.gguf_to_hf_config(str(path))["head_dim"] == 24  # from key_length, not hidden / heads (16)
+    calls = []
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: calls.append(a))
+    missing = r"(?s)nonorm\.gguf does not match qwen3.*missing keys \(1\).*blk\.1\.attn_q_norm"
     with pytest.raises(ValueError, match=missing):
         ports.load_gguf(str(path))
     assert calls == []
