@@ -87,9 +87,10 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     the cache hides, from each token, what lies more than that many tokens back in its sequence
     (`layers.windowed`), in every layer but the config's `full_attention_layers` (`layers.layer_windows`).
     hidden_layers: indices i in [0, num_layers], the residual stream after the first i layers (0 = embeddings).
-    logits_at [B, K]: compute logits only at these new-token indices (default all T). attn_query_weights [B, T]: also return `attn` [B, S], the attention
-    probabilities over cache slots averaged over layers and heads and summed over the new tokens with these
-    weights (e.g. 1/|L| on the queries L of SpecVLM's language-to-vision scores). rope: precomputed (cos, sin)
+    logits_at [B, K]: compute logits only at these new-token indices (default all T). attn_query_weights [B, T]:
+    also return `attn` [B, S], the attention probabilities over cache slots averaged over layers and heads and
+    summed over the new tokens with these weights (e.g. 1/|L| on the queries L of SpecVLM's language-to-vision
+    scores). rope: precomputed (cos, sin)
     [B, T, rot_dim] tables that replace the ones of `positions` (e.g. Qwen2-VL's M-RoPE, `layers.mrope_tables`).
     fresh: the cache is empty (every row's length is 0; a prefill): same result, computed without the cache's
     empty slots (`layers.write_and_attend`).

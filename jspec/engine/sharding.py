@@ -5,9 +5,9 @@ Every parameter and KV-cache dimension carries a logical axis name (`batch`, `se
 table maps each name to mesh axes (`data`, `fsdp`, `expert`, `tensor`): by default the experts split over
 `expert` and each expert's intermediate dimension over `tensor`. A dimension is split over its mesh axes only when
 its logical size (heads, not heads x head_dim) is divisible by their product; otherwise it is replicated, which is
-the correct fallback when, e.g., kv_heads < tensor size. Anything without a rule (norms, vision towers, projectors, the VQ tokenizer) is replicated; so is a
-small draft (`replicate`). Decoding then runs the same jitted program: XLA partitions it from the params'
-shardings and the cache constraints the engine declares (`Placement`).
+the correct fallback when, e.g., kv_heads < tensor size. Anything without a rule (norms, vision towers, projectors,
+the VQ tokenizer) is replicated; so is a small draft (`replicate`). Decoding then runs the same jitted program: XLA
+partitions it from the params' shardings and the cache constraints the engine declares (`Placement`).
 """
 from __future__ import annotations
 
