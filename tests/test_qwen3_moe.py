@@ -30,8 +30,10 @@ BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_atten
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, bos_token_id=None, eos_token_id=None,
             pad_token_id=None)
 CASES = {"norm_topk_dense_layer_2": dict(norm_topk_prob=True, mlp_only_layers=[2]),
-         "no_norm_sparse_step_2": dict(norm_topk_prob=False, decoder_sparse_step=2)}
-SPARSE = {"norm_topk_dense_layer_2": (True, True, False, True), "no_norm_sparse_step_2": (False, True, False, True)}
+         "no_norm_sparse_step_2": dict(norm_topk_prob=False, decoder_sparse_step=2),
+         "no_experts": dict(num_experts=0)}
+SPARSE = {"norm_topk_dense_layer_2": (True, True, False, True), "no_norm_sparse_step_2": (False, True, False, True),
+          "no_experts": (False,) * 4}
 TOKENS = np.random.default_rng(0).integers(0, 101, (2, 19))
 
 
@@ -56,7 +58,7 @@ def differs(ours, ref) -> bool:
 def test_logits_match_transformers(case, tmp_path):
     """Both checkpoint layouts transformers writes (per-expert tensors by default; fused gate_up_proj / down_proj
     with save_original_format=False) load to its logits; the sparse layers are the ones transformers builds with
-    experts; flipping norm_topk_prob gives other logits."""
+    experts (none with num_experts 0); flipping norm_topk_prob gives other logits where there are experts."""
     hf = tiny_moe(1, **CASES[case])
     assert tuple(hasattr(layer.mlp, "experts") for layer in hf.model.layers) == SPARSE[case]
     ref = hf_logits(hf, TOKENS)
@@ -65,12 +67,13 @@ def test_logits_match_transformers(case, tmp_path):
     for layout, m in (("experts", model), ("fused", fused)):
         with safe_open(str(tmp_path / layout / "model.safetensors"), "np") as f:
             names = set(f.keys())
-        assert ("model.layers.1.mlp.experts.gate_up_proj" in names) == (layout == "fused")
-        assert ("model.layers.1.mlp.experts.7.up_proj.weight" in names) == (layout == "experts")
+        experts = case != "no_experts"
+        assert ("model.layers.1.mlp.experts.gate_up_proj" in names) == (experts and layout == "fused")
+        assert ("model.layers.1.mlp.experts.7.up_proj.weight" in names) == (experts and layout == "experts")
         assert tuple(m.config.is_sparse(i) for i in range(4)) == SPARSE[case]
         close_to(ports.logits(m, TOKENS), ref)
     flipped = dataclasses.replace(model.config, norm_topk_prob=not model.config.norm_topk_prob)
-    assert differs(ports.logits(ports.Model(flipped, model.params), TOKENS), ref)
+    assert differs(ports.logits(ports.Model(flipped, model.params), TOKENS), ref) == (case != "no_experts")
 
 
 def test_save_hf_loads_in_transformers_with_equal_logits(tmp_path):
