@@ -5,7 +5,6 @@ their intermediate dimension over `tensor`); its logits on two meshes, with the 
 unsharded tokens. Prints one JSON line of results; any failed check raises."""
 import json
 import os
-import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
