@@ -208,10 +208,11 @@ def dflash_head(target, block=5):
     group = cfg.num_heads // kvh
     wo = np.concatenate([lead[:, (h // group) * Dh:(h // group + 1) * Dh].T for h in range(cfg.num_heads)], axis=0)
     layer = dict(head.params["layers"][0])
-    layer.update(wq=jnp.zeros_like(layer["wq"]), wv=jnp.asarray(lead), wo=jnp.asarray(wo),
-                 w_down=jnp.zeros_like(layer["w_down"]))
-    return head.replace(params=dict(head.params, fc=jnp.eye(D), hidden_norm=lm["final_norm"],
-                                    layers=[layer], mask=jnp.zeros((D,))))
+    # the block's own entries (the anchor's and the mask token's embeddings) are damped (attn_norm 0.1), so that the
+    # mean is mostly the context's, and their residual is outweighed by the attention's output (wo scaled up)
+    layer.update(wq=jnp.zeros_like(layer["wq"]), wv=jnp.asarray(lead), wo=jnp.asarray(30.0 * wo),
+                 w_down=jnp.zeros_like(layer["w_down"]), attn_norm=0.1 * jnp.ones_like(layer["attn_norm"]))
+    return head.replace(params=dict(head.params, fc=jnp.eye(D), hidden_norm=lm["final_norm"], layers=[layer]))
 
 
 # a block drafter (DFlash): its chain, its DDTree and (slow) a static tree over its per-position distributions

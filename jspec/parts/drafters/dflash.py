@@ -1,7 +1,8 @@
 """A block drafter (DFlash, Chen et al., 2026): a whole draft in one forward of a few layers over the target's states.
 
-The head (`DFlashHead`) holds a few decoder layers of the target's type, a projection `fc` and two norms; the token
-embedding and the LM head are the target's own, frozen and never copied. Its context is the target's residual
+The head (`DFlashHead`) holds a few decoder layers (Qwen3's, as the authors': LLaMA layers with an RMSNorm of each
+head's queries and keys before RoPE, and no biases), a projection `fc` and two norms; the token embedding and the
+LM head are the target's own, frozen and never copied. Its context is the target's residual
 streams at a few layers (`target_layers`; id i is the stream after the target's first i layers, as
 `TargetPrefill.hidden_at` counts), concatenated and projected: c_j = norm_h(fc([h_a; h_b; ...]_j)) for every
 committed token j. Each layer's keys and values of the context are its own projections of c_j (no attention runs
@@ -9,8 +10,9 @@ over the context: "KV injection"), written into the head's cache at the target p
 the committed tokens only.
 
 A step drafts a block: the query is the newest committed token (the anchor, at position L = the committed length)
-followed by `block - 1` copies of a learned mask embedding at positions L + 1 .., attending to every context entry
-and to each other in both directions. The output at block position i (i >= 1), through the head's final norm and
+followed by `block - 1` mask entries at positions L + 1 .. (each the target's embedding of the head's mask token
+id, as the authors feed them), attending to every context entry and to each other in both directions (within the
+head's sliding window, when it has one). The output at block position i (i >= 1), through the head's final norm and
 the target's LM head (over the head's draft vocabulary, when it has one), is the distribution of the token at
 position L + i given the committed text alone: one forward gives every draft position's distribution, none of them
 conditioned on the drafts before it. So a tree over the block is a choice of tokens per position
@@ -70,11 +72,14 @@ def default_target_layers(num_layers: int, num_draft_layers: int) -> tuple[int, 
 class DFlashHead:
     """A block drafter's trained part. params (plain layout, no fused projections):
     - "fc": [n * D, D] over the n context layers' states, no bias; "hidden_norm": [D];
-    - "layers": decoder layers of `config` (wq, wk, wv, wo, w_gate, w_up, w_down, attn_norm, mlp_norm, and the
-      target's attention biases when it has them);
-    - "norm": [D] (before the target's LM head); "mask": [D] the mask-token embedding.
+    - "layers": decoder layers of `config` (wq, wk, wv, wo, w_gate, w_up, w_down, attn_norm, mlp_norm; "q_norm" and
+      "k_norm" [Dh] where the layers norm each head's queries and keys, as Qwen3's do; biases where `config` has
+      them);
+    - "norm": [D] (before the target's LM head).
+    config.sliding_window: a block position at p sees the entries at q with |p - q| < window (None: all).
     vocab: the draft vocabulary (sorted target ids [Vd]; None: every token): the LM head then scores only these
-    rows of the target's. block: the block the head was trained on (the anchor and block - 1 mask positions)."""
+    rows of the target's. block: the block the head was trained on (the anchor and block - 1 mask positions).
+    mask_token: the target token id whose embedding is every mask position's input (the authors' mask token)."""
 
     params: dict
     config: TextConfig = struct.field(pytree_node=False)  # the head's decoder config (num_layers: its own)
@@ -82,6 +87,7 @@ class DFlashHead:
     target: EG.FeatureHeadTarget = struct.field(pytree_node=False)
     block: int = struct.field(pytree_node=False, default=16)
     vocab: jax.Array | None = None
+    mask_token: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def num_params(self) -> int:
@@ -92,12 +98,23 @@ class DFlashHead:
         return self.target.vocab_size if self.vocab is None else int(self.vocab.shape[0])
 
     def check(self, target) -> None:
-        cfg, _ = text_parts(target)
+        cfg, lm = text_parts(target)
         H.check_made_for("block drafter", self.target, signature(target))
         bad = [i for i in self.target_layers if not 1 <= i <= cfg.num_layers]
         if bad:
             raise ValueError(f"this block drafter reads target layers {list(self.target_layers)}; the target has "
                              f"{cfg.num_layers} layers (ids 1..{cfg.num_layers})")
+        check_mask_token(self.mask_token, lm["embed"].shape[0])
+        if self.config.hidden_size != cfg.hidden_size:
+            raise ValueError(f"this block drafter is {self.config.hidden_size} wide; the target's states are "
+                             f"{cfg.hidden_size} wide")
+
+
+def check_mask_token(mask_token, rows: int) -> None:
+    """ValueError unless `mask_token` is a row of a target embedding of `rows` rows."""
+    if isinstance(mask_token, bool) or not isinstance(mask_token, (int, np.integer)) or not 0 <= mask_token < rows:
+        raise ValueError(f"a block drafter's mask token must be a row of the target's embedding (0 .. {rows - 1}), "
+                         f"got {mask_token!r}")
 
 
 def signature(target) -> EG.FeatureHeadTarget:
@@ -108,19 +125,23 @@ def signature(target) -> EG.FeatureHeadTarget:
 
 
 def head_config(target_cfg: TextConfig, num_layers: int) -> TextConfig:
-    """The head's decoder config: the target's text config (its layer type, widths and RoPE) with `num_layers`
-    layers and no sliding window (a block sees its whole context)."""
-    return dataclasses.replace(target_cfg, num_layers=num_layers, sliding_window=None)
+    """The head's decoder config: the target's widths and RoPE with `num_layers` layers, no biases (the authors'
+    Qwen3 layers) and no sliding window (a block sees its whole context)."""
+    return dataclasses.replace(target_cfg, model_type="qwen3", num_layers=num_layers, sliding_window=None,
+                               qkv_bias=False, o_bias=False, mlp_bias=False)
 
 
 def init_head(target, key: jax.Array, num_layers: int = 1, block: int = 16, target_layers=None, draft_vocab=None,
-              dtype=None, scale: float = 0.02) -> DFlashHead:
-    """A new head for `target` with random weights (N(0, scale) matrices, unit norms, an N(0, scale) mask
-    embedding): the start of training and the random heads the tests decode with. draft_vocab: target ids of the
-    draft vocabulary (None: all)."""
+              dtype=None, scale: float = 0.02, mask_token: int | None = None) -> DFlashHead:
+    """A new head for `target` with random weights (N(0, scale) matrices, unit norms, q / k norms included): the
+    start of training and the random heads the tests decode with. draft_vocab: target ids of the draft vocabulary
+    (None: all). mask_token: the id whose target embedding feeds the mask positions (default the embedding's last
+    row: a spare row where the target pads its vocabulary, as Qwen3's does)."""
     if not 2 <= int(block) <= 64:
         raise ValueError(f"block must be in [2, 64] (the anchor and at least one draft position), got {block}")
     cfg, lm = text_parts(target)
+    mask_token = int(lm["embed"].shape[0] - 1) if mask_token is None else mask_token
+    check_mask_token(mask_token, lm["embed"].shape[0])
     hcfg = head_config(cfg, int(num_layers))
     ids = tuple(int(i) for i in (target_layers if target_layers is not None
                                  else default_target_layers(cfg.num_layers, int(num_layers))))
@@ -129,13 +150,13 @@ def init_head(target, key: jax.Array, num_layers: int = 1, block: int = 16, targ
     rnd = lambda shape: scale * jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
     layers = []
     for sh in llama.param_shapes(hcfg)["layers"]:
-        layers.append({k: (jnp.ones(s, jnp.float32) if k.endswith("norm") else
-                           jnp.zeros(s, jnp.float32) if k.startswith("b") else rnd(s)) for k, s in sh.items()})
+        sh = dict(sh, q_norm=(hcfg.head_dim,), k_norm=(hcfg.head_dim,))
+        layers.append({k: (jnp.ones(s, jnp.float32) if k.endswith("norm") else rnd(s)) for k, s in sh.items()})
     params = {"fc": rnd((len(ids) * D, D)), "hidden_norm": jnp.ones((D,), jnp.float32), "layers": layers,
-              "norm": jnp.ones((D,), jnp.float32), "mask": rnd((D,))}
+              "norm": jnp.ones((D,), jnp.float32)}
     params = jax.tree.map(lambda a: jnp.asarray(a, dtype or lm["embed"].dtype), params)
     vocab = None if draft_vocab is None else jnp.asarray(np.unique(np.asarray(draft_vocab)), jnp.int32)
-    return DFlashHead(params, hcfg, ids, signature(target), int(block), vocab)
+    return DFlashHead(params, hcfg, ids, signature(target), int(block), vocab, int(mask_token))
 
 
 # ---------------------------------------------------------------------------------------------- the forward
@@ -157,38 +178,45 @@ def context_kv(head: DFlashHead, c: jax.Array, positions: jax.Array) -> tuple[li
     for p in head.params["layers"]:
         k = LY.linear(c, p["wk"], p.get("bk")).reshape(R, T, cfg.num_kv_heads, cfg.head_dim)
         v = LY.linear(c, p["wv"], p.get("bv")).reshape(R, T, cfg.num_kv_heads, cfg.head_dim)
+        if "k_norm" in p:  # as the layer's own keys: each head's features RMS-normed before RoPE (Qwen3's k_norm)
+            k = LY.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
         ks.append(LY.apply_rope(k, cos, sin))
         vs.append(v)
     return ks, vs
 
 
 def query_embeds(head: DFlashHead, lm: dict, anchor: jax.Array, width: int) -> jax.Array:
-    """The block's inputs [R, width, D]: the anchor token's embedding, then the mask embedding."""
-    e = llama.embed(lm, anchor)[:, None]
-    m = jnp.broadcast_to(head.params["mask"].astype(e.dtype), (e.shape[0], width - 1, e.shape[-1]))
-    return jnp.concatenate([e, m], axis=1)
+    """The block's inputs [R, width, D]: the target's embeddings of the anchor token, then of the mask token."""
+    ids = jnp.concatenate([anchor[:, None], jnp.full((anchor.shape[0], width - 1), head.mask_token, anchor.dtype)],
+                          axis=1)
+    return llama.embed(lm, ids)
 
 
-def block_states(head: DFlashHead, x: jax.Array, positions: jax.Array, attend) -> jax.Array:
-    """The head's final-normed states [R, Q, D] of query entries x [R, Q, D] at `positions` [R, Q]. attend(i, q,
-    k, v) -> [R, Q, H, Dh] is layer i's attention of the queries (q, and their own keys / values k, v, rotated)
-    over the context and each other."""
+def block_states(head: DFlashHead, x: jax.Array, positions: jax.Array, layer_kv) -> jax.Array:
+    """The head's final-normed states [R, Q, D] of query entries x [R, Q, D] at `positions` [R, Q]: each layer is
+    the ports' decoder layer (`ports.layers.decoder_layer`: q / k norms, RoPE, attention, MLP). layer_kv(i) ->
+    (k_buf, v_buf, start, visible): layer i's context keys / values (flat cache rows), the slots start [R].. where
+    the queries' own go, and what each query sees (a `Deferred` visibility writes nothing)."""
     cfg = head.config
-    eps = cfg.rms_norm_eps
-    R, Q, _ = x.shape
     cos, sin = LY.rope_tables(cfg, positions)
     for i, p in enumerate(head.params["layers"]):
-        q, k, v = LY.project_qkv(cfg, p, LY.rms_norm(x, p["attn_norm"], eps))
-        o = attend(i, LY.apply_rope(q, cos, sin), LY.apply_rope(k, cos, sin), v)
-        x = x + LY.linear(o.reshape(R, Q, -1), p["wo"], p.get("bo"))
-        x = x + LY.swiglu(LY.rms_norm(x, p["mlp_norm"], eps), p)
-    return LY.rms_norm(x, head.params["norm"], eps)
+        x = LY.decoder_layer(cfg, p, x, cos, sin, *layer_kv(i))[0]
+    return LY.rms_norm(x, head.params["norm"], cfg.rms_norm_eps)
 
 
 def block_visibility(head: DFlashHead, cache: kvc.KVCache, width: int) -> LY.Deferred:
     """What each of a block's `width` query positions (after the committed length) sees: every committed context
-    entry, and the whole block in both directions."""
-    return LY.Deferred(kvc.committed_visibility(cache, width), jnp.ones((cache.batch, width, width), bool))
+    entry, and the whole block in both directions; with the head's sliding window w, only those less than w
+    positions away."""
+    old = kvc.committed_visibility(cache, width)
+    new = jnp.ones((cache.batch, width, width), bool)
+    w = head.config.sliding_window
+    if w is not None:
+        i = jnp.arange(width)
+        slot = jnp.arange(cache.max_len)[None, None, :]
+        old = old & (cache.length[:, None, None] + i[None, :, None] - slot < w)
+        new = new & (jnp.abs(i[:, None] - i[None, :]) < w)[None]
+    return LY.Deferred(old, new)
 
 
 def block_forward(head: DFlashHead, lm: dict, anchor: jax.Array, cache: kvc.KVCache, width: int) -> jax.Array:
@@ -197,12 +225,8 @@ def block_forward(head: DFlashHead, lm: dict, anchor: jax.Array, cache: kvc.KVCa
     entry and the whole block; nothing is written to the cache."""
     pos = (cache.length - cache.start)[:, None] + jnp.arange(width)[None]
     vis = block_visibility(head, cache, width)
-
-    def attend(i, q, k, v):
-        return LY.attention_deferred(q, cache.k[i], cache.v[i], LY.kv_rows(k).astype(cache.k[i].dtype),
-                                     LY.kv_rows(v).astype(cache.v[i].dtype), vis)
-
-    return block_states(head, query_embeds(head, lm, anchor, width), pos, attend)
+    return block_states(head, query_embeds(head, lm, anchor, width), pos,
+                        lambda i: (cache.k[i], cache.v[i], cache.length, vis))
 
 
 def write_context(head: DFlashHead, cache: kvc.KVCache, h: jax.Array) -> kvc.KVCache:

@@ -3,10 +3,11 @@
     jspec train dflash --target smollm2-135m-instruct --data build/self-data/smollm2-135m-instruct.jsonl \
         --out build/dflash/smollm2-135m-instruct --layers 2 --block 16 --draft-vocab 8192 --minutes 60 --ship
 
-The head (`jspec.parts.drafters.dflash`): --layers decoder layers of the target's type over fc([h_a; h_b; ...]),
-the target's residual streams at --target-layers (default one per draft layer, evenly spaced, as DFlash picks
-them), projected; the target's token embedding and LM head (over the --draft-vocab tokens the training answers
-use most; 0: every token). One forward drafts a block: the newest token and --block - 1 mask positions.
+The head (`jspec.parts.drafters.dflash`): --layers Qwen3 decoder layers (the target's widths and RoPE) over
+fc([h_a; h_b; ...]), the target's residual streams at --target-layers (default one per draft layer, evenly spaced,
+as DFlash picks them), projected; the target's token embedding and LM head (over the --draft-vocab tokens the
+training answers use most; 0: every token). One forward drafts a block: the newest token and --block - 1 mask
+positions, each fed the target's embedding of --mask-token (default the embedding's last row).
 
 First the target runs once over every training sequence and its states at those layers go to a memory-mapped
 store (--features, default OUT/features; reused when it holds the same target, layers and text). Training then
@@ -20,9 +21,9 @@ position and greedy acceptance (accept_k: blocks whose first k drafts are right;
 logged at each checkpoint.
 
 Everything goes to --out: orbax checkpoints (ckpt/), log.jsonl, loss.png, acceptance.png and the head
-(`dflash_io.save_head`: config.json + model.safetensors). A rerun with the same --out continues from the
-checkpoint bit-identically (--no-resume starts over). --ship also saves a registered model's head (bfloat16)
-where `jspec.models.head(name, "dflash")` finds it.
+(`dflash_io.save_head`: the DFlash authors' layout, config.json + model.safetensors). A rerun with the same --out
+continues from the checkpoint bit-identically (--no-resume starts over). --ship also saves a registered model's
+head (bfloat16) where `jspec.models.head(name, "dflash")` finds it.
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--anchors", type=int, default=8, help="blocks per training sequence")
     ap.add_argument("--gamma", type=float, default=None, help="position k weighs exp(-(k - 1) / gamma)")
     ap.add_argument("--features", default=None, help="the feature store's directory (default OUT/features)")
+    ap.add_argument("--mask-token", type=int, default=None,
+                    help="the token id whose embedding feeds the mask positions (default the embedding's last row)")
     TE.add_run_arguments(ap, lr=6e-4, seq_len=512)
     args = ap.parse_args(argv)
     if args.steps is None and args.minutes is None:
@@ -83,7 +86,8 @@ def main(argv=None) -> dict:
     vocab = None
     if args.draft_vocab:
         vocab = EIO.frequent_tokens(TE.answer_counts(items[cut:], cfg.vocab_size), args.draft_vocab)
-    head = DT.start_head(target, jax.random.key(args.seed), args.layers, args.block, args.target_layers, vocab)
+    head = DT.start_head(target, jax.random.key(args.seed), args.layers, args.block, args.target_layers, vocab,
+                         mask_token=args.mask_token)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     name = f"dflash-{Path(args.target).name}"

@@ -19,8 +19,9 @@
 4. Logged: loss, top1_k per position, and the held-out acceptance as a greedy chain would see it: accept_k, the
    share of blocks whose first k drafts are all right, and tau = 1 + sum_k accept_k (tokens a step would commit).
 
-Everything of the head trains (fc, its norms, layers and mask embedding); the target's embedding and LM head are
-frozen. The loop, optimizer, checkpoints, exact resume and progress are `jspec.tools.train.trainer`'s.
+Everything of the head trains (fc, its norms, its layers with their q / k norms); the target's embedding (the mask
+token's row included: the mask positions' input, as the authors have it) and LM head are frozen. The loop,
+optimizer, checkpoints, exact resume and progress are `jspec.tools.train.trainer`'s.
 """
 from __future__ import annotations
 
@@ -217,21 +218,22 @@ def block_outputs(head: DF.DFlashHead, embed: jax.Array, batch: dict, block: int
     off = jnp.arange(block)
     pos = (a[:, :, None] + off[None, None]).reshape(B, Q)
     x = jnp.concatenate([jnp.take(embed, jnp.take_along_axis(ids, a, axis=1), axis=0)[:, :, None],
-                         jnp.broadcast_to(head.params["mask"].astype(embed.dtype), (B, A, block - 1, embed.shape[-1]))],
+                         jnp.broadcast_to(embed[head.mask_token], (B, A, block - 1, embed.shape[-1]))],
                         axis=2).reshape(B, Q, -1)
     j = jnp.arange(T)
     ctx_vis = (j[None, None, :] < a[:, :, None]) & (j[None, None, :] < lengths[:, None, None])  # [B, A, T]
     ctx_vis = jnp.repeat(ctx_vis, block, axis=1)  # [B, Q, T]
     blk = jnp.arange(Q) // block
     own = jnp.broadcast_to(blk[:, None] == blk[None, :], (B, Q, Q))
+    w = head.config.sliding_window
+    if w is not None:  # the head's window: positions less than w apart
+        ctx_vis = ctx_vis & (pos[:, :, None] - j[None, None, :] < w)
+        own = own & (jnp.abs(pos[:, :, None] - pos[:, None, :]) < w)
     visible = jnp.concatenate([ctx_vis, own], axis=-1)
 
-    def attend(i, q, k, v):
-        kb = LY.kv_rows(jnp.concatenate([ks[i], k.astype(ks[i].dtype)], axis=1))
-        vb = LY.kv_rows(jnp.concatenate([vs[i], v.astype(vs[i].dtype)], axis=1))
-        return LY.attention(q, kb, vb, visible)
-
-    f = DF.block_states(head, x, pos, attend).reshape(B, A, block, -1)
+    pad = lambda a: jnp.pad(LY.kv_rows(a), ((0, 0), (0, Q), (0, 0)))  # noqa: E731  the blocks go after the context
+    kb, vb, start = [pad(k) for k in ks], [pad(v) for v in vs], jnp.full((B,), T, jnp.int32)
+    f = DF.block_states(head, x, pos, lambda i: (kb[i], vb[i], start, visible)).reshape(B, A, block, -1)
     tgt_pos = a[:, :, None] + off[None, None]
     inside = (tgt_pos < lengths[:, None, None]) & (anc[:, :, None] >= 0)
     tgt = jnp.where(inside, jnp.take_along_axis(ids, jnp.minimum(tgt_pos, T - 1).reshape(B, -1), axis=1
@@ -275,8 +277,8 @@ def loss_terms(head: DF.DFlashHead, embed: jax.Array, rows: jax.Array, index_of:
 
 
 def _head(spec, params, vocab):
-    config, layers, target, block = spec
-    return DF.DFlashHead(params, config, layers, target, block, vocab)
+    config, layers, target, block, mask_token = spec
+    return DF.DFlashHead(params, config, layers, target, block, vocab, mask_token)
 
 
 def _loss(static, params, vocab, embed, rows, index_of, batch):
@@ -300,7 +302,7 @@ def _sums(static, params, vocab, embed, rows, index_of, batch):
 def make_steps(head: DF.DFlashHead, tx, opts: BlockOptions) -> jt.Steps:
     """train(params, opt_state, lr, vocab, embed, rows, index_of, batch), eval(params, vocab, embed, rows,
     index_of, batch): `jspec.tools.train.trainer.make_steps` of the block loss."""
-    spec = (head.config, head.target_layers, head.target, head.block)
+    spec = (head.config, head.target_layers, head.target, head.block, head.mask_token)
     return jt.make_steps(_loss, _sums, (spec, opts), tx)
 
 
@@ -314,10 +316,11 @@ def vocab_tables(target, head: DF.DFlashHead) -> tuple[jax.Array, jax.Array, jax
 
 
 def start_head(target, key: jax.Array, num_layers: int = 2, block: int = 16, target_layers=None,
-               draft_vocab=None, norm_scale: float = 0.1) -> DF.DFlashHead:
+               draft_vocab=None, norm_scale: float = 0.1, mask_token: int | None = None) -> DF.DFlashHead:
     """The head training starts from: `dflash.init_head`'s random one (float32) with its final norm's weights at
     `norm_scale`, so that its first distributions are near uniform rather than confidently wrong."""
-    head = DF.init_head(target, key, num_layers, block, target_layers, draft_vocab, dtype=jnp.float32)
+    head = DF.init_head(target, key, num_layers, block, target_layers, draft_vocab, dtype=jnp.float32,
+                        mask_token=mask_token)
     return head.replace(params=dict(head.params, norm=head.params["norm"] * norm_scale))
 
 
@@ -346,7 +349,7 @@ def fit_head(target, store: FeatureStore, train_records, workdir, *, head: DF.DF
     tx = jt.adamw(0.0)
     meta = jt.new_meta(name, seed, steps, lr, ET.default_warmup(warmup, steps), block=head.block, gamma=opts.gamma,
                        anchors=anchors, target_layers=list(head.target_layers), layers=head.config.num_layers,
-                       draft_vocab=head.draft_vocab_size, target=head.target._asdict())
+                       draft_vocab=head.draft_vocab_size, target=head.target._asdict(), mask_token=head.mask_token)
     train_step, eval_step = make_steps(head, tx, opts)
 
     def step(params, opt_state, batch, lr_now, i):
