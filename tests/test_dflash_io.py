@@ -1,5 +1,6 @@
 """Block drafters on disk (jspec.parts.drafters.dflash_io): jspec's heads round-trip through z-lab's layout, a
-directory written by hand in z-lab's layout and a shrunk Muse Glimmer assistant load and decode as AR, the head's
+directory written by hand in z-lab's layout (on a LLaMA and a Qwen3 target) and a shrunk Muse Glimmer assistant
+load and decode as AR, the head's
 forward is transformers' MuseGlimmerAssistantModel's, the real assistant header is mapped name by name and the
 DFlash2 drafter is refused by name."""
 import dataclasses
@@ -106,6 +107,21 @@ def test_a_zlab_layout_directory_loads_and_decodes_as_ar(target, tmp_path):
     np.testing.assert_array_equal(np.asarray(head.params["layers"][1]["k_norm"]), t["layers.1.self_attn.k_norm.weight"])
     np.testing.assert_array_equal(np.asarray(head.params["layers"][0]["w_down"]), t["layers.0.mlp.down_proj.weight"].T)
     _decodes_as_ar(target, head)
+
+
+def test_a_zlab_head_decodes_as_ar_on_a_qwen3_target(tmp_path):
+    """The targets z-lab's drafters are for: a hand-written z-lab directory on a tiny random Qwen3 (q / k norms, its
+    last two layers sliding over 4 tokens) decodes PROMPTS to AR's tokens as a chain and as a DDTree."""
+    import ports
+    from ports import qwen3 as Q3
+
+    cfg = Q3.config_from_hf({"model_type": "qwen3", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+                             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                             "head_dim": 24, "use_sliding_window": True, "sliding_window": 4,
+                             "max_window_layers": 1, "bos_token_id": None, "eos_token_id": None})
+    qwen3 = ports.random_model(cfg, key=1, std=0.3)
+    _zlab_dir(str(tmp_path), np.random.default_rng(2))
+    _decodes_as_ar(qwen3, IO.load_head(str(tmp_path), qwen3))
 
 
 def test_bad_directories_are_refused(target, tmp_path):

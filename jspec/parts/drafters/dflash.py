@@ -38,18 +38,18 @@ from ports import layers as LY
 from ports import llama
 from ports.config import TextConfig
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
 
 
 def text_parts(target):
-    """(text config, language-model params) of a target a block drafter serves: LLaMA, Qwen2 and Mistral, and the
-    language models of LLaVA and Qwen2-VL / Qwen2.5-VL; ValueError otherwise."""
+    """(text config, language-model params) of a target a block drafter serves: LLaMA, Qwen2, Mistral, Qwen3 and
+    Qwen3-MoE, and the language models of LLaVA and Qwen2-VL / Qwen2.5-VL; ValueError otherwise."""
     model = getattr(target, "model", target)
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) in ("qwen2_vl", "qwen2_5_vl"):
         return cfg.text, model.params["lm"]
-    return H.text_model(target, FAMILIES[:3], "a block drafter needs a LLaMA, Qwen2, Mistral, LLaVA or Qwen2-VL "
-                                              "target")
+    return H.text_model(target, FAMILIES, "a block drafter needs a LLaMA, Qwen2, Mistral, Qwen3, LLaVA or "
+                                          "Qwen2-VL target")
 
 
 def default_target_layers(num_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -127,7 +127,8 @@ def signature(target) -> EG.FeatureHeadTarget:
 def head_config(target_cfg: TextConfig, num_layers: int) -> TextConfig:
     """The head's decoder config: the target's widths and RoPE with `num_layers` layers, no biases (the authors'
     Qwen3 layers) and no sliding window (a block sees its whole context)."""
-    return dataclasses.replace(target_cfg, model_type="qwen3", num_layers=num_layers, sliding_window=None,
+    base = TextConfig(**{f.name: getattr(target_cfg, f.name) for f in dataclasses.fields(TextConfig)})
+    return dataclasses.replace(base, model_type="qwen3", num_layers=num_layers, sliding_window=None,
                                qkv_bias=False, o_bias=False, mlp_bias=False)
 
 
