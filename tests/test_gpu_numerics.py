@@ -1,4 +1,4 @@
-"""jspec.tools.bench.numerics (scripts/gpu_numerics.py): the bf16-resolution and first-divergence helpers on known numbers, the divergence
+"""jspec.tools.bench.numerics (`python -m jspec.tools.bench.numerics`): the bf16-resolution and first-divergence helpers on known numbers, the divergence
 record on constructed logits, and a CPU --quick run (one SD strategy) with an injected divergence, whose position,
 tokens and margins must come out where the injection put them."""
 import json

@@ -64,7 +64,8 @@ def reference_draft(text: list[int], max_ngram: int, gamma: int, depths=None, mi
     """The chain a `NgramDrafter` drafts after `text`, in plain Python: (the matched suffix length g, 0 for none;
     the copy). The most weighted continuation of the longest suffix seen before, copied from its latest source until
     the copy reaches the end of the text, `gamma` tokens at most (and depths[g - 1] with `depths`). The definition
-    the tests hold the drafter to, and what `scripts/pld_match_stats.py` replays over recorded answers."""
+    the tests hold the drafter to, and what the match statistics of docs/results/spec-bench-prompt-lookup.md replayed
+    over recorded answers."""
     n = len(text)
     for g in range(max_ngram, min_ngram - 1, -1):
         if n <= g:

@@ -13,7 +13,7 @@ The steps (`STEPS`), in priority order:
   2 ar-7b      greedy AR on a random LLaMA-2-7B in bf16 against the HBM floor, batch 1 and 8 (`bench.suite_gpu`)
   3 methods    every strategy and method on SmolLM2-135M-Instruct (`jspec fetch smollm2-135m-instruct`) and the
                zoo pairs, and the suite's damped 7B pair: tokens per step, wall and decode speedup over AR, greedy
-               rows equal to AR's (a differing row's first divergence measured as in scripts/gpu_numerics.py:
+               rows equal to AR's (a differing row's first divergence measured as jspec.tools.bench.numerics does:
                the top-2 margin of an f32 reference forward, in bf16 ulps; a near-tie when small)
   4 paper      the papers' regime by cost, random weights at their shapes: an AR step, a verify of k tokens and a
                draft step of each drafter kind, timed inside one program; each method's predicted speedup
@@ -891,7 +891,7 @@ def _measure_pair(rec: Recorder, pair: BenchPair) -> list[float]:
 def near_tie(target, prompt, ar, sd) -> dict:
     """Where a greedy row leaves AR's: the first divergence j, and the target's logits there recomputed by one full
     forward teacher-forced on the prompt + AR's tokens before j, with f32 weights at the highest matmul precision
-    (the reference) and as run; `scripts/gpu_numerics.py`'s record of them (the reference top-2 margin in bf16
+    (the reference) and as run; `jspec.tools.bench.numerics`' record of them (the reference top-2 margin in bf16
     ulps, which token each forward picks)."""
     import jax
     import jax.numpy as jnp

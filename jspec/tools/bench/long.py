@@ -1,5 +1,5 @@
 """Long prompts: prefill time and peak memory against prompt length for jspec and transformers (SDPA), on a random
-LLaMA, batch 1, 2 new tokens (`jspec bench long`; `scripts/bench_long.py` is the same).
+LLaMA, batch 1, 2 new tokens (`jspec bench long`).
 
     jspec bench long                                  # 110M (hidden 768, 12 layers), f32: 1k, 2k, 4k, 8k tokens
     jspec bench long --lengths 8192 16384 32768 --skip-hf

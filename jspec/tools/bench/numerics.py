@@ -1,7 +1,7 @@
 """Why greedy SD's tokens differ from greedy AR's in bf16 on a GPU, and whether they do in f32.
 
-    PYTHONPATH=. python3 scripts/gpu_numerics.py [--pairs 'random damped 7B,zoo text'] [--out bench_out]
-    python3 scripts/gpu_numerics.py --quick          # CPU smoke run, tiny random pair (its numbers mean nothing)
+    python -m jspec.tools.bench.numerics [--pairs 'random damped 7B,zoo text'] [--out bench_out]
+    python -m jspec.tools.bench.numerics --quick          # CPU smoke run, tiny random pair (its numbers mean nothing)
 
 For the pairs of the `gpu` bench suite (`jspec/tools/bench/zoo.py`): the random damped pair in its 7B shape (rows decoded one
 at a time, batch 1, as the suite does) and the zoo text pair (one batch of held-out prompts from every evaluation

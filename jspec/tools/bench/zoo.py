@@ -1,4 +1,4 @@
-"""The benchmark harness behind `jspec bench` and `scripts/bench.py`: named suites, medians, ratios, tables, plots.
+"""The benchmark harness behind `jspec bench`: named suites, medians, ratios, tables, plots.
 
 Suites:
   ar   greedy AR tokens/s, jspec vs transformers `generate`, same weights, fixed output length (EOS ignored), on

@@ -12,7 +12,7 @@ training-time test (`jspec.tools.train.eagle3`): --ttt-steps steps, the head's o
 target's next-token distribution over the draft vocabulary, step s weighted --decay**s. AdamW (0.9, 0.95) after a
 per-value gradient clip of 0.5, warmup (3%) then decay.
 
-Data and held-out batches are `train_eagle_head.py`'s: the zoo's text chats for a zoo target; for a registered
+Data and held-out batches are `jspec train eagle`'s: the zoo's text chats for a zoo target; for a registered
 real model (`jspec.models`), the text it wrote itself (--data, `jspec.tools.self_data`), answers weighted, the first 5%
 of the records held out; for an HF checkpoint directory, --texts.
 
