@@ -2,7 +2,7 @@
 a separate draft's fixed gamma, and the tree mode; tokens per target step (tau), EESD's v_d / r_d / HM, tokens/s and
 the speedup over AR measured in the same rounds.
 
-    python scripts/bench_eesd.py                  # writes scripts/results/eesd-zoo.{json,md,png}
+    python scripts/bench_eesd.py                  # writes bench_out/eesd-zoo.{json,md,png}
     python scripts/bench_eesd.py --runs 5 --scenarios described_caption text
 
 Needs the heads ``jspec train eesd`` ships into assets/zoo/jspec_zoo/ (text-target-eesd-n1 and its ablations; a missing
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--scenarios", nargs="*", default=["described_caption", "text"])
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "eesd-zoo"))
+    ap.add_argument("--out", default=str(ROOT / "bench_out" / "eesd-zoo"))
     args = ap.parse_args(argv)
     pair = bench.zoo_pairs(args.prompts)["zoo text"]
     target, draft, scenarios, _, N = pair

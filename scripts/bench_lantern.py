@@ -2,7 +2,7 @@
 EAGLE-1 (static trees, exact), EAGLE-2 (dynamic tree, exact), LANTERN (additive delta) and LANTERN++ (k x lambda),
 as LANTERN++'s Tables 1-5 measure them, and whether the paper's claims hold on our numbers.
 
-    python scripts/bench_lantern.py            # writes scripts/results/lantern-zoo.{json,md,png} and -grid.png
+    python scripts/bench_lantern.py            # writes bench_out/lantern-zoo.{json,md,png} and -grid.png
     python scripts/bench_lantern.py --prompts 64 --runs 2 --quality 64
     python scripts/bench_lantern.py --grid --prompts 16 --quality 48 --runs 1   # -> lantern-zoo-grid-points.*
 
@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--quality", type=int, default=128, help="images per method for consistency and zoo-FID")
     ap.add_argument("--runs", type=int, default=2, help="timed rounds (median)")
     ap.add_argument("--head", default=str(ROOT / "assets/zoo/jspec_zoo/t2i-eagle"))
-    ap.add_argument("--out", default=str(ROOT / "scripts/results"))
+    ap.add_argument("--out", default=str(ROOT / "bench_out"))
     ap.add_argument("--quick", action="store_true", help="a few settings only")
     ap.add_argument("--grid", action="store_true", help="the paper's grid points the main run leaves out (docstring)")
     ap.add_argument("--rejudge", action="store_true",

@@ -4,11 +4,11 @@ same rounds, the planned depth / width / nodes, the planner's share of the decod
 SAGE's gain in tau over SD-Tree against the answer-length cap (the paper's Fig. 3), and confidence against the
 accepted length per round.
 
-    python scripts/bench_sage.py                   # writes scripts/results/sage-zoo.{json,md,png}
+    python scripts/bench_sage.py                   # writes bench_out/sage-zoo.{json,md,png}
     python scripts/bench_sage.py --runs 5 --prompts 8
-    python scripts/bench_sage.py --pairs "zoo video" --out scripts/results/sage-zoo-video   # + SpecVLM's pruning
+    python scripts/bench_sage.py --pairs "zoo video" --out bench_out/sage-zoo-video   # + SpecVLM's pruning
     python scripts/bench_sage.py --controls --pairs "zoo text" "zoo image" "zoo video" \
-        --out scripts/results/sage-zoo-controls   # the controls: a depth-8 chain, alpha forced, history switched
+        --out bench_out/sage-zoo-controls   # the controls: a depth-8 chain, alpha forced, history switched
 
 `--controls` runs, beside AR, SD-Chain and SAGE, what tells SAGE's mechanisms from their absence: a chain as deep
 as SAGE's deepest tree (gamma 8), SAGE with alpha forced to 0 (every tree shallow and wide), 0.5 and 1 (deep and
@@ -123,7 +123,7 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--pairs", nargs="*", default=list(DEFAULT_PAIRS), choices=list(SCENARIOS))
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "sage-zoo"))
+    ap.add_argument("--out", default=str(ROOT / "bench_out" / "sage-zoo"))
     ap.add_argument("--controls", action="store_true", help="the controls instead of the comparison (docstring)")
     args = ap.parse_args(argv)
     pairs = bench.zoo_pairs(args.prompts)

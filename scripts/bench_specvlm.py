@@ -2,7 +2,7 @@
 ablations (the paper's Fig. 2b, 6, 7, 8 and Tables 4-5), Std.-SD and Self-SD, the static tree and the chain, and the
 draft's time per step against pruning and clip length (Table 6's shape).
 
-    python scripts/bench_specvlm.py                  # writes scripts/results/specvlm-zoo.{json,md,png}
+    python scripts/bench_specvlm.py                  # writes bench_out/specvlm-zoo.{json,md,png}
     python scripts/bench_specvlm.py --runs 5 --prompts 8 --max-new 128
     python scripts/bench_specvlm.py --draft video-draft-weak   # a draft below the ceiling -> specvlm-zoo-weak-draft.*
 
@@ -215,11 +215,11 @@ def main(argv=None) -> None:
                     help="only tau against the clip length (frames repeated), to OUT-clip-tau.json")
     ap.add_argument("--draft", default="video-draft", choices=("video-draft", "video-draft-weak"),
                     help="the draft: the shipped one, or video-draft-weak (trained briefly: below the ceiling)")
-    ap.add_argument("--out", default=None, help="results path without suffix (default scripts/results/specvlm-zoo, "
+    ap.add_argument("--out", default=None, help="results path without suffix (default bench_out/specvlm-zoo, "
                     "with -weak-draft for video-draft-weak)")
     args = ap.parse_args(argv)
     if args.out is None:
-        args.out = str(ROOT / "scripts" / "results" / ("specvlm-zoo" + ("-weak-draft" if args.draft != "video-draft"
+        args.out = str(ROOT / "bench_out" / ("specvlm-zoo" + ("-weak-draft" if args.draft != "video-draft"
                                                                          else "")))
     target, draft = load_pair(args.draft)
     prompt, exs = prompts(args.prompts, args.qa)
@@ -227,6 +227,7 @@ def main(argv=None) -> None:
         taus = clip_tau(target, draft, exs, args.max_new)
         meta = {**bench.meta("specvlm-clip-tau", 0, False), "prompts": args.prompts, "max_new": args.max_new,
                 "scenario": "qa" if args.qa else "describe", "draft": args.draft}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out + "-clip-tau.json").write_text(json.dumps({"meta": meta, "clip_tau": taus}, indent=1))
         print(f"wrote {args.out}-clip-tau.json")
         return

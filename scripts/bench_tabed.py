@@ -3,7 +3,7 @@ C, P, MT, MT*, MTCP, MTCP*) over first-turn prompts (captions and VQA), two-imag
 and second turns; the expected speedup of Eq. (1) from the measured T_q / T_p and from the paper's; wall-time
 speedups over AR measured in the same run; the captioner's time; and whether the paper's orderings hold.
 
-    python scripts/bench_tabed.py                       # writes scripts/results/tabed-zoo.{json,md,png}; 128 tokens
+    python scripts/bench_tabed.py                       # writes bench_out/tabed-zoo.{json,md,png}; 128 tokens
     python scripts/bench_tabed.py --prompts 24 --runs 3 --max-new 96
 
 Each scenario's prompts decode as one ragged batch (greedy, gamma 5, EOS honoured; each row equals decoding it
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tabed-zoo"))
+    ap.add_argument("--out", default=str(ROOT / "bench_out" / "tabed-zoo"))
     args = ap.parse_args(argv)
     from jspec.tools.zoo import evaluate as ZE
 

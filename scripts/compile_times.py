@@ -8,7 +8,7 @@ Each (strategy, round) runs in a fresh process with the persistent compilation c
 call (compile + run) minus a second call on the same prompt (run only) is its compile time, prefill and loop
 together. A round measures every strategy once; the table reports medians over rounds and the ratio to AR's
 compile time in the same round (the machine is shared: ratios travel better than seconds). Results go to
-`scripts/results/compile-times.json` (`--out`).
+`bench_out/compile-times.json` (`--out`).
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--sampled", action="store_true", help="temperature 1 instead of greedy")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "compile-times.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench_out" / "compile-times.json"))
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:

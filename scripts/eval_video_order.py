@@ -7,7 +7,7 @@ Shuffled frames keep every shape and place but not the order, so on those questi
 information answers the forward and the backward story equally often: that is chance here. Order-free questions
 (does something move, which shape moves, how many move) stay answerable from shuffled frames.
 
-    python scripts/eval_video_order.py                 # 240 questions; writes scripts/results/video-order.{json,md}
+    python scripts/eval_video_order.py                 # 240 questions; writes bench_out/video-order.{json,md}
 """
 from __future__ import annotations
 
@@ -81,9 +81,10 @@ def table(r: dict) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-n", type=int, default=240)
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "video-order"))
+    ap.add_argument("--out", default=str(ROOT / "bench_out" / "video-order"))
     a = ap.parse_args(argv)
     r = measure(a.n)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(r, indent=1))
     Path(a.out + ".md").write_text(table(r))
     print(table(r))

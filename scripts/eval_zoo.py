@@ -4,7 +4,7 @@ batch 1) per scenario with the draft reading the image (TABED's M view) or a tex
     python scripts/eval_zoo.py                  # every shipped pair
     python scripts/eval_zoo.py image --n 40 --n-sd 20 --runs 3
 
-Writes scripts/results/zoo-eval-<pair>-<date>.json, a markdown table (.md) and a plot of mean accepted length per
+Writes bench_out/zoo-eval-<pair>-<date>.json, a markdown table (.md) and a plot of mean accepted length per
 scenario and view (.png), and prints whether the scenarios differ as TABED's premise needs (image pair: M beats T on
 image-grounded first turns; T at least as good as M on text-only second turns and OOD multi-image prompts).
 """
@@ -30,7 +30,7 @@ from jspec.tools import zoo  # noqa: E402
 from jspec.tools.zoo import evaluate as ZE  # noqa: E402
 from jspec.tools.zoo import world as ZW  # noqa: E402
 
-RESULTS_DIR = ROOT / "scripts" / "results"
+RESULTS_DIR = ROOT / "bench_out"
 GROUNDED, TEXT_ONLY = ("caption", "vqa"), ("second_turn", "ood")
 
 

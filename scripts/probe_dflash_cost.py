@@ -6,7 +6,7 @@
 
 For each (draft layers, block) it times an AR step and a round of the chain and of DDTree at depth 0 .. block - 1
 (warm, in one program per shape, the points interleaved over --runs; `jspec.engine.costs`). Results:
-scripts/results/dflash-cost-<model>-<backend>.{json,md}, with the device and versions.
+bench_out/dflash-cost-<model>-<backend>.{json,md}, with the device and versions.
 """
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def main(argv=None) -> dict:
             "draft_vocab": args.draft_vocab, "runs": args.runs, "device": str(jax.devices()[0].device_kind),
             "backend": jax.default_backend(), "jax": jax.__version__,
             "date": datetime.date.today().isoformat()}
-    stem = args.out or str(ROOT / "scripts" / "results" / f"dflash-cost-{name}-{jax.default_backend()}")
+    stem = args.out or str(ROOT / "bench_out" / f"dflash-cost-{name}-{jax.default_backend()}")
+    Path(stem).parent.mkdir(parents=True, exist_ok=True)
     Path(stem + ".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     lines = [f"# A block drafter's round, in AR steps ({meta['device']}, {name} {args.dtype}, batch {args.batch}, "
              f"{args.prompt_len}-token prompt, jax {jax.__version__}, {meta['date']})", "",

@@ -6,11 +6,11 @@ against jspec AR, for draft vocabularies of the N tokens most frequent in the he
     python scripts/probe_eagle_vocab.py --ship 8192                      # also name N in the shipped eagle_head.json
     python scripts/probe_eagle_vocab.py --sizes 8192 --gammas 2 3 --eagle3 2 3 --stem eagle-heads   # beside EAGLE-3
 
-The prompts are the self-written records the head was held out from (`train_eagle_head.py --data` holds out the
+The prompts are the self-written records the head was held out from (`jspec train eagle --data` holds out the
 first 5%), none from Spec-Bench, so the choice is not fitted to the benchmark. Greedy, batch 1, each prompt once
 per run, runs interleaved (every configuration, then the next run), medians over runs of the summed wall time.
 `--eagle3 G ...` adds the shipped EAGLE-3 head's chains (its own draft vocabulary; its training held out the same
-first 5% of its file). Writes scripts/results/<stem>-<model>.{json,md} (stem "eagle-vocab"); every configuration's
+first 5% of its file). Writes bench_out/<stem>-<model>.{json,md} (stem "eagle-vocab"); every configuration's
 greedy tokens are checked against AR's.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def held_out_prompts(path: str, n: int) -> list[np.ndarray]:
     from jspec.tools import self_data as SD
 
     seqs, starts = SD.sequences(SD.read(path))
-    cut = max(1, len(seqs) // 20)  # what train_eagle_head.py holds out
+    cut = max(1, len(seqs) // 20)  # what `jspec train eagle` holds out
     if n > cut:
         raise SystemExit(f"only {cut} held-out records in {path}")
     return [s[:st] for s, st in zip(seqs[:n], starts[:n])]
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
                                                                      "depths")
     ap.add_argument("--stem", default="eagle-vocab", help="the results files' name before -<model>")
     ap.add_argument("--ship", type=int, default=None, help="write this size into the shipped head's eagle_head.json")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench_out"))
     args = ap.parse_args(argv)
 
     import jspec

@@ -7,7 +7,7 @@ both layouts, same tokens checked.
 
 Each (layout, strategy, round) runs in a fresh process with the persistent compile cache off: its first `decode`
 (compile + run) minus the median of its warm calls is the compile time. Rounds interleave the layouts; the table
-gives medians over rounds and the scanned / unrolled ratios of the same round. Results: scripts/results/
+gives medians over rounds and the scanned / unrolled ratios of the same round. Results: bench_out/
 scan-layers-<model>-<backend>.{json,md} (`--out` for another stem).
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main(argv=None) -> None:
            f"{r['warm_ratio']:.2f} | {r['same_tokens']} |" for r in rows]
     print("\n" + "\n".join(md))
     stem = Path(args.out) if args.out else (
-        ROOT / "scripts" / "results" / f"scan-layers-{(args.shape or args.model)}-{first['backend']}")
+        ROOT / "bench_out" / f"scan-layers-{(args.shape or args.model)}-{first['backend']}")
     stem.parent.mkdir(parents=True, exist_ok=True)
     for rd in rounds:
         for v in rd.values():

@@ -11,7 +11,7 @@ acceptance rate: tau = (1 - a^(gamma+1)) / (1 - a) tokens per target step, at a 
 (`draft_cost`: the reduced model's share of the multiply-adds, its LM head included) plus one verify of gamma + 1
 tokens (`--verify-cost`, in AR steps; measured on this CPU). The set with the best prediction is the choice;
 `--ship` writes it to assets/heads/jspec_heads/<model>/layer-skip/layers.json (`jspec.models.head(model, "layer-skip")`).
-Writes scripts/results/layer-skip-<model>.{json,md,png}.
+Writes bench_out/layer-skip-<model>.{json,md,png} (the shipped set's: docs/results/real-model-drafters/).
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def main(argv=None) -> dict:
     from jspec.tools.train import eesd as EST
 
     target, _ = models.load(a.model)
-    out = ROOT / "scripts" / "results" / f"layer-skip-{a.model}"
+    out = ROOT / "bench_out" / f"layer-skip-{a.model}"
+    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     if a.rescore:
         last = json.loads(Path(f"{out}.json").read_text())
@@ -119,7 +120,7 @@ def main(argv=None) -> dict:
         d.mkdir(parents=True, exist_ok=True)
         (d / "layers.json").write_text(json.dumps({
             "format": "jspec-layer-skip", "model": a.model, "skip": best["layers"],
-            "agreement": best["agreement"], "search": f"scripts/results/layer-skip-{a.model}.json",
+            "agreement": best["agreement"], "search": f"bench_out/layer-skip-{a.model}.json",
             "command": "python scripts/search_layer_skip.py " + " ".join(sys.argv[1:] if argv is None else argv)},
             indent=1) + "\n")
         print(f"shipped {d / 'layers.json'}")

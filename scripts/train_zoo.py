@@ -67,7 +67,7 @@ Fixed seeds (init and data from --seed). Orbax checkpoints every --ckpt-minutes 
 --workdir; `--resume` continues from the latest one with the same data stream and learning-rate schedule, so an
 interrupted run ends where an uninterrupted one would. The schedule length is --steps, or, without it, estimated
 after the first steps to fill --minutes; --minutes also stops the run (checkpointed; resume it later). At the end:
-a loss-curve PNG (scripts/results/zoo-<name>-loss.png), and the model exported with `ports.save_hf` (bf16
+a loss-curve PNG (bench_out/zoo-<name>-loss.png), and the model exported with `ports.save_hf` (bf16
 storage) into assets/zoo/jspec_zoo/<name>/ with the tokenizer files (image models: also the LlavaProcessor files) and
 training.json, so `transformers.AutoModelForCausalLM` / `AutoTokenizer` (image models:
 `LlavaForConditionalGeneration` / `AutoProcessor`) and `jspec.tools.zoo.load(name)` read the directory.
@@ -147,7 +147,7 @@ from ports import qwen2_vl_vision as QV  # noqa: E402
 from ports import vision as VIS  # noqa: E402
 
 ZOO_DIR = ROOT / "assets" / "zoo" / "jspec_zoo"
-RESULTS_DIR = ROOT / "scripts" / "results"
+RESULTS_DIR = ROOT / "bench_out"
 
 ZD.register_described_tasks()
 TEXT_PAIR_TASKS = ZD.TEXT_PAIR_TASKS

@@ -6,7 +6,7 @@
     python scripts/train_zoo_t2i.py eval                            # caption consistency, zoo-FID (training.json)
 
 Each training run checkpoints to build/zoo/t2i-*/ (orbax, exact resume with --resume; a schedule that did not
-finish is resumed with the same --steps, or none), logs to log.jsonl, plots to scripts/results/ and exports
+finish is resumed with the same --steps, or none), logs to log.jsonl, plots to bench_out/ and exports
 (bf16 safetensors + config.json + training.json) when its schedule is done (or with --export-partial).
 See jspec/tools/zoo/t2i.py for the data, the layout and the measurements.
 """
@@ -35,7 +35,7 @@ from jspec.tools.train import trainer as jt  # noqa: E402
 from jspec.tools.zoo import t2i as T  # noqa: E402
 from ports import vqgan as VQ  # noqa: E402
 
-RESULTS_DIR = ROOT / "scripts" / "results"
+RESULTS_DIR = ROOT / "bench_out"
 ZOO = ROOT / "assets" / "zoo" / "jspec_zoo"
 BUILD = ROOT / "build" / "zoo"
 HELDOUT_IMAGES = 256
