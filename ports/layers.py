@@ -40,11 +40,25 @@ def weight_dot(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Arr
     return (y[:1] if one else y).astype(x.dtype if out_dtype is None else out_dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+def rms_norm(x: jax.Array, weight: jax.Array | float, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale (weight 1.0: a norm without a scale)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
+
+
+def centered_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm (Muse Glimmer's decoder norms): the scale is 1 + weight (stored as an offset from 1),
+    applied in float32 before the cast back."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def layer_norm_fn(cfg):
+    """The decoder's layer norm (x, weight, eps) -> normed x: `centered_rms_norm` where the config says
+    `centered_norms` (Muse Glimmer), else `rms_norm`."""
+    return centered_rms_norm if getattr(cfg, "centered_norms", False) else rms_norm
 
 
 def rope_tables(cfg: TextConfig, positions: jax.Array, prompt_len: jax.Array | None = None
@@ -193,15 +207,22 @@ def gate_up(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array]:
     return y[..., 0, :], y[..., 1, :]
 
 
-def swiglu(x: jax.Array, p: dict) -> jax.Array:
+# the gate activations of a gated MLP (HF's ACT2FN names)
+GATE_ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+                    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+                    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def swiglu(x: jax.Array, p: dict, act: str = "silu") -> jax.Array:
+    """down(act(gate(x)) * up(x)): SwiGLU with the default silu, GeGLU with a gelu (`GATE_ACTIVATIONS`)."""
     g, u = gate_up(x, p)
-    return linear(jax.nn.silu(g) * u, p["w_down"], p.get("b_down"))
+    return linear(GATE_ACTIVATIONS[act](g) * u, p["w_down"], p.get("b_down"))
 
 
 def mlp(cfg, p: dict, x: jax.Array) -> jax.Array:
     """A decoder layer's feed-forward block over x [..., D]: the experts of `ports.moe` where the layer holds a
-    router (Qwen3-MoE's sparse layers), else the SwiGLU MLP."""
-    return moe.sparse_moe(cfg, p, x) if "router" in p else swiglu(x, p)
+    router (Qwen3-MoE's sparse layers), else the gated MLP of the config's `hidden_act`."""
+    return moe.sparse_moe(cfg, p, x) if "router" in p else swiglu(x, p, getattr(cfg, "hidden_act", "silu"))
 
 
 def project_qkv(cfg: TextConfig, p: dict, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -393,21 +414,37 @@ def self_attention_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf
     q, k, v = project_qkv(cfg, p, x)
     if "q_norm" in p:  # Qwen3: RMSNorm over each head's features, before RoPE
         q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    elif getattr(cfg, "qk_scale_factor", None) is not None:  # Muse Glimmer: scaleless QK-norm, queries scaled
+        q = rms_norm(q, 1.0, cfg.rms_norm_eps) * jnp.asarray(cfg.qk_scale_factor, q.dtype)
+        k = rms_norm(k, 1.0, cfg.rms_norm_eps)
+    if cos is not None:  # None: a layer without positions (NoPE)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, *rest = write_and_attend(q, k, v, k_buf, v_buf, start, visible, score_weights, fresh)
+    o = o.reshape(B, T, -1)
+    if "w_attn_gate" in p:  # Muse Glimmer: each head's output gated by sigmoid(gate(x))
+        o = o * jax.nn.sigmoid(linear(x, p["w_attn_gate"]))
     if score_weights is not None:
         scores, k_buf, v_buf = rest
-        return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf, scores
+        return linear(o, p["wo"], p.get("bo")), k_buf, v_buf, scores
     k_buf, v_buf = rest
-    return linear(o.reshape(B, T, -1), p["wo"], p.get("bo")), k_buf, v_buf
+    return linear(o, p["wo"], p.get("bo")), k_buf, v_buf
 
 
 def decoder_layer(cfg: TextConfig, p: dict, x: jax.Array, cos, sin, k_buf, v_buf, start, visible,
                   score_weights: jax.Array | None = None, fresh: bool = False):
     """One pre-norm LLaMA decoder layer over x [B, T, D] (`self_attention_layer`, then the MLP, `mlp`, each added
-    to the residual stream). Returns (x, k, v, scores or None)."""
-    out = self_attention_layer(cfg, p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), cos, sin, k_buf, v_buf,
+    to the residual stream). A layer holding post_attn_norm / post_mlp_norm also norms each block's output before
+    the residual add (Muse Glimmer's sandwich, eps `cfg.post_norm_eps`); the norms are `layer_norm_fn`'s. cos, sin
+    None: no rotary embedding (a NoPE layer). Returns (x, k, v, scores or None)."""
+    norm = layer_norm_fn(cfg)
+    out = self_attention_layer(cfg, p, norm(x, p["attn_norm"], cfg.rms_norm_eps), cos, sin, k_buf, v_buf,
                                start, visible, score_weights, fresh)
-    x = x + out[0]
-    x = x + mlp(cfg, p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
+    a = out[0]
+    if "post_attn_norm" in p:
+        a = norm(a, p["post_attn_norm"], cfg.post_norm_eps)
+    x = x + a
+    m = mlp(cfg, p, norm(x, p["mlp_norm"], cfg.rms_norm_eps))
+    if "post_mlp_norm" in p:
+        m = norm(m, p["post_mlp_norm"], cfg.post_norm_eps)
+    x = x + m
     return x, out[1], out[2], (out[3] if score_weights is not None else None)

@@ -68,8 +68,19 @@ def unembed(cfg: TextConfig, params: dict, h: jax.Array) -> jax.Array:
     """Final norm + LM head (tied or not), logits in float32."""
     h = LY.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if cfg.tie_word_embeddings:  # contract with the stored [V, D] table: a transposed view made XLA:CPU copy it
-        return LY.weight_dot("btd,vd->btv", h, params["embed"], jnp.float32)
-    return LY.weight_dot("btd,dv->btv", h, params["lm_head"], jnp.float32)
+        logits = LY.weight_dot("btd,vd->btv", h, params["embed"], jnp.float32)
+    else:
+        logits = LY.weight_dot("btd,dv->btv", h, params["lm_head"], jnp.float32)
+    return soft_cap(cfg, logits)
+
+
+def soft_cap(cfg, logits: jax.Array) -> jax.Array:
+    """cap * tanh(logits * output_multiplier / cap) where the config has a `final_logit_softcapping` cap (Muse
+    Glimmer; its `output_multiplier` scales first), else the logits as they are."""
+    mult, cap = getattr(cfg, "output_multiplier", 1.0), getattr(cfg, "final_logit_softcapping", None)
+    if mult != 1.0:
+        logits = logits * mult
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
 def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: jax.Array, cache: kvc.KVCache,
@@ -119,6 +130,8 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     if SC.is_stacked(params["layers"]):
         if len(seen) > 1:
             raise ValueError(f"stacked layers run under one attention window; these layers have {windows}")
+        if getattr(cfg, "nope_layers", ()):
+            raise ValueError(f"stacked layers all take rotary positions; layers {list(cfg.nope_layers)} take none")
         x, ks, vs, hs, attn = SC.run_layers(cfg, params["layers"], x, cache.k, cache.v, cos, sin, start,
                                             seen[windows[0]], attn_query_weights, fresh,
                                             keep_hidden=bool(want - {0}))
@@ -127,8 +140,10 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     else:
         ks, vs = [], []
         attn = None
+        nope = set(getattr(cfg, "nope_layers", ()))  # layers without rotary positions (Muse Glimmer's global ones)
         for i, p in enumerate(params["layers"]):
-            x, kb, vb, scores = LY.decoder_layer(cfg, p, x, cos, sin, cache.k[i], cache.v[i], start,
+            c, s = (None, None) if i in nope else (cos, sin)
+            x, kb, vb, scores = LY.decoder_layer(cfg, p, x, c, s, cache.k[i], cache.v[i], start,
                                                  seen[windows[i]], attn_query_weights, fresh)
             if scores is not None:
                 attn = scores if attn is None else attn + scores

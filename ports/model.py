@@ -21,6 +21,7 @@ from ports import chameleon
 from ports import llama
 from ports import llava
 from ports import llava_next
+from ports import muse_glimmer
 from ports import qwen2_vl
 from ports import qwen3
 
@@ -79,10 +80,16 @@ _QWEN3 = Family(qwen3.config_from_hf, qwen3.config_to_hf, qwen3.param_shapes, qw
                 qwen3.hf_key_map, qwen3.IGNORED_HF_KEYS, llama.kv_layout,
                 lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed, defers_writes=True,
                 scans=True, split_hf_tensor=qwen3.split_hf_tensor)
+_MUSE_GLIMMER = Family(muse_glimmer.config_from_hf, muse_glimmer.config_to_hf, muse_glimmer.param_shapes,
+                      muse_glimmer.init_params, muse_glimmer.forward, muse_glimmer.hf_key_map,
+                      muse_glimmer.IGNORED_HF_KEYS, muse_glimmer.kv_layout, muse_glimmer.embed, muse_glimmer.unembed,
+                      prepare_inputs=muse_glimmer.prepare_inputs, prompt_embeds=muse_glimmer.prompt_embeds,
+                      defers_writes=True)
 FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "mistral": _TEXT, "qwen3": _QWEN3,
                                "qwen3_moe": _QWEN3, "llava": _LLAVA, "llava_next": _LLAVA_NEXT,
                                "llava_next_video": _LLAVA_NEXT, "llava_onevision": _LLAVA_NEXT,
-                               "chameleon": _CHAMELEON, "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL}
+                               "chameleon": _CHAMELEON, "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL,
+                               "muse_glimmer": _MUSE_GLIMMER}
 
 
 def family(model_type: str) -> Family:

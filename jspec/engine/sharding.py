@@ -44,6 +44,7 @@ DECODER_AXES: dict[str, tuple[str | None, ...]] = {
     "lm_head": ("embed", "vocab"),
     "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"), "wo": ("heads", "embed"),
     "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
+    "w_attn_gate": ("embed", "heads"),  # Muse Glimmer's attention gate: one column per query head feature
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "b_gate": ("mlp",), "b_up": ("mlp",),
     # the run layout (`ports.fused`): split by KV-head groups, so each device holds whole groups

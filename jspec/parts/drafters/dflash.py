@@ -43,13 +43,15 @@ FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
 
 def text_parts(target):
     """(text config, language-model params) of a target a block drafter serves: LLaMA, Qwen2, Mistral, Qwen3 and
-    Qwen3-MoE, and the language models of LLaVA and Qwen2-VL / Qwen2.5-VL; ValueError otherwise."""
+    Qwen3-MoE, and the language models of LLaVA, Qwen2-VL / Qwen2.5-VL and Muse Glimmer (whose block inputs are
+    its table's rows without the embedding norm, as transformers' DFlash candidate generator takes them);
+    ValueError otherwise."""
     model = getattr(target, "model", target)
     cfg = getattr(model, "config", None)
-    if getattr(cfg, "model_type", None) in ("qwen2_vl", "qwen2_5_vl"):
+    if getattr(cfg, "model_type", None) in ("qwen2_vl", "qwen2_5_vl", "muse_glimmer"):
         return cfg.text, model.params["lm"]
-    return H.text_model(target, FAMILIES, "a block drafter needs a LLaMA, Qwen2, Mistral, Qwen3, LLaVA or "
-                                          "Qwen2-VL target")
+    return H.text_model(target, FAMILIES, "a block drafter needs a LLaMA, Qwen2, Mistral, Qwen3, LLaVA, Qwen2-VL "
+                                          "or Muse Glimmer target")
 
 
 def default_target_layers(num_layers: int, num_draft_layers: int) -> tuple[int, ...]:
