@@ -247,17 +247,19 @@ def assistant_dir(path, seed: int = 0):
 
 def test_greedy_dflash_with_the_assistant_layout_equals_ar(pair, tmp_path):
     """A random head in the assistant's layout loads on the Muse Glimmer target (context layers 1 and 3 in jspec's
-    count, its mask token and block) and, as DFlash's chain, decodes the ragged batch and an image prompt to AR's
-    tokens."""
+    count, its mask token and block) and decodes the ragged batch (as DFlash's chain and as a DDTree) and an image
+    prompt (as a chain) to AR's tokens."""
     from jspec.parts.drafters import dflash_io as IO
 
     _, _, model = pair
     head = IO.load_head(assistant_dir(tmp_path / "assistant"), model)
     assert (head.target_layers, head.mask_token, head.block) == ((1, 3), MASK, 4)
-    for p in (RAGGED, prompt(IMAGES[:1])):
+    for p, strategies in ((RAGGED, (jspec.DFlash(head), jspec.DFlash(head, tree="ddtree", top_k=3, total=8))),
+                          (prompt(IMAGES[:1]), (jspec.DFlash(head),))):
         ar = jspec.decode(model, p, max_new_tokens=12, eos_token_id=())
-        sd = jspec.decode(model, p, strategy=jspec.DFlash(head), max_new_tokens=12, eos_token_id=())
-        np.testing.assert_array_equal(sd.tokens, ar.tokens)
+        for strategy in strategies:
+            sd = jspec.decode(model, p, strategy=strategy, max_new_tokens=12, eos_token_id=())
+            np.testing.assert_array_equal(sd.tokens, ar.tokens)
 
 
 # ------------------------------------------------------------------------------------------ bad input
