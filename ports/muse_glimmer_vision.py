@@ -329,8 +329,9 @@ def _frames_forward(cfg: MuseVisionConfig, params: dict, patches, rot, valid, wi
     dt = params["patch_embed"].dtype
     F, Lp, _ = patches.shape
     x = LY.linear(patches.astype(dt), params["patch_embed"])
-    table = jnp.take(params["pos_embed"], interp_index, axis=0)  # [F, L, 4, D]
-    x = x + jnp.einsum("flt,fltd->fld", interp_weight, table.astype(jnp.float32)).astype(dt)
+    pos = sum(interp_weight[..., t, None] * jnp.take(params["pos_embed"], interp_index[..., t], axis=0).astype(
+        jnp.float32) for t in range(interp_index.shape[-1]))  # one tap at a time: no [F, L, 4, D] gather
+    x = x + pos.astype(dt)
     x = VIS.layer_norm(x, params["ln_pre"], params["ln_pre_b"], cfg.layer_norm_eps)
     cos, sin = QV.rotary(cfg, rot)
     full = jnp.broadcast_to(valid[:, None, :], (F, Lp, Lp))
