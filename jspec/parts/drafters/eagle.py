@@ -72,7 +72,12 @@ class FeatureHeadTarget(NamedTuple):
 
 
 def signature(target) -> FeatureHeadTarget:
-    cfg, lm = text_parts(target)
+    return signature_of(*text_parts(target))
+
+
+def signature_of(cfg, lm: dict) -> FeatureHeadTarget:
+    """The signature of a target of text config `cfg` and language-model params `lm` (a drafter serving other
+    families than this module's, as EAGLE-3's, reads them with its own `text_parts`)."""
     corner = np.abs(np.asarray(jax.device_get(lm["embed"][:32, :32]), np.float32)).sum()
     return FeatureHeadTarget(cfg.model_type, cfg.hidden_size, cfg.vocab_size, round(float(corner), 4))
 
@@ -247,9 +252,14 @@ class EagleDrafter(Drafter):
     verify_hidden = True
 
     def check(self, target) -> None:
-        cfg, _ = text_parts(target)
+        cfg, _ = self.text_parts(target)
         check_vocab_size(target, cfg.vocab_size, "EAGLE head")
         self.head.check(target)
+
+    def text_parts(self, target) -> tuple[Any, dict]:
+        """(text config, language-model params) of a target this drafter serves (`text_parts`; an EAGLE-3 drafter
+        serves more families)."""
+        return text_parts(target)
 
     def map_models(self, fn) -> "EagleDrafter":
         return self  # the head reads the target as it runs (its embedding, LM head, guidance)
@@ -268,7 +278,7 @@ class EagleDrafter(Drafter):
         if setup.guidance is not None or setup.constraint is not None:
             g = GD.guide(setup.target, setup.lengths, setup.guidance, setup.constraint)
             longest, width = int(np.max(np.asarray(g.prompt_end))), max(width, g.uncond.shape[1])
-        cfg, lm = text_parts(setup.target)
+        cfg, lm = self.text_parts(setup.target)
         rows = self.draft_rows(cfg, lm, head)
         if rows is not None:
             if setup.mesh is not None:
@@ -305,7 +315,7 @@ class EagleDrafter(Drafter):
 
     def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> EagleState:
         target = env.target
-        cfg, lm = text_parts(target)
+        cfg, lm = self.text_parts(target)
         n = _streams(target)
         if isinstance(target, GD.Guided):
             toks, end, starts = target.inner_prompt(prefill.tokens, prefill.lengths), target.prompt_end, target.starts
@@ -333,7 +343,7 @@ class EagleDrafter(Drafter):
     def _logp(self, env: DraftEnv, f: jax.Array, depth: jax.Array) -> jax.Array:
         """Draft log-probs [B, K, V] from f-hat [R, K, D] of nodes at `depth` [B, K] below the root: the target's
         LM head, its guidance and constraint, then the sampler's processing."""
-        cfg, lm = text_parts(env.target)
+        cfg, lm = self.text_parts(env.target)
         logits = self.logits(cfg, lm, f)
         if isinstance(env.target, GD.Guided):
             g = env.tcache.length[:, None] + depth + 1 - env.target.prompt_end[:, None]
@@ -341,7 +351,7 @@ class EagleDrafter(Drafter):
         return draft_log_probs(logits, env)
 
     def root(self, env: DraftEnv, ds: EagleState):
-        cfg, lm = text_parts(env.target)
+        cfg, lm = self.text_parts(env.target)
         n = _streams(env.target)
         at = _rep(ds.n_pending - 1, n)
 
@@ -363,7 +373,7 @@ class EagleDrafter(Drafter):
         return read_or_defer(ds, lambda s: self.root(env, s)[2])
 
     def level(self, env: DraftEnv, ds: EagleState, tokens, depth, mask, offset: int, run):
-        cfg, lm = text_parts(env.target)
+        cfg, lm = self.text_parts(env.target)
         n = _streams(env.target)
         B, K = tokens.shape
         mask = mask.astype(bool)
@@ -385,7 +395,7 @@ class EagleDrafter(Drafter):
         return self._logp(env, x, depth), None, ds
 
     def commit(self, env: DraftEnv, ds: EagleState, c: Catchup) -> EagleState:
-        cfg, lm = text_parts(env.target)
+        cfg, lm = self.text_parts(env.target)
         n = _streams(env.target)
         if c.hidden is None:
             raise ValueError("the EAGLE drafter needs the target's hidden states from verification (Catchup.hidden)")

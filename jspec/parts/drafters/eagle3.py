@@ -31,13 +31,20 @@ from ports import layers as LY
 from ports import llama
 from ports.config import TextConfig
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
 
 
 def text_parts(target):
-    """(text config, language-model params) of a target an EAGLE-3 head can serve (LLaMA, Qwen2, LLaVA's
-    language model); ValueError otherwise."""
-    return H.text_model(target, FAMILIES, "an EAGLE-3 head needs a LLaMA, Qwen2 or LLaVA target")
+    """(text config, language-model params) of a target an EAGLE-3 head can serve (LLaMA, Qwen2, Mistral, Qwen3,
+    Qwen3-MoE, LLaVA's language model); ValueError otherwise. The head reads only the target's residual streams,
+    embedding and vocabulary, so the target's own layers (q/k norms, experts, windows) do not matter to it."""
+    return H.text_model(target, FAMILIES, "an EAGLE-3 head needs a LLaMA, Qwen2, Mistral, Qwen3, Qwen3-MoE or "
+                                          "LLaVA target")
+
+
+def signature(target) -> EG.FeatureHeadTarget:
+    """What a head records of its target (`eagle.signature_of`)."""
+    return EG.signature_of(*text_parts(target))
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -80,7 +87,7 @@ class Eagle3Head:
 
     def check(self, target) -> None:
         cfg, _ = text_parts(target)
-        sig = EG.signature(target)
+        sig = signature(target)
         if cfg.hidden_size != self.config.hidden_size:
             raise ValueError(f"this EAGLE-3 head was made for another target ({self.target.describe()}); the target "
                              f"given is {sig.describe()}")
@@ -92,10 +99,14 @@ class Eagle3Head:
 
 
 def head_config(target_cfg: TextConfig, num_layers: int = 1, **over) -> TextConfig:
-    """The head's decoder config: LLaMA layers (no biases, as EAGLE-3 heads are for LLaMA and Qwen2 targets alike)
-    of the target's shapes, `num_layers` of them (and any field of `over`)."""
-    base = dict(model_type="llama", num_layers=num_layers, qkv_bias=False, o_bias=False, mlp_bias=False)
-    return dataclasses.replace(target_cfg, **{**base, **over})
+    """The head's decoder config: LLaMA layers of the target's shapes and RoPE (head_dim, heads, widths), no
+    biases and no sliding window, as the published heads are for LLaMA, Qwen2 and Qwen3 targets alike (a plain
+    `TextConfig`: a Qwen3 target's q/k norms, experts and per-layer windows are not the head's), `num_layers` of
+    them (and any field of `over`)."""
+    plain = TextConfig(**{f.name: getattr(target_cfg, f.name) for f in dataclasses.fields(TextConfig)})
+    base = dict(model_type="llama", num_layers=num_layers, qkv_bias=False, o_bias=False, mlp_bias=False,
+                sliding_window=None)
+    return dataclasses.replace(plain, **{**base, **over})
 
 
 def init_head(target, key: jax.Array, aux_layers=None, draft_vocab=None, num_layers: int = 1, dtype=None,
@@ -122,7 +133,7 @@ def init_head(target, key: jax.Array, aux_layers=None, draft_vocab=None, num_lay
               "lm_head": rnd((Vd, D))}
     dt = dtype or lm["embed"].dtype
     params = jax.tree.map(lambda a: jnp.asarray(a, dt), params)
-    return Eagle3Head(params, hcfg, aux, EG.signature(target), None if ids is None else jnp.asarray(ids, jnp.int32),
+    return Eagle3Head(params, hcfg, aux, signature(target), None if ids is None else jnp.asarray(ids, jnp.int32),
                       norm_before_residual)
 
 
@@ -229,6 +240,9 @@ def ttt_logits(head: Eagle3Head, embed: jax.Array, h: jax.Array, tokens: jax.Arr
 @struct.dataclass
 class Eagle3Drafter(EG.EagleDrafter):
     """Drafts with an `Eagle3Head` (module docstring); state and steps are `EagleDrafter`'s."""
+
+    def text_parts(self, target):
+        return text_parts(target)
 
     def check(self, target) -> None:
         cfg, _ = text_parts(target)

@@ -10,6 +10,10 @@
   `draft_vocab_size`, and the same tensors with the decoder layer named `midlayer.*` (`pytorch_model.bin` or
   `model.safetensors`).
 
+The heads published for Qwen3 and Qwen3-MoE targets are these same LLaMA layers (`LlamaForCausalLMEagle3`; the
+q/k norms and experts are the target's, not the head's), and load for such a target like any other; a head whose
+layers are another family's (`model_type` other than "llama") is refused by name.
+
 `load_head` reads either (a directory, or a Hugging Face repo id already in the local cache); `save_head` writes
 either. A checkpoint's token embedding is kept only when it is not the target's (trained embeddings); otherwise
 the head reads the target's, and `save_head` leaves it out (vLLM then shares the target's) unless asked.
@@ -101,7 +105,8 @@ def _config(head: E3.Eagle3Head, fmt: str, verifier: str | None) -> dict:
 
 
 def _arch(model_type: str) -> str:
-    return {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(model_type, "LlamaForCausalLM")
+    return {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}.get(model_type, "LlamaForCausalLM")
 
 
 def save_head(head: E3.Eagle3Head, directory: str, fmt: str = "speculators", *, target=None, embed: bool = False,
@@ -196,7 +201,8 @@ def _parse_config(conf: dict, eagle_layout: bool, target, aux_layers=None) -> di
                          "speculators_model_type) nor an EAGLE repository one (no midlayer.* tensors)")
     if layer.get("model_type", "llama") != "llama":
         raise ValueError(f"this EAGLE-3 head's decoder layers are {layer.get('model_type')!r}; jspec runs LLaMA "
-                         "layers (the heads vLLM and SGLang ship for LLaMA and Qwen2 targets)")
+                         "layers (LlamaForCausalLMEagle3: the heads the EAGLE repository, vLLM and SGLang ship for "
+                         "LLaMA, Qwen2 and Qwen3 targets)")
     layer.setdefault("vocab_size", cfg.vocab_size)
     hcfg = text_config_from_hf({**layer, "model_type": "llama"})
     if hcfg.hidden_size != cfg.hidden_size:
@@ -249,7 +255,7 @@ def from_state_dict(sd: dict, conf: dict, target, aux_layers=None) -> E3.Eagle3H
     unexpected = sorted(set(sd) - set(want) - {EMBED_KEY, "d2t", "t2d"})
     if missing or unexpected or bad:
         raise key_mismatch_error(f"these weights are not an EAGLE-3 head for the target "
-                                 f"({EG.signature(target).describe()}, layers {list(s['aux_layers'])})",
+                                 f"({E3.signature(target).describe()}, layers {list(s['aux_layers'])})",
                                  missing, unexpected, bad)
     vocab = None
     if Vd != V or "d2t" in sd:
@@ -277,7 +283,7 @@ def from_state_dict(sd: dict, conf: dict, target, aux_layers=None) -> E3.Eagle3H
         if not np.allclose(f32(EMBED_KEY), theirs, rtol=1e-2, atol=1e-3):
             params["embed"] = f32(EMBED_KEY)  # trained with the head: kept
     params = jax.tree.map(jnp.asarray, params)
-    return E3.Eagle3Head(params, hcfg, s["aux_layers"], EG.signature(target), vocab, s["norm_before_residual"],
+    return E3.Eagle3Head(params, hcfg, s["aux_layers"], E3.signature(target), vocab, s["norm_before_residual"],
                          s["norm_output"])
 
 
