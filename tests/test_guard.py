@@ -23,7 +23,7 @@ from tiny_pairs import PROMPTS, tiny_pair
 CHEAP = (1.0, 1.05, 1.1, 1.15)  # a round at depth 0 .. 3, in AR steps: drafting pays from a low acceptance
 DEAR = (1.0, 3.0, 5.0, 7.0)  # drafting never pays at a plausible acceptance
 EVEN = (1.0, 1.5, 2.0, 2.5)  # drafting pays while the first draft is accepted more than half the time
-NEAR = (1.0, 1.99, 2.99, 3.99)  # drafting could pay only above 0.99 acceptance: the guard never drafts from its prior
+NEAR = (1.0, 1.99, 2.99, 3.99)  # drafting pays only above 0.99 acceptance: a row tries once, then stops
 
 
 def table(step_s):
@@ -35,10 +35,12 @@ def pair():
     return tiny_pair()
 
 
-def state(alpha, active=None):
+def state(alpha, active=None, seen=1.0):
+    """Estimates `alpha`, each position observed `seen` times (0: never, so the choice counts it as accepted)."""
     alpha = jnp.asarray(alpha, jnp.float32)
     s = Guard(jnp.asarray(CHEAP)).init(*alpha.shape)
-    return s.replace(alpha=alpha, active=jnp.ones(alpha.shape[0], bool) if active is None else jnp.asarray(active))
+    return s.replace(alpha=alpha, active=jnp.ones(alpha.shape[0], bool) if active is None else jnp.asarray(active),
+                     seen=jnp.full(alpha.shape, seen, jnp.float32))
 
 
 def record(accepted, depth, active=None):
@@ -66,6 +68,19 @@ def test_expected_tokens_and_the_choice_per_row_and_per_batch():
     assert Guard(jnp.asarray(EVEN)).choose(s)[0] > 0
     # an inner controller's depth caps the guard's
     assert Guard(jnp.asarray(CHEAP)).choose(state([[0.9] * 3]), jnp.asarray([2])).tolist() == [2]
+
+
+def test_positions_never_observed_count_as_accepted_so_a_fresh_row_tries_its_drafter():
+    """A fresh row (nothing observed) drafts to the depth that pays were every draft accepted, even where the prior
+    would pay for none; once observed, the estimates decide; an unobserved position behind a rejected one adds
+    nothing."""
+    prior = [[0.5, 0.5, 0.5]]
+    assert Guard(jnp.asarray(EVEN)).choose(state(prior)).tolist() == [0]  # the prior alone: no depth pays
+    assert Guard(jnp.asarray(EVEN)).choose(state(prior, seen=0.0)).tolist() == [3]  # unobserved: tried in full
+    assert Guard(jnp.asarray(NEAR)).choose(state(prior, seen=0.0)).tolist() == [1]  # 2 tokens for 1.99 steps
+    assert Guard(jnp.asarray(DEAR)).choose(state(prior, seen=0.0)).tolist() == [0]  # no acceptance makes DEAR pay
+    s = state([[0.9, 0.05, 0.5]]).replace(seen=jnp.asarray([[3.0, 3.0, 0.0]]))  # the third never reached
+    assert Guard(jnp.asarray(EVEN)).choose(s).tolist() == [1]
 
 
 def test_estimates_move_where_a_round_looked_and_drift_back_elsewhere():
@@ -137,9 +152,11 @@ def test_guarded_greedy_is_ar_whether_it_speculates_or_not(pair, name):
         np.testing.assert_array_equal(out.tokens, ar.tokens)
         spec = out.stats["speculated"]
         seen[name] = (spec.any(), (~spec).any())
-        if name in ("dear", "near"):  # "dear" runs the AR program, "near" the speculative one at depth 0
+        if name == "dear":  # no acceptance makes a round pay: the AR program
             assert (out.stats["drafted"] == 0).all() and not spec.any()
             assert spec.shape == out.stats["accepted"].shape
+        if name == "near":  # each row tries its drafter once, then the estimates stop it (no retry within 16 tokens)
+            assert spec[:, 0].all() and not spec[:, 1:].any(), spec
     assert seen["cheap"][0]
     assert seen["even"] == (True, True), seen  # it switched between speculating and AR steps within a decode
 

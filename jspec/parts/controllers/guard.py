@@ -12,6 +12,13 @@ width, so it drafts to the K that maximises sum_b E_b(min(k_b, K)) / step_s[K] o
 min(k_b, K). Depth 0 for every row makes the step verify the root alone and the drafter only catch up
 (`Drafter.catch_up`).
 
+A position a row has not observed since its estimates (re)started counts as certain in the choice (alpha 1: the
+optimistic start of a bandit), so a row's first round, and each try, drafts to the depth that would pay were every
+draft accepted, and learns from what the target verifies. Without it, a drafter whose worth the prior understates
+is never tried (a prior of 0.5 makes one dear round look worse than an AR step however good the drafter), and a row
+that drafts shallow never learns its deeper positions. Unobserved positions behind a rejected one cost nothing: the
+reach of position d is the product of the estimates before it.
+
 A row that stopped drafting tries again after `retry` rounds without drafts: its estimates restart from the prior.
 Each try waits twice as long as the last (up to `max_wait` rounds), until a try holds: `retry` drafting rounds in a
 row set the wait back to `retry`. So a text the drafter cannot follow costs a few tries, logarithmically many in
@@ -87,8 +94,9 @@ class Guard(Controller):
                           jnp.full((batch,), self.retry, jnp.int32))
 
     def choose(self, state: GuardState, cap: jax.Array | None = None) -> jax.Array:
-        """[B] int32 depths: each row's own best, capped by the batch's best shared depth (and by `cap`)."""
-        E = expected_tokens(state.alpha)  # [B, D + 1]
+        """[B] int32 depths: each row's own best, capped by the batch's best shared depth (and by `cap`); positions
+        not observed since the row's estimates (re)started count as accepted (the module docstring)."""
+        E = expected_tokens(jnp.where(state.seen > 0, state.alpha, 1.0))  # [B, D + 1]
         cost = jnp.maximum(jnp.asarray(self.step_s, jnp.float32), 1e-12)
         D = E.shape[1] - 1
         own = jnp.argmax(E / cost[None], axis=1).astype(jnp.int32)
