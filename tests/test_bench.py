@@ -137,3 +137,26 @@ def test_long_prompt_bench_writes_its_table(tmp_path, capsys):
     row = json.loads(video.with_suffix(".json").read_text())["rows"][0]
     assert (row["video_tokens"], row["frames"], row["prompt_tokens"]) == (64, 16, 82)
     assert finite_positive(row["jspec"]["s"]) and "| 64 | 16 | 82 |" in video.with_suffix(".md").read_text()
+
+
+def test_quick_moe_bench_schema_and_provenance(tmp_path, capsys):
+    """`jspec bench moe --quick --runs 1`: the JSON holds both models' AR-step and 8-token-verify times (finite,
+    positive), their MoE / dense ratios, the token-expert pairs of the verify and the distinct experts the router
+    woke for them (between top_k and the pairs), and the provenance; the markdown carries the table."""
+    assert cli.main(["bench", "moe", "--quick", "--runs", "1", "--out", str(tmp_path)]) == 0
+    [js] = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    assert js.name.startswith("moe-quick-") and js.with_suffix(".md").exists()
+    res = json.loads(js.read_text())
+    assert res["meta"]["suite"] == "moe" and res["meta"]["quick"] is True and res["meta"]["runs"] == 1
+    assert_provenance(res["meta"]["provenance"])
+    assert [r["model"] for r in res["rows"]] == ["MoE", "dense"]
+    for r in res["rows"]:
+        assert finite_positive(r["ar_step_ms"]) and finite_positive(r["verify_8_ms"]), r
+        assert len(r["ar_runs_ms"]) == len(r["verify_runs_ms"]) == 1
+    s = res["summary"]
+    assert finite_positive(s["ar_step_ratio"]) and finite_positive(s["verify_ratio"])
+    assert s["verify_tokens"] == 8 and s["verify_pairs"] == 8 * s["top_k"]
+    assert res["experts_woken"] and all(w["pairs"] == s["verify_pairs"] for w in res["experts_woken"])
+    assert s["top_k"] <= s["distinct_experts_min"] <= s["distinct_experts_max"] <= min(s["experts"], s["verify_pairs"])
+    md = js.with_suffix(".md").read_text()
+    assert "| model |" in md and "MoE / dense" in md and "MoE / dense" in capsys.readouterr().out

@@ -172,6 +172,25 @@ def bench_spec(argv) -> int:
     return 0
 
 
+def bench_moe(argv) -> int:
+    """`jspec bench moe ...`: an MoE decode step's cost against a dense model as wide as its chosen experts
+    (`jspec.tools.bench.moe`)."""
+    from jspec.tools.bench import moe as BM
+
+    ap = argparse.ArgumentParser(prog="jspec bench moe", description=BM.__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3, help="interleaved timed runs (median), after a warm-up")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test; its numbers mean nothing)")
+    ap.add_argument("--out", default="bench_out", help="output directory")
+    args = ap.parse_args(argv)
+    try:
+        result = BM.run(runs=args.runs, quick=args.quick, out_dir=args.out)
+    except ValueError as e:
+        raise SystemExit(f"jspec bench moe: {e}")
+    print(BM.markdown(result))
+    print("wrote " + ", ".join(result["files"]))
+    return 0
+
+
 def bench_gpu(argv) -> int:
     """`jspec bench gpu ...`: every GPU measurement in one command of budgeted steps (`jspec.tools.bench.gpu`)."""
     from jspec.tools.bench import gpu as BG
@@ -229,6 +248,8 @@ def main(argv=None) -> int:
         return bench_spec(argv[2:])
     if argv[:2] == ["bench", "gpu"]:
         return bench_gpu(argv[2:])
+    if argv[:2] == ["bench", "moe"]:
+        return bench_moe(argv[2:])
     if argv[:1] == ["train"]:
         return train(argv[1:])
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)
@@ -320,9 +341,10 @@ def main(argv=None) -> int:
     sub.add_parser("train", help="train a drafter, resumable: eagle, eagle3, dflash, eesd, cali, or self-data (the text "
                                  "a registered model writes for its drafters); `jspec train KIND --help`")
     b = sub.add_parser("bench", help="benchmark suites (ar, sd; gpu: `jspec bench gpu --help`; long: `jspec bench "
-                                     "long --help`; spec-bench: `jspec bench spec-bench --help`): JSON, "
+                                     "long --help`; spec-bench: `jspec bench spec-bench --help`; moe: `jspec bench moe "
+                                     "--help`): JSON, "
                                      "markdown table and PNG per run")
-    b.add_argument("suite", help="ar | sd | gpu | long | spec-bench")
+    b.add_argument("suite", help="ar | sd | gpu | long | spec-bench | moe")
     b.add_argument("--runs", type=int, default=3, help="timed runs per case (median), after a warm-up")
     b.add_argument("--quick", action="store_true", help="tiny sizes, finishes in well under 3 minutes")
     b.add_argument("--out", default="bench_out", help="output directory")
