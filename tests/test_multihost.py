@@ -42,5 +42,5 @@ def test_two_processes_decode_the_tokens_of_one(names, tmp_path):
     assert results[0] == _single(names)
     if ckpt:
         for i, b in enumerate(bad):
-            assert b["mesh"] == "mesh data=4 x fsdp=1 x tensor=8 needs 32 devices; 8 available"
+            assert b["mesh"] == "mesh data=4 x fsdp=1 x expert=1 x tensor=8 needs 32 devices; 8 available"
             assert b["prompts"].startswith(f"the processes passed different prompts (process {i} of 2)")
