@@ -136,26 +136,29 @@ def _guard_owner():
     return Guard
 
 
-def _always_ar(original):
+def _guard_depth(depth_of):
+    """A Guard.decide whose depths are `depth_of(guard, state, decided depths)`."""
+    def make(original):
+        def decide(self, state, key):
+            d = original(self, state, key)
+            depth = depth_of(self, state, d.depth)
+            return d._replace(depth=depth, info={**d.info, "speculated": depth > 0})
+
+        return decide
+
+    return make
+
+
+def _always_ar(original):  # every round an AR step; the cost measurement's forced depth stays
     import jax.numpy as jnp
 
-    def decide(self, state, key):
-        d = original(self, state, key)
-        depth = jnp.where(jnp.asarray(self.force) >= 0, d.depth, 0)  # the cost measurement's forced depth stays
-        return d._replace(depth=depth, info={**d.info, "speculated": depth > 0})
-
-    return decide
+    return _guard_depth(lambda g, s, d: jnp.where(jnp.asarray(g.force) >= 0, d, 0))(original)
 
 
-def _never_ar(original):
+def _never_ar(original):  # every row drafts to the plan's full depth
     import jax.numpy as jnp
 
-    def decide(self, state, key):
-        d = original(self, state, key)
-        depth = jnp.full_like(d.depth, state.alpha.shape[1])  # every row drafts to the plan's full depth
-        return d._replace(depth=depth, info={**d.info, "speculated": depth > 0})
-
-    return decide
+    return _guard_depth(lambda g, s, d: jnp.full_like(d, s.alpha.shape[1]))(original)
 
 
 def _dflash_owner():
