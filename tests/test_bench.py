@@ -141,7 +141,7 @@ def test_long_prompt_bench_writes_its_table(tmp_path, capsys):
 
 def test_quick_moe_bench_schema_and_provenance(tmp_path, capsys):
     """`jspec bench moe --quick --runs 1`: the JSON holds both models' AR-step and 8-token-verify times (finite,
-    positive), their MoE / dense ratios, the token-expert pairs of the verify and the distinct experts the router
+    not negative: on tiny models one timing's slope may clamp to 0 on a busy machine), their MoE / dense ratios, the token-expert pairs of the verify and the distinct experts the router
     woke for them (between top_k and the pairs), and the provenance; the markdown carries the table."""
     assert cli.main(["bench", "moe", "--quick", "--runs", "1", "--out", str(tmp_path)]) == 0
     [js] = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
@@ -151,10 +151,11 @@ def test_quick_moe_bench_schema_and_provenance(tmp_path, capsys):
     assert_provenance(res["meta"]["provenance"])
     assert [r["model"] for r in res["rows"]] == ["MoE", "dense"]
     for r in res["rows"]:
-        assert finite_positive(r["ar_step_ms"]) and finite_positive(r["verify_8_ms"]), r
+        assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("ar_step_ms", "verify_8_ms")), r
         assert len(r["ar_runs_ms"]) == len(r["verify_runs_ms"]) == 1
     s = res["summary"]
-    assert finite_positive(s["ar_step_ratio"]) and finite_positive(s["verify_ratio"])
+    for k in ("ar_step_ratio", "verify_ratio"):  # None where the dense timing clamped to 0
+        assert s[k] is None or finite_positive(s[k]), (k, s[k])
     assert s["verify_tokens"] == 8 and s["verify_pairs"] == 8 * s["top_k"]
     assert res["experts_woken"] and all(w["pairs"] == s["verify_pairs"] for w in res["experts_woken"])
     assert s["top_k"] <= s["distinct_experts_min"] <= s["distinct_experts_max"] <= min(s["experts"], s["verify_pairs"])
