@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ports import layers as LY
+from ports.hf_layout import hf_shape_to_ours, hf_to_ours, key_mismatch_error, ours_shape_to_hf, ours_to_hf
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 
@@ -440,9 +441,6 @@ def params_from_rows(rows, shapes, state_dict: dict, *, prefix: str = "", ignore
     """Params from an HF-layout mapping {name: tensor (torch / numpy)} through key-map rows. Every row must be
     present with its shape; every key under `prefix` must be mapped or match `ignored` (re.search). Keys outside
     the prefix are left alone. Raises ValueError listing missing / unexpected / mis-shaped tensors."""
-    # lazy: ports.hf_checkpoint imports the ports
-    from ports.hf_checkpoint import hf_shape_to_ours, hf_to_ours, key_mismatch_error, ours_shape_to_hf
-
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     mapped = {name for name, _, _ in rows}
     pats = [re.compile(p) for p in ignored]
@@ -471,8 +469,6 @@ def params_from_rows(rows, shapes, state_dict: dict, *, prefix: str = "", ignore
 
 def params_to_state_dict(rows, params: dict) -> dict[str, np.ndarray]:
     """{hf_name: numpy array in HF layout} for key-map rows (the inverse of `params_from_rows`)."""
-    from ports.hf_checkpoint import ours_to_hf
-
     out = {}
     for name, path, tr in rows:
         node = params

@@ -104,7 +104,7 @@ def write_layered_checkpoint(directory, layers: int) -> int:
     directory.mkdir()
     fam = ports.FAMILIES["llama"]
     shapes = fam.param_shapes(cfg)
-    from ports.hf_checkpoint import ours_shape_to_hf
+    from ports.hf_layout import ours_shape_to_hf
     from ports.param_paths import get_path
     from ports.safetensors_io import write_safetensors
 

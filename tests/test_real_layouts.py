@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import ports
-from ports.hf_checkpoint import SourceTensor, ours_shape_to_hf, read_hf_config, stream_checkpoint
+from ports.hf_checkpoint import SourceTensor, read_hf_config, stream_checkpoint
+from ports.hf_layout import ours_shape_to_hf
 from ports.model import family
 from ports.param_paths import get_path
 from ports.safetensors_io import write_safetensors

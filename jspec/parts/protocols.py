@@ -7,7 +7,7 @@ numbers are leaves, so new values do not recompile; everything else is the stati
 - `Plan`: the tree policy, which nodes to draft each step as device arrays padded to a static node budget, driving
   the drafter level by level into a `Proposal` (`jspec.parts.plans`);
 - `Rule`: the acceptance rule, which drafted path the target accepts and the token after it (`Verdict`;
-  `jspec.parts.rules`);
+  its base and its walks are in `jspec.parts.rules`);
 - `Controller`: what to draft next step, learned from what acceptance said (`Decision` before a step, `Record`
   after it; `jspec.parts.controllers`);
 - `PrefillHook`: an optional pass over the target prefill's by-products (`TargetPrefill`) that picks the drafter's
@@ -257,55 +257,6 @@ class Verdict(NamedTuple):
     path: jax.Array  # [B, D+1] node ids of the accepted path by depth (entries past `accepted` are 0)
     accepted: jax.Array  # [B] drafts accepted (bonus excluded)
     bonus: jax.Array  # [B] the token after the accepted path
-
-
-class Rule:
-    """Base of acceptance rules (subclasses are `flax.struct` dataclasses; see the module docstring).
-
-    draws: the rule needs the children of a node drawn without replacement from the draft distribution q, in draw
-    order, and q itself (the plan then records q per node). exact: the rule claims to sample the target's
-    distribution exactly (the conformance suite tests the claim).
-    """
-
-    draws: bool = False
-    exact: bool = True
-
-    def target_mass(self, resid: jax.Array, x: jax.Array) -> jax.Array:
-        """[B] the target mass the candidate x [B] may be accepted with, from the current residual [B, V]."""
-        return jnp.take_along_axis(resid, x[:, None], axis=1)[:, 0]
-
-    def draft_mass(self, q: jax.Array | None, x: jax.Array) -> jax.Array:
-        """[B] the draft mass x is compared with: accept when u * draft_mass <= target_mass, u ~ U(0, 1)."""
-        return jnp.ones(x.shape, jnp.float32)
-
-    def reject(self, resid: jax.Array, q: jax.Array | None, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """(residual, q) after x was rejected. Every rule defines it (the walk cannot continue without it)."""
-        raise TypeError(f"rule {type(self).__name__} defines no `reject` (the residual after a rejection)")
-
-    def accept(self, key: jax.Array, prop: "Proposal", logits: jax.Array, max_depth: int,
-               sampling: SM.SamplingConfig, sp: SM.SamplingParams) -> "Verdict":
-        """The verdict on one drafted tree per row (`prop`, the target's logits [B, N, V] at its nodes): greedy
-        matching when decoding greedily, else `jspec.parts.rules.stochastic` over the sampler's target
-        distribution, asking this rule's `target_mass`, `draft_mass` and `reject` at each candidate."""
-        from jspec.parts import rules
-
-        if sampling.greedy:
-            return rules.greedy(prop.tokens, logits, prop.valid, prop.tree, max_depth)
-        return rules.stochastic(key, prop.tokens, SM.probs(logits, sampling, sp), prop.q, prop.valid, prop.tree,
-                                max_depth, self)
-
-    def accept_root(self, key: jax.Array, logits: jax.Array, max_depth: int, width: int,
-                    sampling: SM.SamplingConfig, sp: SM.SamplingParams) -> "Verdict":
-        """The verdict `accept` gives when no row offers a draft (only the root is valid), from the target's logits
-        [B, V] at the root alone: no draft accepted, the bonus the walk would draw there with the same key
-        (`width`: the tree's children per node). Equal to `accept`'s, token for token, at a fraction of its cost; a rule
-        that overrides `accept` overrides this too."""
-        from jspec.parts import rules
-
-        return rules.root_verdict(key, logits, max_depth, width, sampling, sp)
-
-    def check(self) -> None:
-        """Raise ValueError for out-of-range numbers (host side, before any compute)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -218,7 +218,7 @@ def _parse_config(conf: dict, eagle_layout: bool, target, aux_layers=None) -> di
 def from_state_dict(sd: dict, conf: dict, target, aux_layers=None) -> E3.Eagle3Head:
     """An `Eagle3Head` for `target` from a checkpoint's tensors and config.json (either layout; `aux_layers` as
     `load_head`'s). Missing, unexpected or mis-shaped tensors raise one ValueError naming them."""
-    from ports.hf_checkpoint import key_mismatch_error
+    from ports.hf_layout import key_mismatch_error
 
     cfg, lm = E3.text_parts(target)
     eagle_layout = any(k.startswith("midlayer.") for k in sd)

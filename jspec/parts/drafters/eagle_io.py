@@ -134,7 +134,7 @@ def from_torch_state_dict(sd: dict, target, input_norm: bool | None = None) -> E
     `embed_tokens.weight`, if present, must have the target's embedding shape and is otherwise ignored (the head
     uses the target's). `input_norm` None: inferred from the presence of `layers.0.input_layernorm.weight`.
     Missing, unexpected or mis-shaped tensors raise one ValueError naming them; so does a head of several layers."""
-    from ports.hf_checkpoint import key_mismatch_error
+    from ports.hf_layout import key_mismatch_error
 
     cfg, _ = EG.text_parts(target)
     family = EG.family_of(cfg)
