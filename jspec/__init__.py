@@ -9,9 +9,9 @@ from jspec.api import DecodeConfig, DecodeOutput, decode, start
 from jspec.engine.streaming import Stream, stream
 from jspec.parts.controllers.calibration import CaliTS
 from jspec.parts.controllers.draft_length import BetaTS, FixedK
-from jspec.engine.guidance import CFG, ImageGrammar
+from jspec.core.guidance import CFG, ImageGrammar
 from jspec.methods.imagegen import ImageOutput, generate_image
-from jspec.engine.sharding import make_mesh, shard
+from jspec.core.sharding import make_mesh, shard
 from jspec.engine import costs
 from jspec.engine.strategy import (AR, Chain, DynamicTree, Guarded, PrefillHook, PromptLookup, Speculative, Strategy,
                                    Tree)

@@ -10,14 +10,15 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jspec.engine import compilation as CJ
-from jspec.engine.config import DEFAULT_PREFILL_CHUNK, DecodeConfig, check_prefill_chunk  # noqa: F401
-from jspec.engine import guidance as GD
+from jspec.core import compilation as CJ
+from jspec.core.config import DEFAULT_PREFILL_CHUNK, DecodeConfig, check_prefill_chunk  # noqa: F401
+from jspec.core import guidance as GD
 from jspec.engine import loop
+from jspec.core import prefill as PR
 from jspec.engine import profiling as PF
-from jspec.engine import rowkeys as RK
-from jspec.engine import sampling as SM
-from jspec.engine import sharding as SH
+from jspec.core import rowkeys as RK
+from jspec.core import sampling as SM
+from jspec.core import sharding as SH
 from jspec.engine import step as SD
 from jspec.parts.drafters import Setup, TargetPrefill
 from ports.prompts import model_prompt, round_up
@@ -90,8 +91,8 @@ def _pad_id(target, eos: tuple[int, ...]) -> int:
 
 
 def _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks=None):
-    cache = SH.constrain(ctx.placement, loop.new_cache_for(target, tokens.shape[0], max_len))
-    logits, fo, cache = loop.prefill(target, tokens, lengths, cache, inputs, chunk=ctx.prefill_chunk,
+    cache = SH.constrain(ctx.placement, PR.new_cache_for(target, tokens.shape[0], max_len))
+    logits, fo, cache = PR.prefill(target, tokens, lengths, cache, inputs, chunk=ctx.prefill_chunk,
                                      **(asks or {}))
     cache = SH.constrain(ctx.placement, cache)
     keys = RK.split(RK.for_rows(key, tokens.shape[0]), 2)  # one key per row from here on
@@ -325,9 +326,9 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     sync in them).
     `guidance=jspec.CFG(scale, uncond_prompt)`: classifier-free guidance; `constraint` (e.g. `jspec.ImageGrammar`):
     a mask on the logits of each generated position. Both apply to the target and the draft alike, in every
-    strategy (see `jspec.engine.guidance`).
+    strategy (see `jspec.core.guidance`).
     `mesh` (e.g. `jspec.make_mesh(tensor=8)`): shard the target over it by the logical axis `rules` (default
-    `jspec.engine.sharding.DEFAULT_RULES`; a dict overrides entries), replicate the draft; same tokens as one device.
+    `jspec.core.sharding.DEFAULT_RULES`; a dict overrides entries), replicate the draft; same tokens as one device.
     `prefill_chunk`: the target's prefill fills the cache this many prompt tokens at a time, so that its
     activations are bounded by the chunk rather than the prompt (same logits and tokens); "auto" (default) is
     `DEFAULT_PREFILL_CHUNK` tokens, None one pass. Chunks of `ports.layers.BLOCKWISE_MIN` tokens or more attend

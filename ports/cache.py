@@ -7,7 +7,7 @@ times per decode step (the in-place update and the reshaped read cannot share a 
 `length[b]` counts the committed tokens of row b; slots at and after it hold scratch (drafted, unverified or padding) entries that attention never sees
 unless the current forward wrote them. A token's RoPE position is its slot + `pos_offset[b]` (0 unless the
 prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots before `start[b]` are never visible (0 for an ordinary cache; a row
-whose prompt was placed right-aligned, as the guided streams of `jspec.engine.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
+whose prompt was placed right-aligned, as the guided streams of `jspec.core.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
 moving `length`; committing a tree path is one gather (`commit_path`).
 
 This module and `ForwardOut` are the leaf every port and the engine import; it imports neither.

@@ -160,7 +160,7 @@ def check_complete(directory: str) -> None:
 
 def load(directory: str, dtype=None, shardings=None) -> Model:
     """Restore a `save`d / `jspec convert`ed model; `shardings` (a pytree like params, e.g.
-    `jspec.engine.sharding.param_shardings`) restores straight onto devices, each reading only its shards; without
+    `jspec.core.sharding.param_shardings`) restores straight onto devices, each reading only its shards; without
     them, on this process's first device."""
     import orbax.checkpoint as ocp
 

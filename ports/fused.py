@@ -11,7 +11,7 @@ with the zoo text target: a decode step 15% and a 48-token prefill 14% faster; f
 
 Grouping by KV head keeps a tensor-parallel split whole: each device holds complete groups (query heads with the
 key and value they read), so the split needs no communication. Where the KV heads cannot split over the tensor
-axes but the query heads can (8 KV heads, 16-way), `jspec.engine.sharding.shard` puts q/k/v back as separate matrices,
+axes but the query heads can (8 KV heads, 16-way), `jspec.core.sharding.shard` puts q/k/v back as separate matrices,
 so wq still splits by heads. Query head h = kv * G + g: the order of wq's columns and of HF's `repeat_kv`.
 
 A mixture-of-experts layer's expert matrices (`ports.moe`: we_gate, we_up, we_down) are a list of per-expert

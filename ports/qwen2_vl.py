@@ -22,7 +22,7 @@ language model alone; images and videos enter once, at prefill, in two steps:
        mrope_offset [B]              HF's rope_deltas: the token at cache slot j >= prompt has ids j + offset
        vision_layout [0, k]          k names the tower geometry and token ids the layout was made for
 2. `prompt_embeds` (inside jit) runs the tower, splices the merged features over the placeholders (one gather) and
-   returns the positions and offset, which `jspec.engine.loop.prefill` hands to the forward and the cache.
+   returns the positions and offset, which `jspec.core.prefill.prefill` hands to the forward and the cache.
 
 After the prompt every position is slot + offset in all three components (HF's continuation rule), so decoding
 and tree verification use the plain 1-D path (`KVCache.pos_offset`); `forward` takes 3-D ids [3, B, T] or 1-D

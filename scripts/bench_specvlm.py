@@ -183,7 +183,7 @@ def pruned_keep(target, draft, prompt, hook) -> np.ndarray:
     """[B, T] the video tokens SpecVLM's hook keeps for `prompt` (one target prefill, as decoding runs it)."""
     import jax.numpy as jnp
 
-    from jspec.engine import loop
+    from jspec.core import prefill as PR
     from jspec.parts.drafters import Setup, TargetPrefill
     from jspec.parts.drafters.model import ModelDrafter
     from ports.prompts import model_prompt
@@ -191,9 +191,9 @@ def pruned_keep(target, draft, prompt, hook) -> np.ndarray:
     tokens, lengths, inputs = model_prompt(target, prompt, "")
     setup = Setup(target, prompt, tokens, lengths, inputs, None, None, None, None)
     hook = hook.prepare(setup, ModelDrafter(draft).prepare(setup))
-    cache = loop.new_cache_for(target, tokens.shape[0], tokens.shape[1])
+    cache = PR.new_cache_for(target, tokens.shape[0], tokens.shape[1])
     asks = hook.asks(jnp.asarray(tokens), jnp.asarray(lengths), inputs)
-    logits, fo, cache = loop.prefill(target, jnp.asarray(tokens), jnp.asarray(lengths), cache,
+    logits, fo, cache = PR.prefill(target, jnp.asarray(tokens), jnp.asarray(lengths), cache,
                                      jax.tree.map(jnp.asarray, inputs), **asks)
     keep = np.asarray(hook.keep(TargetPrefill(logits, fo.hidden, fo.attn, jnp.asarray(tokens),
                                               jnp.asarray(lengths), cache)))

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import jspec  # noqa: E402
 import ports  # noqa: E402
 from jspec import api  # noqa: E402
-from jspec.engine import loop
+from jspec.core import prefill as PR
 from jspec.tools import models
 from jspec.engine import profiling
 from ports import cache as kvc  # noqa: E402
@@ -46,9 +46,9 @@ def _median_ms(fn, *args, reps: int = 15) -> float:
 
 
 def widths(model, slots: int = 1024, prompt: int = 300) -> None:
-    cache = loop.new_cache_for(model, 1, slots)
+    cache = PR.new_cache_for(model, 1, slots)
     ids = np.random.default_rng(0).integers(100, 4000, (1, prompt)).astype(np.int32)
-    _, _, cache = loop.prefill(model, jnp.asarray(ids), jnp.asarray([prompt]), cache, {})
+    _, _, cache = PR.prefill(model, jnp.asarray(ids), jnp.asarray([prompt]), cache, {})
 
     @jax.jit
     def forward(params, cache, toks):

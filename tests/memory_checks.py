@@ -13,9 +13,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ports  # noqa: E402
-from jspec.engine import loop  # noqa: E402
+from jspec.core import prefill as PR  # noqa: E402
 from jspec.tools import memory as MEM  # noqa: E402
-from jspec.engine import sharding as SH  # noqa: E402
+from jspec.core import sharding as SH  # noqa: E402
 from ports import llava  # noqa: E402
 from ports.fused import fused_shapes  # noqa: E402
 
@@ -82,12 +82,12 @@ def check(target, draft, mesh_shape, batch, max_len, dtype, draft_tp=False, expe
     c = p["components"]
     sharded = SH.shard(target, mesh)
     real = {"params": (nbytes(sharded.params), on_device0(sharded.params))}
-    cache = jax.jit(lambda: placement.constrain_cache(loop.new_cache_for(target, batch, max_len)))()
+    cache = jax.jit(lambda: placement.constrain_cache(PR.new_cache_for(target, batch, max_len)))()
     real["kv_cache"] = (nbytes(cache), on_device0(cache))
     if draft is not None:
         rep = SH.shard(draft, mesh) if draft_tp else SH.replicate(draft, mesh)
         real["draft_params"] = (nbytes(rep.params), on_device0(rep.params))
-        dcache = jax.jit(lambda: placement.constrain_cache(loop.new_cache_for(draft, batch, max_len),
+        dcache = jax.jit(lambda: placement.constrain_cache(PR.new_cache_for(draft, batch, max_len),
                                                            not draft_tp))()
         real["draft_cache"] = (nbytes(dcache), on_device0(dcache))
     for name, (total, dev0) in real.items():

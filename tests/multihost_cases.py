@@ -38,7 +38,7 @@ def use_checkpoint(ckpt: str, mesh) -> None:
     """The text cases' target from now on: restored from `ckpt` (a `jspec convert` output) onto `mesh`, each
     process reading only its shards."""
     import ports
-    from jspec.engine import sharding as SH
+    from jspec.core import sharding as SH
 
     _target["text"] = ports.load(ckpt, shardings=SH.param_shardings(tiny_pair()[0], mesh))
 

@@ -1,4 +1,4 @@
-"""What every result file must say about where it ran (jspec.engine.provenance)."""
+"""What every result file must say about where it ran (jspec.core.provenance)."""
 import re
 
 KEYS = ("date", "commit", "python", "versions", "backend", "device_model", "device_count", "cpu", "cores",

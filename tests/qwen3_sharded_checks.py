@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec.engine import sharding as SH  # noqa: E402
+from jspec.core import sharding as SH  # noqa: E402
 from qwen3_pairs import KINDS, PROMPTS, mesh_names, qwen3_draft, strategies, tiny_target, useful_heads  # noqa: E402
 from tolerances import assert_clear_margins  # noqa: E402
 

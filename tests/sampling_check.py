@@ -33,7 +33,7 @@ def tiny_vocab_pair(target_layers: int = 1):
 
 def warped_logprobs(logits: np.ndarray, temperature=1.0, top_k=None, top_p=None) -> np.ndarray:
     """log-probabilities of the distribution transformers samples from: its own temperature, top-k and top-p
-    warpers, in its order (an independent reference for jspec.engine.sampling)."""
+    warpers, in its order (an independent reference for jspec.core.sampling)."""
     import torch
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 

@@ -14,8 +14,8 @@ import jspec  # noqa: E402
 import ports  # noqa: E402
 from jspec import api  # noqa: E402
 from jspec.engine import loop
-from jspec.engine import sampling as SM  # noqa: E402
-from jspec.engine import sharding as SH  # noqa: E402
+from jspec.core import sampling as SM  # noqa: E402
+from jspec.core import sharding as SH  # noqa: E402
 from tolerances import assert_clear_margins, assert_layout_close  # noqa: E402
 
 MESHES = ((2, 4),)  # (data, tensor)

@@ -11,7 +11,7 @@ import pytest
 import jspec
 import ports
 from ports import cache as kvc
-from jspec.engine import loop
+from jspec.core import prefill as PR
 from ports.prompts import model_prompt
 from ports import blockwise as BW
 from ports import layers as LY
@@ -119,8 +119,8 @@ def _prefill(model, tokens, lengths, inputs=None, **kw):
     """A fresh jitted prefill (the attention path is picked when it is traced)."""
     @jax.jit
     def run(model, tokens, lengths, inputs):
-        cache = loop.new_cache_for(model, tokens.shape[0], tokens.shape[1] + 8)
-        logits, fo, cache = loop.prefill(model, tokens, lengths, cache, inputs, **kw)
+        cache = PR.new_cache_for(model, tokens.shape[0], tokens.shape[1] + 8)
+        logits, fo, cache = PR.prefill(model, tokens, lengths, cache, inputs, **kw)
         return logits, fo.attn, cache.k[0]
     return run(model, jnp.asarray(tokens), jnp.asarray(lengths), inputs or {})
 
@@ -228,8 +228,8 @@ def test_chunked_prefill_equals_one_pass(blockwise, monkeypatch):
 
     @functools.partial(jax.jit, static_argnames="chunk")
     def run(tokens, lengths, w, chunk):
-        cache = loop.new_cache_for(model, 3, 320)
-        logits, fo, cache = loop.prefill(model, tokens, lengths, cache, chunk=chunk, hidden_layers=(1, 2),
+        cache = PR.new_cache_for(model, 3, 320)
+        logits, fo, cache = PR.prefill(model, tokens, lengths, cache, chunk=chunk, hidden_layers=(1, 2),
                                          attn_query_weights=w)
         return logits, fo.hidden, fo.attn, cache
 

@@ -1,4 +1,4 @@
-"""jspec.engine.compilation: per-backend XLA options for prefills, and the persistent compilation cache."""
+"""jspec.core.compilation: per-backend XLA options for prefills, and the persistent compilation cache."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jspec import api
-from jspec.engine import compilation as CJ
+from jspec.core import compilation as CJ
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,7 +59,7 @@ def test_backend_jit_compiles_per_backend_and_forwards_the_jitted_functions_attr
 CHILD = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp
     sys.path.insert(0, {root!r})
-    from jspec.engine import compilation as CJ
+    from jspec.core import compilation as CJ
     hits = []
     jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else 0)
     CJ.enable_cache({path!r}, min_compile_s=0)

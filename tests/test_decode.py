@@ -9,7 +9,7 @@ import jspec
 from sampling_check import warped_logprobs
 from conftest import hf_greedy
 from jspec import api
-from jspec.engine import sampling
+from jspec.core import sampling
 
 
 def test_greedy_matches_hf_generate_batch1(llama_pair):

@@ -7,7 +7,7 @@ import pytest
 
 import jspec
 from jspec import api
-from jspec.engine import loop
+from jspec.core import prefill as PR
 from ports import cache as kvc
 from tiny_pairs import CFG, PROMPTS, tiny_pair
 from tolerances import assert_layout_close
@@ -20,8 +20,8 @@ def prefilled():
     toks = np.zeros((len(PROMPTS), 16), np.int32)
     for i, p in enumerate(PROMPTS):
         toks[i, :len(p)] = p
-    cache = loop.new_cache_for(target, len(PROMPTS), 48)
-    _, _, cache = loop.prefill(target, jnp.asarray(toks), jnp.asarray(lengths), cache, {})
+    cache = PR.new_cache_for(target, len(PROMPTS), 48)
+    _, _, cache = PR.prefill(target, jnp.asarray(toks), jnp.asarray(lengths), cache, {})
     return target, cache
 
 
@@ -112,7 +112,7 @@ def test_vlm_families_defer_their_writes_too(make):
     assert model.defers_writes
     B, P, T = 2, 6, 3
     V = model.vocab_size
-    cache = loop.new_cache_for(model, B, 24)
+    cache = PR.new_cache_for(model, B, 24)
     fwd = jax.jit(lambda t, p, c, defer: model.forward(t, p, c, defer_writes=defer), static_argnums=3)
     prompt = jnp.asarray(np.arange(B * P).reshape(B, P) % (V - 2), jnp.int32)
     fo = fwd(prompt, kvc.positions(cache, jnp.broadcast_to(jnp.arange(P), (B, P))), cache, False)

@@ -48,7 +48,7 @@ def test_training_lowers_the_loss_and_reads_the_targets_own_states():
     batch, _ = next(EST.pack(texts, 3, 32, starts=[len(p) for p in PROMPTS]))
     h = EST.exit_states(cfg, lm, 1, batch)
     full = target.forward(batch["input_ids"][:1, :len(texts[0])], batch["positions"][:1, :len(texts[0])],
-                          jspec.engine.loop.new_cache_for(target, 1, len(texts[0])), hidden_layers=(1,), fresh=True)
+                          jspec.core.prefill.new_cache_for(target, 1, len(texts[0])), hidden_layers=(1,), fresh=True)
     np.testing.assert_allclose(h[0, :len(texts[0])], full.hidden[0][0], rtol=1e-4, atol=1e-4)
     tx = jt.adamw(0.0)
     step, eval_step = EST.make_steps(cfg, 1, tx)
@@ -114,7 +114,7 @@ def test_calibration_labels_and_training(train):
     logits = head_forward(cfg, head.params, h1, batch["positions"][:1, :n0],
                           ports.cache.init_cache(1, 1, cfg.num_kv_heads, n0, cfg.head_dim, h1.dtype), fresh=True)[0]
     full = target.forward(batch["input_ids"][:1, :n0], batch["positions"][:1, :n0],
-                          jspec.engine.loop.new_cache_for(target, 1, n0), fresh=True)
+                          jspec.core.prefill.new_cache_for(target, 1, n0), fresh=True)
     np.testing.assert_array_equal(match[0, :n0], np.argmax(logits[0], -1) == np.argmax(full.logits[0], -1))
     pred = CAL.init_predictor(jax.random.key(0), cfg.hidden_size, positions=4)
     terms = CT.pair_terms(pred, h_t, h_d, match, batch)

@@ -383,8 +383,8 @@ def test_bad_guards_are_refused(pair):
 def test_the_root_verdict_equals_the_rules_verdict_on_a_tree_that_offers_nothing(rule, temperature, top_p):
     """A round where no row drafts skips the walk over every node (`Rule.accept_root`): the same path, count and
     bonus token as the rule's own verdict on that tree, key for key; a tree that offers a draft differs."""
-    from jspec.engine import rowkeys as RK
-    from jspec.engine import sampling as SM
+    from jspec.core import rowkeys as RK
+    from jspec.core import sampling as SM
     from jspec.parts import rules, trees
     from jspec.parts.protocols import Proposal
 

@@ -1,4 +1,4 @@
-"""Text-to-image generation (jspec.generate_image, jspec.engine.guidance): the Lumina-mGPT grammar holds for every sample,
+"""Text-to-image generation (jspec.generate_image, jspec.core.guidance): the Lumina-mGPT grammar holds for every sample,
 CFG equals a step-by-step reference built from full-sequence logits, CFG at scale 1 equals no CFG, and greedy
 speculative strategies with a small Chameleon draft reproduce greedy AR under CFG and the grammar."""
 import dataclasses
@@ -187,8 +187,8 @@ def test_bad_inputs(target):
 def test_guided_forward_logits_equal_combined_full_sequence_logits(target):
     """Prefill and a 3-token step of the guided wrapper against u + s (c - u) from full-sequence forwards, for a
     ragged batch whose rows have the longer prompt in different streams."""
-    from jspec.engine import guidance as GD
-    from jspec.engine import loop
+    from jspec.core import guidance as GD
+    from jspec.core import prefill as PR
     from ports.prompts import normalize_prompt
 
     gm = jspec.methods.imagegen._generating(target)
@@ -198,8 +198,8 @@ def test_guided_forward_logits_equal_combined_full_sequence_logits(target):
     new = rng.integers(8, IMG0, (2, 3))
     tokens, lengths, _ = normalize_prompt(conds, V := gm.vocab_size)
     g = GD.guide(gm, lengths, jspec.CFG(2.5, uncs), None)
-    cache = loop.new_cache_for(g, 2, 64)
-    first, _, cache = loop.prefill(g, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths), cache)
+    cache = PR.new_cache_for(g, 2, 64)
+    first, _, cache = PR.prefill(g, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths), cache)
     step = g.forward(jax.numpy.asarray(new), cache.length[:, None] + np.arange(3)[None], cache).logits
     for b in range(2):
         seqs = [np.concatenate([conds[b], new[b]]), np.concatenate([uncs[b], new[b]])]

@@ -65,9 +65,9 @@ def test_hidden_states_match_transformers(llama_pair):
     with torch.no_grad():
         ref = hf(torch.tensor(tokens), output_hidden_states=True).hidden_states
     import jax.numpy as jnp
-    from jspec.engine import loop
+    from jspec.core import prefill as PR
 
-    cache = loop.new_cache_for(model, 1, 16)
+    cache = PR.new_cache_for(model, 1, 16)
     pos = jnp.arange(12)[None]
     fo = model.forward(jnp.asarray(tokens), pos, cache, hidden_layers=(0, 1))
     for got, i in zip(fo.hidden, (0, 1)):
@@ -75,17 +75,17 @@ def test_hidden_states_match_transformers(llama_pair):
 
 
 def test_prefill_of_an_empty_cache_equals_the_cache_forward(llama_pair):
-    """`fresh=True` (what `loop.prefill` runs) attends over the prompt alone and pads it into the cache; logits,
+    """`fresh=True` (what `PR.prefill` runs) attends over the prompt alone and pads it into the cache; logits,
     the attention scores and every layer's cache equal the general forward's, which reads all S slots."""
     import jax.numpy as jnp
     import pytest as _pytest
-    from jspec.engine import loop
+    from jspec.core import prefill as PR
 
     _, model = llama_pair
     rng = np.random.default_rng(5)
     tokens = jnp.asarray(rng.integers(0, 101, (2, 13)))
     lengths = jnp.asarray([13, 7])
-    cache = loop.new_cache_for(model, 2, 48)
+    cache = PR.new_cache_for(model, 2, 48)
     pos = jnp.broadcast_to(jnp.arange(13), (2, 13))
     w = jnp.asarray(rng.random((2, 13)), jnp.float32)
     kw = dict(logits_at=(lengths - 1)[:, None], attn_query_weights=w)
@@ -97,7 +97,7 @@ def test_prefill_of_an_empty_cache_equals_the_cache_forward(llama_pair):
     for a, b in zip(got.cache.k + got.cache.v, ref.cache.k + ref.cache.v):
         assert a.shape == b.shape
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-    logits, _, c = loop.prefill(model, tokens, lengths, cache)
+    logits, _, c = PR.prefill(model, tokens, lengths, cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref.logits[:, 0]), rtol=1e-5, atol=1e-5)
     assert np.asarray(c.length).tolist() == [13, 7]
     with _pytest.raises(ValueError, match="write_offset"):

@@ -212,7 +212,7 @@ def test_bad_image_inputs(models):
 def test_attention_score_hook_matches_hf_eager(models):
     """SpecVLM's language-to-vision scores: attention probabilities of the text after the image over every key,
     averaged over layers and heads and over those queries, equal HF's eager attentions."""
-    from jspec.engine import loop
+    from jspec.core import prefill as PR
     from ports import llava
 
     hf, target, _ = models
@@ -223,7 +223,7 @@ def test_attention_score_hook_matches_hf_eager(models):
     weights = queries / queries.sum()
     cfg = target.config
     pe = llava.prompt_embeds(cfg, target.params, np.asarray(ids[None], np.int32), {"pixel_values": pix})
-    cache = loop.new_cache_for(target, 1, 64)
+    cache = PR.new_cache_for(target, 1, 64)
     fo = target.forward(ids[None], np.arange(T)[None], cache, embeds=pe.embeds, attn_query_weights=weights[None])
     assert fo.attn.shape == (1, 64)
     np.testing.assert_array_equal(np.asarray(pe.image_mask[0]), ids == IMG)  # the image-position hook

@@ -385,7 +385,7 @@ def test_text_only_draft_reads_video_prompt_without_placeholders(jx_models):
 def test_hooks_image_positions_tile_features_attention(hf_models, jx_models):
     """image_mask marks the placeholders; vision_features are the tower's per-tile features before the projector
     (tiles in prepared order); the attention-score hook equals HF eager attentions on the same input."""
-    from jspec.engine import loop
+    from jspec.core import prefill as PR
 
     hf, m = hf_models["next"], jx_models["next"]
     cfg = m.config
@@ -406,7 +406,7 @@ def test_hooks_image_positions_tile_features_attention(hf_models, jx_models):
     last = int(np.flatnonzero(ids[0] == IMG)[-1])
     weights = (np.arange(T) > last).astype(np.float32)
     weights /= weights.sum()
-    cache = loop.new_cache_for(m, 1, T + 16)
+    cache = PR.new_cache_for(m, 1, T + 16)
     fo = m.forward(ids, np.arange(T)[None], cache, embeds=pe.embeds, attn_query_weights=weights[None])
     ref = weights @ eager_attentions(hf, batch)[:, 0].mean(axis=(0, 1))
     np.testing.assert_allclose(np.asarray(fo.attn[0, :T]), ref, atol=1e-5)

@@ -20,7 +20,7 @@ import transformers
 
 import jspec
 import ports
-from jspec.engine import loop
+from jspec.core import prefill as PR
 from ports import blockwise as BW
 from ports import cache as kvc
 from ports import layers as LY
@@ -198,7 +198,7 @@ def test_deferred_verify_forward_equals_the_written_one(pair):
     forward that writes into the cache."""
     target, _ = pair
     tokens = jnp.asarray(np.stack([np.arange(8, 20), np.arange(30, 42)]) % 97, jnp.int32)
-    cache = jax.jit(lambda m: loop.prefill(m, tokens, jnp.asarray([12, 7]), loop.new_cache_for(m, 2, 32))[2])(target)
+    cache = jax.jit(lambda m: PR.prefill(m, tokens, jnp.asarray([12, 7]), PR.new_cache_for(m, 2, 32))[2])(target)
     parent = [-1, 0, 0, 1, 2, 3, 4, 6]
     anc = np.eye(8, dtype=bool)
     depth = np.zeros(8, np.int32)
@@ -280,8 +280,8 @@ def test_blockwise_and_chunked_prefill_equal_the_direct_path(pair, monkeypatch):
     def run(model, chunk=None):
         @jax.jit
         def go(model, tokens, lengths):  # traced afresh: the attention path is picked as it traces
-            cache = loop.new_cache_for(model, 3, 40)
-            logits, _, cache = loop.prefill(model, tokens, lengths, cache, chunk=chunk)
+            cache = PR.new_cache_for(model, 3, 40)
+            logits, _, cache = PR.prefill(model, tokens, lengths, cache, chunk=chunk)
             return logits, cache.k
         return go(model, jnp.asarray(tokens), jnp.asarray(lengths))
 

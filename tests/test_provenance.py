@@ -1,4 +1,4 @@
-"""Provenance (jspec.engine.provenance): what it records, and that a cost table's cache key tells two CPU models
+"""Provenance (jspec.core.provenance): what it records, and that a cost table's cache key tells two CPU models
 apart. The benches, cost tables and training runs are read back for it in tests/test_bench.py, tests/test_guard.py
 and tests/test_train.py."""
 import json
@@ -7,7 +7,7 @@ import numpy as np
 
 import jspec
 from jspec.engine import costs
-from jspec.engine import provenance as PV
+from jspec.core import provenance as PV
 from provenance_check import assert_provenance
 from tiny_pairs import tiny_pair
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import jspec
 import ports
-from jspec.engine import loop
+from jspec.core import prefill as PR
 from ports import layers as LY
 from ports import qwen2_vl as QW
 from ports import qwen2_vl_vision as QV
@@ -431,7 +431,7 @@ def test_pruned_prompt_original_positions(jx_models):
     for b in range(B):
         stay[b, lengths[b]:] = False
     mask = np.tril(np.ones((T, T), bool))[None] & stay[:, None, :]
-    cache = loop.new_cache_for(m, B, T)
+    cache = PR.new_cache_for(m, B, T)
     ref = np.asarray(m.forward(tokens, pe.positions, cache, jnp.asarray(mask), embeds=pe.embeds).logits)
     for b in range(B):
         d = int(pruned["attention_mask"][b].sum())
@@ -459,7 +459,7 @@ def test_pruned_prompt_renumbered_positions(jx_models):
         idx = np.flatnonzero(stay[b, :lengths[b]])
         d = len(idx)
         emb = pe.embeds[b:b + 1, idx]
-        cache = loop.new_cache_for(m, 1, d)
+        cache = PR.new_cache_for(m, 1, d)
         ref = m.forward(None, jnp.arange(d)[None], cache, embeds=emb).logits
         np.testing.assert_allclose(ours[b, :d], np.asarray(ref[0]), atol=5e-5, rtol=1e-5)
         assert pruned["rope_deltas"][b] == 0
@@ -509,7 +509,7 @@ def test_hooks_grid_table_and_attention_scores(hf_models, jx_models):
     last = int(np.flatnonzero(np.isin(ids, [IMG, VID]))[-1])
     weights = (np.arange(T) > last).astype(np.float32)
     weights /= weights.sum()
-    cache = loop.new_cache_for(m, 1, T + 16)
+    cache = PR.new_cache_for(m, 1, T + 16)
     fo = m.forward(tokens, pe.positions, cache, embeds=pe.embeds, attn_query_weights=jnp.asarray(weights[None]))
     ref = weights @ eager_attentions(hf, batch)[:, 0].mean(axis=(0, 1))
     np.testing.assert_allclose(np.asarray(fo.attn[0, :T]), ref, atol=1e-5)

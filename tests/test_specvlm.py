@@ -11,7 +11,7 @@ import torch
 
 import jspec
 import ports
-from jspec.engine import loop
+from jspec.core import prefill as PR
 from jspec.parts.drafters import Setup, TargetPrefill
 from jspec.parts.drafters.model import ModelDrafter
 from jspec.methods.specvlm import SpecVLM, VisionPruning
@@ -44,9 +44,9 @@ def prepared_hook(target, draft, batch, **kw) -> tuple[VisionPruning, tuple]:
 
 
 def target_prefill(target, hook, tokens, lengths, inputs) -> TargetPrefill:
-    cache = loop.new_cache_for(target, tokens.shape[0], tokens.shape[1])
+    cache = PR.new_cache_for(target, tokens.shape[0], tokens.shape[1])
     asks = hook.asks(jnp.asarray(tokens), jnp.asarray(lengths), inputs)
-    logits, fo, cache = loop.prefill(target, jnp.asarray(tokens), jnp.asarray(lengths), cache,
+    logits, fo, cache = PR.prefill(target, jnp.asarray(tokens), jnp.asarray(lengths), cache,
                                      jax.tree.map(jnp.asarray, inputs), **asks)
     return TargetPrefill(logits, fo.hidden, fo.attn, jnp.asarray(tokens), jnp.asarray(lengths), cache)
 
@@ -105,8 +105,8 @@ def test_in_program_compaction_equals_host_prune_prompt(jx_models, positions):
     np.testing.assert_array_equal(np.asarray(d_tokens) * ref["attention_mask"], ref["input_ids"])
     np.testing.assert_array_equal(np.asarray(d_inputs["mrope_positions"]), ref["position_ids"])
     np.testing.assert_array_equal(np.asarray(d_inputs["mrope_offset"]), ref["rope_deltas"])
-    cache = loop.new_cache_for(draft, 2, D)
-    ours, _, _ = loop.prefill(draft, d_tokens, d_lengths, cache, d_inputs)
+    cache = PR.new_cache_for(draft, 2, D)
+    ours, _, _ = PR.prefill(draft, d_tokens, d_lengths, cache, d_inputs)
     want = ports.logits(draft, ref)[np.arange(2), ref["attention_mask"].sum(1) - 1]
     np.testing.assert_allclose(np.asarray(ours), want, atol=5e-5, rtol=1e-5)
 

@@ -379,12 +379,12 @@ def test_training_rows_are_single_question_prompts_then_generation(tz, enc, tiny
 def test_training_forward_is_decoding_with_teacher_forcing(tz, enc, tiny):
     """The training forward on a packed row (tower on device from uint8 frames, features spliced at the fixed
     offset, M-RoPE, the prefix mask) gives each segment the logits `jspec.decode` computes for it: the prompt (the
-    clip and the question) prefilled by `jspec.engine.loop.prefill` (processor output, the port's M-RoPE ids and rope
+    clip and the question) prefilled by `jspec.core.prefill.prefill` (processor output, the port's M-RoPE ids and rope
     deltas), then the reference answer's tokens fed through the forward at the cache's positions (cache length +
     pos_offset), as generated tokens are. Positions that merely continued the question (the rows before the fix)
     give other logits there."""
     from ports import cache as kvc
-    from jspec.engine import loop
+    from jspec.core import prefill as PR
 
     b = ZV.make_batch("heldout", 4, 2, 512)
     ours = np.asarray(jax.jit(lambda p, x: tz.logits_fn(tiny.config, p, x))(tiny.params, b))
@@ -405,8 +405,8 @@ def test_training_forward_is_decoding_with_teacher_forcing(tz, enc, tiny):
             answer = jnp.asarray(ids[at[a + 1:]])[None]
             lengths = np.array([prompt.shape[1]])
             inputs = jax.tree.map(jnp.asarray, QW.prepare_inputs(tiny.config, prompt, lengths, video))
-            cache = loop.new_cache_for(tiny, 1, prompt.shape[1] + answer.shape[1])
-            last, _, cache = loop.prefill(tiny, jnp.asarray(prompt), jnp.asarray(lengths), cache, inputs)
+            cache = PR.new_cache_for(tiny, 1, prompt.shape[1] + answer.shape[1])
+            last, _, cache = PR.prefill(tiny, jnp.asarray(prompt), jnp.asarray(lengths), cache, inputs)
             fed = tiny.forward(answer, kvc.positions(cache, jnp.arange(answer.shape[1])[None]), cache)
             ref = ports.logits(tiny, {"input_ids": prompt, **video})
             np.testing.assert_allclose(ours[r, :ZV.PREFIX_LEN], ref[0, :ZV.PREFIX_LEN], atol=2e-4, rtol=1e-4)

@@ -9,7 +9,7 @@ prompt repeats a random block, so that a drafter that copies (prompt lookup) fin
 keeps the draft tokens each depth actually offered per row and round.
 
 A table is cached as JSON under `$JSPEC_COSTS_DIR` (else ~/.cache/jspec/costs), keyed by the device's model (a CPU's
-name and vector extensions, a GPU's or TPU's kind: `jspec.engine.provenance.device_model`), the jax version, the
+name and vector extensions, a GPU's or TPU's kind: `jspec.core.provenance.device_model`), the jax version, the
 target's and the strategy's shapes (not their values), the batch and the cache length (prompt length rounded up
 to a power of two); a missing entry is measured. Each table records its provenance (machine, versions, flags,
 commit, load). `jspec.Guarded` reads one (`jspec costs` prints it and its plot).
@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jspec.engine import provenance as PV
+from jspec.core import provenance as PV
 
 COSTS_ENV = "JSPEC_COSTS_DIR"
 VERSION = 3
@@ -45,7 +45,7 @@ class CostTable:
     key: str = ""
     measured: str = ""  # when (UTC)
     seconds: float = 0.0  # how long the measurement took
-    provenance: dict = dataclasses.field(default_factory=dict)  # jspec.engine.provenance.provenance() when measured
+    provenance: dict = dataclasses.field(default_factory=dict)  # jspec.core.provenance.provenance() when measured
 
     @property
     def max_depth(self) -> int:

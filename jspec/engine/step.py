@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jspec.engine import rowkeys as RK
+from jspec.core import rowkeys as RK
 from ports import cache as kvc
 from jspec.engine import loop
 from jspec.parts.controllers import Decision, Record

@@ -15,7 +15,7 @@ import numpy as np
 
 from jspec import api
 from jspec.engine import loop
-from jspec.engine import sharding as SH
+from jspec.core import sharding as SH
 from jspec.engine import step as SD
 from jspec.engine.strategy import merge
 

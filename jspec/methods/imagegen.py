@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import api
-from jspec.engine.guidance import CFG, ImageGrammar
+from jspec.core.guidance import CFG, ImageGrammar
 from ports.prompts import normalize_prompt
 
 LUMINA_GRID_PX = 32  # Lumina-mGPT's size tokens count 32-pixel grid units

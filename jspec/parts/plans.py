@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.engine import rowkeys as RK
-from jspec.engine.sampling import largest
+from jspec.core import rowkeys as RK
+from jspec.core.sampling import largest
 from jspec.parts.protocols import Plan, Proposal
 from jspec.parts.trees import Layout, StaticTree, TreeArrays, cached_tree, layered_arrays, tree_from_pool
 

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jspec.engine import sampling as SM
+from jspec.core import sampling as SM
 from jspec.parts.trees import TreeArrays
 
 

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jspec.engine import rowkeys as RK
-from jspec.engine import sampling as SM
+from jspec.core import rowkeys as RK
+from jspec.core import sampling as SM
 from jspec.parts.protocols import Proposal, Verdict
 from jspec.parts.trees import TreeArrays
 

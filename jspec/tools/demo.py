@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jspec.engine import compilation as CJ
-from jspec.engine import provenance as PV
+from jspec.core import compilation as CJ
+from jspec.core import provenance as PV
 from jspec.tools import report as RP
 
 # A small tree for small models on a CPU: 9 drafts, two candidates at the first two levels, a chain below.
@@ -360,7 +360,7 @@ def run(seed: int | None = None, out_dir: str = "jspec-demo", max_new_tokens: in
     the files written. `max_new_tokens`: the zoo sections' answer length (the real model writes 160 tokens, or
     `max_new_tokens` when that is larger); `real`: the registered real model of the first section (None: the zoo
     alone); `cache`: the compile cache directory ("off" for none; default
-    `jspec.engine.compilation.enable_cache`'s)."""
+    `jspec.core.compilation.enable_cache`'s)."""
     if methods not in ("core", "all"):
         raise ValueError(f"methods must be 'core' or 'all', got {methods!r}")
     from jspec.tools import zoo

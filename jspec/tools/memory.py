@@ -4,10 +4,10 @@
 machine, e.g. a 1-CPU laptop planning for 8 GPUs or a TPU slice:
 
 * params: `jax.eval_shape` of the family's `init_params` (abstract `ShapeDtypeStruct`s), placed by
-  `jspec.engine.sharding.param_shardings` on a `jax.sharding.AbstractMesh` of the requested shape; each leaf's bytes on
+  `jspec.core.sharding.param_shardings` on a `jax.sharding.AbstractMesh` of the requested shape; each leaf's bytes on
   one device come from `NamedSharding.shard_shape`, the split the real sharding makes;
-* the target's KV cache: `jax.eval_shape` of `jspec.engine.loop.new_cache_for`, split by the engine's own
-  `jspec.engine.sharding.Placement.cache_spec` (batch over `data`, kv heads over `tensor`, replicated when they do not
+* the target's KV cache: `jax.eval_shape` of `jspec.core.prefill.new_cache_for`, split by the engine's own
+  `jspec.core.sharding.Placement.cache_spec` (batch over `data`, kv heads over `tensor`, replicated when they do not
   divide);
 * a draft: params and cache replicated, as `jspec.decode(..., mesh=)` places them (or, `draft_tensor_parallel`,
   split as a draft passed through `jspec.shard(draft, mesh)` is);
@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
-from jspec.engine import loop
-from jspec.engine import sharding as SH
+from jspec.core import prefill as PR
+from jspec.core import sharding as SH
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -251,7 +251,7 @@ def _sharded_tree_bytes(tree, shardings) -> tuple[int, int]:
 
 
 def param_bytes(model, mesh, rules=None) -> tuple[int, int]:
-    """(total, per device) bytes of a model's params placed by `jspec.engine.sharding.param_shardings`."""
+    """(total, per device) bytes of a model's params placed by `jspec.core.sharding.param_shardings`."""
     model = SH.run_layout(model, mesh, rules)
     return _sharded_tree_bytes(model.params, SH.param_shardings(model, mesh, rules))
 
@@ -274,9 +274,9 @@ def constrained_bytes(fn) -> tuple[int, int, Any]:
 
 
 def cache_bytes(model, batch: int, max_len: int, placement: SH.Placement, replicated: bool = False):
-    """(total, per device, abstract cache) of `loop.new_cache_for(model, batch, max_len)` constrained by
+    """(total, per device, abstract cache) of `PR.new_cache_for(model, batch, max_len)` constrained by
     `placement.constrain_cache` (the target's: batch over data, kv heads over tensor; `replicated`: a draft's)."""
-    return constrained_bytes(lambda: placement.constrain_cache(loop.new_cache_for(model, batch, max_len),
+    return constrained_bytes(lambda: placement.constrain_cache(PR.new_cache_for(model, batch, max_len),
                                                                replicated))
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.engine import rowkeys as RK
+from jspec.core import rowkeys as RK
 from jspec.parts.controllers import Asks, Controller, Decision, Record
 from jspec.parts.drafters import heads as H
 

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from flax import struct
 
-from jspec.engine import rowkeys as RK
+from jspec.core import rowkeys as RK
 from jspec.parts.controllers import Asks, Controller, Decision, Record, asks_of
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jspec.engine import rowkeys as RK
+from jspec.core import rowkeys as RK
 from jspec.parts.controllers import Controller, Decision, Record
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.engine import sharding as SH
+from jspec.core import sharding as SH
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import heads as H
 from jspec.parts.drafters.model import check_vocab_size, draft_log_probs

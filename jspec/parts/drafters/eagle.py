@@ -16,7 +16,7 @@ its last hidden states), so the head's cache is filled without a second target p
   (`verify_hidden`: the engine hands them over in `Catchup.hidden`); the drafted entries, fed with f-hat, are
   never kept.
 
-Classifier-free guidance: a guided target (`jspec.engine.guidance.Guided`) runs a conditional and an unconditional
+Classifier-free guidance: a guided target (`jspec.core.guidance.Guided`) runs a conditional and an unconditional
 stream per row; the head runs the same two streams (rows b * streams + s of its cache, laid out as the target's
 streams are), each fed with that stream's target features, and its logits are combined and constrained by the
 target's own guidance (same scale, same image grammar) before the sampler's warpers.
@@ -32,8 +32,8 @@ import numpy as np
 from flax import struct
 
 from ports import cache as kvc
-from jspec.engine import guidance as GD
-from jspec.engine import sharding as SH
+from jspec.core import guidance as GD
+from jspec.core import sharding as SH
 from jspec.parts.drafters import heads as H
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
 from jspec.parts.drafters.model import appended, check_vocab_size, draft_log_probs, feed, read_or_defer

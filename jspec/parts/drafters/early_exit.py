@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 
 from ports import cache as kvc
-from jspec.engine import sharding as SH
+from jspec.core import sharding as SH
 from jspec.parts.drafters import heads as H
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
 from jspec.parts.drafters.model import check_vocab_size, commit_fed, draft_log_probs, feed, read_or_defer

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.engine import sharding as SH
+from jspec.core import sharding as SH
 from jspec.parts.drafters.model import draft_log_probs
 from jspec.parts.protocols import DraftEnv, Drafter, Prepared, Setup, run_level
 from ports import cache as kvc

@@ -16,9 +16,9 @@ import numpy as np
 from flax import struct
 
 from ports import cache as kvc
-from jspec.engine import guidance as GD
-from jspec.engine import sampling as SM
-from jspec.engine import sharding as SH
+from jspec.core import guidance as GD
+from jspec.core import sampling as SM
+from jspec.core import sharding as SH
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level, when
 from ports.prompts import model_prompt, normalize_prompt
 
@@ -125,12 +125,12 @@ class ModelDrafter(Drafter):
         return SH.constrain(env.ctx.placement, cache, replicated=self.model is not None and not self.tensor_parallel)
 
     def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> DraftState:
-        from jspec.engine import loop
+        from jspec.core import prefill as PR
 
         tokens, lengths, inputs = prompt
         model = self.run_model(env)
-        cache = loop.new_cache_for(model, tokens.shape[0], max_len)
-        _, _, cache = loop.prefill(model, tokens, lengths, cache, inputs)
+        cache = PR.new_cache_for(model, tokens.shape[0], max_len)
+        _, _, cache = PR.prefill(model, tokens, lengths, cache, inputs)
         B = tokens.shape[0]
         pending = jnp.zeros((B, pending_width), jnp.int32).at[:, 0].set(env.last)
         return DraftState(self._constrain(env, cache), pending, jnp.ones((B,), jnp.int32), jnp.zeros((B,), bool))

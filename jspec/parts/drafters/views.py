@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.engine import sharding as SH
+from jspec.core import sharding as SH
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
 from jspec.parts.drafters.model import DraftState, ModelDrafter, check_vocab, draft_log_probs
 from ports.prompts import model_prompt, normalize_prompt
@@ -241,14 +241,14 @@ class MultiViewDrafter(Drafter):
         return w
 
     def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> DraftState:
-        from jspec.engine import loop
+        from jspec.core import prefill as PR
 
         B = env.last.shape[0]
         caches = []
         for view, (tokens, lengths, inputs) in zip(self.views, prompt):
             model = pooled_model(self.model, self.pool) if view == "P" else self.model
-            cache = loop.new_cache_for(model, B, max_len)
-            caches.append(loop.prefill(model, tokens, lengths, cache, inputs)[2])
+            cache = PR.new_cache_for(model, B, max_len)
+            caches.append(PR.prefill(model, tokens, lengths, cache, inputs)[2])
         cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *caches)
         last = self._tile(env.last)
         pending = jnp.zeros((self.m * B, pending_width), jnp.int32).at[:, 0].set(last)

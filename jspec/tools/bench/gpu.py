@@ -46,7 +46,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from jspec.engine import provenance as PV
+from jspec.core import provenance as PV
 from jspec.tools import report
 
 BUDGET_TOTAL_S = 540  # the plan's sum: one 10-minute device command, with a minute to start and write
@@ -1030,9 +1030,9 @@ def forward_cost(model, batch: int, k: int, context: int, reps=(2, 8), runs: int
     import jax
     import jax.numpy as jnp
 
-    from jspec.engine import loop
+    from jspec.core import prefill as PR
 
-    cache = loop.new_cache_for(model, batch, -(-(context + k) // 64) * 64)
+    cache = PR.new_cache_for(model, batch, -(-(context + k) // 64) * 64)
     cache = cache.replace(length=jnp.full((batch,), context, jnp.int32))
     toks = jnp.full((batch, k), 3, jnp.int32)
 

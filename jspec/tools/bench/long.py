@@ -12,7 +12,7 @@ median time. The blockwise attention path takes prompts of `ports.layers.BLOCKWI
 in bf16 / f16 a fresh prefill runs cuDNN's flash attention, `ports.blockwise.fused_attention`); `--direct` turns it
 off (the [T, S] score path) to compare. Prompts longer than the prefill chunk (`decode`'s default, 4096 tokens, or
 `--chunk`) are prefilled a chunk at a time; `--one-pass` adds jspec's one-pass prefill to compare. `--compile-cache` adds jspec in a fresh process whose
-programs load from a warm persistent compilation cache (`jspec.engine.compilation.enable_cache`) instead of compiling;
+programs load from a warm persistent compilation cache (`jspec.core.compilation.enable_cache`) instead of compiling;
 `--warm` adds each library's second call in a process (what a long-running job pays per prompt).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jspec.engine import provenance as PV
+from jspec.core import provenance as PV
 from jspec.tools import report
 
 MODELS = {  # random LLaMAs: the CPU table's 110M, and LLaMA-2-7B's shape for a GPU
@@ -50,7 +50,7 @@ if which == "jspec":
     import jspec, ports
     from ports import layers as LY
     if cache_dir:
-        from jspec.engine import compilation
+        from jspec.core import compilation
         compilation.enable_cache(cache_dir)
     if direct:
         LY.BLOCKWISE_MIN = 10 ** 9

@@ -54,7 +54,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec.engine import provenance as PV  # noqa: E402
+from jspec.core import provenance as PV  # noqa: E402
 from jspec.tools import report  # noqa: E402
 
 PAIRS = ("random damped 7B", "zoo text", "zoo image")

@@ -284,7 +284,7 @@ def run(model_name: str = "smollm2-135m-instruct", categories=CATEGORIES, questi
 
     import jspec
     from jspec.tools.bench import zoo as BENCH
-    from jspec.engine import compilation
+    from jspec.core import compilation
     from jspec.tools import models
 
     known = strategies()

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.engine import provenance as PV
+from jspec.core import provenance as PV
 from jspec.tools import report
 
 SUITES = ("ar", "sd", "gpu")

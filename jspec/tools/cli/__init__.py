@@ -238,7 +238,7 @@ def _configure_logging(argv: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
     argv = _configure_logging(sys.argv[1:] if argv is None else list(argv))
-    from jspec.engine import compilation
+    from jspec.core import compilation
 
     if os.environ.get(compilation.CACHE_ENV):  # compiled programs persist there across runs
         compilation.enable_cache()

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jspec.engine import provenance as PV
+from jspec.core import provenance as PV
 
 RESTART_WARMUP = 50      # warmup steps of a continuation segment (a warm restart past a finished schedule)
 

@@ -15,7 +15,7 @@ the image grammar tokens, then one token `IMGIMG<digits as A..J>Z` per VQ code f
 
 Captions (`caption`): the objects in reading order, e.g. "a big red circle in the top left and a small blue square
 in the bottom right" (`caption_ids` adds <s>). The unconditional prompt of classifier-free guidance is the image
-prefix alone (`jspec.engine.guidance.CFG` as `jspec.generate_image` builds it); training drops the caption of
+prefix alone (`jspec.core.guidance.CFG` as `jspec.generate_image` builds it); training drops the caption of
 `P_UNCOND` of the rows so the model knows that stream.
 
 Measurements: `ask` puts colour / shape / position questions about any images (originals, VQ reconstructions,

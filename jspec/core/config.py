@@ -47,7 +47,7 @@ class DecodeConfig:
     speculate: Any = None  # [B] bools: rows marked False decode as AR inside the batch (None: every row drafts)
     # placement
     mesh: Any = None  # shard the target over it by `rules`, replicate the draft
-    rules: Any = None  # logical axis rules (default jspec.engine.sharding.DEFAULT_RULES; a dict overrides entries)
+    rules: Any = None  # logical axis rules (default jspec.core.sharding.DEFAULT_RULES; a dict overrides entries)
     # prefill
     prefill_chunk: int | None | str = "auto"  # fill the cache this many prompt tokens at a time ("auto", None: one)
     pad_prompt_to: int = 16  # prompt widths padded up to a multiple of this (nearby lengths share programs)

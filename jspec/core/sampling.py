@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.engine import rowkeys as RK
+from jspec.core import rowkeys as RK
 
 NEG_INF = -jnp.inf
 
@@ -103,7 +103,7 @@ def probs(logits: jax.Array, cfg: SamplingConfig, params: SamplingParams) -> jax
 
 def sample(keys: jax.Array, logits: jax.Array, cfg: SamplingConfig, params: SamplingParams) -> jax.Array:
     """One token per leading index of logits [B, ..., V]: argmax when greedy, else a categorical draw from the
-    processed logits, row b from its own key `keys[b]` (`jspec.engine.rowkeys`)."""
+    processed logits, row b from its own key `keys[b]` (`jspec.core.rowkeys`)."""
     x = process_logits(logits, cfg, params)
     if cfg.greedy:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)

@@ -163,7 +163,7 @@ class Guided:
         return jnp.stack(rows, axis=1).reshape(B * self.streams, W)
 
     def prefill(self, tokens, lengths, cache, inputs=None, hidden_layers=(), **unsupported):
-        """`loop.prefill` for both streams: each prompt right-aligned to end at slot prompt_end[b]
+        """`jspec.core.prefill.prefill` for both streams: each prompt right-aligned to end at slot prompt_end[b]
         (`inner_prompt`). Hidden states asked for come back per inner row, [B * streams, W, D] in that layout."""
         if inputs or unsupported:
             raise ValueError("guided decoding takes token prompts only (no images or forward options)")
