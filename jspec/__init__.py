@@ -6,26 +6,31 @@ import os
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from jspec.api import DecodeConfig, DecodeOutput, decode, start
-from jspec.engine.streaming import Stream, stream
+from jspec.streaming import Stream, stream
+from jspec.images import ImageOutput, ModelCaptioner, generate_image
+from jspec import costs
+from jspec.core.guidance import CFG, ImageGrammar
+from jspec.core.sharding import make_mesh, shard
+from jspec.engine.strategy import Speculative, Strategy
+from jspec.parts.protocols import PrefillHook
 from jspec.parts.controllers.calibration import CaliTS
 from jspec.parts.controllers.draft_length import BetaTS, FixedK
-from jspec.core.guidance import CFG, ImageGrammar
-from jspec.methods.imagegen import ImageOutput, generate_image
-from jspec.core.sharding import make_mesh, shard
-from jspec.engine import costs
-from jspec.engine.strategy import (AR, Chain, DynamicTree, Guarded, PrefillHook, PromptLookup, Speculative, Strategy,
-                                   Tree)
-from jspec.methods.dflash import DFlash
-from jspec.methods.eesd import EESD
-from jspec.methods.eagle3 import Eagle3
-from jspec.methods.lantern import Lantern, LanternPP
 from jspec.parts.neighbours import NeighbourTable
 from jspec.parts.drafters.tokens import TokenDrafter
-from jspec.methods.sage import SAGE
-from jspec.methods.specvlm import SpecVLM, VisionPruning
-from jspec.methods.tabed import TABED, ModelCaptioner
+from jspec.strategies.standard import AR, Chain, DynamicTree, Tree
+from jspec.strategies.prompt_lookup import PromptLookup
+from jspec.strategies.guarded import Guarded
+from jspec.strategies.dflash import DFlash
+from jspec.strategies.eesd import EESD
+from jspec.strategies.eagle3 import Eagle3
+from jspec.strategies.lantern import Lantern, LanternPP
+from jspec.strategies.sage import SAGE
+from jspec.strategies.specvlm import SpecVLM, VisionPruning
+from jspec.strategies.tabed import TABED
 
-__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeConfig", "DecodeOutput", "DFlash", "DynamicTree", "EESD", "Eagle3", "FixedK", "Guarded", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
+__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeConfig", "DecodeOutput", "DFlash",
+           "DynamicTree", "EESD", "Eagle3", "FixedK", "Guarded", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP",
+           "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
            "Strategy", "TokenDrafter", "Tree", "VisionPruning", "costs", "decode", "generate_image", "make_mesh", "shard",
            "start"]
 __version__ = "0.1.0"

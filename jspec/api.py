@@ -1,4 +1,5 @@
-"""`jspec.decode`: checks, setup, prefill, the fused decode loop, and the output (strategies: `jspec.engine.strategy`)."""
+"""`jspec.decode`: checks, setup, prefill, the fused decode loop, and the output (strategies: `jspec.strategies`;
+what a strategy is to the engine: `jspec.engine.strategy`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 
 from jspec.core import compilation as CJ
-from jspec.core.config import DEFAULT_PREFILL_CHUNK, DecodeConfig, check_prefill_chunk  # noqa: F401
+from jspec.core.config import DecodeConfig, max_positions
 from jspec.core import guidance as GD
 from jspec.engine import loop
 from jspec.core import prefill as PR
@@ -22,8 +23,8 @@ from jspec.core import sharding as SH
 from jspec.engine import step as SD
 from jspec.parts.drafters import Setup, TargetPrefill
 from ports.prompts import model_prompt, round_up
-from jspec.engine.strategy import (AR, Chain, DynamicTree, Guarded, Speculative, Static, Strategy, Tree, merge,  # noqa: F401
-                                   split)
+from jspec.engine.strategy import Speculative, Static, merge, split
+from jspec.strategies.standard import AR
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +50,10 @@ def eos_ids(target, eos_token_id) -> tuple[int, ...]:
     return tuple(int(e) for e in eos_token_id)
 
 
-def _max_positions(target) -> int | None:
-    """The positions the target was trained for (None where there is no fixed bound: no such field, or dynamic
-    RoPE scaling, which exists to run past it)."""
-    text = getattr(target.config, "text", target.config)
-    rope = getattr(text, "rope", None)
-    if getattr(rope, "rope_type", "default") == "dynamic":
-        return None
-    return getattr(text, "max_position_embeddings", None)
-
-
 def _check_call(target, lengths, max_new_tokens, eos, key) -> None:
     """Bad arguments named before any compile: positions past the model's, EOS ids outside its vocabulary, a key
     that is not a JAX PRNG key."""
-    mpe = _max_positions(target)
+    mpe = max_positions(target)
     if mpe and int(lengths.max()) + max_new_tokens > mpe:
         raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens={max_new_tokens} runs past the "
                          f"model's max_position_embeddings={mpe}")
@@ -197,20 +188,13 @@ def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **s
     max_new_tokens, key, mesh, draft_prompt = c.max_new_tokens, c.key, c.mesh, c.draft_prompt
     guidance, constraint = c.guidance, c.constraint
     strategy = AR() if strategy is None else strategy
-    if not isinstance(strategy, (Strategy, Speculative)):
+    if not callable(getattr(strategy, "resolve", None)):
         raise ValueError(f"strategy must be a jspec strategy (AR, Chain, Tree, DynamicTree, Speculative, ...), got "
                          f"{type(strategy).__name__}")
     strategy.check(target)
     tokens, lengths, inputs = model_prompt(target, prompt, "", int(c.pad_prompt_to))
-    if isinstance(strategy, Guarded):  # its costs on this device, measured once per shape (cached on disk)
-        strategy = strategy.measured(target, len(lengths), int(lengths.max()))
-    parts = strategy.parts()
-    idle_guard = None
-    if isinstance(strategy, Guarded) and not strategy.drafts():
-        idle_guard, parts = parts.plan.max_depth, None  # the guard's every round would be depth 0: AR's program
-        log.info("Guarded %s: no round drafting to depth 1 .. %d costs less than the tokens it could commit here "
-                 "(%s AR steps); decoding as AR", type(strategy.strategy).__name__, idle_guard,
-                 ", ".join(f"{x:.2f}" for x in strategy.costs.relative()[1:]))
+    # the parts it runs here: a strategy may measure first (the guard's costs, once per shape) or run as AR
+    parts, idle_guard = strategy.resolve(target, len(lengths), int(lengths.max()), start)
     SH.check_same_everywhere("prompts", tokens, lengths)
     if draft_prompt is not None and parts is None and idle_guard is None:
         raise ValueError("draft_prompt needs a speculative strategy (Chain, Tree, DynamicTree, ...)")
@@ -367,7 +351,7 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
         log.info("%s: %d rows, %d new tokens in %d steps; prefill %.3f s (with any compile), decode loop %.3f s "
                  "(%.1f tokens/s)", type(strategy or AR()).__name__, len(n_out), new, int(steps), r.prefill_s,
                  t2 - t1, new / max(t2 - t1, 1e-9))
-    return _finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, r.pad,
+    return finish(out, n_out, int(steps), accepted, drafted, max_new_tokens, r.pad,
                    {"prefill_s": r.prefill_s, "decode_s": t2 - t1, **(r.prep_stats or {}), **prefilled,
                     **decided, **phases},
                    depth=r.depth)
@@ -384,7 +368,7 @@ def aux_stats(state, r: Started) -> tuple[dict, dict]:
     return state.aux.decided, state.aux.prefilled
 
 
-def _finish(out, n_out, steps, accepted, drafted, max_new, pad, timings, depth: int = 0) -> DecodeOutput:
+def finish(out, n_out, steps, accepted, drafted, max_new, pad, timings, depth: int = 0) -> DecodeOutput:
     """The output and its stats (README "Metrics" defines each) from the loop's end state; `depth`: the plan's
     deepest draft position (0 for AR)."""
     B = out.shape[0]

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.tools.bench import zoo as bench  # noqa: E402
-from jspec.methods.specvlm import family_top_p  # noqa: E402
+from jspec.strategies.specvlm import family_top_p  # noqa: E402
 
 RATIOS = (0.0, 0.3, 0.6, 0.8, 0.9, 0.95)
 ABLATIONS = ("uniform", "attention", "front", "middle", "end", "frames")
@@ -133,7 +133,7 @@ def draft_phase(target, prompt, strategy, max_new: int, runs: int) -> dict:
 def clip_study(target, draft, exs, max_new: int, runs: int, repeats=CLIP_REPEATS) -> list[dict]:
     """The draft's decode time per token alone (AR on its own prompt), unpruned and pruned 90% by SpecVLM's
     selection (kept tokens from the target's prefill attention), against the clip length."""
-    from jspec.methods.specvlm import VisionPruning
+    from jspec.strategies.specvlm import VisionPruning
     from jspec.tools.zoo import video as ZV
     from ports import qwen2_vl as QW
 

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.tools.bench import zoo as bench  # noqa: E402
-from jspec.methods.tabed import METHODS, TABED, TQ_TP, block_efficiency, expected_speedup  # noqa: E402
+from jspec.strategies.tabed import METHODS, TABED, TQ_TP, block_efficiency, expected_speedup  # noqa: E402
 
 SCENARIOS = ("first turn", "two images", "OOD", "second turn")
 # The paper's Table 1 / 10 (68M draft -> LLaVA-1.5-7B): first-turn average, OOD = mean of PororoSV and VIST, second

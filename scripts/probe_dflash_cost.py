@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     import jspec
-    from jspec.engine import costs
+    from jspec import costs
     from jspec.parts.drafters import dflash
 
     target, name = load_target(args)

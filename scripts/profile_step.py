@@ -9,7 +9,7 @@ phase and an unrelated target AR step, repeated apart and in one loop body).
     python scripts/profile_step.py --draft-size            # the composition control with drafts of other widths
 
 Prints one line per round (medians inside each), so a noisy host shows as spread between rounds. `--calls` fits
-whole calls' decode time as per call + per step x steps instead (`jspec.engine.profiling.call_costs`; 4 prompts, EOS off,
+whole calls' decode time as per call + per step x steps instead (`jspec.tools.call_costs`; 4 prompts, EOS off,
 4-24 new tokens), with the zero-step launch of the compiled loop and the prefill, for AR and for Chain. `--ops`
 traces one decode loop of each (`jspec.engine.profiling.op_costs`) and prints its time per step by XLA operation.
 `--draft-size` runs the composition control with the zoo draft and with random drafts of its depth at its width and
@@ -33,6 +33,7 @@ import jspec  # noqa: E402
 from jspec import api  # noqa: E402
 from jspec.tools.bench import zoo as BENCH  # noqa: E402
 from jspec.engine import profiling as PF  # noqa: E402
+from jspec.tools import call_costs as CC  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -58,7 +59,7 @@ def main(argv=None) -> None:
     if args.calls:
         print(f"zoo text pair, {args.scenario}, 4 prompts, EOS off, 4-24 new tokens, {args.rounds} rounds; ms")
         for name, strat in (("AR", None), (f"Chain g={args.gamma}", jspec.Chain(draft, gamma=args.gamma))):
-            c = PF.call_costs(target, [[p] for p in prompts[:4]], strat, rounds=args.rounds)
+            c = CC.call_costs(target, [[p] for p in prompts[:4]], strat, rounds=args.rounds)
             print(f"{name}: per step {c['per_step_s'] * 1e3:.2f}, per call {c['per_call_s'] * 1e3:.2f}, zero-step "
                   f"loop call {c['zero_step_s'] * 1e3:.2f}, prefill {c['prefill_s'] * 1e3:.2f}", flush=True)
         return

@@ -39,7 +39,7 @@ def _uniform_weights(original):
 
 
 def _pruning_owner():
-    from jspec.methods.specvlm import VisionPruning
+    from jspec.strategies.specvlm import VisionPruning
 
     return VisionPruning
 
@@ -47,7 +47,7 @@ def _pruning_owner():
 def _uniform_keep(original):
     import jax
 
-    from jspec.methods import pruning as PR
+    from jspec.strategies import pruning as PR
 
     def keep(self, prefill):
         a, n = self.scores(prefill)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jspec
 from jspec import api
 from jspec.core import compilation as CJ
 
@@ -113,7 +114,7 @@ def test_the_decode_loop_compiles_once_beside_the_prefill():
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        for strategy, new in ((None, 37), (api.Chain(draft, gamma=3), 41)):  # lengths no other test decodes
+        for strategy, new in ((None, 37), (jspec.Chain(draft, gamma=3), 41)):  # lengths no other test decodes
             compiles.clear()
             r = api.start(target, PROMPTS, strategy, max_new_tokens=new, eos_token_id=())
             assert r.ahead is not None

@@ -104,7 +104,7 @@ def test_cfg_and_image_grammar_are_exact(guided_pair):
     path), T = 1 with top-k 5 as Lumina-mGPT samples: a depth-3 tree's tokens follow the guided, constrained,
     warped target exactly; a residual that resamples from the target does not."""
     target, draft = guided_pair
-    gram = jspec.methods.imagegen.grammar(target.config, 2, 2)
+    gram = jspec.images.grammar(target.config, 2, 2)
     cond = np.array([9, 12, 30, 11] + CH_IMAGE_PREFIX)
     seqs, p = guided_joint(target, cond, np.array(CH_IMAGE_PREFIX), 3.0, gram, N, top_k=5)
     cells = joint_index(seqs, N, target.vocab_size)  # the grammar's support, ascending

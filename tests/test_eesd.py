@@ -168,7 +168,7 @@ def test_v_d_r_d_and_hm_are_eq_11_and_12_and_their_harmonic_mean():
     n_out = np.array([9, 3, 1])  # row 0: prefill token + 3 + 1 + 4; row 1: prefill + 1 + 1; row 2: prefill only
     committed = np.array([[3, 1, 4, 0], [1, 1, 0, 0], [0, 0, 0, 0]])  # per step, the bonus included
     drafted = np.array([12, 8, 0])
-    st = api._finish(out, n_out, steps, committed, drafted, 12, 0, {}, depth=4).stats
+    st = api.finish(out, n_out, steps, committed, drafted, 12, 0, {}, depth=4).stats
     right = np.array([(3 - 1) + (1 - 1) + (4 - 1), 0, 0])  # accepted drafts: each step's committed less its bonus
     np.testing.assert_array_equal(st["accepted_drafts"], right)
     np.testing.assert_allclose(st["acceptance_rate"][:2], [5 / 12, 0.0])  # v_d

@@ -152,7 +152,7 @@ def test_default_lumina_prefix_and_pixels(target, tmp_path):
     cfg = target.config
     f = cfg.vq.downsample
     rows = cols = 32 // f  # one 32-px Lumina size unit
-    assert CH.__name__ and jspec.methods.imagegen.image_prefix(cfg, rows, cols) == [BOI, SIZE0 + 1, SIZE0 + 1]
+    assert CH.__name__ and jspec.images.image_prefix(cfg, rows, cols) == [BOI, SIZE0 + 1, SIZE0 + 1]
     vq_params = VQ.init_params(cfg.vq, jax.random.key(2))
     out = jspec.generate_image(target, prompts()[:1], rows, cols, key=jax.random.key(0),
                                decoder=(cfg.vq, vq_params))
@@ -191,7 +191,7 @@ def test_guided_forward_logits_equal_combined_full_sequence_logits(target):
     from jspec.core import prefill as PR
     from ports.prompts import normalize_prompt
 
-    gm = jspec.methods.imagegen._generating(target)
+    gm = jspec.images._generating(target)
     rng = np.random.default_rng(11)
     conds = [rng.integers(8, IMG0, 9), rng.integers(8, IMG0, 5)]
     uncs = [rng.integers(8, IMG0, 3), rng.integers(8, IMG0, 11)]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.methods import imagegen as IG
+from jspec.strategies import imagegen as IG
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.neighbours import NeighbourTable
 from ports import vqgan as VQ
@@ -75,10 +75,10 @@ def test_new_lambda_does_not_recompile(setup):
 
 def test_presets_and_errors(setup):
     target, head, table = setup
-    p = jspec.methods.lantern.lumina_preset("lumina-mgpt-7b-768")
+    p = jspec.strategies.lantern.lumina_preset("lumina-mgpt-7b-768")
     assert (p["k"], p["lam"], p["tree"], p["cfg_scale"], p["top_k"]) == (10, 3.0, "naive_extend_57", 3.0, 2000)
     with pytest.raises(ValueError, match="no LANTERN\\+\\+ preset"):
-        jspec.methods.lantern.lumina_preset("llama-2-7b")
+        jspec.strategies.lantern.lumina_preset("llama-2-7b")
     bad = [(jspec.LanternPP(head, table, lam=0.5, k=2), "lam must be >= 1"),
            (jspec.Lantern(head, table, delta=-0.1, k=2), "delta must be >= 0"),
            (jspec.LanternPP(head, table, k=4), "k=4 neighbours but the table holds 3"),

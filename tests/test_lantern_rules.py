@@ -495,7 +495,7 @@ def test_exact_under_cfg_and_image_grammar(chameleon_pair, tree):
     target, draft = chameleon_pair
     cfg = target.config
     table = NeighbourTable.for_chameleon(cfg, VQ.codebook(target.params["vqmodel"]), 3)
-    gram = jspec.methods.imagegen.grammar(cfg, CH_ROWS, CH_COLS)
+    gram = jspec.images.grammar(cfg, CH_ROWS, CH_COLS)
     cond = np.array([9, 12, 30, 11] + CH_PREFIX)
     seqs, p = guided_joint(target, cond, np.array(CH_PREFIX), 3.0, gram)
     Vsz = cfg.vocab_size

@@ -1,17 +1,18 @@
-"""The packages' layering, as rules over directories: `ports` imports nothing of `jspec`; nothing under
-`jspec/engine` or `jspec/parts` (nor `jspec/api.py`) imports `jspec/methods` or `jspec/tools`, and no method imports
-a tool; `import jspec` loads nothing under `jspec/tools`; no module of the packages names `scripts/` or `tests/`
-(what a tool needs ships inside the package); at most 8 modules sit directly in `jspec/`; module-level imports
-form no cycle; no module imports another's private name; the packages hold no native (C / C++ / CUDA) source:
-XLA's ops are the one path on every device."""
+"""The packages' layering: the stack, bottom to top, is `ports` -> `jspec/core` -> `jspec/parts` -> `jspec/engine` ->
+`jspec/strategies` -> the modules directly in `jspec/` (the api: `api`, `costs`, `images`, `streaming`) ->
+`jspec/tools`. Every import statement of the packages, those inside functions included, goes to its own layer or
+one below, and the import graph has no cycle; `import jspec` loads nothing under `jspec/tools`; no module of the
+packages names `scripts/` or `tests/` (what a tool needs ships inside the package); at most 8 modules sit directly
+in `jspec/`; no module imports another's private name; every preset users name is defined under
+`jspec/strategies`, and neither the api nor the engine asks a strategy's type (`isinstance`); the packages hold no
+native (C / C++ / CUDA) source: XLA's ops are the one path on every device."""
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-UPPER = {"jspec.engine": ("jspec.methods", "jspec.tools"), "jspec.parts": ("jspec.methods", "jspec.tools"),
-         "jspec.api": ("jspec.methods", "jspec.tools"), "jspec.methods": ("jspec.tools",), "ports": ("jspec",)}
+STACK = ("ports", "jspec.core", "jspec.parts", "jspec.engine", "jspec.strategies", "jspec", "jspec.tools")
 
 
 def under(name: str, pkg: str) -> bool:
@@ -33,7 +34,7 @@ def test_ports_imports_nothing_of_jspec():
 
 def test_import_jspec_loads_no_tool():
     mods = loaded_after("import jspec")
-    assert "jspec.engine.step" in mods and "jspec.methods.eesd" in mods
+    assert "jspec.engine.step" in mods and "jspec.strategies.eesd" in mods
     assert [m for m in mods if under(m, "jspec.tools")] == []
     assert "jspec.tools.models" in loaded_after("import jspec; jspec.models.entry")  # loads on first use
 
@@ -52,8 +53,9 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def imports(mods: dict[str, Path]) -> tuple[dict[str, set], list]:
-    """(module -> the modules its module-level statements import, [(module, source, private name)] anywhere)."""
+def imports(mods: dict[str, Path], every: bool = False) -> tuple[dict[str, set], list]:
+    """(module -> the modules its module-level statements import (`every`: any statement, inside functions too),
+    [(module, source, private name)] anywhere)."""
     def known(name):
         while name and name not in mods:
             name = name.rpartition(".")[0]
@@ -77,7 +79,7 @@ def imports(mods: dict[str, Path]) -> tuple[dict[str, set], list]:
                 targets = [known(a.name) for a in n.names]
             else:
                 continue
-            if id(n) in top:
+            if every or id(n) in top:
                 deps |= {t for t in targets if t and t != m}
         for t in list(deps):  # importing a.b.c runs a and a.b first
             parts = t.split(".")
@@ -118,36 +120,74 @@ def cycles(graph: dict[str, set]) -> list[list[str]]:
     return out
 
 
+def layer(name: str) -> int:
+    """The module's place in `STACK` (a module directly in `jspec/`, or `jspec` itself, is the api's)."""
+    return max((len(pkg), i) for i, pkg in enumerate(STACK) if under(name, pkg))[1]
+
+
 def all_imports(mods: dict[str, Path]) -> dict[str, set]:
-    """module -> every module of the packages it imports, at module level or inside a function."""
-    out = {}
-    for m, path in mods.items():
-        deps = set()
-        for n in ast.walk(ast.parse(path.read_text())):
-            if isinstance(n, ast.ImportFrom) and n.module and not n.level:
-                deps |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
-            elif isinstance(n, ast.Import):
-                deps |= {a.name for a in n.names}
-        out[m] = {d for d in deps if d.split(".")[0] in ("jspec", "ports")}
-    return out
+    """module -> every module of the packages it imports, at module level or inside a function (`imports` with
+    every statement counted)."""
+    return imports(mods, every=True)[0]
 
 
 def layer_violations(graph: dict[str, set]) -> list[tuple[str, str]]:
-    return sorted((m, d) for m, deps in graph.items() for d in deps for low, high in UPPER.items()
-                  if under(m, low) and any(under(d, h) for h in high))
+    """(module, imported module) pairs where the import goes up the stack."""
+    return sorted((m, d) for m, deps in graph.items() for d in deps if layer(d) > layer(m))
 
 
-def test_lower_layers_import_no_higher_one():
+def test_every_import_goes_down_the_stack_and_none_forms_a_cycle():
     graph = all_imports(modules())
-    assert "jspec.tools.train.trainer" in graph["jspec.tools.train.layer_skip"]
+    assert "jspec.tools.train.trainer" in graph["jspec.tools.train.layer_skip"]  # a function-level import counts
+    assert "jspec.api" in graph["jspec.costs"] and "jspec.core.sampling" in graph["jspec.parts.rules"]
     assert layer_violations(graph) == []
+    assert cycles(graph) == []
 
 
-def test_the_layer_rule_finds_an_engine_importing_a_tool():
-    graph = {"jspec.engine.loop": {"jspec.tools.zoo"}, "jspec.parts.plans": {"jspec.methods.sage"},
-             "jspec.tools.demo": {"jspec.engine.loop"}, "ports.llama": {"jspec.api"}}
-    assert layer_violations(graph) == [("jspec.engine.loop", "jspec.tools.zoo"),
-                                       ("jspec.parts.plans", "jspec.methods.sage"), ("ports.llama", "jspec.api")]
+def test_the_stack_rules_find_a_planted_upward_import_and_cycle():
+    graph = all_imports(modules())
+    graph["jspec.core.sampling"] = graph["jspec.core.sampling"] | {"jspec.api"}  # sampling calling decode
+    assert layer_violations(graph) == [("jspec.core.sampling", "jspec.api")]
+    assert any("jspec.core.sampling" in c and "jspec.api" in c for c in cycles(graph))
+    assert layer_violations({"ports.llama": {"jspec.core.sampling"}, "jspec.tools.demo": {"jspec.api"},
+                             "jspec.engine.step": {"jspec.strategies.sage"}}) == [
+        ("jspec.engine.step", "jspec.strategies.sage"), ("ports.llama", "jspec.core.sampling")]
+
+
+def strategy_classes() -> set[str]:
+    """Names of the strategy classes: those defined by the engine's strategy module and under jspec/strategies."""
+    import jspec
+    from jspec.engine.strategy import Strategy
+
+    return {n for n in dir(jspec) if isinstance(getattr(jspec, n), type) and issubclass(getattr(jspec, n), Strategy)}
+
+
+def type_checks(path: Path, names: set[str]) -> list[str]:
+    """`isinstance` / `issubclass` calls in a module whose class argument names one of `names`."""
+    found = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("isinstance", "issubclass") \
+                and len(n.args) == 2:
+            named = {x.id if isinstance(x, ast.Name) else x.attr for x in ast.walk(n.args[1])
+                     if isinstance(x, (ast.Name, ast.Attribute))}
+            found += sorted(named & names)
+    return found
+
+
+def test_presets_live_in_strategies_and_neither_api_nor_engine_asks_a_strategys_type(tmp_path):
+    import jspec
+
+    names = strategy_classes()
+    assert {"AR", "Chain", "Guarded", "PromptLookup", "SAGE", "Speculative", "Strategy"} <= names
+    homes = {n: getattr(jspec, n).__module__ for n in names - {"Speculative", "Strategy"}}
+    assert {n: m for n, m in homes.items() if not under(m, "jspec.strategies")} == {}
+    mods = modules()
+    asked = {m: c for m, p in mods.items() if (m == "jspec.api" or under(m, "jspec.engine"))
+             and (c := type_checks(p, names))}
+    assert asked == {}
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f(s):\n    return isinstance(s, (Guarded, jspec.AR)) or isinstance(s, int)\n")
+    assert type_checks(planted, names) == ["AR", "Guarded"]
 
 
 def checkout_paths(path: Path) -> list[str]:

@@ -460,7 +460,7 @@ def test_tabed_views_over_anyres_drafts(jx_models, kind, target, draft, case):
     """TABED's four views with a LLaVA-NeXT / OneVision draft (the P view pools every tile and lays the image out
     on the pooled grid): shorter image slots, and greedy == AR on a ragged batch with one and two images per row."""
     from jspec.parts.drafters.views import build_views
-    from jspec.methods.tabed import TABED
+    from jspec.strategies.tabed import TABED
 
     texts, images = (NEXT_CASES if kind == "next" else OV_CASES)[case]
     batch = process(kind, texts, images)

@@ -271,7 +271,7 @@ def test_eesd_drafter_sizes():
         p = MEM.estimate(tiny, {}, 1, 64, dtype="float32", eesd=(1, k, False))
         assert p["components"]["eesd_head"]["count"] == EE.init_head(target, 1, k).num_params
     for name, head, cali in (("llama-2-13b", 481e6, 262e6), ("llama-2-70b", 1.12e9, 0.67e9)):
-        from jspec.methods.eesd import preset_exit_layer
+        from jspec.strategies.eesd import preset_exit_layer
 
         p = MEM.estimate(MEM.load_config(name), {"tensor": 8}, 1, 2048, eesd=(preset_exit_layer(name), 1, True))
         c = p["components"]
@@ -288,7 +288,7 @@ def test_eesd_drafter_sizes():
 def test_sage_presets_plan_the_72b_target_and_its_draft_on_8_gpus(name, capsys):
     """`jspec memory --sage`: the paper's 7B draft from the preset, 65 verified tokens, and the preset's command fits
     8 x 80 GB; a target without a preset asks for --draft."""
-    from jspec.methods.sage import PRESETS
+    from jspec.strategies.sage import PRESETS
 
     cmd = PRESETS[name]["memory"].split()[1:]
     assert cli.main(cmd + ["--json"]) == 0
@@ -306,7 +306,7 @@ def test_specvlm_presets_plan_a_pruned_draft_cache(name, capsys):
     tokens (and the draft's prefill sized on the pruned prompt); the preset's command fits 80 GB devices. Self-SD
     (`--draft self`) sizes a second, sharded target cache and no draft params; no preset and no clip size asks for
     --video-tokens."""
-    from jspec.methods.specvlm import PRESETS
+    from jspec.strategies.specvlm import PRESETS
 
     pre = PRESETS[name]
     cmd = pre["memory"].split()[1:]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.methods import pruning as PR
+from jspec.strategies import pruning as PR
 
 
 def reference(a, ratio, top_p):

@@ -281,7 +281,7 @@ def test_composition_control_times_each_body_and_leaves_the_state(pair):
 
 
 def test_call_costs_fits_whole_calls(pair):
-    from jspec.engine import profiling as PF
+    from jspec.tools import call_costs as PF
 
     target, draft = pair
     ar = PF.call_costs(target, [PROMPTS], max_new=(4, 9), rounds=1)

@@ -14,7 +14,7 @@ import ports
 from jspec.core import prefill as PR
 from jspec.parts.drafters import Setup, TargetPrefill
 from jspec.parts.drafters.model import ModelDrafter
-from jspec.methods.specvlm import SpecVLM, VisionPruning
+from jspec.strategies.specvlm import SpecVLM, VisionPruning
 from ports.prompts import model_prompt
 from ports import qwen2_vl as QW
 
@@ -116,7 +116,7 @@ def test_stage_one_count_and_the_family_top_p(jx_models):
     stats give each row's vision tokens, the kept ones and stage I's count, which equals the spec's count on the
     target's own scores: the whole budget at top_p 1 (stage II idle), a few tokens at top_p 0.05 (stage II keeps
     the rest); greedy output equals AR either way."""
-    from jspec.methods.specvlm import family_top_p
+    from jspec.strategies.specvlm import family_top_p
 
     target, draft = jx_models["q25"], jx_models["q25_draft"]
     assert (family_top_p("qwen2_5_vl"), family_top_p("qwen2_vl"), family_top_p("llava_onevision")) == (0.5, 0.5, 0.4)

@@ -9,7 +9,7 @@ from flax import struct
 from jspec.parts.controllers import Asks, Controller, Decision
 from jspec.parts.drafters import Drafter, ModelDrafter
 from jspec.parts.protocols import LayeredTree
-from jspec.engine.strategy import PrefillHook
+from jspec.parts.protocols import PrefillHook
 from jspec.parts.rules import Rule
 
 HISTORY = 64

@@ -26,6 +26,16 @@ def check_prefill_chunk(chunk) -> int | None:
     return int(chunk)
 
 
+def max_positions(target) -> int | None:
+    """The positions the target was trained for (None where there is no fixed bound: no such field, or dynamic
+    RoPE scaling, which exists to run past it)."""
+    text = getattr(target.config, "text", target.config)
+    rope = getattr(text, "rope", None)
+    if getattr(rope, "rope_type", "default") == "dynamic":
+        return None
+    return getattr(text, "max_position_embeddings", None)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """A decode's settings (`jspec.decode` documents each keyword)."""

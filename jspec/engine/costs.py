@@ -1,6 +1,6 @@
 """What a decode step costs on this device: an AR step, and a strategy's round at each depth it can draft to.
 
-`measure(target, strategy, batch=..., prompt_len=...)` times, warm and inside one compiled program
+`measure(target, parts, start, batch=..., prompt_len=...)` times, warm and inside one compiled program
 (`jspec.engine.profiling`: a step repeated n times in a `fori_loop`, the slope between two n; the median of
 `runs` slopes taken in turn over every point, so that the machine's slow moments fall on all alike), the target's AR step
 and the guarded strategy's whole round with every row made to draft to depth d = 0 .. D (d = 0: no draft, the
@@ -22,11 +22,16 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
 
 from jspec.core import provenance as PV
+from jspec.core.config import max_positions
+from jspec.engine import profiling as PF
+from jspec.engine.strategy import split
+from jspec.parts.controllers.guard import Guard
 
 COSTS_ENV = "JSPEC_COSTS_DIR"
 VERSION = 3
@@ -139,23 +144,16 @@ def rounds_for(speed: float, lo: int, hi: int) -> tuple[int, int]:
     return max(1, min(b - 1, round(lo * f))), b
 
 
-def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool = True, reps=(4, 16),
-            runs: int = 5, progress=None) -> CostTable:
-    """The cost table of `strategy` (any speculative strategy, or a `Guarded` one, whose `defer` it measures with;
-    a bare strategy is measured as `Guarded` guards it by default) on `target` at this batch and prompt length:
-    measured on this device, or read from the disk cache (`cache=False` measures anew and does not write).
-    `reps`: the two round counts whose time difference gives an AR step's time (fewer where the model's positions
-    would run out); a dearer round is timed over proportionally fewer (`rounds_for`), so that a deep tree on a slow
-    device is measured in about the time of its AR steps. `progress(str)` hears each step of the measurement."""
-    from jspec import api
-    from jspec.engine import profiling as PF
-    from jspec.engine.strategy import AR, Guarded, split
-
-    defer = Guarded.defer
-    if isinstance(strategy, Guarded):
-        strategy, defer = strategy.strategy, strategy.defer
-    strategy.check(target)
-    inner = strategy.parts()
+def measure(target, parts, start: Callable, batch: int = 1, prompt_len: int = 128, defer: int = 24,
+            cache: bool = True, reps=(4, 16), runs: int = 5, progress=None) -> CostTable:
+    """The cost table of a strategy's `parts` (its `Speculative`, checked against `target`) under a guard that
+    lets a drafter leave `defer` AR rounds unread, on `target` at this batch and prompt length: measured on this
+    device, or read from the disk cache (`cache=False` measures anew and does not write). `start` is `jspec.start`
+    (the decodes are started by it and their rounds timed here). `reps`: the two round counts whose time difference
+    gives an AR step's time (fewer where the model's positions would run out); a dearer round is timed over
+    proportionally fewer (`rounds_for`), so that a deep tree on a slow device is measured in about the time of its
+    AR steps. `progress(str)` hears each step of the measurement. `jspec.costs.measure` is this for a strategy."""
+    inner = parts
     D = inner.plan.max_depth
     key = table_key(target, inner, batch, prompt_len, defer)
     path = costs_dir() / f"{key}.json"
@@ -167,7 +165,7 @@ def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool
     # no decode loop compiled ahead (only the timed programs run), and those are compiled here and dropped after,
     # not kept in jit's cache beside the caller's programs
     lo, hi = reps
-    mpe = api._max_positions(target)
+    mpe = max_positions(target)
     if mpe:  # a timed run of `hi` rounds commits up to hi * (D + 1) tokens: fewer rounds where positions run out
         room = (mpe - prompt_len - 2) // (D + 1)
         if room < 2:
@@ -177,8 +175,9 @@ def measure(target, strategy, batch: int = 1, prompt_len: int = 128, cache: bool
         lo = min(lo, hi // 2)
     kw = dict(max_new_tokens=hi * (D + 1) + 2, eos_token_id=(), compile_loop=False)
     say(f"compile: an AR step and a round ({batch} rows, {prompt_len}-token prompt)")
-    ar = api.start(target, prompt, AR(), **kw)
-    st = api.start(target, prompt, Guarded(strategy, costs=CostTable.flat(D), force=0, defer=defer), **kw)
+    ar = start(target, prompt, None, **kw)
+    forced = Guard(np.ones(D + 1, np.float32), inner.controller, force=0, defer=defer)
+    st = start(target, prompt, inner.replace(controller=forced), **kw)
     guard = st.parts.controller
     points = {"ar": ("step", ar)}
     for d in range(D + 1):

@@ -17,8 +17,6 @@ from ports import cache as kvc
 from jspec.core import rowkeys as RK
 from jspec.core import sampling as SM
 from jspec.core import sharding as SH
-from ports import layers as LY
-from ports.scanned import is_scanned
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jspec.core import sampling as SM
 from jspec.parts.trees import TreeArrays
 
 

@@ -90,26 +90,26 @@ def cmd_memory(args) -> int:
             raise ValueError("--sage, --specvlm and --lantern size different verify widths: pick one")
         streams, eagle = 1, False
         if args.lantern:
-            from jspec.methods.lantern import lantern_budget
+            from jspec.strategies.lantern import lantern_budget
 
             tree_nodes, streams, sage_note = lantern_budget(args.config)
             eagle = draft_name is None
         if args.specvlm:
-            from jspec.methods.specvlm import specvlm_budget
+            from jspec.strategies.specvlm import specvlm_budget
 
             name, tree_nodes, draft_max_len, sage_note = specvlm_budget(args.config, args.max_len, args.video_tokens,
                                                                         args.prune_ratio)
             draft_name = draft_name or name
             self_draft = draft_name == "self"
         if args.sage:
-            from jspec.methods.sage import preset_draft, sage_budget
+            from jspec.strategies.sage import preset_draft, sage_budget
 
             draft_name = draft_name or preset_draft(args.config)
             tree_nodes, sage_note = sage_budget()
         draft = MEM.load_config(draft_name) if draft_name and not self_draft else None
         eesd = None
         if args.eesd is not None:
-            from jspec.methods.eesd import preset_exit_layer
+            from jspec.strategies.eesd import preset_exit_layer
 
             n = preset_exit_layer(args.config) if args.eesd == "preset" else int(args.eesd)
             eesd = (n, args.eesd_layers, args.cali)

@@ -1,4 +1,5 @@
-"""Text-to-image generation with a Chameleon / Lumina-mGPT target: the image grammar, CFG and PNG output.
+"""`jspec.decode` applied to images: text-to-image generation with a Chameleon / Lumina-mGPT target (the image
+grammar, CFG and PNG output), and captions of images by a model that reads them (`ModelCaptioner`, TABED's C view).
 
 `generate_image` appends Lumina-mGPT's image prefix (image start, height and width size tokens) to each prompt,
 decodes the grid under `ImageGrammar` with classifier-free guidance (the unconditional prompt is the prefix alone,
@@ -9,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from jspec import api
 from jspec.core.guidance import CFG, ImageGrammar
+from jspec.parts.drafters.views import reads_images
+from jspec.strategies.standard import AR
 from ports.prompts import normalize_prompt
 
 LUMINA_GRID_PX = 32  # Lumina-mGPT's size tokens count 32-pixel grid units
@@ -94,7 +97,7 @@ def generate_image(target, prompt, rows: int, cols: int, strategy=None, cfg_scal
     if rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be >= 1, got {rows}x{cols}")
     target = _generating(target)
-    strategy = api.AR() if strategy is None else strategy
+    strategy = AR() if strategy is None else strategy
     parts = strategy.parts()
     if parts is not None:  # every model the drafter runs generates images too
         strategy = parts.replace(drafter=parts.drafter.map_models(_generating))
@@ -119,3 +122,47 @@ def generate_image(target, prompt, rows: int, cols: int, strategy=None, cfg_scal
         vq_cfg, vq_params = decoder
         images = VQ.to_uint8(VQ.decode_jit(vq_cfg, vq_params, codes))
     return ImageOutput(codes, out.tokens, images, out.stats)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelCaptioner:
+    """Captions images with a jspec model that reads them (greedy, batched), for the C view.
+
+    The request for image i is `before` + the model's placeholder run for that image + `after`; each caption
+    comes back as `prefix` + its ids up to EOS (excluded), at most `max_new_tokens`."""
+
+    model: Any
+    before: Sequence[int]
+    after: Sequence[int]
+    prefix: Sequence[int] = ()
+    max_new_tokens: int = 48
+    eos_token_id: Any = None
+    batch: int = 16
+
+    def _run_len(self, images: dict, i: int) -> int:
+        cfg = self.model.config
+        if "image_sizes" in images and hasattr(cfg, "num_image_tokens"):
+            return int(cfg.num_image_tokens(tuple(int(x) for x in images["image_sizes"][i])))
+        return int(cfg.tokens_per_image)
+
+    def __call__(self, images: dict) -> list[list[int]]:
+        if not reads_images(self.model):
+            raise ValueError(f"the captioner's model {self.model.config.model_type!r} does not read images")
+        eos = set(api.eos_ids(self.model, self.eos_token_id))
+        pv = images["pixel_values"]
+        if "image_sizes" in images and pv.ndim != 5:
+            raise ValueError(f"the captioner slices pixel_values per image: an anyres model's must be (num_images, "
+                             f"num_tiles, C, H, W) as its processor returns them, got shape {pv.shape}")
+        n = pv.shape[0]
+        out: list[list[int]] = []
+        for s in range(0, n, self.batch):
+            idx = range(s, min(n, s + self.batch))
+            rows = [list(self.before) + [self.model.config.image_token_id] * self._run_len(images, i) +
+                    list(self.after) for i in idx]
+            prompt = {"input_ids": rows, **{k: v[s:s + len(idx)] for k, v in images.items()}}
+            res = api.decode(self.model, prompt, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos_token_id)
+            for b in range(len(idx)):
+                ids = [int(t) for t in res.tokens[b, :res.lengths[b]]]
+                cut = next((j for j, t in enumerate(ids) if t in eos), len(ids))
+                out.append(list(self.prefix) + ids[:cut])
+        return out

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from jspec.parts.drafters.eagle3 import Eagle3Head
-from jspec.engine.strategy import Chain, DynamicTree, Strategy, Tree
+from jspec.engine.strategy import Strategy
+from jspec.strategies.standard import Chain, DynamicTree, Tree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@ attention (language -> video), then drafts a static tree that the target verifie
 
 `VisionPruning` is the prefill hook (`jspec.engine.strategy`): it asks the target's one prefill for the attention of the
 text after the last video token, averaged over layers, heads and those queries (`attn_query_weights`; reduced per
-layer, never [layers, heads, |L|, S]), selects K = int(|V| (1 - ratio)) video tokens per row (`jspec.methods.pruning`)
+layer, never [layers, heads, |L|, S]), selects K = int(|V| (1 - ratio)) video tokens per row (`jspec.strategies.pruning`)
 and compacts the draft's prompt to them, all inside the prefill program. The draft's cache shrinks with its
 prompt. Any strategy takes the hook (`SAGE(prefill=VisionPruning(0.9))`); `SpecVLM` is the paper's preset.
 """
@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.methods import pruning as PR
+from jspec.strategies import pruning as PR
 from jspec.parts.drafters import ModelDrafter, Prepared, Setup, TargetPrefill
 from jspec.parts.plans import StaticPlan
-from jspec.engine.strategy import PrefillHook, Speculative, Strategy
+from jspec.engine.strategy import Speculative, Strategy
+from jspec.parts.protocols import PrefillHook
 from jspec.parts.trees import cached_tree
 from jspec.parts.rules import as_rule
 
@@ -99,7 +100,7 @@ def _frame_tokens(model, prompt, modality: str) -> int | None:
 
 @struct.dataclass
 class VisionPruning(PrefillHook):
-    """Prefill hook: the draft keeps K = int(|V| (1 - ratio)) of each row's vision tokens (`jspec.methods.pruning.select`
+    """Prefill hook: the draft keeps K = int(|V| (1 - ratio)) of each row's vision tokens (`jspec.strategies.pruning.select`
     with `select`, `top_p`; None: the paper's value for the draft's family, `family_top_p`), every text token, in
     order. `out.stats` reports each row's "vision_tokens", "kept_vision_tokens" and, for select="specvlm",
     "stage_one" (the tokens stage I kept; stage II kept the rest). positions: "original" (each kept token's M-RoPE ids;
@@ -286,7 +287,7 @@ class SpecVLM(Strategy):
 
 def preset_draft(name: str) -> str:
     """The paper's draft for a shipped target config name (ValueError for one without a preset)."""
-    from jspec.methods import preset
+    from jspec.strategies import preset
 
     return preset(PRESETS, name, "SpecVLM", "pass --draft")["draft"]
 

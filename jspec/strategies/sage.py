@@ -9,9 +9,10 @@ from typing import Any
 from jspec.parts.controllers.combined import Both
 from jspec.parts.controllers.entropy_tree import EntropyTree, TreeSpec
 from jspec.parts.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
-from jspec.methods import preset
+from jspec.strategies import preset
 from jspec.parts.plans import StaticPlan
-from jspec.engine.strategy import Speculative, Strategy, as_drafter as strategy_drafter
+from jspec.engine.strategy import Speculative, Strategy
+from jspec.strategies.standard import as_drafter as strategy_drafter
 from jspec.parts.trees import build_tree, cached_tree
 from jspec.parts.rules import as_rule
 
@@ -109,7 +110,7 @@ class SAGE(Strategy):
         """The draft-prefill hook: `prefill`, or the pruning that `prune_ratio` asks for (None: neither)."""
         if self.prune_ratio is None:
             return self.prefill
-        from jspec.methods.specvlm import VisionPruning
+        from jspec.strategies.specvlm import VisionPruning
 
         return VisionPruning(float(self.prune_ratio), modality=self.prune_modality)
 

@@ -68,7 +68,7 @@ class Stream:
             (state.accepted, state.drafted, api.aux_stats(state, r)))
         steps = int(step)
         decided = {k: v[:, :steps] for k, v in decided.items()}
-        self.output = api._finish(out, n_out, steps, accepted, drafted, self._max_new, r.pad,
+        self.output = api.finish(out, n_out, steps, accepted, drafted, self._max_new, r.pad,
                                   {"prefill_s": r.prefill_s, "decode_s": time.perf_counter() - t0,
                                    "chunks": self.chunks, **(r.prep_stats or {}), **prefilled, **decided},
                                   depth=r.depth)

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from jspec.parts.controllers.ensemble import CRITERIA, EnsembleWeights
-from jspec.parts.drafters.views import VIEWS, ModelCaptioner, MultiViewDrafter  # noqa: F401  (ModelCaptioner: public)
-from jspec.methods import preset
+from jspec.parts.drafters.views import VIEWS, MultiViewDrafter
+from jspec.strategies import preset
 from jspec.parts.plans import StaticPlan
 from jspec.engine.strategy import Speculative, Strategy
 from jspec.parts.trees import chain

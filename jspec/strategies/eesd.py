@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from jspec.parts.controllers.draft_length import as_controller
-from jspec.methods import preset
+from jspec.strategies import preset
 from jspec.parts.drafters.early_exit import EarlyExitDrafter, EarlyExitHead
 from jspec.parts.plans import StaticPlan
 from jspec.engine.strategy import Speculative, Strategy

@@ -1,4 +1,6 @@
-"""The paper methods, each a preset of the engine's parts (`jspec.engine.strategy.Speculative`)."""
+"""Every preset users name, each a composition of the engine's parts (`jspec.engine.strategy.Speculative`):
+`standard` (AR, Chain, Tree, DynamicTree), `prompt_lookup`, `guarded`, and one module per paper method (with what
+only it needs: SpecVLM's `pruning`)."""
 
 
 def preset(table: dict, name, method: str, instead: str) -> dict:

@@ -14,10 +14,11 @@ from typing import Any
 
 from jspec.parts.drafters import Drafter
 from jspec.parts.drafters.eagle import EagleHead
-from jspec.methods import preset
+from jspec.strategies import preset
 from jspec.parts.neighbours import NeighbourTable
 from jspec.parts.plans import DynamicPlan, StaticPlan
-from jspec.engine.strategy import Speculative, Strategy, as_drafter
+from jspec.engine.strategy import Speculative, Strategy
+from jspec.strategies.standard import as_drafter
 from jspec.parts.rules import RESIDUAL_MODES, LanternPPRule, LanternRule
 
 # EAGLE-2's dynamic tree as LANTERN++'s baseline runs it (spec 2.6): top_k 10, 5 levels, 58 drafts kept
