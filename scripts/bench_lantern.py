@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec.strategies import imagegen as IG  # noqa: E402
+from jspec import images as IG  # noqa: E402
 from jspec.parts.drafters import eagle_io as IO  # noqa: E402
 from jspec.tools.zoo import t2i as T  # noqa: E402
 

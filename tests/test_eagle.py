@@ -158,7 +158,7 @@ def test_errors(pair):
 def test_cfg_streams_and_the_image_grammar():
     """Under CFG and the image grammar, each committed token's draft log-prob is the two streams' teacher-forced
     head logits combined (uncond + s (cond - uncond)) and constrained; greedy SD == AR image generation."""
-    from jspec.strategies import imagegen as IG
+    from jspec import images as IG
     from jspec.core.guidance import CFG
     from test_imagegen import COLS, PREFIX, ROWS, make_model, prompts
 

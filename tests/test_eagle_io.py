@@ -31,7 +31,7 @@ def llama_target():
 
 @pytest.fixture(scope="module")
 def chameleon_target():
-    from jspec.strategies import imagegen as IG
+    from jspec import images as IG
     from test_imagegen import make_model
 
     return IG._generating(make_model(0))

@@ -123,7 +123,7 @@ def test_cfg_pairs_train_on_a_tiny_chameleon(tmp_path):
     """Text-to-image samples as CFG pairs (the generated image tokens after the conditional and after the
     unconditional prompt): rows pick a form per step, the unconditional one about uncond_prob of the time, and the
     loss falls."""
-    from jspec.strategies import imagegen as IG
+    from jspec import images as IG
     from test_imagegen import PREFIX, make_model
 
     target = IG._generating(make_model(0))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.strategies import imagegen as IG
+from jspec import images as IG
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.neighbours import NeighbourTable
 from ports import vqgan as VQ

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.engine import streaming as ST
+from jspec import streaming as ST
 from tiny_pairs import PROMPTS, tiny_pair
 
 

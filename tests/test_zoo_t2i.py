@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.strategies import imagegen
+from jspec import images as imagegen
 from jspec.tools import zoo
 from jspec.tools.train import trainer as jt
 from jspec.tools.zoo import t2i as T

@@ -176,7 +176,7 @@ def measure(target, parts, start: Callable, batch: int = 1, prompt_len: int = 12
     kw = dict(max_new_tokens=hi * (D + 1) + 2, eos_token_id=(), compile_loop=False)
     say(f"compile: an AR step and a round ({batch} rows, {prompt_len}-token prompt)")
     ar = start(target, prompt, None, **kw)
-    forced = Guard(np.ones(D + 1, np.float32), inner.controller, force=0, defer=defer)
+    forced = Guard(np.ones(D + 1, np.float32), inner.controller, force=0, defers=defer)
     st = start(target, prompt, inner.replace(controller=forced), **kw)
     guard = st.parts.controller
     points = {"ar": ("step", ar)}

@@ -440,7 +440,7 @@ def run_image_gen(seed: int | None = None, out_dir: str = "jspec-demo", n: int =
     import jax
 
     import jspec
-    from jspec.strategies import imagegen as IG
+    from jspec import images as IG
     from jspec.parts.drafters import eagle_io as IO
     from jspec.tools.zoo import t2i as T
 

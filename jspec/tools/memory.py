@@ -527,7 +527,7 @@ def estimate(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: i
     prompt_len = max_len if prompt_len is None else int(prompt_len)
     if not 1 <= prompt_len <= max_len:
         raise ValueError(f"prompt_len={prompt_len} must be in [1, max_len={max_len}]")
-    from jspec.api import check_prefill_chunk
+    from jspec.core.config import check_prefill_chunk
 
     chunk = check_prefill_chunk(prefill_chunk)
     dt = _dtype(dtype)

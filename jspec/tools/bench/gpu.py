@@ -816,7 +816,7 @@ def _t2i_pair(dtype) -> BenchPair:
     import numpy as np
 
     import jspec
-    from jspec.strategies import imagegen as IG
+    from jspec import images as IG
     from jspec.parts.drafters import eagle_io as IO
     from jspec.tools.zoo import t2i as T
 

@@ -274,7 +274,7 @@ def main(argv=None) -> None:
         from jspec.tools.zoo import t2i as T
         from ports import vqgan as VQ
 
-        from jspec.strategies import imagegen as IG
+        from jspec import images as IG
 
         target = IG._generating(target)
         items = t2i_items(target, args.t2i_images, args.seed, "train", out / "data")
