@@ -249,7 +249,7 @@ def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **s
         prefill, args = _prefill_sd, (ctx, max_len, static, dyn, run_target, tokens, lengths, inputs, d_prompt, key, sp,
                                       speculate)
     ahead = None
-    if c.compile_loop and placement is None:  # (a mesh's shardings would have to be spelled out for the lowering)
+    if c.loop_ahead and placement is None:  # (a mesh's shardings would have to be spelled out for the lowering)
         shapes = prefill.trace(*args).out_info  # the call below reuses this trace
         ahead = CJ.Ahead(_decode_ar, (ctx, run_target, shapes)) if parts is None else \
             CJ.Ahead(_decode_sd, (ctx, static, dyn, run_target, shapes))
@@ -289,10 +289,7 @@ def _shape_text(parts) -> str:
             f"{type(parts.controller).__name__ if parts.controller is not None else 'none'}")
 
 
-def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
-           top_p=None, key=None, eos_token_id=None, max_cache_len: int | None = None, draft_prompt=None,
-           profile: bool | str = False, guidance: GD.CFG | None = None, constraint=None, mesh=None,
-           rules=None, prefill_chunk: int | None = "auto", pad_prompt_to: int = 16, speculate=None) -> DecodeOutput:
+def decode(target, prompt, strategy=None, **settings) -> DecodeOutput:
     """Generate up to `max_new_tokens` per row with `strategy` (default `AR()`); see DESIGN.md for the contract.
 
     Greedy when temperature is 0. `eos_token_id=None` uses the checkpoint's EOS ids (pass `()` to never stop).
@@ -322,14 +319,16 @@ def decode(target, prompt, strategy=None, max_new_tokens: int = 64, temperature:
     `speculate`: [B] bools; a row marked False drafts nothing and takes AR steps inside the same batch (its tokens
     are AR's: greedy the same tokens, sampled the same distribution), and the verify width follows only the rows
     that speculate. None (default): every row speculates.
-    The keywords are a `jspec.DecodeConfig`'s fields, checked when it is made (before any compute); `start` takes one.
+    The keywords are `jspec.DecodeConfig`'s fields (declared there once; this signature is made from them),
+    checked when it is made, before any compute; `start` takes the same keywords or a config.
     """
-    config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, max_cache_len=max_cache_len,
-                          temperature=temperature, top_k=top_k, top_p=top_p, key=key, draft_prompt=draft_prompt,
-                          guidance=guidance, constraint=constraint, mesh=mesh, rules=rules,
-                          prefill_chunk=prefill_chunk, pad_prompt_to=pad_prompt_to, profile=profile,
-                          speculate=speculate,
-                          compile_loop=profile not in (True, "host"))
+    try:
+        config = DecodeConfig(**settings)
+    except TypeError:
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(DecodeConfig)})
+        raise TypeError(f"decode() got unknown keyword(s) {unknown}: its settings are jspec.DecodeConfig's fields "
+                        f"({', '.join(f.name for f in dataclasses.fields(DecodeConfig))})") from None
+    profile, max_new_tokens = config.profile, config.max_new_tokens
     r = start(target, prompt, strategy, config)
     state = r.state
     t1 = time.perf_counter()
@@ -400,3 +399,19 @@ def finish(out, n_out, steps, accepted, drafted, max_new, pad, timings, depth: i
              "mean_accepted_no_bonus": mean_acc - 1.0, "drafted": np.asarray(drafted),
              "accepted_drafts": drafted_accepted, "acceptance_rate": acc_rate, "r_d": r_d, "hm": hm, **timings}
     return DecodeOutput(tokens=tokens, lengths=np.asarray(n_out, np.int32), stats=stats)
+
+
+def _with_settings(fn, leading: tuple[str, ...]):
+    """`fn`'s signature with `DecodeConfig`'s fields as its keyword-only parameters (after `leading` ones), so that
+    `help` and `inspect.signature` name every setting where they are declared once."""
+    import inspect
+
+    sig = inspect.signature(fn)
+    own = [p for name, p in sig.parameters.items() if name in leading]
+    fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+              for f in dataclasses.fields(DecodeConfig)]
+    fn.__signature__ = sig.replace(parameters=own + fields)
+    return fn
+
+
+_with_settings(decode, ("target", "prompt", "strategy"))

@@ -1,5 +1,9 @@
-"""`jspec.DecodeConfig`: decode's keywords as one object. `decode` keeps its keywords, `start` takes the object (or
-the keywords, not both), and the numbers that need no target are refused when it is made."""
+"""`jspec.DecodeConfig`: decode's keywords as one object, declared once. `decode`'s keywords are its fields (its
+signature is made from them), `start` takes the object (or the keywords, not both), and the numbers that need no
+target are refused when it is made."""
+import dataclasses
+import inspect
+
 import numpy as np
 import pytest
 
@@ -30,3 +34,16 @@ def test_bad_settings_are_named_when_the_config_is_made(bad, match):
         jspec.DecodeConfig(**bad)
     with pytest.raises(ValueError, match=match):  # and through decode's keywords, before any compute
         jspec.decode(None, PROMPTS, **bad)
+
+
+def test_decodes_keywords_are_the_configs_fields_declared_once():
+    fields = [f.name for f in dataclasses.fields(jspec.DecodeConfig)]
+    params = inspect.signature(jspec.decode).parameters
+    assert list(params) == ["target", "prompt", "strategy"] + fields
+    assert {n: params[n].default for n in fields} == {f.name: f.default for f in dataclasses.fields(jspec.DecodeConfig)}
+    source = inspect.getsource(api.decode)
+    assert "max_cache_len" not in source.split('"""')[0] + source.split('"""')[2]  # no setting written out again
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['max_new'\].*max_new_tokens"):
+        jspec.decode(None, PROMPTS, max_new=3)
+    assert jspec.DecodeConfig().loop_ahead and not jspec.DecodeConfig(profile=True).loop_ahead
+    assert jspec.DecodeConfig(profile=True, compile_loop=True).loop_ahead

@@ -1,7 +1,7 @@
 """`DecodeConfig`: everything about one decode but the target, the prompt and the strategy, as one object.
 
-`jspec.decode` takes these as keywords (its documented call shape) and builds one; `jspec.api.start` and the
-tools that step the loop themselves take it whole. The numbers that can be checked without the target are checked
+`jspec.decode` and `jspec.start` take these fields as their keywords (declared here once: `decode`'s signature is
+made from them) or `start` a config whole. The numbers that can be checked without the target are checked
 when it is made, before any compute.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ class DecodeConfig:
     pad_prompt_to: int = 16  # prompt widths padded up to a multiple of this (nearby lengths share programs)
     # profiling
     profile: bool | str = False  # True / "host": phase by phase with host syncs; "program": timed in the program
-    compile_loop: bool = True  # `start`: compile the decode loop beside the prefill
+    compile_loop: bool | None = None  # compile the decode loop beside the prefill (None: unless profiled by host)
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, (int, np.integer)) \
@@ -75,6 +75,12 @@ class DecodeConfig:
         check_prefill_chunk(self.prefill_chunk)
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be False, True (or 'host') or 'program', got {self.profile!r}")
+
+    @property
+    def loop_ahead(self) -> bool:
+        """Whether `start` compiles the decode loop beside the prefill (`compile_loop`; by default, unless the loop
+        is run phase by phase from the host)."""
+        return self.profile not in (True, "host") if self.compile_loop is None else bool(self.compile_loop)
 
     @property
     def chunk(self) -> int | None:
