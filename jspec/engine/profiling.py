@@ -1,5 +1,5 @@
-"""Where a decode step's time goes: the phases of `speculative.sd_step` (AR: `loop.ar_step`), timed two ways, with
-the same phase functions the fused loop runs (`speculative.PHASES`).
+"""Where a decode step's time goes: the phases of `jspec.engine.step.sd_step` (AR: `loop.ar_step`), timed two ways, with
+the same phase functions the fused loop runs (`jspec.engine.step.PHASES`).
 
 `host_timed` runs the decode loop phase by phase, each phase jitted alone and synced from the host: the same
 tokens as the fused loop, but every phase also pays a dispatch and a sync (on a CPU that is a large share of a
@@ -39,7 +39,7 @@ def _phase_fn(name):
 
 @functools.partial(jax.jit, static_argnames=("name", "ctx", "static"), donate_argnames=("carry",))
 def _phase(name, ctx, static, dyn, target, carry):
-    """One phase of the step (`speculative.PHASES`, or "step": the AR step), alone in its own program."""
+    """One phase of the step (`jspec.engine.step.PHASES`, or "step": the AR step), alone in its own program."""
     return _phase_fn(name)(ctx, None if static is None else merge(static, dyn), target, carry)
 
 

@@ -56,7 +56,7 @@ class Rule:
     def accept(self, key: jax.Array, prop: "Proposal", logits: jax.Array, max_depth: int,
                sampling: SM.SamplingConfig, sp: SM.SamplingParams) -> "Verdict":
         """The verdict on one drafted tree per row (`prop`, the target's logits [B, N, V] at its nodes): greedy
-        matching when decoding greedily, else `jspec.parts.stochastic` over the sampler's target
+        matching when decoding greedily, else `stochastic` (below) over the sampler's target
         distribution, asking this rule's `target_mass`, `draft_mass` and `reject` at each candidate."""
         if sampling.greedy:
             return greedy(prop.tokens, logits, prop.valid, prop.tree, max_depth)

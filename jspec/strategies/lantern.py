@@ -55,7 +55,7 @@ def lantern_budget(config_name: str) -> tuple[int, int, str]:
 
 
 def _drafter(draft):
-    """`jspec.engine.strategy.as_drafter` of an EAGLE head, a drafter or a draft model; anything else is refused."""
+    """`jspec.strategies.standard.as_drafter` of an EAGLE head, a drafter or a draft model; anything else is refused."""
     if isinstance(draft, (EagleHead, Drafter)) or (hasattr(draft, "config") and hasattr(draft, "params")):
         return as_drafter(draft)
     raise ValueError(f"draft must be an EagleHead (jspec.parts.drafters.eagle_io.load_head), a draft model or a drafter, "

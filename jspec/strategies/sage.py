@@ -44,7 +44,7 @@ def sage_budget(**settings) -> tuple[int, str]:
 
 
 def as_drafter(draft):
-    """An `EarlyExitHead` as its drafter; otherwise as `jspec.engine.strategy.as_drafter` (a drafter as is, an EAGLE head
+    """An `EarlyExitHead` as its drafter; otherwise as `jspec.strategies.standard.as_drafter` (a drafter as is, an EAGLE head
     over the target's features, a model as a separate draft model)."""
     if isinstance(draft, EarlyExitHead):
         return EarlyExitDrafter(draft.replace(calibration=None))
