@@ -8,10 +8,9 @@ profile all run these same functions (`PHASES`):
   2. `sd_verify`: one target forward over all N nodes (positions = committed length + depth, ancestor mask).
   3. `sd_accept`: the rule picks the accepted path and the bonus token; the accepted nodes' K/V move into the
      target's committed prefix with one gather; the drafter commits; the controller observes a `Record`.
-Where rows may draft nothing (a guard's depth 0, `decode(speculate=)`), `sd_step` decides first, and a round in
-which no row drafts is `ar_round`: the target's one-token forward and the rule's verdict on the root, without the
-draft, the tree verify and the walk. Both branches are loops of zero or one trips (`protocols.when`), which update
-the caches in place.
+Where rows may draft nothing (a guard's depth 0, `decode(speculate=)`), a round in which no row drafts is the same
+three phases at width one: the drafter only catches up, the plan's `with_skips` widths let the target verify the
+root alone, and the rule's verdict on the root (`Rule.accept_root`) replaces the walk. There is one round path.
 No method-specific code lives here: a method is a new drafter, plan, rule or controller (see `jspec.engine.strategy`).
 """
 from __future__ import annotations
@@ -146,29 +145,25 @@ def _propose_in(parts, fn, state):
     return state.replace(cache=cache, aux=state.aux.replace(draft=ds)), prop
 
 
-def sd_draft(ctx, parts, target, carry, decision: Decision | None = None, drafting: bool = False):
-    """Phase 1: the controller's decision (or `decision`, already taken), then the drafted tree (its
-    `decision.depth`: the depth each row drafted to, after any per-level stop). `drafting`: some row is known to
-    draft."""
+def sd_draft(ctx, parts, target, carry):
+    """Phase 1: the controller's decision, then the drafted tree (its `decision.depth`: the depth each row drafted
+    to, after any per-level stop); where no row drafts (`may_skip`), the root alone while the drafter catches up."""
     state = carry[0]
     aux: SDAux = state.aux
-    if decision is None:
-        decision = sd_decide(ctx, parts, state)
+    decision = sd_decide(ctx, parts, state)
     k_draft = _round_keys(state)[0]
     env = _draft_env(ctx, parts, target, state, decision)
     propose = lambda ds: parts.plan.propose(env, parts.drafter, ds, k_draft, decision)  # noqa: E731
-    if drafting or not may_skip(parts, aux):
+    if not may_skip(parts, aux):
         state, prop = _propose_in(parts, propose, state)
     else:  # rows may draft nothing: when none drafts, the drafter only catches up and the tree is the root alone
         drafts = jnp.any((decision.depth > 0) & ~state.done)
-        shapes = _proposal_shapes(ctx, parts, target, state, decision)
-        if parts.drafter.borrows_cache:  # the branches pass the target's cache through
-            bare = lambda s: (s, root_only(shapes, env.last, decision))  # noqa: E731
-            state, prop = jax.lax.cond(drafts, lambda s: _propose_in(parts, propose, s), bare, state)
-        else:
-            bare = lambda ds: (root_only(shapes, env.last, decision), parts.drafter.catch_up(env, ds))  # noqa: E731
-            prop, ds = jax.lax.cond(drafts, propose, bare, aux.draft)
-            state = state.replace(aux=aux.replace(draft=ds))
+        bare = root_only(_proposal_shapes(ctx, parts, target, state, decision), env.last, decision)
+        # loops of zero or one trips, not a cond: the caches they carry are updated in place
+        state, prop = when(drafts, lambda c: _propose_in(parts, propose, c[0]), (state, bare))
+        if not parts.drafter.borrows_cache:  # (one that drafts in the target's cache has nothing to catch up)
+            catch = lambda s: s.replace(aux=s.aux.replace(draft=parts.drafter.catch_up(env, s.aux.draft)))  # noqa: E731
+            state = when(~drafts, catch, state)
     return state, prop, None
 
 
@@ -252,14 +247,15 @@ def _record(parts, target, prop, ver: Verified, verdict, new, n_eff, active, dep
     return rec
 
 
-def sd_accept(ctx, parts, target, carry, drafting: bool = False):
-    """Phase 3: the verdict, the commit (target cache, output, drafter), the controller's observation.
-    `drafting`: some row is known to offer drafts (`sd_step` took the decision)."""
+def sd_accept(ctx, parts, target, carry):
+    """Phase 3: the verdict, the commit (target cache, output, drafter), the controller's observation. Where no row
+    offers a draft, the verdict on the root alone and the commit of one token (an AR step's work)."""
     state, prop, ver = carry
     D = parts.plan.max_depth
     k_verify = RK.fold(loop.step_key(state), 2)
     accept = lambda: parts.rule.accept(k_verify, prop, ver.logits, D, ctx.sampling, state.sp)  # noqa: E731
-    if drafting or not may_skip(parts, state.aux):
+    offers = None
+    if not may_skip(parts, state.aux):
         verdict = accept()
     else:  # when no row offers a draft, the rule's verdict on the root alone: an AR step's cost, the same tokens
         offers = jnp.any(~state.done & jnp.any(prop.valid[:, 1:], axis=1))
@@ -268,15 +264,21 @@ def sd_accept(ctx, parts, target, carry, drafting: bool = False):
         verdict = jax.lax.cond(offers, accept, root)
     active = ~state.done
     n_keep = jnp.where(active, verdict.accepted + 1, 0)
-    # a chain's accepted entries already sit in slots length.. in order: no gather and write of every layer
-    tc = kvc.commit(state.cache, n_keep) if parts.plan.is_chain else kvc.commit_path(state.cache, verdict.path, n_keep)
+    # a chain's accepted entries already sit in slots length.. in order: no gather and write of every layer; nor
+    # the root alone, where no row offered a draft
+    if parts.plan.is_chain:
+        tc = kvc.commit(state.cache, n_keep)
+    elif offers is None:
+        tc = kvc.commit_path(state.cache, verdict.path, n_keep)
+    else:
+        tc = when(offers, lambda c: kvc.commit_path(c, verdict.path, n_keep), state.cache)
+        tc = when(~offers, lambda c: kvc.commit(c, n_keep), tc)
     return _conclude(ctx, parts, target, state.replace(cache=tc), prop, ver, verdict)
 
 
-def _conclude(ctx, parts, target, state, prop, ver: Verified, verdict, chain: bool | None = None):
+def _conclude(ctx, parts, target, state, prop, ver: Verified, verdict):
     """After the verdict and the target cache's commit: the tokens, the drafter's commit, the controller's
-    observation and the step's record. `chain`: the accepted nodes are a prefix of the scratch (default: the plan's
-    `is_chain`), so the drafter moves none of them."""
+    observation and the step's record."""
     aux: SDAux = state.aux
     plan = parts.plan
     B = state.last.shape[0]
@@ -294,8 +296,7 @@ def _conclude(ctx, parts, target, state, prop, ver: Verified, verdict, chain: bo
         every, mine = verify_layers(parts, target)
         hid = jnp.concatenate([_along(ver.hidden[every.index(i)], verdict.path) for i in mine], axis=-1)
     fed = None if prop.fed is None else jnp.take_along_axis(prop.fed, verdict.path[:, 1:], axis=1)
-    chain = plan.is_chain if chain is None else chain
-    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, chain, hid, fed))
+    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid, fed))
     drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
     ctrl, decided = aux.ctrl, aux.decided
     if parts.controller is not None:
@@ -308,45 +309,12 @@ def _conclude(ctx, parts, target, state, prop, ver: Verified, verdict, chain: bo
     return loop.record_step(state, n_eff, drafted), None, None
 
 
-def ar_round(ctx, parts, target, state: loop.DecodeState, decision: Decision) -> loop.DecodeState:
-    """A round in which no row drafts, as an AR step: the target's one-token forward (the layers the drafter or
-    the controller read included), the rule's verdict on the root (`Rule.accept_root`: the token and key the
-    speculative round would give), the drafter's catch-up and commit of that token, the controller's observation."""
-    aux: SDAux = state.aux
-    shapes = _proposal_shapes(ctx, parts, target, state, decision)
-    env = _draft_env(ctx, parts, target, state, decision)
-    prop = root_only(shapes, env.last, decision)
-    state = state.replace(aux=aux.replace(draft=parts.drafter.catch_up(env, aux.draft)))
-    layers = verify_layers(parts, target)[0]
-    kw = {"hidden_layers": layers} if layers else {}
-    fo = loop.one_token_forward(target, state, **kw)
-    k_verify = RK.fold(loop.step_key(state), 2)
-    verdict = parts.rule.accept_root(k_verify, fo.logits[:, 0], parts.plan.max_depth, shapes.tree.children.shape[2],
-                                     ctx.sampling, state.sp)
-    state = state.replace(cache=kvc.commit(fo.cache, (~state.done).astype(jnp.int32)))
-    ver = Verified(fo.logits, tuple(fo.hidden) if layers else ())
-    return _conclude(ctx, parts, target, state, prop, ver, verdict, chain=True)[0]  # no draft accepted: none to move
-
-
 PHASES = (("draft", sd_draft), ("verify", sd_verify), ("accept", sd_accept))
 
 
 def sd_step(ctx, parts, target, state: loop.DecodeState) -> loop.DecodeState:
-    """One draft-verify-commit round for every row; where rows may draft nothing (`may_skip`) and none does, an AR
-    round (`ar_round`) instead, so that such a round costs an AR step."""
-    if not may_skip(parts, state.aux):
-        carry = (state, None, None)
-        for _, phase in PHASES:
-            carry = phase(ctx, parts, target, carry)
-        return carry[0]
-    decision = sd_decide(ctx, parts, state)
-
-    def speculative(s):
-        carry = sd_draft(ctx, parts, target, (s, None, None), decision, drafting=True)
-        carry = sd_verify(ctx, parts, target, carry)
-        return sd_accept(ctx, parts, target, carry, drafting=True)[0]
-
-    drafts = jnp.any((decision.depth > 0) & ~state.done)
-    state = when(drafts, speculative, state)
-    return when(~drafts, lambda s: ar_round(ctx, parts, target, s, decision), state)
-
+    """One draft-verify-commit round for every row (`PHASES`), the same path whether or not any row drafts."""
+    carry = (state, None, None)
+    for _, phase in PHASES:
+        carry = phase(ctx, parts, target, carry)
+    return carry[0]
