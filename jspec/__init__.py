@@ -22,10 +22,11 @@ from jspec.methods.lantern import Lantern, LanternPP
 from jspec.parts.neighbours import NeighbourTable
 from jspec.parts.drafters.tokens import TokenDrafter
 from jspec.methods.sage import SAGE
+from jspec.methods.sjd import SJD
 from jspec.methods.specvlm import SpecVLM, VisionPruning
 from jspec.methods.tabed import TABED, ModelCaptioner
 
-__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeConfig", "DecodeOutput", "DFlash", "DynamicTree", "EESD", "Eagle3", "FixedK", "Guarded", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
+__all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeConfig", "DecodeOutput", "DFlash", "DynamicTree", "EESD", "Eagle3", "FixedK", "Guarded", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP", "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SJD", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
            "Strategy", "TokenDrafter", "Tree", "VisionPruning", "costs", "decode", "generate_image", "make_mesh", "shard",
            "start"]
 __version__ = "0.1.0"
