@@ -131,6 +131,27 @@ def run_images(args, windows) -> dict:
     return res
 
 
+def run_steps(args) -> dict:
+    """Tokens per target step only (no timing), SJD against MC-SJD on `--steps-images` held-out captions per method
+    (batches of `--prompts`, the same keys for every method), at the windows of `--steps-windows`."""
+    target = IG._generating(T.load_target())
+    caps = [T.caption_ids(T.caption(T.scene("heldout", 500 + i))) for i in range(args.steps_images)]
+    res = {}
+    for w in [int(x) for x in args.steps_windows.split(",")]:
+        for name, strat in ((f"SJD w{w}", jspec.SJD(window=w, coupling="independent")),
+                            (f"MC-SJD w{w}", jspec.SJD(window=w)),
+                            (f"MC-SJD w{w} uniform init", jspec.SJD(window=w, init="uniform"))):
+            steps = []
+            for i in range(0, len(caps), args.prompts):
+                o = jspec.generate_image(target, caps[i:i + args.prompts], T.GRID, T.GRID, strategy=strat,
+                                         key=jax.random.key(77 + i), image_prefix_ids=T.image_prefix(), **SAMPLING)
+                steps += [float(x) for x in np.asarray(o.stats["steps"])]
+            s, se = pooled_s(steps, IMAGE_TOKENS)
+            res[name] = dict(S=s, S_se=se, images=len(steps))
+            print(f"  [steps] {name}: S {s:.2f} +- {se:.2f} over {len(steps)} images", flush=True)
+    return res
+
+
 def run_text(args, windows) -> dict:
     from jspec.tools.bench.zoo import zoo_pairs
 
@@ -157,6 +178,11 @@ def run_text(args, windows) -> dict:
 
 def markdown(res: dict) -> str:
     lines = []
+    if res.get("steps"):
+        lines += ["### tokens per target step, SJD against MC-SJD (zoo t2i pair)", "",
+                  "| method | S (+- s.e.) | images |", "|---|---|---|"]
+        lines += [f"| {n} | {r['S']:.2f} +- {r['S_se']:.2f} | {r['images']} |" for n, r in res["steps"].items()]
+        lines.append("")
     for title, block, quality in (("text-to-image (zoo t2i pair, CFG 3, T 1, top-k 128)", res["images"], True),
                                   ("text (zoo text pair), greedy", res["text"].get("T=0", {}), False),
                                   ("text (zoo text pair), T 1", res["text"].get("T=1", {}), False)):
@@ -184,17 +210,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--windows", default="4,8,16")
     ap.add_argument("--text-prompts", type=int, default=8)
     ap.add_argument("--no-text", action="store_true")
+    ap.add_argument("--steps-images", type=int, default=0,
+                    help="also (or with --runs 0, only) tokens per step of SJD and MC-SJD over this many images")
+    ap.add_argument("--steps-windows", default="16,32")
     ap.add_argument("--out", default=str(ROOT / "bench_out"))
     args = ap.parse_args(argv)
     windows = [int(w) for w in args.windows.split(",")]
-    res = {"images": run_images(args, windows), "text": {} if args.no_text else run_text(args, windows)}
+    timed = args.runs > 0
+    res = {"images": run_images(args, windows) if timed else {},
+           "text": {} if args.no_text or not timed else run_text(args, windows)}
+    if args.steps_images:
+        res["steps"] = run_steps(args)
+    stem = "sjd-zoo" if timed else "sjd-zoo-steps"
     res["meta"] = dict(provenance=provenance(), prompts=args.prompts, quality=args.quality, runs=args.runs,
                        windows=windows, sampling=SAMPLING,
                        command="python scripts/bench_sjd.py " + " ".join(sys.argv[1:] if argv is None else argv))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sjd-zoo.json").write_text(json.dumps(res, indent=2))
-    (out / "sjd-zoo.md").write_text(markdown(res))
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))
     return res
 
