@@ -61,7 +61,8 @@ def maximal_coupling(key: jax.Array, p: jax.Array, x: jax.Array, q: jax.Array, h
     """[B, G] tokens distributed as p [B, G, V], each coupled maximally with x [B, G] drawn from q [B, G, V]: x is
     kept with probability min(1, p(x) / q(x)), else the token comes from norm(max(0, p - q)); where `has_x` is
     False, a plain draw from p. `key`: [B] row keys."""
-    k_keep, k_draw = RK.split(key, 2)[:, 0], RK.split(key, 2)[:, 1]
+    keys = RK.split(key, 2)
+    k_keep, k_draw = keys[:, 0], keys[:, 1]
     at = lambda d: jnp.take_along_axis(d, x[..., None], axis=-1)[..., 0]  # noqa: E731
     u = RK.uniform(k_keep, x.shape[1:])
     keep = has_x & (u * at(q) <= at(p))
@@ -116,7 +117,8 @@ class JacobiDrafter(Drafter):
         """This round's window: each position drawn from its new distribution (coupled with its previous draft
         under "maximal"), kept where it has none, initialised where it has no draft either."""
         B, G, V = st.q.shape
-        k_init, k_new = RK.split(key, 2)[:, 0], RK.split(key, 2)[:, 1]
+        keys = RK.split(key, 2)
+        k_init, k_new = keys[:, 0], keys[:, 1]
         allowed = self._allowed(env, G, V)
         init_tok = RK.categorical(k_init, jnp.where(allowed, 0.0, -jnp.inf)).astype(jnp.int32)
         if self.fill == "random":
