@@ -477,9 +477,9 @@ def run_image_gen(seed: int | None = None, out_dir: str = "jspec-demo", n: int =
         print_fn(f"{name:24s} {res['AR']['decode_s'] / r['decode_s']:.2f}x over AR, {r['S']:.2f} tokens per target "
                  f"step, {r['decode_s'] * 1e3:.0f} ms for {n} images")
     if any(r["decode_s"] > res["AR"]["decode_s"] for r in res.values()):
-        print_fn("why slower in wall time: verifying a 58-node tree in two CFG streams costs this CPU about 58 steps "
-                 "of a 4.5M-parameter target (compute-bound); on a GPU a 7B target verifies them for about one step's "
-                 "price, so tokens per target step is the figure that carries over")
+        print_fn("why slower in wall time: verifying a 58-node tree (or a 16-token window) in two CFG streams costs "
+                 "this CPU tens of steps of a 4.5M-parameter target (compute-bound); on a GPU a 7B target "
+                 "verifies them for about one step's price, so tokens per target step is the figure that carries over")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"image-gen-{seed}.png"
