@@ -295,7 +295,11 @@ def _conclude(ctx, parts, target, state, prop, ver: Verified, verdict, chain: bo
         hid = jnp.concatenate([_along(ver.hidden[every.index(i)], verdict.path) for i in mine], axis=-1)
     fed = None if prop.fed is None else jnp.take_along_axis(prop.fed, verdict.path[:, 1:], axis=1)
     chain = plan.is_chain if chain is None else chain
-    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, chain, hid, fed))
+    logits = None
+    if parts.drafter.verify_logits:  # every node's, padded to the proposal's width (an AR round verifies the root)
+        N = prop.tokens.shape[1]
+        logits = jnp.pad(ver.logits, ((0, 0), (0, N - ver.logits.shape[1]), (0, 0)))
+    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, chain, hid, fed, logits))
     drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
     ctrl, decided = aux.ctrl, aux.decided
     if parts.controller is not None:
