@@ -25,12 +25,13 @@ from jspec.strategies.eesd import EESD
 from jspec.strategies.eagle3 import Eagle3
 from jspec.strategies.lantern import Lantern, LanternPP
 from jspec.strategies.sage import SAGE
+from jspec.strategies.sjd import SJD
 from jspec.strategies.specvlm import SpecVLM, VisionPruning
 from jspec.strategies.tabed import TABED
 
 __all__ = ["Stream", "stream", "AR", "BetaTS", "CFG", "CaliTS", "Chain", "DecodeConfig", "DecodeOutput", "DFlash",
            "DynamicTree", "EESD", "Eagle3", "FixedK", "Guarded", "ImageGrammar", "ImageOutput", "Lantern", "LanternPP",
-           "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
+           "NeighbourTable", "PrefillHook", "PromptLookup", "SAGE", "SJD", "SpecVLM", "Speculative", "TABED", "ModelCaptioner",
            "Strategy", "TokenDrafter", "Tree", "VisionPruning", "costs", "decode", "generate_image", "make_mesh", "shard",
            "start"]
 __version__ = "0.1.0"

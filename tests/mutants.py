@@ -177,6 +177,32 @@ def _blind_positions(original):
     return block_visibility
 
 
+def _jacobi_owner():
+    from jspec.parts.drafters import jacobi
+
+    return jacobi
+
+
+def _independent_coupling(original):
+    from jspec.parts.drafters import jacobi
+
+    return jacobi.independent_draw  # each new draft drawn afresh: SJD, still exact
+
+
+def _residual_from_p(original):
+    import jax.numpy as jnp
+
+    from jspec.core import rowkeys as RK
+
+    def maximal_coupling(key, p, x, q, has_x):  # keeps x as the coupling does, else draws p, not norm(max(0, p - q))
+        at = lambda d: jnp.take_along_axis(d, x[..., None], axis=-1)[..., 0]  # noqa: E731
+        keep = has_x & (RK.uniform(RK.split(key, 2)[:, 0], x.shape[1:]) * at(q) <= at(p))
+        logp = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf)
+        return jnp.where(keep, x, RK.categorical(RK.split(key, 2)[:, 1], logp)).astype(jnp.int32)
+
+    return maximal_coupling
+
+
 MUTANTS = {
     "tabed-uniform-weights": Mutant(_tabed_owner, "_weights", _uniform_weights, ("tests/test_tabed.py",),
                                     "the multi-view drafter mixes its views uniformly, whatever the weights"),
@@ -196,6 +222,12 @@ MUTANTS = {
                               "the guard never lets a row draft: every round is an AR step"),
     "guard-never-ar": Mutant(_guard_owner, "decide", _never_ar, ("tests/test_guard.py",),
                              "the guard never stops a row: every round drafts to the full depth"),
+    "sjd-independent-coupling": Mutant(_jacobi_owner, "maximal_coupling", _independent_coupling,
+                                       ("tests/test_sjd.py",),
+                                       "MC-SJD's maximal coupling drafts afresh each round (SJD): lossless, fewer kept"),
+    "sjd-residual-from-p": Mutant(_jacobi_owner, "maximal_coupling", _residual_from_p, ("tests/test_sjd.py",),
+                                  "MC-SJD's coupling draws p instead of norm(max(0, p - q)) after not keeping the "
+                                  "old draft: the drafts no longer follow the q the rule reads (lossy)"),
     "dflash-blind-positions": Mutant(_dflash_owner, "block_visibility", _blind_positions,
                                      ("tests/test_dflash.py", "tests/test_dflash_train.py"),
                                      "a block drafter's mask positions cannot attend to the context entries"),

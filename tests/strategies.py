@@ -228,6 +228,12 @@ register("layer_skip_chain", lambda t, d: jspec.Chain(layer_skip.SkipDrafter((1,
 register("layer_skip_tree", lambda t, d: jspec.Tree(layer_skip.SkipDrafter((1,)), tree=SMALL_TREE), exact=True,
          separate_draft=False, target_layers=2, slow=True)
 
+# speculative Jacobi decoding: the target drafts a window of its own next tokens (no draft model); MC-SJD's maximal
+# coupling by default, SJD's independent draws (tests/test_sjd.py proves both exact and greedy in the default suite)
+register("sjd", lambda t, d: jspec.SJD(window=3), exact=True, separate_draft=False)
+register("sjd_independent", lambda t, d: jspec.SJD(window=3, coupling="independent", init="uniform"), exact=True,
+         separate_draft=False, slow=True)
+
 SHARDED_CHECKS = {"chain", "tree"}  # tests/sharded_checks.py decodes these on two meshes in the default suite
 
 
@@ -264,5 +270,6 @@ register("guarded_dflash", lambda t, d: guarded(jspec.DFlash(dflash_head(t))), e
 register("guarded_dflash_tree", lambda t, d: guarded(jspec.DFlash(dflash_head(t), tree="ddtree", top_k=3, total=8,
                                                                    depth=3)),
          exact=True, separate_draft=False, slow=True)
+register("guarded_sjd", lambda t, d: guarded(jspec.SJD(window=3)), exact=True, separate_draft=False)
 register("guarded_layer_skip", lambda t, d: guarded(jspec.Chain(layer_skip.SkipDrafter((1,)), gamma=3)), exact=True,
          separate_draft=False, target_layers=2)

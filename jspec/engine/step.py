@@ -296,7 +296,9 @@ def _conclude(ctx, parts, target, state, prop, ver: Verified, verdict):
         every, mine = verify_layers(parts, target)
         hid = jnp.concatenate([_along(ver.hidden[every.index(i)], verdict.path) for i in mine], axis=-1)
     fed = None if prop.fed is None else jnp.take_along_axis(prop.fed, verdict.path[:, 1:], axis=1)
-    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid, fed))
+    logits = ver.logits if parts.drafter.verify_logits else None  # every node's, zeros past a trimmed verify
+    ds = parts.drafter.commit(env, aux.draft, Catchup(prop, verdict.path, new, a, active, plan.is_chain, hid, fed,
+                                                      logits))
     drafted = jnp.where(active, jnp.sum(prop.valid[:, 1:], axis=1), 0).astype(jnp.int32)
     ctrl, decided = aux.ctrl, aux.decided
     if parts.controller is not None:

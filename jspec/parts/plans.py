@@ -27,7 +27,7 @@ from flax import struct
 from jspec.core import rowkeys as RK
 from jspec.core.sampling import largest
 from jspec.parts.protocols import Plan, Proposal
-from jspec.parts.trees import Layout, StaticTree, TreeArrays, cached_tree, layered_arrays, tree_from_pool
+from jspec.parts.trees import Layout, StaticTree, TreeArrays, cached_tree, chain, layered_arrays, tree_from_pool
 
 
 def _padded(out, n: int):
@@ -499,3 +499,57 @@ class BlockTreePlan(DynamicPlan):
             q = jnp.take_along_axis(jnp.exp(logp), jnp.minimum(tree.depth, self.depth - 1)[..., None], axis=1)
             known = valid & (tree.depth < self.depth)
         return Proposal(tokens, valid, tree, q, fed, logp[:, 0], None, known, decision), ds
+
+
+@struct.dataclass
+class WindowPlan(Plan):
+    """A chain of `depth` drafts that the drafter draws itself, all at once (`Drafter.window`): Jacobi windows
+    (`jspec.parts.drafters.jacobi`), whose tokens come from the drafter's own coupling of one round's draws with
+    the next. The plan offers them as they are, with the distribution q each was drawn from (what `Residual`
+    compares with), and a row's `decision.depth` (or None) cuts its chain. Nothing is fed to the drafter level by
+    level: the target's verify forward over the chain is the only forward of a round."""
+
+    depth: int = struct.field(pytree_node=False)
+    bare: bool = struct.field(pytree_node=False, default=False)  # `with_skips`: a step may verify the root alone
+
+    num_nodes = property(lambda self: self.depth + 1)
+    max_depth = property(lambda self: self.depth)
+    is_chain = True
+    pending_width = 2
+
+    @property
+    def scratch(self) -> int:
+        return self.depth + 1  # the target's chain; the drafter writes no scratch
+
+    def with_skips(self) -> "WindowPlan":
+        return self.replace(bare=True)
+
+    def verify_size(self, prop: Proposal, done: jax.Array) -> tuple[tuple[int, ...], jax.Array | None]:
+        """With `bare`: the root alone when no decoding row drafted, else the whole chain."""
+        if not self.bare:
+            return (), None
+        drafted = jnp.any(~done & jnp.any(prop.valid[:, 1:], axis=1))
+        return (1, self.depth + 1), drafted.astype(jnp.int32)
+
+    def propose(self, env, drafter, ds, key, decision):
+        if env.stop is not None:
+            raise ValueError("a window plan takes no per-level stop (its drafts are drawn at once)")
+        if env.needs.asks.node_topk:
+            raise ValueError("a window plan keeps no per-node top-k (a controller asked for node_topk)")
+        B, D = env.last.shape[0], self.depth
+        toks, q, ds = drafter.window(env, ds, key)
+        if toks.shape != (B, D) or q.shape[:2] != (B, D):
+            raise ValueError(f"the drafter's window is {toks.shape} tokens with q {q.shape}; the plan drafts "
+                             f"{(B, D)}")
+        tree = cached_tree(tuple(tuple(p) for p in chain(D)))
+        t = TreeArrays(*(jnp.broadcast_to(jnp.asarray(a), (B,) + a.shape)
+                         for a in (tree.parent, tree.depth, tree.ancestor, tree.children)))
+        valid = jnp.ones((B, D + 1), bool)
+        if decision.depth is not None:
+            valid = jnp.arange(D + 1)[None] <= decision.depth[:, None]
+        tokens = jnp.concatenate([env.last[:, None].astype(jnp.int32), toks.astype(jnp.int32)], axis=1)
+        q_nodes = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 1), (0, 0)))  # node i's child was drawn from q[i]
+        known = valid & (jnp.arange(D + 1)[None] < D)
+        fed = jnp.full((B, D + 1), -1, jnp.int32)
+        root_logp = jnp.log(jnp.maximum(q_nodes[:, 0], 0.0))
+        return Proposal(tokens, valid, t, q_nodes, fed, root_logp, None, known, decision), ds

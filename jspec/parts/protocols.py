@@ -95,6 +95,9 @@ class Catchup(NamedTuple):
     # first), for a drafter with `verify_hidden = True`
     fed: jax.Array | None = None  # [B, D] int32: the draft scratch offset holding the K/V of the accepted path's
     # node at depth 1..D (-1 where the drafter did not feed it), or None where the plan records none
+    logits: jax.Array | None = None  # [B, N, V] the target's logits after every node of the proposal, as the rule
+    # read them (guided and constrained where the target is), for a drafter with `verify_logits = True`; only the
+    # nodes in `prop.valid` are sure to be computed (a trimmed verify, or a round where none drafted, leaves zeros past its width)
 
 
 class Drafter:
@@ -104,6 +107,7 @@ class Drafter:
     verify_hidden = False  # reads the target's hidden states at the accepted nodes (`Catchup.hidden`)
     block_size = 0  # > 0: a block drafter, whose draft positions 1 .. block_size - 1 come from one forward
     borrows_cache = False  # drafts in the target's own KV cache, lent to it for the draft (`lend`, `give_back`)
+    verify_logits = False  # reads the target's logits at every verified node (`Catchup.logits`)
 
     def check(self, target) -> None:
         """ValueError before any compute when the drafter cannot serve `target` (default: nothing to check)."""
@@ -141,6 +145,12 @@ class Drafter:
         given the committed text alone and not the drafts before it; its state): what block trees
         (`jspec.parts.plans.BlockTreePlan`) draft from."""
         raise NotImplementedError(f"{type(self).__name__} is not a block drafter (block_size 0)")
+
+    def window(self, env: DraftEnv, state, key: jax.Array):
+        """A drafter that draws its whole chain itself (`jspec.parts.plans.WindowPlan`): (tokens [B, G] after
+        `env.last`, q [B, G, V] the distribution each token was drawn from given everything before this call and
+        the earlier tokens of the chain, the state). `key`: [B] row keys of this round."""
+        raise NotImplementedError(f"{type(self).__name__} draws no window of its own (use a level-by-level plan)")
 
     def lend(self, state, cache):
         """With `borrows_cache`: the state the plan drafts from, holding the target's `cache` (committed tokens

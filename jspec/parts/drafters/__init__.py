@@ -26,6 +26,13 @@ once per decode (`check`, `prepare`) and on the device inside the jitted step:
 - optional class attribute `borrows_cache = True`, with `lend(state, cache) -> state` and `give_back(state) ->
   (state, cache)`: the drafter drafts in the target's own cache (layer skipping, `layer_skip.SkipDrafter`). It
   is lent for the draft only and may be written past the committed length only, where the verify writes next.
+- optional class attribute `verify_logits = True`: the drafter reads the target's logits after every node of the
+  proposal from verification (`Catchup.logits` [B, N, V], as the rule read them: guided and constrained where the
+  target is), not only along the accepted path: a Jacobi window takes its next drafts from them
+  (`jspec.parts.drafters.jacobi`), so a round needs no forward besides the verify.
+- optional `window(env, state, key) -> (tokens [B, G], q [B, G, V], state)`: a drafter that draws a whole chain
+  itself, with the distribution each token was drawn from, for `jspec.parts.plans.WindowPlan` (which calls no
+  `root` or `level`).
 - optional class attribute `verify_hidden = True`: the drafter reads the target's hidden states at the accepted
   path's nodes from verification (`Catchup.hidden`): the last layer's (an EAGLE-1 feature head), or those of the
   layers `verify_layers(num_layers)` names, concatenated (an EAGLE-3 head's low, middle and high layers).

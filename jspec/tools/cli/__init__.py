@@ -290,8 +290,8 @@ def main(argv=None) -> int:
                    help="core (default, a few minutes the first time): SmolLM2 with AR, prompt lookup and the "
                         "EAGLE-3 head, then AR, Chain and a tree on the zoo's text pair; all: adds DynamicTree, "
                         "SAGE, EESD, TABED on the image pair and SpecVLM on video clips; video: the video pair "
-                        "alone; image-gen: the text-to-image pair, AR beside LANTERN++; real: SmolLM2 with every "
-                        "drafter shipped for it")
+                        "alone; image-gen: the text-to-image pair, AR beside LANTERN++ and MC-SJD; real: SmolLM2 "
+                        "with every drafter shipped for it")
     m.add_argument("--no-real", action="store_true", help="core / all: the zoo alone (no real model)")
     m.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (96 for video)")
     m.add_argument("--seed", type=int, default=None, help="example seed (default: a fresh one, printed)")
