@@ -321,7 +321,9 @@ def test_the_cost_table_is_measured_per_depth_and_cached_on_disk(pair, tmp_path,
     again = jspec.costs.measure(target, s, batch=2, prompt_len=12)
     assert again == t  # read back, not measured again
     assert jspec.costs.measure(target, s, batch=3, prompt_len=12, reps=(2, 4), runs=1).key != t.key
-    assert "depth" in t.format() and t.plot(str(tmp_path / "c.png"))
+    from jspec.tools.report import cost_plot
+
+    assert "depth" in t.format() and cost_plot(t, str(tmp_path / "c.png"))
     g = jspec.Guarded(s)
     jspec.decode(target, PROMPTS[:2], g, max_new_tokens=4, eos_token_id=())  # 2 rows, 14 tokens: the first table
     assert len(list(tmp_path.glob("*.json"))) == 2

@@ -80,25 +80,6 @@ class CostTable:
             rows.append(f"{d:5d} | {s * 1e3:8.2f} | {s / self.ar_s:8.2f} | {off}")
         return "\n".join(rows)
 
-    def plot(self, path: str) -> str:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        d = np.arange(len(self.step_s))
-        ax.plot(d, self.relative(), "o-", label="a round drafting to depth d")
-        ax.axhline(1.0, color="gray", ls="--", label="an AR step")
-        ax.set_xlabel("draft depth d")
-        ax.set_ylabel("cost (AR steps)")
-        ax.set_title(f"{self.device}, batch {self.batch}", fontsize=9)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
-
 
 def costs_dir() -> Path:
     return Path(os.environ.get(COSTS_ENV) or Path.home() / ".cache" / "jspec" / "costs")

@@ -122,3 +122,19 @@ def bar_chart(path: str, rows: Sequence[dict], group: str, series: str, value: s
             return None
         grouped_bars(fa[1][0, 0], groups, vals, ylabel, ref, marks, title)
     return path
+
+
+def cost_plot(table, path: str) -> str | None:
+    """A cost table's rounds in AR steps against the draft depth (`jspec.costs.CostTable`), saved at `path`."""
+    with figure(path, figsize=(5, 3.2), dpi=120) as fa:
+        if fa is None:
+            return None
+        ax = fa[1][0, 0]
+        d = np.arange(len(table.step_s))
+        ax.plot(d, table.relative(), "o-", label="a round drafting to depth d")
+        ax.axhline(1.0, color="gray", ls="--", label="an AR step")
+        ax.set_xlabel("draft depth d")
+        ax.set_ylabel("cost (AR steps)")
+        ax.set_title(f"{table.device}, batch {table.batch}", fontsize=9)
+        ax.legend(fontsize=8)
+    return path

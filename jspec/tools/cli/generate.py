@@ -234,7 +234,9 @@ def cmd_costs(args) -> int:
                                 progress=lambda s: print(f"[jspec] measuring {s}", file=sys.stderr, flush=True))
     print(table.format())
     print(f"table: {jspec.costs.costs_dir() / (table.key + '.json')} (with its provenance)")
-    print(f"plot: {table.plot(args.plot)}")
+    from jspec.tools.report import cost_plot
+
+    print(f"plot: {cost_plot(table, args.plot)}")
     return 0
 
 
