@@ -94,6 +94,19 @@ def id_tuple(x) -> tuple[int, ...]:
     return (int(x),)
 
 
+def sizes(ints: dict[str, int], layers: int, heads: int, kv: int) -> dict[str, int]:
+    """The size fields every text config shares, from the HF config's checked integers (`vocab_size`,
+    `hidden_size`, `intermediate_size`) and its layer and head counts."""
+    return dict(vocab_size=ints["vocab_size"], hidden_size=ints["hidden_size"],
+                intermediate_size=ints["intermediate_size"], num_layers=layers, num_heads=heads, num_kv_heads=kv)
+
+
+def token_ids(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The special token fields of a text config (`eos_token_id` as a tuple of ids) from an HF config dict."""
+    return dict(bos_token_id=cfg.get("bos_token_id"), eos_token_ids=id_tuple(cfg.get("eos_token_id")),
+                pad_token_id=cfg.get("pad_token_id"))
+
+
 def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     """Read RoPE settings from either `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
     params = dict(cfg.get("rope_parameters") or {})

@@ -305,6 +305,15 @@ def pack(prop: Proposal, n: int) -> Proposal:
                          node_known=None if prop.node_known is None else g(prop.node_known) & keep)
 
 
+def root_or_whole(bare: bool, prop: Proposal, done: jax.Array, width: int):
+    """`Plan.verify_size` of a plan that verifies its whole `width` or, with `bare` (`with_skips`), the root alone
+    when no decoding row drafted."""
+    if not bare:
+        return (), None
+    drafted = jnp.any(~done & jnp.any(prop.valid[:, 1:], axis=1))
+    return (1, width), drafted.astype(jnp.int32)
+
+
 @struct.dataclass
 class DynamicPlan(Plan):
     """EAGLE-2's dynamic tree, per row inside `jit`.
@@ -339,10 +348,7 @@ class DynamicPlan(Plan):
 
     def verify_size(self, prop: Proposal, done: jax.Array) -> tuple[tuple[int, ...], jax.Array | None]:
         """With `bare`: the root alone when no decoding row drafted (every row at depth 0), else the whole tree."""
-        if not self.bare:
-            return (), None
-        drafted = jnp.any(~done & jnp.any(prop.valid[:, 1:], axis=1))
-        return (1, self.total + 1), drafted.astype(jnp.int32)
+        return root_or_whole(self.bare, prop, done, self.total + 1)
 
     def check(self, rule) -> None:
         if rule.draws:
@@ -526,10 +532,7 @@ class WindowPlan(Plan):
 
     def verify_size(self, prop: Proposal, done: jax.Array) -> tuple[tuple[int, ...], jax.Array | None]:
         """With `bare`: the root alone when no decoding row drafted, else the whole chain."""
-        if not self.bare:
-            return (), None
-        drafted = jnp.any(~done & jnp.any(prop.valid[:, 1:], axis=1))
-        return (1, self.depth + 1), drafted.astype(jnp.int32)
+        return root_or_whole(self.bare, prop, done, self.depth + 1)
 
     def propose(self, env, drafter, ds, key, decision):
         if env.stop is not None:
