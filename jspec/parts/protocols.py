@@ -124,7 +124,7 @@ class Drafter:
     def prepare(self, setup: Setup) -> Prepared:
         raise NotImplementedError(f"{type(self).__name__} defines no `prepare`")
 
-    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int):
+    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int):
         raise NotImplementedError(f"{type(self).__name__} defines no `init`")
 
     def root(self, env: DraftEnv, state):
@@ -154,9 +154,8 @@ class Drafter:
 
     def catch_up(self, env: DraftEnv, state):
         """The state after a step in which no row drafts (every row at depth 0): the next step's root must start
-        where it would have (default: `root`, its distribution unused, which XLA then does not compute). A drafter
-        with a feed of its own may instead leave the step's token unread and have `commit` append it to what waits
-        (`jspec.parts.drafters.model.read_or_defer`; `Needs.defer` extra feed slots)."""
+        where it would have (default: `root`, its distribution unused, which XLA then does not compute; a
+        `jspec.parts.drafters.feed.FeedDrafter` leaves the token unread for its next `root`)."""
         return self.root(env, state)[2]
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from flax import struct
 
 from jspec.core import sharding as SH
-from jspec.parts.drafters.model import draft_log_probs
+from jspec.parts.drafters.feed import draft_log_probs
 from jspec.parts.protocols import DraftEnv, Drafter, Prepared, Setup, run_level
 from ports import cache as kvc
 
@@ -104,7 +104,7 @@ class SkipDrafter(Drafter):
                              "skip) as a draft model")
         return Prepared(self, None, int(np.max(setup.lengths)), setup.tokens.shape[1])
 
-    def init(self, env: DraftEnv, prefill, prompt, max_len: int, pending_width: int) -> SkipState:
+    def init(self, env: DraftEnv, prefill, prompt, max_len: int) -> SkipState:
         return SkipState()
 
     def lend(self, state: SkipState, cache) -> SkipState:
