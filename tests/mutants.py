@@ -177,6 +177,18 @@ def _blind_positions(original):
     return block_visibility
 
 
+def _feed_owner():
+    from jspec.parts.drafters.feed import FeedDrafter
+
+    return FeedDrafter
+
+
+def _reads_at_once(original):  # the protocol's catch_up: a round without drafts runs the drafter's forward
+    from jspec.parts.protocols import Drafter
+
+    return Drafter.catch_up
+
+
 MUTANTS = {
     "tabed-uniform-weights": Mutant(_tabed_owner, "_weights", _uniform_weights, ("tests/test_tabed.py",),
                                     "the multi-view drafter mixes its views uniformly, whatever the weights"),
@@ -196,6 +208,8 @@ MUTANTS = {
                               "the guard never lets a row draft: every round is an AR step"),
     "guard-never-ar": Mutant(_guard_owner, "decide", _never_ar, ("tests/test_guard.py",),
                              "the guard never stops a row: every round drafts to the full depth"),
+    "feed-reads-at-once": Mutant(_feed_owner, "catch_up", _reads_at_once, ("tests/test_guard.py",),
+                                 "a drafter with a feed reads it in every round without drafts (no deferral)"),
     "dflash-blind-positions": Mutant(_dflash_owner, "block_visibility", _blind_positions,
                                      ("tests/test_dflash.py", "tests/test_dflash_train.py"),
                                      "a block drafter's mask positions cannot attend to the context entries"),
