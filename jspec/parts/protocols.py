@@ -102,8 +102,12 @@ class Drafter:
     and defines `prepare`, `init`, `root`, `level` and `commit`; the optional hooks default to doing nothing."""
 
     verify_hidden = False  # reads the target's hidden states at the accepted nodes (`Catchup.hidden`)
-    block_size = 0  # > 0: a block drafter, whose draft positions 1 .. block_size - 1 come from one forward
-    borrows_cache = False  # drafts in the target's own KV cache, lent to it for the draft (`lend`, `give_back`)
+    block_size = 0  # > 0: a block drafter, whose draft positions 1 .. block_size - 1 come from one forward; it
+    # defines `block_logp(env, state) -> (log-distributions [B, block_size - 1, V] of the positions after
+    # `env.last`, each given the committed text alone; state)`, what block trees draft from
+    borrows_cache = False  # drafts in the target's own KV cache: it defines `lend(state, cache) -> state` (the
+    # state the plan drafts from, holding the cache; written past the committed length only, where the verify
+    # writes next) and `give_back(state) -> (state without the cache, the cache as the draft left it)`
 
     def check(self, target) -> None:
         """ValueError before any compute when the drafter cannot serve `target` (default: nothing to check)."""
@@ -135,22 +139,6 @@ class Drafter:
 
     def commit(self, env: DraftEnv, state, catchup: Catchup):
         raise NotImplementedError(f"{type(self).__name__} defines no `commit`")
-
-    def block_logp(self, env: DraftEnv, state):
-        """A block drafter's (log-distributions [B, G, V] of the G = block_size - 1 tokens after `env.last`, each
-        given the committed text alone and not the drafts before it; its state): what block trees
-        (`jspec.parts.plans.BlockTreePlan`) draft from."""
-        raise NotImplementedError(f"{type(self).__name__} is not a block drafter (block_size 0)")
-
-    def lend(self, state, cache):
-        """With `borrows_cache`: the state the plan drafts from, holding the target's `cache` (committed tokens
-        before `env.last`). The drafter may write past the committed length only: the verify overwrites those
-        slots, and nothing reads them before it."""
-        return state
-
-    def give_back(self, state):
-        """With `borrows_cache`: (the state without the cache, the cache as the draft left it)."""
-        raise NotImplementedError(f"{type(self).__name__} borrows no cache")
 
     def catch_up(self, env: DraftEnv, state):
         """The state after a step in which no row drafts (every row at depth 0): the next step's root must start

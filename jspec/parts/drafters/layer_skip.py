@@ -74,7 +74,7 @@ def draft_cost(target, n_skip: int) -> float:
 
 @struct.dataclass
 class SkipState:
-    cache: Any = None  # the target's cache while it is lent for a draft (`Drafter.lend`); None between rounds
+    cache: Any = None  # the target's cache while it is lent for a draft (`lend`); None between rounds
 
 
 @struct.dataclass
@@ -108,9 +108,11 @@ class SkipDrafter(Drafter):
         return SkipState()
 
     def lend(self, state: SkipState, cache) -> SkipState:
+        """The state holding the target's cache (committed tokens before `env.last`) for the draft."""
         return state.replace(cache=cache)
 
     def give_back(self, state: SkipState):
+        """(the state without the cache, the cache with the drafts' K/V past the committed length)."""
         return state.replace(cache=None), state.cache
 
     def commit(self, env: DraftEnv, state: SkipState, catchup) -> SkipState:
