@@ -203,6 +203,18 @@ def _residual_from_p(original):
     return maximal_coupling
 
 
+def _feed_owner():
+    from jspec.parts.drafters.feed import FeedDrafter
+
+    return FeedDrafter
+
+
+def _reads_at_once(original):  # the protocol's catch_up: a round without drafts runs the drafter's forward
+    from jspec.parts.protocols import Drafter
+
+    return Drafter.catch_up
+
+
 MUTANTS = {
     "tabed-uniform-weights": Mutant(_tabed_owner, "_weights", _uniform_weights, ("tests/test_tabed.py",),
                                     "the multi-view drafter mixes its views uniformly, whatever the weights"),
@@ -228,6 +240,8 @@ MUTANTS = {
     "sjd-residual-from-p": Mutant(_jacobi_owner, "maximal_coupling", _residual_from_p, ("tests/test_sjd.py",),
                                   "MC-SJD's coupling draws p instead of norm(max(0, p - q)) after not keeping the "
                                   "old draft: the drafts no longer follow the q the rule reads (lossy)"),
+    "feed-reads-at-once": Mutant(_feed_owner, "catch_up", _reads_at_once, ("tests/test_guard.py",),
+                                 "a drafter with a feed reads it in every round without drafts (no deferral)"),
     "dflash-blind-positions": Mutant(_dflash_owner, "block_visibility", _blind_positions,
                                      ("tests/test_dflash.py", "tests/test_dflash_train.py"),
                                      "a block drafter's mask positions cannot attend to the context entries"),

@@ -40,3 +40,32 @@ def test_the_readme_token_drafter_is_five_lines_and_lossless():
                        eos_token_id=())
     np.testing.assert_array_equal(out.tokens, ar.tokens)
     assert np.sum(out.stats["drafted"]) > 0
+
+
+def test_the_readme_feed_drafter_is_a_few_lines_and_lossless():
+    """The README's draft model written on `FeedDrafter` (its cache and prefill, its forward; the feed, deferral and
+    commit are the base's) decodes AR's greedy tokens, accepts drafts, and samples the tokens `ModelDrafter` samples
+    with the same key; under a guard that leaves its feed unread it still decodes AR's tokens."""
+    import jax
+
+    from strategies import guarded
+
+    text = (DOCS.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "FeedDrafter" in b)
+    code = block[:block.index("out = jspec.decode")]
+    assert len([line for line in code.splitlines() if line.strip() and not line.startswith(("import", "from"))]) <= 8
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    target, draft = tiny_pair()
+    small = scope["SmallDraft"](draft)
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=16, eos_token_id=())
+    for strategy in (jspec.Chain(small, gamma=3), jspec.Tree(small, tree=[[0], [1], [0, 0]]),
+                     guarded(jspec.Chain(small, gamma=3))):
+        out = jspec.decode(target, PROMPTS, strategy, max_new_tokens=16, eos_token_id=())
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+        assert np.asarray(out.stats["accepted"]).max() >= 2
+    kw = dict(max_new_tokens=16, eos_token_id=(), temperature=1.0, key=jax.random.key(3))
+    mine = jspec.decode(target, PROMPTS, jspec.Chain(small, gamma=3), **kw)
+    model = jspec.decode(target, PROMPTS, jspec.Chain(draft, gamma=3), **kw)
+    np.testing.assert_array_equal(mine.tokens, model.tokens)
+    np.testing.assert_array_equal(mine.stats["accepted"], model.stats["accepted"])

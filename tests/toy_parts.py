@@ -169,9 +169,9 @@ class TwoViews(Drafter):
         pb = self.b.prepare(setup._replace(draft_prompt=rows))
         return pa._replace(drafter=self.replace(a=pa.drafter, b=pb.drafter), prompt=(pa.prompt, pb.prompt))
 
-    def init(self, env, prefill, prompt, max_len, pending_width):
-        return (self.a.init(env, prefill, prompt[0], max_len, pending_width),
-                self.b.init(env, prefill, prompt[1], max_len, pending_width))
+    def init(self, env, prefill, prompt, max_len):
+        return (self.a.init(env, prefill, prompt[0], max_len),
+                self.b.init(env, prefill, prompt[1], max_len))
 
     def _mix(self, la, lb):
         w = jnp.log(self.w)

@@ -66,7 +66,7 @@ def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, pref
         d_len = parts.prefill.draft_len(max_len)  # a hook that shortens the draft's prompt shortens its cache
     needs = parts.needs
     env = draft_env(ctx, state, target, needs=needs)
-    ds = parts.drafter.init(env, prefill, prompt, d_len, needs.pending_width)
+    ds = parts.drafter.init(env, prefill, prompt, d_len)
     B = state.last.shape[0]
     ctrl, decided = None, {}
     if parts.controller is not None:

@@ -105,8 +105,12 @@ class Drafter:
     and defines `prepare`, `init`, `root`, `level` and `commit`; the optional hooks default to doing nothing."""
 
     verify_hidden = False  # reads the target's hidden states at the accepted nodes (`Catchup.hidden`)
-    block_size = 0  # > 0: a block drafter, whose draft positions 1 .. block_size - 1 come from one forward
-    borrows_cache = False  # drafts in the target's own KV cache, lent to it for the draft (`lend`, `give_back`)
+    block_size = 0  # > 0: a block drafter, whose draft positions 1 .. block_size - 1 come from one forward; it
+    # defines `block_logp(env, state) -> (log-distributions [B, block_size - 1, V] of the positions after
+    # `env.last`, each given the committed text alone; state)`, what block trees draft from
+    borrows_cache = False  # drafts in the target's own KV cache: it defines `lend(state, cache) -> state` (the
+    # state the plan drafts from, holding the cache; written past the committed length only, where the verify
+    # writes next) and `give_back(state) -> (state without the cache, the cache as the draft left it)`
     verify_logits = False  # reads the target's logits at every verified node (`Catchup.logits`)
 
     def check(self, target) -> None:
@@ -128,7 +132,7 @@ class Drafter:
     def prepare(self, setup: Setup) -> Prepared:
         raise NotImplementedError(f"{type(self).__name__} defines no `prepare`")
 
-    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int):
+    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int):
         raise NotImplementedError(f"{type(self).__name__} defines no `init`")
 
     def root(self, env: DraftEnv, state):
@@ -140,33 +144,16 @@ class Drafter:
     def commit(self, env: DraftEnv, state, catchup: Catchup):
         raise NotImplementedError(f"{type(self).__name__} defines no `commit`")
 
-    def block_logp(self, env: DraftEnv, state):
-        """A block drafter's (log-distributions [B, G, V] of the G = block_size - 1 tokens after `env.last`, each
-        given the committed text alone and not the drafts before it; its state): what block trees
-        (`jspec.parts.plans.BlockTreePlan`) draft from."""
-        raise NotImplementedError(f"{type(self).__name__} is not a block drafter (block_size 0)")
-
     def window(self, env: DraftEnv, state, key: jax.Array):
         """A drafter that draws its whole chain itself (`jspec.parts.plans.WindowPlan`): (tokens [B, G] after
         `env.last`, q [B, G, V] the distribution each token was drawn from given everything before this call and
         the earlier tokens of the chain, the state). `key`: [B] row keys of this round."""
         raise NotImplementedError(f"{type(self).__name__} draws no window of its own (use a level-by-level plan)")
 
-    def lend(self, state, cache):
-        """With `borrows_cache`: the state the plan drafts from, holding the target's `cache` (committed tokens
-        before `env.last`). The drafter may write past the committed length only: the verify overwrites those
-        slots, and nothing reads them before it."""
-        return state
-
-    def give_back(self, state):
-        """With `borrows_cache`: (the state without the cache, the cache as the draft left it)."""
-        raise NotImplementedError(f"{type(self).__name__} borrows no cache")
-
     def catch_up(self, env: DraftEnv, state):
         """The state after a step in which no row drafts (every row at depth 0): the next step's root must start
-        where it would have (default: `root`, its distribution unused, which XLA then does not compute). A drafter
-        with a feed of its own may instead leave the step's token unread and have `commit` append it to what waits
-        (`jspec.parts.drafters.model.read_or_defer`; `Needs.defer` extra feed slots)."""
+        where it would have (default: `root`, its distribution unused, which XLA then does not compute; a
+        `jspec.parts.drafters.feed.FeedDrafter` leaves the token unread for its next `root`)."""
         return self.root(env, state)[2]
 
 

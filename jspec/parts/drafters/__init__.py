@@ -9,8 +9,8 @@ once per decode (`check`, `prepare`) and on the device inside the jitted step:
   of host or device arrays handed to `init` inside the prefill program, with the cache extent it needs.
 - optional `prefill_asks(tokens, lengths, inputs) -> dict`: forward options for the target's prefill whose
   by-products `init` reads (e.g. `{"hidden_layers": (N,)}`: an early-exit drafter's prompt states at layer N).
-- `init(env, prefill: TargetPrefill, prompt, max_len, pending_width) -> state`: prefill; `prefill` holds the
-  target prefill's by-products (logits, requested hidden states and attention, its cache).
+- `init(env, prefill: TargetPrefill, prompt, max_len) -> state`: prefill; `prefill` holds the target prefill's
+  by-products (logits, requested hidden states and attention, its cache).
 - `root(env, state) -> (logp [B, 1, V], aux, state)`: the distribution after the newest committed token
   (`env.last`), after reading whatever committed tokens the drafter has not seen.
 - `level(env, state, tokens [B, K], depth [B, K], mask [B, K, S], offset, run) -> (logp [B, K, V], aux, state)`:
@@ -44,9 +44,13 @@ when sampling, the plain softmax when greedy); aux is a per-node pytree [B, K, .
 start (read only: a drafter that writes it borrows it), the controller's decision for this step, the tokens
 generated so far (`out`, `n_out`) and the strategy's `Needs` (`needs`: the plan's depth and scratch, to size buffers at `init`; what the controller asks).
 A drafter subclasses `Drafter` (`jspec.parts.protocols`), whose optional hooks (`check`, `map_models`,
-`prefill_asks`, `verify_hidden`, `verify_layers`) do nothing by default.
+`prefill_asks`, `verify_hidden`, `verify_layers`) do nothing by default. A drafter that reads the committed text
+into a cache of its own subclasses `FeedDrafter` (`jspec.parts.drafters.feed`), which implements `init`, `root`,
+`catch_up` and `commit` over its model's `read_prompt` and `forward`.
 """
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
+from jspec.parts.drafters.feed import FeedDrafter, FeedState
 from jspec.parts.drafters.model import ModelDrafter
 
-__all__ = ["Catchup", "DraftEnv", "Drafter", "ModelDrafter", "Prepared", "Setup", "TargetPrefill"]
+__all__ = ["Catchup", "DraftEnv", "Drafter", "FeedDrafter", "FeedState", "ModelDrafter", "Prepared", "Setup",
+           "TargetPrefill"]

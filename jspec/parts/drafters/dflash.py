@@ -31,7 +31,8 @@ from flax import struct
 from jspec.core import sharding as SH
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import heads as H
-from jspec.parts.drafters.model import check_vocab_size, draft_log_probs
+from jspec.parts.drafters.feed import draft_log_probs
+from jspec.parts.drafters.model import check_vocab_size
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
 from ports import cache as kvc
 from ports import layers as LY
@@ -308,7 +309,7 @@ class DFlashDrafter(Drafter):
     def _rows(self):
         return None if self.rows is None else (self.head.vocab, self.rows)
 
-    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> DFlashState:
+    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int) -> DFlashState:
         cfg, lm = text_parts(env.target)
         h = jnp.concatenate([prefill.hidden_at(i) for i in self.head.target_layers], axis=-1)
         R = h.shape[0]

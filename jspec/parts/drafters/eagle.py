@@ -33,10 +33,10 @@ from flax import struct
 
 from ports import cache as kvc
 from jspec.core import guidance as GD
-from jspec.core import sharding as SH
 from jspec.parts.drafters import heads as H
-from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
-from jspec.parts.drafters.model import appended, check_vocab_size, draft_log_probs, feed, read_or_defer
+from jspec.parts.protocols import Catchup, DraftEnv, Prepared, Setup, TargetPrefill, run_level
+from jspec.parts.drafters.feed import FeedDrafter, FeedState, draft_log_probs, rep
+from jspec.parts.drafters.model import check_vocab_size
 from ports import chameleon as CH
 from ports import fused as FU
 from ports import layers as LY
@@ -215,23 +215,15 @@ def head_forward(cfg, head: EagleHead, emb: jax.Array, feat: jax.Array, position
 
 
 @struct.dataclass
-class EagleState:
-    cache: kvc.KVCache  # [R = B * streams rows]; committed = entries through the newest committed token's parent
-    pending: jax.Array  # [B, P] committed tokens not yet fed, ending with `last`
-    feats_in: jax.Array  # [R, P, D] the target feature each pending token pairs with
-    n_pending: jax.Array  # [B]
+class Drafts:
+    """An EAGLE head's `FeedState.own`: the f-hat the step's drafts pair with."""
+
     root: jax.Array  # [R, D] f-hat after `last`
     scratch: jax.Array  # [R, plan scratch, D] f-hat of each drafted scratch slot
-    last_in: jax.Array  # [R, D] the feature `last` paired with (re-fed when a finished row repeats its root)
-    deferred: jax.Array  # [B] bool: this round's `catch_up` left `pending` unread (`model.read_or_defer`)
 
 
 def _streams(target) -> int:
     return target.streams if isinstance(target, GD.Guided) else 1
-
-
-def _rep(x, n: int):
-    return x if n == 1 else jnp.repeat(x, n, axis=0)
 
 
 def _rows(h: jax.Array, n: int) -> jax.Array:
@@ -243,13 +235,16 @@ def _rows(h: jax.Array, n: int) -> jax.Array:
 
 
 @struct.dataclass
-class EagleDrafter(Drafter):
-    """Drafts with an `EagleHead` over the target's own features (see the module docstring)."""
+class EagleDrafter(FeedDrafter):
+    """Drafts with an `EagleHead` over the target's own features (see the module docstring). Its feed pairs each
+    pending token with the target feature verification computed before it (`FeedState.side`); its drafted
+    entries, fed with f-hat, are never kept (`keeps_fed` False)."""
 
     head: EagleHead
     layers: int = struct.field(pytree_node=False, default=0)  # the target's depth (set by `prepare`)
     rows: jax.Array | None = None  # the draft vocabulary's LM-head rows [Vd, D] (set by `prepare`)
     verify_hidden = True
+    keeps_fed = False
 
     def check(self, target) -> None:
         cfg, _ = self.text_parts(target)
@@ -302,10 +297,10 @@ class EagleDrafter(Drafter):
     def embed(self, lm: dict, tokens: jax.Array) -> jax.Array:
         return llama.embed(lm, tokens)
 
-    def new_cache(self, cfg, rows: int, max_len: int, dtype) -> kvc.KVCache:
+    def head_cache(self, cfg, rows: int, max_len: int, dtype) -> kvc.KVCache:
         return kvc.init_cache(1, rows, cfg.num_kv_heads, max_len, cfg.head_dim, dtype)
 
-    def forward(self, cfg, emb, feat, positions, cache, new_mask=None, write_offset: int = 0, fresh: bool = False):
+    def run_head(self, cfg, emb, feat, positions, cache, new_mask=None, write_offset: int = 0, fresh: bool = False):
         """(f-hat [R, T, D], cache): `head_forward`'s contract."""
         return head_forward(cfg, self.head, emb, feat, positions, cache, new_mask, write_offset, fresh)
 
@@ -313,7 +308,10 @@ class EagleDrafter(Drafter):
         """Float32 draft logits over the target's vocabulary [R, K, V] from f-hat [R, K, D]."""
         return lm_logits(cfg, lm, f, None if self.rows is None else (self.head.vocab, self.rows))
 
-    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> EagleState:
+    def streams(self, env: DraftEnv) -> int:
+        return _streams(env.target)
+
+    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int) -> FeedState:
         target = env.target
         cfg, lm = self.text_parts(target)
         n = _streams(target)
@@ -325,20 +323,15 @@ class EagleDrafter(Drafter):
         f = self.features(cfg, lm, jnp.concatenate([prefill.hidden_at(i) for i in self.verify_layers(cfg.num_layers)],
                                                    axis=-1))  # [R, W, D]
         dt = lm["embed"].dtype
-        cache = self.new_cache(cfg, R, max_len, dt).replace(start=starts)
+        cache = self.head_cache(cfg, R, max_len, dt).replace(start=starts)
         if W > 1:  # entry of target slot j (token j, feature j - 1) at head slot j - 1
             pos = jnp.maximum(jnp.arange(1, W)[None] - starts[:, None], 0)
-            _, cache = self.forward(cfg, self.embed(lm, toks[:, 1:]), f[:, :-1], pos, cache, fresh=True)
-        cache = cache.replace(length=jnp.maximum(_rep(end, n) - 1, 0))
-        cache = SH.constrain(env.ctx.placement, cache, replicated=True)
-        B = end.shape[0]
-        P = max(pending_width, env.needs.depth + 1 + env.needs.defer)  # the whole path, and deferred rounds' tokens
+            _, cache = self.run_head(cfg, self.embed(lm, toks[:, 1:]), f[:, :-1], pos, cache, fresh=True)
+        cache = cache.replace(length=jnp.maximum(rep(end, n) - 1, 0))
         D = cfg.hidden_size
-        last_in = jnp.take_along_axis(f, (_rep(end, n) - 1)[:, None, None], axis=1)[:, 0]
-        feats_in = jnp.zeros((R, P, D), f.dtype).at[:, 0].set(last_in)
-        pending = jnp.zeros((B, P), jnp.int32).at[:, 0].set(env.last)
-        return EagleState(cache, pending, feats_in, jnp.ones((B,), jnp.int32), jnp.zeros((R, D), f.dtype),
-                          jnp.zeros((R, max(env.needs.scratch, 1), D), f.dtype), last_in, jnp.zeros((B,), bool))
+        last_in = jnp.take_along_axis(f, (rep(end, n) - 1)[:, None, None], axis=1)[:, 0]
+        drafts = Drafts(jnp.zeros((R, D), f.dtype), jnp.zeros((R, max(env.needs.scratch, 1), D), f.dtype))
+        return self.fresh(env, cache, side=last_in, own=drafts)
 
     def _logp(self, env: DraftEnv, f: jax.Array, depth: jax.Array) -> jax.Array:
         """Draft log-probs [B, K, V] from f-hat [R, K, D] of nodes at `depth` [B, K] below the root: the target's
@@ -350,70 +343,45 @@ class EagleDrafter(Drafter):
             logits = env.target._process(logits, g)
         return draft_log_probs(logits, env)
 
-    def root(self, env: DraftEnv, ds: EagleState):
+    def read(self, env: DraftEnv, ds: FeedState, width: int):
         cfg, lm = self.text_parts(env.target)
         n = _streams(env.target)
-        at = _rep(ds.n_pending - 1, n)
+        c = ds.cache
+        pos = (c.length + 1 - c.start)[:, None] + jnp.arange(width)[None]
+        x, c = self.run_head(cfg, self.embed(lm, rep(ds.pending[:, :width], n)), ds.side[:, :width], pos, c)
+        return jnp.take_along_axis(x, rep(ds.n_pending - 1, n)[:, None, None], axis=1)[:, 0], c
 
-        def read(W):
-            c = ds.cache
-            pos = (c.length + 1 - c.start)[:, None] + jnp.arange(W)[None]
-            x, c = self.forward(cfg, self.embed(lm, _rep(ds.pending[:, :W], n)), ds.feats_in[:, :W], pos, c)
-            return jnp.take_along_axis(x, at[:, None, None], axis=1)[:, 0], c
+    def root(self, env: DraftEnv, ds: FeedState):
+        root, ds = self.read_feed(env, ds)
+        logp = self._logp(env, root[:, None], jnp.zeros((ds.pending.shape[0], 1), jnp.int32))
+        return logp, None, ds.replace(own=ds.own.replace(root=root.astype(ds.own.root.dtype)))
 
-        root, c = feed(env, ds, read)
-        last_in = jnp.take_along_axis(ds.feats_in, at[:, None, None], axis=1)[:, 0]
-        c = SH.constrain(env.ctx.placement, kvc.commit(c, _rep(ds.n_pending, n)), replicated=True)
-        B = ds.pending.shape[0]
-        logp = self._logp(env, root[:, None], jnp.zeros((B, 1), jnp.int32))
-        return logp, None, ds.replace(cache=c, root=root.astype(ds.root.dtype), last_in=last_in,
-                                      deferred=jnp.zeros_like(ds.deferred))
-
-    def catch_up(self, env: DraftEnv, ds: EagleState) -> EagleState:
-        return read_or_defer(ds, lambda s: self.root(env, s)[2])
-
-    def level(self, env: DraftEnv, ds: EagleState, tokens, depth, mask, offset: int, run):
+    def level(self, env: DraftEnv, ds: FeedState, tokens, depth, mask, offset: int, run):
         cfg, lm = self.text_parts(env.target)
         n = _streams(env.target)
-        B, K = tokens.shape
         mask = mask.astype(bool)
         slot = jnp.arange(mask.shape[-1])[None, None]
         parent = jnp.max(jnp.where(mask & (slot < offset), slot, -1), axis=-1,
                          initial=-1)  # [B, K] the deepest earlier scratch slot a node sees: its parent's
-        parent = _rep(parent, n)
+        parent = rep(parent, n)
 
         def go(ds):
-            from_scratch = jnp.take_along_axis(ds.scratch, jnp.maximum(parent, 0)[..., None], axis=1)
-            pf = jnp.where(parent[..., None] >= 0, from_scratch, ds.root[:, None])
+            own = ds.own
+            from_scratch = jnp.take_along_axis(own.scratch, jnp.maximum(parent, 0)[..., None], axis=1)
+            pf = jnp.where(parent[..., None] >= 0, from_scratch, own.root[:, None])
             c = ds.cache
-            pos = (c.length - c.start)[:, None] + _rep(depth, n)
-            x, c = self.forward(cfg, self.embed(lm, _rep(tokens, n)), pf, pos, c, _rep(mask, n), offset)
-            scratch = jax.lax.dynamic_update_slice_in_dim(ds.scratch, x.astype(ds.scratch.dtype), offset, axis=1)
-            return x, ds.replace(cache=c, scratch=scratch)
+            pos = (c.length - c.start)[:, None] + rep(depth, n)
+            x, c = self.run_head(cfg, self.embed(lm, rep(tokens, n)), pf, pos, c, rep(mask, n), offset)
+            scratch = jax.lax.dynamic_update_slice_in_dim(own.scratch, x.astype(own.scratch.dtype), offset, axis=1)
+            return x, ds.replace(cache=c, own=own.replace(scratch=scratch))
 
         x, ds = run_level(run, go, ds)
         return self._logp(env, x, depth), None, ds
 
-    def commit(self, env: DraftEnv, ds: EagleState, c: Catchup) -> EagleState:
-        cfg, lm = self.text_parts(env.target)
-        n = _streams(env.target)
+    def side_of(self, env: DraftEnv, ds: FeedState, c: Catchup) -> jax.Array:
+        """The true features verification computed along the accepted path: the one each committed token pairs
+        with."""
         if c.hidden is None:
             raise ValueError("the EAGLE drafter needs the target's hidden states from verification (Catchup.hidden)")
-        f = self.features(cfg, lm, _rows(c.hidden, n)).astype(ds.feats_in.dtype)  # [R, D+1, D]
-        B, P = ds.pending.shape
-        W = c.new.shape[1]
-        new = jnp.zeros((B, P), jnp.int32).at[:, :W].set(c.new)
-        f = jnp.zeros(ds.feats_in.shape, f.dtype).at[:, :W].set(f)
-        active = c.active
-        act_r = _rep(active, n)
-        pending = jnp.where(active[:, None], new, jnp.zeros_like(new).at[:, 0].set(env.last))
-        feats_in = jnp.where(act_r[:, None, None], f, jnp.zeros_like(f).at[:, 0].set(ds.last_in))
-        n_pending = jnp.where(active, c.accepted + 1, 1)
-        # a round whose catch-up read nothing appends its tokens after those still waiting (a finished row keeps all)
-        dfr, dfr_r = ds.deferred, _rep(ds.deferred, n)
-        count, count_r = jnp.where(active, c.accepted + 1, 0), _rep(jnp.where(active, c.accepted + 1, 0), n)
-        pending = jnp.where(dfr[:, None], appended(ds.pending, ds.n_pending, new, count), pending)
-        feats_in = jnp.where(dfr_r[:, None, None], appended(ds.feats_in, _rep(ds.n_pending, n), f, count_r), feats_in)
-        n_pending = jnp.where(dfr, ds.n_pending + count, n_pending)
-        cache = ds.cache.replace(length=jnp.where(act_r | dfr_r, ds.cache.length, ds.cache.length - 1))
-        return ds.replace(cache=cache, pending=pending, feats_in=feats_in, n_pending=n_pending)
+        cfg, lm = self.text_parts(env.target)
+        return self.features(cfg, lm, _rows(c.hidden, _streams(env.target)))

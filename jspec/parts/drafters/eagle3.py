@@ -10,7 +10,7 @@ layers. Its own final norm and LM head score a draft vocabulary of Vd tokens, ma
 
 Drafting deeper than one token feeds the head's own output hidden state back in place of g (training-time test
 trains the head for exactly that), so the head's entries, slots and steps are EAGLE-1's (`jspec.parts.drafters.eagle`):
-the drafter reuses that drafter's state, catch-up and tree walk, and overrides only the head's computation.
+the drafter reuses that drafter's feed, tree walk and commit, and overrides only the head's computation.
 """
 from __future__ import annotations
 
@@ -267,11 +267,11 @@ class Eagle3Drafter(EG.EagleDrafter):
         own = self.head.params.get("embed")
         return llama.embed(lm, tokens) if own is None else jnp.take(own, tokens, axis=0)
 
-    def new_cache(self, cfg, rows: int, max_len: int, dtype) -> kvc.KVCache:
+    def head_cache(self, cfg, rows: int, max_len: int, dtype) -> kvc.KVCache:
         h = self.head.config
         return kvc.init_cache(h.num_layers, rows, h.num_kv_heads, max_len, h.head_dim, dtype)
 
-    def forward(self, cfg, emb, feat, positions, cache, new_mask=None, write_offset: int = 0, fresh: bool = False):
+    def run_head(self, cfg, emb, feat, positions, cache, new_mask=None, write_offset: int = 0, fresh: bool = False):
         return head_forward(self.head, emb, feat, positions, cache, new_mask, write_offset, fresh)
 
     def logits(self, cfg, lm: dict, f: jax.Array) -> jax.Array:

@@ -11,7 +11,7 @@ Where the K/V of layers 1..N go while drafting: the target's cache is read only 
 slots itself), so the drafter keeps a small scratch per shared layer, `pending_width + plan scratch` slots, and
 its attention at those layers reads two sources under one softmax: the target cache's committed slots and the
 scratch (`two_source_attention`). No cache is copied. The head's layers have an ordinary cache whose committed
-prefix follows the accepted tokens exactly as a separate draft model's does (`model.commit_fed`).
+prefix follows the accepted tokens exactly as a separate draft model's does (`jspec.parts.drafters.feed`).
 
 The prompt's hidden states at layer N come from the target's own prefill (the drafter asks for them), so the
 head's cache is filled without running layers 1..N again.
@@ -27,10 +27,10 @@ import numpy as np
 from flax import struct
 
 from ports import cache as kvc
-from jspec.core import sharding as SH
 from jspec.parts.drafters import heads as H
-from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level
-from jspec.parts.drafters.model import check_vocab_size, commit_fed, draft_log_probs, feed, read_or_defer
+from jspec.parts.protocols import DraftEnv, Prepared, Setup, TargetPrefill, run_level
+from jspec.parts.drafters.feed import FeedDrafter, FeedState, draft_log_probs
+from jspec.parts.drafters.model import check_vocab_size
 from ports import fused as FU
 from ports import layers as LY
 from ports import llama
@@ -231,18 +231,18 @@ def head_forward(cfg, params: dict, h, positions, cache: kvc.KVCache | None, new
 
 
 @struct.dataclass
-class EEState:
-    cache: kvc.KVCache | None  # the head's layers: committed = tokens the head has read, `last` excluded
-    pending: jax.Array  # [B, P] committed tokens the head has not read yet, ending with `last`
-    n_pending: jax.Array  # [B]
-    scratch_k: list  # per shared layer [B * KVH, P + plan scratch, Dh]: this step's K/V of layers 1..N
-    scratch_v: list
-    deferred: jax.Array  # [B] bool: this round's `catch_up` left `pending` unread (`model.read_or_defer`)
+class Shared:
+    """An early-exit drafter's `FeedState.own`: this step's K/V of the shared layers 1..N, per layer
+    [B * KVH, P + plan scratch, Dh] (the feed's P slots first, then the drafts')."""
+
+    k: list
+    v: list
 
 
 @struct.dataclass
-class EarlyExitDrafter(Drafter):
-    """Drafts with the target's first `head.exit_layer` layers and `head` (see the module docstring)."""
+class EarlyExitDrafter(FeedDrafter):
+    """Drafts with the target's first `head.exit_layer` layers and `head` (see the module docstring); its cache is
+    the head's layers' (None for a head without layers)."""
 
     head: EarlyExitHead
     aux_keys = ("hidden",)  # per-node outputs: the head's post-norm hidden states (Cali-TS reads them)
@@ -274,7 +274,7 @@ class EarlyExitDrafter(Drafter):
         cfg, lm = text_model(env.target)
         return cfg, lm, env.tcache.k[0].shape[0], cfg.head_dim
 
-    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> EEState:
+    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int) -> FeedState:
         cfg, lm, rows, hd = self._shapes(env)
         B, T = prefill.tokens.shape
         h = prefill.hidden_at(self.head.exit_layer)
@@ -286,45 +286,42 @@ class EarlyExitDrafter(Drafter):
             _, cache = head_forward(cfg, self.head.params, h, pos, cache, fresh=True,
                                     logits_at=jnp.zeros((B, 1), jnp.int32), lm=lm)
             cache = kvc.rollback(cache, prefill.lengths).replace(pos_offset=prefill.cache.pos_offset)
-            cache = SH.constrain(env.ctx.placement, cache, replicated=True)
-        pending = jnp.zeros((B, pending_width), jnp.int32).at[:, 0].set(env.last)
-        width = pending_width + env.needs.scratch
+        width = self.feed_width(env) + env.needs.scratch
         dt = env.tcache.k[0].dtype
         zeros = [jnp.zeros((rows, width, hd), dt) for _ in range(self.head.exit_layer)]
-        return EEState(cache, pending, jnp.ones((B,), jnp.int32), zeros, list(zeros), jnp.zeros((B,), bool))
+        return self.fresh(env, cache, own=Shared(zeros, list(zeros)))
 
-    def root(self, env: DraftEnv, ds: EEState):
+    def read(self, env: DraftEnv, ds: FeedState, width: int):
+        """The first `width` pending tokens through the shared layers (their K/V into the shared scratch, slots
+        0..) and the head's: (the head's states after `last`, (the head's cache, the shared scratch))."""
         cfg, lm, _, _ = self._shapes(env)
         tc = env.tcache
         base = tc.length - (ds.n_pending - 1)  # target slot of pending[0]; `last` sits at tc.length
-        S = ds.scratch_k[0].shape[1]
-        at = (ds.n_pending - 1)[:, None]
+        S = ds.own.k[0].shape[1]
+        pos = (base + tc.pos_offset)[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
+        t, s = jnp.arange(width)[:, None], jnp.arange(S)[None, :]
+        vis = jnp.broadcast_to(s <= t, (tc.batch, width, S))  # causal over the pending tokens
+        x = llama.embed(lm, ds.pending[:, :width])
+        h, sk, sv = shared_layers(cfg, lm, self.head.exit_layer, x, pos, tc, base, ds.own.k, ds.own.v, 0, vis)
+        states, cache = head_states(cfg, self.head.params, h, pos, ds.cache, logits_at=(ds.n_pending - 1)[:, None])
+        return states, (cache, Shared(sk, sv))
 
-        def read(P):  # the first P pending tokens (`model.feed`)
-            pos = (base + tc.pos_offset)[:, None] + jnp.arange(P, dtype=jnp.int32)[None]
-            t, s = jnp.arange(P)[:, None], jnp.arange(S)[None, :]
-            vis = jnp.broadcast_to(s <= t, (tc.batch, P, S))  # causal over the pending tokens
-            x = llama.embed(lm, ds.pending[:, :P])
-            h, sk, sv = shared_layers(cfg, lm, self.head.exit_layer, x, pos, tc, base, ds.scratch_k, ds.scratch_v, 0,
-                                      vis)
-            return head_states(cfg, self.head.params, h, pos, ds.cache, logits_at=at), sk, sv
+    def written(self, env: DraftEnv, ds: FeedState, new) -> FeedState:
+        cache, shared = new
+        return ds.replace(cache=cache, own=shared)
 
-        (states, cache), sk, sv = feed(env, ds, read)
-        if cache is not None:
-            cache = kvc.commit(cache, ds.n_pending)
+    def root(self, env: DraftEnv, ds: FeedState):
+        _, lm, _, _ = self._shapes(env)
+        states, ds = self.read_feed(env, ds)
         logp = draft_log_probs(head_logits(self.head.params, states, lm), env)
-        return logp, {"hidden": states}, ds.replace(cache=cache, scratch_k=sk, scratch_v=sv,
-                                                    deferred=jnp.zeros_like(ds.deferred))
+        return logp, {"hidden": states}, ds
 
-    def catch_up(self, env: DraftEnv, ds: EEState) -> EEState:
-        return read_or_defer(ds, lambda s: self.root(env, s)[2])
-
-    def level(self, env: DraftEnv, ds: EEState, tokens, depth, mask, offset: int, run):
+    def level(self, env: DraftEnv, ds: FeedState, tokens, depth, mask, offset: int, run):
         cfg, lm, _, _ = self._shapes(env)
         tc = env.tcache
         B, K = tokens.shape
         P = ds.pending.shape[1]
-        W = ds.scratch_k[0].shape[1]
+        W = ds.own.k[0].shape[1]
         positions = (tc.length + tc.pos_offset)[:, None] + depth
         base = tc.length - (ds.n_pending - 1)
         seen = jnp.arange(P)[None, None, :] < ds.n_pending[:, None, None]  # the pending tokens, root included
@@ -333,19 +330,13 @@ class EarlyExitDrafter(Drafter):
 
         def go(ds):
             x = llama.embed(lm, tokens)
-            h, sk, sv = shared_layers(cfg, lm, self.head.exit_layer, x, positions, tc, base, ds.scratch_k,
-                                      ds.scratch_v, P + offset, vis)
+            h, sk, sv = shared_layers(cfg, lm, self.head.exit_layer, x, positions, tc, base, ds.own.k, ds.own.v,
+                                      P + offset, vis)
             states, cache = head_states(cfg, self.head.params, h, positions, ds.cache, mask, offset)
-            return (head_logits(self.head.params, states, lm), states), ds.replace(cache=cache, scratch_k=sk,
-                                                                               scratch_v=sv)
+            return (head_logits(self.head.params, states, lm), states), ds.replace(cache=cache, own=Shared(sk, sv))
 
         (logits, states), ds = run_level(run, go, ds)
         return draft_log_probs(logits, env), {"hidden": states}, ds
-
-    def commit(self, env: DraftEnv, ds: EEState, c: Catchup) -> EEState:
-        cache, pending, n_pending = commit_fed(env, ds.cache, ds.pending, c, n_pending=ds.n_pending,
-                                               deferred=ds.deferred)
-        return ds.replace(cache=cache, pending=pending, n_pending=n_pending)
 
 
 # --------------------------------------------------------------------------------------------------- storage

@@ -98,7 +98,7 @@ class JacobiDrafter(Drafter):
         drafter = self.replace(constraint=setup.constraint)
         return Prepared(drafter, None, int(np.max(setup.lengths)), setup.tokens.shape[1])
 
-    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> JacobiState:
+    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int) -> JacobiState:
         B, G, V = env.last.shape[0], env.needs.depth, env.target.vocab_size
         zeros = jnp.zeros((B, G, V), jnp.float32)
         return JacobiState(jnp.zeros((B, G), jnp.int32), zeros, jnp.zeros((B, G), bool), zeros,

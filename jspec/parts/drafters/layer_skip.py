@@ -26,7 +26,7 @@ import numpy as np
 from flax import struct
 
 from jspec.core import sharding as SH
-from jspec.parts.drafters.model import draft_log_probs
+from jspec.parts.drafters.feed import draft_log_probs
 from jspec.parts.protocols import DraftEnv, Drafter, Prepared, Setup, run_level
 from ports import cache as kvc
 
@@ -74,7 +74,7 @@ def draft_cost(target, n_skip: int) -> float:
 
 @struct.dataclass
 class SkipState:
-    cache: Any = None  # the target's cache while it is lent for a draft (`Drafter.lend`); None between rounds
+    cache: Any = None  # the target's cache while it is lent for a draft (`lend`); None between rounds
 
 
 @struct.dataclass
@@ -104,13 +104,15 @@ class SkipDrafter(Drafter):
                              "skip) as a draft model")
         return Prepared(self, None, int(np.max(setup.lengths)), setup.tokens.shape[1])
 
-    def init(self, env: DraftEnv, prefill, prompt, max_len: int, pending_width: int) -> SkipState:
+    def init(self, env: DraftEnv, prefill, prompt, max_len: int) -> SkipState:
         return SkipState()
 
     def lend(self, state: SkipState, cache) -> SkipState:
+        """The state holding the target's cache (committed tokens before `env.last`) for the draft."""
         return state.replace(cache=cache)
 
     def give_back(self, state: SkipState):
+        """(the state without the cache, the cache with the drafts' K/V past the committed length)."""
         return state.replace(cache=None), state.cache
 
     def commit(self, env: DraftEnv, state: SkipState, catchup) -> SkipState:

@@ -1,10 +1,6 @@
-"""A separate draft model that drafts from its own KV cache (Chain, Tree, DynamicTree, SAGE, SpecVLM's Std.-SD).
-
-The draft cache holds the committed tokens the draft has read. `pending` holds committed tokens it has not read
-yet, ending with `last` (the tree's root); `root` feeds them, which also yields the root's distribution, and each
-tree level is written into scratch slots past the committed length. After a step, the accepted nodes the draft
-fed while drafting are committed from those scratch slots (in place for a chain, with one gather otherwise); only
-the rest wait in `pending` for the next `root`.
+"""A separate draft model that drafts from its own KV cache (Chain, Tree, DynamicTree, SAGE, SpecVLM's Std.-SD):
+a `FeedDrafter` whose model part is the draft model's prefill and forward, with the draft's prompt view (its own
+processor's, or the target's prompt without image placeholders) and its placement on a mesh.
 """
 from __future__ import annotations
 
@@ -17,9 +13,10 @@ from flax import struct
 
 from ports import cache as kvc
 from jspec.core import guidance as GD
-from jspec.core import sampling as SM
+from jspec.core import prefill as PR
 from jspec.core import sharding as SH
-from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level, when
+from jspec.parts.drafters.feed import FeedDrafter, FeedState
+from jspec.parts.protocols import DraftEnv, Prepared, Setup, TargetPrefill
 from ports.prompts import model_prompt, normalize_prompt
 
 
@@ -36,12 +33,6 @@ def check_vocab_size(target, vocab_size: int, who: str = "draft") -> None:
     if tv != dv:
         raise ValueError(f"{who} and target vocabularies differ: target vocab_size={tv}, {who} vocab_size={dv}; "
                          "speculative decoding needs one shared tokenizer")
-
-
-def draft_log_probs(logits: jax.Array, env: DraftEnv) -> jax.Array:
-    """Draft log-probabilities used to rank and draw children: the sampler's distribution when sampling (-inf
-    where top-k/top-p filter), the plain softmax when greedy (so lower ranks are the draft's next guesses)."""
-    return jax.nn.log_softmax(SM.process_logits(logits, env.ctx.sampling, env.sp), axis=-1)
 
 
 def default_view(target, draft, prompt, tokens, lengths, inputs):
@@ -63,18 +54,11 @@ def default_view(target, draft, prompt, tokens, lengths, inputs):
 
 
 @struct.dataclass
-class DraftState:
-    cache: kvc.KVCache  # committed length = tokens the draft has read, `last` excluded
-    pending: jax.Array  # [B, pending_width] committed tokens the draft has not read yet, ending with `last`
-    n_pending: jax.Array  # [B] int32
-    deferred: jax.Array | None = None  # [B] bool: this round's `catch_up` left `pending` unread (`read_or_defer`)
-
-
-@struct.dataclass
-class ModelDrafter(Drafter):
-    """Drafts with `model` (a `ports.Model`, or a guided wrapper of one) over its own prompt view. `model=None`
-    drafts with the target itself as it runs (sharded, guided: its weights, not a copy) from a cache of its own
-    (SpecVLM's Self-SD, whose draft cache holds a pruned prompt)."""
+class ModelDrafter(FeedDrafter):
+    """Drafts with `model` (a `ports.Model`, or a guided wrapper of one) over its own prompt view, reading the
+    committed text through `FeedDrafter`'s feed. `model=None` drafts with the target itself as it runs (sharded,
+    guided: its weights, not a copy) from a cache of its own (SpecVLM's Self-SD, whose draft cache holds a pruned
+    prompt)."""
 
     model: Any
     tensor_parallel: bool = struct.field(pytree_node=False, default=False)  # set by `prepare`, see there
@@ -119,138 +103,35 @@ class ModelDrafter(Drafter):
         return Prepared(self.replace(model=model, tensor_parallel=tensor_parallel), (tokens, lengths, inputs),
                         longest, width)
 
-    def _constrain(self, env: DraftEnv, cache):
+    def place(self, env: DraftEnv, cache):
         # a replicated draft keeps a replicated cache; a tensor-parallel one and the target drafting for itself
         # split theirs like the target's
         return SH.constrain(env.ctx.placement, cache, replicated=self.model is not None and not self.tensor_parallel)
 
-    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> DraftState:
-        from jspec.core import prefill as PR
-
+    def read_prompt(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int):
         tokens, lengths, inputs = prompt
         model = self.run_model(env)
-        cache = PR.new_cache_for(model, tokens.shape[0], max_len)
-        _, _, cache = PR.prefill(model, tokens, lengths, cache, inputs)
-        B = tokens.shape[0]
-        pending = jnp.zeros((B, pending_width), jnp.int32).at[:, 0].set(env.last)
-        return DraftState(self._constrain(env, cache), pending, jnp.ones((B,), jnp.int32), jnp.zeros((B,), bool))
+        return PR.prefill(model, tokens, lengths, PR.new_cache_for(model, tokens.shape[0], max_len), inputs)[2]
 
-    def root_logits(self, env: DraftEnv, ds: DraftState):
-        """(logits [B, 1, V] after `last`, state): `root` before the sampler's processing."""
-        dc = ds.cache
+    def forward(self, env: DraftEnv, tokens, positions, cache, mask=None, offset=0, logits_at=None):
+        kw = {} if logits_at is None else {"logits_at": logits_at}
+        fo = self.run_model(env).forward(tokens, positions, cache, mask, write_offset=offset, **kw)
+        return fo.logits, fo.cache
+
+    def read(self, env: DraftEnv, ds: FeedState, width: int):
+        # a model that can return its new keys / values writes them after the feed's two-width branch
+        # (`written`), so its cache is not copied into and out of the branch
         model = self.run_model(env)
+        if not getattr(model, "defers_writes", False):
+            return super().read(env, ds, width)
         P = ds.pending.shape[1]
-        # two feed widths are two branches: a model that can return its new keys / values writes them after the
-        # branch, so its cache is not copied into and out of it
-        defers = getattr(model, "defers_writes", False)
+        pending = ds.pending[:, :width]
+        pos = kvc.positions(ds.cache, jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), pending.shape))
+        fo = model.forward(pending, pos, ds.cache, logits_at=(ds.n_pending - 1)[:, None], defer_writes=True)
+        pad = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 2) + ((0, P - width), (0, 0)))  # noqa: E731
+        return fo.logits, jax.tree.map(pad, fo.pending)
 
-        def read(W):
-            pending = ds.pending[:, :W]
-            pos = kvc.positions(dc, jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), pending.shape))
-            kw = {"defer_writes": True} if defers else {}
-            fo = model.forward(pending, pos, dc, logits_at=(ds.n_pending - 1)[:, None], **kw)
-            if not defers:
-                return fo.logits, fo.cache
-            pad = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 2) + ((0, P - W), (0, 0)))  # noqa: E731
-            return fo.logits, jax.tree.map(pad, fo.pending)
-
-        logits, out = feed(env, ds, read)
-        cache = kvc.write_pending(dc, *out) if defers else out
-        ds = ds.replace(cache=kvc.commit(cache, ds.n_pending))
-        return logits, ds if ds.deferred is None else ds.replace(deferred=jnp.zeros_like(ds.deferred))
-
-    def level_logits(self, env: DraftEnv, ds: DraftState, tokens, depth, mask, offset: int, run):
-        """(logits [B, K, V] of one tree level, state): `level` before the sampler's processing."""
-        positions = (ds.cache.length + ds.cache.pos_offset - 1)[:, None] + depth  # the root is committed
-        model = self.run_model(env)
-
-        def go(dc):
-            fo = model.forward(tokens, positions, dc, mask, write_offset=offset)
-            return fo.logits, fo.cache
-
-        logits, dc = run_level(run, go, ds.cache)
-        return logits, ds.replace(cache=dc)
-
-    def root(self, env: DraftEnv, ds: DraftState):
-        logits, ds = self.root_logits(env, ds)
-        return draft_log_probs(logits, env), None, ds
-
-    def level(self, env: DraftEnv, ds: DraftState, tokens, depth, mask, offset: int, run):
-        logits, ds = self.level_logits(env, ds, tokens, depth, mask, offset, run)
-        return draft_log_probs(logits, env), None, ds
-
-    def catch_up(self, env: DraftEnv, ds: DraftState) -> DraftState:
-        if ds.deferred is None:
-            return self.root(env, ds)[2]
-        return read_or_defer(ds, lambda s: self.root(env, s)[2])
-
-    def commit(self, env: DraftEnv, ds: DraftState, c: Catchup) -> DraftState:
-        cache, pending, n = commit_fed(env, ds.cache, ds.pending, c, replicated=self.model is not None,
-                                       n_pending=ds.n_pending, deferred=ds.deferred)
-        return ds.replace(cache=cache, pending=pending, n_pending=n)
-
-
-def feed(env: DraftEnv, ds, read):
-    """`read(W)` over the first W entries of the pending feed `ds.pending` [B, P]: the feed without the guard's
-    `defer` extra slots when every row's unread tokens fit there (a round after a drafting round), else all P (after
-    rounds that left tokens unread). The two widths are two branches of one program."""
-    P = ds.pending.shape[1]
-    defer = int(getattr(env.needs, "defer", 0) or 0)
-    if not 0 < defer < P:
-        return read(P)
-    return jax.lax.cond(jnp.all(ds.n_pending <= P - defer), lambda: read(P - defer), lambda: read(P))
-
-
-def read_or_defer(ds, read):
-    """`catch_up` for a drafter that keeps the committed tokens it has not read in `ds.pending` [B, P] (`n_pending`
-    of them, ending with `last`) and a `deferred` flag [B]: when every row has room for one more token, nothing is
-    computed and the round's token waits unread (`commit_fed` appends it), so a round without drafts costs the
-    target's step alone; otherwise `read(ds)` (the drafter's `root`, which clears the flag) reads them all now. The
-    next `root` reads whatever waits, so the drafts that follow are the same as if every round had read."""
-    room = jnp.all(ds.n_pending < ds.pending.shape[1])
-    ds = when(~room, read, ds)
-    return when(room, lambda s: s.replace(deferred=jnp.ones_like(s.deferred)), ds)
-
-
-def appended(pending: jax.Array, n_pending: jax.Array, new: jax.Array, count: jax.Array) -> jax.Array:
-    """`pending` [B, P, ...] with `new`'s first `count` [B] entries written after its first `n_pending` [B]."""
-    idx = jnp.arange(pending.shape[1])[None] - n_pending[:, None]  # [B, P]: position in `new`
-    take = jnp.take_along_axis(new, jnp.clip(idx, 0, new.shape[1] - 1).reshape(idx.shape + (1,) * (new.ndim - 2)),
-                               axis=1)
-    put = ((idx >= 0) & (idx < count[:, None])).reshape(idx.shape + (1,) * (new.ndim - 2))
-    return jnp.where(put, take, pending)
-
-
-def commit_fed(env: DraftEnv, dc: kvc.KVCache | None, pending: jax.Array, c: Catchup, replicated: bool = True,
-               n_pending: jax.Array | None = None, deferred: jax.Array | None = None):
-    """A drafter cache's catch-up after a step: (cache, pending, n_pending). The leading accepted nodes the drafter
-    fed (`Catchup.fed`) are committed from its scratch slots; the rest wait in `pending`. A finished row feeds
-    nothing new: it re-reads `last` at its slot. A drafter without a cache of its own passes None. Rows whose
-    round read nothing (`deferred`, see `read_or_defer`) keep their unread tokens and get the round's appended
-    after the `n_pending` already waiting (a finished one keeps what it had)."""
-    a, active, new, slots = c.accepted, c.active, c.new, c.fed
-    W = pending.shape[1]
-    D = c.path.shape[1] - 1
-    if slots is None:
-        if W < D + 1:
-            raise ValueError(f"a proposal without `fed` needs pending_width >= {D + 1} (the whole path), got {W}")
-        fed = jnp.zeros_like(a)
-    else:
-        usable = (slots >= 0) & (jnp.arange(D)[None, :] < a[:, None])
-        fed = jnp.sum(jnp.cumprod(usable.astype(jnp.int32), axis=1), axis=1)
-    fed = jnp.where(active, fed, 0)
-    if dc is not None:
-        if slots is not None:
-            dc = kvc.commit(dc, fed) if c.is_chain else kvc.commit_path(dc, jnp.maximum(slots, 0), fed)
-        read = active if deferred is None else active | deferred  # a finished row that read `last` again undoes it
-        dc = SH.constrain(env.ctx.placement, dc.replace(length=jnp.where(read, dc.length, dc.length - 1)),
-                          replicated=replicated)
-    idx = jnp.minimum(fed[:, None] + jnp.arange(W)[None, :], new.shape[1] - 1)
-    nxt = jnp.take_along_axis(new, idx, axis=1)
-    last_only = jnp.zeros_like(nxt).at[:, 0].set(env.last)
-    out, n = jnp.where(active[:, None], nxt, last_only), jnp.where(active, a + 1 - fed, 1)
-    if deferred is None:
-        return dc, out, n
-    later = appended(pending, n_pending, new, a + 1)
-    out = jnp.where(deferred[:, None], jnp.where(active[:, None], later, pending), out)
-    return dc, out, jnp.where(deferred, jnp.where(active, n_pending + a + 1, n_pending), n)
+    def written(self, env: DraftEnv, ds: FeedState, new) -> FeedState:
+        if not getattr(self.run_model(env), "defers_writes", False):
+            return ds.replace(cache=new)
+        return ds.replace(cache=kvc.write_pending(ds.cache, *new))

@@ -137,7 +137,7 @@ class NgramDrafter(Drafter):
                              f"{sorted(setup.inputs)} inputs it cannot read (use a draft model)")
         return Prepared(self, (setup.tokens, setup.lengths), int(np.max(setup.lengths)), setup.tokens.shape[1])
 
-    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> NgramState:
+    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int) -> NgramState:
         tokens, lengths = prompt
         B = tokens.shape[0]
         hist, n = start_text(tokens, lengths, max_len)

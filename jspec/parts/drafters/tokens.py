@@ -67,7 +67,7 @@ class TokenDrafter(Drafter):
         valid = jnp.cumprod(valid, axis=1).astype(bool)  # a chain: nothing after the first invalid token
         return jnp.pad(draft, ((0, 0), (0, 1))), jnp.pad(valid, ((0, 0), (0, 1)))
 
-    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> TokenState:
+    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int) -> TokenState:
         hist, n = start_text(*prompt, max_len)
         seq, m = with_last(hist, n, jnp.zeros_like(n))
         shape = jax.eval_shape(self._proposal, seq, m, env.target.vocab_size)[0].shape

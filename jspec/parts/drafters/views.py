@@ -27,8 +27,10 @@ import numpy as np
 from flax import struct
 
 from jspec.core import sharding as SH
-from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
-from jspec.parts.drafters.model import DraftState, ModelDrafter, check_vocab, draft_log_probs
+from jspec.core import prefill as PR
+from jspec.parts.protocols import Catchup, DraftEnv, Prepared, Setup, TargetPrefill
+from jspec.parts.drafters.feed import FeedDrafter, FeedState, draft_log_probs
+from jspec.parts.drafters.model import ModelDrafter, check_vocab
 from ports.prompts import model_prompt, normalize_prompt
 
 VIEWS = ("M", "T", "P", "C")
@@ -167,12 +169,13 @@ def mix(logp: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 @struct.dataclass
-class MultiViewDrafter(Drafter):
+class MultiViewDrafter(FeedDrafter):
     """Drafts with one model over several prompt views at once (see the module docstring).
 
     views: a tuple of "M", "T", "P", "C"; weights: [m] used when no controller decides (None: uniform);
     newline_id: the token the T view puts for each image; pool: the P view's pooling factor; captioner: a callable
-    `images -> [ids per image]` for the C view (run once per decode, on the host, timed as "caption_s")."""
+    `images -> [ids per image]` for the C view (run once per decode, on the host, timed as "caption_s").
+    Its feed (`FeedDrafter`) has a row per view and prompt row; the model reads it as `ModelDrafter` does."""
 
     model: Any
     views: tuple = struct.field(pytree_node=False, default=("M", "T"))
@@ -240,20 +243,23 @@ class MultiViewDrafter(Drafter):
             raise ValueError(f"ensemble weights must be [B, m] = {(batch, self.m)}, got {w.shape}")
         return w
 
-    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int, pending_width: int) -> DraftState:
-        from jspec.core import prefill as PR
-
+    def init(self, env: DraftEnv, prefill: TargetPrefill, prompt, max_len: int) -> FeedState:
         B = env.last.shape[0]
         caches = []
         for view, (tokens, lengths, inputs) in zip(self.views, prompt):
             model = pooled_model(self.model, self.pool) if view == "P" else self.model
             cache = PR.new_cache_for(model, B, max_len)
             caches.append(PR.prefill(model, tokens, lengths, cache, inputs)[2])
-        cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *caches)
-        last = self._tile(env.last)
-        pending = jnp.zeros((self.m * B, pending_width), jnp.int32).at[:, 0].set(last)
-        cache = SH.constrain(env.ctx.placement, cache, replicated=True)
-        return DraftState(cache, pending, jnp.ones((self.m * B,), jnp.int32))
+        return self.fresh(self._env(env), jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *caches))
+
+    def forward(self, env: DraftEnv, tokens, positions, cache, mask=None, offset=0, logits_at=None):
+        return self.inner.forward(env, tokens, positions, cache, mask, offset, logits_at)
+
+    def read(self, env: DraftEnv, ds: FeedState, width: int):
+        return self.inner.read(env, ds, width)
+
+    def written(self, env: DraftEnv, ds: FeedState, new) -> FeedState:
+        return self.inner.written(env, ds, new)
 
     def _out(self, env: DraftEnv, logits: jax.Array):
         """(mixed log q [B, K, V], per-view log-softmax [B, K, m, V]) from the view rows' logits [m * B, K, V]."""
@@ -262,18 +268,18 @@ class MultiViewDrafter(Drafter):
         raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(per.shape)
         return mix(per, self._weights(env, B)), jnp.moveaxis(raw, 0, 2)
 
-    def root(self, env: DraftEnv, ds: DraftState):
-        logits, ds = self.inner.root_logits(self._env(env), ds)
+    def root(self, env: DraftEnv, ds: FeedState):
+        logits, ds = self.read_feed(self._env(env), ds)
         logq, aux = self._out(env, logits)
         return logq, aux, ds
 
-    def level(self, env: DraftEnv, ds: DraftState, tokens, depth, mask, offset: int, run):
+    def level(self, env: DraftEnv, ds: FeedState, tokens, depth, mask, offset: int, run):
         t = lambda x: None if x is None else self._tile(x)  # noqa: E731
-        logits, ds = self.inner.level_logits(self._env(env), ds, t(tokens), t(depth), t(mask), offset, run)
+        logits, ds = self.level_logits(self._env(env), ds, t(tokens), t(depth), t(mask), offset, run)
         logq, aux = self._out(env, logits)
         return logq, aux, ds
 
-    def commit(self, env: DraftEnv, ds: DraftState, c: Catchup) -> DraftState:
+    def commit(self, env: DraftEnv, ds: FeedState, c: Catchup) -> FeedState:
         t = self._tile
-        return self.inner.commit(self._env(env), ds, c._replace(path=t(c.path), new=t(c.new), accepted=t(c.accepted),
-                                                                 active=t(c.active), fed=t(c.fed)))
+        return super().commit(self._env(env), ds, c._replace(path=t(c.path), new=t(c.new), accepted=t(c.accepted),
+                                                              active=t(c.active), fed=t(c.fed)))
