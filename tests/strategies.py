@@ -255,8 +255,11 @@ def guarded(strategy, step=0.05, rate=0.5, retry=2):
                           retry=retry)
 
 
+# the guard is one hook and one round path for every strategy: guarded_chain, guarded_eesd and guarded_eagle3 prove
+# it in the default suite (with a model draft, an early-exit feed and an EAGLE feed with its side input), and
+# tests/test_guard.py covers trees and deferral; the other guarded entries are slow
 register("guarded_chain", lambda t, d: guarded(jspec.Chain(d, gamma=3)), exact=True)
-register("guarded_tree", lambda t, d: guarded(jspec.Tree(d, tree=SMALL_TREE)), exact=True)
+register("guarded_tree", lambda t, d: guarded(jspec.Tree(d, tree=SMALL_TREE)), exact=True, slow=True)
 register("guarded_eesd", lambda t, d: guarded(jspec.EESD(eesd_head(t), k_max=4)), exact=True, separate_draft=False,
          target_layers=2)
 # the EAGLE heads keep a feed of their own: the guard's AR rounds leave it unread (`Guarded.defer`)
@@ -266,10 +269,11 @@ register("guarded_eagle_tree", lambda t, d: guarded(jspec.Tree(eagle_head(t), tr
          separate_draft=False, slow=True)
 register("guarded_lookup", lambda t, d: guarded(jspec.PromptLookup(max_ngram=2, gamma=3)), exact=True,
          separate_draft=False, slow=True, sampling_prompt=(1, 4, 2, 5, 3, 5, 3, 5))
-register("guarded_dflash", lambda t, d: guarded(jspec.DFlash(dflash_head(t))), exact=True, separate_draft=False)
+register("guarded_dflash", lambda t, d: guarded(jspec.DFlash(dflash_head(t))), exact=True, separate_draft=False,
+         slow=True)
 register("guarded_dflash_tree", lambda t, d: guarded(jspec.DFlash(dflash_head(t), tree="ddtree", top_k=3, total=8,
                                                                    depth=3)),
          exact=True, separate_draft=False, slow=True)
-register("guarded_sjd", lambda t, d: guarded(jspec.SJD(window=3)), exact=True, separate_draft=False)
+register("guarded_sjd", lambda t, d: guarded(jspec.SJD(window=3)), exact=True, separate_draft=False, slow=True)
 register("guarded_layer_skip", lambda t, d: guarded(jspec.Chain(layer_skip.SkipDrafter((1,)), gamma=3)), exact=True,
-         separate_draft=False, target_layers=2)
+         separate_draft=False, target_layers=2, slow=True)

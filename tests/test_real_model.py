@@ -75,9 +75,10 @@ def test_prompt_lookup_equals_ar_and_copies_on_a_rewrite(pair):
     assert pld.stats["mean_accepted"][0] > 2.0, pld.stats["accepted"]
 
 
-# Beta-TS and layer skipping are slow here: the conformance suite and tests/test_layer_skip.py cover them by default
-@pytest.mark.parametrize("kind", [pytest.param("eesd", marks=pytest.mark.slow), "eesd-cali", "eagle",
-                                  "eagle3", pytest.param("layer-skip", marks=pytest.mark.slow)])
+# only EAGLE-3 by default: the heads share the registry's loading path, and the conformance suite, tests/test_eesd.py,
+# tests/test_eagle.py and tests/test_layer_skip.py prove the drafters themselves
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) for k in ("eesd", "eesd-cali", "eagle")] +
+                         ["eagle3", pytest.param("layer-skip", marks=pytest.mark.slow)])
 def test_shipped_drafters_load_by_name_and_decode_as_ar(pair, kind):
     """The drafters the package ships for this model load by name and keep greedy decoding equal to AR on a
     Spec-Bench question and draft some accepted tokens; the EESD head shares the target's LM head and brings its

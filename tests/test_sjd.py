@@ -129,7 +129,7 @@ def test_greedy_image_equals_ar_under_cfg():
         assert np.all(sd.stats["steps"] < ar.tokens.shape[1] - 1)  # forced grammar tokens are drafted and accepted
 
 
-@pytest.mark.parametrize("coupling", ["maximal", "independent"])
+@pytest.mark.parametrize("coupling", ["maximal", pytest.param("independent", marks=pytest.mark.slow)])
 def test_cfg_and_image_grammar_are_exact(coupling):
     """CFG 3 over a 2 x 2 grid (the forced end-of-row inside the counted tokens), T 1 with top-k 5: the window's
     random starts are drawn among the image codes the grammar allows, and the tokens follow the guided, constrained,
