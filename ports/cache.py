@@ -10,7 +10,13 @@ prompt's positions were compressed, as Qwen2-VL's M-RoPE does for images). Slots
 whose prompt was placed right-aligned, as the guided streams of `jspec.core.guidance` are, starts later). Writes are functional (`dynamic_update_slice` per row); rolling back is
 moving `length`; committing a tree path is one gather (`commit_path`).
 
-This module and `ForwardOut` are the leaf every port and the engine import; it imports neither.
+A hybrid model (Qwen3.5: linear-attention layers beside attention ones) also carries `rec`, the committed
+recurrent state (`ports.recurrent.State`), and after a forward `rec_new`, what each new token would add to it
+(`ports.recurrent.Pending`). Every operation that advances `length` (`commit`, `commit_path`, `rollback` forward)
+advances the state by the same tokens and drops `rec_new`; a recurrent state cannot move back.
+
+This module and `ForwardOut` are the leaf every port and the engine import; it imports neither (only
+`ports.recurrent`, a leaf too).
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ports import recurrent as RC
+
 
 @struct.dataclass
 class KVCache:
@@ -28,6 +36,8 @@ class KVCache:
     length: jax.Array  # [B] int32
     start: jax.Array  # [B] int32: first visible slot
     pos_offset: jax.Array  # [B] int32: the RoPE position of the token at slot j is j + pos_offset[b]
+    rec: RC.State | None = None  # a hybrid model's committed recurrent state
+    rec_new: RC.Pending | None = None  # what the last forward's new tokens would add to it (uncommitted)
 
     @property
     def max_len(self) -> int:
@@ -124,13 +134,42 @@ def positions(cache: KVCache, offsets: jax.Array) -> jax.Array:
     return (cache.length + cache.pos_offset)[:, None] + offsets.astype(jnp.int32)
 
 
+def _advance_rec(cache: KVCache, src: jax.Array | None, n: jax.Array) -> KVCache:
+    """A hybrid cache's recurrent state advanced by the new tokens at scratch offsets src[b, :n[b]] (None: the
+    first n[b], in order), `rec_new` dropped; any other cache as it is."""
+    if cache.rec_new is None:
+        return cache
+    if src is None:
+        src = jnp.broadcast_to(jnp.arange(cache.rec_new.width, dtype=jnp.int32), (n.shape[0], cache.rec_new.width))
+    return cache.replace(rec=RC.advance(cache.rec, cache.rec_new, src, n), rec_new=None)
+
+
 def commit(cache: KVCache, n: jax.Array) -> KVCache:
-    """Advance each row's committed length by n[b] (the entries were written in place by the last forward)."""
-    return cache.replace(length=cache.length + n.astype(jnp.int32))
+    """Advance each row's committed length by n[b] (the entries were written in place by the last forward), and a
+    hybrid cache's recurrent state by the same tokens."""
+    n = n.astype(jnp.int32)
+    return _advance_rec(cache, None, n).replace(length=cache.length + n)
 
 
 def rollback(cache: KVCache, length: jax.Array) -> KVCache:
-    return cache.replace(length=length.astype(jnp.int32))
+    """The cache with each row's committed length set to `length`: a rollback, or (after a prefill's forward) a
+    commit of the first length - cache.length new tokens. A hybrid cache's recurrent state only moves forward: it
+    takes those tokens from `rec_new`; with nothing pending, its length may not change (not checked on device)."""
+    length = length.astype(jnp.int32)
+    return _advance_rec(cache, None, jnp.maximum(length - cache.length, 0)).replace(length=length)
+
+
+def commit_state(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
+    """A hybrid cache's recurrent state advanced along the path src[b, :n[b]] (as `commit_path` would), `rec_new`
+    dropped and the KV entries and `length` untouched; any other cache as it is. For a caller that commits the KV
+    entries in branches (which must not change the cache's structure)."""
+    return _advance_rec(cache, src, n.astype(jnp.int32))
+
+
+def pad_pending(cache: KVCache, width: int) -> KVCache:
+    """A hybrid cache's `rec_new` padded to `width` new tokens (so that forwards of different widths return caches
+    of one structure); any other cache as it is."""
+    return cache if cache.rec_new is None else cache.replace(rec_new=RC.pad_pending(cache.rec_new, width))
 
 
 def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
@@ -146,6 +185,7 @@ def commit_path(cache: KVCache, src: jax.Array, n: jax.Array) -> KVCache:
     rows = jnp.repeat(start, H)
     length = start + n.astype(jnp.int32)
     move = lambda b: move_rows_xla(b, idx, rows)  # noqa: E731
+    cache = _advance_rec(cache, src, n.astype(jnp.int32))
     return cache.replace(k=_each_layer(move, cache.k), v=_each_layer(move, cache.v), length=length)
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ports import cache as kvc
 from ports import config as PC
 from ports import fused as FU
 from ports import chameleon
@@ -24,6 +25,7 @@ from ports import llava_next
 from ports import muse_glimmer
 from ports import qwen2_vl
 from ports import qwen3
+from ports import qwen3_5
 
 
 class Family(NamedTuple):
@@ -55,6 +57,9 @@ class Family(NamedTuple):
     # split_hf_tensor(name, shape) -> [(name, shape, take), ...] or None: a checkpoint tensor that holds several
     # `hf_key_map` tensors (e.g. fused experts), each piece take(whole tensor)
     split_hf_tensor: Callable | None = None
+    # init_recurrent(cfg, batch, dtype) -> ports.recurrent.State: a hybrid model's empty recurrent state (the cache's
+    # `rec`); None: attention only
+    init_recurrent: Callable | None = None
 
 
 _TEXT = Family(PC.text_config_from_hf, PC.text_config_to_hf, llama.param_shapes, llama.init_params, llama.forward,
@@ -85,11 +90,16 @@ _MUSE_GLIMMER = Family(muse_glimmer.config_from_hf, muse_glimmer.config_to_hf, m
                       muse_glimmer.IGNORED_HF_KEYS, muse_glimmer.kv_layout, muse_glimmer.embed, muse_glimmer.unembed,
                       prepare_inputs=muse_glimmer.prepare_inputs, prompt_embeds=muse_glimmer.prompt_embeds,
                       defers_writes=True)
+_QWEN3_5 = Family(qwen3_5.config_from_hf, qwen3_5.config_to_hf, qwen3_5.param_shapes, qwen3_5.init_params,
+                  qwen3_5.forward, qwen3_5.hf_key_map, qwen3_5.IGNORED_HF_KEYS, qwen3_5.kv_layout, qwen3_5.embed,
+                  qwen3_5.unembed, qwen3_5.rename_hf_key, split_hf_tensor=qwen3.split_hf_tensor,
+                  init_recurrent=qwen3_5.init_recurrent)
 FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "mistral": _TEXT, "qwen3": _QWEN3,
                                "qwen3_moe": _QWEN3, "llava": _LLAVA, "llava_next": _LLAVA_NEXT,
                                "llava_next_video": _LLAVA_NEXT, "llava_onevision": _LLAVA_NEXT,
                                "chameleon": _CHAMELEON, "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL,
-                               "muse_glimmer": _MUSE_GLIMMER}
+                               "muse_glimmer": _MUSE_GLIMMER, "qwen3_5_text": _QWEN3_5,
+                               "qwen3_5_moe_text": _QWEN3_5}
 
 
 def family(model_type: str) -> Family:
@@ -169,6 +179,20 @@ class Model:
         """Family forward: see `ports.llama.forward` for the contract."""
         return self.family.forward(self.config, self.params, *args, **kwargs)
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model keeps a recurrent state beside its KV cache (a hybrid, e.g. Qwen3.5)."""
+        return self.family.init_recurrent is not None
+
+
+def new_cache(model: Model, batch: int, max_len: int, stacked: bool = False):
+    """An empty cache for `model`: its KV layout's buffers, and a hybrid model's recurrent state."""
+    layers, kvh, hd = model.kv_layout
+    cache = kvc.init_cache(layers, batch, kvh, max_len, hd, model.dtype, stacked=stacked)
+    if model.recurrent:
+        cache = cache.replace(rec=model.family.init_recurrent(model.config, batch, model.dtype))
+    return cache
+
 
 def random_model(config, key: jax.Array | int = 0, dtype=jnp.float32, std: float = 0.02) -> Model:
     """A model with random params (tests, demos, benchmarks)."""
@@ -206,12 +230,10 @@ def logits(model: Model, prompt) -> np.ndarray:
 
 @jax.jit
 def _logits_jit(model: Model, tokens: jax.Array, inputs: dict) -> jax.Array:
-    from ports import cache as kvc
     from ports.scanned import is_scanned
 
     B, T = tokens.shape
-    layers, kvh, hd = model.kv_layout
-    cache = kvc.init_cache(layers, B, kvh, T, hd, model.dtype, stacked=is_scanned(model))
+    cache = new_cache(model, B, T, stacked=is_scanned(model))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     embeds = None
     if inputs:

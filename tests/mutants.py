@@ -215,6 +215,21 @@ def _reads_at_once(original):  # the protocol's catch_up: a round without drafts
     return Drafter.catch_up
 
 
+def _recurrent_owner():
+    from ports import recurrent
+
+    return recurrent
+
+
+def _whole_draft(original):  # every forward's tokens committed to the recurrent state, accepted or not
+    import jax.numpy as jnp
+
+    def advance(state, new, src, n):
+        return original(state, new, src, jnp.where(n > 0, src.shape[1], 0))
+
+    return advance
+
+
 MUTANTS = {
     "tabed-uniform-weights": Mutant(_tabed_owner, "_weights", _uniform_weights, ("tests/test_tabed.py",),
                                     "the multi-view drafter mixes its views uniformly, whatever the weights"),
@@ -245,6 +260,9 @@ MUTANTS = {
     "dflash-blind-positions": Mutant(_dflash_owner, "block_visibility", _blind_positions,
                                      ("tests/test_dflash.py", "tests/test_dflash_train.py"),
                                      "a block drafter's mask positions cannot attend to the context entries"),
+    "recurrent-whole-draft": Mutant(_recurrent_owner, "advance", _whole_draft, ("tests/test_qwen3_5.py",),
+                                    "a hybrid target's recurrent state takes every token a forward fed (the whole "
+                                    "draft), not the accepted path"),
 }
 
 

@@ -7,10 +7,14 @@ import jax.numpy as jnp
 
 from ports import cache as kvc
 from ports import layers as LY
+from ports import model as PM
 from ports.scanned import is_scanned
 
 
 def new_cache_for(model, batch: int, max_len: int) -> kvc.KVCache:
+    """An empty cache for `model` (a hybrid model's recurrent state included: `ports.model.new_cache`)."""
+    if getattr(model, "recurrent", False):
+        return PM.new_cache(model, batch, max_len, stacked=is_scanned(model))
     layers, kvh, hd = model.kv_layout
     return kvc.init_cache(layers, batch, kvh, max_len, hd, model.dtype, stacked=is_scanned(model))
 
@@ -88,7 +92,8 @@ def prefill_chunked(model, tokens, positions, lengths, cache: kvc.KVCache, chunk
         fo = model.forward(piece(tokens, at, size, 1), piece(positions, at, size, positions.ndim - 1), cache,
                            logits_at=jnp.clip(last - at, 0, size - 1)[:, None], **kw)
         inside = (last >= at) & (last < at + size)
-        return fo, kvc.commit(fo.cache, jnp.full((B,), size, jnp.int32)), inside
+        # rows whose prompt ends inside this chunk commit up to their end (a recurrent state takes no padding)
+        return fo, kvc.commit(fo.cache, jnp.clip(lengths - at, 0, size).astype(jnp.int32)), inside
 
     def body(carry, c):
         cache, logits, attn = carry

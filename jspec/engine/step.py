@@ -200,7 +200,7 @@ def sd_verify(ctx, parts, target, carry):
             if defer:  # the new keys / values, padded to N on their token axis (slots past n: scratch no node reads)
                 rows = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 2) + ((0, N - n), (0, 0)))  # noqa: E731
                 return jax.tree.map(rows, fo.pending), *out
-            return fo.cache, *out
+            return kvc.pad_pending(fo.cache, N), *out
         return run
 
     sizes, pick = parts.plan.verify_size(prop, state.done)
@@ -270,8 +270,9 @@ def sd_accept(ctx, parts, target, carry):
         tc = kvc.commit(state.cache, n_keep)
     elif offers is None:
         tc = kvc.commit_path(state.cache, verdict.path, n_keep)
-    else:
-        tc = when(offers, lambda c: kvc.commit_path(c, verdict.path, n_keep), state.cache)
+    else:  # (a hybrid target's recurrent state moves first, the same way in both cases: the root is node 0)
+        tc = kvc.commit_state(state.cache, verdict.path, n_keep)
+        tc = when(offers, lambda c: kvc.commit_path(c, verdict.path, n_keep), tc)
         tc = when(~offers, lambda c: kvc.commit(c, n_keep), tc)
     return _conclude(ctx, parts, target, state.replace(cache=tc), prop, ver, verdict)
 

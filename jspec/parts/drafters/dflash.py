@@ -39,7 +39,7 @@ from ports import layers as LY
 from ports import llama
 from ports.config import TextConfig
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def text_parts(target):
