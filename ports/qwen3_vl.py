@@ -3,8 +3,9 @@
 interleaved multimodal rotary positions and DeepStack.
 
 Params: {"vision": tower params, "lm": `ports.qwen3` params}. In the checkpoint layout a sparse layer of
-qwen3_vl_moe holds its experts as transformers stores them on disk: we_gate_up [E, D, 2F] (gate columns, then
-up) and we_down [E, F, D] (`ports.fused` splits gate and up for the run layout; `joined_experts`).
+qwen3_vl_moe holds its experts fused as the published checkpoints do: we_gate_up [E, D, 2F] (gate columns, then
+up) and we_down [E, F, D] (`ports.fused` splits gate and up for the run layout; `joined_experts`);
+`ExpertsLayout` also reads transformers' in-memory layout, which is what its save_pretrained writes.
 
 What differs from Qwen2.5-VL (`ports.qwen2_vl`, whose host layout this module reuses):
 * M-RoPE is interleaved: rotary frequency j reads the h (w) id when j % 3 == 1 (2) and j < 3 * mrope_section[1]
@@ -130,14 +131,13 @@ def config_from_hf(d: dict) -> Qwen3VLConfig:
         text_d["norm_topk_prob"] = True  # its router always renormalises the top-k weights
     text = qwen3.config_from_hf(text_d)
     vision = V3.vision_config_from_hf(dict(d.get("vision_config") or {}))
-    if vision.out_dim != text.hidden_size:
-        raise ValueError(f"{mt} config: vision_config.out_hidden_size = {vision.out_dim} differs from "
-                         f"text_config.hidden_size = {text.hidden_size} (the mergers feed the language model)")
+    # (transformers' default configs pair a 3584-wide merger with a 4096-wide language model; like transformers,
+    # only inputs with images or videos fail on that, in `prepare_inputs`)
     tok = {}
     for k, v in _TOKEN_DEFAULTS.items():
         x = d.get(k) if d.get(k) is not None else v
-        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < text.vocab_size:
-            raise ValueError(f"{mt} config: {k} = {x!r}; expected a token id in [0, vocab_size={text.vocab_size})")
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise ValueError(f"{mt} config: {k} = {x!r}; expected a token id (an integer >= 0)")
         tok[k] = x
     return Qwen3VLConfig(model_type=mt, text=text, vision=vision, mrope_section=section, **tok)
 
@@ -181,18 +181,48 @@ def init_params(cfg: Qwen3VLConfig, key: jax.Array, dtype=jnp.float32, std: floa
     return {"vision": V3.init_params(cfg.vision, kv, dtype, std), "lm": qwen3.init_params(cfg.text, kl, dtype, std)}
 
 
+class ExpertsLayout:
+    """Key-map transform (`ports.hf_layout`) of a fused expert tensor: transformers 5.23 keeps `gate_up_proj`
+    [E, 2F, D] and `down_proj` [E, D, F] in memory and writes them so, while the published checkpoints hold them
+    transposed ([E, D, 2F], [E, F, D]: our layout). Like transformers' loader, a tensor of the in-memory shape is
+    read as such and any other one as transposed; save_hf writes the in-memory layout."""
+
+    def __init__(self, memory_shape: tuple):
+        self.memory_shape = tuple(memory_shape)
+
+    def _flip(self, shape):
+        return (shape[0], shape[2], shape[1])
+
+    def to_ours(self, arr):
+        return arr.transpose(0, 2, 1) if tuple(arr.shape) == self.memory_shape else arr
+
+    def to_hf(self, arr):
+        return arr.transpose(0, 2, 1)
+
+    def shape_to_ours(self, shape):
+        shape = tuple(shape)
+        return self._flip(shape) if shape == self.memory_shape else shape
+
+    def shape_to_hf(self, shape):
+        return self._flip(tuple(shape))
+
+    def describe(self, shape):
+        return f"{self.memory_shape} or {tuple(shape)}"
+
+
 def hf_key_map(cfg: Qwen3VLConfig):
     """Rows in transformers 5.23's saved layout (`model.visual.*`, `model.language_model.*`, `lm_head.weight`;
-    qwen3_vl_moe's experts fused per layer: `mlp.experts.gate_up_proj` [E, D, 2F], `mlp.experts.down_proj`
-    [E, F, D], stored as our we_gate_up / we_down)."""
+    qwen3_vl_moe's experts fused per layer: `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, read as our
+    we_gate_up [E, D, 2F] / we_down [E, F, D] through `ExpertsLayout`)."""
     rows = [(n, ("vision",) + p, t) for n, p, t in V3.hf_key_map(cfg.vision, "model.visual.")]
     lm = [r for r in qwen3.hf_key_map(cfg.text, "model.language_model.", "lm_head.weight")
           if not (r[1][0] == "layers" and r[1][2] in ("we_gate", "we_up", "we_down"))]
     for i in range(cfg.text.num_layers):
         if cfg.text.is_sparse(i):
             lp = f"model.language_model.layers.{i}.mlp.experts."
-            lm += [(lp + "gate_up_proj", ("layers", i, "we_gate_up"), None),
-                   (lp + "down_proj", ("layers", i, "we_down"), None)]
+            E, D, F = cfg.text.num_experts, cfg.text.hidden_size, cfg.text.moe_intermediate_size
+            lm += [(lp + "gate_up_proj", ("layers", i, "we_gate_up"), ExpertsLayout((E, 2 * F, D))),
+                   (lp + "down_proj", ("layers", i, "we_down"), ExpertsLayout((E, D, F)))]
     return rows + [(n, ("lm",) + p, t) for n, p, t in lm]
 
 
