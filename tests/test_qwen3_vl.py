@@ -267,3 +267,32 @@ def test_bad_inputs_fail_early(jx_models):
     short["input_ids"][0, -1] = 1
     with pytest.raises(ValueError, match="video tokens"):
         ports.logits(m, short)
+
+
+def test_moe_experts_load_from_the_published_layout(hf_models, jx_models, tmp_path):
+    """The published checkpoints store the fused experts transposed from transformers' in-memory layout
+    (gate_up_proj [E, D, 2F], down_proj [E, F, D]); both load to the same params, and a wrong shape is named."""
+    from ports.safetensors_io import write_safetensors
+
+    hf = hf_models["moe"]
+    tensors = {}
+    for n, t in hf.state_dict().items():
+        a = t.detach().numpy()
+        tensors[n] = a.transpose(0, 2, 1).copy() if n.endswith(("experts.gate_up_proj", "experts.down_proj")) else a
+    assert tensors["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 48, 40)
+
+    def write(ts, d):
+        d.mkdir()
+        write_safetensors(str(d / "model.safetensors"), {n: (a.shape, a.dtype) for n, a in ts.items()},
+                          ts.__getitem__)
+        (d / "config.json").write_text(json.dumps(hf.config.to_dict()))
+
+    write(tensors, tmp_path / "published")
+    got = ports.load_hf(str(tmp_path / "published"))
+    for a, b in zip(jax_leaves(got.params), jax_leaves(jx_models["moe"].params)):
+        np.testing.assert_array_equal(a, b)
+    bad = dict(tensors)
+    bad["model.language_model.layers.1.mlp.experts.down_proj"] = np.zeros((4, 20, 40), np.float32)
+    write(bad, tmp_path / "bad")
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.down_proj"):
+        ports.load_hf(str(tmp_path / "bad"))
