@@ -221,6 +221,25 @@ def test_greedy_chain_and_tree_sd_equal_ar(jx_models):
         np.testing.assert_array_equal(sd.tokens, ar.tokens)
 
 
+def test_pruned_draft_prompts(jx_models):
+    """`prune_prompt` keeping every vision token gives the full prompt's logits (videos split per frame, DeepStack
+    rows followed); a SpecVLM-style draft prefilled on 40% of the vision tokens keeps greedy Tree SD == AR."""
+    target, draft = jx_models["dense"], jx_models["draft"]
+    batch = build(["w1 <image> w2", "w3 w4 <video> w5 w6"], images=[T2.image(40, 90, 13)],
+                  videos=[T2.frames(4, seed=14)])
+    vis = np.isin(batch["input_ids"], [IMG, VID]) & batch["attention_mask"].astype(bool)
+    row = build(["w3 w4 <video> w5 w6"], videos=[T2.frames(4, seed=14)])
+    whole = Q3.prune_prompt(draft.config, row, np.ones(int(vis[1].sum()), bool))
+    np.testing.assert_allclose(ports.logits(draft, whole), ports.logits(draft, row), atol=1e-5)
+    keep = vis & (np.random.default_rng(2).random(vis.shape) < 0.4)
+    pruned = Q3.prune_prompt(draft.config, batch, keep, positions="original")
+    assert pruned["vision_keep"].sum() == keep.sum() and pruned["input_ids"].shape[1] < batch["input_ids"].shape[1]
+    ar = jspec.decode(target, batch, strategy=jspec.AR(), max_new_tokens=8)
+    sd = jspec.decode(target, batch, strategy=jspec.Tree(draft, tree=T2.SMALL_TREE), max_new_tokens=8,
+                      draft_prompt=pruned)
+    np.testing.assert_array_equal(sd.tokens, ar.tokens)
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 
