@@ -15,7 +15,9 @@ axes but the query heads can (8 KV heads, 16-way), `jspec.core.sharding.shard` p
 so wq still splits by heads. Query head h = kv * G + g: the order of wq's columns and of HF's `repeat_kv`.
 
 A mixture-of-experts layer's expert matrices (`ports.moe`: we_gate, we_up, we_down) are a list of per-expert
-matrices in the checkpoint layout and one stacked [E, ...] array in the run layout.
+matrices in the checkpoint layout and one stacked [E, ...] array in the run layout; a config whose
+`joined_experts` is true (Qwen3-VL-MoE, which stores them so) keeps gate and up as one stacked
+we_gate_up [E, D, 2F] (gate columns, then up) in its checkpoint layout.
 
 `fuse_params` / `unfuse_params` convert the decoder layers of a params tree (other leaves, vision towers and
 already converted layers pass through); the loaders fuse, `save_hf` unfuses. The forwards accept both layouts.
@@ -66,6 +68,10 @@ def fuse_layer(cfg, layer: dict) -> dict:
     for k in EXPERTS:
         if isinstance(layer.get(k), list):
             out[k] = _xp(layer[k][0]).stack(layer[k])
+    if "we_gate_up" in layer:
+        w = out.pop("we_gate_up")
+        F = w.shape[-1] // 2
+        out.update(we_gate=w[..., :F], we_up=w[..., F:])
     return out
 
 
@@ -87,6 +93,9 @@ def unfuse_layer(cfg, layer: dict, qkv: bool = True, mlp: bool = True) -> dict:
         if "b_gate_up" in layer:
             b = out.pop("b_gate_up")
             out.update(b_gate=b[0], b_up=b[1])
+    if mlp and getattr(cfg, "joined_experts", False) and "we_gate" in layer:
+        out["we_gate_up"] = _xp(layer["we_gate"]).concatenate([out.pop("we_gate"), out.pop("we_up")], axis=-1)
+        return out
     for k in EXPERTS:
         if mlp and k in layer and not isinstance(layer[k], list):
             out[k] = [layer[k][e] for e in range(layer[k].shape[0])]
@@ -116,6 +125,9 @@ def fused_layer_shapes(cfg, layer: dict) -> dict:
     for k in EXPERTS:
         if isinstance(layer.get(k), list):
             out[k] = (len(layer[k]),) + tuple(layer[k][0])
+    if "we_gate_up" in layer:
+        E, D, F2 = out.pop("we_gate_up")
+        out.update(we_gate=(E, D, F2 // 2), we_up=(E, D, F2 - F2 // 2))
     return out
 
 

@@ -95,14 +95,20 @@ def whole_sequence_len(cfg: TextConfig, positions: jax.Array, fresh: bool) -> ja
     return jnp.max(positions, axis=-1) + 1
 
 
-def mrope_tables(cfg: TextConfig, positions: jax.Array, section) -> tuple[jax.Array, jax.Array]:
+def mrope_tables(cfg: TextConfig, positions: jax.Array, section,
+                 interleaved: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos, sin [B, T, rot_dim] of multimodal RoPE (Qwen2-VL's M-RoPE) for positions [3, B, T] (t, h, w ids).
 
     Frequency j of the half dimension rotates by component c(j) of the position: the half dimension is cut into
-    `section` runs (e.g. (16, 24, 24)) and run i reads component i % 3, as HF's mrope_section does. When the three
-    components are equal this is exactly `rope_tables` of that position."""
+    `section` runs (e.g. (16, 24, 24)) and run i reads component i % 3, as HF's mrope_section does. interleaved
+    (Qwen3-VL): c(j) = j % 3 where j < 3 * section[j % 3] for the h and w components (1, 2), else 0 (t). When the
+    three components are equal this is exactly `rope_tables` of that position."""
     inv, scale = rope_inv_freq(cfg)
-    comp = np.repeat(np.arange(len(section)) % 3, section)
+    if interleaved:
+        j = np.arange(inv.shape[0])
+        comp = np.where((j % 3 > 0) & (j < 3 * np.asarray(section)[j % 3]), j % 3, 0)
+    else:
+        comp = np.repeat(np.arange(len(section)) % 3, section)
     if comp.size != inv.shape[0]:
         raise ValueError(f"mrope_section {tuple(section)} sums to {comp.size}, but the rotary half dimension is "
                          f"{inv.shape[0]}")

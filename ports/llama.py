@@ -88,7 +88,7 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
             hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
             compute_logits: bool = True, write_offset: int = 0,
             attn_query_weights: jax.Array | None = None, rope: tuple | None = None, fresh: bool = False,
-            defer_writes: bool = False) -> ForwardOut:
+            defer_writes: bool = False, layer_adds: jax.Array | None = None) -> ForwardOut:
     """Run T new tokens per row against the cache.
 
     tokens [B, T] (or embeds [B, T, D]); positions [B, T] RoPE positions; the new K/V are written at slots
@@ -109,6 +109,9 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     `ports.cache.write_pending`) and `cache` is the one given. For a forward whose writes would go at the committed
     length (write_offset 0, not fresh, no attention scores asked): inside a conditional, a write into the cache
     makes XLA copy every layer's buffers in and out.
+    layer_adds [n, B, T, D]: added to the residual stream after each of the first n layers (Qwen3-VL's DeepStack
+    vision features at the placeholder positions of a prompt, zero elsewhere); `hidden_layers` report each layer's
+    output before its addition, as transformers records them. Unrolled layers only.
     """
     check_fresh(fresh, write_offset)
     x = embed(params, tokens) if embeds is None else embeds
@@ -132,6 +135,8 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
             raise ValueError(f"stacked layers run under one attention window; these layers have {windows}")
         if getattr(cfg, "nope_layers", ()):
             raise ValueError(f"stacked layers all take rotary positions; layers {list(cfg.nope_layers)} take none")
+        if layer_adds is not None:
+            raise ValueError("layer_adds (DeepStack features) need unrolled layers, not stacked ones")
         x, ks, vs, hs, attn = SC.run_layers(cfg, params["layers"], x, cache.k, cache.v, cos, sin, start,
                                             seen[windows[0]], attn_query_weights, fresh,
                                             keep_hidden=bool(want - {0}))
@@ -151,6 +156,8 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
             vs.append(vb)
             if i + 1 in want:
                 hidden[i + 1] = x
+            if layer_adds is not None and i < layer_adds.shape[0]:
+                x = x + layer_adds[i].astype(x.dtype)
         num_layers = len(params["layers"])
         if defer_writes:
             ks, vs = tuple(ks), tuple(vs)

@@ -26,6 +26,7 @@ from ports import muse_glimmer
 from ports import qwen2_vl
 from ports import qwen3
 from ports import qwen3_5
+from ports import qwen3_vl
 
 
 class Family(NamedTuple):
@@ -85,6 +86,11 @@ _QWEN3 = Family(qwen3.config_from_hf, qwen3.config_to_hf, qwen3.param_shapes, qw
                 qwen3.hf_key_map, qwen3.IGNORED_HF_KEYS, llama.kv_layout,
                 lambda cfg, params, tokens: llama.embed(params, tokens), llama.unembed, defers_writes=True,
                 scans=True, split_hf_tensor=qwen3.split_hf_tensor)
+# scans=False: DeepStack's per-layer additions run over the unrolled layers only
+_QWEN3_VL = Family(qwen3_vl.config_from_hf, qwen3_vl.config_to_hf, qwen3_vl.param_shapes, qwen3_vl.init_params,
+                   qwen3_vl.forward, qwen3_vl.hf_key_map, qwen3_vl.IGNORED_HF_KEYS, qwen3_vl.kv_layout,
+                   qwen3_vl.embed, qwen3_vl.unembed, prepare_inputs=qwen3_vl.prepare_inputs,
+                   prompt_embeds=qwen3_vl.prompt_embeds, compact_prompt=qwen3_vl.compact_prompt, defers_writes=True)
 _MUSE_GLIMMER = Family(muse_glimmer.config_from_hf, muse_glimmer.config_to_hf, muse_glimmer.param_shapes,
                       muse_glimmer.init_params, muse_glimmer.forward, muse_glimmer.hf_key_map,
                       muse_glimmer.IGNORED_HF_KEYS, muse_glimmer.kv_layout, muse_glimmer.embed, muse_glimmer.unembed,
@@ -98,8 +104,8 @@ FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "mistral": _TEXT,
                                "qwen3_moe": _QWEN3, "llava": _LLAVA, "llava_next": _LLAVA_NEXT,
                                "llava_next_video": _LLAVA_NEXT, "llava_onevision": _LLAVA_NEXT,
                                "chameleon": _CHAMELEON, "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL,
-                               "muse_glimmer": _MUSE_GLIMMER, "qwen3_5_text": _QWEN3_5,
-                               "qwen3_5_moe_text": _QWEN3_5}
+                               "qwen3_vl": _QWEN3_VL, "qwen3_vl_moe": _QWEN3_VL, "muse_glimmer": _MUSE_GLIMMER,
+                               "qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5}
 
 
 def family(model_type: str) -> Family:
@@ -241,4 +247,7 @@ def _logits_jit(model: Model, tokens: jax.Array, inputs: dict) -> jax.Array:
         embeds = pe.embeds
         if getattr(pe, "positions", None) is not None:  # e.g. Qwen2-VL's M-RoPE ids [3, B, T]
             positions = pe.positions
-    return model.forward(tokens, positions, cache, embeds=embeds, fresh=True).logits
+        extra = getattr(pe, "forward_inputs", None) or {}  # e.g. Qwen3-VL's DeepStack layer_adds
+    else:
+        extra = {}
+    return model.forward(tokens, positions, cache, embeds=embeds, fresh=True, **extra).logits

@@ -197,8 +197,9 @@ PREPARED_KEYS = ("vision_patches", "vision_rot", "vision_valid", "vision_window_
 def layout_key(cfg: QwenVLConfig) -> int:
     """A small int naming everything the prepared inputs depend on (see `vision_layout`)."""
     v = cfg.vision
-    sig = (cfg.model_type, v.patch_size, v.temporal_patch_size, v.merge_size, v.in_channels, v.window_size,
-           v.tokens_per_second, cfg.image_token_id, cfg.video_token_id)
+    sig = (cfg.model_type, v.patch_size, v.temporal_patch_size, v.merge_size, v.in_channels,
+           getattr(v, "window_size", None), getattr(v, "tokens_per_second", None), cfg.image_token_id,
+           cfg.video_token_id)
     return zlib.crc32(repr(sig).encode()) % 65521 + 1
 
 
@@ -427,19 +428,16 @@ class PromptEmbeds(NamedTuple):
     vision_grid_pos: jax.Array  # [B, T, 4] (item, frame, row, col) of each placeholder, -1 elsewhere
 
 
-def prompt_embeds(cfg: QwenVLConfig, params: dict, tokens: jax.Array, inputs: Mapping[str, jax.Array]) -> PromptEmbeds:
-    """Prompt embeddings, positions and hooks from `prepare_inputs`' output (empty: text only)."""
-    x = embed(cfg, params, tokens)
-    B, T = tokens.shape
-    no_grid = jnp.full((B, T, 4), -1, jnp.int32)
-    empty = jnp.zeros((0, cfg.vision.width), x.dtype)
+def prepared_positions(cfg, inputs: Mapping[str, jax.Array], B: int, T: int) -> jax.Array | None:
+    """The M-RoPE ids [3, B, T] of `prepare_inputs`' output after checking it was made for this model's layout
+    and a [B, T] prompt; None for a text-only prompt (no inputs). ValueError otherwise."""
     if "vision_layout" not in inputs:
         raw = sorted(set(inputs) & set(RAW_KEYS))
         if raw or inputs:
             raise ValueError(f"{cfg.model_type}: prompt_embeds takes the output of its prepare_inputs, got "
                              f"{raw or sorted(inputs)} (inputs prepared for another model? for a draft: pass "
                              f"draft_prompt=)")
-        return PromptEmbeds(x, jnp.zeros((B, T), bool), empty, None, None, no_grid)
+        return None
     if inputs["vision_layout"].shape != (0, layout_key(cfg)):
         raise ValueError(f"these vision inputs were prepared for another model's layout (tower geometry or token "
                          f"ids differ from this {cfg.model_type}); run this model's prepare_inputs on the processor "
@@ -448,6 +446,18 @@ def prompt_embeds(cfg: QwenVLConfig, params: dict, tokens: jax.Array, inputs: Ma
     if pos.shape != (3, B, T):
         raise ValueError(f"mrope_positions {pos.shape} were prepared for prompts of shape {pos.shape[1:]}, not "
                          f"{(B, T)}")
+    return pos
+
+
+def prompt_embeds(cfg: QwenVLConfig, params: dict, tokens: jax.Array, inputs: Mapping[str, jax.Array]) -> PromptEmbeds:
+    """Prompt embeddings, positions and hooks from `prepare_inputs`' output (empty: text only)."""
+    x = embed(cfg, params, tokens)
+    B, T = tokens.shape
+    no_grid = jnp.full((B, T, 4), -1, jnp.int32)
+    empty = jnp.zeros((0, cfg.vision.width), x.dtype)
+    pos = prepared_positions(cfg, inputs, B, T)
+    if pos is None:
+        return PromptEmbeds(x, jnp.zeros((B, T), bool), empty, None, None, no_grid)
     if "vision_patches" not in inputs:
         return PromptEmbeds(x, jnp.zeros((B, T), bool), empty, pos, inputs["mrope_offset"], no_grid)
     vo = QV.forward(cfg.vision, params["vision"], inputs["vision_patches"], inputs["vision_rot"],

@@ -24,7 +24,7 @@ from ports.safetensors_io import write_safetensors
 
 LAYOUTS = Path(__file__).resolve().parent.parent.parent / "shared" / "real_layouts"
 # layouts under next/ (families ported after the others) whose family jspec loads now
-PORTED_NEXT = ("next/Qwen__Qwen3-4B-finetune",)
+PORTED_NEXT = ("next/Qwen__Qwen3-4B-finetune", "next/nvidia__Cosmos-Reason2-8B")
 FOLDERS = sorted(p.name for p in LAYOUTS.iterdir() if (p / "config.json").exists()) if LAYOUTS.is_dir() else []
 FOLDERS += [f for f in PORTED_NEXT if (LAYOUTS / f / "config.json").exists()]
 INDEXED = [f for f in FOLDERS if (LAYOUTS / f / "model.safetensors.index.json").exists()]
@@ -36,7 +36,8 @@ CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": 
            "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
            "llava_next_video": "LlavaNextVideoForConditionalGeneration",
            "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-           "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+           "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+           "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 LAYER = re.compile(r"\.(layers|blocks)\.(\d+)\.")
 
 
@@ -155,6 +156,9 @@ def shrink(hf: dict) -> dict:
             # Qwen2-VL's tower: embed_dim wide, hidden_size = the text's; Qwen2.5-VL's: hidden_size wide, out_hidden_size
             vis.update(depth=2, embed_dim=32, hidden_size=64 if hf["model_type"] == "qwen2_vl" else 32,
                        num_heads=2, intermediate_size=48, out_hidden_size=64, fullatt_block_indexes=[1])
+        elif hf["model_type"] in ("qwen3_vl", "qwen3_vl_moe"):
+            vis.update(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                       num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
         else:
             vis.update(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                        image_size=56, projection_dim=32)
@@ -219,3 +223,29 @@ def test_a_shrunk_copy_under_the_real_names_matches_transformers(folder, tmp_pat
     got = ports.logits(ours, ids.astype(np.int32))
     scale = float(np.max(np.abs(ref)))
     assert float(np.max(np.abs(got - ref))) <= 1e-4 * scale
+
+
+QWEN3_VL = [f for f in FOLDERS if hf_config(f).get("model_type") in ("qwen3_vl", "qwen3_vl_moe")]
+
+
+@pytest.mark.parametrize("folder", QWEN3_VL)
+def test_a_shrunk_qwen3_vl_copy_reads_an_image_as_transformers(folder, tmp_path):
+    """The shrunk Qwen3-VL copy on an image prompt (tower, DeepStack, interleaved M-RoPE at the real config's
+    patch size and token ids) gives transformers' logits."""
+    import torch
+
+    model, _ = write_shrunk(folder, tmp_path / "ckpt")
+    ours = ports.load_hf(str(tmp_path / "ckpt"))
+    cfg = ours.config
+    v = cfg.vision
+    grid = np.array([[1, 4, 6]])
+    rng = np.random.default_rng(1)
+    pixels = rng.normal(size=(24, v.patch_dim)).astype(np.float32)
+    n = 24 // v.merge_unit
+    ids = np.array([[5, 7, cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id, 9, 11]])
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "pixel_values": pixels, "image_grid_thw": grid,
+             "mm_token_type_ids": (ids == cfg.image_token_id).astype(np.int64)}
+    with torch.no_grad():
+        ref = model(**{k: torch.tensor(x) for k, x in batch.items()}).logits.float().numpy()
+    got = ports.logits(ours, batch)
+    assert float(np.max(np.abs(got - ref))) <= 1e-4 * float(np.max(np.abs(ref)))

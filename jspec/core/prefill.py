@@ -25,7 +25,8 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, in
 
     `inputs`: the model's modality inputs (e.g. pixel_values), spliced into the prompt embeddings by its family;
     a family whose `prompt_embeds` also returns `positions` (M-RoPE ids) and `position_offset` [B] gets those
-    positions for the prompt, and the offset becomes the cache's `pos_offset` for every later token.
+    positions for the prompt, and the offset becomes the cache's `pos_offset` for every later token; its
+    `forward_inputs` (a dict of forward options, e.g. DeepStack's `layer_adds`) go to the prompt's forward.
     Returns (logits at each row's last prompt token [B, V], forward output, cache with length = lengths).
     Right padding needs no pad mask: under the causal mask no real token sees a later pad. The cache must be empty
     (the forward runs with `fresh=True`: it neither reads nor copies the cache's slots past the prompt).
@@ -43,6 +44,7 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, in
         fwd_kwargs["embeds"] = pe.embeds
         if getattr(pe, "positions", None) is not None:  # e.g. M-RoPE [3, B, T] ids and their rope deltas
             positions, offset = pe.positions, pe.position_offset
+        fwd_kwargs.update(getattr(pe, "forward_inputs", None) or {})  # e.g. Qwen3-VL's DeepStack layer_adds
     text = getattr(model.config, "text", model.config)
     if getattr(getattr(text, "rope", None), "rope_type", None) == "dynamic" and positions.ndim == 2:
         fwd_kwargs["rope"] = LY.rope_tables(text, positions, lengths)  # prompt tokens scaled by their row's length
@@ -56,7 +58,7 @@ def prefill(model, tokens: jax.Array, lengths: jax.Array, cache: kvc.KVCache, in
     return logits, fo, cache
 
 
-CHUNKED_OPTIONS = ("embeds", "hidden_layers", "attn_query_weights", "rope")
+CHUNKED_OPTIONS = ("embeds", "hidden_layers", "attn_query_weights", "rope", "layer_adds")
 
 
 def prefill_chunked(model, tokens, positions, lengths, cache: kvc.KVCache, chunk: int, **fwd_kwargs):
@@ -76,6 +78,7 @@ def prefill_chunked(model, tokens, positions, lengths, cache: kvc.KVCache, chunk
     weights = fwd_kwargs.get("attn_query_weights")
     embeds = fwd_kwargs.get("embeds")
     rope = fwd_kwargs.get("rope")
+    adds = fwd_kwargs.get("layer_adds")
 
     def piece(x, at, size, axis):
         return None if x is None else jax.lax.dynamic_slice_in_dim(x, at, size, axis=axis)
@@ -89,6 +92,8 @@ def prefill_chunked(model, tokens, positions, lengths, cache: kvc.KVCache, chunk
             kw["attn_query_weights"] = piece(weights, at, size, 1)
         if rope is not None:
             kw["rope"] = tuple(piece(t, at, size, 1) for t in rope)
+        if adds is not None:
+            kw["layer_adds"] = piece(adds, at, size, 2)
         fo = model.forward(piece(tokens, at, size, 1), piece(positions, at, size, positions.ndim - 1), cache,
                            logits_at=jnp.clip(last - at, 0, size - 1)[:, None], **kw)
         inside = (last >= at) & (last < at + size)
