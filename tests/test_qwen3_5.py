@@ -13,6 +13,10 @@ A mutant that commits the state after the whole draft (tests/mutants.py `recurre
 """
 import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -283,3 +287,16 @@ def test_a_recurrent_cache_refuses_what_it_cannot_do():
         target.forward(tok, pos, cache, write_offset=1)
     with pytest.raises(ValueError, match="recurrent state"):
         target.forward(tok, pos, dataclasses.replace(cache, rec=None))
+
+
+@pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["default", "slow"])
+def test_strategies_on_an_8_device_mesh(slow):
+    """tests/qwen3_5_sharded_checks.py on 8 forced CPU devices: the unsharded AR tokens from a chain and DFlash's
+    DDTree (every strategy above under -m slow) on the dense target, and a chain on the MoE one."""
+    here = os.path.dirname(__file__)
+    proc = subprocess.run([sys.executable, os.path.join(here, "qwen3_5_sharded_checks.py")] + (["--slow"] if slow else []),
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=1200,
+                          cwd=os.path.dirname(here))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    passed = json.loads(proc.stdout.strip().splitlines()[-1])["passed"]
+    assert len(passed) == (len(STRATEGIES) if slow else 2) + 1, passed

@@ -45,6 +45,7 @@ DECODER_AXES: dict[str, tuple[str | None, ...]] = {
     "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"), "wo": ("heads", "embed"),
     "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "w_attn_gate": ("embed", "heads"),  # Muse Glimmer's attention gate: one column per query head feature
+    "wqg": ("embed", "heads"), "bqg": ("heads",),  # Qwen3.5's query and output gate, whole heads (`ports.qwen3_5`)
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "b_gate": ("mlp",), "b_up": ("mlp",),
     # the run layout (`ports.fused`): split by KV-head groups, so each device holds whole groups
@@ -117,7 +118,9 @@ def rules_table(rules=None) -> dict[str, tuple[str, ...]]:
 def logical_units(cfg) -> dict[str, int]:
     """How many indivisible units each logical axis of a language model has (heads, not heads x head_dim)."""
     text = getattr(cfg, "text", cfg)
-    units = {"heads": text.num_heads, "kv_heads": text.num_kv_heads, "mlp": text.intermediate_size,
+    # (a Qwen3.5-MoE's only dense MLP is its shared expert)
+    mlp = text.intermediate_size or getattr(text, "shared_expert_intermediate_size", 0)
+    units = {"heads": text.num_heads, "kv_heads": text.num_kv_heads, "mlp": mlp,
              "vocab": text.vocab_size, "embed": text.hidden_size}
     if getattr(text, "num_experts", 0):
         units.update(expert=text.num_experts, moe_mlp=text.moe_intermediate_size)
@@ -253,6 +256,9 @@ class Placement:
         kv = NamedSharding(self.mesh, spec)
         row = NamedSharding(self.mesh, P() if replicated else P(self.logical_cache_spec(cache)[0]))
         wsc = jax.lax.with_sharding_constraint
+        if cache.rec is not None:  # a hybrid model's recurrent state [L, B, ...]: rows over the batch's axes
+            lead = NamedSharding(self.mesh, P() if replicated else P(None, self.logical_cache_spec(cache)[0]))
+            cache = cache.replace(rec=jax.tree.map(lambda a: wsc(a, lead), cache.rec))
         if cache.stacked:  # one [L, ...] array each: the layer axis is not split
             kv = NamedSharding(self.mesh, P(None, *spec))
             return cache.replace(k=wsc(cache.k, kv), v=wsc(cache.v, kv), length=wsc(cache.length, row),
