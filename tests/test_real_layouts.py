@@ -24,7 +24,8 @@ from ports.safetensors_io import write_safetensors
 
 LAYOUTS = Path(__file__).resolve().parent.parent.parent / "shared" / "real_layouts"
 # layouts under next/ (families ported after the others) whose family jspec loads now
-PORTED_NEXT = ("next/Qwen__Qwen3-4B-finetune", "next/nvidia__Cosmos-Reason2-8B")
+PORTED_NEXT = ("next/Qwen__Qwen3-4B-finetune", "next/nvidia__Cosmos-Reason2-8B",
+               "next/bryce-hoehn__Qwen3.5-18B-REAP-A3B-Coding")
 FOLDERS = sorted(p.name for p in LAYOUTS.iterdir() if (p / "config.json").exists()) if LAYOUTS.is_dir() else []
 FOLDERS += [f for f in PORTED_NEXT if (LAYOUTS / f / "config.json").exists()]
 INDEXED = [f for f in FOLDERS if (LAYOUTS / f / "model.safetensors.index.json").exists()]
@@ -37,7 +38,8 @@ CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": 
            "llava_next_video": "LlavaNextVideoForConditionalGeneration",
            "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
+           "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+           "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 LAYER = re.compile(r"\.(layers|blocks)\.(\d+)\.")
 
 
@@ -94,7 +96,7 @@ def test_index_names_are_the_loaders(folder):
     names = index_names(folder)
     check_names(folder, names)  # nothing missing, nothing unexpected
     with pytest.raises(ValueError, match=r"missing keys \(1\)"):
-        check_names(folder, [n for n in names if not n.endswith("layers.0.mlp.down_proj.weight")])
+        check_names(folder, [n for n in names if not n.endswith("layers.0.post_attention_layernorm.weight")])
     with pytest.raises(ValueError, match=r"unexpected keys \(1\)"):
         check_names(folder, names + ["model.layers.0.mlp.extra_proj.weight"])
 
@@ -113,12 +115,24 @@ def transformers_model(hf: dict, meta: bool):
     return cls(conf).to(torch.float32).eval()
 
 
+def state_pieces(fam, state: dict):
+    """(loader name, its name in transformers' layout, shape, value) of each tensor of a transformers state dict;
+    a fused one (transformers' in-memory experts) as the pieces the family's `split_hf_tensor` reads from it."""
+    for n, t in state.items():
+        c = fam.rename_hf_key(n)
+        pieces = fam.split_hf_tensor(c, tuple(t.shape)) if fam.split_hf_tensor is not None else None
+        if pieces is None:
+            yield c, n, tuple(t.shape), (lambda t=t: t)
+        else:
+            yield from ((pc, pc, shape, (lambda t=t, take=take: take(t))) for pc, shape, take in pieces)
+
+
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_full_size_shapes_are_transformers(folder):
     hf = hf_config(folder)
     fam, cfg, want, ignored = expected(hf)
     model = transformers_model(hf, meta=True)
-    got = {fam.rename_hf_key(n): tuple(t.shape) for n, t in model.state_dict().items()}
+    got = {c: shape for c, _, shape, _ in state_pieces(fam, model.state_dict())}
     tied = getattr(getattr(cfg, "text", cfg), "tie_word_embeddings", False)
     extra = [n for n in got if n not in want and not any(p.search(n) for p in ignored)
              and not (tied and n.endswith("lm_head.weight"))]
@@ -141,6 +155,11 @@ def shrink_text(t: dict) -> dict:
     for key in ("rope_scaling", "rope_parameters"):
         if isinstance(t.get(key), dict) and "mrope_section" in t[key]:
             t[key] = {**t[key], "mrope_section": [2, 3, 3]}  # sums to head_dim / 2 = 8
+    if "linear_num_key_heads" in t:  # Qwen3.5's hybrid: one linear-attention layer, then a full-attention one
+        t.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                 layer_types=["linear_attention", "full_attention"])
+        if "num_experts" in t:
+            t.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40)
     if t.get("model_type") == "mistral":
         t["sliding_window"] = 6  # shorter than the test prompt (11 tokens): the window is exercised
     return t
@@ -191,13 +210,13 @@ def write_shrunk(folder: str, out: Path) -> tuple:
     if (LAYOUTS / folder / "model.safetensors.index.json").exists():
         templates = {template(fam.rename_hf_key(n)): template(n) for n in index_names(folder)}
     tensors = {}
-    for n, t in model.state_dict().items():
-        c = fam.rename_hf_key(n)
+    state = {n: t.detach().to(torch.float32).numpy() for n, t in model.state_dict().items()}
+    for c, n, _, take in state_pieces(fam, state):
         if c not in want:
             continue
         name = n if templates is None else real_name(templates, c)
         assert name is not None, f"{n} ({c}) has no name in the real index"
-        tensors[name] = t.detach().to(torch.float32).numpy()
+        tensors[name] = np.ascontiguousarray(take())
     if templates is not None:  # the real index's ignored tensors too (e.g. LLaMA-1's rotary inv_freq), in their layers
         for key, tmpl in templates.items():
             if any(p.search(key.replace("{}", "0")) for p in ignored) and "inv_freq" in key:
