@@ -406,7 +406,8 @@ def forward(cfg: Qwen35Config, params: dict, tokens: jax.Array | None, positions
         x = x + feed_forward(cfg, p, LY.centered_rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
         if i + 1 in want:
             hidden[i + 1] = x
-    new = RC.Pending(*(jnp.stack([getattr(pd, f) for pd in pending]) for f in ("x", "k", "d", "g")))
+    new = RC.Pending(*(jnp.stack([getattr(pd, f) for pd in pending]) for f in ("x", "k", "d", "g"))) if pending \
+        else None  # (a config of full-attention layers only has no state to advance)
     head = (lambda xs: unembed(cfg, params, xs)) if compute_logits else None
     fo = llama.finish_forward(x, ks, vs, cache, hidden, hidden_layers, logits_at, head)
     return fo._replace(cache=fo.cache.replace(rec_new=new))

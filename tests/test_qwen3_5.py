@@ -28,6 +28,7 @@ import transformers
 import jspec
 import ports
 from jspec.core import prefill as PR
+from jspec.parts.drafters import mtp as MT
 from ports import cache as kvc
 from ports import qwen3 as Q3
 from ports import qwen3_5 as Q5
@@ -230,6 +231,18 @@ def damped_pair():
     return target, draft, ar
 
 
+def bigram_mtp(target):
+    """An MTP head (random, then fc passing the token embedding on and the layer's branches zeroed) that drafts
+    what the target's embedding and head say follows the token it reads: the damped target's bigram guess, so its
+    chains and trees are accepted in part, and deeper levels read the tokens drafted before them."""
+    head = MT.init_head(target, jax.random.key(5), scale=0.3)
+    D = target.config.hidden_size
+    layer = dict(head.params["layers"][0])
+    layer.update(wo=layer["wo"] * 0, w_down=layer["w_down"] * 0)
+    fc = jnp.zeros((2 * D, D)).at[:D].set(jnp.eye(D))
+    return head.replace(params=dict(head.params, fc=fc, layers=[layer]))
+
+
 STRATEGIES = {
     "chain": lambda t, d: jspec.Chain(d, gamma=3),
     "tree": lambda t, d: jspec.Tree(d, tree=SMALL_TREE),
@@ -238,6 +251,8 @@ STRATEGIES = {
     "eagle3_chain": lambda t, d: jspec.Eagle3(eagle3_head(t, every_third_dropped(t)), tree="chain", depth=3),
     "sjd": lambda t, d: jspec.SJD(window=3),
     "guarded_chain": lambda t, d: guarded(jspec.Chain(d, gamma=3)),
+    "mtp_chain": lambda t, d: jspec.Chain(bigram_mtp(t), gamma=3),
+    "mtp_tree": lambda t, d: jspec.Tree(bigram_mtp(t), tree=SMALL_TREE),
 }
 
 
@@ -247,7 +262,7 @@ def test_speculative_decoding_over_the_hybrid_target_equals_ar(name):
     out = jspec.decode(target, PROMPTS, strategy=STRATEGIES[name](target, draft), max_new_tokens=16,
                        eos_token_id=())
     np.testing.assert_array_equal(out.tokens, ar)
-    if name in ("chain", "tree", "dynamic_tree", "guarded_chain"):  # the model draft: rows accept different lengths
+    if name in ("chain", "tree", "dynamic_tree", "guarded_chain", "mtp_chain", "mtp_tree"):  # rows accept unlike
         accepted = out.stats["accepted"][out.stats["accepted"] > 0]
         assert accepted.max() >= 3 and (accepted < accepted.max()).any(), out.stats["accepted"]
 
@@ -300,3 +315,78 @@ def test_strategies_on_an_8_device_mesh(slow):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     passed = json.loads(proc.stdout.strip().splitlines()[-1])["passed"]
     assert len(passed) == (len(STRATEGIES) if slow else 2) + 1, passed
+
+
+# ------------------------------------------------------------------------------------------ the MTP head
+
+
+def _with_mtp(directory: str, layer, drop: str = "", extra: str = "", n: int = 1):
+    """The checkpoint in `directory` with transformers' `MtpLayer` `layer` written under Qwen3.5's mtp.* names
+    (without `drop`, with a spare tensor `extra`) and mtp_num_hidden_layers = n."""
+    from ports.safetensors_io import SafetensorsFile, write_safetensors
+
+    rename = {"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+              "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "post_norm.weight": "mtp.norm.weight"}
+    path = os.path.join(directory, "model.safetensors")
+    f = SafetensorsFile(path)
+    tensors = {k: f.get(k) for k in f.keys()}
+    for k, v in layer.state_dict().items():
+        tensors[rename.get(k, k.replace("mtp_block.", "mtp.layers.0."))] = v.detach().numpy().astype(np.float32)
+    tensors.pop(drop, None)
+    if extra:
+        tensors[extra] = np.zeros((3,), np.float32)
+    write_safetensors(path, {k: (a.shape, a.dtype) for k, a in tensors.items()}, tensors.__getitem__)
+    conf = json.load(open(os.path.join(directory, "config.json")))
+    json.dump({**conf, "mtp_num_hidden_layers": n}, open(os.path.join(directory, "config.json"), "w"))
+
+
+@functools.lru_cache(maxsize=None)
+def _mtp_layer():
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as M
+
+    conf = transformers.Qwen3_5TextConfig(**{**KINDS["dense"], "num_hidden_layers": 1,
+                                             "layer_types": ["full_attention"]})
+    conf._attn_implementation = "sdpa"  # causal over a sequence without a mask
+    torch.manual_seed(4)
+    return perturb(MtpLayer(conf, M.Qwen3_5DecoderLayer, M.Qwen3_5RMSNorm, 0).eval(), 2, 0.1)
+
+
+def test_the_mtp_head_loads_from_the_targets_checkpoint_and_matches_transformers_mtp_layer(tmp):
+    """The head read from the target's own files (mtp.* only) computes transformers' `MtpLayer` (Qwen3.5's
+    layout) over a sequence: f = norm(layer(fc([norm(e(x_{t+1})); norm(h_t)]))); its chain equals AR."""
+    hf, _ = hf_pair("dense", tmp)
+    d = f"{tmp}/with_mtp"
+    hf.save_pretrained(d)
+    layer = _mtp_layer()
+    _with_mtp(d, layer)
+    target = ports.load_hf(d)
+    head = MT.load_head(d, target)
+    ids = np.random.RandomState(5).randint(0, V, (1, 12))
+    with torch.no_grad():
+        h = hf(torch.tensor(ids), output_hidden_states=True).hidden_states[-1]  # under the final norm
+        emb = hf.model.embed_tokens(torch.tensor(ids[:, 1:]))
+        pos = torch.arange(1, 12)[None]
+        ref = layer(emb, h[:, :-1], position_embeddings=hf.model.rotary_emb(emb, pos[None].expand(3, 1, -1)),
+                    attention_mask=None, position_ids=pos, past_key_values=None).numpy()
+    cache = kvc.init_cache(1, 1, 2, 16, 16, jnp.float32)
+    f, _ = MT.head_forward(head, jnp.take(target.params["embed"], ids[:, 1:], axis=0), jnp.asarray(h.numpy())[:, :-1],
+                           jnp.arange(1, 12)[None], cache, fresh=True)
+    np.testing.assert_allclose(np.asarray(f), ref, atol=2e-5)
+    ar = jspec.decode(target, PROMPTS, max_new_tokens=10, eos_token_id=()).tokens
+    out = jspec.decode(target, PROMPTS, strategy=jspec.Chain(head, gamma=3), max_new_tokens=10, eos_token_id=())
+    np.testing.assert_array_equal(out.tokens, ar)
+
+
+@pytest.mark.parametrize("case, message", [
+    (dict(drop="mtp.norm.weight"), r"missing keys \(1\).*mtp.norm.weight"),
+    (dict(extra="mtp.layers.0.spare.weight"), r"unexpected keys \(1\).*spare"),
+    (dict(n=0), "mtp_num_hidden_layers = 0"),
+])
+def test_an_mtp_head_that_does_not_match_is_refused_naming_what(case, message, tmp):
+    hf, _ = hf_pair("dense", tmp)
+    d = f"{tmp}/bad_mtp_{len(os.listdir(tmp))}"
+    hf.save_pretrained(d)
+    _with_mtp(d, _mtp_layer(), **case)
+    with pytest.raises(ValueError, match=message):
+        MT.load_head(d, ports.load_hf(d))

@@ -97,8 +97,10 @@ def prefill_chunked(model, tokens, positions, lengths, cache: kvc.KVCache, chunk
         fo = model.forward(piece(tokens, at, size, 1), piece(positions, at, size, positions.ndim - 1), cache,
                            logits_at=jnp.clip(last - at, 0, size - 1)[:, None], **kw)
         inside = (last >= at) & (last < at + size)
-        # rows whose prompt ends inside this chunk commit up to their end (a recurrent state takes no padding)
-        return fo, kvc.commit(fo.cache, jnp.clip(lengths - at, 0, size).astype(jnp.int32)), inside
+        n = jnp.full((B,), size, jnp.int32)
+        if cache.rec is not None:  # a recurrent state takes no padding: each row commits up to its prompt's end
+            n = jnp.clip(lengths - at, 0, size).astype(jnp.int32)
+        return fo, kvc.commit(fo.cache, n), inside
 
     def body(carry, c):
         cache, logits, attn = carry

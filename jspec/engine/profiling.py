@@ -80,7 +80,12 @@ def _body(name, ctx, parts, target):
         return lambda c: fn(ctx, parts, target, c)[:2] + (c[2],)
     if name == "verify":
         return lambda c: fn(ctx, parts, target, c)
-    return lambda c: (fn(ctx, parts, target, c)[0], c[1], c[2])
+
+    def accept(c):  # a hybrid target's pending recurrent inputs are handed to every repetition's commit again
+        s, pending = fn(ctx, parts, target, c)[0], c[0].cache.rec_new
+        return (s if pending is None else s.replace(cache=s.cache.replace(rec_new=pending)), c[1], c[2])
+
+    return accept
 
 
 @functools.partial(jax.jit, static_argnames=("name", "ctx", "static"))

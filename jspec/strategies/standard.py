@@ -13,6 +13,7 @@ from jspec.parts.drafters import Drafter, ModelDrafter
 from jspec.parts.drafters.dflash import DFlashDrafter, DFlashHead
 from jspec.parts.drafters.eagle import EagleDrafter, EagleHead
 from jspec.parts.drafters.eagle3 import Eagle3Drafter, Eagle3Head
+from jspec.parts.drafters.mtp import MTPDrafter, MTPHead
 from jspec.parts.plans import DynamicPlan, StaticPlan
 from jspec.parts.rules import as_rule
 from jspec.parts.trees import Layout, StaticTree, cached_tree, chain
@@ -31,12 +32,15 @@ class AR(Strategy):
 
 def as_drafter(draft) -> Drafter:
     """A `Chain` / `Tree` / `DynamicTree` draft as its drafter: a drafter as is, an EAGLE-1 feature head
-    (`jspec.parts.drafters.eagle.EagleHead`), an EAGLE-3 head (`jspec.parts.drafters.eagle3.Eagle3Head`) or a block
+    (`jspec.parts.drafters.eagle.EagleHead`), an EAGLE-3 head (`jspec.parts.drafters.eagle3.Eagle3Head`), a Qwen3.5
+    MTP head (`jspec.parts.drafters.mtp.MTPHead`) or a block
     drafter (`jspec.parts.drafters.dflash.DFlashHead`) over the target's states, anything else as a separate draft model."""
     if isinstance(draft, Drafter):
         return draft
     if isinstance(draft, Eagle3Head):
         return Eagle3Drafter(draft)
+    if isinstance(draft, MTPHead):
+        return MTPDrafter(draft)
     if isinstance(draft, EagleHead):
         return EagleDrafter(draft)
     if isinstance(draft, DFlashHead):

@@ -501,11 +501,35 @@ def eagle_components(target: _Planned, batch: int, max_len: int, dt) -> dict:
             "eagle_cache": dict(total=cache, per_device=cache, replicated=True)}
 
 
+def mtp_components(target: _Planned, batch: int, max_len: int, dt) -> dict:
+    """A Qwen3.5 MTP head's own bytes (replicated, as `EagleDrafter.prepare` places it): fc [2D, D], three norms and
+    `mtp_num_hidden_layers` full-attention layers of the target's shape (its embedding and LM head shared), and
+    their KV cache for `batch` rows."""
+    text = target.text
+    n_layers = max(1, int(getattr(text, "mtp_layers", 0)))
+    attn = next(layer for layer in target.model.params["layers"] if "wqg" in layer)
+    per_layer = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(attn))
+    D = text.hidden_size
+    n = 2 * D * D + 3 * D + n_layers * per_layer
+    cache = 2 * batch * n_layers * text.num_kv_heads * text.head_dim * dt.itemsize * max_len
+    return {"mtp_head": dict(total=n * dt.itemsize, per_device=n * dt.itemsize, count=n, replicated=True),
+            "mtp_cache": dict(total=cache, per_device=cache, replicated=True)}
+
+
+def recurrent_verify_bytes(text, batch: int, nodes: int, dt) -> int:
+    """What a hybrid target's verify keeps per new token for the commit (`ports.recurrent.Pending`), over `nodes`
+    nodes and `batch` rows: per linear layer the conv input (model dtype), the key, δ and the log decay (float32)."""
+    per_node = (text.conv_channels * dt.itemsize
+                + 4 * (text.linear_key_heads * text.linear_key_dim
+                       + text.linear_value_heads * (text.linear_value_dim + 1)))
+    return len(text.linear_layers) * batch * nodes * per_node
+
+
 def estimate(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: int, dtype="bfloat16",
              draft_config: dict | None = None, tree_nodes: int = 64, prompt_len: int | None = None, rules=None,
              images: int | None = None, eesd: tuple[int, int, bool] | None = None, draft_max_len: int | None = None,
              self_draft: bool = False, streams: int = 1, eagle: bool = False, prefill_chunk: int | None | str = "auto",
-             draft_tensor_parallel: bool = False) -> MemoryEstimate:
+             draft_tensor_parallel: bool = False, mtp: bool = False) -> MemoryEstimate:
     """Bytes per device of decoding `config` (an HF config dict) on a mesh of `mesh_shape`
     ({"data":, "fsdp":, "tensor":}) with a `max_len`-slot cache for `batch` rows, params in `dtype`, optionally
     with a replicated draft. Nothing is allocated and no devices are needed.
@@ -518,7 +542,9 @@ def estimate(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: i
     the target's (SpecVLM's Self-SD); streams: sequences per row (2 under classifier-free guidance: every cache
     and activation holds batch * streams rows); eagle: an EAGLE-1 feature head drafts (`eagle_components`,
     LANTERN++'s drafter); prefill_chunk: `decode`'s (default "auto", its 4,096 tokens; None: one pass), which
-    sets how many tokens go through a layer at once and which attention path they take. Returns a `MemoryEstimate`: per
+    sets how many tokens go through a layer at once and which attention path they take; mtp: a Qwen3.5 target's
+    own MTP head drafts (`mtp_components`). A hybrid target's cache holds its recurrent state too, and its verify
+    keeps per node what the commit needs (`recurrent_verify_bytes`, counted with the activations). Returns a `MemoryEstimate`: per
     component {"total", "per_device"} bytes ("total" is one logical copy), their sums, and notes;
     `estimate(...).fits(device_bytes)` gives the verdict."""
     for name, v in (("batch", batch), ("max_len", max_len), ("tree_nodes", tree_nodes), ("streams", streams)):
@@ -582,6 +608,15 @@ def estimate(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: i
         comps.update(eagle_components(target, rows, max_len, dt))
         notes.append(f"EAGLE-1 head: fc + one decoder layer = {comps['eagle_head']['count'] / 1e9:.3f}B params "
                      "(the target's embedding and LM head shared), its one-layer cache replicated")
+    if mtp:
+        if draft is not None or eesd is not None or self_draft or eagle:
+            raise ValueError("plan one drafter: a separate draft, an early-exit head, an EAGLE head or an MTP head")
+        if not hasattr(target.text, "linear_layers"):
+            raise ValueError(f"an MTP head is a Qwen3.5 target's own; the target is {config.get('model_type')}")
+        comps.update(mtp_components(target, rows, max_len, dt))
+        notes.append(f"MTP head: fc + {max(1, target.text.mtp_layers)} decoder layer(s) = "
+                     f"{comps['mtp_head']['count'] / 1e9:.3f}B params (the target's embedding and LM head shared), "
+                     "its cache replicated")
     if streams > 1:
         notes.append(f"{streams} streams per row (classifier-free guidance): caches and activations hold "
                      f"{rows} sequences")
@@ -594,6 +629,13 @@ def estimate(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: i
                                   dt.itemsize, d_len, chunk)
     comps["activations"] = dict(total=act_one["peak"], per_device=act["peak"], estimate=True, phase=act["phase"],
                                 prefill=act["prefill"], decode=act["decode"], detail=act)
+    if hasattr(target.text, "linear_layers"):  # a hybrid target: its verify's per-node commit inputs
+        rv = recurrent_verify_bytes(target.text, rows, tree_nodes, dt)
+        b_split = _split("batch", rows, mesh, table)
+        comps["recurrent_verify"] = dict(total=rv, per_device=rv // b_split, estimate=True)
+        notes.append(f"hybrid target: {len(target.text.linear_layers)} linear-attention layers; its cache holds "
+                     f"their recurrent state, and a verify of {tree_nodes} nodes keeps "
+                     f"{rv / max(1, rows * tree_nodes) / 2 ** 20:.2f} MiB per node for the commit (docs/hybrid.md)")
     how = (f"in chunks of {act['prefill_tokens_at_once']}" if act["prefill_tokens_at_once"] < prompt_len
            else "in one pass") + (", blockwise attention" if act["prefill_blockwise"] else ", [T, S] attention scores")
     notes.append(f"activations are an analytic estimate (peak of the {act['phase']}: prefill of {prompt_len} "
@@ -618,6 +660,8 @@ def estimate(config: dict, mesh_shape: Mapping[str, int], batch: int, max_len: i
 LABELS = {"params": "params", "kv_cache": "KV cache", "eesd_head": "EESD head (replicated)",
           "eesd_cache": "EESD head cache + scratch", "eesd_calibration": "Cali-TS predictor (f32)",
           "eagle_head": "EAGLE head (replicated)", "eagle_cache": "EAGLE head cache (replicated)",
+          "mtp_head": "MTP head (replicated)", "mtp_cache": "MTP head cache (replicated)",
+          "recurrent_verify": "verify's recurrent inputs (estimate)",
           "draft_params": "draft params (replicated)", "draft_cache": "draft KV cache (replicated)",
           "activations": "activations (estimate)"}
 

@@ -117,7 +117,7 @@ def cmd_memory(args) -> int:
                     tree_nodes=tree_nodes, prompt_len=args.prompt_len, images=args.images, eesd=eesd,
                     draft_max_len=draft_max_len, self_draft=self_draft, streams=streams, eagle=eagle,
                     prefill_chunk=args.prefill_chunk if args.prefill_chunk != "none" else None,
-                    draft_tensor_parallel=args.draft_tensor_parallel)
+                    draft_tensor_parallel=args.draft_tensor_parallel, mtp=args.mtp)
         if sage_note:
             p["notes"].append(sage_note)
     except ValueError as e:
@@ -172,21 +172,26 @@ def bench_spec(argv) -> int:
     return 0
 
 
-def bench_moe(argv) -> int:
-    """`jspec bench moe ...`: an MoE decode step's cost against a dense model as wide as its chosen experts
-    (`jspec.tools.bench.moe`)."""
-    from jspec.tools.bench import moe as BM
+SMALL_BENCHES = {"moe": "an MoE decode step's cost against a dense model as wide as its chosen experts",
+                 "hybrid": "a verify's cost on a hybrid (linear-attention) target by depth and tree size, beside an "
+                           "attention-only one"}
 
-    ap = argparse.ArgumentParser(prog="jspec bench moe", description=BM.__doc__.split("\n")[0])
+
+def bench_small(suite: str, argv) -> int:
+    """`jspec bench moe|hybrid ...`: a small in-program benchmark (`jspec.tools.bench.moe` / `.hybrid`)."""
+    import importlib
+
+    mod = importlib.import_module(f"jspec.tools.bench.{suite}")
+    ap = argparse.ArgumentParser(prog=f"jspec bench {suite}", description=mod.__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="interleaved timed runs (median), after a warm-up")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test; its numbers mean nothing)")
     ap.add_argument("--out", default="bench_out", help="output directory")
     args = ap.parse_args(argv)
     try:
-        result = BM.run(runs=args.runs, quick=args.quick, out_dir=args.out)
+        result = mod.run(runs=args.runs, quick=args.quick, out_dir=args.out)
     except ValueError as e:
-        raise SystemExit(f"jspec bench moe: {e}")
-    print(BM.markdown(result))
+        raise SystemExit(f"jspec bench {suite}: {e}")
+    print(mod.markdown(result))
     print("wrote " + ", ".join(result["files"]))
     return 0
 
@@ -248,8 +253,8 @@ def main(argv=None) -> int:
         return bench_spec(argv[2:])
     if argv[:2] == ["bench", "gpu"]:
         return bench_gpu(argv[2:])
-    if argv[:2] == ["bench", "moe"]:
-        return bench_moe(argv[2:])
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in SMALL_BENCHES:
+        return bench_small(argv[1], argv[2:])
     if argv[:1] == ["train"]:
         return train(argv[1:])
     p = argparse.ArgumentParser(prog="jspec", description=__doc__)
@@ -316,6 +321,7 @@ def main(argv=None) -> int:
                                                 "the paper's N for llama-2-13b / 70b)")
     pl.add_argument("--eesd-layers", type=int, default=1, help="the early-exit head's decoder layers")
     pl.add_argument("--cali", action="store_true", help="with Cali-TS's predictor (W^1..W^10, W_p)")
+    pl.add_argument("--mtp", action="store_true", help="a Qwen3.5 target's own MTP head drafts (its mtp.* layers)")
     pl.add_argument("--tree-nodes", type=int, default=64, help="nodes verified per step (gamma + 1 for a chain)")
     pl.add_argument("--sage", action="store_true", help="SAGE's verify width (n_max + 1 = 65) and, for a target "
                                                         "with a SAGE preset, the paper's draft unless --draft")
@@ -341,10 +347,10 @@ def main(argv=None) -> int:
     sub.add_parser("train", help="train a drafter, resumable: eagle, eagle3, dflash, eesd, cali, or self-data (the text "
                                  "a registered model writes for its drafters); `jspec train KIND --help`")
     b = sub.add_parser("bench", help="benchmark suites (ar, sd; gpu: `jspec bench gpu --help`; long: `jspec bench "
-                                     "long --help`; spec-bench: `jspec bench spec-bench --help`; moe: `jspec bench moe "
-                                     "--help`): JSON, "
+                                     "long --help`; spec-bench: `jspec bench spec-bench --help`; moe, hybrid: `jspec "
+                                     "bench moe --help`): JSON, "
                                      "markdown table and PNG per run")
-    b.add_argument("suite", help="ar | sd | gpu | long | spec-bench | moe")
+    b.add_argument("suite", help="ar | sd | gpu | long | spec-bench | moe | hybrid")
     b.add_argument("--runs", type=int, default=3, help="timed runs per case (median), after a warm-up")
     b.add_argument("--quick", action="store_true", help="tiny sizes, finishes in well under 3 minutes")
     b.add_argument("--out", default="bench_out", help="output directory")
