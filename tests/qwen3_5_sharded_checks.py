@@ -20,7 +20,7 @@ from ports import qwen3_5 as Q5  # noqa: E402
 from test_qwen3_5 import KINDS, PROMPTS, STRATEGIES, damped_pair  # noqa: E402
 
 ROWS = PROMPTS + [PROMPTS[0][:3]]
-DEFAULT = ("chain", "dflash_ddtree")
+DEFAULT = ("chain",)
 
 
 def main():

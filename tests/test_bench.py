@@ -161,3 +161,21 @@ def test_quick_moe_bench_schema_and_provenance(tmp_path, capsys):
     assert s["top_k"] <= s["distinct_experts_min"] <= s["distinct_experts_max"] <= min(s["experts"], s["verify_pairs"])
     md = js.with_suffix(".md").read_text()
     assert "| model |" in md and "MoE / dense" in md and "MoE / dense" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_quick_hybrid_bench_schema_and_provenance(tmp_path):
+    """`jspec bench hybrid --quick --runs 1`: per case (AR step; verify and accept of chains of depth 1, 3, 7 and
+    trees of 8, 16, 32 nodes) both targets' times (finite, not negative) and their ratio; the bytes kept per node
+    for the commit below a state per node; the provenance."""
+    assert cli.main(["bench", "hybrid", "--quick", "--runs", "1", "--out", str(tmp_path)]) == 0
+    [js] = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    res = json.loads(js.read_text())
+    assert res["meta"]["suite"] == "hybrid" and js.with_suffix(".md").exists()
+    assert_provenance(res["meta"]["provenance"])
+    cases = [r["case"] for r in res["rows"]]
+    assert cases[0] == "AR step" and len(cases) == 1 + 2 * 6 and "tree 32 accept" in cases
+    for r in res["rows"]:
+        assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("hybrid_ms", "attention_ms")), r
+    mem = res["memory"]
+    assert 0 < mem["verify_bytes_per_node"] < mem["state_bytes_per_node"]

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jspec.tools import cli
@@ -371,3 +372,45 @@ def test_prefill_chunk_and_attention_path_set_the_prefill_activations(capsys):
     assert "in chunks of 2048, blockwise attention" in capsys.readouterr().out
     with pytest.raises(ValueError, match="prefill_chunk must be"):
         MEM.estimate(cfg, {}, 1, 2048, prefill_chunk=0)
+
+
+@pytest.mark.parametrize("name, cls", [("qwen3.5-9b", "Qwen3_5ForCausalLM"),
+                                       ("qwen3.5-35b-a3b", "Qwen3_5MoeForCausalLM")])
+def test_qwen3_5_plans_count_as_transformers_with_the_state_and_an_mtp_head(name, cls):
+    """The hybrid language models' params equal transformers' model built from the config (meta device); the cache
+    holds the attention layers' K/V and the linear layers' state; the verify's per-node commit inputs are counted;
+    `mtp=True` adds the head (its count equals a real head's on a tiny target) and refuses a target without one."""
+    import copy
+
+    import jax
+    import torch
+    import transformers
+
+    import ports
+    from jspec.parts.drafters import mtp as MT
+    from ports import qwen3_5 as Q5
+
+    cfg = MEM.load_config(name)
+    conf = transformers.AutoConfig.for_model(**copy.deepcopy(cfg))
+    with torch.device("meta"):
+        ref = sum(p.numel() for p in getattr(transformers, cls)(conf).parameters())
+    p = MEM.estimate(cfg, {"tensor": 2}, batch=2, max_len=1024, tree_nodes=16, mtp=True)
+    assert p["target"]["params"] == ref
+    text = Q5.config_from_hf(cfg)
+    kv = 2 * 2 * 1024 * len(text.attention_layers) * text.num_kv_heads * text.head_dim * 2  # bf16, 2 rows
+    state = 2 * len(text.linear_layers) * (3 * text.conv_channels * 2 + text.linear_value_heads * text.linear_key_dim
+                                           * text.linear_value_dim * 4)
+    c = p["components"]
+    assert c["kv_cache"]["total"] == kv + state + 3 * 2 * 4  # (+ length, start, pos_offset: int32 per row)
+    assert c["recurrent_verify"]["total"] == MEM.recurrent_verify_bytes(text, 2, 16, np.dtype("bfloat16"))
+    assert c["mtp_head"]["per_device"] == c["mtp_head"]["total"]  # replicated
+    tiny = {**cfg, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 40, "num_experts": 4, "num_hidden_layers": 4, "layer_types": None,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 12, "num_experts_per_tok": 2}
+    target = ports.random_model(Q5.config_from_hf(tiny), key=0)
+    count = MEM.estimate(tiny, {}, 1, 64, dtype="float32", mtp=True)["components"]["mtp_head"]["count"]
+    assert count == MT.init_head(target, jax.random.key(0)).num_params
+    with pytest.raises(ValueError, match="MTP head"):
+        MEM.estimate(MEM.load_config("qwen3-8b"), {}, 1, 64, mtp=True)

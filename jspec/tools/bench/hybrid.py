@@ -11,6 +11,11 @@ is a median over `runs` interleaved rounds, each timing every case once (after a
 
 Reported per case: ms of each model and hybrid / attention-only; and the bytes the hybrid's verify keeps per node
 for the commit (`jspec.tools.memory.recurrent_verify_bytes`) beside the bytes a state per node would take.
+
+And a long prompt's prefill on the hybrid (2,048 tokens; 256 with --quick), jspec's chunked form beside
+transformers' forward of the same weights (`save_hf`, then transformers' own loader; its torch reference kernels):
+median wall seconds over `runs` after a warm-up (each side in a fresh subprocess), and its working memory: XLA's
+temporary bytes of jspec's compiled program, the peak of the bytes transformers' ops hold during a call.
 """
 from __future__ import annotations
 
@@ -100,6 +105,78 @@ class _Timed:
         return self.PF._cost(which, s, verify_carry if which == "verify" else accept_carry, self.reps, 1)
 
 
+def _probe(kind: str, directory: str, T: int, runs: int) -> dict:
+    """In this process: load the checkpoint in `directory`, prefill T tokens once (warm-up), then `runs` more (their
+    median seconds); and the prefill's working memory: jspec's XLA temporaries of the compiled program, transformers'
+    peak of the bytes its ops hold during one call (torch's profiler: each op's own allocations minus frees, in
+    order)."""
+    import time
+
+    ids = np.random.default_rng(0).integers(0, 256, (1, T))
+    out = {}
+    if kind == "jspec":
+        import jax
+        import jax.numpy as jnp
+
+        import ports
+        from jspec.core import prefill as PR
+
+        model = ports.load_hf(directory)
+        fn = jax.jit(lambda t: PR.prefill(model, t, jnp.asarray([T]), PR.new_cache_for(model, 1, T))[0])
+        tokens = jnp.asarray(ids, jnp.int32)
+        compiled = fn.lower(tokens).compile()
+        out["working_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+        call = lambda: jax.block_until_ready(compiled(tokens))  # noqa: E731
+        call()
+    else:
+        import torch
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        x = torch.tensor(ids)
+
+        def call():
+            with torch.no_grad():
+                return model(x).logits
+
+        call()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            call()
+        held, most = 0, 0  # each op's own allocations minus frees (children apart), and the frees between ops
+        for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+            held += e.self_cpu_memory_usage
+            most = max(most, held)
+        out["working_bytes"] = int(most)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    out.update(seconds=med(times), runs_s=times)
+    return out
+
+
+def prefill_vs_transformers(model, T: int, runs: int) -> dict:
+    """`_probe` of jspec and of transformers, each in a fresh subprocess, over `model` saved as an HF checkpoint."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    import ports
+
+    with tempfile.TemporaryDirectory() as d:
+        ports.save_hf(model, d)
+        out = {}
+        for kind in ("jspec", "transformers"):
+            proc = subprocess.run([sys.executable, "-m", "jspec.tools.bench.hybrid", "--probe", kind, d, str(T),
+                                   str(runs)], capture_output=True, text=True, timeout=1800)
+            if proc.returncode:
+                raise RuntimeError(f"the {kind} prefill probe failed: {proc.stderr[-2000:]}")
+            out[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return dict(tokens=T, **out)
+
+
 def suite(runs: int, quick: bool, progress: bool = True) -> dict:
     import jax.numpy as jnp
 
@@ -135,7 +212,8 @@ def suite(runs: int, quick: bool, progress: bool = True) -> dict:
                              attention_runs_ms=[r(x * 1e3) for x in res[b]["results"]]))
     per_node = MEM.recurrent_verify_bytes(text, 1, 1, jnp.dtype(jnp.float32))
     state = len(text.linear_layers) * text.linear_value_heads * text.linear_key_dim * text.linear_value_dim * 4
-    return {"shape": sh, "rows": rows,
+    prefill = prefill_vs_transformers(hybrid, 256 if quick else 2048, runs)
+    return {"shape": sh, "rows": rows, "prefill": prefill,
             "memory": dict(linear_layers=len(text.linear_layers), verify_bytes_per_node=per_node,
                            state_bytes_per_node=state,
                            trees={n: per_node * n for n in (8, 16, 32)}),
@@ -150,6 +228,11 @@ def markdown(result: dict) -> str:
                                   for row in result["rows"]])
     out += ["", f"Kept per node for the commit over the {mem['linear_layers']} linear layers: "
                 f"{mem['verify_bytes_per_node']} bytes (a state per node would be {mem['state_bytes_per_node']})."]
+    pf = result["prefill"]
+    j, t = pf["jspec"], pf["transformers"]
+    out += ["", f"Prefill of {pf['tokens']} tokens (hybrid): jspec {j['seconds'] * 1e3:.1f} ms, transformers "
+                f"{t['seconds'] * 1e3:.1f} ms; working memory jspec {j['working_bytes'] / 2 ** 20:.1f} MiB (XLA's "
+                f"temporaries), transformers {t['working_bytes'] / 2 ** 20:.1f} MiB (peak held by its ops)."]
     return "\n".join(out)
 
 
@@ -168,3 +251,12 @@ def run(runs: int = 3, quick: bool = False, out_dir: str = "bench_out", progress
     report.write_text(stem + ".md", markdown(result))
     result["files"] = [stem + ".json", stem + ".md"]
     return result
+
+
+if __name__ == "__main__":  # the prefill probe's subprocess: --probe KIND DIR TOKENS RUNS
+    import json
+    import sys
+
+    if sys.argv[1:2] != ["--probe"] or len(sys.argv) != 6:
+        raise SystemExit("usage: python -m jspec.tools.bench.hybrid --probe jspec|transformers DIR TOKENS RUNS")
+    print(json.dumps(_probe(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))))
