@@ -12,7 +12,8 @@ with S [d_k, d_v]. Unrolled from the committed state S_0 with G_t = the sum of g
     S_t = e^{G_t} S_0 + Σ_{s ≤ t} e^{G_t - G_s} k_s δ_sᵀ         (s ≤ t: s on t's path)
     δ_t + β_t Σ_{s < t} e^{G_t - G_s} (k_t·k_s) δ_s = β_t (v_t - e^{G_t} S_0ᵀ k_t)
 
-The second line is one unit-triangular system over the new tokens (`delta_block`): a tree's verify gives every
+The second line is one unit-triangular system over the new tokens (`delta_block`; ancestors come first, as the
+engine orders every tree): a tree's verify gives every
 node the output of its own path by using the ancestor mask where a sequence uses the causal one, with no state per
 node. What a commit needs is kept per new token (`Pending`): the conv input x_t, k_t, δ_t and g_t. The state after
 an accepted path t_0 .. t_{n-1} is then the first line at t_{n-1}, summed over the path only (`advance`); the
@@ -96,7 +97,8 @@ def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, anc: jax.Array | N
 def delta_block(S0, q, k, v, g, beta, anc):
     """Outputs o [B, T, H, d_v] and δ [B, T, H, d_v] of T new tokens from state S0 [B, H, d_k, d_v] (module
     docstring). q, k [B, T, H, d_k] (normed, q scaled), v [B, T, H, d_v], g, beta [B, T, H], all float32;
-    anc [B, T, T] bool, t's path (itself included); ancestors may come in any order."""
+    anc [B, T, T] bool, t's path (itself included), ancestors before their descendants (a sequence's order; the
+    engine's trees keep every parent before its children), so that the system is one triangular solve."""
     T = q.shape[1]
     ancf = anc.astype(jnp.float32)
     G = jnp.einsum("bts,bsh->bth", ancf, g)
@@ -107,8 +109,9 @@ def delta_block(S0, q, k, v, g, beta, anc):
     A = jnp.where(strict, beta[:, :, None, :] * dec * jnp.einsum("bthd,bshd->btsh", k, k), 0.0)
     eG = jnp.exp(G)[..., None]
     rhs = beta[..., None] * (v - eG * jnp.einsum("bthd,bhde->bthe", k, S0))
-    system = jnp.eye(T, dtype=jnp.float32) + A.transpose(0, 3, 1, 2)  # [B, H, T, S]
-    d = jnp.linalg.solve(system, rhs.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    system = jnp.eye(T, dtype=jnp.float32) + A.transpose(0, 3, 1, 2)  # [B, H, T, S], unit lower triangular
+    d = jax.scipy.linalg.solve_triangular(system, rhs.transpose(0, 2, 1, 3), lower=True,
+                                          unit_diagonal=True).transpose(0, 2, 1, 3)
     o = eG * jnp.einsum("bthd,bhde->bthe", q, S0) + jnp.einsum("btsh,bshe->bthe", dec * jnp.einsum(
         "bthd,bshd->btsh", q, k), d)
     return o, d
