@@ -180,7 +180,8 @@ def reads_at_once(drafter):
     return cls(**{f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)})
 
 
-@pytest.mark.parametrize("name", list(DEFERRING))
+@pytest.mark.parametrize("name", [n if n not in ("tree", "eagle3_chain") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in DEFERRING])  # (a tree and EAGLE-3's feed: the same FeedDrafter path)
 def test_rounds_without_drafts_leave_their_tokens_unread_and_change_no_later_draft(name):
     """AR rounds in streaks shorter and longer than `defers`: the drafter reads nothing in them while it has room
     (its unread count grows by one a round), and every later round drafts exactly what it drafts when each AR round

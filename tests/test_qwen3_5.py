@@ -275,7 +275,14 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+# the default run: a model draft's chain and tree, DFlash's DDTree (a drafter reading the hybrid's hidden states),
+# the MTP chain and the guard; the others' paths are these (DynamicTree and the MTP tree: a tree's commit; EAGLE-3:
+# the hidden states; SJD: a window chain)
+SLOW = ("dynamic_tree", "eagle3_chain", "sjd", "mtp_tree")
+
+
+@pytest.mark.parametrize("name", [n if n not in SLOW else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(STRATEGIES)])
 def test_speculative_decoding_over_the_hybrid_target_equals_ar(name):
     target, draft, ar = damped_pair()
     out = jspec.decode(target, PROMPTS, strategy=STRATEGIES[name](target, draft), max_new_tokens=16,

@@ -26,6 +26,7 @@ def pair():
     return model, tok, theirs.eval(), ids
 
 
+@pytest.mark.slow  # (tests/test_gguf.py checks the loader against transformers' on tiny files by default)
 def test_logits_match_transformers_gguf_loader(pair):
     """The model as `models.load` gives it."""
     model, tok, theirs, ids = pair
