@@ -78,7 +78,7 @@ def tree_of(name: str) -> list:
     return paths
 
 
-class _Timed:
+class _Phases:
     """One target's started decodes (AR, and a strategy per case) and their in-program costs."""
 
     def __init__(self, target, draft, prompt, reps, cases: dict):
@@ -189,7 +189,7 @@ def suite(runs: int, quick: bool, progress: bool = True) -> dict:
     reps = (2, 6) if quick else (4, 16)
     cases = {f"chain {d}": d for d in CHAINS}
     cases.update({f"tree {n}": name for n, name in TREES.items()})
-    timed = {"hybrid": _Timed(hybrid, draft, prompt, reps, cases), "attention": _Timed(dense, draft, prompt, reps,
+    timed = {"hybrid": _Phases(hybrid, draft, prompt, reps, cases), "attention": _Phases(dense, draft, prompt, reps,
                                                                                         cases)}
     measured = [zoo.Case(f"{m} ar_step", t.ar_step) for m, t in timed.items()]
     for case in cases:
