@@ -238,6 +238,19 @@ def test_greedy_chain_and_tree_sd_equal_ar(jx_models):
                 assert 0 < sd.stats["accepted_drafts"].sum() < sd.stats["drafted"].sum()
 
 
+def test_prune_prompt_keeping_every_vision_token_is_the_prompt(jx_models):
+    """`prune_prompt` (Qwen3-VL's layout: videos split per frame) keeping every vision token gives the full
+    prompt's logits; keeping 40% gives a shorter prompt holding the kept placeholders only."""
+    model = jx_models["moe"]
+    row = build(["w3 w4 <video> w5 <image> w6"], images=[T2.image(40, 56, 15)], videos=[T2.frames(4, seed=14)])
+    vis = np.isin(row["input_ids"], [IMG, VID])
+    whole = Q5V.prune_prompt(model.config, row, np.ones(int(vis.sum()), bool))
+    np.testing.assert_allclose(ports.logits(model, whole), ports.logits(model, row), atol=1e-5)
+    keep = vis & (np.random.default_rng(2).random(vis.shape) < 0.4)
+    pruned = Q5V.prune_prompt(model.config, row, keep)
+    assert pruned["vision_keep"].sum() == keep.sum() and pruned["input_ids"].shape[1] < row["input_ids"].shape[1]
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 
