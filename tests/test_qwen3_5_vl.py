@@ -7,6 +7,7 @@ chunked), save_hf -> transformers and load_hf round trips, greedy decoding == HF
 Images go through transformers' Qwen2-VL image processor and videos are patchified by hand (tests/test_qwen2_vl.py,
 tests/test_qwen3_vl.py: HF's video processor imports torchvision); the prompts are Qwen3-VL's (`build`).
 """
+import dataclasses
 import json
 
 import jax
@@ -19,6 +20,7 @@ import transformers
 import jspec
 import ports
 from jspec.core import prefill as PR
+from jspec.parts.drafters import mtp as MT
 from ports import qwen3_5_vl as Q5V
 from conftest import assert_masked_parity, perturb, saved_and_loaded
 import test_qwen2_vl as T2
@@ -236,6 +238,56 @@ def test_greedy_chain_and_tree_sd_equal_ar(jx_models):
             np.testing.assert_array_equal(sd.tokens, ar.tokens)
             if draft is bigram:  # some rounds accept drafts, some reject them
                 assert 0 < sd.stats["accepted_drafts"].sum() < sd.stats["drafted"].sum()
+
+
+def with_mtp_tensors(model, directory, seed: int = 0):
+    """save_hf of `model` with one MTP layer in its config and random `mtp.*` tensors beside its own (the layout a
+    published Qwen3.5 checkpoint ships); returns the directory's load_hf."""
+    from ports.hf_layout import ours_shape_to_hf
+    from ports.param_paths import get_path
+    from ports.safetensors_io import SafetensorsFile, write_safetensors
+
+    cfg = dataclasses.replace(model.config, text=dataclasses.replace(model.config.text, mtp_layers=1))
+    ports.save_hf(ports.Model(cfg, model.params), str(directory))
+    path = sorted(directory.glob("*.safetensors"))[0]
+    f = SafetensorsFile(str(path))
+    tensors = {n: np.asarray(f.get(n)) for n in f.keys()}
+    rng = np.random.default_rng(seed)
+    shapes = MT.head_shapes(cfg.text, 1)
+    for name, at, tr in MT.key_map(cfg.text, 1):
+        tensors[name] = rng.normal(0, 0.2, ours_shape_to_hf(tuple(get_path(shapes, at)), tr)).astype(np.float32)
+    write_safetensors(str(path), {n: (a.shape, a.dtype) for n, a in tensors.items()}, tensors.__getitem__)
+    return ports.load_hf(str(directory))
+
+
+def bigram_mtp(target):
+    """An MTP head whose fc passes the token embedding on and whose layer's branches are zeroed: it drafts the
+    damped target's bigram guess, so its drafts are accepted in part."""
+    head = MT.init_head(target, jax.random.key(5), scale=0.3)
+    layer = dict(head.params["layers"][0])
+    layer.update(wo=layer["wo"] * 0, w_down=layer["w_down"] * 0)
+    fc = jnp.zeros((2 * HIDDEN, HIDDEN)).at[:HIDDEN].set(jnp.eye(HIDDEN))
+    return head.replace(params=dict(head.params, fc=fc, layers=[layer]))
+
+
+def test_the_mtp_head_drafts_over_a_vision_language_target(jx_models, tmp_path):
+    """The MTP head read from a VLM checkpoint's own `mtp.*` tensors (load_hf skips them) drafts for that target
+    on a ragged batch of text prompts: Chain and Tree give greedy AR's tokens, also with a head accepted in part;
+    an image prompt is refused (the head drafts over token prompts only), naming why."""
+    prompts = [np.array([5, 9, 3, 7, 21, 4, 8]), np.array([11, 2, 6])]
+    target = with_mtp_tensors(jx_models["dense"], tmp_path / "mtp")
+    head = MT.load_head(str(tmp_path / "mtp"), target)
+    assert head.config.num_layers == 1
+    damped_target, _ = damped(jx_models["dense"])
+    for tgt, hd in ((target, head), (damped_target, bigram_mtp(damped_target))):
+        ar = jspec.decode(tgt, prompts, strategy=jspec.AR(), max_new_tokens=10, eos_token_id=())
+        for strategy in (jspec.Chain(hd, gamma=3), jspec.Tree(hd, tree=[[0], [1], [0, 0]])):
+            sd = jspec.decode(tgt, prompts, strategy=strategy, max_new_tokens=10, eos_token_id=())
+            np.testing.assert_array_equal(sd.tokens, ar.tokens)
+            if tgt is damped_target:
+                assert 0 < sd.stats["accepted_drafts"].sum() < sd.stats["drafted"].sum()
+    with pytest.raises(ValueError, match="token prompts only"):
+        jspec.decode(target, CASES["image"](), strategy=jspec.Chain(head, gamma=3), max_new_tokens=2)
 
 
 def test_prune_prompt_keeping_every_vision_token_is_the_prompt(jx_models):
