@@ -26,6 +26,7 @@ from ports import muse_glimmer
 from ports import qwen2_vl
 from ports import qwen3
 from ports import qwen3_5
+from ports import qwen3_5_vl
 from ports import qwen3_vl
 
 
@@ -100,12 +101,19 @@ _QWEN3_5 = Family(qwen3_5.config_from_hf, qwen3_5.config_to_hf, qwen3_5.param_sh
                   qwen3_5.forward, qwen3_5.hf_key_map, qwen3_5.IGNORED_HF_KEYS, qwen3_5.kv_layout, qwen3_5.embed,
                   qwen3_5.unembed, qwen3_5.rename_hf_key, split_hf_tensor=qwen3.split_hf_tensor,
                   init_recurrent=qwen3_5.init_recurrent)
+_QWEN3_5_VL = Family(qwen3_5_vl.config_from_hf, qwen3_5_vl.config_to_hf, qwen3_5_vl.param_shapes,
+                     qwen3_5_vl.init_params, qwen3_5_vl.forward, qwen3_5_vl.hf_key_map, qwen3_5_vl.IGNORED_HF_KEYS,
+                     qwen3_5_vl.kv_layout, qwen3_5_vl.embed, qwen3_5_vl.unembed,
+                     prepare_inputs=qwen3_5_vl.prepare_inputs, prompt_embeds=qwen3_5_vl.prompt_embeds,
+                     compact_prompt=qwen3_5_vl.compact_prompt, split_hf_tensor=qwen3.split_hf_tensor,
+                     init_recurrent=qwen3_5_vl.init_recurrent)
 FAMILIES: dict[str, Family] = {"llama": _TEXT, "qwen2": _TEXT, "mistral": _TEXT, "qwen3": _QWEN3,
                                "qwen3_moe": _QWEN3, "llava": _LLAVA, "llava_next": _LLAVA_NEXT,
                                "llava_next_video": _LLAVA_NEXT, "llava_onevision": _LLAVA_NEXT,
                                "chameleon": _CHAMELEON, "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL,
                                "qwen3_vl": _QWEN3_VL, "qwen3_vl_moe": _QWEN3_VL, "muse_glimmer": _MUSE_GLIMMER,
-                               "qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5}
+                               "qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5,
+                               "qwen3_5": _QWEN3_5_VL, "qwen3_5_moe": _QWEN3_5_VL}
 
 
 def family(model_type: str) -> Family:

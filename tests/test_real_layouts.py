@@ -25,7 +25,7 @@ from ports.safetensors_io import write_safetensors
 LAYOUTS = Path(__file__).resolve().parent.parent.parent / "shared" / "real_layouts"
 # layouts under next/ (families ported after the others) whose family jspec loads now
 PORTED_NEXT = ("next/Qwen__Qwen3-4B-finetune", "next/nvidia__Cosmos-Reason2-8B",
-               "next/bryce-hoehn__Qwen3.5-18B-REAP-A3B-Coding")
+               "next/bryce-hoehn__Qwen3.5-18B-REAP-A3B-Coding", "next/masidyai__qwen3.5-9b-masidy")
 FOLDERS = sorted(p.name for p in LAYOUTS.iterdir() if (p / "config.json").exists()) if LAYOUTS.is_dir() else []
 FOLDERS += [f for f in PORTED_NEXT if (LAYOUTS / f / "config.json").exists()]
 INDEXED = [f for f in FOLDERS if (LAYOUTS / f / "model.safetensors.index.json").exists()]
@@ -39,7 +39,8 @@ CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": 
            "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-           "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+           "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+           "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 LAYER = re.compile(r"\.(layers|blocks)\.(\d+)\.")
 
 
@@ -178,6 +179,9 @@ def shrink(hf: dict) -> dict:
         elif hf["model_type"] in ("qwen3_vl", "qwen3_vl_moe"):
             vis.update(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
                        num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+        elif hf["model_type"] in ("qwen3_5", "qwen3_5_moe"):  # Qwen3-VL's tower without DeepStack
+            vis.update(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                       num_position_embeddings=16)
         else:
             vis.update(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                        image_size=56, projection_dim=32)
@@ -244,13 +248,14 @@ def test_a_shrunk_copy_under_the_real_names_matches_transformers(folder, tmp_pat
     assert float(np.max(np.abs(got - ref))) <= 1e-4 * scale
 
 
-QWEN3_VL = [f for f in FOLDERS if hf_config(f).get("model_type") in ("qwen3_vl", "qwen3_vl_moe")]
+QWEN3_VL = [f for f in FOLDERS if hf_config(f).get("model_type") in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                                                                      "qwen3_5_moe")]
 
 
 @pytest.mark.parametrize("folder", QWEN3_VL)
 def test_a_shrunk_qwen3_vl_copy_reads_an_image_as_transformers(folder, tmp_path):
-    """The shrunk Qwen3-VL copy on an image prompt (tower, DeepStack, interleaved M-RoPE at the real config's
-    patch size and token ids) gives transformers' logits."""
+    """The shrunk Qwen3-VL (or Qwen3.5) copy on an image prompt (tower, DeepStack where the family has it,
+    interleaved M-RoPE at the real config's patch size and token ids) gives transformers' logits."""
     import torch
 
     model, _ = write_shrunk(folder, tmp_path / "ckpt")

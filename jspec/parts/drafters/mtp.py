@@ -39,11 +39,17 @@ from ports.param_paths import empty_like_shapes, get_path, set_path
 from ports.safetensors_io import SafetensorsFile, checkpoint_files
 
 FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
+VLM_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # `ports.qwen3_5_vl`: the language model under "lm"
 
 
 def text_parts(target) -> tuple[Any, dict]:
-    """(text config, language-model params) of a Qwen3.5 target; ValueError otherwise."""
-    return H.text_model(target, FAMILIES, "an MTP head needs a Qwen3.5 target (qwen3_5_text, qwen3_5_moe_text)")
+    """(text config, language-model params) of a Qwen3.5 target (a vision-language one's language model);
+    ValueError otherwise."""
+    model = getattr(target, "model", target)  # a guided wrapper holds its model
+    if getattr(getattr(model, "config", None), "model_type", None) in VLM_FAMILIES:
+        return model.config.text, model.params["lm"]
+    return H.text_model(target, FAMILIES, "an MTP head needs a Qwen3.5 target (qwen3_5_text, qwen3_5_moe_text, "
+                                          "qwen3_5, qwen3_5_moe)")
 
 
 @struct.dataclass
