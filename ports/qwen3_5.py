@@ -27,6 +27,7 @@ multi-token-prediction head) is named as unused.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -85,14 +86,7 @@ class Qwen35Config(TextConfig):
     @property
     def num_params(self) -> int:
         shapes = param_shapes(self, stacked_experts=True)
-        return sum(_size(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
-
-
-def _size(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
 
 
 # ------------------------------------------------------------------------------------------ config

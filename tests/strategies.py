@@ -84,7 +84,7 @@ def eesd_head(target, num_layers=1, share_lm_head=False):
 
 
 register("eesd_beta", lambda t, d: jspec.EESD(eesd_head(t), k_max=5), exact=True, separate_draft=False,
-         target_layers=2)  # EESD's default: Beta-TS draft lengths (eesd_cali decides them inside the draft)
+         target_layers=2, slow=True)  # EESD's default: Beta-TS draft lengths (eesd_cali decides them inside the draft)
 register("eesd_fixed_tree", lambda t, d: jspec.EESD(eesd_head(t), controller=2, k_max=3, tree=[[0], [1], [0, 0], [1, 0]]),
          exact=True, separate_draft=False, target_layers=2, slow=True)
 register("eesd_head_only", lambda t, d: jspec.EESD(eesd_head(t, 0), controller=3, k_max=4), exact=True,
@@ -99,13 +99,13 @@ def cali_ts(target):
 
 
 register("eesd_cali", lambda t, d: jspec.EESD(eesd_head(t), controller=cali_ts(t), k_max=5), exact=True,
-         separate_draft=False, target_layers=2)
+         separate_draft=False, target_layers=2, slow=True)  # (EESD's own: tests/test_eesd.py, by default)
 register("chain_beta_ts", lambda t, d: jspec.Chain(d, gamma=6, controller=jspec.BetaTS()), exact=True, slow=True)
 
 
 SAGE_SMALL = dict(d_min=2, d_max=4, w_min=2, w_max=4, k=4, n_max=12, init_tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]],
                   window=2)
-register("sage", lambda t, d: jspec.SAGE(d, **SAGE_SMALL), exact=True)
+register("sage", lambda t, d: jspec.SAGE(d, **SAGE_SMALL), exact=True, slow=True)  # (tests/test_sage.py by default)
 register("sage_residual", lambda t, d: jspec.SAGE(d, rule="residual", **SAGE_SMALL), exact=True, slow=True)
 # TABED's drafter and weight policy on text prompts: one view (the prompt as is), the grid policy over it; the
 # multi-view settings are proven on image prompts in tests/test_tabed.py
@@ -255,13 +255,13 @@ def guarded(strategy, step=0.05, rate=0.5, retry=2):
                           retry=retry)
 
 
-# the guard is one hook and one round path for every strategy: guarded_chain, guarded_eesd and guarded_eagle3 prove
-# it in the default suite (with a model draft, an early-exit feed and an EAGLE feed with its side input), and
-# tests/test_guard.py covers trees and deferral; the other guarded entries are slow
+# the guard is one hook and one round path for every strategy: guarded_chain and guarded_eagle3 prove it in the
+# default suite (with a model draft and an EAGLE feed with its side input), tests/test_guard.py covers an early-exit
+# feed, trees and deferral; the other guarded entries are slow
 register("guarded_chain", lambda t, d: guarded(jspec.Chain(d, gamma=3)), exact=True)
 register("guarded_tree", lambda t, d: guarded(jspec.Tree(d, tree=SMALL_TREE)), exact=True, slow=True)
 register("guarded_eesd", lambda t, d: guarded(jspec.EESD(eesd_head(t), k_max=4)), exact=True, separate_draft=False,
-         target_layers=2)
+         target_layers=2, slow=True)
 # the EAGLE heads keep a feed of their own: the guard's AR rounds leave it unread (`Guarded.defer`)
 register("guarded_eagle3", lambda t, d: guarded(jspec.Eagle3(eagle3_head(t, every_third_dropped(t)), tree="chain",
                                                              depth=3)), exact=True, separate_draft=False)

@@ -57,6 +57,7 @@ def fake_after(rec):
     rec.put(headline="ran after the hang")
 
 
+@pytest.mark.slow
 def test_a_failing_or_hanging_step_loses_only_itself(tmp_path):
     steps = [BG.Step(n, budget, f"test_bench_gpu:fake_{n}", n) for n, budget in  # the hang first: nothing carried
              (("hangs", 8), ("ok", 60), ("raises", 60), ("after", 60))]

@@ -155,6 +155,7 @@ def test_long_prefill_takes_the_blockwise_path_with_the_same_logits(direct):
     np.testing.assert_array_equal(jspec.decode(model, prompts, max_new_tokens=8, eos_token_id=()).tokens, ar.tokens)
 
 
+@pytest.mark.slow  # (the long path's logits: test_long_prefill_takes_the_blockwise_path_with_the_same_logits)
 def test_video_prompt_and_specvlm_scores_from_the_long_path(monkeypatch):
     """The zoo's Qwen2.5-VL video pair (M-RoPE positions) with the blockwise path forced on its ~300-token prompts,
     in one pass and in chunks of 100: the prefill logits and SpecVLM's language-to-video scores equal the direct

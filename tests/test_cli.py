@@ -10,6 +10,7 @@ from jspec.tools import cli
 from provenance_check import assert_provenance
 
 
+@pytest.mark.slow  # (each section's strategies are proven greedy == AR and exact elsewhere in the default run)
 def test_demo_runs(tmp_path, capsys):
     """`jspec demo`'s quick path: long answers on the text pair with AR, Chain and the tree, greedy and sampled; the
     table has its columns and a row per (strategy, mode), every greedy row gives AR's tokens, the drafts are

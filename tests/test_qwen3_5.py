@@ -332,15 +332,15 @@ def test_a_recurrent_cache_refuses_what_it_cannot_do():
 
 @pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["default", "slow"])
 def test_strategies_on_an_8_device_mesh(slow):
-    """tests/qwen3_5_sharded_checks.py on 8 forced CPU devices: the unsharded AR tokens from a chain (every strategy
-    above under -m slow) on the dense target, and a chain on the MoE one."""
+    """tests/qwen3_5_sharded_checks.py on 8 forced CPU devices: the unsharded AR tokens from a chain on the dense
+    target (every strategy above, and a chain on the MoE target, under -m slow)."""
     here = os.path.dirname(__file__)
     proc = subprocess.run([sys.executable, os.path.join(here, "qwen3_5_sharded_checks.py")] + (["--slow"] if slow else []),
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=1200,
                           cwd=os.path.dirname(here))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     passed = json.loads(proc.stdout.strip().splitlines()[-1])["passed"]
-    assert len(passed) == (len(STRATEGIES) if slow else 1) + 1, passed
+    assert len(passed) == (len(STRATEGIES) + 1 if slow else 1), passed
 
 
 # ------------------------------------------------------------------------------------------ the MTP head

@@ -170,6 +170,7 @@ def test_moe_work_follows_the_experts_used_not_the_experts_stored():
         assert many <= 2 * pairs + 4 * N * D * 64, (N, many, pairs)
 
 
+@pytest.mark.slow  # (tests/test_qwen3_strategies.py decodes with the experts split over `expert` by default)
 def test_experts_shard_over_the_expert_axis():
     """tests/moe_sharded_checks.py on 8 forced CPU devices: the expert weights split over `expert` (and their
     width over `tensor`); logits on two meshes, as tiles and as ragged_dot, equal the unsharded ones; greedy AR

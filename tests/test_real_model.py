@@ -61,6 +61,7 @@ def test_greedy_decode_matches_transformers_generate(pair):
     assert len(ours) >= 12 and "ocean" in tok.decode(ours).lower()
 
 
+@pytest.mark.slow  # (prompt lookup is proven on the zoo targets by the conformance suite)
 def test_prompt_lookup_equals_ar_and_copies_on_a_rewrite(pair):
     """Prompt lookup on the real model: greedy tokens equal AR's, and a request to repeat a text gets copies
     drafted and accepted (more than one token per target step)."""

@@ -348,6 +348,7 @@ def _two_sample_pvalue(a, b, min_expected=5.0):
     return float(stats.chi2_contingency(tab, correction=False).pvalue)
 
 
+@pytest.mark.slow  # (sampling with moving weights: test_sampling_is_exact_with_images_for_fixed_and_adaptive_weights)
 def test_sampling_stays_exact_while_the_adaptive_weights_move_over_many_blocks():
     """Sampled TABED is lossless while its weight policy acts: with gamma 1 (MT*'s grid) and 2 (the inverse policy
     over M, T, P), 11 new tokens give every row at least 4 blocks, the weights leave uniform and keep moving

@@ -23,8 +23,6 @@ import statistics
 
 import numpy as np
 
-from jspec.tools import report
-
 med = statistics.median
 CHAINS = (1, 3, 7)
 TREES = {8: "chain8", 16: "wide16", 32: "wide32"}
@@ -221,11 +219,10 @@ def suite(runs: int, quick: bool, progress: bool = True) -> dict:
 
 
 def markdown(result: dict) -> str:
-    m, mem = result["meta"], result["memory"]
-    out = [f"`hybrid` suite, {m['date']}, {m['device']}, jax {m['jax']}, median of {m['runs']} interleaved runs "
-           "(each a slope inside one compiled program)", ""]
-    out += report.markdown_table([{k: v for k, v in row.items() if not k.endswith("_runs_ms")}
-                                  for row in result["rows"]])
+    from jspec.tools.bench import zoo
+
+    mem = result["memory"]
+    out = zoo.slope_table(result)
     out += ["", f"Kept per node for the commit over the {mem['linear_layers']} linear layers: "
                 f"{mem['verify_bytes_per_node']} bytes (a state per node would be {mem['state_bytes_per_node']})."]
     pf = result["prefill"]
@@ -238,19 +235,12 @@ def markdown(result: dict) -> str:
 
 def run(runs: int = 3, quick: bool = False, out_dir: str = "bench_out", progress: bool = True) -> dict:
     """Run the suite and write `<out_dir>/hybrid[-quick]-<date>.{json,md}`; returns the result dict."""
-    import os
-
     from jspec.tools.bench import zoo
 
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
-    result = {"meta": zoo.meta("hybrid", runs, quick), **suite(runs, quick, progress)}
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"hybrid{'-quick' if quick else ''}-{result['meta']['date']}")
-    report.write_json(stem + ".json", result)
-    report.write_text(stem + ".md", markdown(result))
-    result["files"] = [stem + ".json", stem + ".md"]
-    return result
+    return zoo.save_suite({"meta": zoo.meta("hybrid", runs, quick), **suite(runs, quick, progress)}, out_dir,
+                          markdown)
 
 
 if __name__ == "__main__":  # the prefill probe's subprocess: --probe KIND DIR TOKENS RUNS

@@ -19,12 +19,10 @@ The issue's bar (#105): an AR step at most 1.5x the dense model's.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 
 import numpy as np
 
-from jspec.tools import report
 
 med = statistics.median
 GAMMA = 7  # verify of GAMMA + 1 tokens
@@ -158,11 +156,10 @@ def suite(runs: int, quick: bool, progress: bool = True) -> dict:
 
 
 def markdown(result: dict) -> str:
-    m, s = result["meta"], result["summary"]
-    out = [f"`moe` suite, {m['date']}, {m['device']}, jax {m['jax']}, median of {m['runs']} interleaved runs "
-           "(each a slope inside one compiled program)", ""]
-    out += report.markdown_table([{k: v for k, v in row.items() if not k.endswith("_runs_ms")}
-                                  for row in result["rows"]])
+    from jspec.tools.bench import zoo
+
+    s = result["summary"]
+    out = zoo.slope_table(result)
     out += ["", f"MoE / dense: AR step **{s['ar_step_ratio']}x**, {s['verify_tokens']}-token verify "
                 f"**{s['verify_ratio']}x** (bar: AR step <= {s['bar_ar_step_ratio']}x: "
                 f"{ {True: 'met', False: 'not met', None: 'not measured: a timing clamped to 0'}[s['meets_bar']]}).",
@@ -179,12 +176,5 @@ def run(runs: int = 3, quick: bool = False, out_dir: str = "bench_out", progress
 
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
-    result = suite(runs, quick, progress)
-    result = {"meta": zoo.meta("moe", runs, quick), **result}
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"moe{'-quick' if quick else ''}-{result['meta']['date']}")
-    report.write_json(stem + ".json", result)
-    report.write_text(stem + ".md", markdown(result))
-    result["files"] = [stem + ".json", stem + ".md"]
-    return result
+    return zoo.save_suite({"meta": zoo.meta("moe", runs, quick), **suite(runs, quick, progress)}, out_dir, markdown)
 

@@ -519,6 +519,31 @@ def suite_gpu(runs: int, quick: bool, progress: bool, allow_cpu: bool = False, w
 # ------------------------------------------------------------------------------------------------ output
 
 
+def slope_table(result: dict) -> list[str]:
+    """A suite timed by in-program slopes (`moe`, `hybrid`): its header line and its rows as a table (the per-run
+    columns left out)."""
+    from jspec.tools import report
+
+    m = result["meta"]
+    out = [f"`{m['suite']}` suite, {m['date']}, {m['device']}, jax {m['jax']}, median of {m['runs']} interleaved runs "
+           "(each a slope inside one compiled program)", ""]
+    return out + report.markdown_table([{k: v for k, v in row.items() if not k.endswith("_runs_ms")}
+                                        for row in result["rows"]])
+
+
+def save_suite(result: dict, out_dir: str, markdown) -> dict:
+    """`result` (with its `meta`) written as `<out_dir>/<suite>[-quick]-<date>.{json,md}` (`markdown(result)` the
+    second); returns it with "files"."""
+    from jspec.tools import report
+
+    m = result["meta"]
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{m['suite']}{'-quick' if m['quick'] else ''}-{m['date']}")
+    report.write_json(stem + ".json", result)
+    report.write_text(stem + ".md", markdown(result))
+    return {**result, "files": [stem + ".json", stem + ".md"]}
+
+
 def meta(suite: str, runs: int, quick: bool) -> dict:
     m = dict(suite=suite, date=time.strftime("%Y-%m-%d"), runs=runs, quick=quick, jax=jax.__version__,
              backend=jax.default_backend(), device=PV.device_model(), cpus=os.cpu_count(),
