@@ -197,7 +197,7 @@ def suite(runs: int, quick: bool, progress: bool = True) -> dict:
     res = zoo.interleaved(measured, runs, progress)
     ms = {c.name: med(res[c.name]["results"]) * 1e3 for c in measured}
     r = zoo._r
-    ratio = lambda a, b: r(ms[a] / ms[b]) if ms[b] > 0 else None  # noqa: E731
+    ratio = lambda a, b: r(ms[a] / ms[b]) if ms[a] > 0 and ms[b] > 0 else None  # noqa: E731  (a slope can clamp to 0)
     text = hybrid.config
     rows = [dict(case="AR step", nodes=1, hybrid_ms=r(ms["hybrid ar_step"]), attention_ms=r(ms["attention ar_step"]),
                  ratio=ratio("hybrid ar_step", "attention ar_step"))]

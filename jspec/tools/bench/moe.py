@@ -143,7 +143,7 @@ def suite(runs: int, quick: bool, progress: bool = True) -> dict:
                          ar_step_ms=r(ms[f"{name} ar_step"], 3), verify_8_ms=r(ms[f"{name} verify"], 3),
                          ar_runs_ms=[r(x * 1e3, 3) for x in res[f"{name} ar_step"]["results"]],
                          verify_runs_ms=[r(x * 1e3, 3) for x in res[f"{name} verify"]["results"]]))
-    ratio = lambda a, b: r(ms[a] / ms[b]) if ms[b] > 0 else None  # noqa: E731  (a slope can clamp to 0 on a tiny model)
+    ratio = lambda a, b: r(ms[a] / ms[b]) if ms[a] > 0 and ms[b] > 0 else None  # noqa: E731  (a slope can clamp to 0)
     summary = dict(ar_step_ratio=ratio("MoE ar_step", "dense ar_step"),
                    verify_ratio=ratio("MoE verify", "dense verify"),
                    verify_tokens=GAMMA + 1, top_k=sh["top_k"], experts=sh["experts"],
