@@ -82,6 +82,12 @@ def save_and_load(hf_model, directory, **save_kwargs):
     return ports.load_hf(str(directory))
 
 
+def hf_batch_logits(hf_model, batch: dict) -> np.ndarray:
+    """transformers' float logits of a processor batch (every key passed as a tensor)."""
+    with torch.no_grad():
+        return hf_model(**{k: torch.tensor(v) for k, v in batch.items()}).logits.float().numpy()
+
+
 def hf_logits(hf_model, tokens: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return hf_model(torch.tensor(tokens)).logits.float().numpy()

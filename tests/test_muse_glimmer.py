@@ -21,7 +21,7 @@ import transformers
 
 import jspec
 import ports
-from conftest import perturb
+from conftest import hf_batch_logits, perturb
 from ports import muse_glimmer as MG
 from tolerances import assert_clear_margins, assert_layout_close
 
@@ -116,11 +116,6 @@ VIDEO_FRAMES = rgb(16, 16, 3, frames=3)  # padded to 4 frames: 2 temporal groups
 TOKENS = np.random.default_rng(0).integers(0, 100, (2, 19))
 
 
-def hf_logits(hf, batch) -> np.ndarray:
-    with torch.no_grad():
-        return hf(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
-
-
 def close_to(ours, ref):
     assert_layout_close(ours, ref, reduction=128, depth=6)
 
@@ -145,7 +140,7 @@ def test_text_logits_match_transformers(pair):
     cfg = model.config.text
     assert (cfg.nope_layers, cfg.full_attention_layers, cfg.sliding_window) == ((3,), (3,), 5)
     assert (cfg.qk_scale_factor, cfg.output_multiplier, cfg.final_logit_softcapping) == (2.5, 0.7, 4.0)
-    ref = hf_logits(hf, {"input_ids": TOKENS})
+    ref = hf_batch_logits(hf, {"input_ids": TOKENS})
     close_to(ports.logits(model, TOKENS), ref)
     for change in (dict(nope_layers=()), dict(sliding_window=None), dict(qk_scale_factor=1.0),
                    dict(final_logit_softcapping=None), dict(output_multiplier=1.0), dict(post_norm_eps=1.0)):
@@ -163,7 +158,7 @@ def test_vision_logits_match_transformers(pair, case):
     a full one gives others)."""
     hf, _, model = pair
     batch = prompt(IMAGES) if case == "images" else prompt(IMAGES[:1], VIDEO_FRAMES)
-    ref = hf_logits(hf, batch)
+    ref = hf_batch_logits(hf, batch)
     ours = ports.logits(model, batch)
     close_to(ours, ref)
     text_only = ports.logits(model, batch["input_ids"])  # the placeholders' own embeddings instead
@@ -183,11 +178,11 @@ def test_save_hf_loads_in_transformers_with_equal_logits(pair, tmp_path):
     read back to the same config."""
     hf, _, model = pair
     batch = prompt(IMAGES[:1])
-    ref = hf_logits(hf, batch)
+    ref = hf_batch_logits(hf, batch)
     for name, m in (("loaded", model), ("bare", ports.Model(model.config, model.params))):
         ports.save_hf(m, str(tmp_path / name))
         back = transformers.MuseGlimmerForConditionalGeneration.from_pretrained(str(tmp_path / name)).eval()
-        np.testing.assert_allclose(hf_logits(back, batch), ref, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(hf_batch_logits(back, batch), ref, rtol=0, atol=1e-6, err_msg=name)
         assert ports.load_hf(str(tmp_path / name)).config == model.config
     assert MG.config_from_hf(MG.config_to_hf(model.config)) == model.config
 

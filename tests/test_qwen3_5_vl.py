@@ -23,7 +23,7 @@ import ports
 from jspec.core import prefill as PR
 from jspec.parts.drafters import mtp as MT
 from ports import qwen3_5_vl as Q5V
-from conftest import assert_masked_parity, perturb, saved_and_loaded
+from conftest import hf_batch_logits, assert_masked_parity, perturb, saved_and_loaded
 import test_qwen2_vl as T2
 import test_qwen3_vl as T3
 
@@ -83,11 +83,6 @@ def jx_models(built):
     return built[1]
 
 
-def hf_logits(hf, batch: dict) -> np.ndarray:
-    with torch.no_grad():
-        return hf(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
-
-
 # ------------------------------------------------------------------------------------------ no models
 
 
@@ -140,7 +135,7 @@ def test_prefill_matches_transformers_and_mrope_matters(hf_models, jx_models, na
     M-RoPE ids reach the attention layers."""
     hf, model = hf_models[name], jx_models[name]
     batch = CASES["batch_of_two"]()
-    ref = hf_logits(hf, batch)
+    ref = hf_batch_logits(hf, batch)
     lengths = batch["attention_mask"].sum(1)
     last = ref[np.arange(len(lengths)), lengths - 1]
     tokens, lens, extra = ports.prompts.normalize_prompt(batch, model.vocab_size, pad_to=1)
@@ -172,7 +167,7 @@ def test_save_hf_round_trip(hf_models, jx_models, tmp_path, name):
     ports.save_hf(ports.Model(m.config, m.params), str(tmp_path))
     back = type(hf_models[name]).from_pretrained(str(tmp_path)).eval()
     batch = CASES["batch_of_two"]()
-    np.testing.assert_allclose(hf_logits(back, batch), hf_logits(hf_models[name], batch), atol=1e-5)
+    np.testing.assert_allclose(hf_batch_logits(back, batch), hf_batch_logits(hf_models[name], batch), atol=1e-5)
     again = ports.load_hf(str(tmp_path))
     assert again.config == m.config
     for a, b in zip(jax_leaves(again.params), jax_leaves(m.params)):

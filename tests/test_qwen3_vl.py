@@ -22,7 +22,7 @@ import ports
 from jspec.core import prefill as PR
 from ports import layers as LY
 from ports import qwen3_vl as Q3
-from conftest import assert_masked_parity, perturb, saved_and_loaded
+from conftest import hf_batch_logits, assert_masked_parity, perturb, saved_and_loaded
 import test_qwen2_vl as T2
 
 V, VS, VE, IMG, VID, MERGE = T2.V, T2.VS, T2.VE, T2.IMG, T2.VID, T2.MERGE
@@ -104,11 +104,6 @@ def jx_models(built):
     return built[1]
 
 
-def hf_logits(hf, batch: dict) -> np.ndarray:
-    with torch.no_grad():
-        return hf(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
-
-
 # ------------------------------------------------------------------------------------------ no models
 
 
@@ -154,7 +149,7 @@ def test_prefill_matches_transformers_and_deepstack_matters(hf_models, jx_models
     with the DeepStack mergers zeroed HF's logits move far beyond the tolerance, so DeepStack is exercised."""
     hf, model = hf_models[name], jx_models[name]
     batch = CASES["batch_of_two"]()
-    ref = hf_logits(hf, batch)
+    ref = hf_batch_logits(hf, batch)
     lengths = batch["attention_mask"].sum(1)
     last = ref[np.arange(len(lengths)), lengths - 1]
     tokens, lens, extra = ports.prompts.normalize_prompt(batch, model.vocab_size, pad_to=1)
@@ -171,7 +166,7 @@ def test_prefill_matches_transformers_and_deepstack_matters(hf_models, jx_models
             m.linear_fc2.weight.zero_()
             m.linear_fc2.bias.zero_()
     mask = batch["attention_mask"].astype(bool)
-    assert float(np.max(np.abs(hf_logits(flat, batch)[mask] - ref[mask]))) > 1e-2
+    assert float(np.max(np.abs(hf_batch_logits(flat, batch)[mask] - ref[mask]))) > 1e-2
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -185,7 +180,7 @@ def test_save_hf_round_trip(hf_models, jx_models, tmp_path, name):
     ports.save_hf(ports.Model(m.config, m.params), str(tmp_path))
     back = type(hf_models[name]).from_pretrained(str(tmp_path)).eval()
     batch = CASES["batch_of_two"]()
-    np.testing.assert_allclose(hf_logits(back, batch), hf_logits(hf_models[name], batch), atol=1e-5)
+    np.testing.assert_allclose(hf_batch_logits(back, batch), hf_batch_logits(hf_models[name], batch), atol=1e-5)
     again = ports.load_hf(str(tmp_path))
     assert again.config == m.config
     for a, b in zip(jax_leaves(again.params), jax_leaves(m.params)):
