@@ -246,9 +246,11 @@ class EagleDrafter(FeedDrafter):
     verify_hidden = True
     keeps_fed = False
 
+    what = "EAGLE head"  # what errors call the head (subclasses: their own kind)
+
     def check(self, target) -> None:
         cfg, _ = self.text_parts(target)
-        check_vocab_size(target, cfg.vocab_size, "EAGLE head")
+        check_vocab_size(target, cfg.vocab_size, self.what)
         self.head.check(target)
 
     def text_parts(self, target) -> tuple[Any, dict]:
@@ -298,6 +300,11 @@ class EagleDrafter(FeedDrafter):
         return llama.embed(lm, tokens)
 
     def head_cache(self, cfg, rows: int, max_len: int, dtype) -> kvc.KVCache:
+        """The head's KV cache: its own decoder config's layers where it has one (EAGLE-3's, an MTP head's), else
+        one layer of the target's shape."""
+        h = getattr(self.head, "config", None)
+        if h is not None:
+            return kvc.init_cache(h.num_layers, rows, h.num_kv_heads, max_len, h.head_dim, dtype)
         return kvc.init_cache(1, rows, cfg.num_kv_heads, max_len, cfg.head_dim, dtype)
 
     def run_head(self, cfg, emb, feat, positions, cache, new_mask=None, write_offset: int = 0, fresh: bool = False):

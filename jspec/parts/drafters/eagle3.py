@@ -24,7 +24,6 @@ from flax import struct
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import heads as H
 from jspec.parts.protocols import Prepared, Setup
-from jspec.parts.drafters.model import check_vocab_size
 from ports import cache as kvc
 from ports import fused as FU
 from ports import layers as LY
@@ -244,10 +243,7 @@ class Eagle3Drafter(EG.EagleDrafter):
     def text_parts(self, target):
         return text_parts(target)
 
-    def check(self, target) -> None:
-        cfg, _ = text_parts(target)
-        check_vocab_size(target, cfg.vocab_size, "EAGLE-3 head")
-        self.head.check(target)
+    what = "EAGLE-3 head"
 
     def prepare(self, setup: Setup) -> Prepared:
         if setup.guidance is not None or setup.constraint is not None:
@@ -266,10 +262,6 @@ class Eagle3Drafter(EG.EagleDrafter):
     def embed(self, lm: dict, tokens: jax.Array) -> jax.Array:
         own = self.head.params.get("embed")
         return llama.embed(lm, tokens) if own is None else jnp.take(own, tokens, axis=0)
-
-    def head_cache(self, cfg, rows: int, max_len: int, dtype) -> kvc.KVCache:
-        h = self.head.config
-        return kvc.init_cache(h.num_layers, rows, h.num_kv_heads, max_len, h.head_dim, dtype)
 
     def run_head(self, cfg, emb, feat, positions, cache, new_mask=None, write_offset: int = 0, fresh: bool = False):
         return head_forward(self.head, emb, feat, positions, cache, new_mask, write_offset, fresh)

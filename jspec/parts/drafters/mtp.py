@@ -28,7 +28,6 @@ from flax import struct
 
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import heads as H
-from jspec.parts.drafters.model import check_vocab_size
 from ports import cache as kvc
 from ports import fused as FU
 from ports import hf_layout as HL
@@ -183,10 +182,7 @@ class MTPDrafter(EG.EagleDrafter):
     def text_parts(self, target):
         return text_parts(target)
 
-    def check(self, target) -> None:
-        cfg, _ = text_parts(target)
-        check_vocab_size(target, cfg.vocab_size, "MTP head")
-        self.head.check(target)
+    what = "MTP head"
 
     def draft_rows(self, cfg, lm: dict, head) -> None:
         return None
@@ -194,10 +190,6 @@ class MTPDrafter(EG.EagleDrafter):
     def features(self, cfg, lm: dict, h: jax.Array) -> jax.Array:
         """The target's last hidden state under its final norm (what its LM head reads)."""
         return LY.centered_rms_norm(h, lm["final_norm"], cfg.rms_norm_eps)
-
-    def head_cache(self, cfg, rows: int, max_len: int, dtype) -> kvc.KVCache:
-        h = self.head.config
-        return kvc.init_cache(h.num_layers, rows, h.num_kv_heads, max_len, h.head_dim, dtype)
 
     def run_head(self, cfg, emb, feat, positions, cache, new_mask=None, write_offset: int = 0, fresh: bool = False):
         return head_forward(self.head, emb, feat, positions, cache, new_mask, write_offset, fresh)
