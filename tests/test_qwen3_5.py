@@ -293,6 +293,16 @@ def test_speculative_decoding_over_the_hybrid_target_equals_ar(name):
         assert accepted.max() >= 3 and (accepted < accepted.max()).any(), out.stats["accepted"]
 
 
+def test_rows_told_not_to_speculate_take_ar_steps_over_the_hybrid_target():
+    """`speculate=` masks: the middle row takes AR steps (a verify of its root alone, its state advanced by one token)
+    beside rows that draft a tree, and every row writes AR's tokens."""
+    target, draft, ar = damped_pair()
+    out = jspec.decode(target, PROMPTS, strategy=jspec.Tree(draft, tree=SMALL_TREE), max_new_tokens=16,
+                       eos_token_id=(), speculate=[True, False, True])
+    np.testing.assert_array_equal(out.tokens, ar)
+    assert out.stats["accepted"][1].max() == 1 and out.stats["accepted"][[0, 2]].max() >= 3, out.stats["accepted"]
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_vocab_hybrid():
     """(target, draft, the exact joint of 4 tokens after sampling_check.PROMPT) over 6 tokens: a one-linear-layer,
