@@ -22,7 +22,7 @@ from jspec.core import sampling as SM
 from jspec.core import sharding as SH
 from jspec.engine import step as SD
 from jspec.parts.drafters import Setup, TargetPrefill
-from ports.prompts import model_prompt, round_up
+from ports.core.prompts import model_prompt, round_up
 from jspec.engine.strategy import Speculative, Static, merge, split
 from jspec.strategies.standard import AR
 
@@ -312,7 +312,7 @@ def decode(target, prompt, strategy=None, **settings) -> DecodeOutput:
     `jspec.core.sharding.DEFAULT_RULES`; a dict overrides entries), replicate the draft; same tokens as one device.
     `prefill_chunk`: the target's prefill fills the cache this many prompt tokens at a time, so that its
     activations are bounded by the chunk rather than the prompt (same logits and tokens); "auto" (default) is
-    `DEFAULT_PREFILL_CHUNK` tokens, None one pass. Chunks of `ports.layers.BLOCKWISE_MIN` tokens or more attend
+    `DEFAULT_PREFILL_CHUNK` tokens, None one pass. Chunks of `ports.core.layers.BLOCKWISE_MIN` tokens or more attend
     blockwise. Guided prompts (CFG) are prefilled in one pass.
     `pad_prompt_to`: the prompt's width is padded up to a multiple of this (default 16), so that prompts of nearby
     lengths share compiled programs (a benchmark over many prompt lengths passes e.g. 128).

@@ -19,7 +19,7 @@ from jspec import api
 from jspec.core.guidance import CFG, ImageGrammar
 from jspec.parts.drafters.views import reads_images
 from jspec.strategies.standard import AR
-from ports.prompts import normalize_prompt
+from ports.core.prompts import normalize_prompt
 
 LUMINA_GRID_PX = 32  # Lumina-mGPT's size tokens count 32-pixel grid units
 
@@ -46,7 +46,7 @@ class ImageOutput:
         return paths
 
 
-def image_prefix(cfg: "ports.chameleon.ChameleonConfig", rows: int, cols: int) -> list[int]:
+def image_prefix(cfg: "ports.families.chameleon.ChameleonConfig", rows: int, cols: int) -> list[int]:
     """Lumina-mGPT's tokens before a grid of rows x cols codes: image start, then the size tokens of the height and
     the width in 32-pixel units (`<reserved{8800 + n:05d}>`)."""
     missing = [n for n, v in (("image start '<racm3:break>'", cfg.image_start_token_id),
@@ -61,14 +61,14 @@ def image_prefix(cfg: "ports.chameleon.ChameleonConfig", rows: int, cols: int) -
             cfg.size_token_base + cols * f // LUMINA_GRID_PX]
 
 
-def grammar(cfg: "ports.chameleon.ChameleonConfig", rows: int, cols: int) -> ImageGrammar:
+def grammar(cfg: "ports.families.chameleon.ChameleonConfig", rows: int, cols: int) -> ImageGrammar:
     """The image grammar of a rows x cols grid for this model's vocabulary."""
     missing = [n for n, v in (("end-of-row '<reserved08799>'", cfg.image_newline_token_id),
                               ("end-of-image '<eoss>'", cfg.image_end_token_id)) if v is None]
     if missing or not cfg.image_token_ids:
         raise ValueError(f"the model's vocabulary_map lacks {', '.join(missing) or 'the image tokens (IMGIMG*)'}: "
                          "it cannot generate images")
-    from ports import chameleon as CH
+    from ports.families import chameleon as CH
 
     return ImageGrammar(jnp.asarray(CH.image_logit_mask(cfg)), rows, cols, int(cfg.image_newline_token_id),
                         int(cfg.image_end_token_id))
@@ -86,12 +86,12 @@ def _generating(model):
 
 def generate_image(target, prompt, rows: int, cols: int, strategy=None, cfg_scale: float | None = 3.0,
                    temperature: float = 1.0, top_k: int | None = 2000, top_p: float | None = None, key=None,
-                   decoder: tuple["ports.vqgan.VQConfig", Any] | None = None, image_prefix_ids=None, mesh=None,
+                   decoder: tuple["ports.families.vqgan.VQConfig", Any] | None = None, image_prefix_ids=None, mesh=None,
                    rules=None) -> ImageOutput:
     """Generate one rows x cols image per prompt row (any prompt form `jspec.decode` takes, token ids of the
     caption prompt). Defaults follow LANTERN++'s Lumina-mGPT setting: CFG 3.0, temperature 1, top-k 2000
     (`cfg_scale=None` turns CFG off). The strategy's draft, if any, is guided and constrained like the target.
-    `decoder=(vq_config, vq_params)` (e.g. from `ports.vqgan.load_vqgan_decoder`) also returns the pixels.
+    `decoder=(vq_config, vq_params)` (e.g. from `ports.families.vqgan.load_vqgan_decoder`) also returns the pixels.
     `mesh`, `rules`: as `jspec.decode`'s (the target sharded over the mesh; every process of a multi-controller
     run gets every image)."""
     if rows < 1 or cols < 1:
@@ -113,8 +113,8 @@ def generate_image(target, prompt, rows: int, cols: int, strategy=None, cfg_scal
                      top_p=top_p, key=key, eos_token_id=(gram.eoi,), guidance=guidance, constraint=gram, mesh=mesh,
                      rules=rules)
     grid = out.tokens[:, :rows * (cols + 1)].reshape(-1, rows, cols + 1)[:, :, :cols]
-    from ports import chameleon as CH
-    from ports import vqgan as VQ
+    from ports.families import chameleon as CH
+    from ports.families import vqgan as VQ
 
     codes = np.asarray(CH.bpe_to_codes(cfg, grid))
     images = None

@@ -1,8 +1,8 @@
 """`Model(config, params)` and the family registry: which port runs each HF `model_type`.
 
-Checkpoints in and out live beside it: `ports.hf_checkpoint` (HF safetensors: `load_hf`, `save_hf`, the streaming
-every source format shares), `ports.checkpoint` (jspec's own orbax format: `save`, `load`, `convert_hf`) and
-`ports.gguf` (llama.cpp files).
+Checkpoints in and out live beside it: `ports.io.hf_checkpoint` (HF safetensors: `load_hf`, `save_hf`, the streaming
+every source format shares), `ports.io.checkpoint` (jspec's own orbax format: `save`, `load`, `convert_hf`) and
+`ports.io.gguf` (llama.cpp files).
 """
 from __future__ import annotations
 
@@ -15,19 +15,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import cache as kvc
-from ports import config as PC
-from ports import fused as FU
-from ports import chameleon
-from ports import llama
-from ports import llava
-from ports import llava_next
-from ports import muse_glimmer
-from ports import qwen2_vl
-from ports import qwen3
-from ports import qwen3_5
-from ports import qwen3_5_vl
-from ports import qwen3_vl
+from ports.core import cache as kvc
+from ports.core import config as PC
+from ports.core import fused as FU
+from ports.families import chameleon
+from ports.families import llama
+from ports.families import llava
+from ports.families import llava_next
+from ports.families import muse_glimmer
+from ports.families import qwen2_vl
+from ports.families import qwen3
+from ports.families import qwen3_5
+from ports.families import qwen3_5_vl
+from ports.families import qwen3_vl
 
 
 class Family(NamedTuple):
@@ -52,14 +52,14 @@ class Family(NamedTuple):
     # compact_prompt(cfg, tokens, inputs, idx, lengths, new_lengths, positions) -> inputs: the prepared inputs of the prompt
     # made of the positions idx [B, D] (SpecVLM's pruned draft prompt, inside a program); None: not prunable
     compact_prompt: Callable | None = None
-    # whether forward takes defer_writes (`ports.llama.forward`, which the LLaVA and Qwen2-VL forwards call)
+    # whether forward takes defer_writes (`ports.families.llama.forward`, which the LLaVA and Qwen2-VL forwards call)
     defers_writes: bool = False
-    # whether forward takes stacked layers (`ports.scanned`: the LLaMA forward, and the families that run it)
+    # whether forward takes stacked layers (`ports.core.scanned`: the LLaMA forward, and the families that run it)
     scans: bool = False
     # split_hf_tensor(name, shape) -> [(name, shape, take), ...] or None: a checkpoint tensor that holds several
     # `hf_key_map` tensors (e.g. fused experts), each piece take(whole tensor)
     split_hf_tensor: Callable | None = None
-    # init_recurrent(cfg, batch, dtype) -> ports.recurrent.State: a hybrid model's empty recurrent state (the cache's
+    # init_recurrent(cfg, batch, dtype) -> ports.core.recurrent.State: a hybrid model's empty recurrent state (the cache's
     # `rec`); None: attention only
     init_recurrent: Callable | None = None
 
@@ -186,11 +186,11 @@ class Model:
 
     @property
     def defers_writes(self) -> bool:
-        """Whether `forward` takes defer_writes=True (`ports.llama.forward`)."""
+        """Whether `forward` takes defer_writes=True (`ports.families.llama.forward`)."""
         return self.family.defers_writes
 
     def forward(self, *args, **kwargs):
-        """Family forward: see `ports.llama.forward` for the contract."""
+        """Family forward: see `ports.families.llama.forward` for the contract."""
         return self.family.forward(self.config, self.params, *args, **kwargs)
 
     @property
@@ -244,7 +244,7 @@ def logits(model: Model, prompt) -> np.ndarray:
 
 @jax.jit
 def _logits_jit(model: Model, tokens: jax.Array, inputs: dict) -> jax.Array:
-    from ports.scanned import is_scanned
+    from ports.core.scanned import is_scanned
 
     B, T = tokens.shape
     cache = new_cache(model, B, T, stacked=is_scanned(model))

@@ -135,7 +135,7 @@ def clip_study(target, draft, exs, max_new: int, runs: int, repeats=CLIP_REPEATS
     selection (kept tokens from the target's prefill attention), against the clip length."""
     from jspec.strategies.specvlm import VisionPruning
     from jspec.tools.zoo import video as ZV
-    from ports import qwen2_vl as QW
+    from ports.families import qwen2_vl as QW
 
     out = []
     for rep in repeats:
@@ -186,7 +186,7 @@ def pruned_keep(target, draft, prompt, hook) -> np.ndarray:
     from jspec.core import prefill as PR
     from jspec.parts.drafters import Setup, TargetPrefill
     from jspec.parts.drafters.model import ModelDrafter
-    from ports.prompts import model_prompt
+    from ports.core.prompts import model_prompt
 
     tokens, lengths, inputs = model_prompt(target, prompt, "")
     setup = Setup(target, prompt, tokens, lengths, inputs, None, None, None, None)

@@ -26,7 +26,7 @@ def load_target(args):
     import jax.numpy as jnp
 
     import ports
-    from ports.config import TextConfig
+    from ports.core.config import TextConfig
 
     if args.shape:
         cfg = TextConfig(model_type="llama", max_position_embeddings=4096, **SHAPES[args.shape])

@@ -1,4 +1,4 @@
-"""Scanned against unrolled decoder layers (`ports.scanned`): compile time and warm decode time of the same target in
+"""Scanned against unrolled decoder layers (`ports.core.scanned`): compile time and warm decode time of the same target in
 both layouts, same tokens checked.
 
     python scripts/probe_scan_layers.py                                   # the zoo text target, AR and prompt lookup
@@ -33,7 +33,7 @@ def load_target(args):
     import numpy as np
 
     import ports
-    from ports.config import TextConfig
+    from ports.core.config import TextConfig
 
     dtype = jnp.dtype(args.dtype)
     if args.shape:
@@ -59,7 +59,7 @@ def one(args) -> dict:
     import numpy as np
 
     import jspec
-    from ports import scanned
+    from ports.core import scanned
 
     model, prompt = load_target(args)
     if args.layout == "scanned":

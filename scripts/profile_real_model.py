@@ -30,7 +30,7 @@ from jspec import api  # noqa: E402
 from jspec.core import prefill as PR
 from jspec.tools import models
 from jspec.engine import profiling
-from ports import cache as kvc  # noqa: E402
+from ports.core import cache as kvc  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
 

@@ -60,7 +60,7 @@ about scenes exist in text form and every training answer follows from the promp
 
 Training: AdamW (optax, inject_hyperparams: the learning rate, linear warmup then cosine decay to 10%, is set each
 step), global-norm clipping 1.0, weight decay on matrices; packed sequences (`jspec.tools.zoo.data.batches`, pack=True)
-under a segment mask (a token attends causally within its own example only) through `ports.llama.forward`; the
+under a segment mask (a token attends causally within its own example only) through `ports.families.llama.forward`; the
 loss is the mean cross-entropy over answer tokens (`target_mask`: the tokens of assistant answers and their EOS),
 plus, with `prompt_loss`, that weight times the mean over the prompt's text tokens (`prompt_mask`).
 Fixed seeds (init and data from --seed). Orbax checkpoints every --ckpt-minutes (and on Ctrl-C / SIGTERM) in
@@ -133,18 +133,18 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import ports  # noqa: E402
-from ports import cache as kvc  # noqa: E402
+from ports.core import cache as kvc  # noqa: E402
 from jspec.tools.train import trainer as jt  # noqa: E402
 from jspec.tools.zoo import data as ZD  # noqa: E402
 from jspec.tools.zoo import tokenizer as TK  # noqa: E402
 from jspec.tools.zoo import video as VID  # noqa: E402
 from jspec.tools.zoo import world as ZW  # noqa: E402
-from ports import layers as LY  # noqa: E402
-from ports.fused import fuse_params  # noqa: E402
-from ports import llama, llava  # noqa: E402
-from ports import qwen2_vl as QW  # noqa: E402
-from ports import qwen2_vl_vision as QV  # noqa: E402
-from ports import vision as VIS  # noqa: E402
+from ports.core import layers as LY  # noqa: E402
+from ports.core.fused import fuse_params  # noqa: E402
+from ports.families import llama, llava  # noqa: E402
+from ports.families import qwen2_vl as QW  # noqa: E402
+from ports.families import qwen2_vl_vision as QV  # noqa: E402
+from ports.core import vision as VIS  # noqa: E402
 
 ZOO_DIR = ROOT / "assets" / "zoo" / "jspec_zoo"
 RESULTS_DIR = ROOT / "bench_out"

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import ports  # noqa: E402
 from jspec.tools.train import trainer as jt  # noqa: E402
 from jspec.tools.zoo import t2i as T  # noqa: E402
-from ports import vqgan as VQ  # noqa: E402
+from ports.families import vqgan as VQ  # noqa: E402
 
 RESULTS_DIR = ROOT / "bench_out"
 ZOO = ROOT / "assets" / "zoo" / "jspec_zoo"
@@ -115,7 +115,7 @@ def vq_train(args) -> None:
 
 
 def vq_export(cfg: VQ.VQConfig, params: dict, meta: dict, workdir: Path, out: Path, n_params: int) -> None:
-    from ports.safetensors_io import write_safetensors
+    from ports.core.safetensors_io import write_safetensors
 
     if out.exists():
         shutil.rmtree(out)
@@ -219,8 +219,8 @@ def load_codes(seed: int) -> dict:
 
 
 def new_target(seed: int, vq_params: dict | None = None) -> ports.Model:
-    from ports import chameleon as CH
-    from ports.fused import fuse_params
+    from ports.families import chameleon as CH
+    from ports.core.fused import fuse_params
 
     hf = T.t2i_hf_config(**TARGET)
     cfg = CH.config_from_hf(hf)

@@ -110,9 +110,9 @@ def write_layered_checkpoint(directory, layers: int) -> int:
     directory.mkdir()
     fam = ports.FAMILIES["llama"]
     shapes = fam.param_shapes(cfg)
-    from ports.hf_layout import ours_shape_to_hf
-    from ports.param_paths import get_path
-    from ports.safetensors_io import write_safetensors
+    from ports.core.hf_layout import ours_shape_to_hf
+    from ports.core.param_paths import get_path
+    from ports.core.safetensors_io import write_safetensors
 
     table = {n: (ours_shape_to_hf(tuple(get_path(shapes, p)), tr), np.dtype(np.float32))
              for n, p, tr in fam.hf_key_map(cfg)}

@@ -23,7 +23,7 @@ def status_kb(field: str) -> int:
 
 def main(hf_dir: str, out_dir: str) -> None:
     with tempfile.TemporaryDirectory() as d:  # warm-up: orbax, tensorstore and their threads
-        ports.checkpoint.orbax_save(os.path.join(d, "warm"), {"x": np.zeros((256, 256), np.float32)})
+        ports.io.checkpoint.orbax_save(os.path.join(d, "warm"), {"x": np.zeros((256, 256), np.float32)})
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
     base = status_kb("VmRSS")

@@ -16,15 +16,15 @@ import ports  # noqa: E402
 from jspec.core import prefill as PR  # noqa: E402
 from jspec.tools import memory as MEM  # noqa: E402
 from jspec.core import sharding as SH  # noqa: E402
-from ports import llava  # noqa: E402
-from ports.fused import fused_shapes  # noqa: E402
+from ports.families import llava  # noqa: E402
+from ports.core.fused import fused_shapes  # noqa: E402
 
 # (data, fsdp, tensor)
 MESHES = ((1, 1, 8), (2, 1, 4), (1, 2, 4), (8, 1, 1))
 
 
 def zeros_model(cfg, dtype):
-    """A model with zero params of the family's param_shapes in the run layout the loaders give (`ports.fused`;
+    """A model with zero params of the family's param_shapes in the run layout the loaders give (`ports.core.fused`;
     host-built: no per-shape compilation; only the bytes matter here). The plan itself goes through eval_shape of
     init_params, so equal bytes also check that the two agree."""
     fam = ports.model.family(cfg.model_type)

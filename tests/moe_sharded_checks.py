@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jspec  # noqa: E402
 import ports  # noqa: E402
 from jspec.core import sharding as SH  # noqa: E402
-from ports import moe  # noqa: E402
+from ports.core import moe  # noqa: E402
 from tolerances import assert_clear_margins, assert_layout_close  # noqa: E402
 
 MESHES = (dict(data=2, expert=2, tensor=2), dict(expert=8))

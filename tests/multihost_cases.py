@@ -55,7 +55,7 @@ def vlm_pair():
 @functools.lru_cache(maxsize=None)
 def t2i_pair():
     from jspec.parts.neighbours import NeighbourTable
-    from ports import vqgan as VQ
+    from ports.families import vqgan as VQ
     from sampling_check import tiny_chameleon
 
     target = tiny_chameleon(0, 0.15)

@@ -216,7 +216,7 @@ def _reads_at_once(original):  # the protocol's catch_up: a round without drafts
 
 
 def _recurrent_owner():
-    from ports import recurrent
+    from ports.core import recurrent
 
     return recurrent
 

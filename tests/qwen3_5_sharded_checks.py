@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jspec  # noqa: E402
 import ports  # noqa: E402
 from jspec.core import sharding as SH  # noqa: E402
-from ports import qwen3_5 as Q5  # noqa: E402
+from ports.families import qwen3_5 as Q5  # noqa: E402
 from test_qwen3_5 import KINDS, PROMPTS, STRATEGIES, damped_pair  # noqa: E402
 
 ROWS = PROMPTS + [PROMPTS[0][:3]]

@@ -21,7 +21,7 @@ import numpy as np
 import jspec
 import ports
 from jspec.parts.drafters import dflash_io, eagle3_io
-from ports import qwen3 as Q3
+from ports.families import qwen3 as Q3
 from strategies import SMALL_TREE, dflash_head, eagle3_head, every_third_dropped, guarded
 from tiny_pairs import PROMPTS  # noqa: F401  (the ragged batch of 3 the tests decode; vocabulary 97)
 

@@ -138,8 +138,8 @@ CH_IMAGE_PREFIX = [4, 8, 8]  # a tiny Chameleon's image start and size tokens
 
 
 def tiny_chameleon_config(V=48, img0=16, K=8, **over):
-    """A dict for ports.chameleon.config_from_hf: K image codes at token ids img0.., Lumina-mGPT's grammar tokens."""
-    from ports import chameleon as CH
+    """A dict for ports.families.chameleon.config_from_hf: K image codes at token ids img0.., Lumina-mGPT's grammar tokens."""
+    from ports.families import chameleon as CH
 
     vm = {f"tok{i}": i for i in range(V)}
     for name, i in (("<image>", 3), ("<racm3:break>", 4), ("<eoss>", 5), ("<reserved08799>", 6),
@@ -160,7 +160,7 @@ def tiny_chameleon_config(V=48, img0=16, K=8, **over):
 
 def tiny_chameleon(key: int = 0, std: float = 0.15, **over) -> ports.Model:
     """A random Chameleon of `tiny_chameleon_config(**over)`; std 0.15 spreads a guided target's distribution."""
-    from ports import chameleon as CH
+    from ports.families import chameleon as CH
 
     d = tiny_chameleon_config(**over)
     cfg = CH.config_from_hf(d)
@@ -196,8 +196,8 @@ PIXELS = np.random.default_rng(0).normal(size=(1, 3, 14, 14)).astype(np.float32)
 def tiny_llava(key: int, std: float, pool_grid: int = 2) -> ports.Model:
     """A LLaVA-1.5 of one text layer over an 8-token vocabulary (image token 7), a one-layer CLIP tower of
     pool_grid^2 patches."""
-    from ports import llava
-    from ports import vision as VIS
+    from ports.families import llava
+    from ports.core import vision as VIS
 
     text = ports.TextConfig(model_type="llama", vocab_size=VLM_V, hidden_size=16, intermediate_size=24,
                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
@@ -222,8 +222,8 @@ def llava_logits(model, prompt, pixels, seqs) -> np.ndarray:
     (None: a text-only prompt), and a continuation's image-token id is text, as in decoding."""
     import jax.numpy as jnp
 
-    from ports import cache as kvc
-    from ports import llava
+    from ports.core import cache as kvc
+    from ports.families import llava
 
     seqs = np.asarray(seqs).reshape(len(seqs), -1)
     full = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)

@@ -57,7 +57,7 @@ def check_placement(target):
     sharded = SH.shard(target, mesh)
     layer = sharded.params["layers"][0]
     hd = target.config.head_dim
-    # fused q/k/v (`ports.fused`): each device holds whole KV-head groups, 4 groups of 2 query heads + k + v
+    # fused q/k/v (`ports.core.fused`): each device holds whole KV-head groups, 4 groups of 2 query heads + k + v
     assert layer["wqkv"].sharding.spec == P(None, "tensor", None, None), layer["wqkv"].sharding
     assert layer["wqkv"].addressable_shards[0].data.shape == (target.config.hidden_size, 1, 2 + 2, hd)
     assert layer["wo"].sharding.spec == P("tensor", None)

@@ -128,7 +128,7 @@ VS, VE, IMG, VID = 93, 94, 95, 96
 def qwen():
     """A tiny random Qwen2.5-VL: patch 7, merge 2, so a (1, 4, 4) image grid is 16 patch rows and 4 tokens."""
     import transformers
-    from ports import qwen2_vl as QW
+    from ports.families import qwen2_vl as QW
 
     text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=100, max_position_embeddings=512, eos_token_id=None,

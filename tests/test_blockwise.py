@@ -10,11 +10,11 @@ import pytest
 
 import jspec
 import ports
-from ports import cache as kvc
+from ports.core import cache as kvc
 from jspec.core import prefill as PR
-from ports.prompts import model_prompt
-from ports import blockwise as BW
-from ports import layers as LY
+from ports.core.prompts import model_prompt
+from ports.core import blockwise as BW
+from ports.core import layers as LY
 from tolerances import assert_layout_close
 
 

@@ -1,4 +1,4 @@
-"""Chameleon port (ports.chameleon) matches transformers' ChameleonForConditionalGeneration on tiny random configs:
+"""Chameleon port (ports.families.chameleon) matches transformers' ChameleonForConditionalGeneration on tiny random configs:
 text and image prompts, both norm placements, the image-token vocabulary and logit suppression, the KV cache,
 load_hf / save_hf in both directions, Lumina-mGPT's own QK-norm layout ([model_parallel_size, head_dim] rows) in and
 out, and clear errors for bad input."""
@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import ports
-from ports import cache as kvc
-from ports import chameleon as CH
-from ports import vqgan as VQ
+from ports.core import cache as kvc
+from ports.families import chameleon as CH
+from ports.families import vqgan as VQ
 from conftest import perturb
 
 V, K = 96, 32  # vocabulary, codebook

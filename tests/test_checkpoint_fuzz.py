@@ -17,8 +17,8 @@ import pytest
 
 import ports
 from conftest import tiny_hf, write_layered_checkpoint
-from ports import checkpoint as CK
-from ports.safetensors_io import SafetensorsFile, write_safetensors
+from ports.io import checkpoint as CK
+from ports.core.safetensors_io import SafetensorsFile, write_safetensors
 
 WEIGHTS = "model.safetensors"
 

@@ -11,7 +11,7 @@ import transformers
 
 import ports
 from conftest import hf_logits, save_and_load, tiny_hf, write_layered_checkpoint
-from ports.safetensors_io import SafetensorsFile, write_safetensors
+from ports.core.safetensors_io import SafetensorsFile, write_safetensors
 
 TOKENS = np.random.default_rng(0).integers(0, 101, (2, 12))
 

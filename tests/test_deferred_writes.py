@@ -8,7 +8,7 @@ import pytest
 import jspec
 from jspec import api
 from jspec.core import prefill as PR
-from ports import cache as kvc
+from ports.core import cache as kvc
 from tiny_pairs import CFG, PROMPTS, tiny_pair
 from tolerances import assert_layout_close
 

@@ -11,8 +11,8 @@ import pytest
 import jspec
 import ports
 from jspec.parts.drafters import dflash
-from ports import cache as kvc
-from ports import llama
+from ports.core import cache as kvc
+from ports.families import llama
 from jspec.parts.plans import best_paths
 from strategies import dflash_head
 from tiny_pairs import PROMPTS, tiny_pair

@@ -17,8 +17,8 @@ from safetensors.numpy import save_file
 import jspec
 from jspec.parts.drafters import dflash as DF
 from jspec.parts.drafters import dflash_io as IO
-from ports import cache as kvc
-from ports import llama
+from ports.core import cache as kvc
+from ports.families import llama
 from tiny_pairs import CFG, PROMPTS, tiny_pair
 
 REAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "real_layouts", "next")
@@ -113,7 +113,7 @@ def test_a_zlab_head_decodes_as_ar_on_a_qwen3_target(tmp_path):
     """The targets z-lab's drafters are for: a hand-written z-lab directory on a tiny random Qwen3 (q / k norms, its
     last two layers sliding over 4 tokens) decodes PROMPTS to AR's tokens as a chain and as a DDTree."""
     import ports
-    from ports import qwen3 as Q3
+    from ports.families import qwen3 as Q3
 
     cfg = Q3.config_from_hf({"model_type": "qwen3", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
                              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,

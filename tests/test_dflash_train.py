@@ -15,7 +15,7 @@ from jspec.parts.drafters import dflash_io as IO
 from jspec.tools.train import dflash as DT
 from jspec.tools.train import eagle as EGT
 from jspec.tools.train import trainer as jt
-from ports import cache as kvc
+from ports.core import cache as kvc
 from tiny_pairs import PROMPTS, tiny_pair
 from train_checks import assert_resumes_bit_identical, tiny_checkpoint_with_texts
 

@@ -3,7 +3,7 @@
 transformers computes the base from the longest position of each forward: its prefill scales the whole prompt by
 the prompt's length, and its cached generate then scales each new token by its own position, while the keys
 already cached keep the bases they were rotated with; so its cached generate is not a full recompute. jspec
-scales per token the way that cached generate does, per row (`ports.layers.rope_tables`). What holds, tested here:
+scales per token the way that cached generate does, per row (`ports.core.layers.rope_tables`). What holds, tested here:
 jspec's greedy AR equals transformers' cached greedy generate past the limit; speculative verification of several
 tokens at once and a chunked prefill give AR's tokens; each row decodes as if alone.
 """

@@ -10,7 +10,7 @@ import pytest
 import jspec
 import ports
 from jspec import api
-from ports import cache as kvc
+from ports.core import cache as kvc
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.plans import StaticPlan
 from jspec.parts.trees import build_tree, chain

@@ -19,7 +19,7 @@ from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import eagle3 as E3
 from jspec.parts.drafters import eagle3_io as IO
 from jspec.parts.drafters import heads as H
-from ports import cache as kvc
+from ports.core import cache as kvc
 from tiny_pairs import PROMPTS, tiny_pair
 from tolerances import assert_f32_close
 from toy_parts import RecordingController

@@ -15,7 +15,7 @@ from jspec.parts.drafters import eagle3 as E3
 from jspec.parts.drafters import eagle3_io as IO
 from jspec.tools.train import eagle3 as E3T
 from jspec.tools.train import eagle as EGT
-from ports import cache as kvc
+from ports.core import cache as kvc
 from train_checks import assert_resumes_bit_identical, tiny_checkpoint_with_texts
 from tiny_pairs import PROMPTS, tiny_pair
 

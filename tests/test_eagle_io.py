@@ -13,12 +13,12 @@ import torch
 import transformers
 
 import jspec
-import ports.cache
+import ports.core.cache
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import eagle_io as IO
 from jspec.parts.plans import StaticPlan
 from jspec.parts.trees import build_tree
-from ports import fused as FU
+from ports.core import fused as FU
 from tiny_pairs import CFG, PROMPTS, tiny_pair
 
 TREE = [[0], [1], [0, 0], [0, 0, 0]]
@@ -56,10 +56,10 @@ def _teacher_forced(target, head, seq):
     eagle.head_forward computes them)."""
     cfg, lm = EG.text_parts(target)
     T = seq.shape[0]
-    cache = ports.cache.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
+    cache = ports.core.cache.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
     fo = target.forward(seq[None], jnp.arange(T)[None], cache, fresh=True, hidden_layers=(cfg.num_layers,))
     f = EG.features(cfg, lm, fo.hidden[0])
-    hc = ports.cache.init_cache(1, 1, cfg.num_kv_heads, T - 1, cfg.head_dim, jnp.float32)
+    hc = ports.core.cache.init_cache(1, 1, cfg.num_kv_heads, T - 1, cfg.head_dim, jnp.float32)
     x, _ = EG.head_forward(cfg, head, lm["embed"][seq[1:]][None], f[:, :-1], jnp.arange(1, T)[None], hc, fresh=True)
     return f[0], EG.lm_logits(cfg, lm, x)[0]
 
@@ -124,7 +124,7 @@ def test_round_trip_gives_identical_params_and_decodes(llama_target, tmp_path):
 
 def test_neighbour_table_travels_with_the_head(chameleon_target, tmp_path):
     from jspec.parts.neighbours import NeighbourTable
-    from ports import vqgan as VQ
+    from ports.families import vqgan as VQ
 
     target = chameleon_target
     cfg, params = EG.text_parts(target)
@@ -181,7 +181,7 @@ def _lantern_checkpoint(target, tmp_path, decode=False):
     """LANTERN's Chameleon layout: input_layernorm, attention biases and per-head q/k norms, in model.safetensors
     (what accelerate's save_state writes): it loads and drafts the PyTorch layer's logits (and, with `decode`,
     keeps greedy SD == AR); returns the state dict."""
-    from ports.safetensors_io import write_safetensors
+    from ports.core.safetensors_io import write_safetensors
     from test_chameleon import hf_config
     from transformers.models.chameleon import modeling_chameleon as CM
 
@@ -272,7 +272,7 @@ def test_errors_name_the_problem(llama_target, tmp_path):
         IO.load_head(str(tmp_path / "ours"), target)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
-    from ports.safetensors_io import write_safetensors
+    from ports.core.safetensors_io import write_safetensors
 
     write_safetensors(str(foreign / IO.WEIGHTS_NAME), {k: (v.shape, v.dtype) for k, v in sd.items()}, sd.__getitem__)
     (foreign / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_attention_heads": 32}))

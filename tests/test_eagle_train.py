@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jspec
-import ports.cache
+import ports.core.cache
 from jspec.tools.train import trainer as jt
 from jspec.parts.drafters import eagle as EG
 from jspec.tools.train import eagle as EGT
@@ -161,11 +161,11 @@ def test_loss_equals_a_direct_computation(target, own_text, rows):
     vl, ce, top, w = [], [], [], []
     for r, (seq, mask) in enumerate(own_text):
         T = len(seq)
-        cache = ports.cache.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
+        cache = ports.core.cache.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, jnp.float32)
         fo = target.forward(jnp.asarray(seq)[None], jnp.arange(T)[None], cache, fresh=True,
                             hidden_layers=(cfg.num_layers,))
         f = np.asarray(EG.features(cfg, lm, fo.hidden[0])[0])
-        hc = ports.cache.init_cache(1, 1, cfg.num_kv_heads, T - 1, cfg.head_dim, jnp.float32)
+        hc = ports.core.cache.init_cache(1, 1, cfg.num_kv_heads, T - 1, cfg.head_dim, jnp.float32)
         fh, _ = EG.head_forward(cfg, head, lm["embed"][jnp.asarray(seq[1:])][None], jnp.asarray(f[:-1])[None],
                                jnp.arange(1, T)[None], hc, fresh=True)
         fh = np.asarray(fh[0])

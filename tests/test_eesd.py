@@ -17,7 +17,7 @@ from jspec.parts.controllers import Record
 from jspec.parts.controllers import calibration as CAL
 from jspec.parts.controllers.draft_length import BetaTS, FixedK, leading_ones
 from jspec.parts.drafters import early_exit as EE
-from ports import layers as LY
+from ports.core import layers as LY
 from tiny_pairs import CFG, PROMPTS, tiny_pair
 
 

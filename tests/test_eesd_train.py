@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jspec
-import ports.cache
+import ports.core.cache
 from jspec.tools.train import trainer as jt
 from jspec.parts.drafters import early_exit as EE
 from jspec.tools.train import eesd as EST
@@ -112,7 +112,7 @@ def test_calibration_labels_and_training(train):
     n0 = len(texts[0])
     h1 = EST.exit_states(cfg, lm, 1, batch)[:1, :n0]
     logits = head_forward(cfg, head.params, h1, batch["positions"][:1, :n0],
-                          ports.cache.init_cache(1, 1, cfg.num_kv_heads, n0, cfg.head_dim, h1.dtype), fresh=True)[0]
+                          ports.core.cache.init_cache(1, 1, cfg.num_kv_heads, n0, cfg.head_dim, h1.dtype), fresh=True)[0]
     full = target.forward(batch["input_ids"][:1, :n0], batch["positions"][:1, :n0],
                           jspec.core.prefill.new_cache_for(target, 1, n0), fresh=True)
     np.testing.assert_array_equal(match[0, :n0], np.argmax(logits[0], -1) == np.argmax(full.logits[0], -1))

@@ -1,4 +1,4 @@
-"""The run layout (`ports.fused`): fused q/k/v and gate/up give the checkpoint layout's outputs, convert both ways
+"""The run layout (`ports.core.fused`): fused q/k/v and gate/up give the checkpoint layout's outputs, convert both ways
 exactly, and are what the loaders return."""
 import jax
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 import ports
 from conftest import save_and_load, tiny_hf
-from ports import fused as FU
+from ports.core import fused as FU
 
 TOKENS = np.random.default_rng(0).integers(0, 101, (2, 12))
 

@@ -16,7 +16,7 @@ from conftest import hf_logits, perturb, tiny_hf
 import jspec
 import ports
 from jspec.tools import cli
-from ports import gguf as GF
+from ports.io import gguf as GF
 
 T = gguf.GGMLQuantizationType
 PROMPT = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]])

@@ -45,7 +45,7 @@ def test_a_repo_id_loads_from_the_hub_cache_offline(cached, monkeypatch, tmp_pat
     np.testing.assert_array_equal(ports.logits(pinned, ids), ports.logits(want, ids))
     ports.convert_hf("tiny-org/tiny-llama", str(tmp_path / "conv"), cache_dir=cache)
     np.testing.assert_array_equal(ports.logits(ports.load(str(tmp_path / "conv")), ids), ports.logits(want, ids))
-    assert ports.hub.resolve(src) == src  # a local directory passes through
+    assert ports.io.hub.resolve(src) == src  # a local directory passes through
 
 
 def test_missing_repos_and_revisions_are_clear_errors(cached, monkeypatch):
@@ -60,4 +60,4 @@ def test_missing_repos_and_revisions_are_clear_errors(cached, monkeypatch):
         ports.load_hf("tiny-org/tiny-llama", revision="v9", cache_dir=cache)
     with pytest.raises(ValueError, match="applies to a Hub repo id"):
         ports.load_hf(cached[0], revision="main")
-    assert not ports.hub.is_repo_id("model.gguf") and ports.hub.is_repo_id("org/name")
+    assert not ports.io.hub.is_repo_id("model.gguf") and ports.io.hub.is_repo_id("org/name")

@@ -9,8 +9,8 @@ import pytest
 
 import jspec
 import ports
-from ports import chameleon as CH
-from ports import vqgan as VQ
+from ports.families import chameleon as CH
+from ports.families import vqgan as VQ
 from test_chameleon import BOI, EOI, IMG0, K, NEWLINE, SIZE0, hf_config
 
 ROWS, COLS = 3, 4  # non-square, so a swapped row/column would show
@@ -172,7 +172,7 @@ def test_bad_inputs(target):
                                    _hf_aux=None)
     with pytest.raises(ValueError, match="end-of-row"):
         jspec.generate_image(no_vocab, prompts(), ROWS, COLS, image_prefix_ids=PREFIX)
-    text = ports.Model(ports.config.text_config_from_hf({"model_type": "llama", "vocab_size": 96,
+    text = ports.Model(ports.core.config.text_config_from_hf({"model_type": "llama", "vocab_size": 96,
                                                         "hidden_size": 16, "intermediate_size": 32,
                                                         "num_hidden_layers": 1, "num_attention_heads": 2}),
                        None)
@@ -189,7 +189,7 @@ def test_guided_forward_logits_equal_combined_full_sequence_logits(target):
     ragged batch whose rows have the longer prompt in different streams."""
     from jspec.core import guidance as GD
     from jspec.core import prefill as PR
-    from ports.prompts import normalize_prompt
+    from ports.core.prompts import normalize_prompt
 
     gm = jspec.images._generating(target)
     rng = np.random.default_rng(11)

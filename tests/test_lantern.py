@@ -9,7 +9,7 @@ import jspec
 from jspec import images as IG
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.neighbours import NeighbourTable
-from ports import vqgan as VQ
+from ports.families import vqgan as VQ
 from test_imagegen import COLS, PREFIX, ROWS, check_grammar, make_model, prompts
 
 
@@ -17,7 +17,7 @@ def flat_model(seed, std=0.1):
     """`make_model`'s tiny Chameleon with smaller weights: image-token distributions spread over several codes,
     as visual AR models' are (a peaked target leaves the relaxation nothing to accept)."""
     import ports
-    from ports import chameleon as CH
+    from ports.families import chameleon as CH
 
     m = make_model(seed)
     return IG._generating(ports.Model(m.config, CH.init_params(m.config, jax.random.key(seed), std=std),

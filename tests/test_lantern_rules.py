@@ -52,7 +52,7 @@ def test_neighbour_ties_go_to_the_lower_index():
 
 
 def test_chameleon_table_puts_neighbours_at_token_ids(tmp_path):
-    from ports import chameleon as CH
+    from ports.families import chameleon as CH
 
     rng = np.random.default_rng(2)
     K, img0 = 40, 60
@@ -489,7 +489,7 @@ def test_exact_under_cfg_and_image_grammar(chameleon_pair, tree):
     """A tiny Chameleon target and draft under CFG 3 and Lumina-mGPT's grammar (2 x 2 grid: image, image,
     end-of-row): LANTERN++ at lambda = 1 samples the guided, constrained target exactly, on a static tree and (with
     deterministic drafts) an EAGLE-2 dynamic tree; lambda = 3 does not."""
-    from ports import vqgan as VQ
+    from ports.families import vqgan as VQ
     from sampling_check import chi2_pvalue
 
     target, draft = chameleon_pair

@@ -1,4 +1,5 @@
-"""The packages' layering: the stack, bottom to top, is `ports` -> `jspec/core` -> `jspec/parts` -> `jspec/engine` ->
+"""The packages' layering: the stack, bottom to top, is `ports/core` -> `ports/families` -> `ports.model` (the
+registry) -> `ports/io` -> `ports` (its public names) -> `jspec/core` -> `jspec/parts` -> `jspec/engine` ->
 `jspec/strategies` -> the modules directly in `jspec/` (the api: `api`, `costs`, `images`, `streaming`) ->
 `jspec/tools`. Every import statement of the packages, those inside functions included, goes to its own layer or
 one below, and the import graph has no cycle; `import jspec` loads nothing under `jspec/tools`; no module of the
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STACK = ("ports", "jspec.core", "jspec.parts", "jspec.engine", "jspec.strategies", "jspec", "jspec.tools")
+STACK = ("ports.core", "ports.families", "ports.model", "ports.io", "ports", "jspec.core", "jspec.parts", "jspec.engine", "jspec.strategies", "jspec", "jspec.tools")
 
 
 def under(name: str, pkg: str) -> bool:
@@ -28,7 +29,7 @@ def loaded_after(statement: str) -> list[str]:
 
 def test_ports_imports_nothing_of_jspec():
     mods = loaded_after("import ports")
-    assert "ports.llama" in mods
+    assert "ports.families.llama" in mods
     assert [m for m in mods if m.split(".")[0] == "jspec"] == []
 
 
@@ -149,9 +150,9 @@ def test_the_stack_rules_find_a_planted_upward_import_and_cycle():
     graph["jspec.core.sampling"] = graph["jspec.core.sampling"] | {"jspec.api"}  # sampling calling decode
     assert layer_violations(graph) == [("jspec.core.sampling", "jspec.api")]
     assert any("jspec.core.sampling" in c and "jspec.api" in c for c in cycles(graph))
-    assert layer_violations({"ports.llama": {"jspec.core.sampling"}, "jspec.tools.demo": {"jspec.api"},
+    assert layer_violations({"ports.families.llama": {"jspec.core.sampling"}, "jspec.tools.demo": {"jspec.api"},
                              "jspec.engine.step": {"jspec.strategies.sage"}}) == [
-        ("jspec.engine.step", "jspec.strategies.sage"), ("ports.llama", "jspec.core.sampling")]
+        ("jspec.engine.step", "jspec.strategies.sage"), ("ports.families.llama", "jspec.core.sampling")]
 
 
 def strategy_classes() -> set[str]:
@@ -207,7 +208,7 @@ def test_no_module_reads_scripts_or_tests():
 
 def test_no_import_cycles_and_no_private_imports():
     graph, private = imports(modules())
-    assert "ports.cache" in graph["ports.llama"] and "jspec.parts.plans" in graph["jspec.engine.strategy"]
+    assert "ports.core.cache" in graph["ports.families.llama"] and "jspec.parts.plans" in graph["jspec.engine.strategy"]
     assert cycles(graph) == []
     assert private == []
 

@@ -213,7 +213,7 @@ def test_attention_score_hook_matches_hf_eager(models):
     """SpecVLM's language-to-vision scores: attention probabilities of the text after the image over every key,
     averaged over layers and heads and over those queries, equal HF's eager attentions."""
     from jspec.core import prefill as PR
-    from ports import llava
+    from ports.families import llava
 
     hf, target, _ = models
     ids, pix = image_prompt(1, seed=60, post=5)

@@ -19,8 +19,8 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
 import jax
 import jspec
 import ports
-from ports import anyres as ANY
-from ports import llava_next as NX
+from ports.core import anyres as ANY
+from ports.families import llava_next as NX
 from conftest import assert_masked_parity, eager_attentions, perturb, saved_and_loaded
 
 V, IMG, VID = 96, 92, 93
@@ -372,7 +372,7 @@ def test_text_only_draft_reads_video_prompt_without_placeholders(jx_models):
         sd = jspec.decode(target, batch, strategy=strategy, max_new_tokens=10)
         np.testing.assert_array_equal(sd.tokens, ar.tokens)
     from jspec.parts.drafters.model import default_view
-    from ports.prompts import model_prompt
+    from ports.core.prompts import model_prompt
     tokens, lengths, inputs = model_prompt(target, batch, "")
     d_tokens, d_lengths, d_inputs = default_view(target, draft, batch, tokens, lengths, inputs)
     assert not d_inputs and not np.isin(d_tokens, [IMG, VID]).any()

@@ -15,7 +15,7 @@ from transformers.models.llava_next.image_processing_pil_llava_next import Llava
 import jax
 import jspec
 import ports
-from ports import llava_next as NX
+from ports.families import llava_next as NX
 from conftest import assert_masked_parity, perturb, saved_and_loaded
 
 import test_llava_next as LN

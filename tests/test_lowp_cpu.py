@@ -1,12 +1,12 @@
 """bf16 weights on the CPU: weight products accumulate in float32 and a one-row product runs as two
-(`ports.layers.weight_dot`); the rows do not depend on each other, and speculative decoding keeps AR's tokens."""
+(`ports.core.layers.weight_dot`); the rows do not depend on each other, and speculative decoding keeps AR's tokens."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jspec
 import ports
-from ports import layers as LY
+from ports.core import layers as LY
 from tiny_pairs import PROMPTS, tiny_pair
 
 

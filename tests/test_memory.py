@@ -182,7 +182,7 @@ def test_qwen_vl_counts_match_transformers(kind):
 
 
 def test_chameleon_without_vocabulary_map():
-    from ports import chameleon as CH
+    from ports.families import chameleon as CH
 
     d = MEM.load_config("lumina-mgpt-7b-768")
     assert "vocabulary_map" not in d
@@ -388,7 +388,7 @@ def test_qwen3_5_plans_count_as_transformers_with_the_state_and_an_mtp_head(name
 
     import ports
     from jspec.parts.drafters import mtp as MT
-    from ports import qwen3_5 as Q5
+    from ports.families import qwen3_5 as Q5
 
     cfg = MEM.load_config(name)
     conf = transformers.AutoConfig.for_model(**copy.deepcopy(cfg))

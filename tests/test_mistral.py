@@ -21,10 +21,10 @@ import transformers
 import jspec
 import ports
 from jspec.core import prefill as PR
-from ports import blockwise as BW
-from ports import cache as kvc
-from ports import layers as LY
-from ports import llava_next as NX
+from ports.core import blockwise as BW
+from ports.core import cache as kvc
+from ports.core import layers as LY
+from ports.families import llava_next as NX
 from conftest import assert_masked_parity, hf_greedy, hf_logits, perturb, save_and_load
 from tolerances import assert_clear_margins, assert_layout_close
 
@@ -139,7 +139,7 @@ def test_save_hf_writes_mistral_with_its_window(tmp_path):
     assert ports.load_hf(str(tmp_path / "out")).config == model.config
     null = ports.TextConfig("mistral", 10, 8, 8, 1, 2, 2, 4)
     assert ports.text_config_to_hf(null)["sliding_window"] is None
-    assert ports.config.text_config_from_hf(ports.text_config_to_hf(null)) == null
+    assert ports.core.config.text_config_from_hf(ports.text_config_to_hf(null)) == null
 
 
 def test_greedy_decode_equals_transformers_generate(tmp_path):

@@ -22,7 +22,7 @@ import transformers
 import jspec
 import ports
 from conftest import hf_batch_logits, perturb
-from ports import muse_glimmer as MG
+from ports.families import muse_glimmer as MG
 from tolerances import assert_clear_margins, assert_layout_close
 
 V = 128
@@ -283,7 +283,7 @@ def test_bad_configs_are_refused_before_any_weight_is_read(pair, case, tmp_path,
     (reading one would raise AssertionError)."""
     import shutil
 
-    from ports import safetensors_io
+    from ports.core import safetensors_io
 
     _, d, _ = pair
     shutil.copytree(d, tmp_path / "ckpt")

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import jspec
 import ports
 from jspec.core import prefill as PR
-from ports import layers as LY
-from ports import qwen2_vl as QW
-from ports import qwen2_vl_vision as QV
+from ports.core import layers as LY
+from ports.families import qwen2_vl as QW
+from ports.families import qwen2_vl_vision as QV
 from conftest import assert_masked_parity, eager_attentions, perturb, saved_and_loaded
 
 V = 100

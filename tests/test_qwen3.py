@@ -15,8 +15,8 @@ import transformers
 import jspec
 import ports
 from conftest import hf_greedy, hf_logits, perturb, save_and_load
-from ports import qwen3 as Q3
-from ports import scanned as SC
+from ports.families import qwen3 as Q3
+from ports.core import scanned as SC
 from tolerances import assert_clear_margins, assert_layout_close
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -184,7 +184,7 @@ BAD = {
 def test_bad_configs_are_refused_before_any_weight_is_read(case, tmp_path, monkeypatch):
     """A checkpoint whose config.json holds one bad field: load_hf raises ValueError naming it, and no tensor is
     read (reading one would raise AssertionError)."""
-    from ports import safetensors_io
+    from ports.core import safetensors_io
 
     tiny_qwen3(6).save_pretrained(str(tmp_path))
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -29,10 +29,10 @@ import jspec
 import ports
 from jspec.core import prefill as PR
 from jspec.parts.drafters import mtp as MT
-from ports import cache as kvc
-from ports import qwen3 as Q3
-from ports import qwen3_5 as Q5
-from ports import recurrent as RC
+from ports.core import cache as kvc
+from ports.families import qwen3 as Q3
+from ports.families import qwen3_5 as Q5
+from ports.core import recurrent as RC
 from conftest import hf_greedy, perturb
 from sampling_check import chi2_pvalue, empirical, exact_joint, total_variation
 from strategies import SMALL_TREE, dflash_head, eagle3_head, every_third_dropped, guarded
@@ -359,7 +359,7 @@ def test_strategies_on_an_8_device_mesh(slow):
 def _with_mtp(directory: str, layer, drop: str = "", extra: str = "", n: int = 1):
     """The checkpoint in `directory` with transformers' `MtpLayer` `layer` written under Qwen3.5's mtp.* names
     (without `drop`, with a spare tensor `extra`) and mtp_num_hidden_layers = n."""
-    from ports.safetensors_io import SafetensorsFile, write_safetensors
+    from ports.core.safetensors_io import SafetensorsFile, write_safetensors
 
     rename = {"eh_proj.weight": "mtp.fc.weight", "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
               "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "post_norm.weight": "mtp.norm.weight"}

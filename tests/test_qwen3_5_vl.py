@@ -22,7 +22,7 @@ import jspec
 import ports
 from jspec.core import prefill as PR
 from jspec.parts.drafters import mtp as MT
-from ports import qwen3_5_vl as Q5V
+from ports.families import qwen3_5_vl as Q5V
 from conftest import hf_batch_logits, assert_masked_parity, perturb, saved_and_loaded
 import test_qwen2_vl as T2
 import test_qwen3_vl as T3
@@ -103,7 +103,7 @@ def test_partial_interleaved_mrope_matches_transformers():
     np.testing.assert_allclose(np.asarray(ours[1]), sin.numpy(), atol=1e-6)
     q = np.random.default_rng(1).normal(size=(2, 7, 4, 16)).astype(np.float32)
     ref, _ = M.apply_rotary_pos_emb(torch.tensor(q).transpose(1, 2), torch.tensor(q).transpose(1, 2), cos, sin)
-    got = ports.layers.apply_rope(jnp.asarray(q), *ours)
+    got = ports.core.layers.apply_rope(jnp.asarray(q), *ours)
     np.testing.assert_allclose(np.asarray(got), ref.transpose(1, 2).numpy(), atol=1e-6)
     same = np.broadcast_to(pos[:1], pos.shape)  # equal ids: the text model's plain rotary
     np.testing.assert_allclose(np.asarray(Q5V.rope(cfg, jnp.asarray(same))[0]),
@@ -138,7 +138,7 @@ def test_prefill_matches_transformers_and_mrope_matters(hf_models, jx_models, na
     ref = hf_batch_logits(hf, batch)
     lengths = batch["attention_mask"].sum(1)
     last = ref[np.arange(len(lengths)), lengths - 1]
-    tokens, lens, extra = ports.prompts.normalize_prompt(batch, model.vocab_size, pad_to=1)
+    tokens, lens, extra = ports.core.prompts.normalize_prompt(batch, model.vocab_size, pad_to=1)
     inputs = {k: jnp.asarray(v) for k, v in model.family.prepare_inputs(model.config, tokens, lens, extra).items()}
     for chunk in (None, 16):
         cache = PR.new_cache_for(model, tokens.shape[0], tokens.shape[1] + 4)
@@ -196,7 +196,7 @@ def damped(target):
     lm["layers"] = [{k: (v * 0.003 if k in ("lin_out", "wo", "w_down") else v) for k, v in layer.items()}
                     for layer in lm["layers"]]
     target = ports.Model(target.config, {**target.params, "lm": lm}, target.hf_config)
-    cfg = ports.qwen3.config_from_hf(dict(model_type="qwen3", vocab_size=V, hidden_size=HIDDEN, intermediate_size=48,
+    cfg = ports.families.qwen3.config_from_hf(dict(model_type="qwen3", vocab_size=V, hidden_size=HIDDEN, intermediate_size=48,
                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                           head_dim=16))
     draft = ports.random_model(cfg, key=1, std=0.3)
@@ -226,9 +226,9 @@ def test_greedy_chain_and_tree_sd_equal_ar(jx_models):
 def with_mtp_tensors(model, directory, seed: int = 0):
     """save_hf of `model` with one MTP layer in its config and random `mtp.*` tensors beside its own (the layout a
     published Qwen3.5 checkpoint ships); returns the directory's load_hf."""
-    from ports.hf_layout import ours_shape_to_hf
-    from ports.param_paths import get_path
-    from ports.safetensors_io import SafetensorsFile, write_safetensors
+    from ports.core.hf_layout import ours_shape_to_hf
+    from ports.core.param_paths import get_path
+    from ports.core.safetensors_io import SafetensorsFile, write_safetensors
 
     cfg = dataclasses.replace(model.config, text=dataclasses.replace(model.config.text, mtp_layers=1))
     ports.save_hf(ports.Model(cfg, model.params), str(directory))
@@ -317,7 +317,7 @@ def test_bad_configs_are_refused_naming_the_field_before_weights(jx_models, tmp_
         Q5V.config_from_hf(d)
     ports.save_hf(jx_models["dense"], str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(d))
-    from ports import safetensors_io
+    from ports.core import safetensors_io
 
     def no_read(*a, **k):
         raise AssertionError("a weight was read")

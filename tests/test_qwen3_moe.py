@@ -21,8 +21,8 @@ from safetensors import safe_open
 import jspec
 import ports
 from conftest import hf_greedy, hf_logits, perturb, save_and_load
-from ports import moe
-from ports import qwen3 as Q3
+from ports.core import moe
+from ports.families import qwen3 as Q3
 from tolerances import assert_clear_margins, assert_f32_close, assert_layout_close
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -199,7 +199,7 @@ BAD = {
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_configs_are_refused_before_any_weight_is_read(case, tmp_path, monkeypatch):
-    from ports import safetensors_io
+    from ports.core import safetensors_io
 
     tiny_moe(5).save_pretrained(str(tmp_path))
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -21,7 +21,7 @@ import pytest
 import jspec
 import ports
 from jspec.parts.drafters import eagle3 as E3
-from ports import qwen3 as Q3
+from ports.families import qwen3 as Q3
 from qwen3_pairs import (DRAFT_IDS, KINDS, NAMES, PROMPTS, SPECULATORS_AUX, mesh_names, qwen3_draft, random_dirs,
                          strategies, tiny_target, useful_heads)
 from sampling_check import chi2_pvalue, empirical, exact_joint, noisy_copy, total_variation

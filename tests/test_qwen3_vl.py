@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import jspec
 import ports
 from jspec.core import prefill as PR
-from ports import layers as LY
-from ports import qwen3_vl as Q3
+from ports.core import layers as LY
+from ports.families import qwen3_vl as Q3
 from conftest import hf_batch_logits, assert_masked_parity, perturb, saved_and_loaded
 import test_qwen2_vl as T2
 
@@ -152,7 +152,7 @@ def test_prefill_matches_transformers_and_deepstack_matters(hf_models, jx_models
     ref = hf_batch_logits(hf, batch)
     lengths = batch["attention_mask"].sum(1)
     last = ref[np.arange(len(lengths)), lengths - 1]
-    tokens, lens, extra = ports.prompts.normalize_prompt(batch, model.vocab_size, pad_to=1)
+    tokens, lens, extra = ports.core.prompts.normalize_prompt(batch, model.vocab_size, pad_to=1)
     inputs = {k: jnp.asarray(v) for k, v in model.family.prepare_inputs(model.config, tokens, lens, extra).items()}
     cache = PR.new_cache_for(model, tokens.shape[0], tokens.shape[1] + 4)
     logits, _, cache = PR.prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache, inputs)
@@ -262,7 +262,7 @@ def test_bad_configs_are_refused_naming_the_field_before_weights(jx_models, tmp_
         Q3.config_from_hf(d)
     ports.save_hf(jx_models["dense"], str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(d))
-    from ports import safetensors_io
+    from ports.core import safetensors_io
 
     def no_read(*a, **k):
         raise AssertionError("a weight was read")
@@ -286,7 +286,7 @@ def test_bad_inputs_fail_early(jx_models):
 def test_moe_experts_load_from_the_published_layout(hf_models, jx_models, tmp_path):
     """The published checkpoints store the fused experts transposed from transformers' in-memory layout
     (gate_up_proj [E, D, 2F], down_proj [E, F, D]); both load to the same params, and a wrong shape is named."""
-    from ports.safetensors_io import write_safetensors
+    from ports.core.safetensors_io import write_safetensors
 
     hf = hf_models["moe"]
     tensors = {}

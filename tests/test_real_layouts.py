@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import ports
-from ports.hf_checkpoint import SourceTensor, read_hf_config, stream_checkpoint
-from ports.hf_layout import ours_shape_to_hf
+from ports.io.hf_checkpoint import SourceTensor, read_hf_config, stream_checkpoint
+from ports.core.hf_layout import ours_shape_to_hf
 from ports.model import family
-from ports.param_paths import get_path
-from ports.safetensors_io import write_safetensors
+from ports.core.param_paths import get_path
+from ports.core.safetensors_io import write_safetensors
 
 LAYOUTS = Path(__file__).resolve().parent.parent.parent / "shared" / "real_layouts"
 # layouts under next/ (families ported after the others) whose family jspec loads now

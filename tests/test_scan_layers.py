@@ -1,4 +1,4 @@
-"""Scanned layers (`ports.scanned`): a model with stacked layers gives the unrolled model's logits, caches and
+"""Scanned layers (`ports.core.scanned`): a model with stacked layers gives the unrolled model's logits, caches and
 tokens, for every forward the engine runs and for the strategies that read the target's hidden states or defer
 its writes; what cannot run scanned says so."""
 import jax
@@ -8,8 +8,8 @@ import pytest
 
 import jspec
 import ports
-from ports import cache as kvc
-from ports import scanned as SC
+from ports.core import cache as kvc
+from ports.core import scanned as SC
 from strategies import REGISTRY
 from tiny_pairs import PROMPTS, tiny_pair
 
@@ -160,4 +160,4 @@ def test_what_cannot_run_scanned_says_so(pair):
         SC.scan_layers(tiny_chameleon())
     with pytest.raises(ValueError, match="nothing to scan"):
         SC.stack_layers([])
-    assert isinstance(ports.scanned.unscan_layers(s).params["layers"], list)
+    assert isinstance(ports.core.scanned.unscan_layers(s).params["layers"], list)

@@ -15,8 +15,8 @@ from jspec.core import prefill as PR
 from jspec.parts.drafters import Setup, TargetPrefill
 from jspec.parts.drafters.model import ModelDrafter
 from jspec.strategies.specvlm import SpecVLM, VisionPruning
-from ports.prompts import model_prompt
-from ports import qwen2_vl as QW
+from ports.core.prompts import model_prompt
+from ports.families import qwen2_vl as QW
 
 import test_llava_next as LN
 import test_llava_next_video as NV

@@ -13,7 +13,7 @@ from jspec.parts.controllers.ensemble import EnsembleWeights, simplex_grid
 from jspec.parts.drafters.views import build_views, image_runs
 from jspec.tools.zoo import evaluate as ZE
 from jspec.strategies.tabed import METHODS, TABED, block_efficiency, expected_speedup
-from ports import llava
+from ports.families import llava
 from flax import struct
 
 from jspec.parts.controllers import Asks, Controller, Decision

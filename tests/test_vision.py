@@ -10,9 +10,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from ports import hf_checkpoint as HC
+from ports.io import hf_checkpoint as HC
 from ports import model as PM
-from ports import vision as VIS
+from ports.core import vision as VIS
 from conftest import perturb
 
 # CLIP: 4 layers so feature layers [-2, -5] both exist. SigLIP: image 30 with patch 7, so the stride-7 conv drops the
@@ -303,9 +303,9 @@ def test_bad_inputs_fail_clearly(name):
 
 @pytest.mark.parametrize("name", ["clip", "siglip"])
 def test_image_features_in_batches_equal_all_at_once(name, monkeypatch):
-    """Many images (frames) are encoded `ports.layers.VISION_BATCH` at a time: 5 images in batches of 2 (the last
+    """Many images (frames) are encoded `ports.core.layers.VISION_BATCH` at a time: 5 images in batches of 2 (the last
     padded) give the features of all 5 at once."""
-    from ports import layers as LY
+    from ports.core import layers as LY
 
     _, cfg, params = tower(name)
     x = pixels(cfg, n=5, seed=7)

@@ -1,4 +1,4 @@
-"""VQGAN image tokenizer (ports.vqgan): encoder codes equal HF ChameleonVQVAE's; the decoder has the taming layout and
+"""VQGAN image tokenizer (ports.families.vqgan): encoder codes equal HF ChameleonVQVAE's; the decoder has the taming layout and
 learns to reconstruct images; taming-style checkpoints load; the latent neighbour table equals brute force."""
 import argparse
 import dataclasses
@@ -14,7 +14,7 @@ import transformers
 from safetensors.numpy import save_file
 
 from jspec.parts.neighbours import neighbour_codes
-from ports import vqgan as VQ
+from ports.families import vqgan as VQ
 from conftest import perturb
 
 # (a) attention inside the down level at resolution 8 and two blocks per level; (b) no attention at all.

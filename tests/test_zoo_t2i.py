@@ -13,8 +13,8 @@ from jspec.tools.train import trainer as jt
 from jspec.tools.zoo import t2i as T
 from jspec.tools.zoo import tokenizer as TK
 from jspec.tools.zoo import world as ZW
-from ports import chameleon as CH
-from ports import vqgan as VQ
+from ports.families import chameleon as CH
+from ports.families import vqgan as VQ
 
 
 def test_captions_match_scenes():

@@ -30,7 +30,7 @@ import ports
 from jspec.tools.zoo import tokenizer as TK
 from jspec.tools.zoo import video as ZV
 from jspec.tools.zoo import world as ZW
-from ports import qwen2_vl as QW
+from ports.families import qwen2_vl as QW
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -383,7 +383,7 @@ def test_training_forward_is_decoding_with_teacher_forcing(tz, enc, tiny):
     deltas), then the reference answer's tokens fed through the forward at the cache's positions (cache length +
     pos_offset), as generated tokens are. Positions that merely continued the question (the rows before the fix)
     give other logits there."""
-    from ports import cache as kvc
+    from ports.core import cache as kvc
     from jspec.core import prefill as PR
 
     b = ZV.make_batch("heldout", 4, 2, 512)

@@ -214,8 +214,8 @@ class AttendedPrompt(PrefillHook):
 
 def attended(target, prompts, keep=3, queries=2):
     """What `AttendedPrompt` picks, computed on the host from a plain forward (the reference)."""
-    from ports import cache as kvc
-    from ports.prompts import normalize_prompt
+    from ports.core import cache as kvc
+    from ports.core.prompts import normalize_prompt
 
     tokens, lengths, _ = normalize_prompt(prompts, target.config.vocab_size)
     B, T = tokens.shape

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ports.prompts import normalize_prompt
-from ports.cache import ForwardOut
+from ports.core.prompts import normalize_prompt
+from ports.core.cache import ForwardOut
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ class Guided:
 
     def forward(self, tokens, positions, cache, new_mask=None, *, logits_at=None, write_offset: int = 0,
                 hidden_layers=(), **unsupported) -> ForwardOut:
-        """The engine's forward contract (`ports.llama.forward`) on both streams; positions are slots. Hidden
+        """The engine's forward contract (`ports.families.llama.forward`) on both streams; positions are slots. Hidden
         states asked for come back per stream: [B, T, D] with one stream, [B, T, streams, D] with CFG."""
         if unsupported:
             raise ValueError(f"guided decoding does not support forward options {sorted(unsupported)}")

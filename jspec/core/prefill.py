@@ -5,10 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ports import cache as kvc
-from ports import layers as LY
+from ports.core import cache as kvc
+from ports.core import layers as LY
 from ports import model as PM
-from ports.scanned import is_scanned
+from ports.core.scanned import is_scanned
 
 
 def new_cache_for(model, batch: int, max_len: int) -> kvc.KVCache:
@@ -64,7 +64,7 @@ CHUNKED_OPTIONS = ("embeds", "hidden_layers", "attn_query_weights", "rope", "lay
 def prefill_chunked(model, tokens, positions, lengths, cache: kvc.KVCache, chunk: int, **fwd_kwargs):
     """`prefill`'s forward `chunk` tokens at a time: a scan over the whole chunks, then the remainder, each chunk
     written after the ones before it and attending to them (blockwise when the chunk is long:
-    `ports.layers.Prefix`). Returns (logits [B, V], forward output, cache of lengths `lengths`), equal to one pass:
+    `ports.core.layers.Prefix`). Returns (logits [B, V], forward output, cache of lengths `lengths`), equal to one pass:
     hidden states asked for are the chunks' concatenated, attention scores (`attn_query_weights`) their sum."""
     unsupported = sorted(set(fwd_kwargs) - set(CHUNKED_OPTIONS))
     if unsupported:

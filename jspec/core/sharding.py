@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ports.scanned import is_scanned
+from ports.core.scanned import is_scanned
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -45,13 +45,13 @@ DECODER_AXES: dict[str, tuple[str | None, ...]] = {
     "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"), "wo": ("heads", "embed"),
     "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "w_attn_gate": ("embed", "heads"),  # Muse Glimmer's attention gate: one column per query head feature
-    "wqg": ("embed", "heads"), "bqg": ("heads",),  # Qwen3.5's query and output gate, whole heads (`ports.qwen3_5`)
+    "wqg": ("embed", "heads"), "bqg": ("heads",),  # Qwen3.5's query and output gate, whole heads (`ports.families.qwen3_5`)
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "b_gate": ("mlp",), "b_up": ("mlp",),
-    # the run layout (`ports.fused`): split by KV-head groups, so each device holds whole groups
+    # the run layout (`ports.core.fused`): split by KV-head groups, so each device holds whole groups
     "wqkv": ("embed", "kv_heads", None, "head_dim"), "bqkv": ("kv_heads", None, "head_dim"),
     "w_gate_up": ("embed", None, "mlp"), "b_gate_up": (None, "mlp"),
-    # a mixture-of-experts layer (`ports.moe`): the router, and the experts stacked [E, ...]
+    # a mixture-of-experts layer (`ports.core.moe`): the router, and the experts stacked [E, ...]
     "router": ("embed", None),
     "we_gate": ("expert", "embed", "moe_mlp"), "we_up": ("expert", "embed", "moe_mlp"),
     "we_down": ("expert", "moe_mlp", "embed"),
@@ -174,7 +174,7 @@ def param_shardings(model, mesh: Mesh, rules=None) -> Any:
 
 
 def _qkv_split_lost(model, mesh: Mesh, rules=None) -> bool:
-    """Whether fused q/k/v (`ports.fused`) would be replicated where separate wq would split by heads."""
+    """Whether fused q/k/v (`ports.core.fused`) would be replicated where separate wq would split by heads."""
     layers = _get(model.params, _lm_subtree(model) + ("layers",))
     if not layers or "wqkv" not in layers[0]:
         return False
@@ -196,7 +196,7 @@ def run_layout(model, mesh: Mesh, rules=None):
     params (ShapeDtypeStructs) work too."""
     if not _qkv_split_lost(model, mesh, rules):
         return model
-    from ports import fused as FU
+    from ports.core import fused as FU
 
     fn = lambda p: FU.unfuse_params(model.config, p, mlp=False)  # noqa: E731
     abstract = isinstance(jax.tree.leaves(model.params)[0], jax.ShapeDtypeStruct)
@@ -209,7 +209,7 @@ def shard(model, mesh: Mesh, rules=None):
     `run_layout`."""
     if is_scanned(model):
         raise ValueError("a model with scanned (stacked) layers cannot be sharded yet: pass "
-                         "ports.scanned.unscan_layers(model) with a mesh")
+                         "ports.core.scanned.unscan_layers(model) with a mesh")
     model = run_layout(model, mesh, rules)
     shardings = param_shardings(model, mesh, rules)
     return dataclasses.replace(model, params=jax.device_put(model.params, shardings), _hf_aux=model._hf_aux)

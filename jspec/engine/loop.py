@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ports import cache as kvc
+from ports.core import cache as kvc
 from jspec.core import rowkeys as RK
 from jspec.core import sampling as SM
 from jspec.core import sharding as SH

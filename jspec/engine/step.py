@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jspec.core import rowkeys as RK
-from ports import cache as kvc
+from ports.core import cache as kvc
 from jspec.engine import loop
 from jspec.parts.controllers import Decision, Record
 from jspec.parts.drafters import Catchup, DraftEnv, TargetPrefill

@@ -128,9 +128,9 @@ class NeighbourTable:
     @classmethod
     def for_chameleon(cls, cfg, codebook, k: int, metric: str = "l2", block: int = 1024) -> "NeighbourTable":
         """The table of a Chameleon-family model (Chameleon, Anole, Lumina-mGPT): `cfg` its `ChameleonConfig`
-        (code i is BPE token cfg.image_token_ids[i], see `ports.chameleon.codes_to_bpe`), `codebook` its VQGAN
-        codebook [L, d] (`ports.vqgan.codebook(params["vqmodel"])`)."""
-        from ports import chameleon as CH
+        (code i is BPE token cfg.image_token_ids[i], see `ports.families.chameleon.codes_to_bpe`), `codebook` its VQGAN
+        codebook [L, d] (`ports.families.vqgan.codebook(params["vqmodel"])`)."""
+        from ports.families import chameleon as CH
 
         if not cfg.image_token_ids:
             raise ValueError("the chameleon config has no image tokens (vocabulary_map IMGIMG... entries): it cannot "

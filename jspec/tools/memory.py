@@ -67,7 +67,7 @@ def available_configs() -> list[str]:
 
 def load_config(name_or_path: str) -> dict:
     """An HF config dict from a shipped config name, a config.json file, or a checkpoint directory."""
-    from ports.hf_checkpoint import read_hf_config
+    from ports.io.hf_checkpoint import read_hf_config
 
     p = os.path.expanduser(str(name_or_path))
     if os.path.isdir(p):
@@ -150,9 +150,9 @@ class _Planned:
 def _abstract_params(fam, cfg, dtype, notes: list):
     """eval_shape of init_params; a family whose init is not traceable (host-side random draw) gives its
     param_shapes in `dtype`, the same pytree."""
-    from ports import fused as FU
+    from ports.core import fused as FU
 
-    try:  # in the run layout the loaders give (`ports.fused`)
+    try:  # in the run layout the loaders give (`ports.core.fused`)
         return jax.eval_shape(lambda: FU.fuse_params(cfg, fam.init_params(cfg, jax.random.key(0), dtype)))
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         notes.append(f"{cfg.model_type}: params from param_shapes (its init_params draws on the host)")
@@ -192,9 +192,9 @@ def _qwen_vl_vision(d: dict) -> dict:
 
 
 def _planned(config: dict, dtype, role: str) -> _Planned:
-    from ports import anyres as ANY
-    from ports import chameleon as CH
-    from ports import vision as VIS
+    from ports.core import anyres as ANY
+    from ports.families import chameleon as CH
+    from ports.core import vision as VIS
     from ports.model import FAMILIES, Model, family
 
     if not isinstance(config, Mapping):
@@ -298,12 +298,12 @@ def _decoder_terms(text, b: int, T: int, S: int, dt: int, heads: int, kv_heads: 
     kv_heads / mlp already divided by their splits): the larger of the attention and MLP sub-blocks, plus the
     residual stream and what lives across all layers (visibility mask, RoPE tables). blockwise: the attention
     holds one [q_block, k_block] tile of scores per (row, head) and float32 outputs with their log-sum-exp, and no
-    [T, S] mask (`ports.blockwise`); else the direct path's [T, S] scores and boolean mask."""
+    [T, S] mask (`ports.core.blockwise`); else the direct path's [T, S] scores and boolean mask."""
     D, Dh = text.hidden_size, text.head_dim
     resid = 3 * b * T * D * dt  # residual stream, its norm, the sub-block output
     rope = 2 * b * T * Dh * 4  # f32 cos / sin
     if blockwise:
-        from ports.blockwise import BLOCK
+        from ports.core.blockwise import BLOCK
 
         tq, tk = min(T, BLOCK), min(S, BLOCK)
         across = rope
@@ -320,8 +320,8 @@ def _decoder_terms(text, b: int, T: int, S: int, dt: int, heads: int, kv_heads: 
 def prefill_shape(prompt_len: int, max_len: int, chunk: int | None) -> tuple[int, int, bool]:
     """(tokens through a layer at once, key slots they attend over, blockwise?) of a prefill of `prompt_len` tokens
     with `decode`'s `prefill_chunk` (None: one pass): one pass attends over its own tokens only (a fresh cache), a
-    chunk over the whole cache; `ports.layers.BLOCKWISE_MIN` tokens or more attend blockwise."""
-    from ports.layers import BLOCKWISE_MIN
+    chunk over the whole cache; `ports.core.layers.BLOCKWISE_MIN` tokens or more attend blockwise."""
+    from ports.core.layers import BLOCKWISE_MIN
 
     if chunk is not None and prompt_len > chunk:
         return chunk, max_len, chunk >= BLOCKWISE_MIN
@@ -340,7 +340,7 @@ def _vit_terms(n: int, P: int, D: int, F: int, heads: int, dt: int, gated: bool 
 def _vision_peak(pl: _Planned, images: int, dt: int) -> tuple[int, str]:
     if images <= 0:
         return 0, ""
-    from ports.layers import VISION_BATCH  # towers encode this many images / tiles / frames at a time
+    from ports.core.layers import VISION_BATCH  # towers encode this many images / tiles / frames at a time
 
     if pl.vit is not None:
         v = pl.vit
@@ -383,7 +383,7 @@ def _fsdp_gather(pl: _Planned, mesh, rules) -> int:
 
 def mlp_width(text, mesh, rules) -> int:
     """The widest feed-forward intermediate one token holds on one device: a dense layer's intermediate_size
-    (split over `mlp`), and in a mixture-of-experts layer (`ports.moe`) its top-k experts' k x
+    (split over `mlp`), and in a mixture-of-experts layer (`ports.core.moe`) its top-k experts' k x
     moe_intermediate_size (each split over `moe_mlp`)."""
     dense = any(not text.is_sparse(i) for i in range(text.num_layers)) if hasattr(text, "is_sparse") else True
     f = text.intermediate_size // _split("mlp", text.intermediate_size, mesh, rules) if dense else 0
@@ -517,7 +517,7 @@ def mtp_components(target: _Planned, batch: int, max_len: int, dt) -> dict:
 
 
 def recurrent_verify_bytes(text, batch: int, nodes: int, dt) -> int:
-    """What a hybrid target's verify keeps per new token for the commit (`ports.recurrent.Pending`), over `nodes`
+    """What a hybrid target's verify keeps per new token for the commit (`ports.core.recurrent.Pending`), over `nodes`
     nodes and `batch` rows: per linear layer the conv input (model dtype), the key, δ and the log decay (float32)."""
     per_node = (text.conv_channels * dt.itemsize
                 + 4 * (text.linear_key_heads * text.linear_key_dim

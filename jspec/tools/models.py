@@ -143,7 +143,7 @@ def load(name: str, dtype=None, cache_dir: str | None = None):
     if not available(name, cache_dir):
         raise FileNotFoundError(f"{name} is not in {os.path.dirname(path(name, cache_dir))} (or fails its sha256): "
                                 f"run `jspec fetch {name}`" + (f" --cache-dir {cache_dir}" if cache_dir else ""))
-    from ports import gguf as GF
+    from ports.io import gguf as GF
 
     reader = GF.open_gguf(path(name, cache_dir))
     model = GF.load_gguf(reader, dtype)

@@ -34,10 +34,10 @@ from jspec.parts.drafters import heads as H
 from jspec.parts.drafters.feed import draft_log_probs
 from jspec.parts.drafters.model import check_vocab_size
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill
-from ports import cache as kvc
-from ports import layers as LY
-from ports import llama
-from ports.config import TextConfig
+from ports.core import cache as kvc
+from ports.core import layers as LY
+from ports.families import llama
+from ports.core.config import TextConfig
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text")
 
@@ -198,7 +198,7 @@ def query_embeds(head: DFlashHead, lm: dict, anchor: jax.Array, width: int) -> j
 
 def block_states(head: DFlashHead, x: jax.Array, positions: jax.Array, layer_kv) -> jax.Array:
     """The head's final-normed states [R, Q, D] of query entries x [R, Q, D] at `positions` [R, Q]: each layer is
-    the ports' decoder layer (`ports.layers.decoder_layer`: q / k norms, RoPE, attention, MLP). layer_kv(i) ->
+    the ports' decoder layer (`ports.core.layers.decoder_layer`: q / k norms, RoPE, attention, MLP). layer_kv(i) ->
     (k_buf, v_buf, start, visible): layer i's context keys / values (flat cache rows), the slots start [R].. where
     the queries' own go, and what each query sees (a `Deferred` visibility writes nothing)."""
     cfg = head.config

@@ -33,7 +33,7 @@ import numpy as np
 from jspec.parts.drafters import dflash as DF
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import heads as H
-from ports.config import TextConfig, rope_from_hf, text_config_to_hf
+from ports.core.config import TextConfig, rope_from_hf, text_config_to_hf
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

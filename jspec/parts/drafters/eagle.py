@@ -31,16 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ports import cache as kvc
+from ports.core import cache as kvc
 from jspec.core import guidance as GD
 from jspec.parts.drafters import heads as H
 from jspec.parts.protocols import Catchup, DraftEnv, Prepared, Setup, TargetPrefill, run_level
 from jspec.parts.drafters.feed import FeedDrafter, FeedState, draft_log_probs, rep
 from jspec.parts.drafters.model import check_vocab_size
-from ports import chameleon as CH
-from ports import fused as FU
-from ports import layers as LY
-from ports import llama
+from ports.families import chameleon as CH
+from ports.core import fused as FU
+from ports.core import layers as LY
+from ports.families import llama
 
 CONFIG_NAME = "eagle_head.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -185,7 +185,7 @@ def vocab_rows(cfg, lm: dict, ids: jax.Array) -> jax.Array:
 def head_forward(cfg, head: EagleHead, emb: jax.Array, feat: jax.Array, positions: jax.Array,
                  cache: kvc.KVCache, new_mask=None, write_offset: int = 0, fresh: bool = False):
     """f-hat [R, T, D] of T new entries (token embeddings emb and the features they pair with, [R, T, D]) and the
-    head's cache with their K/V written at slots length + write_offset.. (`ports.llama.forward`'s contract)."""
+    head's cache with their K/V written at slots length + write_offset.. (`ports.families.llama.forward`'s contract)."""
     cfg1 = head_config(cfg)
     p = head.params["layer"]
     eps = cfg.rms_norm_eps

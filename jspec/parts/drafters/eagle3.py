@@ -24,11 +24,11 @@ from flax import struct
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import heads as H
 from jspec.parts.protocols import Prepared, Setup
-from ports import cache as kvc
-from ports import fused as FU
-from ports import layers as LY
-from ports import llama
-from ports.config import TextConfig
+from ports.core import cache as kvc
+from ports.core import fused as FU
+from ports.core import layers as LY
+from ports.families import llama
+from ports.core.config import TextConfig
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text")
 
@@ -154,7 +154,7 @@ def head_forward(head: Eagle3Head, emb: jax.Array, g: jax.Array, positions: jax.
                  new_mask=None, write_offset: int = 0, fresh: bool = False):
     """(the hidden state each of T new entries feeds forward [R, T, D], the head's cache with their K/V written at
     slots length + write_offset..): entries of token embeddings `emb` and the states `g` they pair with (fused
-    target states, or the head's own from a shallower level) [R, T, D] (`ports.llama.forward`'s cache contract)."""
+    target states, or the head's own from a shallower level) [R, T, D] (`ports.families.llama.forward`'s cache contract)."""
     cfg = head.config
     eps = cfg.rms_norm_eps
     layers = head.params["layers"]

@@ -30,9 +30,9 @@ from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import eagle3 as E3
 from jspec.parts.drafters import heads as H
 from jspec.parts.drafters.eagle_io import TORCH_WEIGHTS_NAME
-from ports import fused as FU
-from ports import llama
-from ports.config import text_config_from_hf, text_config_to_hf
+from ports.core import fused as FU
+from ports.families import llama
+from ports.core.config import text_config_from_hf, text_config_to_hf
 
 FORMATS = ("speculators", "eagle")
 CONFIG_NAME = "config.json"
@@ -218,7 +218,7 @@ def _parse_config(conf: dict, eagle_layout: bool, target, aux_layers=None) -> di
 def from_state_dict(sd: dict, conf: dict, target, aux_layers=None) -> E3.Eagle3Head:
     """An `Eagle3Head` for `target` from a checkpoint's tensors and config.json (either layout; `aux_layers` as
     `load_head`'s). Missing, unexpected or mis-shaped tensors raise one ValueError naming them."""
-    from ports.hf_layout import key_mismatch_error
+    from ports.core.hf_layout import key_mismatch_error
 
     cfg, lm = E3.text_parts(target)
     eagle_layout = any(k.startswith("midlayer.") for k in sd)

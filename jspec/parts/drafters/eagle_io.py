@@ -30,8 +30,8 @@ import numpy as np
 
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import heads as H
-from ports import fused as FU
-from ports import llama
+from ports.core import fused as FU
+from ports.families import llama
 
 CONFIG_NAME = EG.CONFIG_NAME          # eagle_head.json
 WEIGHTS_NAME = EG.WEIGHTS_NAME        # model.safetensors
@@ -51,7 +51,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def _derived_config(head: EG.EagleHead):
     """A one-layer text config of the head's shapes (fused layer: wqkv [D, KVH, G + 2, Dh], w_gate_up [D, 2, F]),
     for when no target is at hand."""
-    from ports.config import TextConfig
+    from ports.core.config import TextConfig
 
     p = head.params["layer"]
     if "wqkv" not in p or "w_gate_up" not in p:
@@ -62,7 +62,7 @@ def _derived_config(head: EG.EagleHead):
               intermediate_size=p["w_gate_up"].shape[-1], num_layers=1, num_heads=KVH * (G2 - 2), num_kv_heads=KVH,
               head_dim=Dh, qkv_bias="bqkv" in p, o_bias="bo" in p, mlp_bias="b_down" in p)
     if head.family == "chameleon":
-        from ports.chameleon import ChameleonConfig
+        from ports.families.chameleon import ChameleonConfig
 
         return ChameleonConfig(**kw)
     return TextConfig(**kw)
@@ -73,7 +73,7 @@ def _layer_rows(cfg, family: str) -> list[tuple[str, str, str | None]]:
     layer 0 without their prefix ("T": the torch tensor is [out, in])."""
     hcfg = EG.head_config(cfg)
     if family == "chameleon":
-        from ports import chameleon as CH
+        from ports.families import chameleon as CH
 
         rows = [(n[len("model."):], path, tr) for n, path, tr in CH.hf_key_map(hcfg)]
     else:
@@ -134,7 +134,7 @@ def from_torch_state_dict(sd: dict, target, input_norm: bool | None = None) -> E
     `embed_tokens.weight`, if present, must have the target's embedding shape and is otherwise ignored (the head
     uses the target's). `input_norm` None: inferred from the presence of `layers.0.input_layernorm.weight`.
     Missing, unexpected or mis-shaped tensors raise one ValueError naming them; so does a head of several layers."""
-    from ports.hf_layout import key_mismatch_error
+    from ports.core.hf_layout import key_mismatch_error
 
     cfg, _ = EG.text_parts(target)
     family = EG.family_of(cfg)
@@ -197,7 +197,7 @@ def _layer_shapes(cfg, family: str) -> dict[str, tuple[int, ...]]:
     """Our (checkpoint-layout, unfused) shapes of the head's layer."""
     hcfg = EG.head_config(cfg)
     layer = dict(llama.param_shapes(hcfg)["layers"][0])
-    if family == "chameleon":  # ports.chameleon.param_shapes adds the same per-head QK norms
+    if family == "chameleon":  # ports.families.chameleon.param_shapes adds the same per-head QK norms
         H, KVH, Dh = hcfg.num_heads, hcfg.num_kv_heads, hcfg.head_dim
         layer.update(q_norm=(H, Dh), q_norm_b=(H, Dh), k_norm=(KVH, Dh), k_norm_b=(KVH, Dh))
     return layer
@@ -234,11 +234,11 @@ def _hf_config(target) -> dict | None:
     cfg, _ = EG.text_parts(target)
     try:
         if EG.family_of(cfg) == "chameleon":
-            from ports import chameleon as CH
+            from ports.families import chameleon as CH
 
             d = CH.config_to_hf(cfg)
         else:
-            from ports.config import text_config_to_hf
+            from ports.core.config import text_config_to_hf
 
             d = text_config_to_hf(cfg)
     except Exception:  # a config the ports cannot write: the head is complete without it
@@ -314,7 +314,7 @@ def load_drafter(directory: str, target):
     cfg, params = EG.text_parts(target)
     codebook = None
     if isinstance(params, dict) and "vqmodel" in params:
-        from ports import vqgan as VQ
+        from ports.families import vqgan as VQ
 
         codebook = np.asarray(jax.device_get(VQ.codebook(params["vqmodel"])))
     return head, NeighbourTable.load(path, vocab_size=cfg.vocab_size, codebook=codebook)

@@ -26,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ports import cache as kvc
+from ports.core import cache as kvc
 from jspec.parts.drafters import heads as H
 from jspec.parts.protocols import DraftEnv, Prepared, Setup, TargetPrefill, run_level
 from jspec.parts.drafters.feed import FeedDrafter, FeedState, draft_log_probs
 from jspec.parts.drafters.model import check_vocab_size
-from ports import fused as FU
-from ports import layers as LY
-from ports import llama
+from ports.core import fused as FU
+from ports.core import layers as LY
+from ports.families import llama
 
 CONFIG_NAME = "eesd_head.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -76,7 +76,7 @@ def check_exit_layer(target, exit_layer: int):
     cfg, lm = text_model(target)
     if not isinstance(lm["layers"], list):
         raise ValueError("an early-exit head runs the target's first layers one by one: pass the target with its "
-                         "layers unscanned (ports.scanned.unscan_layers)")
+                         "layers unscanned (ports.core.scanned.unscan_layers)")
     if not 1 <= exit_layer < cfg.num_layers:
         raise ValueError(f"exit layer N={exit_layer} is out of range: the target has {cfg.num_layers} layers "
                          f"(1 <= N < {cfg.num_layers})")

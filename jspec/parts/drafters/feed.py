@@ -25,7 +25,7 @@ from flax import struct
 from jspec.core import sampling as SM
 from jspec.core import sharding as SH
 from jspec.parts.protocols import Catchup, DraftEnv, Drafter, Prepared, Setup, TargetPrefill, run_level, when
-from ports import cache as kvc
+from ports.core import cache as kvc
 
 
 def draft_log_probs(logits: jax.Array, env: DraftEnv) -> jax.Array:
@@ -80,7 +80,7 @@ class FeedDrafter(Drafter):
     def forward(self, env: DraftEnv, tokens, positions, cache, mask=None, offset=0, logits_at=None):
         """(logits [B, T or len(logits_at), V], cache): tokens [B, T] at `positions` written at slots
         length + offset.., each seeing the committed slots and the new ones `mask` [B, T, S] allows (None:
-        causal), as `ports.llama.forward`."""
+        causal), as `ports.families.llama.forward`."""
         raise NotImplementedError(f"{type(self).__name__} defines no `forward` (or `read` and `level`)")
 
     def read(self, env: DraftEnv, state: FeedState, width: int):

@@ -50,7 +50,7 @@ def check_made_for(what: str, made, given) -> None:
 
 def write_weights(path: str, tensors: dict[str, np.ndarray], dtype=None) -> None:
     """`tensors` (name -> numpy array) as one safetensors file, cast to `dtype` when given."""
-    from ports.safetensors_io import write_safetensors
+    from ports.core.safetensors_io import write_safetensors
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     out = np.dtype(dtype) if dtype is not None else None
@@ -60,7 +60,7 @@ def write_weights(path: str, tensors: dict[str, np.ndarray], dtype=None) -> None
 
 def read_weights(path: str, dtype=None) -> dict[str, np.ndarray]:
     """The tensors of one safetensors file as numpy arrays (cast to `dtype` when given)."""
-    from ports.safetensors_io import SafetensorsFile
+    from ports.core.safetensors_io import SafetensorsFile
 
     f = SafetensorsFile(path)
     return {k: np.asarray(f.get(k)) if dtype is None else np.asarray(f.get(k)).astype(dtype) for k in f.keys()}
@@ -88,7 +88,7 @@ def write_meta(path: str, meta: dict) -> None:
 
 def read_meta(path: str, fmt: str | None = None, what: str = "head") -> dict:
     """The JSON object at `path`; ValueError when it is missing, not JSON, or (given `fmt`) of another format."""
-    from ports.hf_checkpoint import read_json
+    from ports.io.hf_checkpoint import read_json
 
     if not os.path.exists(path):
         raise ValueError(f"{os.path.dirname(path) or '.'} holds no {what} ({os.path.basename(path)} is missing)")

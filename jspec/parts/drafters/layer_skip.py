@@ -28,7 +28,7 @@ from flax import struct
 from jspec.core import sharding as SH
 from jspec.parts.drafters.feed import draft_log_probs
 from jspec.parts.protocols import DraftEnv, Drafter, Prepared, Setup, run_level
-from ports import cache as kvc
+from ports.core import cache as kvc
 
 FAMILIES = ("llama", "qwen2", "mistral")
 SKIPPED = "jspec_skipped_layers"  # the hf_config entry of a `skip_layers` model: the target layers it leaves out

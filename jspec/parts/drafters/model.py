@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ports import cache as kvc
+from ports.core import cache as kvc
 from jspec.core import guidance as GD
 from jspec.core import prefill as PR
 from jspec.core import sharding as SH
 from jspec.parts.drafters.feed import FeedDrafter, FeedState
 from jspec.parts.protocols import DraftEnv, Prepared, Setup, TargetPrefill
-from ports.prompts import model_prompt, normalize_prompt
+from ports.core.prompts import model_prompt, normalize_prompt
 
 
 def check_vocab(target, model, who: str = "draft") -> None:

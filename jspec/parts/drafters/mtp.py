@@ -28,17 +28,17 @@ from flax import struct
 
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import heads as H
-from ports import cache as kvc
-from ports import fused as FU
-from ports import hf_layout as HL
-from ports import layers as LY
-from ports import llama
-from ports import qwen3_5 as Q5
-from ports.param_paths import empty_like_shapes, get_path, set_path
-from ports.safetensors_io import SafetensorsFile, checkpoint_files
+from ports.core import cache as kvc
+from ports.core import fused as FU
+from ports.core import hf_layout as HL
+from ports.core import layers as LY
+from ports.families import llama
+from ports.families import qwen3_5 as Q5
+from ports.core.param_paths import empty_like_shapes, get_path, set_path
+from ports.core.safetensors_io import SafetensorsFile, checkpoint_files
 
 FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
-VLM_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # `ports.qwen3_5_vl`: the language model under "lm"
+VLM_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # `ports.families.qwen3_5_vl`: the language model under "lm"
 
 
 def text_parts(target) -> tuple[Any, dict]:
@@ -154,7 +154,7 @@ def init_head(target, key: jax.Array, num_layers: int = 1, scale: float = 0.02, 
 def head_forward(head: MTPHead, emb: jax.Array, feat: jax.Array, positions: jax.Array, cache: kvc.KVCache,
                  new_mask=None, write_offset: int = 0, fresh: bool = False):
     """f [R, T, D] of T new entries (token embeddings emb, the normed hidden states they pair with) and the head's
-    cache with their K/V written at slots length + write_offset.. (`ports.llama.forward`'s contract)."""
+    cache with their K/V written at slots length + write_offset.. (`ports.families.llama.forward`'s contract)."""
     cfg, p = head.config, head.params
     eps = cfg.rms_norm_eps
     norm = LY.centered_rms_norm

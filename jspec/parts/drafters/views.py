@@ -31,7 +31,7 @@ from jspec.core import prefill as PR
 from jspec.parts.protocols import Catchup, DraftEnv, Prepared, Setup, TargetPrefill
 from jspec.parts.drafters.feed import FeedDrafter, FeedState, draft_log_probs
 from jspec.parts.drafters.model import ModelDrafter, check_vocab
-from ports.prompts import model_prompt, normalize_prompt
+from ports.core.prompts import model_prompt, normalize_prompt
 
 VIEWS = ("M", "T", "P", "C")
 

@@ -525,7 +525,7 @@ def cudnn_check() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from ports import blockwise as BW
+    from ports.core import blockwise as BW
 
     if jax.default_backend() != "gpu":
         raise RuntimeError("cuDNN's flash attention needs a CUDA GPU")
@@ -578,7 +578,7 @@ def _attention_point(T: int, H: int, KVH: int, Dh: int, dry: bool) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from ports import blockwise as BW
+    from ports.core import blockwise as BW
 
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(1, T, h, Dh)), jnp.bfloat16) for h in (H, KVH, KVH))
@@ -1051,7 +1051,7 @@ def _forward_loop_fn(model, cache, toks, n):
     import jax
     import jax.numpy as jnp
 
-    from ports import cache as kvc
+    from ports.core import cache as kvc
 
     B, k = toks.shape
     mask = None if k == 1 else jnp.broadcast_to(jnp.tril(jnp.ones((k, k), bool)), (B, k, k))

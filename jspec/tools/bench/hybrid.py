@@ -41,8 +41,8 @@ def models(sh: dict, seed: int = 0):
     import jax.numpy as jnp
 
     import ports
-    from ports import qwen3 as Q3
-    from ports import qwen3_5 as Q5
+    from ports.families import qwen3 as Q3
+    from ports.families import qwen3_5 as Q5
 
     common = dict(model_type="qwen3_5_text", vocab_size=sh["vocab"], hidden_size=sh["hidden"],
                   intermediate_size=sh["mlp"], num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"],

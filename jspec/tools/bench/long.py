@@ -8,8 +8,8 @@ LLaMA, batch 1, 2 new tokens (`jspec bench long`).
 
 Each point runs in a fresh process (its peak RSS is the process's; on a GPU also the device's peak bytes); jspec's
 time includes its compile, as a first call does. `--runs N` runs every case N times, interleaved, and reports the
-median time. The blockwise attention path takes prompts of `ports.layers.BLOCKWISE_MIN` tokens and more (on a GPU
-in bf16 / f16 a fresh prefill runs cuDNN's flash attention, `ports.blockwise.fused_attention`); `--direct` turns it
+median time. The blockwise attention path takes prompts of `ports.core.layers.BLOCKWISE_MIN` tokens and more (on a GPU
+in bf16 / f16 a fresh prefill runs cuDNN's flash attention, `ports.core.blockwise.fused_attention`); `--direct` turns it
 off (the [T, S] score path) to compare. Prompts longer than the prefill chunk (`decode`'s default, 4096 tokens, or
 `--chunk`) are prefilled a chunk at a time; `--one-pass` adds jspec's one-pass prefill to compare. `--compile-cache` adds jspec in a fresh process whose
 programs load from a warm persistent compilation cache (`jspec.core.compilation.enable_cache`) instead of compiling;
@@ -48,7 +48,7 @@ device_peak = None
 if which == "jspec":
     import jax, jax.numpy as jnp
     import jspec, ports
-    from ports import layers as LY
+    from ports.core import layers as LY
     if cache_dir:
         from jspec.core import compilation
         compilation.enable_cache(cache_dir)

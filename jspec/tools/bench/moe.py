@@ -39,7 +39,7 @@ def models(sh: dict, seed: int = 0):
     import jax.numpy as jnp
 
     import ports
-    from ports import qwen3 as Q3
+    from ports.families import qwen3 as Q3
 
     common = dict(vocab_size=sh["vocab"], hidden_size=sh["hidden"], num_layers=sh["layers"],
                   num_heads=sh["heads"], num_kv_heads=sh["heads"], head_dim=sh["hidden"] // sh["heads"],
@@ -88,11 +88,11 @@ class _Timed:
 
 def experts_woken(model, prompt, proposal) -> list[dict]:
     """Per sparse layer: the token-expert pairs of the proposal's tokens (routed after the prompt, as the verify
-    routes them) and the distinct experts they name, read from `ports.moe.route` run eagerly."""
+    routes them) and the distinct experts they name, read from `ports.core.moe.route` run eagerly."""
     import jax
 
     import ports
-    from ports import moe as M
+    from ports.core import moe as M
 
     seen: list[np.ndarray] = []
     orig = M.route

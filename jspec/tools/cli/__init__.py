@@ -25,7 +25,7 @@ def cmd_convert(args) -> int:
 def _convert_gguf(path: str, out_dir: str, dtype):
     """A GGUF file -> a jspec checkpoint plus the tokenizer files (when the file holds a tokenizer), so that
     `jspec decode --model OUT_DIR --prompt ...` works on it."""
-    from ports import gguf as GF
+    from ports.io import gguf as GF
 
     try:
         reader = GF.open_gguf(path)

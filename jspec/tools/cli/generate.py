@@ -53,7 +53,7 @@ def load_model(name: str, dtype=None, revision=None):
         return models.load(name, dtype)[0], path
     if name.endswith(".gguf") and os.path.isfile(name):
         return ports.load_gguf(name, dtype=dtype, progress=True), name
-    path = ports.hub.resolve(name, revision)
+    path = ports.io.hub.resolve(name, revision)
     if os.path.isdir(os.path.join(path, "params")):
         return ports.load(path, dtype=dtype), path
     return ports.load_hf(path, dtype=dtype, progress=True), path

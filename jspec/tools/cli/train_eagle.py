@@ -272,7 +272,7 @@ def main(argv=None) -> None:
     if args.target == "t2i-target":
         from jspec.parts.neighbours import NeighbourTable
         from jspec.tools.zoo import t2i as T
-        from ports import vqgan as VQ
+        from ports.families import vqgan as VQ
 
         from jspec import images as IG
 

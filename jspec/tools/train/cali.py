@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ports import cache as kvc
+from ports.core import cache as kvc
 from jspec.tools.train import trainer as jt
 from jspec.parts.controllers.calibration import CaliPredictor
 from jspec.parts.drafters.early_exit import head_logits, head_states
-from ports import llama
+from ports.families import llama
 
 
 def features(cfg, n: int, head_params: dict, lm: dict, batch: dict):

@@ -41,9 +41,9 @@ from jspec.parts.drafters import dflash as DF
 from jspec.parts.drafters import eagle as EG
 from jspec.tools.train import eagle as ET
 from jspec.tools.train import trainer as jt
-from ports import cache as kvc
-from ports import layers as LY
-from ports import llama
+from ports.core import cache as kvc
+from ports.core import layers as LY
+from ports.families import llama
 
 FP16_MAX = 6.0e4  # features stored as float16 when every value's magnitude is below this
 

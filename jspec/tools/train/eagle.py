@@ -46,11 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ports import cache as kvc
+from ports.core import cache as kvc
 from jspec.tools.train import trainer as jt
 from jspec.parts.drafters import eagle as EG
-from ports import chameleon as CH
-from ports import llama
+from ports.families import chameleon as CH
+from ports.families import llama
 
 
 

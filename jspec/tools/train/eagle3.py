@@ -35,9 +35,9 @@ from jspec.tools.train import trainer as jt
 from jspec.parts.drafters import eagle as EG
 from jspec.parts.drafters import eagle3 as E3
 from jspec.tools.train import eagle as ET
-from ports import cache as kvc
-from ports import layers as LY
-from ports import llama
+from ports.core import cache as kvc
+from ports.core import layers as LY
+from ports.families import llama
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ports import cache as kvc
+from ports.core import cache as kvc
 from jspec.tools.train import trainer as jt
 from jspec.parts.drafters.early_exit import EarlyExitHead, head_forward, text_model
-from ports import llama
+from ports.families import llama
 
 
 def exit_states(cfg, lm: dict, n: int, batch: dict) -> jax.Array:

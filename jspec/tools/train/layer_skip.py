@@ -20,7 +20,7 @@ from jspec.tools.train import trainer as jt
 @jax.jit
 def _top1(model, batch):
     """The model's top-1 next token at every position of a packed batch (teacher-forced, fresh cache)."""
-    from ports import cache as kvc
+    from ports.core import cache as kvc
 
     cfg, ids = model.config, batch["input_ids"]
     B, T = ids.shape

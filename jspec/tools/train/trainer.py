@@ -71,7 +71,7 @@ def answer_weights(segment_ids: jax.Array, mask: jax.Array, per_example: bool) -
 
 
 def decays(params) -> Any:
-    """Weight-decay mask: matrices (ndim >= 2), not the biases (`ports.fused`'s bqkv and b_gate_up are biases of
+    """Weight-decay mask: matrices (ndim >= 2), not the biases (`ports.core.fused`'s bqkv and b_gate_up are biases of
     any rank)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, x: x.ndim >= 2 and getattr(path[-1], "key", None) not in ("bqkv", "b_gate_up"), params)

@@ -2,10 +2,10 @@
 
 Two models, trained by scripts/train_zoo_t2i.py on the world's shape scenes and shipped under jspec/tools/zoo/:
 
-    t2i-vq      a tiny VQGAN image tokenizer of Chameleon's architecture (`ports.vqgan`): 64 px images -> an
+    t2i-vq      a tiny VQGAN image tokenizer of Chameleon's architecture (`ports.families.vqgan`): 64 px images -> an
                 8 x 8 grid of codes (downsample 8), 512 unit-norm codes of dimension 8. `load_vq()` gives
                 (VQConfig, params).
-    t2i-target  a Chameleon decoder (`ports.chameleon`) that writes an image after a caption, in Lumina-mGPT's
+    t2i-target  a Chameleon decoder (`ports.families.chameleon`) that writes an image after a caption, in Lumina-mGPT's
                 layout: caption ids, then <racm3:break> <reserved08802> <reserved08802> (64 px = 2 units of 32 px),
                 then 8 rows of 8 code tokens each closed by <reserved08799>, then <eoss>. Its checkpoint holds the
                 VQ encoder too (model.vqmodel.*), as Chameleon's do; the decoder comes from t2i-vq.
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import vqgan as VQ
+from ports.families import vqgan as VQ
 from jspec.tools.zoo import tokenizer as TK
 from jspec.tools.zoo import world as ZW
 from jspec.tools.zoo import weights_dir
@@ -64,7 +64,7 @@ def vocab_size(num_codes: int = VQ_CONFIG.num_embeddings) -> int:
 
 def vocabulary_map(num_codes: int = VQ_CONFIG.num_embeddings, tokenizer=None) -> dict[str, int]:
     """The target's HF vocabulary_map: the zoo tokenizer's tokens, the image grammar tokens and the code tokens."""
-    from ports import chameleon as CH
+    from ports.families import chameleon as CH
 
     tok = tokenizer if tokenizer is not None else TK.load_tokenizer()
     vm = {name: int(i) for name, i in tok.get_vocab().items() if int(i) < TEXT_VOCAB}
@@ -332,8 +332,8 @@ def t2i_stream(codes_cache: np.ndarray, caps: Sequence[str], batch: int, seed: i
 
 def t2i_loss(cfg, params: dict, batch: dict):
     """Mean cross-entropy over the image tokens (and grammar tokens) of the batch; aux (loss, accuracy)."""
-    from ports import cache as kvc
-    from ports import chameleon as CH
+    from ports.core import cache as kvc
+    from ports.families import chameleon as CH
 
     tokens = batch["input_ids"]
     B, T = tokens.shape
@@ -351,9 +351,9 @@ def t2i_loss(cfg, params: dict, batch: dict):
 
 
 def t2i_config(num_layers: int = 6, hidden: int = 256, heads: int = 4, ffn: int = 704,
-               vq_cfg: VQ.VQConfig = VQ_CONFIG) -> "ports.chameleon.ChameleonConfig":
+               vq_cfg: VQ.VQConfig = VQ_CONFIG) -> "ports.families.chameleon.ChameleonConfig":
     """The target's ChameleonConfig (through the HF dict, so the export parses back to it)."""
-    from ports import chameleon as CH
+    from ports.families import chameleon as CH
 
     return CH.config_from_hf(t2i_hf_config(num_layers, hidden, heads, ffn, vq_cfg))
 
@@ -490,7 +490,7 @@ def vision_features(model, pixel_values: np.ndarray, batch: int = 64) -> np.ndar
 
 @functools.partial(jax.jit, static_argnums=0)
 def _features_jit(cfg, params, pv):
-    from ports import llava
+    from ports.families import llava
 
     vis, proj = llava.image_features(cfg, params, pv)
     return jnp.mean(vis.astype(jnp.float32), axis=1), proj

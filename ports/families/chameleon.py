@@ -7,7 +7,7 @@ Chameleon is LLaMA with three changes, all matched to HF `ChameleonForConditiona
   * `swin_norm`: the two RMSNorms move from the block inputs to the block outputs (x + norm(attn(x)),
     then x + norm(mlp(x))), as Chameleon-34B does;
   * images are VQ codes written as ordinary BPE tokens (`IMGIMG...Z` in `vocabulary_map`), so an image prompt is a
-    token prompt: `image_tokens` encodes pixels with the VQGAN encoder (ports.vqgan) and maps codes to BPE ids,
+    token prompt: `image_tokens` encodes pixels with the VQGAN encoder (ports.families.vqgan) and maps codes to BPE ids,
     `merge_image_tokens` puts them where the processor wrote `<image>` placeholders.
 HF sets the logits of every image token to float32 min (text-only generation); `suppress_image_logits` (HF's
 behaviour, Lumina-mGPT's `mask_image_logits` key) switches that, and must be off to generate images.
@@ -32,14 +32,14 @@ transformers' layout). So a Lumina-mGPT checkpoint saves back to the same tensor
 own dtype) and the same config. A checkpoint in rows whose config names transformers' class (as a file written by
 Lumina-mGPT's converter may) loads, but saves per head: nothing in its config says it was in rows.
 The VQGAN decoder comes from the tokenizer checkpoint these projects ship (`vqgan.ckpt`), see
-`ports.vqgan.load_vqgan_decoder`. To generate images, turn the suppression off:
+`ports.families.vqgan.load_vqgan_decoder`. To generate images, turn the suppression off:
 `dataclasses.replace(model.config, suppress_image_logits=False)` (Lumina-mGPT's config may already say so).
 Anole's original release uses Meta's consolidated format; it needs an HF-format conversion first.
 
-Params: the LLaMA pytree of ports.llama (embed, layers[...], final_norm, lm_head) with per-layer q_norm, q_norm_b
+Params: the LLaMA pytree of ports.families.llama (embed, layers[...], final_norm, lm_head) with per-layer q_norm, q_norm_b
 [H, Dh] and k_norm, k_norm_b [KVH, Dh] added (whatever the checkpoint's row count), plus "vqmodel": the VQ encoder,
-quantizer and post_quant_conv (ports.vqgan, HF_PARTS). The VQGAN decoder is not in HF checkpoints: see
-`ports.vqgan.load_vqgan_decoder`.
+quantizer and post_quant_conv (ports.families.vqgan, HF_PARTS). The VQGAN decoder is not in HF checkpoints: see
+`ports.families.vqgan.load_vqgan_decoder`.
 """
 from __future__ import annotations
 
@@ -51,13 +51,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import cache as kvc
-from ports import layers as LY
-from ports import llama
-from ports import vqgan as VQ
-from ports.config import TextConfig, id_tuple, rope_from_hf
-from ports.cache import ForwardOut
-from ports.vision import layer_norm
+from ports.core import cache as kvc
+from ports.core import layers as LY
+from ports.families import llama
+from ports.families import vqgan as VQ
+from ports.core.config import TextConfig, id_tuple, rope_from_hf
+from ports.core.cache import ForwardOut
+from ports.core.vision import layer_norm
 
 QK_NORM_EPS = 1e-5  # HF ChameleonLayerNorm calls F.layer_norm with eps=1e-5 whatever the config says
 
@@ -247,7 +247,7 @@ def vocabulary_map(cfg: ChameleonConfig) -> dict[str, int]:
 def config_to_hf(cfg: ChameleonConfig) -> dict[str, Any]:
     """An HF config.json dict (transformers-5 spelling) that builds this model. Its vocabulary_map holds only the
     entries the model uses (see `vocabulary_map`); a loaded checkpoint keeps its full map in Model.hf_config."""
-    from ports.config import text_config_to_hf
+    from ports.core.config import text_config_to_hf
 
     out = text_config_to_hf(cfg)
     for k in ("head_dim", "attention_bias"):
@@ -277,7 +277,7 @@ def param_shapes(cfg: ChameleonConfig) -> dict:
 
 def init_params(cfg: ChameleonConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Random params: normal(0, std) matrices and biases, unit norm scales (RMSNorm and QK-norm weights), and a
-    random VQ encoder (ports.vqgan.init_params). One random draw, split on the host. With `cfg.qk_norm_rows` the
+    random VQ encoder (ports.families.vqgan.init_params). One random draw, split on the host. With `cfg.qk_norm_rows` the
     QK-norm biases are equal within each group of heads sharing a row (a model Lumina-mGPT's layout holds)."""
     k_lm, k_vq = jax.random.split(key)
     shapes = param_shapes(cfg)
@@ -334,7 +334,7 @@ def forward(cfg: ChameleonConfig, params: dict, tokens: jax.Array | None, positi
             hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
             compute_logits: bool = True, write_offset: int = 0, fresh: bool = False,
             rope: tuple | None = None) -> ForwardOut:
-    """Run T new tokens per row against the cache: the contract of `ports.llama.forward` (cache slots, new_mask,
+    """Run T new tokens per row against the cache: the contract of `ports.families.llama.forward` (cache slots, new_mask,
     hidden_layers, logits_at, write_offset, fresh, rope all mean the same)."""
     llama.check_fresh(fresh, write_offset)
     x = embed(cfg, params, tokens) if embeds is None else embeds
@@ -437,7 +437,7 @@ def prompt_embeds(cfg: ChameleonConfig, params: dict, tokens: jax.Array,
 
 
 class HeadRows(NamedTuple):
-    """The `hf_key_map` transform (ports.hf_checkpoint's protocol) of a QK-norm weight / bias, [heads, Dh] in our
+    """The `hf_key_map` transform (ports.io.hf_checkpoint's protocol) of a QK-norm weight / bias, [heads, Dh] in our
     params: the checkpoint holds it as is, or as [r, Dh] with r dividing heads (Lumina-mGPT), row j serving heads
     j * heads / r .. (j + 1) * heads / r - 1 (its ChameleonLayerNorm's repeat_interleave). `rows` is what save_hf
     writes: 0 = [heads, Dh], else [rows, Dh], the first row of each group (the group's rows must be equal)."""

@@ -14,7 +14,7 @@ key and value they read), so the split needs no communication. Where the KV head
 axes but the query heads can (8 KV heads, 16-way), `jspec.core.sharding.shard` puts q/k/v back as separate matrices,
 so wq still splits by heads. Query head h = kv * G + g: the order of wq's columns and of HF's `repeat_kv`.
 
-A mixture-of-experts layer's expert matrices (`ports.moe`: we_gate, we_up, we_down) are a list of per-expert
+A mixture-of-experts layer's expert matrices (`ports.core.moe`: we_gate, we_up, we_down) are a list of per-expert
 matrices in the checkpoint layout and one stacked [E, ...] array in the run layout; a config whose
 `joined_experts` is true (Qwen3-VL-MoE, which stores them so) keeps gate and up as one stacked
 we_gate_up [E, D, 2F] (gate columns, then up) in its checkpoint layout.
@@ -29,7 +29,7 @@ import numpy as np
 
 SEPARATE_QKV = ("wq", "wk", "wv")
 SEPARATE_MLP = ("w_gate", "w_up")
-EXPERTS = ("we_gate", "we_up", "we_down")  # `ports.moe`'s expert matrices: per-expert lists <-> stacked [E, ...]
+EXPERTS = ("we_gate", "we_up", "we_down")  # `ports.core.moe`'s expert matrices: per-expert lists <-> stacked [E, ...]
 
 
 def _xp(a):

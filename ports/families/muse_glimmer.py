@@ -1,6 +1,6 @@
 """Muse Glimmer (`muse_glimmer`, transformers 5.23's `MuseGlimmerForConditionalGeneration`): a vision tower
-(`ports.muse_glimmer_vision`) and an adapter in front of a decoder that is LLaMA's (`ports.llama.forward`) with
-these options of `ports.layers` / `ports.llama`, each read from `MuseGlimmerTextConfig`:
+(`ports.families.muse_glimmer_vision`) and an adapter in front of a decoder that is LLaMA's (`ports.families.llama.forward`) with
+these options of `ports.core.layers` / `ports.families.llama`, each read from `MuseGlimmerTextConfig`:
 - the token embedding goes through an RMSNorm without a scale (`embed`; a block drafter reads the table without it,
   as transformers' DFlash candidate generator does);
 - decoder norms are Gemma's centered RMSNorm (scale 1 + weight: `centered_norms`), and each block's output is
@@ -17,7 +17,7 @@ projector_hidden_size), "lm": LLaMA's layout with, per layer, post_attn_norm, po
 `model.vision_tower.*`, `model.vision_adapter.fc{1,2}`, `model.vision_projection`, `model.language_model.*`,
 `lm_head.weight` (absent when tied).
 
-Images and videos enter at prefill, as in `ports.qwen2_vl` but with plain 1-D positions: `prepare_inputs` (host)
+Images and videos enter at prefill, as in `ports.families.qwen2_vl` but with plain 1-D positions: `prepare_inputs` (host)
 checks the processor output (`pixel_values` [patches, patch_temporal * 3 * p * p] + `image_grid_thw` [N_img, 3],
 `pixel_values_videos` + `video_grid_thw` [N_vid, 3]) against the prompt's placeholders (`image_token_id`,
 `video_token_id`: t * h * w / merge^2 of them per item) and builds the tower's frame layout; `prompt_embeds` runs
@@ -37,12 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import config as PC
-from ports import layers as LY
-from ports import llama
-from ports import muse_glimmer_vision as MV
-from ports import vision as VIS
-from ports.config import TextConfig
+from ports.core import config as PC
+from ports.core import layers as LY
+from ports.families import llama
+from ports.families import muse_glimmer_vision as MV
+from ports.core import vision as VIS
+from ports.core.config import TextConfig
 
 ARCHITECTURE = "MuseGlimmerForConditionalGeneration"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -61,8 +61,8 @@ TOP_DEFAULTS = dict(image_token_id=200092, video_token_id=200091, out_hidden_siz
 
 @dataclasses.dataclass(frozen=True)
 class MuseGlimmerTextConfig(TextConfig):
-    """The decoder: `TextConfig` plus the options of the module docstring (the names `ports.layers` and
-    `ports.llama` read)."""
+    """The decoder: `TextConfig` plus the options of the module docstring (the names `ports.core.layers` and
+    `ports.families.llama` read)."""
 
     full_attention_layers: tuple[int, ...] = ()
     nope_layers: tuple[int, ...] = ()
@@ -323,7 +323,7 @@ def unembed(cfg: MuseGlimmerConfig, params: dict, h: jax.Array) -> jax.Array:
 
 def forward(cfg: MuseGlimmerConfig, params: dict, tokens, positions: jax.Array, cache, new_mask=None, *,
             embeds: jax.Array | None = None, **kwargs) -> llama.ForwardOut:
-    """The decoder's forward (see `ports.llama.forward`): tokens are embedded by `embed` unless `embeds` (e.g. the
+    """The decoder's forward (see `ports.families.llama.forward`): tokens are embedded by `embed` unless `embeds` (e.g. the
     prompt with its vision features, `prompt_embeds`) are given."""
     if embeds is None:
         embeds = embed(cfg, params, tokens)

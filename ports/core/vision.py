@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import layers as LY
-from ports.hf_layout import hf_shape_to_ours, hf_to_ours, key_mismatch_error, ours_shape_to_hf, ours_to_hf
+from ports.core import layers as LY
+from ports.core.hf_layout import hf_shape_to_ours, hf_to_ours, key_mismatch_error, ours_shape_to_hf, ours_to_hf
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 
@@ -315,7 +315,7 @@ def num_feature_tokens(cfg: VisionConfig, strategy: str = "default") -> int:
 def image_features(cfg: VisionConfig, params: dict, pixel_values: jax.Array,
                    feature_layer: int | Sequence[int] = -2, strategy: str = "default") -> jax.Array:
     """Tower features before the projector, as HF LLaVA's get_image_features selects them: [N, T', D * layers];
-    `ports.layers.VISION_BATCH` images (tiles, frames) at a time, so many frames encode in bounded memory."""
+    `ports.core.layers.VISION_BATCH` images (tiles, frames) at a time, so many frames encode in bounded memory."""
     def encode(pv):
         return select_features(cfg, forward(cfg, params, pv, feature_layers=feature_layer).hidden, strategy)
 
@@ -379,7 +379,7 @@ def projector_key_map(pc: ProjectorConfig, prefix: str = "multi_modal_projector.
 
 
 def hf_key_map(cfg: VisionConfig, prefix: str = ""):
-    """(hf_name, param path, transform) triples, in the format of `ports.llama.hf_key_map`; transform "T" is a
+    """(hf_name, param path, transform) triples, in the format of `ports.families.llama.hf_key_map`; transform "T" is a
     Linear weight, "conv" the patch Conv2d kernel. prefix is where the tower sits: "" (CLIPVisionModel /
     SiglipVisionModel in transformers 5), "vision_model." (their older layout), "vision_tower." (a LLaVA checkpoint
     written by transformers 5), "vision_tower.vision_model." (older hub LLaVA checkpoints),

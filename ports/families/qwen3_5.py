@@ -1,5 +1,5 @@
 """Qwen3.5's language models (`qwen3_5_text`, `qwen3_5_moe_text`): a hybrid decoder, three of every four layers
-Gated DeltaNet linear attention (`ports.recurrent`), the fourth gated full attention.
+Gated DeltaNet linear attention (`ports.core.recurrent`), the fourth gated full attention.
 
 Per layer (transformers 5.23's `Qwen3_5DecoderLayer`), with RMSNorms that scale by 1 + weight:
   linear attention: in_proj_qkv -> the depthwise causal conv (kernel K, silu) -> q, k (L2-normed, q scaled by
@@ -7,11 +7,11 @@ Per layer (transformers 5.23's `Qwen3_5DecoderLayer`), with RMSNorms that scale 
       an RMSNorm of each head's output (plain weight) times silu(in_proj_z); out_proj.
   full attention: q_proj gives each head's query and an output gate; q/k RMSNorm; partial RoPE; attention; the
       output times sigmoid(gate); o_proj.
-  then the MLP (SwiGLU), or for `qwen3_5_moe_text` the experts of `ports.moe` (top-k, renormalised) plus a shared
+  then the MLP (SwiGLU), or for `qwen3_5_moe_text` the experts of `ports.core.moe` (top-k, renormalised) plus a shared
   expert scaled by sigmoid(shared_expert_gate(x)).
 The KV cache holds the full-attention layers only; the linear layers' conv and delta-rule states live in the
-cache's `rec` (`ports.cache`), advanced by every commit along the accepted tokens only. A forward over a tree (the
-ancestor mask) gives each node the state of its own path (`ports.recurrent.delta_block`); a prefill runs in the
+cache's `rec` (`ports.core.cache`), advanced by every commit along the accepted tokens only. A forward over a tree (the
+ancestor mask) gives each node the state of its own path (`ports.core.recurrent.delta_block`); a prefill runs in the
 chunked form (blocks of 64 tokens in a scan, no loop over tokens).
 
 Params: embed, final_norm, lm_head (untied), layers: a list of dicts, each with attn_norm, mlp_norm and either
@@ -33,14 +33,14 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from ports import cache as kvc
-from ports import config as PC
-from ports import layers as LY
-from ports import llama
-from ports import moe
-from ports import qwen3
-from ports import recurrent as RC
-from ports.config import TextConfig
+from ports.core import cache as kvc
+from ports.core import config as PC
+from ports.core import layers as LY
+from ports.families import llama
+from ports.core import moe
+from ports.families import qwen3
+from ports.core import recurrent as RC
+from ports.core.config import TextConfig
 
 ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -231,7 +231,7 @@ def init_params(cfg: Qwen35Config, key: jax.Array, dtype=jnp.float32, std: float
 
 def hf_key_map(cfg: Qwen35Config, prefix: str = "model.", head_key: str = "lm_head.weight") -> list:
     """(hf_name, param path, transform) rows under `Qwen3_5ForCausalLM`'s names (experts per expert, as
-    `ports.qwen3` names them)."""
+    `ports.families.qwen3` names them)."""
     rows = [(f"{prefix}embed_tokens.weight", ("embed",), None), (f"{prefix}norm.weight", ("final_norm",), None)]
     if not cfg.tie_word_embeddings:
         rows.append((head_key, ("lm_head",), "T"))
@@ -360,9 +360,9 @@ def forward(cfg: Qwen35Config, params: dict, tokens: jax.Array | None, positions
             hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None, compute_logits: bool = True,
             write_offset: int = 0, attn_query_weights: jax.Array | None = None, rope: tuple | None = None,
             fresh: bool = False, defer_writes: bool = False) -> kvc.ForwardOut:
-    """`ports.llama.forward`'s contract for a hybrid model: the new tokens' K/V land in the full-attention layers'
+    """`ports.families.llama.forward`'s contract for a hybrid model: the new tokens' K/V land in the full-attention layers'
     scratch slots, and the returned cache's `rec_new` holds what each new token adds to the recurrent state; the
-    state itself moves only when the caller commits (`ports.cache.commit` / `commit_path` / `rollback`). The new
+    state itself moves only when the caller commits (`ports.core.cache.commit` / `commit_path` / `rollback`). The new
     tokens follow the committed ones (write_offset 0): a tree (new_mask, the ancestor mask) is computed per path.
     Not taken: write_offset, defer_writes, attn_query_weights (a ValueError names it)."""
     for name, given in (("write_offset", write_offset), ("defer_writes", defer_writes),

@@ -3,7 +3,7 @@ checkpoint tensor was consumed and every parameter filled with the right shape; 
 layout). `stream_checkpoint` is the checked tensor stream every source format (safetensors, GGUF) goes through.
 
 The family's `param_shapes` and `hf_key_map` describe the checkpoint layout (one matrix per projection); the
-loaders return the run layout (`ports.fused`: q/k/v and gate/up fused per decoder layer), which `save_hf` turns
+loaders return the run layout (`ports.core.fused`: q/k/v and gate/up fused per decoder layer), which `save_hf` turns
 back.
 """
 from __future__ import annotations
@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import fused as FU
-from ports.hf_layout import (expected_hf_shape, hf_shape_to_ours, hf_to_ours, key_mismatch_error, ours_shape_to_hf,
+from ports.core import fused as FU
+from ports.core.hf_layout import (expected_hf_shape, hf_shape_to_ours, hf_to_ours, key_mismatch_error, ours_shape_to_hf,
                              ours_to_hf)
 from ports.model import Model, family, resolve_dtype
-from ports.scanned import is_scanned, unscan_layers
-from ports.param_paths import empty_like_shapes, get_path, layers_path, leaf_paths, set_path, without_layers
-from ports.safetensors_io import FLOAT_DTYPES, SafetensorsFile, checkpoint_files, write_safetensors
+from ports.core.scanned import is_scanned, unscan_layers
+from ports.core.param_paths import empty_like_shapes, get_path, layers_path, leaf_paths, set_path, without_layers
+from ports.core.safetensors_io import FLOAT_DTYPES, SafetensorsFile, checkpoint_files, write_safetensors
 
 
 def read_json(path: str) -> dict:
@@ -163,14 +163,14 @@ def load_hf(directory: str, dtype=None, *, device_put: Callable[[tuple, np.ndarr
             cache_dir: str | None = None) -> Model:
     """Load an HF checkpoint directory (config.json + safetensors, single or sharded), or a Hub repo id "org/name"
     (at `revision`, from the Hub cache `cache_dir`; fetched unless `local_files_only` or $HF_HUB_OFFLINE:
-    `ports.hub.resolve`), as a `Model`.
+    `ports.io.hub.resolve`), as a `Model`.
 
     Streams tensor by tensor: each tensor is read, transformed to our layout, cast and moved to the device before
     the next one is read. `device_put(path, array)` can place each param (e.g. onto a sharding).
     `progress` shows a progress bar over the checkpoint's tensors.
     Raises ValueError listing missing / unexpected / mis-shaped tensors.
     """
-    from ports import hub
+    from ports.io import hub
 
     directory = hub.resolve(directory, revision, local_files_only=local_files_only, cache_dir=cache_dir)
     return load_stream(stream_hf(directory, dtype, progress), device_put)
@@ -191,7 +191,7 @@ def load_stream(stream, device_put: Callable[[tuple, np.ndarray], jax.Array] | N
 def layer_stream(cfg, shapes, tensors):
     """The checkpoint's (path, array) stream, grouped: tensors outside the decoder layers pass through as they come;
     a layer's tensors wait on the host until the layer is complete, which then comes out whole as (layers path +
-    (i,), layer dict), in the run layout (`ports.fused`; a model without a text decoder keeps its layers as read).
+    (i,), layer dict), in the run layout (`ports.core.fused`; a model without a text decoder keeps its layers as read).
     `shapes`: the checkpoint layout's (`param_shapes`)."""
     lp = layers_path(shapes)
     layer_shapes = get_path(shapes, lp)
@@ -215,7 +215,7 @@ def layer_stream(cfg, shapes, tensors):
 def save_hf(model: Model, directory: str, dtype=None) -> None:
     """Write `model` as an HF checkpoint (config.json + model.safetensors) that transformers loads (a scanned
     model's layers are written one by one, as the checkpoint holds them; a Lumina-mGPT Chameleon keeps its own
-    QK-norm layout, see ports.chameleon)."""
+    QK-norm layout, see ports.families.chameleon)."""
     model = unscan_layers(model) if is_scanned(model) else model
     view = getattr(model.config, "save_hf_view", None)  # a family's say on the layout it writes (Chameleon's)
     if view is not None:

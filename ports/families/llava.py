@@ -1,7 +1,7 @@
 """LLaVA (1.5): a CLIP/SigLIP tower + multimodal projector in front of a LLaMA/Qwen2 language model.
 
-Params: {"vision": tower params (ports.vision), "projector": projector params, "lm": language-model params
-(ports.llama)}. Decoding runs the language model alone; images enter once, at prefill, through `prompt_embeds`,
+Params: {"vision": tower params (ports.core.vision), "projector": projector params, "lm": language-model params
+(ports.families.llama)}. Decoding runs the language model alone; images enter once, at prefill, through `prompt_embeds`,
 which replaces the embedding of every image placeholder token (`image_token_id`) by the projected image features,
 in order (row-major over the batch, as HF's masked_scatter does).
 """
@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import config as PC
-from ports import llama
-from ports import vision as VIS
+from ports.core import config as PC
+from ports.families import llama
+from ports.core import vision as VIS
 
 # HF's LlavaConfig builds this tower when config.json has no vision_config (CLIP ViT-L/14 at 336 px).
 _DEFAULT_VISION = {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
@@ -153,7 +153,7 @@ def init_params(cfg: LlavaConfig, key: jax.Array, dtype=jnp.float32, std: float 
 
 
 def forward(cfg: LlavaConfig, params: dict, *args, **kwargs) -> llama.ForwardOut:
-    """The language model's forward (see `ports.llama.forward`); images come in through `embeds`."""
+    """The language model's forward (see `ports.families.llama.forward`); images come in through `embeds`."""
     return llama.forward(cfg.text, params["lm"], *args, **kwargs)
 
 

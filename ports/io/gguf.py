@@ -18,7 +18,7 @@ under llama.cpp's names, many quantized. We read it with the `gguf` package: the
 loads), the names map to HF names, every tensor is dequantized to float32 with `gguf.quants.dequantize`, and for
 `llama` the Q/K rows are un-permuted. The output head is tied to the embedding when the file has no `output.weight`
 (llama.cpp writes it only when it differs). Then the tensors take the same checked path as safetensors
-(`ports.hf_checkpoint.stream_checkpoint`): bad files, unsupported architectures or types and missing / unexpected /
+(`ports.io.hf_checkpoint.stream_checkpoint`): bad files, unsupported architectures or types and missing / unexpected /
 mis-shaped tensors are ValueErrors raised before any tensor is dequantized.
 
 GGUF lists a tensor's dimensions fastest-varying first (`ne`): a [out, in] matrix has ne = (in, out). The reader's
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ports.checkpoint import convert_stream
-from ports.hf_checkpoint import SourceTensor, load_stream, stream_checkpoint
+from ports.io.checkpoint import convert_stream
+from ports.io.hf_checkpoint import SourceTensor, load_stream, stream_checkpoint
 from ports.model import Model
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -258,7 +258,7 @@ def _read(tensor, heads: int | None) -> np.ndarray:
 
 
 def stream_gguf(source, dtype=None, progress: bool = False):
-    """`ports.hf_checkpoint.stream_checkpoint` of a GGUF file (a path or an open reader): everything about the file is
+    """`ports.io.hf_checkpoint.stream_checkpoint` of a GGUF file (a path or an open reader): everything about the file is
     checked here, before any tensor is dequantized."""
     reader, path = _as_reader(source)
     hf = _hf_config(reader, path)

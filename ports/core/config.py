@@ -43,7 +43,7 @@ class TextConfig:
 
     sliding_window: Mistral's sliding-window attention: a query sees only the last `sliding_window` tokens of its
     own sequence, itself included (transformers' `kv_idx > q_idx - sliding_window`); None sees them all. A mask over
-    the full-length KV cache (`ports.layers.attention_window`), not a ring buffer."""
+    the full-length KV cache (`ports.core.layers.attention_window`), not a ring buffer."""
 
     model_type: str
     vocab_size: int

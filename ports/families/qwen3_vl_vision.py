@@ -1,4 +1,4 @@
-"""The Qwen3-VL vision transformer (also Qwen3-VL-MoE's): Qwen2-VL's frame-major tower (`ports.qwen2_vl_vision`:
+"""The Qwen3-VL vision transformer (also Qwen3-VL-MoE's): Qwen2-VL's frame-major tower (`ports.families.qwen2_vl_vision`:
 the same host frame layout, 2-D rotary embedding and LayerNorm blocks, here with `linear_fc1` / `linear_fc2`
 MLPs) plus a biased patch embedding, learned position embeddings resampled bilinearly (align_corners) from a
 square table to each frame's patch grid, and DeepStack: the outputs of the blocks `deepstack_indexes` names, each
@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import layers as LY
-from ports import qwen2_vl_vision as QV
-from ports import vision as VIS
+from ports.core import layers as LY
+from ports.families import qwen2_vl_vision as QV
+from ports.core import vision as VIS
 
 # transformers 5.23's Qwen3VLVisionConfig defaults
 _HF_DEFAULTS = dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304, num_heads=16,
@@ -220,7 +220,7 @@ class VisionOut(NamedTuple):
 def forward(cfg: Qwen3VisionConfig, params: dict, patches: jax.Array, rot: jax.Array, valid: jax.Array,
             interp_index: jax.Array, interp_weight: jax.Array) -> VisionOut:
     """Encode frames (`qwen2_vl_vision.frame_layout`'s patches, rot, valid and `interpolation`'s taps),
-    `ports.layers.VISION_BATCH` frames at a time. Padding patches are never attended to; their outputs are junk."""
+    `ports.core.layers.VISION_BATCH` frames at a time. Padding patches are never attended to; their outputs are junk."""
     return LY.in_batches(lambda *a: _frames_forward(cfg, params, *a),
                          (patches, rot, valid, interp_index, interp_weight), LY.VISION_BATCH)
 

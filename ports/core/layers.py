@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import cache as kvc
-from ports import blockwise as BW
-from ports import moe
-from ports.config import TextConfig, rope_inv_freq
+from ports.core import cache as kvc
+from ports.core import blockwise as BW
+from ports.core import moe
+from ports.core.config import TextConfig, rope_inv_freq
 
 
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -153,7 +153,7 @@ def attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Arr
               score_weights: jax.Array | None = None):
     """Grouped-query attention of new queries over the whole cache.
 
-    q [B, T, H, Dh]; k_buf, v_buf [B * KVH, S, Dh] (the flat cache rows of `ports.cache`); visible bool [B, T, S].
+    q [B, T, H, Dh]; k_buf, v_buf [B * KVH, S, Dh] (the flat cache rows of `ports.core.cache`); visible bool [B, T, S].
     Returns [B, T, H, Dh]; a query that sees no slot gets zeros. Scores and softmax run in float32 whatever the
     parameter dtype. With `score_weights` [B, T] it returns (out, scores [B, S]): the attention probabilities
     averaged over heads and summed over queries with those weights (full softmax denominators; SpecVLM's
@@ -204,7 +204,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
 
 
 def gate_up(x: jax.Array, p: dict) -> tuple[jax.Array, jax.Array]:
-    """(gate, up) projections [..., F] of x [..., D], from either layout (`ports.fused`)."""
+    """(gate, up) projections [..., F] of x [..., D], from either layout (`ports.core.fused`)."""
     if "w_gate_up" not in p:
         return linear(x, p["w_gate"], p.get("b_gate")), linear(x, p["w_up"], p.get("b_up"))
     y = weight_dot("...d,dif->...if", x, p["w_gate_up"])
@@ -226,13 +226,13 @@ def swiglu(x: jax.Array, p: dict, act: str = "silu") -> jax.Array:
 
 
 def mlp(cfg, p: dict, x: jax.Array) -> jax.Array:
-    """A decoder layer's feed-forward block over x [..., D]: the experts of `ports.moe` where the layer holds a
+    """A decoder layer's feed-forward block over x [..., D]: the experts of `ports.core.moe` where the layer holds a
     router (Qwen3-MoE's sparse layers), else the gated MLP of the config's `hidden_act`."""
     return moe.sparse_moe(cfg, p, x) if "router" in p else swiglu(x, p, getattr(cfg, "hidden_act", "silu"))
 
 
 def project_qkv(cfg: TextConfig, p: dict, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [B, T, H, Dh], k and v [B, T, KVH, Dh] of x [B, T, D], from either layout (`ports.fused`)."""
+    """q [B, T, H, Dh], k and v [B, T, KVH, Dh] of x [B, T, D], from either layout (`ports.core.fused`)."""
     B, T, _ = x.shape
     H, KVH, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "wqkv" not in p:
@@ -267,12 +267,12 @@ def in_batches(fn, arrays: tuple, size: int):
     return jax.tree.map(lambda o: o.reshape((n * size,) + o.shape[2:])[:N], out)
 
 
-BLOCKWISE_MIN = 1024  # prefills (or prefill chunks) of at least this many tokens attend blockwise (`ports.blockwise`)
+BLOCKWISE_MIN = 1024  # prefills (or prefill chunks) of at least this many tokens attend blockwise (`ports.core.blockwise`)
 
 
 class Causal(NamedTuple):
     """A fresh prefill's visibility by its structure: query t of row b sees key j when start[b] <= j <= t (what
-    `ports.cache.visibility` gives for an empty cache without a tree mask), without a [B, T, S] boolean; with a
+    `ports.core.cache.visibility` gives for an empty cache without a tree mask), without a [B, T, S] boolean; with a
     `window` also only when j > t - window."""
 
     start: jax.Array  # [B]
@@ -358,7 +358,7 @@ def split_visibility(visible: jax.Array, start: jax.Array) -> Deferred:
 def prefill_visibility(cache, num_new: int, new_mask, write_offset: int, fresh: bool, window: int | None = None):
     """The visibility a forward attends under: `Causal` for a fresh prefill and `Prefix` for a chunk of a prefill
     (new tokens after the committed ones, no tree mask) when they are long enough to take the blockwise path, else
-    the [B, T, S] boolean of `ports.cache.cache_visibility`; `windowed` by a sliding window."""
+    the [B, T, S] boolean of `ports.core.cache.cache_visibility`; `windowed` by a sliding window."""
     if new_mask is None and write_offset == 0 and num_new >= BLOCKWISE_MIN:
         return Causal(cache.start, window) if fresh else Prefix(cache.start, cache.length, window)
     return windowed(kvc.cache_visibility(cache, num_new, new_mask, write_offset), window)

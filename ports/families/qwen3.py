@@ -1,10 +1,10 @@
-"""Qwen3 (`qwen3`) and Qwen3-MoE (`qwen3_moe`) decoders: the LLaMA family's forward (`ports.llama.forward`) with
+"""Qwen3 (`qwen3`) and Qwen3-MoE (`qwen3_moe`) decoders: the LLaMA family's forward (`ports.families.llama.forward`) with
 RMSNorm over each head's queries and keys before RoPE, per-layer sliding windows, and, for `qwen3_moe`, the
-experts of `ports.moe` in the sparse layers.
+experts of `ports.core.moe` in the sparse layers.
 
-Params are LLaMA's (`ports.llama`) plus per layer q_norm, k_norm [head_dim]; a sparse layer holds router [D, E]
+Params are LLaMA's (`ports.families.llama`) plus per layer q_norm, k_norm [head_dim]; a sparse layer holds router [D, E]
 and we_gate, we_up [E, D, F], we_down [E, F, D] (F = moe_intermediate_size) in place of w_gate / w_up / w_down
-(in the checkpoint layout each expert matrix is a list of E per-expert matrices; `ports.fused`).
+(in the checkpoint layout each expert matrix is a list of E per-expert matrices; `ports.core.fused`).
 
 Checkpoints: transformers 5.23 writes (and older hub checkpoints hold) one tensor per expert matrix,
 `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, and the router `model.layers.N.mlp.gate.weight`;
@@ -24,9 +24,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ports import config as PC
-from ports import llama
-from ports.config import TextConfig
+from ports.core import config as PC
+from ports.families import llama
+from ports.core.config import TextConfig
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -48,7 +48,7 @@ class Qwen3Config(TextConfig):
 
     full_attention_layers: the layers that attend over everything although `sliding_window` is set (Qwen3's
     `layer_types`); the others see the last `sliding_window` tokens. num_experts > 0: the layers `is_sparse`
-    names run `ports.moe`'s experts (top num_experts_per_tok of num_experts, each moe_intermediate_size wide)."""
+    names run `ports.core.moe`'s experts (top num_experts_per_tok of num_experts, each moe_intermediate_size wide)."""
 
     full_attention_layers: tuple[int, ...] = ()
     num_experts: int = 0

@@ -8,7 +8,7 @@ import numpy as np
 # "T" a Linear weight [out, in] -> [in, out]; "conv" a Conv2d kernel [out, in, kh, kw] -> [in, kh, kw, out].
 # A transform may also be an object with to_ours(arr), to_hf(arr), shape_to_ours(hf_shape) (the param shape it
 # loads as), shape_to_hf(shape) (what save_hf writes) and describe(shape) (the accepted HF shapes, for errors), e.g.
-# ports.chameleon.HeadRows (Lumina-mGPT's QK-norm rows).
+# ports.families.chameleon.HeadRows (Lumina-mGPT's QK-norm rows).
 TRANSFORMS: dict[str, tuple[int, ...]] = {"T": (1, 0), "conv": (1, 2, 3, 0)}
 
 

@@ -1,7 +1,7 @@
 """jspec checkpoints (orbax): `save` / `load` (which can restore straight onto shardings) and `convert_hf`, the
 streaming, resumable conversion from an HF checkpoint. A directory holds config.json, an orbax checkpoint
 `params/` of everything but the decoder layers, and one orbax checkpoint per layer under `layers/`, in the run
-layout (`ports.fused`)."""
+layout (`ports.core.fused`)."""
 from __future__ import annotations
 
 import json
@@ -11,11 +11,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ports import fused as FU
-from ports.hf_checkpoint import layer_stream, read_hf_config, read_json, stream_hf
+from ports.core import fused as FU
+from ports.io.hf_checkpoint import layer_stream, read_hf_config, read_json, stream_hf
 from ports.model import Model, family, resolve_dtype
-from ports.scanned import is_scanned, unscan_layers
-from ports.param_paths import empty_like_shapes, get_path, layers_path, set_path, without_layers
+from ports.core.scanned import is_scanned, unscan_layers
+from ports.core.param_paths import empty_like_shapes, get_path, layers_path, set_path, without_layers
 
 
 def write_config(model_or_hf, directory: str) -> None:
@@ -84,13 +84,13 @@ def _finish_writing(directory: str, cfg, num_layers: int, dtype: str) -> None:
 
 def convert_hf(hf_dir: str, out_dir: str, dtype=None, progress: bool = False, revision: str | None = None,
                cache_dir: str | None = None) -> tuple[Any, int]:
-    """HF checkpoint (a directory or a Hub repo id: `ports.hub.resolve`) -> jspec checkpoint (what `save`
+    """HF checkpoint (a directory or a Hub repo id: `ports.io.hub.resolve`) -> jspec checkpoint (what `save`
     writes), streaming: each decoder layer is written as soon as
     its tensors are read, so host memory holds one layer plus the non-layer params (embeddings, head), never the
     model. An interrupted conversion resumes when run again with the same source, dtype and config (the layers it
     wrote are kept and not read again); `load` refuses the directory until the conversion completes. Returns
     (config, number of parameters)."""
-    from ports import hub
+    from ports.io import hub
 
     hf_dir = hub.resolve(hf_dir, revision, cache_dir=cache_dir)
     stream = stream_hf(hf_dir, dtype, progress)  # checks every header before anything is written

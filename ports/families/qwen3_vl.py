@@ -1,13 +1,13 @@
 """Qwen3-VL and Qwen3-VL-MoE (model types "qwen3_vl", "qwen3_vl_moe"): the Qwen3-VL vision tower
-(`ports.qwen3_vl_vision`) in front of a Qwen3 / Qwen3-MoE language model (`ports.qwen3`: q/k norms, experts) with
+(`ports.families.qwen3_vl_vision`) in front of a Qwen3 / Qwen3-MoE language model (`ports.families.qwen3`: q/k norms, experts) with
 interleaved multimodal rotary positions and DeepStack.
 
-Params: {"vision": tower params, "lm": `ports.qwen3` params}. In the checkpoint layout a sparse layer of
+Params: {"vision": tower params, "lm": `ports.families.qwen3` params}. In the checkpoint layout a sparse layer of
 qwen3_vl_moe holds its experts fused as the published checkpoints do: we_gate_up [E, D, 2F] (gate columns, then
-up) and we_down [E, F, D] (`ports.fused` splits gate and up for the run layout; `joined_experts`);
+up) and we_down [E, F, D] (`ports.core.fused` splits gate and up for the run layout; `joined_experts`);
 `ExpertsLayout` also reads transformers' in-memory layout, which is what its save_pretrained writes.
 
-What differs from Qwen2.5-VL (`ports.qwen2_vl`, whose host layout this module reuses):
+What differs from Qwen2.5-VL (`ports.families.qwen2_vl`, whose host layout this module reuses):
 * M-RoPE is interleaved: rotary frequency j reads the h (w) id when j % 3 == 1 (2) and j < 3 * mrope_section[1]
   ([2]), the t id otherwise (`layers.mrope_tables(interleaved=True)`).
 * The processor writes a timestamp before every temporal patch group of a video, so each group is its own run of
@@ -16,7 +16,7 @@ What differs from Qwen2.5-VL (`ports.qwen2_vl`, whose host layout this module re
 * DeepStack: the features of the tower's `deepstack_visual_indexes` blocks, each through its own merger, are
   added to the residual stream at the image / video placeholders after each of the first len(deepstack) decoder
   layers. `prompt_embeds` returns them as `forward_inputs={"layer_adds": [n, B, T, D]}`, which the prefill passes
-  to `ports.llama.forward`; decode steps carry no vision tokens and run the plain forward.
+  to `ports.families.llama.forward`; decode steps carry no vision tokens and run the plain forward.
 """
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import config as PC
-from ports import layers as LY
-from ports import llama
-from ports import qwen2_vl as QW
-from ports import qwen3
-from ports import qwen3_vl_vision as V3
+from ports.core import config as PC
+from ports.core import layers as LY
+from ports.families import llama
+from ports.families import qwen2_vl as QW
+from ports.families import qwen3
+from ports.families import qwen3_vl_vision as V3
 
 ARCHITECTURES = {"qwen3_vl": "Qwen3VLForConditionalGeneration",
                  "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
@@ -182,7 +182,7 @@ def init_params(cfg: Qwen3VLConfig, key: jax.Array, dtype=jnp.float32, std: floa
 
 
 class ExpertsLayout:
-    """Key-map transform (`ports.hf_layout`) of a fused expert tensor: transformers 5.23 keeps `gate_up_proj`
+    """Key-map transform (`ports.core.hf_layout`) of a fused expert tensor: transformers 5.23 keeps `gate_up_proj`
     [E, 2F, D] and `down_proj` [E, D, F] in memory and writes them so, while the published checkpoints hold them
     transposed ([E, D, 2F], [E, F, D]: our layout). Like transformers' loader, a tensor of the in-memory shape is
     read as such and any other one as transposed; save_hf writes the in-memory layout."""
@@ -243,7 +243,7 @@ def unembed(cfg: Qwen3VLConfig, params: dict, h: jax.Array) -> jax.Array:
 
 def forward(cfg: Qwen3VLConfig, params: dict, tokens, positions: jax.Array, cache, new_mask=None,
             **kwargs) -> llama.ForwardOut:
-    """The language model's forward (`ports.llama.forward`, which also takes DeepStack's `layer_adds`) with
+    """The language model's forward (`ports.families.llama.forward`, which also takes DeepStack's `layer_adds`) with
     positions either interleaved M-RoPE ids [3, B, T] (the prompt) or [B, T] (every later token)."""
     if positions.ndim == 3:
         kwargs["rope"] = LY.mrope_tables(cfg.text, positions, cfg.mrope_section, interleaved=True)

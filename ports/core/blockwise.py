@@ -3,8 +3,8 @@ holds more than one [q_block, k_block] tile of scores per (row, head), in plain 
 
 The mask is described by its structure, not a [B, T, S] boolean: query t of row b sees key j when j <= t (causal)
 and j >= start[b] (a right-aligned row's padding is never seen), and with a sliding `window` (Mistral) only when
-j > t - window. This is the fresh prefill's visibility (`ports.cache.visibility` with an empty cache and no tree
-mask; `ports.layers.windowed` for the window).
+j > t - window. This is the fresh prefill's visibility (`ports.core.cache.visibility` with an empty cache and no tree
+mask; `ports.core.layers.windowed` for the window).
 
 On a GPU a fresh prefill in bfloat16 / float16 whose rows all start at slot 0 (the causal mask alone) runs cuDNN's
 flash attention (`jax.nn.dot_product_attention`) instead; `FUSED` says when (see `fused_attention`).
@@ -32,7 +32,7 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None
     version are checked as it traces)."""
     mode = FUSED
     if mode not in FUSED_MODES:
-        raise ValueError(f"ports.blockwise.FUSED must be one of {FUSED_MODES}, got {mode!r}")
+        raise ValueError(f"ports.core.blockwise.FUSED must be one of {FUSED_MODES}, got {mode!r}")
     if mode == "auto":
         if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
             return None
@@ -58,7 +58,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
                      q_block: int = BLOCK, k_block: int = BLOCK, window: int | None = None):
     """Grouped-query causal attention of q [B, T, H, Dh] over the same positions' keys / values k, v [B, T, KVH, Dh]
     (row b's keys before start[b] hidden; with a sliding `window`, query t's keys before t - window + 1 too).
-    Returns [B, T, H, Dh] in q's dtype, equal to `ports.layers.attention` on the visible queries (a query that sees
+    Returns [B, T, H, Dh] in q's dtype, equal to `ports.core.layers.attention` on the visible queries (a query that sees
     no key, i.e. one before its row's start, gets a meaningless output in both). Scores and softmax run in float32
     (in cuDNN's kernel too, when `fused_attention` applies).
 
@@ -88,12 +88,12 @@ def prefix_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: ja
                      score_weights: jax.Array | None = None, q_block: int = BLOCK, k_block: int = BLOCK,
                      window: int | None = None):
     """Grouped-query attention of a block of new queries q [B, T, H, Dh] over a cache that already holds their
-    keys: the flat cache rows k_buf, v_buf [B * KVH, S, Dh] (`ports.cache`), query t of row b at slot
+    keys: the flat cache rows k_buf, v_buf [B * KVH, S, Dh] (`ports.core.cache`), query t of row b at slot
     offset[b] + t, seeing slot j when start[b] <= j <= offset[b] + t (a chunk of a prefill after the earlier
     chunks) and, with a sliding `window`, j > offset[b] + t - window. Never holds more than one [q_block, k_block]
     tile of scores per (row, head); key blocks past a query block's last visible slot (or wholly before its window)
-    are not read. Returns [B, T, H, Dh] in q's dtype, equal to `ports.layers.attention`
-    under `ports.cache.visibility` of a cache of lengths `offset` and T causal new tokens; with `score_weights`
+    are not read. Returns [B, T, H, Dh] in q's dtype, equal to `ports.core.layers.attention`
+    under `ports.core.cache.visibility` of a cache of lengths `offset` and T causal new tokens; with `score_weights`
     [B, T] also the scores [B, S] of that function (full softmax denominators, from each query's log-sum-exp)."""
     B, T, H, Dh = q.shape
     N, S, _ = k_buf.shape

@@ -10,7 +10,7 @@ ceil(grid/2) x ceil(grid/2), frames are concatenated and one `image_newline` end
 
 Every placeholder vector is therefore a fixed linear combination of at most 4 projected tile features (or the
 newline). This module computes those combinations as "taps": `idx [n, 4]` (row of the flat feature table, or
-`NEWLINE`) and `w [n, 4]` weights, so that the device does one fixed-shape gather (see `ports.llava_next`).
+`NEWLINE`) and `w [n, 4]` weights, so that the device does one fixed-shape gather (see `ports.families.llava_next`).
 Bilinear weights follow torch `F.interpolate(mode="bilinear", align_corners=False)` without antialiasing, in
 float32 as torch's CPU kernel does.
 """

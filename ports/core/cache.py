@@ -11,12 +11,12 @@ whose prompt was placed right-aligned, as the guided streams of `jspec.core.guid
 moving `length`; committing a tree path is one gather (`commit_path`).
 
 A hybrid model (Qwen3.5: linear-attention layers beside attention ones) also carries `rec`, the committed
-recurrent state (`ports.recurrent.State`), and after a forward `rec_new`, what each new token would add to it
-(`ports.recurrent.Pending`). Every operation that advances `length` (`commit`, `commit_path`, `rollback` forward)
+recurrent state (`ports.core.recurrent.State`), and after a forward `rec_new`, what each new token would add to it
+(`ports.core.recurrent.Pending`). Every operation that advances `length` (`commit`, `commit_path`, `rollback` forward)
 advances the state by the same tokens and drops `rec_new`; a recurrent state cannot move back.
 
 This module and `ForwardOut` are the leaf every port and the engine import; it imports neither (only
-`ports.recurrent`, a leaf too).
+`ports.core.recurrent`, a leaf too).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ports import recurrent as RC
+from ports.core import recurrent as RC
 
 
 @struct.dataclass
@@ -53,12 +53,12 @@ class KVCache:
 
     @property
     def stacked(self) -> bool:
-        """Keys and values in one [L, ...] array each (`ports.scanned`), not a list per layer."""
+        """Keys and values in one [L, ...] array each (`ports.core.scanned`), not a list per layer."""
         return not isinstance(self.k, (list, tuple))
 
 
 class ForwardOut(NamedTuple):
-    """What every model forward returns (`ports.llama.forward` gives the contract)."""
+    """What every model forward returns (`ports.families.llama.forward` gives the contract)."""
 
     logits: jax.Array | None  # [B, T or K, V] float32
     hidden: tuple  # requested hidden states, each [B, T, D]

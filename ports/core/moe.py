@@ -10,7 +10,7 @@ every expert for every row (measured on this 2-core CPU, 64 experts of [512, 256
 multiple of a tile of t = ceil(rows / experts) rows, and each tile multiplied by its expert's weights (at most
 2 x rows padded rows and 2 x experts tiles; t = 1 when rows <= experts, as in a decode step).
 
-Params of one MoE layer (the run layout; `ports.fused` stacks the checkpoint's per-expert matrices):
+Params of one MoE layer (the run layout; `ports.core.fused` stacks the checkpoint's per-expert matrices):
     router [D, E]; we_gate, we_up [E, D, F]; we_down [E, F, D]      (F = moe_intermediate_size)
 """
 from __future__ import annotations

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import anyres as ANY
-from ports import layers as LY
-from ports import vision as VIS
+from ports.core import anyres as ANY
+from ports.core import layers as LY
+from ports.core import vision as VIS
 
 VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
@@ -392,7 +392,7 @@ class VisionOut(NamedTuple):
 
 def forward(cfg: QwenVisionConfig, params: dict, patches: jax.Array, rot: jax.Array, valid: jax.Array,
             window_index: jax.Array, window_slot: jax.Array) -> VisionOut:
-    """Encode frames (a `FrameLayout`'s arrays), `ports.layers.VISION_BATCH` frames at a time (frames never attend
+    """Encode frames (a `FrameLayout`'s arrays), `ports.core.layers.VISION_BATCH` frames at a time (frames never attend
     to each other, so a long video's attention holds a few frames' [L, L] scores, not all of them). Padding
     patches are never attended to; their outputs are junk."""
     return LY.in_batches(lambda *a: _frames_forward(cfg, params, *a), (patches, rot, valid, window_index, window_slot),

@@ -5,7 +5,7 @@ from typing import Any
 
 import jax
 
-from ports import fused as FU
+from ports.core import fused as FU
 
 layers_path = FU.layers_path  # the decoder layer list's path in a params tree
 

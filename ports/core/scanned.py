@@ -5,9 +5,9 @@ A program then holds one decoder layer whatever the depth, so its compile time n
 each step reads every layer's weights and cache through the scan's per-layer slices; the new keys and values
 come out of the scan and are written into the stacked cache once after it (`run_layers`). The layer body is the
 unrolled forward's, so logits agree up to the order of float32 sums and greedy tokens are the same.
-`scan_layers(model)` and `unscan_layers(model)` convert between the layouts; `ports.llama.forward` (and the
+`scan_layers(model)` and `unscan_layers(model)` convert between the layouts; `ports.families.llama.forward` (and the
 families that run it: LLaVA, LLaVA-NeXT, Qwen2-VL) takes either, the engine's caches follow the model's layout
-(`ports.cache.init_cache(stacked=...)`). `scripts/probe_scan_layers.py` measures what it buys and costs.
+(`ports.core.cache.init_cache(stacked=...)`). `scripts/probe_scan_layers.py` measures what it buys and costs.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ports import cache as kvc
-from ports import layers as LY
-from ports.fused import layers_path
-from ports.param_paths import get_path, set_path
+from ports.core import cache as kvc
+from ports.core import layers as LY
+from ports.core.fused import layers_path
+from ports.core.param_paths import get_path, set_path
 
 
 def is_stacked(layers) -> bool:

@@ -1,9 +1,9 @@
 """Qwen3.5 and Qwen3.5-MoE vision-language models (model types "qwen3_5", "qwen3_5_moe"; transformers 5.23's
 `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`): the Qwen3-VL vision tower
-(`ports.qwen3_vl_vision`) without DeepStack in front of the Qwen3.5 hybrid language model (`ports.qwen3_5`:
+(`ports.families.qwen3_vl_vision`) without DeepStack in front of the Qwen3.5 hybrid language model (`ports.families.qwen3_5`:
 Gated DeltaNet linear attention beside gated full attention, its recurrent state in the cache's `rec`).
 
-Params: {"vision": tower params (no "deepstack" entry), "lm": `ports.qwen3_5` params}.
+Params: {"vision": tower params (no "deepstack" entry), "lm": `ports.families.qwen3_5` params}.
 
 Rotary positions: the prompt's (t, h, w) ids [3, B, T] go through interleaved M-RoPE over the partial rotary
 dimensions only (`layers.mrope_tables(interleaved=True)` of the text config, whose inverse frequencies span
@@ -12,10 +12,10 @@ transformers' Qwen3_5TextRotaryEmbedding / apply_rotary_pos_emb do. Every later 
 all three components (the cache's `pos_offset`), which is the plain 1-D rotary of the text model.
 
 The host layout (`prepare_inputs`: videos split per temporal patch group, their timestamps in the prompt),
-`prompt_embeds` and `compact_prompt` are Qwen3-VL's (`ports.qwen3_vl`): transformers' Qwen3.5 computes the same
+`prompt_embeds` and `compact_prompt` are Qwen3-VL's (`ports.families.qwen3_vl`): transformers' Qwen3.5 computes the same
 rope index and splices the merger's features over the placeholders the same way. Checkpoints: transformers'
 names (`model.visual.*`, `model.language_model.*`, `lm_head.weight`); `mtp.*` (the multi-token-prediction head)
-is named as unused; MoE experts per expert or fused, as `ports.qwen3_5` reads them.
+is named as unused; MoE experts per expert or fused, as `ports.families.qwen3_5` reads them.
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ports import config as PC
-from ports import layers as LY
-from ports import llama
-from ports import qwen3_5 as Q5
-from ports import qwen3_vl as Q3VL
-from ports import qwen3_vl_vision as V3
+from ports.core import config as PC
+from ports.core import layers as LY
+from ports.families import llama
+from ports.families import qwen3_5 as Q5
+from ports.families import qwen3_vl as Q3VL
+from ports.families import qwen3_vl_vision as V3
 
 ARCHITECTURES = {"qwen3_5": "Qwen3_5ForConditionalGeneration",
                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
@@ -81,7 +81,7 @@ def _section(mt: str, rope: dict) -> tuple[int, ...]:
 
 def config_from_hf(d: dict) -> Qwen35VLConfig:
     """Parse an HF `Qwen3_5Config` / `Qwen3_5MoeConfig` dict (text under `text_config`, read by
-    `ports.qwen3_5.config_from_hf`; the tower under `vision_config`, any deepstack_visual_indexes there ignored as
+    `ports.families.qwen3_5.config_from_hf`; the tower under `vision_config`, any deepstack_visual_indexes there ignored as
     transformers ignores them; generation_config's token ids merged at the top win). ValueError naming the field
     for what transformers would not run or jspec does not support, before any weight is read."""
     mt = d.get("model_type")
@@ -144,7 +144,7 @@ def param_shapes(cfg: Qwen35VLConfig) -> dict:
 
 
 def init_params(cfg: Qwen35VLConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
-    """Random params (the tower's and `ports.qwen3_5.init_params`' conventions)."""
+    """Random params (the tower's and `ports.families.qwen3_5.init_params`' conventions)."""
     kv, kl = jax.random.split(key)
     return {"vision": _no_deepstack(V3.init_params(cfg.vision, kv, dtype, std)),
             "lm": Q5.init_params(cfg.text, kl, dtype, std)}
@@ -186,7 +186,7 @@ def rope(cfg: Qwen35VLConfig, positions: jax.Array) -> tuple[jax.Array, jax.Arra
 
 
 def forward(cfg: Qwen35VLConfig, params: dict, tokens, positions: jax.Array, cache, new_mask=None, **kwargs):
-    """`ports.qwen3_5.forward` of the language model, positions either M-RoPE ids [3, B, T] (the prompt) or
+    """`ports.families.qwen3_5.forward` of the language model, positions either M-RoPE ids [3, B, T] (the prompt) or
     [B, T] (every later token); a given `rope` (cos, sin) wins."""
     if positions.ndim == 3:
         if kwargs.get("rope") is None:

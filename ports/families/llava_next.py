@@ -1,4 +1,4 @@
-"""LLaVA-NeXT, LLaVA-NeXT-Video and LLaVA-OneVision: LLaVA (`ports.llava`) with anyres image tiling, `image_newline`,
+"""LLaVA-NeXT, LLaVA-NeXT-Video and LLaVA-OneVision: LLaVA (`ports.families.llava`) with anyres image tiling, `image_newline`,
 (OneVision) "anyres_max_N" shrinking and video frames, and (NeXT-Video) video frames pooled before the projector.
 
 Params: LLaVA's {"vision", "projector", "lm"} plus "image_newline" [D]. Decoding runs the language model alone;
@@ -7,7 +7,7 @@ images and videos enter once, at prefill, in two steps:
 1. `prepare_inputs` (host, before any compute) checks the processor output (`pixel_values` [N_img, max_tiles, C,
    H, W] or the concatenated tiles [N_tiles, C, H, W], `image_sizes` [N_img, 2], OneVision's `batch_num_images`
    and `pixel_values_videos` [N_vid, frames, C, H, W]) against the prompt and lays out, from the image sizes and
-   the config alone, what HF's `pack_image_features` / `get_video_features` build (see `ports.anyres`). It returns
+   the config alone, what HF's `pack_image_features` / `get_video_features` build (see `ports.core.anyres`). It returns
    the device inputs:
      vision_tiles   [N_t, C, H, W]  the tiles the tower must see: for each image its used tiles (base first, then
                                     the grid row-major), then (OneVision) every video frame in order; zero tiles pad
@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import anyres as ANY
-from ports import llava
-from ports import vision as VIS
+from ports.core import anyres as ANY
+from ports.families import llava
+from ports.core import vision as VIS
 
 # HF's LlavaOnevisionConfig builds this tower when config.json has no vision_config (SigLIP so400m at 384 px).
 _OV_VISION = {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304, "patch_size": 14,
@@ -100,7 +100,7 @@ class LlavaNextConfig(llava.LlavaConfig):
         return None if self.vision_aspect_ratio is None else ANY.max_tiles_of(self.vision_aspect_ratio)
 
     def image_taps(self, size_hw, tiled: bool = True):
-        """(taps, weights) of one image's placeholder vectors (see `ports.anyres.image_taps`)."""
+        """(taps, weights) of one image's placeholder vectors (see `ports.core.anyres.image_taps`)."""
         return ANY.image_taps(size_hw, self.grid_pinpoints, self.vision.image_size, self.feature_grid, tiled,
                             self.max_tiles)
 

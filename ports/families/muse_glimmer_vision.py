@@ -15,7 +15,7 @@ layout [F, L, ...] (`frame_layout`, numpy, from the processor's `pixel_values` /
 patches in the processor's raster order, padded to L; a full layer masks the padding, a window layer also keeps
 each patch to its window (a [L, L] mask per frame, which matches transformers' reordering into windows: attention
 inside a window does not depend on the order of its patches). F and L are bucketed so nearby inputs share a
-compilation; frames are encoded `ports.layers.VISION_BATCH` at a time.
+compilation; frames are encoded `ports.core.layers.VISION_BATCH` at a time.
 
 Params (a plain pytree, matrices [in, out]):
     {"patch_embed": [temporal * 3 * p * p, D], "pos_embed": [pos_h * pos_w, D], "ln_pre", "ln_pre_b", "ln_post",
@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import anyres as ANY
-from ports import layers as LY
-from ports import qwen2_vl_vision as QV
-from ports import vision as VIS
+from ports.core import anyres as ANY
+from ports.core import layers as LY
+from ports.families import qwen2_vl_vision as QV
+from ports.core import vision as VIS
 
 LAYER_TYPES = ("full_attention", "window_attention")
 BLOCK_NORM_EPS = 1e-5  # transformers hard-codes it for each block's norm1 / norm2 (ln_pre / ln_post: layer_norm_eps)
@@ -318,7 +318,7 @@ def block(cfg: MuseVisionConfig, p: dict, x: jax.Array, cos, sin, visible) -> ja
 
 def forward(cfg: MuseVisionConfig, params: dict, patches, rot, valid, window, interp_index, interp_weight,
             merge_index) -> VisionOut:
-    """Encode frames (a `FrameLayout`'s arrays), `ports.layers.VISION_BATCH` frames at a time. Padding patches are
+    """Encode frames (a `FrameLayout`'s arrays), `ports.core.layers.VISION_BATCH` frames at a time. Padding patches are
     never attended to; their outputs (and the merged tokens past a frame's own) are junk."""
     return LY.in_batches(lambda *a: _frames_forward(cfg, params, *a),
                          (patches, rot, valid, window, interp_index, interp_weight, merge_index), LY.VISION_BATCH)

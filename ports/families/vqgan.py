@@ -436,7 +436,7 @@ def _read_state_dict(src, trust_pickle: bool) -> Mapping[str, Any]:
     else:
         path = os.fspath(src)
         if path.endswith(".safetensors"):
-            from ports.safetensors_io import SafetensorsFile
+            from ports.core.safetensors_io import SafetensorsFile
 
             f = SafetensorsFile(path)
             sd = {k: f.get(k) for k in f.keys()}
@@ -488,7 +488,7 @@ def params_from_state_dict(cfg: VQConfig, state_dict: Mapping[str, Any], prefix:
     """Params of `parts` from a taming / HF-layout mapping {name: tensor} with the model at `prefix`. Tensors of
     other parts and the training loss (`loss.*`) are skipped; anything else unknown under the prefix, a missing
     tensor or a wrong shape is a ValueError naming it."""
-    from ports.vision import params_from_rows
+    from ports.core.vision import params_from_rows
 
     skip = [p for p in ALL_PARTS if p not in parts] + ["loss"]
     ignored = [rf"^{re.escape(prefix)}{re.escape(p)}\." for p in skip]
@@ -498,7 +498,7 @@ def params_from_state_dict(cfg: VQConfig, state_dict: Mapping[str, Any], prefix:
 
 def state_dict_from_params(cfg: VQConfig, params: dict, prefix: str = "") -> dict[str, np.ndarray]:
     """{taming name: numpy array} for every part present in params."""
-    from ports.vision import params_to_state_dict
+    from ports.core.vision import params_to_state_dict
 
     parts = tuple(p for p in ALL_PARTS if p in params)
     return params_to_state_dict(key_map(cfg, prefix, parts), params)
@@ -533,6 +533,6 @@ def load_vqgan_decoder(src, cfg: VQConfig | None = None, **kwargs) -> tuple[VQCo
         model = ports.load_hf("Lumina-mGPT-7B-768")
         vq_cfg, dec = vqgan.load_vqgan_decoder("vqgan.ckpt", model.config.vq, trust_pickle=True)
         images = vqgan.decode_jit(vq_cfg, dec, codes)          # codes [B, h, w] = BPE ids mapped back
-                                                                # with ports.chameleon.bpe_to_codes
+                                                                # with ports.families.chameleon.bpe_to_codes
     """
     return load_vqgan(src, cfg, parts=DECODE_PARTS, **kwargs)

@@ -1,7 +1,7 @@
-"""Qwen2-VL and Qwen2.5-VL (model types "qwen2_vl", "qwen2_5_vl"): a vision transformer (`ports.qwen2_vl_vision`)
+"""Qwen2-VL and Qwen2.5-VL (model types "qwen2_vl", "qwen2_5_vl"): a vision transformer (`ports.families.qwen2_vl_vision`)
 in front of a Qwen2 language model with multimodal rotary positions (M-RoPE).
 
-Params: {"vision": tower params, "lm": language-model params (`ports.llama` layout, qkv biases)}. Decoding runs the
+Params: {"vision": tower params, "lm": language-model params (`ports.families.llama` layout, qkv biases)}. Decoding runs the
 language model alone; images and videos enter once, at prefill, in two steps:
 
 1. `prepare_inputs` (host, before any compute) checks the processor output (`pixel_values` [patches, C*Tp*p*p] +
@@ -39,10 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports import config as PC
-from ports import layers as LY
-from ports import llama
-from ports import qwen2_vl_vision as QV
+from ports.core import config as PC
+from ports.core import layers as LY
+from ports.families import llama
+from ports.families import qwen2_vl_vision as QV
 
 ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -177,7 +177,7 @@ def unembed(cfg: QwenVLConfig, params: dict, h: jax.Array) -> jax.Array:
 
 def forward(cfg: QwenVLConfig, params: dict, tokens, positions: jax.Array, cache, new_mask=None,
             **kwargs) -> llama.ForwardOut:
-    """The language model's forward (see `ports.llama.forward`) with positions either M-RoPE ids [3, B, T] (the
+    """The language model's forward (see `ports.families.llama.forward`) with positions either M-RoPE ids [3, B, T] (the
     prompt) or [B, T] (every later token: the three components are equal, which is plain RoPE)."""
     if positions.ndim == 3:
         kwargs["rope"] = LY.mrope_tables(cfg.text, positions, cfg.mrope_section)
@@ -378,7 +378,7 @@ def _layout(cfg: QwenVLConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: 
     else:
         if inputs.get("vision_keep") is not None:
             raise ValueError("vision_keep needs position_ids and rope_deltas (build a pruned prompt with "
-                             "ports.qwen2_vl.prune_prompt)")
+                             "ports.families.qwen2_vl.prune_prompt)")
         if inputs.get("rope_deltas") is not None:
             raise ValueError("rope_deltas given without position_ids")
         rows = [tokens[b, :lengths[b]] for b in range(B)]
@@ -487,7 +487,7 @@ def prune_prompt(cfg: QwenVLConfig, prompt: Mapping[str, Any], keep, positions: 
     Returns a right-padded mapping (`input_ids`, `attention_mask`, the pixel inputs, `vision_keep` over the vision
     tokens in feature order, `position_ids` [3, B, D], `rope_deltas` [B]) for `draft_prompt=` or `ports.logits`.
     """
-    from ports.prompts import normalize_prompt
+    from ports.core.prompts import normalize_prompt
 
     if positions not in POSITION_MODES:
         raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")

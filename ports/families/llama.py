@@ -4,9 +4,9 @@ Params are a plain pytree:
     {"embed": [V, D], "layers": [per-layer dict, ...], "final_norm": [D], "lm_head": [D, V] (absent if tied)}
 with per-layer keys attn_norm, wq, wk, wv, wo (+ bq, bk, bv, bo), mlp_norm, w_gate, w_up, w_down (+ b_*): the
 checkpoint layout `param_shapes`, `init_params` and `hf_key_map` describe. The loaders hand out the run layout
-(`ports.fused`: wqkv and w_gate_up in place of the q/k/v and gate/up matrices); `forward` takes either.
+(`ports.core.fused`: wqkv and w_gate_up in place of the q/k/v and gate/up matrices); `forward` takes either.
 Matrices are stored [in, out]. Layers are a Python list, unrolled in the jitted forward, or stacked
-(`ports.scanned.scan_layers`: one `lax.scan` over them, with a stacked KV cache; `forward` takes either).
+(`ports.core.scanned.scan_layers`: one `lax.scan` over them, with a stacked KV cache; `forward` takes either).
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from ports import cache as kvc
-from ports.cache import ForwardOut
-from ports import layers as LY
-from ports import scanned as SC
-from ports.config import TextConfig
+from ports.core import cache as kvc
+from ports.core.cache import ForwardOut
+from ports.core import layers as LY
+from ports.core import scanned as SC
+from ports.core.config import TextConfig
 
 
 def param_shapes(cfg: TextConfig) -> dict:
@@ -106,7 +106,7 @@ def forward(cfg: TextConfig, params: dict, tokens: jax.Array | None, positions: 
     fresh: the cache is empty (every row's length is 0; a prefill): same result, computed without the cache's
     empty slots (`layers.write_and_attend`).
     defer_writes: write nothing into the cache; the new keys and values come back as `ForwardOut.pending` (for
-    `ports.cache.write_pending`) and `cache` is the one given. For a forward whose writes would go at the committed
+    `ports.core.cache.write_pending`) and `cache` is the one given. For a forward whose writes would go at the committed
     length (write_offset 0, not fresh, no attention scores asked): inside a conditional, a write into the cache
     makes XLA copy every layer's buffers in and out.
     layer_adds [n, B, T, D]: added to the residual stream after each of the first n layers (Qwen3-VL's DeepStack
