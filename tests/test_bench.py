@@ -159,8 +159,12 @@ def test_quick_moe_bench_schema_and_provenance(tmp_path, capsys):
     assert s["verify_tokens"] == 8 and s["verify_pairs"] == 8 * s["top_k"]
     assert res["experts_woken"] and all(w["pairs"] == s["verify_pairs"] for w in res["experts_woken"])
     assert s["top_k"] <= s["distinct_experts_min"] <= s["distinct_experts_max"] <= min(s["experts"], s["verify_pairs"])
+    assert 0 < s["dense_weights_mb"] < s["moe_weights_mb"]
     md = js.with_suffix(".md").read_text()
     assert "| model |" in md and "MoE / dense" in md and "MoE / dense" in capsys.readouterr().out
+    from jspec.tools.bench import moe
+    with pytest.raises(ValueError, match="in-cache"):
+        moe.run(size="huge", out_dir=str(tmp_path))
 
 
 @pytest.mark.slow

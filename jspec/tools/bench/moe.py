@@ -1,9 +1,12 @@
 """`jspec bench moe`: whether an MoE decode step costs what the experts it uses cost, not what the experts it stores
 would.
 
-A tiny random Qwen3-MoE-style model built with `ports` (hidden 256, 4 layers, 64 experts, top 4, each expert 128
-wide, float32) against the same model with a dense `qwen3` MLP as wide as its 4 chosen experts (intermediate 4 x
-128 = 512): same attention, embeddings and head, so the two differ only in the feed-forward block. Each model
+A small random Qwen3-MoE-style model built with `ports` (64 experts, top 4, float32) against the same model with a
+dense `qwen3` MLP as wide as its 4 chosen experts: same attention, embeddings and head, so the two differ only in
+the feed-forward block. Two sizes (`SIZES`): "beyond-cache" (hidden 512, 8 layers, experts 256 wide: the dense
+model's 92 MB of weights, like every real model's, do not fit a CPU's last-level cache) and "in-cache" (hidden 256,
+4 layers, experts 128 wide: the dense model's 15 MB sit in a 32 MB L3 and are timed from it, while the MoE's
+experts, 109 MB, come from memory, so that size measures the cache as much as the experts). Each model
 decodes from one ~64-token prompt (batch 1), and two costs are timed inside one compiled program
 (`jspec.engine.profiling`: the work repeated n times in a loop, at two n, the slope): an AR decode step, and the
 verify phase of a Chain with gamma 7 (a target forward over 8 tokens: the last committed token and 7 drafts; the
@@ -28,10 +31,28 @@ med = statistics.median
 GAMMA = 7  # verify of GAMMA + 1 tokens
 
 
-def shapes(quick: bool) -> dict:
+SIZES = {"beyond-cache": dict(hidden=512, layers=8, moe_width=256), "in-cache": dict(hidden=256, layers=4, moe_width=128)}
+
+
+def shapes(quick: bool, size: str = "beyond-cache") -> dict:
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     if quick:
         return dict(hidden=64, layers=1, experts=8, top_k=2, moe_width=32, vocab=256, heads=2, prompt=12)
-    return dict(hidden=256, layers=4, experts=64, top_k=4, moe_width=128, vocab=2048, heads=4, prompt=64)
+    return dict(**SIZES[size], experts=64, top_k=4, vocab=2048, heads=4, prompt=64)
+
+
+def last_level_cache_mb() -> float | None:
+    """The CPU's last-level cache in MB (Linux sysfs), or None where it is not known (not a CPU, or no sysfs)."""
+    import glob
+
+    sizes = []
+    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        s = open(f).read().strip()
+        mult = {"K": 1 / 1024, "M": 1.0, "G": 1024.0}.get(s[-1:])
+        if mult:
+            sizes.append(float(s[:-1]) * mult)
+    return max(sizes) if sizes else None
 
 
 def models(sh: dict, seed: int = 0):
@@ -116,10 +137,12 @@ def experts_woken(model, prompt, proposal) -> list[dict]:
     return out
 
 
-def suite(runs: int, quick: bool, progress: bool = True) -> dict:
+def suite(runs: int, quick: bool, progress: bool = True, size: str = "beyond-cache") -> dict:
+    import jax
+
     from jspec.tools.bench import zoo
 
-    sh = shapes(quick)
+    sh = shapes(quick, size)
     moe, dense = models(sh)
     prompt = np.random.default_rng(0).integers(0, sh["vocab"], sh["prompt"])
     reps = (2, 6) if quick else (4, 16)
@@ -149,7 +172,9 @@ def suite(runs: int, quick: bool, progress: bool = True) -> dict:
                    verify_tokens=GAMMA + 1, top_k=sh["top_k"], experts=sh["experts"],
                    verify_pairs=(GAMMA + 1) * sh["top_k"],
                    distinct_experts_mean=r(float(np.mean(distinct)), 2), distinct_experts_min=min(distinct),
-                   distinct_experts_max=max(distinct), bar_ar_step_ratio=1.5,
+                   distinct_experts_max=max(distinct), bar_ar_step_ratio=1.5, size=None if quick else size,
+                   dense_weights_mb=r(dense.num_params * 4 / 2**20, 1), moe_weights_mb=r(moe.num_params * 4 / 2**20, 1),
+                   last_level_cache_mb=last_level_cache_mb() if jax.default_backend() == "cpu" else None,
                    meets_bar=None if ms["dense ar_step"] <= 0 else bool(ms["MoE ar_step"] / ms["dense ar_step"] <= 1.5))
     return {"shape": sh, "rows": rows, "summary": summary, "experts_woken": woken,
             "compile_s": {k: r(v, 2) for k, v in compile_s.items()}}
@@ -166,15 +191,22 @@ def markdown(result: dict) -> str:
             f"Verify: {s['verify_tokens']} tokens x top {s['top_k']} = {s['verify_pairs']} token-expert pairs per "
             f"layer, waking {s['distinct_experts_min']}-{s['distinct_experts_max']} distinct experts of "
             f"{s['experts']} (mean {s['distinct_experts_mean']} over the {len(result['experts_woken'])} sparse "
-            "layers)."]
+            "layers).",
+            f"Weights (float32): dense {s['dense_weights_mb']} MB, MoE {s['moe_weights_mb']} MB; the CPU's last-level "
+            f"cache: {s['last_level_cache_mb']} MB."]
     return "\n".join(out)
 
 
-def run(runs: int = 3, quick: bool = False, out_dir: str = "bench_out", progress: bool = True) -> dict:
-    """Run the suite and write `<out_dir>/moe[-quick]-<date>.{json,md}`; returns the result dict."""
+def run(runs: int = 3, quick: bool = False, out_dir: str = "bench_out", progress: bool = True,
+        size: str = "beyond-cache") -> dict:
+    """Run the suite at one of `SIZES` and write `<out_dir>/moe[-quick | -in-cache]-<date>.{json,md}`; returns the
+    result dict."""
     from jspec.tools.bench import zoo
 
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
-    return zoo.save_suite({"meta": zoo.meta("moe", runs, quick), **suite(runs, quick, progress)}, out_dir, markdown)
+    shapes(quick, size)
+    name = "moe" if quick or size == "beyond-cache" else f"moe-{size}"
+    return zoo.save_suite({"meta": zoo.meta(name, runs, quick), **suite(runs, quick, progress, size)}, out_dir,
+                          markdown)
 

@@ -186,9 +186,14 @@ def bench_small(suite: str, argv) -> int:
     ap.add_argument("--runs", type=int, default=3, help="interleaved timed runs (median), after a warm-up")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test; its numbers mean nothing)")
     ap.add_argument("--out", default="bench_out", help="output directory")
+    sizes = getattr(mod, "SIZES", None)
+    if sizes:
+        ap.add_argument("--size", choices=list(sizes), default=next(iter(sizes)), help="model sizes (the module's "
+                        "docstring says what each measures)")
     args = ap.parse_args(argv)
     try:
-        result = mod.run(runs=args.runs, quick=args.quick, out_dir=args.out)
+        result = mod.run(runs=args.runs, quick=args.quick, out_dir=args.out,
+                         **({"size": args.size} if sizes else {}))
     except ValueError as e:
         raise SystemExit(f"jspec bench {suite}: {e}")
     print(mod.markdown(result))
