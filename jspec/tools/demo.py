@@ -30,6 +30,7 @@ from jspec.tools import report as RP
 # A small tree for small models on a CPU: 9 drafts, two candidates at the first two levels, a chain below.
 DEMO_TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0))
 TEMPERATURE = {"greedy": 0.0, "sampled": 1.0}
+GUARD_RUNS = 3  # timing runs of a guarded row's cost table (`jspec.costs.measure`; 5 by default)
 COLUMNS = ("strategy", "mode", "tokens/s", "tokens/step", "speedup", "same as AR", "compile s")
 
 
@@ -117,9 +118,9 @@ REAL_MODEL = "smollm2-135m-instruct"
 def real_section(seed: int = 0, model: str = REAL_MODEL, methods: str = "all") -> Section:
     """A real pretrained model (`jspec fetch`) summarizes, corrects and quotes from a text in one ragged batch (tasks
     whose answers copy from the prompt, where drafting pays on a CPU): AR beside
-    prompt lookup (Spec-Bench's 10-token copies and 4-token ones) and, where the package ships it for the model,
-    the EAGLE-3 head's chain of 2, greedy; `methods="all"` adds prompt lookup sampled and the other shipped
-    drafters (the EAGLE head's chain, EESD's Beta-TS), greedy."""
+    prompt lookup (4-token copies, alone and guarded) and, where the package ships it for the model, the EAGLE-3
+    head's chain of 2, greedy; `methods="all"` adds prompt lookup sampled, Spec-Bench's 10-token copies and the
+    other shipped drafters (the EAGLE head's chain, EESD's Beta-TS), greedy."""
     import jspec
     from jspec.tools import models
 
@@ -129,9 +130,10 @@ def real_section(seed: int = 0, model: str = REAL_MODEL, methods: str = "all") -
             for task in REAL_TASKS]
     every = methods == "all"
     both = ("greedy", "sampled") if every else ("greedy",)
-    s = {"AR": (None, both), "PromptLookup gamma=10": (jspec.PromptLookup(max_ngram=3, gamma=10), ("greedy",)),
-         "PromptLookup gamma=4": (jspec.PromptLookup(max_ngram=3, gamma=4), both),
+    s = {"AR": (None, both), "PromptLookup gamma=4": (jspec.PromptLookup(max_ngram=3, gamma=4), both),
          "PromptLookup gamma=4, guarded": (jspec.Guarded(jspec.PromptLookup(max_ngram=3, gamma=4)), ("greedy",))}
+    if every:
+        s["PromptLookup gamma=10"] = (jspec.PromptLookup(max_ngram=3, gamma=10), ("greedy",))
     shipped = {kind for _, kind in models.heads(model)} if models.HEADS_DIR else set()
     if "eagle" in shipped and every:
         s["EAGLE head, chain of 2"] = (jspec.Chain(models.head(model, "eagle", target), gamma=2), ("greedy",))
@@ -223,24 +225,30 @@ def measure(sec: Section, max_new_tokens: int, rounds: int = 3, seed: int = 0, p
 
     import jspec
     from jspec.tools.zoo.evaluate import answer_text
+    from ports.core.prompts import model_prompt
 
-    calls = {}
-    for name, (strategy, modes) in sec.strategies.items():
-        for mode in modes:
-            calls[name, mode] = (lambda s=strategy, t=TEMPERATURE[mode]: jspec.decode(
-                sec.target, sec.prompt, strategy=s, max_new_tokens=max_new_tokens, temperature=t,
-                key=jax.random.key(seed)))
+    def call(strategy, mode):
+        return lambda: jspec.decode(sec.target, sec.prompt, strategy=strategy, max_new_tokens=max_new_tokens,
+                                    temperature=TEMPERATURE[mode], key=jax.random.key(seed))
+
+    calls = {(name, mode): call(strategy, mode) for name, (strategy, modes) in sec.strategies.items()
+             for mode in modes}
     first, outs = {}, {}
+    timed_alone = [k for k in calls if isinstance(sec.strategies[k[0]][0], jspec.Guarded)]
 
     def compile_call(k):
         t = time.perf_counter()
+        if k in timed_alone:  # its cost table first (counted in its compile time), from GUARD_RUNS timing runs
+            g = sec.strategies[k[0]][0]
+            _, lengths, _ = model_prompt(sec.target, sec.prompt, "")
+            costs = g.measure_costs(sec.target, len(lengths), int(lengths.max()), jspec.start, runs=GUARD_RUNS)
+            calls[k] = call(dataclasses.replace(g, costs=costs), k[1])
         outs[k] = calls[k]()
         first[k] = time.perf_counter() - t
         print_fn(f"  compiled {k[0]} ({k[1]}) in {first[k]:.1f} s")
 
-    # a guarded strategy's first call measures its cost table: alone, after the others compiled in parallel, so
-    # that the table times this machine, not the machine while it compiles
-    timed_alone = [k for k in calls if isinstance(sec.strategies[k[0]][0], jspec.Guarded)]
+    # a guarded strategy measures its cost table alone, after the others compiled in parallel, so that the table
+    # times this machine, not the machine while it compiles
     with ThreadPoolExecutor(max(os.cpu_count() or 1, 1)) as pool:  # XLA compiles on one core per program
         list(pool.map(compile_call, [k for k in calls if k not in timed_alone]))
     for k in timed_alone:
