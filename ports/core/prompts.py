@@ -14,6 +14,25 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _batch(ids, name: str) -> np.ndarray:
+    """ids as a [B, T] array ([T] becomes one row); ValueError naming `name` for any other rank."""
+    ids = np.asarray(ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2:
+        raise ValueError(f"{name} must be [T] or [B, T] token ids, got shape {ids.shape}")
+    return ids
+
+
+def check_input_keys(model: str, inputs: Mapping[str, Any], raw_keys, prepared_keys) -> None:
+    """ValueError naming `model`, what it takes and the rest unless every key of `inputs` is one of `raw_keys` (the
+    processor output); the message says so when some are `prepared_keys` (inputs prepared already)."""
+    unknown = sorted(set(inputs) - set(raw_keys))
+    if unknown:
+        hint = " (inputs already prepared: pass the processor output)" if set(unknown) & set(prepared_keys) else ""
+        raise ValueError(f"{model} takes {list(raw_keys)}; got unsupported {unknown}{hint}")
+
+
 def normalize_prompt(prompt: Any, vocab_size: int, pad_to: int = 16) -> tuple[np.ndarray, np.ndarray, dict]:
     """Return (tokens [B, T_pad] int32 right-padded with 0, lengths [B] int32, modality inputs).
 
@@ -34,11 +53,7 @@ def normalize_prompt(prompt: Any, vocab_size: int, pad_to: int = 16) -> tuple[np
         if isinstance(raw, (list, tuple)) and raw and not np.isscalar(raw[0]) and mask is None:
             rows = [np.asarray(r) for r in raw]  # ragged rows, unpadded
         else:
-            ids = np.asarray(raw)
-            if ids.ndim == 1:
-                ids = ids[None]
-            if ids.ndim != 2:
-                raise ValueError(f"input_ids must be [T] or [B, T] token ids, got shape {ids.shape}")
+            ids = _batch(raw, "input_ids")
             if mask is None:
                 mask = np.ones_like(ids)
             else:
@@ -65,12 +80,7 @@ def normalize_prompt(prompt: Any, vocab_size: int, pad_to: int = 16) -> tuple[np
     elif isinstance(prompt, (list, tuple)) and prompt and not np.isscalar(prompt[0]):
         rows = [np.asarray(r) for r in prompt]
     else:
-        arr = np.asarray(prompt)
-        if arr.ndim == 1:
-            arr = arr[None]
-        if arr.ndim != 2:
-            raise ValueError(f"prompt must be [T] or [B, T] token ids, got shape {arr.shape}")
-        rows = list(arr)
+        rows = list(_batch(prompt, "prompt"))
     if not rows:
         raise ValueError("prompt is empty (no rows)")
     for b, r in enumerate(rows):

@@ -39,6 +39,7 @@ import numpy as np
 
 from ports.core import config as PC
 from ports.core import layers as LY
+from ports.core import prompts as PR
 from ports.families import llama
 from ports.families import muse_glimmer_vision as MV
 from ports.core import vision as VIS
@@ -349,10 +350,7 @@ def prepare_inputs(cfg: MuseGlimmerConfig, tokens: np.ndarray, lengths: np.ndarr
     """Host-side checks and layout (module docstring): processor output -> device inputs ({} without images or
     videos). ValueError naming the problem: a key the model does not take, pixels without their grid, rows that do
     not match the grid, placeholder counts that do not match the items."""
-    unknown = sorted(set(inputs) - set(RAW_KEYS))
-    if unknown:
-        hint = " (inputs already prepared: pass the processor output)" if set(unknown) & set(PREPARED_KEYS) else ""
-        raise ValueError(f"muse_glimmer takes {list(RAW_KEYS)}; got unsupported {unknown}{hint}")
+    PR.check_input_keys("muse_glimmer", inputs, RAW_KEYS, PREPARED_KEYS)
     tokens = np.asarray(tokens)
     B, T = tokens.shape
     valid = np.arange(T)[None, :] < np.asarray(lengths).reshape(B)[:, None]

@@ -45,38 +45,25 @@ DEFAULTS = dict(patch_size=14, pos_emb_height=32, pos_emb_width=32, num_attentio
                 layer_norm_eps=1e-5)
 
 
-@dataclasses.dataclass(frozen=True)
-class MuseVisionConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MuseVisionConfig(QV.FrameTowerConfig):
     """The tower's static config. full_layers: the "full_attention" layers (the others attend within windows of
     `pos_grid` x `pos_grid` patches); pos_grid: the side of the learned position table (transformers reads
-    pos_emb_height for both sides: square only)."""
+    pos_emb_height for both sides: square only). transformers' patch embedding is 3-channel (`in_channels`)."""
 
-    depth: int
-    width: int
-    mlp_dim: int
-    num_heads: int
     hidden_act: str = "gelu"
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    merge_size: int = 2
     pos_grid: int = 32
     layer_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
     full_layers: tuple[int, ...] = ()
-    in_channels: int = 3  # transformers' patch embedding is 3-channel
+
+    model_type = "muse_glimmer"
+    merge_key = "merge_size"
 
     @property
-    def head_dim(self) -> int:
-        return self.width // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one flattened patch (temporal, channel, row, column): the processor's pixel_values rows."""
-        return self.temporal_patch_size * self.in_channels * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.merge_size ** 2
+    def patch_layout(self) -> str:
+        """The factors of `patch_dim` in the order a pixel_values row holds them (temporal, channel, row, column)."""
+        return (f"(patch_temporal {self.temporal_patch_size} x {self.in_channels} channels x patch_size "
+                f"{self.patch_size}^2)")
 
     @property
     def out_dim(self) -> int:
@@ -183,12 +170,7 @@ def hf_key_map(cfg: MuseVisionConfig, prefix: str = "model.vision_tower."):
     linears = {"wq": "attn.q_proj", "wk": "attn.k_proj", "wv": "attn.v_proj", "wo": "attn.proj",
                "w_fc1": "mlp.fc1", "w_fc2": "mlp.fc2"}
     for i in range(cfg.depth):
-        lp = f"{prefix}layers.{i}."
-        for n in ("norm1", "norm2"):
-            rows += [(f"{lp}{n}.weight", ("layers", i, n), None), (f"{lp}{n}.bias", ("layers", i, n + "_b"), None)]
-        for ours, theirs in linears.items():
-            rows += [(f"{lp}{theirs}.weight", ("layers", i, ours), "T"),
-                     (f"{lp}{theirs}.bias", ("layers", i, "b" + ours[1:]), None)]
+        rows += QV.block_key_rows(f"{prefix}layers.{i}.", i, linears)
     return rows
 
 
@@ -209,32 +191,8 @@ class FrameLayout(NamedTuple):
     merged_per_frame: int  # L / merge_unit
 
 
-def check_grid(cfg: MuseVisionConfig, grid, name: str) -> np.ndarray:
-    """[N, 3] positive (t, h, w) rows with h and w multiples of the merge size, else ValueError."""
-    g = np.asarray(grid)
-    if g.ndim != 2 or g.shape[1] != 3 or not np.issubdtype(g.dtype, np.integer):
-        raise ValueError(f"{name} must be an integer array [num, 3] of (t, h, w) patch counts, got shape {g.shape} "
-                         f"dtype {g.dtype}")
-    if np.any(g < 1):
-        raise ValueError(f"{name} must be positive, got {g.tolist()}")
-    if np.any(g[:, 1:] % cfg.merge_size):
-        raise ValueError(f"{name} {g.tolist()}: heights and widths must be multiples of merge_size="
-                         f"{cfg.merge_size}")
-    return g.astype(np.int64)
-
-
-def check_pixels(cfg: MuseVisionConfig, pixels, grid: np.ndarray, name: str, grid_name: str) -> np.ndarray:
-    """pixel rows [sum t*h*w, patch_dim] matching the grid, else ValueError naming both counts."""
-    pv = np.asarray(pixels)
-    want = int(np.sum(np.prod(grid, axis=1)))
-    if pv.ndim != 2 or pv.shape[1] != cfg.patch_dim:
-        raise ValueError(f"{name} has shape {pv.shape}; the muse_glimmer tower expects (num_patches, {cfg.patch_dim}) "
-                         f"rows (patch_temporal {cfg.temporal_patch_size} x 3 channels x patch_size "
-                         f"{cfg.patch_size}^2), as its processor returns")
-    if pv.shape[0] != want:
-        raise ValueError(f"{name} holds {pv.shape[0]} patches but {grid_name} {grid.tolist()} describes {want} "
-                         f"(sum of t * h * w)")
-    return pv
+check_grid = QV.check_grid
+check_pixels = QV.check_pixels
 
 
 def _axis_taps(n: int, side: int) -> tuple[np.ndarray, np.ndarray]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any, Mapping, NamedTuple
+from typing import Any, ClassVar, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ import numpy as np
 
 from ports.core import config as PC
 from ports.core import layers as LY
+from ports.core import prompts as PR
 from ports.families import llama
 from ports.families import qwen2_vl_vision as QV
 
@@ -57,21 +58,41 @@ _TOKEN_DEFAULTS = dict(image_token_id=151655, video_token_id=151656, vision_star
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenVLConfig(PC.TextFields):
-    """Static, hashable config of a Qwen2-VL / Qwen2.5-VL model; exposes the text fields the engine reads."""
+class MRopeVLConfig(PC.TextFields):
+    """A vision tower in front of a language model with M-RoPE: what the host layout (`prepare_inputs`,
+    `rope_index`), `prepared_positions` and `forward` read. A subclass sets `architectures` (the model types it
+    takes; construction fails on any other) and `mrope_interleaved`."""
 
+    architectures: ClassVar[Mapping[str, str]]
+    mrope_interleaved: ClassVar[bool] = False
     model_type: str
     text: PC.TextConfig
-    vision: QV.QwenVisionConfig
-    mrope_section: tuple[int, ...] = _DEFAULT_SECTION
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
+    vision: QV.FrameTowerConfig
+    mrope_section: tuple[int, ...]
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
 
     def __post_init__(self):
-        if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"QwenVLConfig: model_type {self.model_type!r} is not one of {sorted(ARCHITECTURES)}")
+        if self.model_type not in self.architectures:
+            raise ValueError(f"{type(self).__name__}: model_type {self.model_type!r} is not one of "
+                             f"{sorted(self.architectures)}")
+
+    def tokens_per_item(self, grid_thw) -> int:
+        """Placeholder tokens one image / video of patch grid (t, h, w) takes (what the processor inserts)."""
+        t, h, w = (int(x) for x in grid_thw)
+        return t * h * w // self.vision.merge_unit
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVLConfig(MRopeVLConfig):
+    """Static, hashable config of a Qwen2-VL / Qwen2.5-VL model; exposes the text fields the engine reads."""
+
+    architectures = ARCHITECTURES
+
+    def __post_init__(self):
+        super().__post_init__()
         if 2 * sum(self.mrope_section) != self.text.head_dim:
             raise ValueError(f"mrope_section {list(self.mrope_section)} must sum to head_dim / 2 = "
                              f"{self.text.head_dim // 2}")
@@ -80,10 +101,24 @@ class QwenVLConfig(PC.TextFields):
         # (HF's default configs pair a 3584-wide merger with an 8192-wide language model; like HF, only inputs
         # with images or videos fail on that, in `prepare_inputs`)
 
-    def tokens_per_item(self, grid_thw) -> int:
-        """Placeholder tokens one image / video of patch grid (t, h, w) takes (what the processor inserts)."""
-        t, h, w = (int(x) for x in grid_thw)
-        return t * h * w // self.vision.merge_unit
+
+def text_fields_from_hf(d: dict, defaults: dict, theta: float) -> tuple[dict, dict]:
+    """(text fields, rope parameters) of an HF VLM config dict: the text fields under `text_config` or at the top
+    level (older hub configs), `defaults` for missing ones, generation_config's token ids merged at the top
+    winning; the rope parameters from `rope_scaling` or `rope_parameters` (popped from the text fields:
+    `rope_scaling`, `rope_theta`), theta defaulting to `theta`, an "mrope" or missing type read as "default"."""
+    text_d = dict(d.get("text_config") or {k: v for k, v in d.items() if k not in ("vision_config", "text_config")})
+    for k, v in defaults.items():
+        text_d.setdefault(k, v)
+    for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if d.get(k) is not None:
+            text_d[k] = d[k]
+    rope = dict(text_d.pop("rope_scaling", None) or text_d.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", text_d.pop("rope_theta", theta))
+    if rope.get("rope_type", rope.get("type")) in ("mrope", None):
+        rope["rope_type"] = "default"
+    rope.pop("type", None)
+    return text_d, rope
 
 
 def config_from_hf(d: dict) -> QwenVLConfig:
@@ -93,17 +128,7 @@ def config_from_hf(d: dict) -> QwenVLConfig:
     mt = d.get("model_type")
     if mt not in ARCHITECTURES:
         raise ValueError(f"qwen2_vl.config_from_hf: model_type {mt!r} is not one of {sorted(ARCHITECTURES)}")
-    text_d = dict(d.get("text_config") or {k: v for k, v in d.items() if k not in ("vision_config", "text_config")})
-    for k, v in _TEXT_DEFAULTS.items():
-        text_d.setdefault(k, v)
-    for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        if d.get(k) is not None:
-            text_d[k] = d[k]
-    rope = dict(text_d.pop("rope_scaling", None) or text_d.get("rope_parameters") or {})
-    rope.setdefault("rope_theta", text_d.pop("rope_theta", _DEFAULT_THETA))
-    if rope.get("rope_type", rope.get("type")) in ("mrope", None):
-        rope["rope_type"] = "default"
-    rope.pop("type", None)
+    text_d, rope = text_fields_from_hf(d, _TEXT_DEFAULTS, _DEFAULT_THETA)
     section = tuple(int(s) for s in rope.pop("mrope_section", _DEFAULT_SECTION))
     text_d["rope_parameters"] = rope
     heads = text_d["num_attention_heads"]
@@ -163,24 +188,25 @@ def rename_hf_key(name: str) -> str:
 IGNORED_HF_KEYS = llama.IGNORED_HF_KEYS + (r"^visual\.rotary_pos_emb\.inv_freq$",)
 
 
-def kv_layout(cfg: QwenVLConfig) -> tuple[int, int, int]:
+def kv_layout(cfg: MRopeVLConfig) -> tuple[int, int, int]:
     return llama.kv_layout(cfg.text)
 
 
-def embed(cfg: QwenVLConfig, params: dict, tokens: jax.Array) -> jax.Array:
+def embed(cfg: MRopeVLConfig, params: dict, tokens: jax.Array) -> jax.Array:
     return llama.embed(params["lm"], tokens)
 
 
-def unembed(cfg: QwenVLConfig, params: dict, h: jax.Array) -> jax.Array:
+def unembed(cfg: MRopeVLConfig, params: dict, h: jax.Array) -> jax.Array:
     return llama.unembed(cfg.text, params["lm"], h)
 
 
-def forward(cfg: QwenVLConfig, params: dict, tokens, positions: jax.Array, cache, new_mask=None,
+def forward(cfg: MRopeVLConfig, params: dict, tokens, positions: jax.Array, cache, new_mask=None,
             **kwargs) -> llama.ForwardOut:
-    """The language model's forward (see `ports.families.llama.forward`) with positions either M-RoPE ids [3, B, T] (the
-    prompt) or [B, T] (every later token: the three components are equal, which is plain RoPE)."""
+    """The language model's forward (see `ports.families.llama.forward`, which also takes DeepStack's `layer_adds`)
+    with positions either M-RoPE ids [3, B, T] (the prompt; interleaved as `cfg.mrope_interleaved` says) or [B, T]
+    (every later token: the three components are equal, which is plain RoPE)."""
     if positions.ndim == 3:
-        kwargs["rope"] = LY.mrope_tables(cfg.text, positions, cfg.mrope_section)
+        kwargs["rope"] = LY.mrope_tables(cfg.text, positions, cfg.mrope_section, interleaved=cfg.mrope_interleaved)
         positions = positions[0]
     return llama.forward(cfg.text, params["lm"], tokens, positions, cache, new_mask, **kwargs)
 
@@ -312,10 +338,7 @@ class _Layout(NamedTuple):
 
 
 def _layout(cfg: QwenVLConfig, tokens: np.ndarray, lengths: np.ndarray, inputs: Mapping[str, Any]) -> _Layout:
-    unknown = sorted(set(inputs) - set(RAW_KEYS))
-    if unknown:
-        hint = " (inputs already prepared: pass the processor output)" if set(unknown) & set(PREPARED_KEYS) else ""
-        raise ValueError(f"{cfg.model_type} takes {list(RAW_KEYS)}; got unsupported {unknown}{hint}")
+    PR.check_input_keys(cfg.model_type, inputs, RAW_KEYS, PREPARED_KEYS)
     tokens = np.asarray(tokens)
     B, T = tokens.shape
     lengths = np.asarray(lengths).reshape(B)
@@ -426,6 +449,7 @@ class PromptEmbeds(NamedTuple):
     positions: jax.Array | None  # [3, B, T] M-RoPE ids of the prompt (None: plain positions)
     position_offset: jax.Array | None  # [B] rope deltas (the cache's pos_offset)
     vision_grid_pos: jax.Array  # [B, T, 4] (item, frame, row, col) of each placeholder, -1 elsewhere
+    forward_inputs: dict | None = None  # extra options of the prompt's forward (Qwen3-VL: DeepStack's layer_adds)
 
 
 def prepared_positions(cfg, inputs: Mapping[str, jax.Array], B: int, T: int) -> jax.Array | None:
@@ -487,11 +511,9 @@ def prune_prompt(cfg: QwenVLConfig, prompt: Mapping[str, Any], keep, positions: 
     Returns a right-padded mapping (`input_ids`, `attention_mask`, the pixel inputs, `vision_keep` over the vision
     tokens in feature order, `position_ids` [3, B, D], `rope_deltas` [B]) for `draft_prompt=` or `ports.logits`.
     """
-    from ports.core.prompts import normalize_prompt
-
     if positions not in POSITION_MODES:
         raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
-    tokens, lengths, extra = normalize_prompt(prompt, cfg.vocab_size, pad_to=1)
+    tokens, lengths, extra = PR.normalize_prompt(prompt, cfg.vocab_size, pad_to=1)
     if set(extra) & {"vision_keep", "position_ids", "rope_deltas"}:
         raise ValueError("prune_prompt takes the full processor output, not an already pruned prompt")
     lay = _layout(cfg, tokens, lengths, extra)

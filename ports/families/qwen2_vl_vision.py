@@ -46,43 +46,33 @@ _HF_DEFAULTS = {
 NORM_EPS = 1e-6  # HF hard-codes it for the tower's norms and the merger's ln_q
 
 
-@dataclasses.dataclass(frozen=True)
-class QwenVisionConfig:
-    """A Qwen2-VL ("qwen2_vl": LayerNorm + fc1/act/fc2 blocks, full attention) or Qwen2.5-VL ("qwen2_5_vl": RMSNorm
-    + SwiGLU blocks with biases, window attention except in `fullatt_blocks`) tower."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FrameTowerConfig:
+    """What every frame-major tower (this one, Qwen3-VL's, Muse Glimmer's) holds and `check_grid`, `check_pixels`,
+    `frame_layout`, `rotary` and `block` read; a subclass names its tower in `model_type`. Construction fails
+    unless `hidden_act` is supported and head_dim is a multiple of 4."""
 
-    model_type: str
     depth: int
-    width: int  # the tower's hidden size (Qwen2-VL: embed_dim; Qwen2.5-VL: hidden_size)
+    width: int  # the tower's hidden size
     mlp_dim: int
     num_heads: int
-    out_dim: int  # the merger's output (the language model's hidden size)
     hidden_act: str
     in_channels: int = 3
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
     rope_theta: float = 10000.0
-    window_size: int = 112  # pixels (Qwen2.5-VL)
-    fullatt_blocks: tuple[int, ...] = ()  # Qwen2.5-VL: blocks with full (per-frame) attention
-    tokens_per_second: int = 4  # Qwen2.5-VL: temporal M-RoPE ids per second of video
+
+    merge_key = "spatial_merge_size"  # the HF config's name of merge_size
 
     def __post_init__(self):
-        if self.model_type not in VISION_TYPES:
-            raise ValueError(f"unknown Qwen vision tower {self.model_type!r}; jspec supports {VISION_TYPES}")
+        where = f"{self.model_type} vision_config"
         if self.hidden_act not in VIS.ACTIVATIONS:
-            raise ValueError(f"unsupported vision hidden_act {self.hidden_act!r}; jspec supports "
+            raise ValueError(f"{where}: hidden_act {self.hidden_act!r} is not supported; jspec supports "
                              f"{sorted(VIS.ACTIVATIONS)}")
-        if self.width % self.num_heads or (self.width // self.num_heads) % 4:
-            raise ValueError(f"vision width {self.width} / num_heads {self.num_heads} must be a multiple of 4 "
+        if self.width % self.num_heads or self.head_dim % 4:
+            raise ValueError(f"{where}: width {self.width} / num_heads {self.num_heads} must be a multiple of 4 "
                              "(the 2-D rotary embedding splits each head in four)")
-        if self.windowed and self.window_blocks < 1:
-            raise ValueError(f"window_size={self.window_size} is smaller than one merged patch "
-                             f"({self.merge_size} x {self.patch_size} pixels)")
-
-    @property
-    def windowed(self) -> bool:
-        return self.model_type == "qwen2_5_vl"
 
     @property
     def head_dim(self) -> int:
@@ -90,12 +80,43 @@ class QwenVisionConfig:
 
     @property
     def patch_dim(self) -> int:
-        """Length of one flattened patch (channel, time, row, column), the processor's pixel_values rows."""
+        """Length of one flattened patch, the processor's pixel_values rows (laid out as `patch_layout` says)."""
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def patch_layout(self) -> str:
+        """The factors of `patch_dim` in the order a pixel_values row holds them."""
+        return (f"(channels {self.in_channels} x temporal_patch_size {self.temporal_patch_size} x patch_size "
+                f"{self.patch_size}^2)")
 
     @property
     def merge_unit(self) -> int:
         return self.merge_size ** 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QwenVisionConfig(FrameTowerConfig):
+    """A Qwen2-VL ("qwen2_vl": LayerNorm + fc1/act/fc2 blocks, full attention) or Qwen2.5-VL ("qwen2_5_vl": RMSNorm
+    + SwiGLU blocks with biases, window attention except in `fullatt_blocks`) tower; `width` is Qwen2-VL's
+    embed_dim, Qwen2.5-VL's hidden_size."""
+
+    model_type: str = dataclasses.field(kw_only=False)
+    out_dim: int  # the merger's output (the language model's hidden size)
+    window_size: int = 112  # pixels (Qwen2.5-VL)
+    fullatt_blocks: tuple[int, ...] = ()  # Qwen2.5-VL: blocks with full (per-frame) attention
+    tokens_per_second: int = 4  # Qwen2.5-VL: temporal M-RoPE ids per second of video
+
+    def __post_init__(self):
+        if self.model_type not in VISION_TYPES:
+            raise ValueError(f"unknown Qwen vision tower {self.model_type!r}; jspec supports {VISION_TYPES}")
+        super().__post_init__()
+        if self.windowed and self.window_blocks < 1:
+            raise ValueError(f"window_size={self.window_size} is smaller than one merged patch "
+                             f"({self.merge_size} x {self.patch_size} pixels)")
+
+    @property
+    def windowed(self) -> bool:
+        return self.model_type == "qwen2_5_vl"
 
     @property
     def window_blocks(self) -> int:
@@ -177,6 +198,20 @@ def init_params(cfg: QwenVisionConfig, key: jax.Array, dtype=jnp.float32, std: f
     return jax.tree.unflatten(treedef, out)
 
 
+def block_key_rows(prefix: str, i: int, linears: dict[str, str], norm_bias: bool = True) -> list:
+    """(hf_name, param path, transform) rows of block i at `prefix`: norm1 and norm2 (weight, then bias when
+    `norm_bias`), then per `linears` entry (our weight name: HF's module name) its weight, transposed, and bias."""
+    rows = []
+    for n in ("norm1", "norm2"):
+        rows.append((f"{prefix}{n}.weight", ("layers", i, n), None))
+        if norm_bias:
+            rows.append((f"{prefix}{n}.bias", ("layers", i, n + "_b"), None))
+    for ours, theirs in linears.items():
+        rows += [(f"{prefix}{theirs}.weight", ("layers", i, ours), "T"),
+                 (f"{prefix}{theirs}.bias", ("layers", i, "b" + ours[1:]), None)]
+    return rows
+
+
 def hf_key_map(cfg: QwenVisionConfig, prefix: str = "visual."):
     """(hf_name, param path, transform) triples of the tower at `prefix` ("visual." on disk, "model.visual." in
     transformers 5's memory layout)."""
@@ -187,14 +222,7 @@ def hf_key_map(cfg: QwenVisionConfig, prefix: str = "visual."):
     else:
         linears.update(w_fc1="mlp.fc1", w_fc2="mlp.fc2")
     for i in range(cfg.depth):
-        lp = f"{prefix}blocks.{i}."
-        for n in ("norm1", "norm2"):
-            rows.append((f"{lp}{n}.weight", ("layers", i, n), None))
-            if not cfg.windowed:
-                rows.append((f"{lp}{n}.bias", ("layers", i, n + "_b"), None))
-        for ours, theirs in linears.items():
-            rows.append((f"{lp}{theirs}.weight", ("layers", i, ours), "T"))
-            rows.append((f"{lp}{theirs}.bias", ("layers", i, "b" + ours[1:]), None))
+        rows += block_key_rows(f"{prefix}blocks.{i}.", i, linears, norm_bias=not cfg.windowed)
     mp = f"{prefix}merger."
     rows.append((f"{mp}ln_q.weight", ("merger", "norm"), None))
     if not cfg.windowed:
@@ -221,7 +249,7 @@ class FrameLayout(NamedTuple):
     merged_per_frame: int  # L / merge_unit: merged tokens per padded frame
 
 
-def check_grid(cfg: QwenVisionConfig, grid, name: str) -> np.ndarray:
+def check_grid(cfg: FrameTowerConfig, grid, name: str) -> np.ndarray:
     """[N, 3] positive (t, h, w) rows with h and w multiples of the merge size, else ValueError."""
     g = np.asarray(grid)
     if g.ndim != 2 or g.shape[1] != 3 or not np.issubdtype(g.dtype, np.integer):
@@ -231,18 +259,17 @@ def check_grid(cfg: QwenVisionConfig, grid, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be positive, got {g.tolist()}")
     m = cfg.merge_size
     if np.any(g[:, 1:] % m):
-        raise ValueError(f"{name} {g.tolist()}: heights and widths must be multiples of spatial_merge_size={m}")
+        raise ValueError(f"{name} {g.tolist()}: heights and widths must be multiples of {cfg.merge_key}={m}")
     return g.astype(np.int64)
 
 
-def check_pixels(cfg: QwenVisionConfig, pixels, grid: np.ndarray, name: str, grid_name: str) -> np.ndarray:
+def check_pixels(cfg: FrameTowerConfig, pixels, grid: np.ndarray, name: str, grid_name: str) -> np.ndarray:
     """pixel rows [sum t*h*w, patch_dim] matching the grid, else ValueError naming both counts."""
     pv = np.asarray(pixels)
     want = int(np.sum(np.prod(grid, axis=1)))
     if pv.ndim != 2 or pv.shape[1] != cfg.patch_dim:
         raise ValueError(f"{name} has shape {pv.shape}; the {cfg.model_type} tower expects (num_patches, "
-                         f"{cfg.patch_dim}) rows (channels {cfg.in_channels} x temporal_patch_size "
-                         f"{cfg.temporal_patch_size} x patch_size {cfg.patch_size}^2), as its processor returns")
+                         f"{cfg.patch_dim}) rows {cfg.patch_layout}, as its processor returns")
     if pv.shape[0] != want:
         raise ValueError(f"{name} holds {pv.shape[0]} patches but {grid_name} {grid.tolist()} describes {want} "
                          f"(sum of t * h * w)")
@@ -322,7 +349,7 @@ def frame_layout(cfg: QwenVisionConfig, items: list[tuple[np.ndarray, tuple[int,
 # --------------------------------------------------------------------------------------------------- forward
 
 
-def rotary(cfg: QwenVisionConfig, rot: jax.Array) -> tuple[jax.Array, jax.Array]:
+def rotary(cfg: FrameTowerConfig, rot: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos, sin [F, L, head_dim] of HF's axial 2-D rotary embedding: frequencies of head_dim / 4 applied to the
     row, then the column, the pair repeated (rotate-half layout)."""
     quarter = cfg.head_dim // 2

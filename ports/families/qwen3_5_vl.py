@@ -24,9 +24,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ports.core import config as PC
 from ports.core import layers as LY
 from ports.families import llama
+from ports.families import qwen2_vl as QW
 from ports.families import qwen3_5 as Q5
 from ports.families import qwen3_vl as Q3VL
 from ports.families import qwen3_vl_vision as V3
@@ -42,41 +42,19 @@ IGNORED_HF_KEYS = llama.IGNORED_HF_KEYS + (r"mtp\..*",)
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen35VLConfig(PC.TextFields):
+class Qwen35VLConfig(QW.MRopeVLConfig):
     """Static, hashable config of a Qwen3.5 (-MoE) VLM; exposes the text fields the engine reads and the fields
     Qwen3-VL's host layout reads (`vision`, token ids, `tokens_per_item`, `num_deepstack` = 0)."""
 
-    model_type: str
-    text: Q5.Qwen35Config
-    vision: V3.Qwen3VisionConfig
-    mrope_section: tuple[int, ...] = _DEFAULT_SECTION
-    image_token_id: int = 248056
-    video_token_id: int = 248057
-    vision_start_token_id: int = 248053
-    vision_end_token_id: int = 248054
+    architectures = ARCHITECTURES
+    mrope_interleaved = True
+    num_deepstack = 0  # no DeepStack: the prompt's forward takes no layer additions
 
     def __post_init__(self):
-        if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"Qwen35VLConfig: model_type {self.model_type!r} is not one of {sorted(ARCHITECTURES)}")
+        super().__post_init__()
         if self.vision.deepstack_indexes:
             raise ValueError("Qwen35VLConfig: the Qwen3.5 vision tower has no DeepStack (deepstack_indexes must be "
                              "empty)")
-
-    num_deepstack = 0  # no DeepStack: the prompt's forward takes no layer additions
-
-    def tokens_per_item(self, grid_thw) -> int:
-        """Placeholder tokens one image / video of patch grid (t, h, w) takes (what the processor inserts)."""
-        t, h, w = (int(x) for x in grid_thw)
-        return t * h * w // self.vision.merge_unit
-
-
-def _section(mt: str, rope: dict) -> tuple[int, ...]:
-    s = rope.pop("mrope_section", _DEFAULT_SECTION)
-    if not isinstance(s, (list, tuple)) or len(s) != 3 or any(
-            isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in s):
-        raise ValueError(f"{mt} text_config: rope_parameters.mrope_section = {s!r}; expected three non-negative "
-                         "integers (t, h, w)")
-    return tuple(s)
 
 
 def config_from_hf(d: dict) -> Qwen35VLConfig:
@@ -96,7 +74,7 @@ def config_from_hf(d: dict) -> Qwen35VLConfig:
         raise ValueError(f"{mt} text_config: rope_parameters.mrope_interleaved = false; Qwen3.5's rotary embedding "
                          "is always interleaved (transformers ignores the flag), so jspec refuses a config saying "
                          "otherwise")
-    section = _section(mt, rope)
+    section = Q3VL.mrope_section_from_hf(mt, rope, _DEFAULT_SECTION)
     if rope.get("rope_type", "default") == "dynamic":
         raise ValueError(f"{mt} text_config: rope_parameters.rope_type 'dynamic' with M-RoPE is not supported by "
                          "jspec")
@@ -104,12 +82,7 @@ def config_from_hf(d: dict) -> Qwen35VLConfig:
                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
     text = Q5.config_from_hf(text_d)
     vision = V3.vision_config_from_hf({**dict(d.get("vision_config") or {}), "deepstack_visual_indexes": []})
-    tok = {}
-    for k, v in _TOKEN_DEFAULTS.items():
-        x = d.get(k) if d.get(k) is not None else v
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-            raise ValueError(f"{mt} config: {k} = {x!r}; expected a token id (an integer >= 0)")
-        tok[k] = x
+    tok = Q3VL.token_ids_from_hf(mt, d, _TOKEN_DEFAULTS)
     return Qwen35VLConfig(model_type=mt, text=text, vision=vision, mrope_section=section, **tok)
 
 
@@ -181,7 +154,7 @@ def rope(cfg: Qwen35VLConfig, positions: jax.Array) -> tuple[jax.Array, jax.Arra
     """cos, sin [B, T, rot] for (t, h, w) ids [3, B, T] (interleaved M-RoPE over the partial rotary dims) or
     positions [B, T] (plain RoPE, what M-RoPE gives when the three ids are equal)."""
     if positions.ndim == 3:
-        return LY.mrope_tables(cfg.text, positions, cfg.mrope_section, interleaved=True)
+        return LY.mrope_tables(cfg.text, positions, cfg.mrope_section, interleaved=cfg.mrope_interleaved)
     return LY.rope_tables(cfg.text, positions)
 
 

@@ -21,14 +21,12 @@ What differs from Qwen2.5-VL (`ports.families.qwen2_vl`, whose host layout this 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ports.core import config as PC
-from ports.core import layers as LY
 from ports.families import llama
 from ports.families import qwen2_vl as QW
 from ports.families import qwen3
@@ -53,21 +51,11 @@ _TOKEN_DEFAULTS = QW._TOKEN_DEFAULTS
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3VLConfig(PC.TextFields):
+class Qwen3VLConfig(QW.MRopeVLConfig):
     """Static, hashable config of a Qwen3-VL / Qwen3-VL-MoE model; exposes the text fields the engine reads."""
 
-    model_type: str
-    text: qwen3.Qwen3Config
-    vision: V3.Qwen3VisionConfig
-    mrope_section: tuple[int, ...] = _DEFAULT_SECTION
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-
-    def __post_init__(self):
-        if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"Qwen3VLConfig: model_type {self.model_type!r} is not one of {sorted(ARCHITECTURES)}")
+    architectures = ARCHITECTURES
+    mrope_interleaved = True
 
     @property
     def joined_experts(self) -> bool:
@@ -79,19 +67,28 @@ class Qwen3VLConfig(PC.TextFields):
         """Decoder layers that take DeepStack features (transformers adds only as many as there are layers)."""
         return min(len(self.vision.deepstack_indexes), self.text.num_layers)
 
-    def tokens_per_item(self, grid_thw) -> int:
-        """Placeholder tokens one image / video of patch grid (t, h, w) takes (what the processor inserts)."""
-        t, h, w = (int(x) for x in grid_thw)
-        return t * h * w // self.vision.merge_unit
 
-
-def _section(rope: dict) -> tuple[int, ...]:
-    s = rope.pop("mrope_section", _DEFAULT_SECTION)
+def mrope_section_from_hf(mt: str, rope: dict, default: tuple[int, ...]) -> tuple[int, ...]:
+    """The (t, h, w) mrope_section popped from `rope` (`default` when absent); ValueError naming the field unless it
+    is three non-negative integers."""
+    s = rope.pop("mrope_section", default)
     if not isinstance(s, (list, tuple)) or len(s) != 3 or any(
             isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in s):
-        raise ValueError(f"qwen3_vl text_config: rope_parameters.mrope_section = {s!r}; expected three "
-                         "non-negative integers (t, h, w)")
+        raise ValueError(f"{mt} text_config: rope_parameters.mrope_section = {s!r}; expected three non-negative "
+                         "integers (t, h, w)")
     return tuple(s)
+
+
+def token_ids_from_hf(mt: str, d: dict, defaults: Mapping[str, int]) -> dict[str, int]:
+    """Each of `defaults`' token-id fields read from the top of `d` (the default when absent or None); ValueError
+    naming the field unless it is an integer >= 0."""
+    tok = {}
+    for k, v in defaults.items():
+        x = d.get(k) if d.get(k) is not None else v
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise ValueError(f"{mt} config: {k} = {x!r}; expected a token id (an integer >= 0)")
+        tok[k] = x
+    return tok
 
 
 def config_from_hf(d: dict) -> Qwen3VLConfig:
@@ -102,22 +99,12 @@ def config_from_hf(d: dict) -> Qwen3VLConfig:
     mt = d.get("model_type")
     if mt not in ARCHITECTURES:
         raise ValueError(f"qwen3_vl.config_from_hf: model_type {mt!r} is not one of {sorted(ARCHITECTURES)}")
-    text_d = dict(d.get("text_config") or {k: v for k, v in d.items() if k not in ("vision_config", "text_config")})
-    for k, v in _TEXT_DEFAULTS[mt].items():
-        text_d.setdefault(k, v)
-    for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        if d.get(k) is not None:
-            text_d[k] = d[k]
-    rope = dict(text_d.pop("rope_scaling", None) or text_d.get("rope_parameters") or {})
-    rope.setdefault("rope_theta", text_d.pop("rope_theta", _DEFAULT_THETA))
+    text_d, rope = QW.text_fields_from_hf(d, _TEXT_DEFAULTS[mt], _DEFAULT_THETA)
     if rope.pop("mrope_interleaved", True) is not True:
         raise ValueError(f"{mt} text_config: rope_parameters.mrope_interleaved = false; Qwen3-VL's rotary embedding "
                          "is always interleaved (transformers ignores the flag), so jspec refuses a config saying "
                          "otherwise")
-    section = _section(rope)
-    if rope.get("rope_type", rope.get("type")) in ("mrope", None):
-        rope["rope_type"] = "default"
-    rope.pop("type", None)
+    section = mrope_section_from_hf(mt, rope, _DEFAULT_SECTION)
     if rope["rope_type"] == "dynamic":
         raise ValueError(f"{mt} text_config: rope_parameters.rope_type 'dynamic' with M-RoPE is not supported by "
                          "jspec")
@@ -133,12 +120,7 @@ def config_from_hf(d: dict) -> Qwen3VLConfig:
     vision = V3.vision_config_from_hf(dict(d.get("vision_config") or {}))
     # (transformers' default configs pair a 3584-wide merger with a 4096-wide language model; like transformers,
     # only inputs with images or videos fail on that, in `prepare_inputs`)
-    tok = {}
-    for k, v in _TOKEN_DEFAULTS.items():
-        x = d.get(k) if d.get(k) is not None else v
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-            raise ValueError(f"{mt} config: {k} = {x!r}; expected a token id (an integer >= 0)")
-        tok[k] = x
+    tok = token_ids_from_hf(mt, d, _TOKEN_DEFAULTS)
     return Qwen3VLConfig(model_type=mt, text=text, vision=vision, mrope_section=section, **tok)
 
 
@@ -229,26 +211,10 @@ def hf_key_map(cfg: Qwen3VLConfig):
 IGNORED_HF_KEYS = llama.IGNORED_HF_KEYS
 
 
-def kv_layout(cfg: Qwen3VLConfig) -> tuple[int, int, int]:
-    return llama.kv_layout(cfg.text)
-
-
-def embed(cfg: Qwen3VLConfig, params: dict, tokens: jax.Array) -> jax.Array:
-    return llama.embed(params["lm"], tokens)
-
-
-def unembed(cfg: Qwen3VLConfig, params: dict, h: jax.Array) -> jax.Array:
-    return llama.unembed(cfg.text, params["lm"], h)
-
-
-def forward(cfg: Qwen3VLConfig, params: dict, tokens, positions: jax.Array, cache, new_mask=None,
-            **kwargs) -> llama.ForwardOut:
-    """The language model's forward (`ports.families.llama.forward`, which also takes DeepStack's `layer_adds`) with
-    positions either interleaved M-RoPE ids [3, B, T] (the prompt) or [B, T] (every later token)."""
-    if positions.ndim == 3:
-        kwargs["rope"] = LY.mrope_tables(cfg.text, positions, cfg.mrope_section, interleaved=True)
-        positions = positions[0]
-    return llama.forward(cfg.text, params["lm"], tokens, positions, cache, new_mask, **kwargs)
+kv_layout = QW.kv_layout
+embed = QW.embed
+unembed = QW.unembed
+forward = QW.forward  # interleaved M-RoPE ids for the prompt; DeepStack's layer_adds pass through to llama.forward
 
 
 # ------------------------------------------------------------------------------------------- host-side layout
@@ -297,14 +263,7 @@ def prepare_inputs(cfg: Qwen3VLConfig, tokens: np.ndarray, lengths: np.ndarray, 
     return prepared
 
 
-class PromptEmbeds(NamedTuple):
-    embeds: jax.Array  # [B, T, D] text embeddings with the merged vision features spliced in
-    image_mask: jax.Array  # [B, T] bool: image and video placeholder positions
-    vision_features: jax.Array  # [N_pad, width] the tower's last block output per patch (HF order), before merging
-    positions: jax.Array | None  # [3, B, T] M-RoPE ids of the prompt (None: plain positions)
-    position_offset: jax.Array | None  # [B] rope deltas (the cache's pos_offset)
-    vision_grid_pos: jax.Array  # [B, T, 4] (item, frame, row, col) of each placeholder, -1 elsewhere
-    forward_inputs: dict  # extra options of the prompt's forward: {"layer_adds": [n, B, T, D]} with vision inputs
+PromptEmbeds = QW.PromptEmbeds  # forward_inputs: {"layer_adds": [n, B, T, D]} with vision inputs, else {}
 
 
 def prompt_embeds(cfg: Qwen3VLConfig, params: dict, tokens: jax.Array, inputs: Mapping[str, jax.Array]) -> PromptEmbeds:

@@ -30,21 +30,12 @@ _HF_DEFAULTS = dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", 
                     num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24))
 
 
-@dataclasses.dataclass(frozen=True)
-class Qwen3VisionConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3VisionConfig(QV.FrameTowerConfig):
     """A Qwen3-VL tower; read by `qwen2_vl_vision`'s layout and block functions (full attention per frame)."""
 
-    depth: int
-    width: int
-    mlp_dim: int
-    num_heads: int
     out_dim: int
-    hidden_act: str
-    in_channels: int = 3
     patch_size: int = 16
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    rope_theta: float = 10000.0
     num_position_embeddings: int = 2304
     deepstack_indexes: tuple[int, ...] = (8, 16, 24)
     model_type: str = "qwen3_vl"
@@ -55,12 +46,7 @@ class Qwen3VisionConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"qwen3_vl vision_config: {name} = {v!r}; expected a positive integer")
-        if self.hidden_act not in VIS.ACTIVATIONS:
-            raise ValueError(f"qwen3_vl vision_config: hidden_act {self.hidden_act!r} is not supported; jspec "
-                             f"supports {sorted(VIS.ACTIVATIONS)}")
-        if self.width % self.num_heads or (self.width // self.num_heads) % 4:
-            raise ValueError(f"qwen3_vl vision_config: hidden_size {self.width} / num_heads {self.num_heads} must be "
-                             "a multiple of 4 (the 2-D rotary embedding splits each head in four)")
+        super().__post_init__()
         idx = self.deepstack_indexes
         if len(set(idx)) != len(idx) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.depth
                                             for i in idx):
@@ -68,18 +54,6 @@ class Qwen3VisionConfig:
                              f"block indices in [0, depth={self.depth})")
 
     windowed = False  # no window attention: every block attends over its whole frame
-
-    @property
-    def head_dim(self) -> int:
-        return self.width // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.merge_size ** 2
 
     @property
     def grid_side(self) -> int:
@@ -156,12 +130,7 @@ def hf_key_map(cfg: Qwen3VisionConfig, prefix: str = "model.visual."):
             (f"{prefix}pos_embed.weight", ("pos_embed",), None)]
     linears = {"wqkv": "attn.qkv", "wo": "attn.proj", "w_fc1": "mlp.linear_fc1", "w_fc2": "mlp.linear_fc2"}
     for i in range(cfg.depth):
-        lp = f"{prefix}blocks.{i}."
-        for n in ("norm1", "norm2"):
-            rows += [(f"{lp}{n}.weight", ("layers", i, n), None), (f"{lp}{n}.bias", ("layers", i, n + "_b"), None)]
-        for ours, theirs in linears.items():
-            rows += [(f"{lp}{theirs}.weight", ("layers", i, ours), "T"),
-                     (f"{lp}{theirs}.bias", ("layers", i, "b" + ours[1:]), None)]
+        rows += QV.block_key_rows(f"{prefix}blocks.{i}.", i, linears)
 
     def merger(mp, path):
         return [(f"{mp}norm.weight", path + ("norm",), None), (f"{mp}norm.bias", path + ("norm_b",), None),
