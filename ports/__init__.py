@@ -7,6 +7,6 @@ from ports.io.hf_checkpoint import load_hf, save_hf
 from ports.model import FAMILIES, Model, family, logits, random_model
 from ports.core.scanned import scan_layers, unscan_layers
 
-__all__ = ["Model", "RopeConfig", "TextConfig", "FAMILIES", "convert_gguf", "convert_hf", "family",
+__all__ = ["Model", "RopeConfig", "TextConfig", "FAMILIES", "hub", "convert_gguf", "convert_hf", "family",
            "gguf_to_hf_config", "load", "load_gguf", "load_hf", "logits", "random_model", "save", "save_hf",
            "scan_layers", "text_config_from_hf", "text_config_to_hf", "tokenizer_from_gguf", "unscan_layers"]
