@@ -1,7 +1,7 @@
-"""GGUF (llama.cpp) checkpoints through `ports`: tiny random LLaMAs, Qwen2s and Qwen3s written as GGUF files the way
-llama.cpp's converter writes them (its metadata keys, tensor names and Q/K row order, each tensor type we claim),
-read by `ports.load_gguf` and compared with transformers on the same dequantized weights and with transformers' own
-GGUF loader; bad files fail early with a message naming the problem."""
+"""GGUF (llama.cpp) checkpoints through `ports`: tiny random LLaMAs, Qwen2s, Qwen3s and Qwen3-MoEs written as GGUF
+files the way llama.cpp's converter writes them (its metadata keys, tensor names and Q/K row order, each tensor type
+we claim), read by `ports.load_gguf` and compared with transformers on the same dequantized weights and with
+transformers' own GGUF loader; bad files fail early with a message naming the problem."""
 import functools
 import json
 import os
@@ -25,7 +25,7 @@ K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # gguf cannot quantize to th
 NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -50,13 +50,19 @@ def encode(w: np.ndarray, qtype: str, rng) -> np.ndarray:
 
 def gguf_tensors(hf_model) -> list[tuple[str, np.ndarray]]:
     """(llama.cpp name, HF-layout array) of every tensor of an HF LlamaForCausalLM or Qwen2ForCausalLM (whose Q/K/V
-    biases are "blk.N.attn_q.bias", ...), in llama.cpp's order."""
+    biases are "blk.N.attn_q.bias", ...), in llama.cpp's order; a Qwen3MoeForCausalLM's fused experts as
+    llama.cpp's `Qwen2MoeModel` stacks them, ffn_down_exps [E, D, F], ffn_gate_exps and ffn_up_exps [E, F, D]."""
     sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
     out = [("token_embd.weight", sd["model.embed_tokens.weight"])]
     for i in range(hf_model.config.num_hidden_layers):
         for h, g in NAMES.items():
             out += [(f"blk.{i}.{g}.{kind}", sd[f"model.layers.{i}.{h}.{kind}"]) for kind in ("weight", "bias")
                     if f"model.layers.{i}.{h}.{kind}" in sd]
+        if f"model.layers.{i}.mlp.experts.down_proj" in sd:
+            gate_up = sd[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+            F = gate_up.shape[1] // 2
+            out += [(f"blk.{i}.ffn_down_exps.weight", sd[f"model.layers.{i}.mlp.experts.down_proj"]),
+                    (f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :F]), (f"blk.{i}.ffn_up_exps.weight", gate_up[:, F:])]
     out.append(("output_norm.weight", sd["model.norm.weight"]))
     if not hf_model.config.tie_word_embeddings:
         out.append(("output.weight", sd["lm_head.weight"]))
@@ -70,7 +76,8 @@ def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=None, drop=
     As convert_hf_to_gguf.py: `LlamaModel` adds rope.dimension_count and vocab_size to the common keys and permutes
     Q/K rows; `Qwen2Model` (arch "qwen2") adds neither (the vocabulary size is the tokenizer's) and does not
     permute; `Qwen3Model` (arch "qwen3", a `Qwen2Model`) adds the head size as key_length / value_length (the
-    common keys' `head_dim`)."""
+    common keys' `head_dim`); `Qwen3MoeModel` (arch "qwen3moe", a `Qwen2MoeModel`) also the expert counts and
+    width, and keeps the router F32. `drop` also drops metadata keys ("qwen3moe.expert_count")."""
     c, rng = hf_model.config, np.random.default_rng(seed)
     permute = arch == "llama" if permute is None else permute
     w = gguf.GGUFWriter(str(path), arch)
@@ -85,18 +92,25 @@ def write_gguf(path, hf_model, qtype="F32", *, arch="llama", permute=None, drop=
     if arch not in ("qwen2", "qwen3"):
         w.add_rope_dimension_count(c.head_dim)
         w.add_vocab_size(c.vocab_size)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
+    if arch == "qwen3moe":
+        for k, v in (("expert_count", c.num_experts), ("expert_used_count", c.num_experts_per_tok),
+                     ("expert_feed_forward_length", c.moe_intermediate_size)):
+            if f"qwen3moe.{k}" not in drop:
+                getattr(w, f"add_{k}")(v)
     if tokenizer:
         tokenizer(w)
     held, heads = {}, {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
     for name, arr in gguf_tensors(hf_model):
         if name in drop:
             continue
-        rows = encode(arr, qtype, rng) if arr.ndim == 2 else arr.astype(np.float32)
+        rows = encode(arr, qtype, rng) if arr.ndim >= 2 and "ffn_gate_inp" not in name else arr.astype(np.float32)
         raw = None if rows.dtype != np.uint8 else T[qtype]
-        held[GF.hf_name(name)] = gguf.quants.dequantize(rows, raw or (T.F16 if rows.dtype == np.float16 else T.F32))
+        key = GF.hf_name(name)
+        value = gguf.quants.dequantize(rows, raw or (T.F16 if rows.dtype == np.float16 else T.F32))
+        held[key] = np.concatenate([held[key], value], axis=1) if key in held else value  # gate, then up experts
         kind = name.split(".")[2] if name.startswith("blk.") else None
         if permute and kind in heads and name.endswith(".weight"):
             rows = llama_cpp_permute(rows, heads[kind])
@@ -223,7 +237,8 @@ def test_bad_files_fail_early(tiny, f32_file, tmp_path, monkeypatch):
     fails("cut-header.gguf", data[:200], r"cut-header\.gguf: not a GGUF file, or truncated")
     fails("cut-data.gguf", data[:len(data) - 1000], r"cut-data\.gguf: (truncated|not a GGUF file, or truncated)")
     write_gguf(tmp_path / "phi.gguf", tiny, arch="phi3")
-    fails("phi.gguf", None, r"phi\.gguf: GGUF architecture 'phi3' is not supported; jspec reads llama, qwen2, qwen3$")
+    fails("phi.gguf", None,
+          r"phi\.gguf: GGUF architecture 'phi3' is not supported; jspec reads llama, qwen2, qwen3, qwen3moe$")
     rows = np.random.default_rng(0).integers(0, 0x20, (4, 2 * 18), dtype=np.uint8)  # IQ4_NL blocks of 32
     write_gguf(tmp_path / "iq4.gguf", tiny, extra=[("blk.0.extra.weight", rows, T.IQ4_NL)])
     fails("iq4.gguf", None, r"unsupported ggml types \(1\).*blk\.0\.extra\.weight: IQ4_NL")
@@ -448,3 +463,81 @@ def test_qwen3_without_its_norms_fails_early(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=missing):
         ports.load_gguf(str(path))
     assert calls == []
+
+
+def tiny_qwen3_moe(moe_intermediate_size: int = 32):
+    """A tiny Qwen3-MoE (GQA, head_dim 32 != hidden / heads, 8 experts, top 2, norm_topk_prob as Qwen3-MoE sets
+    it), every parameter perturbed."""
+    torch.manual_seed(13)
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=moe_intermediate_size,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, vocab_size=264,
+                                      initializer_range=0.25, tie_word_embeddings=False, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None)
+    return perturb(transformers.Qwen3MoeForCausalLM(cfg).eval(), seed=14, scale=0.3)
+
+
+@pytest.mark.parametrize("qtype", ("F32", "Q8_0"))
+def test_qwen3_moe_matches_transformers(tmp_path, monkeypatch, qtype):
+    """A qwen3moe GGUF (stacked experts, F32 router) loads as a `qwen3_moe` model, each tensor dequantized once, and
+    gives the logits of transformers on the weights the file holds; its config is one transformers builds the model
+    from (norm_topk_prob true, every layer sparse, as transformers reads the file); `save_hf` writes a checkpoint
+    transformers loads as Qwen3MoeForCausalLM."""
+    tiny = tiny_qwen3_moe()
+    path = tmp_path / "moe.gguf"
+    held = write_gguf(path, tiny, qtype, arch="qwen3moe", tokenizer=functools.partial(tiny_tokenizer, pre="qwen2"))
+    hf = ports.gguf_to_hf_config(str(path))
+    assert (hf["model_type"], hf["architectures"]) == ("qwen3_moe", ["Qwen3MoeForCausalLM"])
+    assert (hf["num_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"], hf["head_dim"]) == (8, 2, 32, 32)
+    assert (hf["norm_topk_prob"], hf["decoder_sparse_step"], hf["mlp_only_layers"]) == (True, 1, [])
+    theirs = transformers.AutoConfig.for_model(**hf)
+    assert isinstance(theirs, transformers.Qwen3MoeConfig) and theirs.num_experts == 8 and theirs.norm_topk_prob
+    calls = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, kind: calls.append(data.shape) or real(data, kind))
+    model = ports.load_gguf(str(path))
+    assert len(calls) == len(gguf.GGUFReader(str(path)).tensors)
+    c = model.config
+    assert (c.model_type, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ("qwen3_moe", 8, 2, 32)
+    assert all(c.is_sparse(i) for i in range(c.num_layers)) and c.norm_topk_prob
+    ours = ports.logits(model, PROMPT)
+    assert_close(ours, hf_logits(reference(tiny, held), PROMPT))
+    if qtype == "F32":
+        assert_close(ours, hf_logits(tiny, PROMPT))
+        ports.save_hf(model, str(tmp_path / "hf"))
+        back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+        assert isinstance(back, transformers.Qwen3MoeForCausalLM)
+        assert_close(hf_logits(back, PROMPT), ours)
+
+
+def test_qwen3_moe_bad_files_fail_early(tmp_path, monkeypatch):
+    """A qwen3moe file without an expert tensor, or without qwen3moe.expert_count, is refused by name before anything
+    is dequantized."""
+    tiny = tiny_qwen3_moe()
+    cases = ((("blk.1.ffn_up_exps.weight",), r"(?s)does not match qwen3_moe.*missing keys \(1\): "
+                                              r"\['blk\.1\.ffn_up_exps\.weight'\]$"),
+             (("blk.0.ffn_down_exps.weight",), r"missing keys \(1\): \['blk\.0\.ffn_down_exps\.weight'\]$"),
+             (("qwen3moe.expert_count",), r"moe2\.gguf: GGUF metadata has no qwen3moe\.expert_count$"))
+    for i, (drop, _) in enumerate(cases):
+        write_gguf(tmp_path / f"moe{i}.gguf", tiny, arch="qwen3moe", drop=drop, tokenizer=tiny_tokenizer)
+    calls = []
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: calls.append(a))
+    for i, (_, match) in enumerate(cases):
+        with pytest.raises(ValueError, match=match):
+            ports.load_gguf(str(tmp_path / f"moe{i}.gguf"))
+    assert calls == []
+
+
+def test_qwen3_moe_matches_transformers_gguf_loader(tmp_path):
+    """transformers' own GGUF loader gives the same model: its config (it reads no expert width and takes
+    Qwen3MoeConfig's 768, so the experts here are 768 wide) and its expert tensors."""
+    tiny = tiny_qwen3_moe(moe_intermediate_size=768)
+    path = tmp_path / "moe.gguf"
+    write_gguf(path, tiny, arch="qwen3moe", tokenizer=functools.partial(tiny_tokenizer, pre="qwen2"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
+    assert isinstance(theirs, transformers.Qwen3MoeForCausalLM)
+    hf = ports.gguf_to_hf_config(str(path))
+    for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+              "mlp_only_layers", "head_dim", "intermediate_size", "num_key_value_heads", "tie_word_embeddings"):
+        assert hf[k] == getattr(theirs.config, k), k
+    assert_close(ports.logits(ports.load_gguf(str(path)), PROMPT), hf_logits(theirs, PROMPT))

@@ -1,7 +1,7 @@
 """GGUF (llama.cpp) checkpoints as `ports.Model`s: `load_gguf`, `convert_gguf`, `gguf_to_hf_config`,
 `tokenizer_from_gguf`.
 
-Three GGUF architectures are read (`SUPPORTED_ARCHITECTURES`), as llama.cpp's convert_hf_to_gguf.py writes them:
+Four GGUF architectures are read (`SUPPORTED_ARCHITECTURES`), as llama.cpp's convert_hf_to_gguf.py writes them:
 - `llama` (LLaMA, Mistral, ...): an HF `LlamaConfig` (no biases). The converter reorders the Q/K rows of each head
   for llama.cpp's RoPE kernel (its `LlamaModel.permute`); we put them back in HF's order (`unpermute_rope_rows`).
 - `qwen2` (Qwen2, Qwen2.5): an HF `Qwen2Config` (`Qwen2ForCausalLM`), with the Q/K/V biases
@@ -11,6 +11,15 @@ Three GGUF architectures are read (`SUPPORTED_ARCHITECTURES`), as llama.cpp's co
 - `qwen3` (Qwen3 dense): an HF `Qwen3Config` (`Qwen3ForCausalLM`, no biases) with its per-head Q/K norms
   (`blk.N.attn_q_norm.weight`, `attn_k_norm`) and its head size from `qwen3.attention.key_length`. Its converter
   (`Qwen3Model`, a `Qwen2Model`) does not permute either; no sliding window, as for Qwen2.
+- `qwen3moe` (Qwen3-MoE): an HF `Qwen3MoeConfig` (`Qwen3MoeForCausalLM`), qwen3's attention tensors, and per layer
+  the router `blk.N.ffn_gate_inp.weight` [E, D] and the experts stacked, `ffn_gate_exps` / `ffn_up_exps` [E, F, D]
+  and `ffn_down_exps` [E, D, F]. They load as transformers' fused layout (`mlp.experts.gate_up_proj`, gate and up
+  joined, and `mlp.experts.down_proj`; `ports.families.qwen3.split_hf_tensor`), each dequantized once. The config
+  is what transformers 5.23 reads: `expert_count`, `expert_used_count`, `norm_topk_prob: true` (llama.cpp
+  normalizes the top-k weights of qwen3moe whatever the file says) and every layer sparse
+  (`decoder_sparse_step: 1`, no `mlp_only_layers`: llama.cpp runs no dense qwen3moe layer); unlike transformers,
+  `moe_intermediate_size` is the file's `expert_feed_forward_length` (transformers ignores it and takes its default
+  768).
 
 A GGUF file holds its config as metadata (`<arch>.block_count`, `<arch>.attention.head_count`, ...) and its tensors
 under llama.cpp's names, many quantized. We read it with the `gguf` package: the metadata becomes an HF config dict
@@ -37,41 +46,54 @@ from ports.io.checkpoint import convert_stream
 from ports.io.hf_checkpoint import SourceTensor, load_stream, stream_checkpoint
 from ports.model import Model
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # the architectures whose Q/K rows llama.cpp's converter permutes for its RoPE kernel
 _PERMUTED_ARCHITECTURES = ("llama",)
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM"}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}  # the HF model_type of an architecture, where the names differ
 # the ggml tensor types whose dequantization is tested here (tests/test_gguf.py)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K")
 
-# llama.cpp tensor name -> HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM name; per-layer names are
-# "blk.N.<key>.weight" (and "blk.N.<key>.bias" for Qwen2's Q/K/V biases)
+# llama.cpp tensor name -> HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM name;
+# per-layer names are "blk.N.<key>.weight" (and "blk.N.<key>.bias" for Qwen2's Q/K/V biases)
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate"}
+# the stacked experts (qwen3moe) -> transformers' fused expert tensors (no ".weight"); gate and up join in one
+_EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.gate_up_proj", "ffn_up_exps": "mlp.experts.gate_up_proj",
+                 "ffn_down_exps": "mlp.experts.down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+_HF_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(gate|up|down)_proj(?:\.weight)?")
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a llama.cpp tensor name (None when it has none)."""
+    """The HF name of a llama.cpp tensor name (None when it has none); the stacked expert gate and up matrices
+    both name transformers' fused `mlp.experts.gate_up_proj`, which holds them joined."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _EXPERT_NAMES and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.{_EXPERT_NAMES[m.group(2)]}"
     return None
 
 
 def gguf_name(name: str) -> str:
-    """The llama.cpp name of an HF tensor name (the name itself when it has none): the inverse of `hf_name`."""
+    """The llama.cpp name of an HF tensor name (the name itself when it has none): the inverse of `hf_name`; an
+    expert matrix, per-expert or fused, names the stacked tensor that holds it."""
     for g, h in _GLOBAL_NAMES.items():
         if h == name:
             return g
+    m = _HF_EXPERT_RE.fullmatch(name)
+    if m:
+        return f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight"
     m = _HF_LAYER_RE.fullmatch(name)
     ours = {h: g for g, h in _LAYER_NAMES.items()}
     if m and m.group(2) in ours:
@@ -202,11 +224,12 @@ def _hf_config(reader, path: str) -> dict:
         raise ValueError(f"{path}: no vocabulary size ({key('vocab_size')}, tokenizer.ggml.tokens, token_embd)")
     tok = lambda k: _int_meta(reader, f"tokenizer.ggml.{k}_token_id", path, None)
     hf = {
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "architectures": [_HF_ARCHITECTURES[arch]],
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": _int_meta(reader, key("feed_forward_length"), path),
+        "intermediate_size": _int_meta(reader, key("feed_forward_length"), path,
+                                       None if arch == "qwen3moe" else _REQUIRED),
         "num_hidden_layers": _int_meta(reader, key("block_count"), path),
         "num_attention_heads": heads,
         "num_key_value_heads": _int_meta(reader, key("attention.head_count_kv"), path, heads),
@@ -224,19 +247,35 @@ def _hf_config(reader, path: str) -> dict:
         hf.update(attention_bias=False, mlp_bias=False)
     elif arch == "qwen2":  # Q/K/V biases are implied by the model type
         hf["use_sliding_window"] = False
-    else:  # qwen3: no biases; the Q/K norms are tensors of the file
+    else:  # qwen3, qwen3moe: no biases; the Q/K norms are tensors of the file
         hf.update(attention_bias=False, use_sliding_window=False)
+    if arch == "qwen3moe":
+        hf.update(_moe_config(reader, path))
+    if hf["intermediate_size"] is None:  # unused where every layer is sparse; Qwen3MoeConfig's default then
+        del hf["intermediate_size"]
     scaling = _rope_scaling(reader, arch, path)
     if scaling:
         hf["rope_scaling"] = scaling
     return hf
 
 
+def _moe_config(reader, path: str) -> dict:
+    """The Qwen3MoeConfig fields of a qwen3moe file: as transformers 5.23 reads them (norm_topk_prob true, every
+    layer sparse), moe_intermediate_size from expert_feed_forward_length."""
+    out = {}
+    for field, k in (("num_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count"),
+                     ("moe_intermediate_size", "expert_feed_forward_length")):
+        out[field] = _int_meta(reader, f"qwen3moe.{k}", path)
+        if out[field] < 1:
+            raise ValueError(f"{path}: qwen3moe.{k} = {out[field]}; expected an integer >= 1")
+    return {**out, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
 def gguf_to_hf_config(source) -> dict:
     """The HF config dict of a GGUF file's metadata: a `LlamaConfig` (model_type "llama"), a `Qwen2Config`
-    (model_type "qwen2") or a `Qwen3Config` (model_type "qwen3"), `tie_word_embeddings` true when the file has no
-    output.weight; ValueError when the file is not a GGUF, its architecture is not one jspec reads
-    (SUPPORTED_ARCHITECTURES), or a value it needs is missing."""
+    (model_type "qwen2"), a `Qwen3Config` (model_type "qwen3") or a `Qwen3MoeConfig` (model_type "qwen3_moe"),
+    `tie_word_embeddings` true when the file has no output.weight; ValueError when the file is not a GGUF, its
+    architecture is not one jspec reads (SUPPORTED_ARCHITECTURES), or a value it needs is missing."""
     reader, path = _as_reader(source)
     return _hf_config(reader, path)
 
@@ -265,19 +304,74 @@ def stream_gguf(source, dtype=None, progress: bool = False):
     _check_types(reader, path)
     rope_heads = ({"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
                   if hf["model_type"] in _PERMUTED_ARCHITECTURES else {})
+    gate_up: dict[str, dict] = {}
+    for t in reader.tensors:
+        m = _LAYER_RE.fullmatch(t.name)
+        if m and m.group(2) in ("ffn_gate_exps", "ffn_up_exps") and m.group(3) == "weight":
+            gate_up.setdefault(m.group(1), {})[m.group(2)] = t
     entries = []
     for t in reader.tensors:
         m = _LAYER_RE.fullmatch(t.name)
+        if m and gate_up.get(m.group(1), {}).get(m.group(2)) is t:
+            if next(iter(gate_up[m.group(1)].values())) is t:  # at the pair's first tensor in the file
+                entries += _gate_up_entries(m.group(1), **gate_up[m.group(1)])
+            continue
         heads = rope_heads.get(m.group(2)) if m and m.group(3) == "weight" else None
-        shape = tuple(int(d) for d in reversed(t.shape))
-        entries.append(SourceTensor(hf_name(t.name) or t.name, t.name, shape, functools.partial(_read, t, heads)))
-    return stream_checkpoint(path, hf, entries, dtype, progress, spell=gguf_name)
+        entries.append(SourceTensor(hf_name(t.name) or t.name, t.name, _shape(t), functools.partial(_read, t, heads)))
+    names = {t.name for t in reader.tensors}
+
+    def spell(name: str) -> str:  # an expert missing from a stacked tensor the file holds: the tensor and expert
+        m, g = _HF_EXPERT_RE.fullmatch(name), gguf_name(name)
+        return f"{g} (expert {m.group(2)})" if m and m.group(2) and g in names else g
+
+    return stream_checkpoint(path, hf, entries, dtype, progress, spell=spell)
+
+
+def _shape(tensor) -> tuple:
+    """A tensor's shape in numpy order."""
+    return tuple(int(d) for d in reversed(tensor.shape))
+
+
+def _gate_up_entries(layer: str, ffn_gate_exps=None, ffn_up_exps=None) -> list[SourceTensor]:
+    """A layer's stacked expert gate and up matrices ([E, F, D] each) as one fused `mlp.experts.gate_up_proj`
+    [E, 2F, D] (gate rows, then up rows), each dequantized once. When one is missing or their shapes differ, the
+    file fails the checks: each is listed then as its per-expert matrices, so the error names what is wrong."""
+    pair = [t for t in (ffn_gate_exps, ffn_up_exps) if t is not None]
+    if len(pair) == 2 and _shape(ffn_gate_exps) == _shape(ffn_up_exps) and len(_shape(ffn_gate_exps)) == 3:
+        E, F, D = _shape(ffn_gate_exps)
+        return [SourceTensor(f"model.layers.{layer}.mlp.experts.gate_up_proj",
+                             f"{ffn_gate_exps.name} + {ffn_up_exps.name}", (E, 2 * F, D),
+                             functools.partial(_read_gate_up, ffn_gate_exps, ffn_up_exps))]
+    out = []
+    for t in pair:
+        shape, kind = _shape(t), t.name.split(".")[2][len("ffn_"):-len("_exps")]
+        if len(shape) != 3:
+            out.append(SourceTensor(t.name, t.name, shape, functools.partial(_read, t, None)))
+            continue
+        for e in range(shape[0]):
+            name = f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight"
+            out.append(SourceTensor(name, f"{t.name} ({name})", shape[1:], functools.partial(_read_expert, t, e)))
+    return out
+
+
+def _read_gate_up(gate, up) -> np.ndarray:
+    """transformers' fused [E, 2F, D] of the stacked gate and up matrices."""
+    g = _read(gate, None)
+    out = np.empty((g.shape[0], 2 * g.shape[1], g.shape[2]), np.float32)
+    out[:, :g.shape[1]] = g
+    del g
+    out[:, out.shape[1] // 2:] = _read(up, None)
+    return out
+
+
+def _read_expert(tensor, e: int) -> np.ndarray:
+    return _read(tensor, None)[e]
 
 
 def load_gguf(source, dtype=None, *, progress: bool = False) -> Model:
     """A GGUF file (path or open reader) as a `Model` in `dtype` (default float32), its tensors dequantized one at a
     time. ValueError, before anything is dequantized, for a file that is not GGUF or is truncated, an architecture
-    other than llama, qwen2 and qwen3, a tensor type outside SUPPORTED_TYPES, or tensors that do not match the
+    other than llama, qwen2, qwen3 and qwen3moe, a tensor type outside SUPPORTED_TYPES, or tensors that do not match the
     config."""
     return load_stream(stream_gguf(source, dtype, progress))
 

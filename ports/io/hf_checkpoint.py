@@ -71,8 +71,8 @@ def stream_checkpoint(source: str, hf: dict, entries: list[SourceTensor], dtype,
 
     Every entry is checked against the architecture of `hf` first, so missing, unexpected, mis-shaped, non-float
     or duplicated tensors are one ValueError listing them all (missing ones named by `spell(hf name)`, the
-    source's spelling) before any tensor is read. The iterator then reads one tensor at a time, in our layout
-    and dtype; tensors of the decoder layers in `skip_layers` are not read (a resumed conversion).
+    source's spelling, each name once) before any tensor is read. The iterator then reads one tensor at a time, in
+    our layout and dtype; tensors of the decoder layers in `skip_layers` are not read (a resumed conversion).
     """
     fam = family(hf.get("model_type"))
     cfg = fam.config_from_hf(hf)
@@ -103,7 +103,7 @@ def stream_checkpoint(source: str, hf: dict, entries: list[SourceTensor], dtype,
             bad_dtype.append(f"{e.label}: {e.bad_dtype}")
         else:
             plan.append((e.read, path, tr))
-    missing = [spell(n) for n in kmap if n not in seen]
+    missing = list(dict.fromkeys(spell(n) for n in kmap if n not in seen))
     if missing or unexpected or bad_shape or bad_dtype or duplicated:
         raise key_mismatch_error(f"checkpoint {source} does not match {hf.get('model_type')} params:",
                                  missing, unexpected, bad_shape, bad_dtype, duplicated)
