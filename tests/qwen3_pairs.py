@@ -1,6 +1,7 @@
 """Tiny random Qwen3 and Qwen3-MoE targets, a small Qwen3 draft model for each, and drafters written in the layouts
 their authors publish (z-lab's DFlash, an EAGLE-3 head in `speculators`' and in the EAGLE repository's layout),
-shared by tests/test_qwen3_strategies.py and tests/qwen3_sharded_checks.py.
+shared by tests/test_qwen3_strategies.py and tests/qwen3_sharded_checks.py; and the strategies a Muse Glimmer
+target runs in the same settings, with its one-layer draft (tests/test_muse_glimmer_strategies.py).
 
 Two kinds of drafters are written:
 - `random_dirs`: directories written by hand, field for field as the published drafters for Qwen3 targets hold
@@ -222,27 +223,50 @@ def useful_heads(target, root: str) -> Heads:
 NAMES = ("chain", "tree", "dflash_chain", "dflash_ddtree", "eagle3_chain", "eagle3_tree", "guarded_chain")
 # on the MoE target by default (its AR and Chain on such a mesh: tests/moe_sharded_checks.py); the rest: slow
 MESH_DEFAULT = ("dflash_ddtree", "eagle3_chain")
+# what tests/test_muse_glimmer_strategies.py runs over a Muse Glimmer target (EAGLE-3 refuses one), and on the mesh
+# by default
+MUSE_NAMES = ("chain", "tree", "dflash_chain", "dflash_ddtree", "guarded_chain")
+MUSE_MESH_DEFAULT = ("chain", "dflash_chain")
 
 
-def mesh_names(slow: bool) -> list[str]:
-    """The "kind/name" cases tests/qwen3_sharded_checks.py decodes on the mesh: MESH_DEFAULT on the qwen3_moe
-    target, or with `slow` every other strategy on it and all of them on the dense qwen3 target."""
+def mesh_names(slow: bool, family: str = "qwen3") -> list[str]:
+    """The "kind/name" cases tests/qwen3_sharded_checks.py decodes on the mesh. Qwen3: MESH_DEFAULT on the
+    qwen3_moe target, or with `slow` every other strategy on it and all of them on the dense qwen3 target. Muse
+    Glimmer: MUSE_MESH_DEFAULT, or with `slow` the other MUSE_NAMES."""
+    if family == "muse_glimmer":
+        return [f"muse_glimmer/{n}" for n in MUSE_NAMES if (n in MUSE_MESH_DEFAULT) != slow]
     default = [f"qwen3_moe/{n}" for n in MESH_DEFAULT]
     return default if not slow else [f"{k}/{n}" for k in KINDS for n in NAMES if f"{k}/{n}" not in default]
 
 
-def strategies(draft, heads: Heads) -> dict:
-    """Every strategy the tests run over a Qwen3 target, by name: Chain and Tree with the draft model, DFlash's
-    chain and DDTree, EAGLE-3 as a chain (speculators' head) and as a static tree (the EAGLE layout's head), and
-    the guard over a chain."""
-    out = {
+def model_and_block(draft, dflash) -> dict:
+    """Chain and Tree with the draft model, DFlash's chain and DDTree with the block drafter `dflash`, and the guard
+    over the chain, by name: the strategies every target family here runs, in the same settings."""
+    return {
         "chain": jspec.Chain(draft, gamma=3),
         "tree": jspec.Tree(draft, tree=SMALL_TREE),
-        "dflash_chain": jspec.DFlash(heads.dflash),
-        "dflash_ddtree": jspec.DFlash(heads.dflash, tree="ddtree", top_k=3, total=8, depth=3),
-        "eagle3_chain": jspec.Eagle3(heads.eagle3_speculators, tree="chain", depth=3),
-        "eagle3_tree": jspec.Eagle3(heads.eagle3_eagle, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+        "dflash_chain": jspec.DFlash(dflash),
+        "dflash_ddtree": jspec.DFlash(dflash, tree="ddtree", top_k=3, total=8, depth=3),
         "guarded_chain": guarded(jspec.Chain(draft, gamma=3)),
     }
-    assert tuple(out) == NAMES
+
+
+def strategies(draft, heads: Heads) -> dict:
+    """Every strategy the tests run over a Qwen3 target, by name: `model_and_block`'s with z-lab's DFlash head,
+    EAGLE-3 as a chain (speculators' head) and as a static tree (the EAGLE layout's head)."""
+    out = {**model_and_block(draft, heads.dflash),
+           "eagle3_chain": jspec.Eagle3(heads.eagle3_speculators, tree="chain", depth=3),
+           "eagle3_tree": jspec.Eagle3(heads.eagle3_eagle, tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]])}
+    assert set(out) == set(NAMES)
     return out
+
+
+# ------------------------------------------------------------------------------------------ Muse Glimmer
+
+
+def muse_glimmer_draft(target):
+    """A one-layer Muse Glimmer draft: the target's first layer (a sliding one with rotary positions), its tower,
+    adapter, embedding, final norm and LM head, so it reads the target's image and video prompts itself."""
+    text = dataclasses.replace(target.config.text, num_layers=1, full_attention_layers=(), nope_layers=())
+    lm = {**target.params["lm"], "layers": target.params["lm"]["layers"][:1]}
+    return ports.Model(dataclasses.replace(target.config, text=text), {**target.params, "lm": lm})

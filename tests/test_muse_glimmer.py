@@ -1,7 +1,7 @@
 """Muse Glimmer (`muse_glimmer`) through `ports`, against transformers 5.23's MuseGlimmerForConditionalGeneration on
 a tiny random model (f32): logits through `load_hf` for text, images and a video (each feature the config names
 matters: dropping it changes the logits); `save_hf` read back by transformers; greedy `jspec.decode` against
-transformers' generate on a ragged text batch and on an image prompt; greedy DFlash with a random head in the Muse
+transformers' generate on a ragged text batch, on image prompts and on video prompts; greedy DFlash with a random head in the Muse
 Glimmer assistant's layout (transformers' MuseGlimmerAssistantModel, saved) equals AR; bad configs refused before
 any weight is read, naming the field; bad vision inputs refused; the shipped `jspec memory` config plans at
 transformers' parameter count.
@@ -38,10 +38,12 @@ VISION = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, interm
 TOP = dict(image_token_id=PATCH, video_token_id=VIDEO, out_hidden_size=128, projector_hidden_size=48)
 
 
-def tiny_muse(seed: int = 0):
+def tiny_muse(seed: int = 0, tie: bool = False, **text):
     """A tiny random MuseGlimmerForConditionalGeneration: 4 layers (0-2 slide over 5 tokens with RoPE, 3 global
-    without), a 2-layer tower (a window layer, a full one) with a 3 x 3 position table, every weight perturbed."""
-    cfg = transformers.MuseGlimmerConfig(text_config=TEXT, vision_config=VISION, **TOP)
+    without), a 2-layer tower (a window layer, a full one) with a 3 x 3 position table, every weight perturbed.
+    `tie`: the LM head is the embedding table; `text` overrides fields of the text config."""
+    cfg = transformers.MuseGlimmerConfig(text_config={**TEXT, **text}, vision_config=VISION, tie_word_embeddings=tie,
+                                         **TOP)
     torch.manual_seed(seed)
     return perturb(transformers.MuseGlimmerForConditionalGeneration(cfg).eval(), seed + 1, scale=0.1)
 
@@ -211,18 +213,34 @@ def test_greedy_decode_equals_transformers_generate_on_text(pair):
         np.testing.assert_array_equal(out.tokens[b], want, err_msg=f"row {b}")
 
 
+def left_padded(rows: list) -> dict:
+    """One batch of single-row prompts (`prompt`'s), left-padded as a processor pads for generation; each kind's
+    pixels and grids concatenated in row order."""
+    T = max(r["input_ids"].shape[1] for r in rows)
+    pad = lambda k: np.stack([np.pad(r[k][0], (T - r[k].shape[1], 0)) for r in rows])  # noqa: E731
+    batch = {"input_ids": pad("input_ids"), "attention_mask": pad("attention_mask")}
+    for k in MG.RAW_KEYS:
+        if any(k in r for r in rows):
+            batch[k] = np.concatenate([r[k] for r in rows if k in r])
+    return batch
+
+
 def test_greedy_decode_equals_transformers_generate_on_images(pair):
     """A batch of two image prompts of different lengths, left-padded as a processor pads for generation (row 0
     two images, row 1 one), 8 new tokens: each row is transformers' greedy generate's for that prompt alone."""
     hf, _, model = pair
     rows = [prompt(IMAGES), prompt(IMAGES[1:], text=(3,))]
-    T = max(r["input_ids"].shape[1] for r in rows)
-    pad = [T - r["input_ids"].shape[1] for r in rows]
-    batch = {"input_ids": np.stack([np.pad(r["input_ids"][0], (n, 0)) for r, n in zip(rows, pad)]),
-             "attention_mask": np.stack([np.pad(r["attention_mask"][0], (n, 0)) for r, n in zip(rows, pad)]),
-             "pixel_values": np.concatenate([r["pixel_values"] for r in rows]),
-             "image_grid_thw": np.concatenate([r["image_grid_thw"] for r in rows])}
-    out = jspec.decode(model, batch, max_new_tokens=8, eos_token_id=())
+    out = jspec.decode(model, left_padded(rows), max_new_tokens=8, eos_token_id=())
+    for b, r in enumerate(rows):
+        np.testing.assert_array_equal(out.tokens[b], hf_generate(hf, r, 8), err_msg=f"row {b}")
+
+
+def test_greedy_decode_equals_transformers_generate_on_a_video(pair):
+    """A batch of a video prompt (3 frames: 2 temporal groups) and a longer one with an image and a 2-frame video,
+    left-padded, 8 new tokens: each row is transformers' greedy generate's for that prompt alone."""
+    hf, _, model = pair
+    rows = [prompt(video=VIDEO_FRAMES), prompt(IMAGES[1:], VIDEO_FRAMES[1:], text=(3,))]
+    out = jspec.decode(model, left_padded(rows), max_new_tokens=8, eos_token_id=())
     for b, r in enumerate(rows):
         np.testing.assert_array_equal(out.tokens[b], hf_generate(hf, r, 8), err_msg=f"row {b}")
 
