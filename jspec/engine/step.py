@@ -182,37 +182,33 @@ def root_only(shapes: Proposal, last: jax.Array, decision: Decision) -> Proposal
 
 
 def sd_verify(ctx, parts, target, carry):
-    """Phase 2: one target forward over every node (the nodes' K/V land in the target cache's scratch)."""
+    """Phase 2: one target forward over every node (the nodes' K/V land in the target cache's scratch). Where the
+    plan trims the verify to the smallest static width that holds every row's tree (`verify_size`), each width is
+    a loop of zero or one trips (`when`), so the forward writes the cache in place whichever width runs."""
     state, prop, _ = carry
-    tc = state.cache
-    pos = kvc.positions(tc, prop.tree.depth)
+    pos = kvc.positions(state.cache, prop.tree.depth)
     layers = verify_layers(parts, target)[0]
     N = prop.tokens.shape[1]
 
-    def forward(n, defer=False):
+    def forward(n):
         def run(tc):
             kw = {"hidden_layers": layers} if layers else {}
-            if defer:
-                kw["defer_writes"] = True
             fo = target.forward(prop.tokens[:, :n], pos[:, :n], tc, prop.tree.ancestor[:, :n, :n], **kw)
             pad = lambda x: jnp.pad(x, ((0, 0), (0, N - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
-            out = pad(fo.logits), tuple(pad(h) for h in fo.hidden) if layers else ()
-            if defer:  # the new keys / values, padded to N on their token axis (slots past n: scratch no node reads)
-                rows = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 2) + ((0, N - n), (0, 0)))  # noqa: E731
-                return jax.tree.map(rows, fo.pending), *out
-            return kvc.pad_pending(fo.cache, N), *out
+            return kvc.pad_pending(fo.cache, N), pad(fo.logits), tuple(pad(h) for h in fo.hidden) if layers else ()
         return run
 
     sizes, pick = parts.plan.verify_size(prop, state.done)
     if pick is None or len(sizes) < 2:
-        tc, logits, hid = forward(N)(tc)
-    elif getattr(target, "defers_writes", False):
-        # verify only what some row drafted: the smallest static width that holds every row's tree. The branches
-        # return the new keys / values and write nothing: a cache written inside the switch is copied in and out
-        (ks, vs), logits, hid = jax.lax.switch(pick, [forward(n, defer=True) for n in sizes], tc)
-        tc = kvc.write_pending(tc, ks, vs)
+        tc, logits, hid = forward(N)(state.cache)
     else:
-        tc, logits, hid = jax.lax.switch(pick, [forward(n) for n in sizes], tc)
+        shapes = jax.eval_shape(forward(N), state.cache)
+        zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
+        tc = state.cache if shapes[0].rec_new is None else state.cache.replace(rec_new=zeros(shapes[0].rec_new))
+        out = (tc, *zeros(shapes[1:]))
+        for i, n in enumerate(sizes):
+            out = when(pick == i, lambda c, n=n: forward(n)(c[0]), out)
+        tc, logits, hid = out
     return state.replace(cache=tc), prop, Verified(logits, hid)
 
 
