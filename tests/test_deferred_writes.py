@@ -1,5 +1,6 @@
-"""`defer_writes`: a forward that returns its new keys / values instead of writing them, and the verify-width switch
-that uses it so that XLA does not copy the cache in and out of the conditional."""
+"""`defer_writes`: a forward that returns its new keys / values instead of writing them (the draft model's catch-up
+switch uses it, so that XLA does not copy the cache in and out of the conditional); and a trimmed verify, whose
+widths run as loops of zero or one trips, compiles without copying the target's cache."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,8 +77,8 @@ def _cache_copies(started) -> int:
 
 
 def test_trimmed_verify_copies_no_cache_and_keeps_tokens():
-    """A prompt-lookup verify trimmed to what was drafted (a switch over widths) compiles without copying the
-    cache, as AR's loop does; greedy tokens equal AR's."""
+    """A prompt-lookup verify trimmed to what was drafted (one loop of zero or one trips per width) compiles
+    without copying the cache, as AR's loop does; greedy tokens equal AR's."""
     target, _ = tiny_pair()
     prompts = [np.tile(np.arange(6), 4), np.tile(np.arange(3, 9), 3)]
     pl = jspec.PromptLookup(3, 6)
