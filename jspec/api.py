@@ -122,14 +122,14 @@ def _prefill_asks(parts, tokens, lengths, inputs, target_layers: int) -> dict:
     return asks
 
 
-@CJ.jit(options=CJ.PREFILL, static_argnames=("ctx", "max_len", "static"))
-def _prefill_sd(ctx, max_len, static, dyn, target, tokens, lengths, inputs, d_prompt, key, sp, speculate=None):
+@CJ.jit(options=CJ.PREFILL, static_argnames=("ctx", "max_len", "d_len", "static"))
+def _prefill_sd(ctx, max_len, d_len, static, dyn, target, tokens, lengths, inputs, d_prompt, key, sp, speculate=None):
     parts = merge(static, dyn)
     asks = _prefill_asks(parts, tokens, lengths, inputs, target.kv_layout[0])
     state, logits, fo = _target_prefill(ctx, max_len, target, tokens, lengths, inputs, key, sp, asks)
     prefill = TargetPrefill(logits, fo.hidden, fo.attn, tokens, lengths, state.cache,
                             tuple(asks.get("hidden_layers", ())))
-    return SD.sd_start(ctx, parts, target, state, prefill, d_prompt, max_len, speculate)
+    return SD.sd_start(ctx, parts, target, state, prefill, d_prompt, d_len, speculate)
 
 
 @functools.partial(jax.jit, static_argnames=("ctx", "static"), donate_argnames=("state",))
@@ -223,16 +223,21 @@ def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **s
         if parts.prefill is not None:  # host-side facts of the prompts (checks, static widths)
             parts = parts.replace(prefill=parts.prefill.prepare(setup, prep))
         longest, width = max(longest, prep.longest), max(width, prep.width)
-    # scratch slots beyond the committed tokens: the tree's nodes (target), the catch-up feed + tree (draft)
+    # slots past the committed tokens: the verify's nodes (the target's cache), the catch-up feed and the drafts'
+    # windows (the drafter's): each cache is as long as its own writes need, so a round without drafts reads no more
+    # of the target's cache than an AR step does
     per_step = 1 if parts is None else parts.needs.per_step
     need = longest + max_new_tokens + per_step
     if c.max_cache_len is not None and need > c.max_cache_len:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} + {per_step} "
                          f"scratch slots needs a cache of {need}, longer than max_cache_len={c.max_cache_len}")
-    max_len = max(round_up(width + max_new_tokens + per_step, 64), need)
+    d_len = max(round_up(width + max_new_tokens + per_step, 64), need)
+    own = 1 if parts is None else max(parts.needs.scratch, 1)
+    max_len = max(round_up(width + max_new_tokens + own, 64), longest + max_new_tokens + own)
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("%s: %d rows, prompt width %d, cache %d slots, %d new tokens; %s", type(strategy).__name__,
-                  tokens.shape[0], tokens.shape[1], max_len, max_new_tokens, _shape_text(parts))
+        log.debug("%s: %d rows, prompt width %d, cache %d slots (drafter's %d), %d new tokens; %s",
+                  type(strategy).__name__, tokens.shape[0], tokens.shape[1], max_len, d_len, max_new_tokens,
+                  _shape_text(parts))
     ctx = loop.StepContext(max_new=max_new_tokens, max_steps=max_new_tokens - 1,
                            out_len=max_new_tokens + per_step, eos=eos, sampling=sampling_cfg, placement=placement,
                            prefill_chunk=c.chunk if c.chunk and tokens.shape[1] > c.chunk else None)
@@ -246,8 +251,8 @@ def start(target, prompt, strategy=None, config: DecodeConfig | None = None, **s
         prefill, args = _prefill_ar, (ctx, max_len, run_target, tokens, lengths, inputs, key, sp)
     else:
         static, dyn = split(parts)
-        prefill, args = _prefill_sd, (ctx, max_len, static, dyn, run_target, tokens, lengths, inputs, d_prompt, key, sp,
-                                      speculate)
+        prefill, args = _prefill_sd, (ctx, max_len, d_len, static, dyn, run_target, tokens, lengths, inputs, d_prompt,
+                                      key, sp, speculate)
     ahead = None
     if c.loop_ahead and placement is None:  # (a mesh's shardings would have to be spelled out for the lowering)
         shapes = prefill.trace(*args).out_info  # the call below reuses this trace

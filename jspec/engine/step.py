@@ -55,15 +55,16 @@ def verify_layers(parts, target) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def sd_start(ctx: loop.StepContext, parts, target, state: loop.DecodeState, prefill: TargetPrefill, prompt,
-             max_len: int, speculate: jax.Array | None = None) -> loop.DecodeState:
+             d_len: int, speculate: jax.Array | None = None) -> loop.DecodeState:
     """After the target's prefill: the prefill hook picks the drafter's prompt from the prefill's by-products, the
-    drafter prefills, the controller starts. `speculate` [B] bool (or None: every row): the rows that may draft;
-    the others take AR steps inside the same batch (depth 0)."""
-    d_len, prefilled = max_len, {}
+    drafter prefills (its cache `d_len` slots: its writes may reach past the target's, `Needs.per_step`), the
+    controller starts. `speculate` [B] bool (or None: every row): the rows that may draft; the others take AR steps
+    inside the same batch (depth 0)."""
+    prefilled = {}
     if parts.prefill is not None:
         prefilled = dict(parts.prefill.info(prefill))
         prompt = parts.prefill.draft_prompt(prefill, prompt)
-        d_len = parts.prefill.draft_len(max_len)  # a hook that shortens the draft's prompt shortens its cache
+        d_len = parts.prefill.draft_len(d_len)  # a hook that shortens the draft's prompt shortens its cache
     needs = parts.needs
     env = draft_env(ctx, state, target, needs=needs)
     ds = parts.drafter.init(env, prefill, prompt, d_len)
