@@ -415,3 +415,39 @@ def test_the_root_verdict_equals_the_rules_verdict_on_a_tree_that_offers_nothing
         took += int(np.sum(np.asarray(r.accept(key, offers, logits, D, cfg, sp).accepted)))
     assert took > 0  # the control: a tree that offers the root's argmax gets drafts accepted
     assert (len(bonuses) > B) == (not cfg.greedy)  # sampled bonuses vary with the key, greedy ones do not
+
+
+def _caches(started):
+    return started.state.cache, started.state.aux.draft.cache
+
+
+@pytest.mark.parametrize("make", ["chain", "tree", "layer_skip_tree"])
+def test_each_cache_is_as_long_as_its_own_writes(pair, make):
+    """The target's cache holds the committed tokens and the verify's scratch, as AR's does (a guarded round that
+    drafts nothing reads no more of it than an AR step); the drafter's holds its catch-up feed too (the guard's
+    deferred rounds). At the fullest the target's cache gets, the tokens are AR's."""
+    from jspec import api
+    from jspec.parts.drafters import layer_skip
+    from strategies import SMALL_TREE, guarded
+
+    target, draft = pair
+    inner = {"chain": lambda: jspec.Chain(draft, gamma=3), "tree": lambda: jspec.Tree(draft, tree=SMALL_TREE),
+             "layer_skip_tree": lambda: jspec.Tree(layer_skip.SkipDrafter((1,)), tree=SMALL_TREE)}[make]()
+    strategy, longest = guarded(inner), max(len(p) for p in PROMPTS)
+    needs = strategy.parts().needs
+    assert needs.per_step >= needs.scratch + 24  # the deferred feed is the drafter's alone
+    n = 40
+    st = api.start(target, PROMPTS, strategy, max_new_tokens=n, eos_token_id=())
+    ar = api.start(target, PROMPTS, None, max_new_tokens=n, eos_token_id=())
+    tc, dc = _caches(st)
+    assert tc.max_len == ar.state.cache.max_len == 64
+    if dc is not None:
+        assert dc.max_len >= longest + n + needs.per_step > tc.max_len
+    # the fullest the target's cache gets (prompts unpadded: the widest is the longest); one token more needs more
+    kw = dict(max_new_tokens=64 - longest - needs.scratch, eos_token_id=(), pad_prompt_to=1)
+    assert _caches(api.start(target, PROMPTS, strategy, **kw))[0].max_len == 64
+    assert _caches(api.start(target, PROMPTS, strategy, **{**kw, "max_new_tokens": kw["max_new_tokens"] + 1}))[0] \
+        .max_len == 128
+    out = jspec.decode(target, PROMPTS, strategy, **kw)
+    np.testing.assert_array_equal(out.tokens, jspec.decode(target, PROMPTS, **kw).tokens)
+    assert np.max(out.stats["accepted"]) >= 2
