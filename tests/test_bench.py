@@ -167,6 +167,30 @@ def test_quick_moe_bench_schema_and_provenance(tmp_path, capsys):
         moe.run(size="huge", out_dir=str(tmp_path))
 
 
+def test_quick_guard_bench_schema_and_provenance(tmp_path, capsys):
+    """`jspec bench guard --quick --runs 1`: an AR step and a round without drafts timed in one program, the two
+    decodes, their ratios (None only where a slope clamped to 0), the forced guard's tokens equal AR's, the target's
+    cache as long under the strategy as under AR while the drafter's holds the deferred feed, the provenance."""
+    assert cli.main(["bench", "guard", "--quick", "--runs", "1", "--out", str(tmp_path)]) == 0
+    [js] = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    assert js.name.startswith("guard-quick-") and js.with_suffix(".md").exists()
+    res = json.loads(js.read_text())
+    assert res["meta"]["suite"] == "guard" and res["meta"]["runs"] == 1
+    assert_provenance(res["meta"]["provenance"])
+    assert [r["measured"] for r in res["rows"]] == ["AR step", "round without drafts", "AR decode",
+                                                     "decode, rounds without drafts"]
+    for r in res["rows"]:
+        assert math.isfinite(r["ms"]) and r["ms"] >= 0 and len(r["timed_runs_ms"]) == 1, r
+    s = res["summary"]
+    assert finite_positive(s["decode_ratio"]) and (s["in_program_ratio"] is None or finite_positive(s["in_program_ratio"]))
+    assert s["tokens_equal"] is True and s["defer"] == 24 and s["per_step"] >= s["scratch"] + s["defer"]
+    assert s["target_cache"] == s["target_cache_ar"] < s["draft_cache"]
+    assert "round without drafts costs" in capsys.readouterr().out
+    from jspec.tools.bench import guard
+    with pytest.raises(ValueError, match="smollm2"):
+        guard.run(pair="llama", out_dir=str(tmp_path))
+
+
 @pytest.mark.slow
 def test_quick_hybrid_bench_schema_and_provenance(tmp_path):
     """`jspec bench hybrid --quick --runs 1`: per case (AR step; verify and accept of chains of depth 1, 3, 7 and

@@ -174,11 +174,13 @@ def bench_spec(argv) -> int:
 
 SMALL_BENCHES = {"moe": "an MoE decode step's cost against a dense model as wide as its chosen experts",
                  "hybrid": "a verify's cost on a hybrid (linear-attention) target by depth and tree size, beside an "
-                           "attention-only one"}
+                           "attention-only one",
+                 "guard": "a round in which no row drafts (the guard's depth 0) against an AR step"}
 
 
 def bench_small(suite: str, argv) -> int:
-    """`jspec bench moe|hybrid ...`: a small in-program benchmark (`jspec.tools.bench.moe` / `.hybrid`)."""
+    """`jspec bench moe|hybrid|guard ...`: a small in-program benchmark (`jspec.tools.bench.moe` / `.hybrid` /
+    `.guard`)."""
     import importlib
 
     mod = importlib.import_module(f"jspec.tools.bench.{suite}")
@@ -186,14 +188,15 @@ def bench_small(suite: str, argv) -> int:
     ap.add_argument("--runs", type=int, default=3, help="interleaved timed runs (median), after a warm-up")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test; its numbers mean nothing)")
     ap.add_argument("--out", default="bench_out", help="output directory")
-    sizes = getattr(mod, "SIZES", None)
-    if sizes:
-        ap.add_argument("--size", choices=list(sizes), default=next(iter(sizes)), help="model sizes (the module's "
-                        "docstring says what each measures)")
+    choice = next(((name, getattr(mod, table)) for name, table in (("size", "SIZES"), ("pair", "PAIRS"))
+                   if hasattr(mod, table)), None)
+    if choice:
+        ap.add_argument(f"--{choice[0]}", choices=list(choice[1]), default=next(iter(choice[1])),
+                        help=f"the {choice[0]} measured (the module's docstring says what each is)")
     args = ap.parse_args(argv)
     try:
         result = mod.run(runs=args.runs, quick=args.quick, out_dir=args.out,
-                         **({"size": args.size} if sizes else {}))
+                         **({choice[0]: getattr(args, choice[0])} if choice else {}))
     except ValueError as e:
         raise SystemExit(f"jspec bench {suite}: {e}")
     print(mod.markdown(result))
@@ -352,10 +355,10 @@ def main(argv=None) -> int:
     sub.add_parser("train", help="train a drafter, resumable: eagle, eagle3, dflash, eesd, cali, or self-data (the text "
                                  "a registered model writes for its drafters); `jspec train KIND --help`")
     b = sub.add_parser("bench", help="benchmark suites (ar, sd; gpu: `jspec bench gpu --help`; long: `jspec bench "
-                                     "long --help`; spec-bench: `jspec bench spec-bench --help`; moe, hybrid: `jspec "
-                                     "bench moe --help`): JSON, "
+                                     "long --help`; spec-bench: `jspec bench spec-bench --help`; moe, hybrid, guard: "
+                                     "`jspec bench moe --help`): JSON, "
                                      "markdown table and PNG per run")
-    b.add_argument("suite", help="ar | sd | gpu | long | spec-bench | moe | hybrid")
+    b.add_argument("suite", help="ar | sd | gpu | long | spec-bench | moe | hybrid | guard")
     b.add_argument("--runs", type=int, default=3, help="timed runs per case (median), after a warm-up")
     b.add_argument("--quick", action="store_true", help="tiny sizes, finishes in well under 3 minutes")
     b.add_argument("--out", default="bench_out", help="output directory")
