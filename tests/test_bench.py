@@ -184,7 +184,8 @@ def test_quick_guard_bench_schema_and_provenance(tmp_path, capsys):
     s = res["summary"]
     assert finite_positive(s["decode_ratio"]) and (s["in_program_ratio"] is None or finite_positive(s["in_program_ratio"]))
     assert s["tokens_equal"] is True and s["defer"] == 24 and s["per_step"] >= s["scratch"] + s["defer"]
-    assert s["target_cache"] == s["target_cache_ar"] < s["draft_cache"]
+    assert s["target_cache"] == s["target_cache_ar"] <= s["draft_cache"]
+    assert s["draft_cache"] >= s["prompt_len"] + s["per_step"]
     assert "round without drafts costs" in capsys.readouterr().out
     from jspec.tools.bench import guard
     with pytest.raises(ValueError, match="smollm2"):
