@@ -125,6 +125,13 @@ def rounds_for(speed: float, lo: int, hi: int) -> tuple[int, int]:
     return max(1, min(b - 1, round(lo * f))), b
 
 
+def forced_depth(parts, defer: int = 24):
+    """`parts` (a `Speculative`) under a guard forced to depth 0 that lets its drafter leave `defer` AR rounds
+    unread: every round drafts nothing until the guard's `force` is replaced (the depth is data)."""
+    D = parts.plan.max_depth
+    return parts.replace(controller=Guard(np.ones(D + 1, np.float32), parts.controller, force=0, defers=defer))
+
+
 def measure(target, parts, start: Callable, batch: int = 1, prompt_len: int = 128, defer: int = 24,
             cache: bool = True, reps=(4, 16), runs: int = 5, progress=None) -> CostTable:
     """The cost table of a strategy's `parts` (its `Speculative`, checked against `target`) under a guard that
@@ -157,8 +164,7 @@ def measure(target, parts, start: Callable, batch: int = 1, prompt_len: int = 12
     kw = dict(max_new_tokens=hi * (D + 1) + 2, eos_token_id=(), compile_loop=False)
     say(f"compile: an AR step and a round ({batch} rows, {prompt_len}-token prompt)")
     ar = start(target, prompt, None, **kw)
-    forced = Guard(np.ones(D + 1, np.float32), inner.controller, force=0, defers=defer)
-    st = start(target, prompt, inner.replace(controller=forced), **kw)
+    st = start(target, prompt, forced_depth(inner, defer), **kw)
     guard = st.parts.controller
     points = {"ar": ("step", ar)}
     for d in range(D + 1):
@@ -198,4 +204,4 @@ def measure(target, parts, start: Callable, batch: int = 1, prompt_len: int = 12
     return table
 
 
-__all__ = ["CostTable", "costs_dir", "measure", "probe_prompt", "rounds_for", "table_key"]
+__all__ = ["CostTable", "costs_dir", "forced_depth", "measure", "probe_prompt", "rounds_for", "table_key"]

@@ -59,24 +59,15 @@ def _setup(pair: str, quick: bool):
     return target, jspec.PromptLookup(max_ngram=3, gamma=4), 3, 128, 48
 
 
-def _forced(strategy):
-    """The strategy's parts under a guard forced to depth 0 (deferral on)."""
-    from jspec.parts.controllers.guard import Guard
-
-    inner = strategy.parts()
-    D = inner.plan.max_depth
-    return inner.replace(controller=Guard(np.ones(D + 1, np.float32), inner.controller, force=0, defers=DEFER))
-
-
 def suite(runs: int, quick: bool, progress: bool = True, pair: str = "zoo") -> dict:
     import jspec
     from jspec.engine import profiling as PF
-    from jspec.engine.costs import probe_prompt
+    from jspec.engine.costs import forced_depth, probe_prompt
     from jspec.tools.bench import zoo
 
     target, strategy, batch, prompt_len, new = _setup(pair, quick)
     prompt = probe_prompt(target.vocab_size, prompt_len, batch)
-    forced = _forced(strategy)
+    forced = forced_depth(strategy.parts(), DEFER)
     # started as the cost table starts its programs (`jspec.engine.costs.measure`: room for 16 of the deepest
     # rounds, so the caches are as long as the table's), each slope over more repetitions than the table's (a
     # round without drafts commits one token each: 48 stay inside the cache)
